@@ -1,0 +1,126 @@
+"""The public offline API on the real default model: generate, chat, stream, stop rules,
+seeds, and the errors a user gets for bad input."""
+
+import pytest
+
+from vllm_actors import LLM, SamplingParams
+from vllm_actors.errors import ModelNotFoundError, ValidationError
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+
+
+def test_generate_shapes_and_order(smollm2_llm):
+    prompts = ["The capital of France is", {"prompt_token_ids": [504, 3575, 282, 4649, 314]},
+               "def add(a, b):"]
+    outs = smollm2_llm.generate(prompts, GREEDY)
+    assert [o.request_id for o in outs] == sorted((o.request_id for o in outs), key=int)
+    assert outs[0].prompt == "The capital of France is"
+    assert outs[1].prompt is None
+    assert outs[0].prompt_token_ids == outs[1].prompt_token_ids == [504, 3575, 282, 4649, 314]
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    assert outs[0].outputs[0].text.startswith(" Paris")
+    for out in outs:
+        completion = out.outputs[0]
+        assert out.finished and completion.finish_reason == "length"
+        assert len(completion.token_ids) == 12
+        assert completion.text == smollm2_llm.get_tokenizer().decode(completion.token_ids,
+                                                                     skip_special_tokens=True)
+        assert out.num_cached_tokens == 0
+
+
+def test_chat_stops_at_eos(smollm2_llm):
+    out = smollm2_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                           SamplingParams(temperature=0.0, max_tokens=64))[0]
+    completion = out.outputs[0]
+    assert completion.finish_reason == "stop" and completion.stop_reason is None
+    assert completion.token_ids[-1] == 2  # <|im_end|>, the EOS, kept in token_ids
+    assert "Paris" in completion.text and "<|im_end|>" not in completion.text
+
+
+def test_ignore_eos_runs_to_max_tokens(smollm2_llm):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    out = smollm2_llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=40,
+                                                    ignore_eos=True))[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 40 and 2 in out.token_ids
+
+
+def test_stop_token_ids_and_min_tokens(smollm2_llm):
+    base = smollm2_llm.generate("The capital of France is", GREEDY)[0].outputs[0].token_ids
+    stop_at = base[3]
+    out = smollm2_llm.generate("The capital of France is", SamplingParams(
+        temperature=0.0, max_tokens=12, stop_token_ids=[stop_at]))[0].outputs[0]
+    assert out.token_ids == base[:base.index(stop_at) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at
+    late = smollm2_llm.generate("The capital of France is", SamplingParams(
+        temperature=0.0, max_tokens=12, stop_token_ids=[base[0]], min_tokens=2))[0].outputs[0]
+    assert late.token_ids[0] == base[0] and len(late.token_ids) >= 2
+
+
+def test_seeded_sampling_is_reproducible(smollm2_llm):
+    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=16)
+    a = smollm2_llm.generate("Once upon a time", params)[0].outputs[0].token_ids
+    b = smollm2_llm.generate("Once upon a time", params)[0].outputs[0].token_ids
+    c = smollm2_llm.generate("Once upon a time", SamplingParams(
+        temperature=1.0, seed=99, max_tokens=16))[0].outputs[0].token_ids
+    assert a == b and a != c
+
+
+def test_stream_yields_the_full_text(smollm2_llm):
+    params = SamplingParams(temperature=0.0, max_tokens=20)
+    pieces = list(smollm2_llm.stream("Tokyo is the capital of", params))
+    full = smollm2_llm.generate("Tokyo is the capital of", params)[0].outputs[0].text
+    assert len(pieces) > 3 and "".join(pieces) == full
+
+
+def test_stream_holds_back_partial_utf8(smollm2_llm):
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    prompt = "東京は日本の首都であり、"
+    pieces = list(smollm2_llm.stream(prompt, params))
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == smollm2_llm.generate(prompt, params)[0].outputs[0].text
+
+
+def test_bad_inputs(smollm2_llm):
+    with pytest.raises(ValidationError, match="prompt is empty"):
+        smollm2_llm.generate({"prompt_token_ids": []}, GREEDY)
+    with pytest.raises(ValidationError, match="out of range for a vocabulary of 49152"):
+        smollm2_llm.generate({"prompt_token_ids": [1, 49152]}, GREEDY)
+    with pytest.raises(ValidationError, match="2 prompts but 1 sampling_params"):
+        smollm2_llm.generate(["a", "b"], [GREEDY])
+    with pytest.raises(ValidationError, match="a prompt must be a string"):
+        smollm2_llm.generate([42], GREEDY)
+    # nothing was left behind by the failed calls
+    assert not smollm2_llm.output_processor.has_unfinished_requests()
+    assert not smollm2_llm.client.core.has_unfinished_requests()
+
+
+def test_prompt_longer_than_max_model_len(smollm2_path):
+    llm = LLM(str(smollm2_path), max_model_len=32)
+    with pytest.raises(ValidationError, match="the prompt has 40 tokens, but max_model_len is 32"):
+        llm.generate({"prompt_token_ids": [100] * 40}, GREEDY)
+    out = llm.generate({"prompt_token_ids": [100] * 28}, SamplingParams(
+        temperature=0, max_tokens=100))[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 4
+
+
+def test_bad_engine_arguments(smollm2_path, tmp_path):
+    with pytest.raises(ValidationError, match="unknown engine argument.*max_modle_len"):
+        LLM(str(smollm2_path), max_modle_len=5)
+    with pytest.raises(ValidationError, match="larger than the model's context length"):
+        LLM(str(smollm2_path), max_model_len=100_000)
+    with pytest.raises(ValidationError, match="fewer than one request of max_model_len"):
+        LLM(str(smollm2_path), max_model_len=256, num_gpu_blocks_override=4)
+    with pytest.raises(ModelNotFoundError, match="no such model"):
+        LLM(str(tmp_path / "missing.gguf"))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": -1}, "temperature must be >= 0"),
+    ({"max_tokens": 0}, "max_tokens must be at least 1"),
+    ({"min_tokens": 5, "max_tokens": 2}, r"min_tokens \(5\) must be <= max_tokens \(2\)"),
+    ({"n": 2}, "n must be 1"),
+    ({"stop_token_ids": [-3]}, "stop_token_ids must be non-negative"),
+])
+def test_sampling_params_validation(kwargs, message):
+    with pytest.raises(ValidationError, match=message):
+        SamplingParams(**kwargs)

@@ -1,0 +1,33 @@
+"""Drive a loaded model directly over a paged KV cache (tests only): split a prompt into chunks,
+run each chunk as one step, and collect the logits of every position."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vllm_actors.kernels.ops import AttentionMetadata
+
+
+def prompt_logits(model, backend, token_ids: list[int], chunks: list[int] | None = None,
+                  block_size: int = 16) -> np.ndarray:
+    """Logits [len(token_ids), V]. `chunks` are step sizes (default: the whole prompt at once).
+    Blocks are handed out in a scrambled order so a wrong block-table lookup shows."""
+    args = model.args
+    num_blocks = -(-len(token_ids) // block_size)
+    kv = backend.allocate_kv_cache(args.num_layers, num_blocks + 1, block_size,
+                                   args.num_kv_heads, args.head_dim)
+    table = (np.arange(num_blocks, dtype=np.int32)[::-1] + 1)[None, :]
+    chunks = chunks or [len(token_ids)]
+    assert sum(chunks) == len(token_ids)
+    rows, start = [], 0
+    for n in chunks:
+        pos = np.arange(start, start + n)
+        meta = AttentionMetadata(
+            query_start_loc=np.array([0, n], np.int32), seq_lens=np.array([start + n], np.int32),
+            block_tables=table, slot_mapping=(table[0][pos // block_size].astype(np.int64)
+                                              * block_size + pos % block_size),
+            max_query_len=n, max_seq_len=start + n)
+        hidden = model.forward(np.asarray(token_ids[start:start + n]), pos, meta, kv)
+        rows.append(model.compute_logits(hidden))
+        start += n
+    return np.concatenate(rows)

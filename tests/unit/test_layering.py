@@ -1,0 +1,89 @@
+"""The import rules of DESIGN.md §2, checked on the source with `ast`, and the file budget."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "vllm_actors"
+MAX_LINES = 400
+
+# module prefix -> package prefixes it must not import
+FORBIDDEN = {
+    "vllm_actors.protocol": ["vllm_actors."],
+    "vllm_actors.config": ["vllm_actors."],
+    "vllm_actors.errors": ["vllm_actors."],
+    "vllm_actors.sampling_params": ["vllm_actors."],
+    "vllm_actors.frontend": ["vllm_actors.enginecore", "vllm_actors.workers",
+                             "vllm_actors.kernels", "vllm_actors.models"],
+    "vllm_actors.enginecore": ["vllm_actors.kernels", "vllm_actors.models",
+                               "vllm_actors.loaders", "vllm_actors.frontend"],
+    "vllm_actors.kernels": ["vllm_actors."],
+    "vllm_actors.models": ["vllm_actors.kernels.numpy_backend", "vllm_actors.kernels.quant",
+                           "vllm_actors.frontend", "vllm_actors.enginecore",
+                           "vllm_actors.workers"],
+}
+# module prefix -> imports it may make despite the rule above
+ALLOWED = {
+    "vllm_actors.protocol": ["vllm_actors.sampling_params"],
+    "vllm_actors.config": ["vllm_actors.errors"],
+    "vllm_actors.sampling_params": ["vllm_actors.errors"],
+    "vllm_actors.kernels": ["vllm_actors.kernels"],
+    # The in-process client runs the core in the frontend's process (vLLM's InprocClient).
+    "vllm_actors.frontend.core_client": ["vllm_actors.enginecore.core"],
+    # The core reaches workers only through the executor.
+    "vllm_actors.enginecore": ["vllm_actors.workers.executor"],
+}
+
+
+def modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        name = ".".join(p for p in rel.parts if p != "__init__")
+        yield name, path
+
+
+def imports_of(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.append(node.module)
+    return found
+
+
+def violations(name: str, imported: str) -> bool:
+    for prefix, banned in FORBIDDEN.items():
+        if name != prefix and not name.startswith(prefix + "."):
+            continue
+        allowed = [a for p, al in ALLOWED.items() if name == p or name.startswith(p + ".")
+                   for a in al]
+        if any(imported == a or imported.startswith(a + ".") for a in allowed):
+            continue
+        if any(imported.startswith(b) for b in banned):
+            return True
+        if prefix == "vllm_actors.enginecore" and imported.startswith("vllm_actors.workers"):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("name, path", list(modules()), ids=lambda v: str(v))
+def test_import_rules(name, path):
+    bad = [imp for imp in imports_of(path) if violations(name, imp)]
+    assert not bad, f"{name} imports {bad}, against DESIGN.md §2"
+
+
+@pytest.mark.parametrize("name, path", list(modules()), ids=lambda v: str(v))
+def test_file_budget(name, path):
+    lines = len(path.read_text(encoding="utf-8").splitlines())
+    assert lines <= MAX_LINES, f"{path.name} has {lines} lines (budget {MAX_LINES})"
+
+
+def test_rules_catch_a_violation():
+    assert violations("vllm_actors.frontend.llm", "vllm_actors.enginecore.scheduler")
+    assert violations("vllm_actors.enginecore.core", "vllm_actors.workers.model_runner")
+    assert not violations("vllm_actors.enginecore.core", "vllm_actors.workers.executor")
+    assert violations("vllm_actors.kernels.ops", "vllm_actors.loaders.gguf")
+    assert not violations("vllm_actors.protocol.engine", "vllm_actors.sampling_params")

@@ -1,0 +1,78 @@
+"""RoPE pairings at several positions (at position 0 every pairing is the identity)."""
+
+import numpy as np
+import pytest
+from tiny_models import det_uniform, llama_cpp_permute
+
+from vllm_actors.kernels.numpy_backend import NumpyBackend
+from vllm_actors.kernels.ops import RopeTables
+from vllm_actors.models.base import ModelArgs, rope_cos_sin, rope_inv_freq
+
+HEAD_DIM = 16
+POSITIONS = np.array([0, 1, 5, 37, 200, 1023])
+
+
+def tables(interleaved: bool, rotary_dim: int = HEAD_DIM) -> RopeTables:
+    inv_freq = 1.0 / (10000.0 ** (np.arange(0, rotary_dim, 2) / rotary_dim))
+    cos, sin = rope_cos_sin(inv_freq.astype(np.float32), 1024)
+    return RopeTables(cos, sin, rotary_dim, interleaved)
+
+
+def reference_neox(x: np.ndarray, positions: np.ndarray, rotary_dim: int) -> np.ndarray:
+    """Complex-number form: pair (i, i + d/2) rotated by position * theta_i, in float64."""
+    half = rotary_dim // 2
+    theta = 1.0 / (10000.0 ** (np.arange(0, rotary_dim, 2) / rotary_dim))
+    z = x[..., :half].astype(np.float64) + 1j * x[..., half:rotary_dim]
+    z = z * np.exp(1j * positions[:, None, None] * theta)
+    out = x.astype(np.float64).copy()
+    out[..., :half], out[..., half:rotary_dim] = z.real, z.imag
+    return out
+
+
+def test_neox_matches_complex_rotation():
+    x = det_uniform((len(POSITIONS), 3, HEAD_DIM), seed=5)
+    ours = NumpyBackend().rope(x, POSITIONS, tables(False))
+    assert np.abs(ours - reference_neox(x, POSITIONS, HEAD_DIM)).max() < 1e-5
+    assert np.array_equal(ours[0], x[0])  # position 0 is the identity
+    assert np.abs(ours[1:] - x[1:]).max() > 0.1
+
+
+def test_interleaved_on_permuted_rows_equals_neox():
+    """llama.cpp permutes Q/K rows so that adjacent-pair RoPE on them equals NeoX RoPE on the
+    original rows: q.k scores agree at every position."""
+    w = det_uniform((2 * HEAD_DIM, 24), seed=9)        # 2 heads
+    h = det_uniform((len(POSITIONS), 24), seed=10)
+    backend = NumpyBackend()
+    neox = backend.rope((h @ w.T).reshape(-1, 2, HEAD_DIM), POSITIONS, tables(False))
+    perm = backend.rope((h @ llama_cpp_permute(w, 2).T).reshape(-1, 2, HEAD_DIM), POSITIONS,
+                        tables(True))
+    # same vectors up to the within-head permutation -> identical dot products
+    scores_neox = np.einsum("thd,shd->hts", neox, neox)
+    scores_perm = np.einsum("thd,shd->hts", perm, perm)
+    assert np.abs(scores_neox - scores_perm).max() < 1e-4
+    wrong = backend.rope((h @ llama_cpp_permute(w, 2).T).reshape(-1, 2, HEAD_DIM), POSITIONS,
+                         tables(False))
+    assert np.abs(np.einsum("thd,shd->hts", wrong, wrong) - scores_neox).max() > 1e-2
+
+
+def test_partial_rotary_leaves_the_rest():
+    x = det_uniform((len(POSITIONS), 2, HEAD_DIM), seed=11)
+    out = NumpyBackend().rope(x, POSITIONS, tables(False, rotary_dim=8))
+    assert np.array_equal(out[..., 8:], x[..., 8:])
+    assert np.abs(out[..., :8] - reference_neox(x, POSITIONS, 8)[..., :8]).max() < 1e-5
+
+
+def _args(**scaling) -> ModelArgs:
+    return ModelArgs("llama", 64, 1, 4, 4, 16, 32, 10, 1e-5, 10000.0, 128, 16,
+                     rope_scaling=scaling)
+
+
+def test_linear_scaling_divides_frequencies():
+    base = rope_inv_freq(_args())
+    assert np.allclose(rope_inv_freq(_args(rope_type="linear", factor=4.0)), base / 4)
+
+
+def test_unknown_scaling_is_rejected():
+    from vllm_actors.errors import UnsupportedModelError
+    with pytest.raises(UnsupportedModelError, match="rope scaling type 'yarn'"):
+        rope_inv_freq(_args(rope_type="yarn", factor=4.0))

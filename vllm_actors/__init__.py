@@ -1,0 +1,12 @@
+"""vllm_actors: vLLM's V1 serving engine in Python, without PyTorch."""
+
+from vllm_actors.config import EngineArgs
+from vllm_actors.frontend.llm import LLM
+from vllm_actors.loaders.tokenizer import Tokenizer, get_tokenizer
+from vllm_actors.outputs import CompletionOutput, RequestOutput
+from vllm_actors.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "CompletionOutput", "EngineArgs", "RequestOutput", "SamplingParams",
+           "Tokenizer", "get_tokenizer", "__version__"]

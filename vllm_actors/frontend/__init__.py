@@ -1,0 +1,1 @@
+"""The frontend: user-facing APIs, tokenization, detokenization. Never touches a device."""

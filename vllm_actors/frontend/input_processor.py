@@ -1,0 +1,51 @@
+"""InputProcessor: a user's prompt + SamplingParams -> a validated EngineCoreRequest."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from vllm_actors.errors import ValidationError
+from vllm_actors.loaders.tokenizer import Tokenizer
+from vllm_actors.protocol.engine import EngineCoreRequest, EngineReady
+from vllm_actors.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer, ready: EngineReady) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = ready.max_model_len
+        self.vocab_size = ready.vocab_size
+
+    def prompt_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) for a string or {"prompt_token_ids": [...]}."""
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        raise ValidationError("a prompt must be a string, {'prompt': str} or "
+                              f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}",
+                              "prompt")
+
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                priority: int = 0) -> tuple[str | None, EngineCoreRequest]:
+        """Raises ValidationError for an empty or too long prompt or out-of-vocab ids."""
+        text, token_ids = self.prompt_token_ids(prompt)
+        if not token_ids:
+            raise ValidationError("the prompt is empty (0 tokens)", "prompt")
+        if len(token_ids) >= self.max_model_len:
+            raise ValidationError(
+                f"the prompt has {len(token_ids)} tokens, but max_model_len is "
+                f"{self.max_model_len}, which must leave room for at least one output token",
+                "prompt")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValidationError(f"token id {bad[0]} is out of range for a vocabulary of "
+                                  f"{self.vocab_size}", "prompt_token_ids")
+        eos = [] if params.ignore_eos else list(self.tokenizer.eos_token_ids)
+        request = EngineCoreRequest(request_id, token_ids, params, eos, time.time(), priority)
+        return text, request

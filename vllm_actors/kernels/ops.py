@@ -1,0 +1,113 @@
+"""The backend contract: every op a model may call, with shapes. Models never branch on backend.
+
+Notation: T tokens in the step, B requests, D hidden size, H / Hk query / KV heads, Dh head
+dim, V vocab. Activations are float32. `Array` is whatever the backend computes on (numpy
+arrays, pyopencl arrays, cupy arrays); host arrays are numpy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+
+Array = Any
+
+
+class WeightLike(Protocol):
+    """A stored tensor as loaders hand it over (see `loaders.weights.RawTensor`)."""
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: int   # GGML type id
+    data: np.ndarray
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Host-side layout of one step's tokens and their paged KV. Rows are requests.
+
+    Attributes:
+        query_start_loc: [B + 1] int32, token offsets of each request in the step.
+        seq_lens: [B] int32, tokens in each request's context after this step.
+        block_tables: [B, max_blocks] int32, KV block ids per request (padded with 0, the null
+            block, which attention never reads because it masks by position).
+        slot_mapping: [T] int64, flat KV slot (block_id * block_size + offset) of each token.
+        max_query_len / max_seq_len: maxima of the two length arrays.
+    """
+
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    block_tables: np.ndarray
+    slot_mapping: np.ndarray
+    max_query_len: int
+    max_seq_len: int
+
+
+@dataclass(frozen=True)
+class RopeTables:
+    """cos/sin of position * inv_freq. `cos`/`sin`: [max_positions, rotary_dim // 2]."""
+
+    cos: Array
+    sin: Array
+    rotary_dim: int
+    interleaved: bool   # True: rotate pairs (2i, 2i+1) (GPT-J / ggml NORM); False: (i, i+Dh/2)
+
+
+class Backend(Protocol):
+    """What a device backend provides. Implementations: numpy (reference), OpenCL, CUDA."""
+
+    name: str
+
+    # -- weights and buffers -------------------------------------------------------------
+    def upload_linear(self, parts: Sequence[WeightLike]) -> Any:
+        """Weights `[out_i, in]` concatenated along out (fused QKV, gate+up) -> opaque handle."""
+
+    def upload_table(self, weight: WeightLike) -> Any:
+        """An embedding / LM-head table `[V, D]` -> opaque handle."""
+
+    def upload_vector(self, weight: WeightLike) -> Array:
+        """A norm weight or bias `[n]` -> float32 device array."""
+
+    def upload_array(self, array: np.ndarray) -> Array:
+        """Any float32 host array -> device array (e.g. RoPE tables)."""
+
+    def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int,
+                          num_kv_heads: int, head_dim: int) -> list[Any]:
+        """One paged cache per layer: K and V of `[num_blocks, block_size, Hk, Dh]`."""
+
+    def to_host(self, x: Array) -> np.ndarray: ...
+
+    # -- compute ------------------------------------------------------------------------
+    def embedding(self, table: Any, token_ids: np.ndarray) -> Array:
+        """token_ids [T] int -> [T, D]."""
+
+    def linear(self, x: Array, weight: Any, bias: Array | None = None) -> Array:
+        """x [T, in] -> x @ W.T (+ bias): [T, out]."""
+
+    def rms_norm(self, x: Array, weight: Array, eps: float) -> Array:
+        """RMSNorm over the last axis of x [..., n] with weight [n]."""
+
+    def add(self, x: Array, y: Array) -> Array:
+        """Elementwise x + y (residual connections)."""
+
+    def silu_mul(self, gate_up: Array) -> Array:
+        """gate_up [T, 2F] -> silu(gate) * up: [T, F]."""
+
+    def rope(self, x: Array, positions: np.ndarray, tables: RopeTables) -> Array:
+        """Rotate x [T, H, Dh] (first `rotary_dim` dims) by positions [T]."""
+
+    def reshape_and_cache(self, k: Array, v: Array, kv_cache: Any,
+                          slot_mapping: np.ndarray) -> None:
+        """Write k, v [T, Hk, Dh] into the paged cache at slot_mapping [T]."""
+
+    def paged_attention(self, q: Array, kv_cache: Any, meta: AttentionMetadata,
+                        scale: float) -> Array:
+        """Causal attention of q [T, H, Dh] over each request's cached context -> [T, H, Dh].
+
+        Prefill chunks and decodes mix freely; GQA maps query head h to KV head h // (H / Hk).
+        """
+
+    def lm_head(self, hidden: Array, table: Any) -> np.ndarray:
+        """hidden [N, D] -> logits [N, V] on the host (float32)."""

@@ -1,0 +1,203 @@
+"""The tokenizer every part of the engine uses: HF `tokenizers` underneath, from GGUF metadata
+or from `tokenizer.json` + `tokenizer_config.json`, with its chat template and special ids.
+
+BOS/EOS come from the model files and are added here (not by a post-processor) so that chat
+prompts, which usually spell their own BOS in the template, are encoded without a second one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from vllm_actors.errors import ModelFormatError, ModelNotFoundError
+from vllm_actors.loaders.chat_template import ChatTemplateError, render_chat_template
+from vllm_actors.loaders.gguf import GGUFFile
+from vllm_actors.loaders.model_files import ModelSource, resolve_model
+from vllm_actors.loaders.tokenizer_gguf import tokenizer_from_gguf
+
+
+@dataclass
+class Tokenizer:
+    """Encode/decode and chat templating for one model.
+
+    Attributes:
+        backend: the underlying `tokenizers.Tokenizer`.
+        bos_token_id / eos_token_id: None when the model has none.
+        add_bos_token / add_eos_token: whether `encode(..., add_special_tokens=True)` adds them.
+        chat_template: Jinja2 source, or None when the model ships no template.
+        eos_token_ids: every id that ends generation (the EOS plus generation_config's extras).
+    """
+
+    backend: HFTokenizer
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    add_bos_token: bool = False
+    add_eos_token: bool = False
+    chat_template: str | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    extra_special_tokens: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def _token(self, token_id: int | None) -> str | None:
+        return None if token_id is None else self.backend.id_to_token(token_id)
+
+    @property
+    def bos_token(self) -> str | None:
+        return self._token(self.bos_token_id)
+
+    @property
+    def eos_token(self) -> str | None:
+        return self._token(self.eos_token_id)
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return sorted(i for i, tok in self.backend.get_added_tokens_decoder().items()
+                      if tok.special)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; special-token strings inside the text are matched as tokens."""
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens:
+            if self.add_bos_token and self.bos_token_id is not None:
+                ids.insert(0, self.bos_token_id)
+            if self.add_eos_token and self.eos_token_id is not None:
+                ids.append(self.eos_token_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
+        return [self.backend.id_to_token(i) for i in ids]
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], *,
+                            add_generation_prompt: bool = False, tokenize: bool = True,
+                            chat_template: str | None = None, tools: list[Any] | None = None,
+                            **kwargs: Any) -> str | list[int]:
+        """Render a conversation with the model's template (or `chat_template`).
+
+        Returns the prompt text, or its token ids (no extra BOS) when `tokenize`.
+        Raises:
+            ChatTemplateError: no template available, or the template rejected the messages.
+        """
+        source = chat_template or self.chat_template
+        if source is None:
+            raise ChatTemplateError("this model has no chat template; pass chat_template= "
+                                    "(or --chat-template) to use chat")
+        context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
+                   **self.extra_special_tokens, **kwargs}
+        text = render_chat_template(source, messages, add_generation_prompt=add_generation_prompt,
+                                    tools=tools, **context)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _as_id_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    return (int(value),)
+
+
+def _from_gguf(path: Path) -> Tokenizer:
+    meta = GGUFFile(path).metadata
+    backend = tokenizer_from_gguf(meta, path)
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    is_spm = meta.get("tokenizer.ggml.model") == "llama"
+    eos_ids = _as_id_tuple(eos) + _as_id_tuple(meta.get("tokenizer.ggml.eot_token_id"))
+    return Tokenizer(
+        backend=backend,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_id=None if eos is None else int(eos),
+        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", is_spm)),
+        add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        chat_template=meta.get("tokenizer.chat_template"),
+        eos_token_ids=tuple(dict.fromkeys(eos_ids)),
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ModelFormatError(path, f"not valid JSON ({e})") from None
+
+
+def _token_content(value: Any) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _post_processor_adds(backend: HFTokenizer, bos: int | None) -> bool:
+    """Whether tokenizer.json's post-processor prepends BOS (llama-3 style configs say so
+    only there, not in tokenizer_config.json)."""
+    if bos is None:
+        return False
+    ids = backend.encode("a", add_special_tokens=True).ids
+    return bool(ids) and ids[0] == bos
+
+
+def _from_hf_dir(model_dir: Path) -> Tokenizer:
+    tokenizer_file = model_dir / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise ModelNotFoundError(tokenizer_file, "model directory has no tokenizer.json")
+    backend = HFTokenizer.from_file(str(tokenizer_file))
+    backend.no_padding()
+    backend.no_truncation()
+    config = _read_json(model_dir / "tokenizer_config.json")
+    generation = _read_json(model_dir / "generation_config.json")
+    model_config = _read_json(model_dir / "config.json")
+
+    def token_id(key: str) -> int | None:
+        content = _token_content(config.get(key))
+        token = None if content is None else backend.token_to_id(content)
+        if token is None:
+            fallback = generation.get(f"{key}_id", model_config.get(f"{key}_id"))
+            ids = _as_id_tuple(fallback)
+            token = ids[0] if ids else None
+        return token
+
+    bos, eos = token_id("bos_token"), token_id("eos_token")
+    eos_ids = _as_id_tuple(eos) + _as_id_tuple(generation.get("eos_token_id"))
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        named = {t["name"]: t["template"] for t in template}
+        template = named.get("default", next(iter(named.values()), None))
+    template_file = model_dir / "chat_template.jinja"
+    if template is None and template_file.is_file():
+        template = template_file.read_text(encoding="utf-8")
+    extras = {k: _token_content(config[k]) for k in ("unk_token", "pad_token")
+              if isinstance(_token_content(config.get(k)), str)}
+    return Tokenizer(
+        backend=backend, bos_token_id=bos, eos_token_id=eos,
+        add_bos_token=bool(config.get("add_bos_token", _post_processor_adds(backend, bos))),
+        add_eos_token=bool(config.get("add_eos_token", False)),
+        chat_template=template, eos_token_ids=tuple(dict.fromkeys(eos_ids)),
+        extra_special_tokens=extras,
+    )
+
+
+def load_tokenizer(source: ModelSource, chat_template: str | None = None) -> Tokenizer:
+    """The tokenizer of a resolved model; `chat_template` (source text) overrides the model's."""
+    tokenizer = _from_gguf(source.path) if source.kind == "gguf" else _from_hf_dir(source.path)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def get_tokenizer(path: str | Path | None = None, chat_template: str | None = None) -> Tokenizer:
+    """Public helper: the tokenizer of a GGUF file (tensors optional) or HF model directory."""
+    return load_tokenizer(resolve_model(path), chat_template)
+
+
+__all__ = ["ChatTemplateError", "Tokenizer", "get_tokenizer", "load_tokenizer"]

@@ -1,0 +1,140 @@
+"""Build a Hugging Face `tokenizers.Tokenizer` from a GGUF vocabulary, the way llama.cpp reads it.
+
+- `gpt2` vocabularies: byte-level BPE with the merges from the file and the pre-tokenizer that
+  llama.cpp uses for the file's `tokenizer.ggml.pre` (regexes applied one after another).
+- `llama` vocabularies: SentencePiece-style BPE with byte fallback; merges come from the file
+  or are derived from the token scores.
+Token types: 3 (control) become special added tokens, 4 (user-defined) plain added tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+from vllm_actors.errors import UnsupportedModelError
+
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+
+# Pieces of llama.cpp's pre-tokenizer regexes (src/llama-vocab.cpp), grouped by the
+# `tokenizer.ggml.pre` names that share them.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+           r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+          r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_FALCON = [r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"]
+_PRE_TOKENIZER_REGEXES: dict[str, list[str]] = {
+    **{name: [_LLAMA3] for name in ("llama3", "llama-bpe", "llama-v3", "dbrx", "smaug-bpe",
+                                     "falcon3", "pixtral", "chatglm-bpe", "gpt-4o")},
+    **{name: [r"\p{N}", _GPT2] for name in ("smollm", "starcoder", "refact", "command-r",
+                                            "codeshell", "exaone", "minerva-7b")},
+    **{name: [_GPT2] for name in ("gpt-2", "gpt2", "mpt", "olmo", "jais", "phi-2")},
+    **{name: [_QWEN2] for name in ("qwen2", "stablelm2", "deepseek-r1-qwen", "megrez",
+                                   "hunyuan")},
+    "falcon": _FALCON,
+}
+_IGNORE_MERGES = {"llama3", "llama-bpe", "llama-v3", "falcon3", "pixtral", "gpt-4o"}
+
+
+def _added_tokens(tokens: list[str], token_types: np.ndarray | None) -> list[AddedToken]:
+    if token_types is None:
+        return []
+    out = []
+    for token_id in np.nonzero((token_types == TOKEN_TYPE_CONTROL)
+                               | (token_types == TOKEN_TYPE_USER_DEFINED))[0]:
+        special = bool(token_types[token_id] == TOKEN_TYPE_CONTROL)
+        out.append(AddedToken(tokens[token_id], special=special, normalized=False))
+    return out
+
+
+def _split_merges(merges: list[str]) -> list[tuple[str, str]]:
+    pairs = []
+    for merge in merges:
+        left, _, right = merge.partition(" ")
+        pairs.append((left, right))
+    return pairs
+
+
+def _build_gpt2(meta: dict[str, Any], path: Path) -> Tokenizer:
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    regexes = _PRE_TOKENIZER_REGEXES.get(pre)
+    if regexes is None:
+        raise UnsupportedModelError(path, f"tokenizer.ggml.pre={pre!r} is not supported; known: "
+                                          f"{', '.join(sorted(_PRE_TOKENIZER_REGEXES))}")
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    merges = _split_merges(meta.get("tokenizer.ggml.merges", []))
+    tokenizer = Tokenizer(models.BPE(vocab, merges, ignore_merges=pre in _IGNORE_MERGES))
+    splits = [pre_tokenizers.Split(Regex(rx), behavior="isolated") for rx in regexes]
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _merges_from_scores(tokens: list[str], scores: np.ndarray) -> list[tuple[str, str]]:
+    """SentencePiece vocabularies carry scores, not merges: merge (a, b) ranks by the score of
+    the token a+b, best first; splits of one token are ordered by the ids of their halves."""
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    ranked = []
+    for token_id in np.argsort(-scores, kind="stable"):
+        token = tokens[token_id]
+        pieces = [(token[:i], token[i:]) for i in range(1, len(token))]
+        pieces = [p for p in pieces if p[0] in vocab and p[1] in vocab]
+        ranked.extend(sorted(pieces, key=lambda p: (vocab[p[0]], vocab[p[1]])))
+    return ranked
+
+
+def _build_llama_spm(meta: dict[str, Any]) -> Tokenizer:
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    scores = np.asarray(meta.get("tokenizer.ggml.scores", np.zeros(len(tokens))), np.float32)
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    if "tokenizer.ggml.merges" in meta:
+        merges = _split_merges(meta["tokenizer.ggml.merges"])
+    else:
+        merges = _merges_from_scores(tokens, scores)
+    unk_id = int(meta.get("tokenizer.ggml.unknown_token_id", 0))
+    tokenizer = Tokenizer(models.BPE(vocab, merges, unk_token=tokens[unk_id], fuse_unk=True,
+                                     byte_fallback=True))
+    # llama.cpp escapes spaces as U+2581 and prefixes one to the text and to every piece
+    # that follows a special token; a normalizer does both (it runs per non-special segment).
+    steps: list[Any] = [normalizers.Replace(" ", "\u2581")]
+    add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    if add_space_prefix:
+        steps.insert(0, normalizers.Prepend("\u2581"))
+    tokenizer.normalizer = normalizers.Sequence(steps)
+    decode_steps: list[Any] = [decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                               decoders.Fuse()]
+    if add_space_prefix:
+        decode_steps.append(decoders.Strip(" ", 1, 0))
+    tokenizer.decoder = decoders.Sequence(decode_steps)
+    return tokenizer
+
+
+def tokenizer_from_gguf(meta: dict[str, Any], path: Path) -> Tokenizer:
+    """The `tokenizers.Tokenizer` for a GGUF file's `tokenizer.ggml.*` metadata.
+
+    Raises:
+        UnsupportedModelError: no vocabulary, or a tokenizer model / pre-tokenizer we lack.
+    """
+    kind = meta.get("tokenizer.ggml.model")
+    if "tokenizer.ggml.tokens" not in meta:
+        raise UnsupportedModelError(path, "GGUF file has no tokenizer.ggml.tokens vocabulary")
+    if kind == "gpt2":
+        tokenizer = _build_gpt2(meta, path)
+    elif kind == "llama":
+        tokenizer = _build_llama_spm(meta)
+    else:
+        raise UnsupportedModelError(path, f"tokenizer.ggml.model={kind!r} is not supported "
+                                          "(supported: gpt2, llama)")
+    token_types = meta.get("tokenizer.ggml.token_type")
+    added = _added_tokens(meta["tokenizer.ggml.tokens"],
+                          None if token_types is None else np.asarray(token_types))
+    tokenizer.add_tokens([t for t in added if not t.special])
+    tokenizer.add_special_tokens([t for t in added if t.special])
+    return tokenizer

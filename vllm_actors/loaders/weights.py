@@ -1,0 +1,108 @@
+"""One view of a model's weights whatever the file format: GGUF tensor names are canonical.
+
+A safetensors checkpoint is mapped onto GGUF names with gguf-py's `TensorNameMap`
+(`model.layers.3.mlp.down_proj.weight` -> `blk.3.ffn_down.weight`). Tensors stay in their stored
+form (maybe block-quantized) until a backend uploads them; `to_float32()` dequantizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, GGMLQuantizationType, get_tensor_name_map
+
+from vllm_actors.errors import ModelFormatError, UnsupportedModelError
+from vllm_actors.kernels import quant
+from vllm_actors.loaders.gguf import GGUFFile
+from vllm_actors.loaders.safetensors import ggml_type_of, load_safetensors
+
+
+@dataclass(frozen=True)
+class RawTensor:
+    """A tensor as stored. Satisfies `kernels.ops.WeightLike`.
+
+    Attributes:
+        name: canonical (GGUF-style) name.
+        shape: logical numpy shape, outermost first (a linear weight is `[out, in]`).
+        qtype: GGML type id (F32=0, F16=1, BF16=30, Q4_1=3, ...).
+        data: stored bytes (uint8 rows for block types; float32/float16 arrays; BF16 as uint16).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: int
+    data: np.ndarray
+
+    def to_float32(self) -> np.ndarray:
+        return quant.dequantize(self.data, self.qtype, self.shape)
+
+
+class WeightSet:
+    """Weights by canonical name, remembering the file they came from for error messages."""
+
+    def __init__(self, tensors: dict[str, RawTensor], path: Path) -> None:
+        self.tensors = tensors
+        self.path = path
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def get(self, name: str) -> RawTensor | None:
+        return self.tensors.get(name)
+
+    def require(self, name: str) -> RawTensor:
+        """The tensor, or ModelFormatError naming the file and the missing tensor."""
+        tensor = self.tensors.get(name)
+        if tensor is None:
+            raise ModelFormatError(self.path, f"missing tensor {name!r}")
+        return tensor
+
+
+def _check_supported(path: Path, name: str, qtype: int) -> None:
+    if not quant.is_supported(qtype):
+        try:
+            type_name = GGMLQuantizationType(qtype).name
+        except ValueError:
+            type_name = str(qtype)
+        raise UnsupportedModelError(path, f"tensor {name!r} has type {type_name}, which this "
+                                          "engine cannot use as a weight")
+
+
+def gguf_weights(gguf: GGUFFile) -> WeightSet:
+    """All tensors of an open GGUF file.
+
+    Raises:
+        UnsupportedModelError: a tensor type we cannot dequantize.
+    """
+    tensors = {}
+    for name, info in gguf.tensors.items():
+        _check_supported(gguf.path, name, info.ggml_type)
+        tensors[name] = RawTensor(name, info.shape, info.ggml_type, gguf.raw(name))
+    return WeightSet(tensors, gguf.path)
+
+
+def _model_arch(gguf_arch: str) -> MODEL_ARCH:
+    for arch, name in MODEL_ARCH_NAMES.items():
+        if name == gguf_arch:
+            return arch
+    raise UnsupportedModelError(gguf_arch, "no GGUF tensor-name map for this architecture")
+
+
+def safetensors_weights(model_dir: Path, gguf_arch: str, num_layers: int) -> WeightSet:
+    """A safetensors checkpoint with its tensors renamed to GGUF names.
+
+    Tensors that have no GGUF name (e.g. `rotary_emb.inv_freq`) are left out.
+    """
+    name_map = get_tensor_name_map(_model_arch(gguf_arch), num_layers)
+    tensors = {}
+    for hf_name, entry in load_safetensors(model_dir).items():
+        name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            continue
+        if entry.dtype not in ("F32", "F16", "BF16"):
+            raise UnsupportedModelError(model_dir, f"tensor {hf_name!r} has dtype {entry.dtype}, "
+                                                   "want F32, F16 or BF16")
+        tensors[name] = RawTensor(name, entry.shape, ggml_type_of(entry.dtype), entry.data)
+    return WeightSet(tensors, model_dir)

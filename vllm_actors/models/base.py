@@ -1,0 +1,102 @@
+"""What every model shares: its hyper-parameters (`ModelArgs`), RoPE frequency tables, and the
+`CausalLM` interface the model runner calls."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from vllm_actors.errors import UnsupportedModelError
+from vllm_actors.kernels.ops import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Hyper-parameters of a decoder-only transformer, whatever file they came from."""
+
+    architecture: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    rotary_dim: int
+    rope_interleaved: bool = False     # ggml NORM / GPT-J pairing (GGUF llama), else NeoX
+    rope_scaling: dict[str, Any] = field(default_factory=dict)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+class CausalLM(Protocol):
+    """A model the runner can drive. Backend arrays in, backend arrays out."""
+
+    args: ModelArgs
+
+    def forward(self, token_ids: np.ndarray, positions: np.ndarray, meta: AttentionMetadata,
+                kv_caches: list[Any]) -> Any:
+        """token_ids, positions [T] -> final hidden states [T, D] (KV written into kv_caches)."""
+
+    def compute_logits(self, hidden: Any) -> np.ndarray:
+        """hidden [N, D] -> float32 logits [N, V] on the host."""
+
+
+def _llama3_inv_freq(inv_freq: np.ndarray, scaling: dict[str, Any]) -> np.ndarray:
+    factor = float(scaling["factor"])
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_inv_freq(args: ModelArgs, freq_factors: np.ndarray | None = None,
+                  path: str | Path = "") -> np.ndarray:
+    """inv_freq [rotary_dim / 2] with the model's scaling (none, linear, llama3, or the GGUF
+    `rope_freqs` factors), computed in float32 as transformers does.
+
+    Raises:
+        UnsupportedModelError: a rope scaling type we do not implement.
+    """
+    exponents = np.arange(0, args.rotary_dim, 2, dtype=np.int64).astype(np.float32)
+    inv_freq = (1.0 / (np.float32(args.rope_theta) ** (exponents / np.float32(args.rotary_dim))))
+    inv_freq = inv_freq.astype(np.float32)
+    kind = args.rope_scaling.get("rope_type", args.rope_scaling.get("type", "default"))
+    if kind == "linear":
+        inv_freq = inv_freq / np.float32(args.rope_scaling["factor"])
+    elif kind == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, args.rope_scaling)
+    elif kind not in ("default", "none", None):
+        raise UnsupportedModelError(path or args.architecture,
+                                    f"rope scaling type {kind!r} is not supported "
+                                    "(supported: default, linear, llama3)")
+    if freq_factors is not None:
+        inv_freq = inv_freq / freq_factors.astype(np.float32)
+    return inv_freq
+
+
+def rope_cos_sin(inv_freq: np.ndarray, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin of positions x inv_freq: two float32 [max_positions, len(inv_freq)]."""
+    freqs = np.arange(max_positions, dtype=np.float32)[:, None] * inv_freq[None, :]
+    return np.cos(freqs), np.sin(freqs)

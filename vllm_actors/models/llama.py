@@ -1,0 +1,178 @@
+"""The llama family: llama, mistral, qwen2 (q/k/v biases), qwen3 (q/k RMSNorm), smollm.
+
+RMSNorm -> fused QKV -> RoPE -> paged attention (GQA) -> output projection, then RMSNorm ->
+fused gate/up -> SwiGLU -> down projection; tied or separate LM head.
+RoPE pairing follows the weights: llama.cpp stores llama Q/K rows permuted for adjacent-pair
+rotation, so GGUF llama uses interleaved RoPE; HF checkpoints and GGUF qwen use NeoX halves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from vllm_actors.errors import ModelFormatError
+from vllm_actors.kernels.ops import AttentionMetadata, Backend, RopeTables
+from vllm_actors.loaders.gguf import GGUFFile
+from vllm_actors.loaders.weights import WeightSet
+from vllm_actors.models.base import ModelArgs, rope_cos_sin, rope_inv_freq
+
+HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                    "Qwen3ForCausalLM")
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# GGUF architectures whose Q/K rows llama.cpp's converter permutes for adjacent-pair RoPE.
+_GGUF_INTERLEAVED_ROPE = {"llama", "mistral"}
+_HF_TO_GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
+                    "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+
+
+def _rope_params(config: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """(rope_theta, scaling dict) from either transformers 5 `rope_parameters` or the older
+    `rope_theta` + `rope_scaling` keys."""
+    params = config.get("rope_parameters")
+    if isinstance(params, dict):
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        return float(params.get("rope_theta", 10000.0)), scaling
+    return float(config.get("rope_theta", 10000.0)), dict(config.get("rope_scaling") or {})
+
+
+def args_from_hf(config: dict[str, Any]) -> ModelArgs:
+    arch = config["architectures"][0]
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    theta, scaling = _rope_params(config)
+    is_qwen2 = arch == "Qwen2ForCausalLM"
+    return ModelArgs(
+        architecture=_HF_TO_GGUF_ARCH[arch],
+        hidden_size=hidden, num_layers=int(config["num_hidden_layers"]), num_heads=heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or heads), head_dim=head_dim,
+        intermediate_size=int(config["intermediate_size"]), vocab_size=int(config["vocab_size"]),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+        max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+        rotary_dim=int(head_dim * float(config.get("partial_rotary_factor", 1.0))),
+        rope_interleaved=False, rope_scaling=scaling,
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        attention_bias=bool(config.get("attention_bias", is_qwen2)),
+        qk_norm=arch == "Qwen3ForCausalLM",
+    )
+
+
+def args_from_gguf(gguf: GGUFFile) -> ModelArgs:
+    arch = gguf.architecture
+    get = gguf.arch_get
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    scaling: dict[str, Any] = {}
+    scaling_type = get("rope.scaling.type")
+    if scaling_type not in (None, "none"):
+        scaling = {"rope_type": scaling_type, "factor": float(get("rope.scaling.factor", 1.0)),
+                   "original_max_position_embeddings": get("rope.scaling.original_context_length")}
+    vocab = get("vocab_size") or len(gguf.get("tokenizer.ggml.tokens", ()))
+    if not vocab:
+        vocab = gguf.tensors["token_embd.weight"].shape[0]
+    return ModelArgs(
+        architecture=arch, hidden_size=hidden, num_layers=int(get("block_count")),
+        num_heads=heads, num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=head_dim, intermediate_size=int(get("feed_forward_length")),
+        vocab_size=int(vocab), rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(get("context_length", 4096)),
+        rotary_dim=int(get("rope.dimension_count", head_dim)),
+        rope_interleaved=arch in _GGUF_INTERLEAVED_ROPE, rope_scaling=scaling,
+        tie_word_embeddings="output.weight" not in gguf.tensors,
+        attention_bias="blk.0.attn_q.bias" in gguf.tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in gguf.tensors,
+    )
+
+
+@dataclass
+class _Layer:
+    attn_norm: Any
+    qkv: Any
+    qkv_bias: Any
+    q_norm: Any
+    k_norm: Any
+    attn_out: Any
+    ffn_norm: Any
+    gate_up: Any
+    down: Any
+
+
+class LlamaForCausalLM:
+    """Implements `models.base.CausalLM` for the llama family on any backend."""
+
+    def __init__(self, args: ModelArgs, weights: WeightSet, backend: Backend) -> None:
+        self.args = args
+        self.backend = backend
+        self.scale = 1.0 / float(np.sqrt(args.head_dim))
+        self.embed = backend.upload_table(weights.require("token_embd.weight"))
+        head = weights.get("output.weight")
+        self.head = self.embed if head is None else backend.upload_table(head)
+        self.final_norm = backend.upload_vector(weights.require("output_norm.weight"))
+        self.layers = [self._load_layer(weights, i) for i in range(args.num_layers)]
+        freq_factors = weights.get("rope_freqs.weight")
+        inv_freq = rope_inv_freq(args, None if freq_factors is None else
+                                 freq_factors.to_float32(), weights.path)
+        cos, sin = rope_cos_sin(inv_freq, args.max_position_embeddings)
+        self.rope = RopeTables(backend.upload_array(cos), backend.upload_array(sin),
+                               args.rotary_dim, args.rope_interleaved)
+
+    def _load_layer(self, weights: WeightSet, i: int) -> _Layer:
+        b, p = self.backend, f"blk.{i}."
+        qkv = [weights.require(p + n) for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight")]
+        if qkv[0].shape[0] != self.args.q_size or qkv[1].shape[0] != self.args.kv_size:
+            raise ModelFormatError(weights.path, f"{p}attn_q/attn_k shapes {qkv[0].shape}, "
+                                                 f"{qkv[1].shape} do not match the config")
+        qkv_bias = None
+        if self.args.attention_bias:
+            biases = [weights.require(p + n).to_float32()
+                      for n in ("attn_q.bias", "attn_k.bias", "attn_v.bias")]
+            qkv_bias = b.upload_array(np.concatenate(biases))
+        q_norm = k_norm = None
+        if self.args.qk_norm:
+            q_norm = b.upload_vector(weights.require(p + "attn_q_norm.weight"))
+            k_norm = b.upload_vector(weights.require(p + "attn_k_norm.weight"))
+        return _Layer(
+            attn_norm=b.upload_vector(weights.require(p + "attn_norm.weight")),
+            qkv=b.upload_linear(qkv), qkv_bias=qkv_bias, q_norm=q_norm, k_norm=k_norm,
+            attn_out=b.upload_linear([weights.require(p + "attn_output.weight")]),
+            ffn_norm=b.upload_vector(weights.require(p + "ffn_norm.weight")),
+            gate_up=b.upload_linear([weights.require(p + "ffn_gate.weight"),
+                                     weights.require(p + "ffn_up.weight")]),
+            down=b.upload_linear([weights.require(p + "ffn_down.weight")]),
+        )
+
+    def _attention(self, layer: _Layer, x: Any, positions: np.ndarray,
+                   meta: AttentionMetadata, kv_cache: Any) -> Any:
+        b, a = self.backend, self.args
+        num_tokens = len(positions)
+        qkv = b.linear(x, layer.qkv, layer.qkv_bias)
+        q = qkv[:, :a.q_size].reshape(num_tokens, a.num_heads, a.head_dim)
+        k = qkv[:, a.q_size:a.q_size + a.kv_size].reshape(num_tokens, a.num_kv_heads, a.head_dim)
+        v = qkv[:, a.q_size + a.kv_size:].reshape(num_tokens, a.num_kv_heads, a.head_dim)
+        if layer.q_norm is not None:
+            q = b.rms_norm(q, layer.q_norm, a.rms_norm_eps)
+            k = b.rms_norm(k, layer.k_norm, a.rms_norm_eps)
+        q = b.rope(q, positions, self.rope)
+        k = b.rope(k, positions, self.rope)
+        b.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+        out = b.paged_attention(q, kv_cache, meta, self.scale)
+        return b.linear(out.reshape(num_tokens, a.q_size), layer.attn_out)
+
+    def forward(self, token_ids: np.ndarray, positions: np.ndarray, meta: AttentionMetadata,
+                kv_caches: list[Any]) -> Any:
+        b, eps = self.backend, self.args.rms_norm_eps
+        h = b.embedding(self.embed, token_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            attn = self._attention(layer, b.rms_norm(h, layer.attn_norm, eps), positions, meta,
+                                   kv_cache)
+            h = b.add(h, attn)
+            mlp = b.linear(b.silu_mul(b.linear(b.rms_norm(h, layer.ffn_norm, eps), layer.gate_up)),
+                           layer.down)
+            h = b.add(h, mlp)
+        return b.rms_norm(h, self.final_norm, eps)
+
+    def compute_logits(self, hidden: Any) -> np.ndarray:
+        return self.backend.lm_head(hidden, self.head)

@@ -1,0 +1,83 @@
+"""Architecture registry: HF `architectures` and GGUF `general.architecture` -> model module,
+and `load_model`, which opens the files, reads the hyper-parameters and uploads the weights."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from types import ModuleType
+
+from vllm_actors.errors import ModelFormatError, UnsupportedModelError
+from vllm_actors.kernels.ops import Backend
+from vllm_actors.loaders.gguf import GGUFFile
+from vllm_actors.loaders.model_files import ModelSource
+from vllm_actors.loaders.weights import gguf_weights, safetensors_weights
+from vllm_actors.models import llama
+from vllm_actors.models.base import CausalLM, ModelArgs
+
+_FAMILIES: tuple[ModuleType, ...] = (llama,)
+_BY_HF_NAME = {name: m for m in _FAMILIES for name in m.HF_ARCHITECTURES}
+_BY_GGUF_NAME = {name: m for m in _FAMILIES for name in m.GGUF_ARCHITECTURES}
+_MODEL_CLASSES = {llama: llama.LlamaForCausalLM}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Facts about a model found without uploading its weights."""
+
+    args: ModelArgs
+    family: ModuleType
+
+
+def supported_architectures() -> list[str]:
+    return sorted({*_BY_HF_NAME, *_BY_GGUF_NAME})
+
+
+def _unsupported(path: object, arch: str) -> UnsupportedModelError:
+    return UnsupportedModelError(path, f"architecture {arch!r} is not supported; supported: "
+                                       f"{', '.join(supported_architectures())}")
+
+
+def read_hf_config(source: ModelSource) -> dict:
+    path = source.path / "config.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ModelFormatError(path, f"not valid JSON ({e})") from None
+
+
+def inspect_model(source: ModelSource) -> tuple[ModelInfo, GGUFFile | None]:
+    """Architecture and hyper-parameters; for GGUF also the open file (reused to load).
+
+    Raises:
+        UnsupportedModelError: an architecture no model family implements.
+        ModelFormatError: config.json or the GGUF metadata lacks a required key.
+    """
+    if source.kind == "gguf":
+        gguf = GGUFFile(source.path)
+        family = _BY_GGUF_NAME.get(gguf.architecture)
+        if family is None:
+            raise _unsupported(source.path, gguf.architecture)
+        try:
+            return ModelInfo(family.args_from_gguf(gguf), family), gguf
+        except (KeyError, TypeError) as e:
+            raise ModelFormatError(source.path, f"GGUF metadata lacks {e}") from None
+    config = read_hf_config(source)
+    archs = config.get("architectures") or []
+    family = next((_BY_HF_NAME[a] for a in archs if a in _BY_HF_NAME), None)
+    if family is None:
+        raise _unsupported(source.path / "config.json", ",".join(archs) or "<none>")
+    try:
+        return ModelInfo(family.args_from_hf(config), family), None
+    except KeyError as e:
+        raise ModelFormatError(source.path / "config.json", f"missing key {e}") from None
+
+
+def load_model(source: ModelSource, backend: Backend) -> CausalLM:
+    """Open, check and upload a model onto `backend`."""
+    info, gguf = inspect_model(source)
+    if gguf is not None:
+        weights = gguf_weights(gguf)
+    else:
+        weights = safetensors_weights(source.path, info.args.architecture, info.args.num_layers)
+    return _MODEL_CLASSES[info.family](info.args, weights, backend)

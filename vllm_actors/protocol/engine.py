@@ -1,0 +1,79 @@
+"""Frontend <-> engine core messages: requests in, per-step outputs out, the ready handshake."""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from vllm_actors.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request ended; `str()` gives the OpenAI spelling."""
+
+    STOP = 0     # EOS, a stop token id, or a stop string
+    LENGTH = 1   # max_tokens or the model's context length
+    ABORT = 2    # the client went away or asked to stop
+    ERROR = 3    # this request failed inside the engine; others continue
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A tokenized request, ready for the scheduler.
+
+    Attributes:
+        eos_token_ids: ids that end generation unless `sampling_params.ignore_eos`.
+        arrival_time: seconds since the epoch when the frontend accepted it.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    arrival_time: float
+    priority: int = 0
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What one request produced in one step.
+
+    Attributes:
+        new_token_ids: tokens sampled this step (empty for a partial prefill).
+        stop_reason: the stop token id that ended the request, if any.
+        num_cached_tokens: prompt tokens served from the prefix cache.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """All outputs of one engine step."""
+
+    outputs: list[EngineCoreOutput] = []
+    timestamp: float = 0.0
+
+
+class EngineReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Facts the core discovered at startup, sent once before any output.
+
+    Attributes:
+        num_kv_blocks: KV cache blocks allocated (excluding the null block).
+        max_model_len: longest prompt + output the engine accepts.
+        vocab_size: rows of the LM head (token ids must be below it).
+    """
+
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int

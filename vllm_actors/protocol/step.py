@@ -1,0 +1,59 @@
+"""Engine core <-> worker messages. A request's full data travels once (NewRequestData); after
+that only diffs: new blocks and the computed-token count. Workers append their own sampled
+tokens, so the core never sends back what a worker produced."""
+
+from __future__ import annotations
+
+import msgspec
+
+from vllm_actors.sampling_params import SamplingParams
+
+
+class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A request the worker has not seen (or must rebuild after preemption).
+
+    Attributes:
+        token_ids: every token known so far (prompt, plus outputs when resumed).
+        block_ids: KV blocks in order; block i holds positions [i * block_size, (i+1) * block_size).
+        num_computed_tokens: tokens whose KV is already in those blocks (prefix-cache hits).
+    """
+
+    req_id: str
+    token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Diffs for requests the worker already holds (parallel lists)."""
+
+    req_ids: list[str] = []
+    new_block_ids: list[list[int]] = []
+    num_computed_tokens: list[int] = []
+
+
+class StepInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One step's work.
+
+    Attributes:
+        num_scheduled_tokens: tokens to compute this step, per request id.
+        finished_req_ids: requests to forget (finished, aborted or preempted) before the step.
+    """
+
+    new_requests: list[NewRequestData] = []
+    cached_requests: CachedRequestData = msgspec.field(default_factory=CachedRequestData)
+    num_scheduled_tokens: dict[str, int] = {}
+    finished_req_ids: list[str] = []
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Sampled tokens per scheduled request, in `req_ids` order; an empty list for a request
+    whose prompt is not fully computed yet (a partial prefill chunk)."""
+
+    req_ids: list[str] = []
+    sampled_token_ids: list[list[int]] = []
