@@ -157,6 +157,18 @@ def llama3_freq_factors(config: dict[str, Any]) -> np.ndarray:
     return factors.astype(np.float32)
 
 
+def write_gguf(path: Path, arch: str, fill: Any) -> None:
+    """A GGUF file for `arch`; `fill(writer)` adds metadata and tensors."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    fill(writer)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def write_llama_gguf(path: Path, qtype: Any = None) -> None:
     """TINY_CONFIGS["llama"] as a llama.cpp-style GGUF: GGUF names, Q/K rows permuted, llama3
     scaling as rope_freqs factors. `qtype` (a GGMLQuantizationType) quantizes the 2-D weights."""

@@ -6,7 +6,7 @@ import time
 import gguf
 import numpy as np
 import pytest
-from tiny_models import write_llama_gguf
+from tiny_models import write_gguf, write_llama_gguf
 
 from vllm_actors.errors import ModelFormatError, ModelNotFoundError, UnsupportedModelError
 from vllm_actors.kernels.numpy_backend import NumpyBackend
@@ -77,12 +77,7 @@ def test_truncated(tiny_gguf, tmp_path, keep_fraction, message):
 
 def test_unsupported_architecture(tmp_path):
     path = tmp_path / "bert.gguf"
-    writer = gguf.GGUFWriter(str(path), "bert")
-    writer.add_tensor("token_embd.weight", np.ones((4, 8), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gguf(path, "bert", lambda w: w.add_tensor("token_embd.weight", np.ones((4, 8), np.float32)))
     with pytest.raises(UnsupportedModelError, match=r"bert.gguf: architecture 'bert' is not "
                                                     r"supported; supported: .*llama"):
         load_model(resolve_model(path), NumpyBackend())
@@ -90,12 +85,8 @@ def test_unsupported_architecture(tmp_path):
 
 def test_unsupported_tensor_type(tmp_path):
     path = tmp_path / "int.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_tensor("blk.0.attn_q.weight", np.ones((4, 8), np.int32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gguf(path, "llama", lambda w: w.add_tensor("blk.0.attn_q.weight",
+                                                    np.ones((4, 8), np.int32)))
     with pytest.raises(UnsupportedModelError, match=r"int.gguf: tensor 'blk.0.attn_q.weight' "
                                                     r"has type I32"):
         gguf_weights(GGUFFile(path))
@@ -104,16 +95,15 @@ def test_unsupported_tensor_type(tmp_path):
 def test_missing_tensor_is_named(tiny_gguf, tmp_path):
     path = tmp_path / "partial.gguf"
     reader = GGUFFile(tiny_gguf)
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for key in ("block_count", "context_length", "embedding_length", "feed_forward_length",
-                "attention.head_count", "attention.head_count_kv"):
-        writer.add_uint32(f"llama.{key}", int(reader.arch_get(key)))
-    for name in ("token_embd.weight", "output_norm.weight"):
-        writer.add_tensor(name, reader.raw(name).copy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+
+    def fill(writer):
+        for key in ("block_count", "context_length", "embedding_length", "feed_forward_length",
+                    "attention.head_count", "attention.head_count_kv"):
+            writer.add_uint32(f"llama.{key}", int(reader.arch_get(key)))
+        for name in ("token_embd.weight", "output_norm.weight"):
+            writer.add_tensor(name, reader.raw(name).copy())
+
+    write_gguf(path, "llama", fill)
     with pytest.raises(ModelFormatError, match=r"partial.gguf: missing tensor 'blk.0.attn_q"):
         load_model(resolve_model(path), NumpyBackend())
 

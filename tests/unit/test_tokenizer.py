@@ -1,11 +1,10 @@
 """Tokenizer ids pinned against llama.cpp, chat templates against transformers (golden files
 from tests/oracle/make_golden.py), plus the template sandbox and BOS handling."""
 
-import gguf
 import numpy as np
 import pytest
 from conftest import load_golden
-from tiny_models import write_spm_vocab_gguf
+from tiny_models import write_gguf, write_spm_vocab_gguf
 
 from vllm_actors import get_tokenizer
 from vllm_actors.errors import ModelNotFoundError, UnsupportedModelError
@@ -117,17 +116,16 @@ def test_vocab_only_gguf(tmp_path, smollm2_path):
     from vllm_actors.loaders.gguf import GGUFFile
     meta = GGUFFile(smollm2_path).metadata
     path = tmp_path / "vocab.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(meta["tokenizer.ggml.tokens"])
-    writer.add_token_types(meta["tokenizer.ggml.token_type"].tolist())
-    writer.add_token_merges(meta["tokenizer.ggml.merges"])
-    writer.add_eos_token_id(2)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+
+    def fill(writer):
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("smollm")
+        writer.add_token_list(meta["tokenizer.ggml.tokens"])
+        writer.add_token_types(meta["tokenizer.ggml.token_type"].tolist())
+        writer.add_token_merges(meta["tokenizer.ggml.merges"])
+        writer.add_eos_token_id(2)
+
+    write_gguf(path, "llama", fill)
     tok = get_tokenizer(path)
     assert tok.encode("3.14159 and 2718281828") == GOLDEN["smollm2"]["3.14159 and 2718281828"]
     assert tok.chat_template is None
@@ -137,14 +135,13 @@ def test_vocab_only_gguf(tmp_path, smollm2_path):
 
 def test_unknown_pre_tokenizer_is_rejected(tmp_path):
     path = tmp_path / "odd.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("no-such-pre")
-    writer.add_token_list(["a", "b"])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+
+    def fill(writer):
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("no-such-pre")
+        writer.add_token_list(["a", "b"])
+
+    write_gguf(path, "llama", fill)
     with pytest.raises(UnsupportedModelError, match="odd.gguf: tokenizer.ggml.pre='no-such-pre'"):
         get_tokenizer(path)
 
