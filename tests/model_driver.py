@@ -26,7 +26,7 @@ def prompt_logits(model, backend, token_ids: list[int], chunks: list[int] | None
             query_start_loc=np.array([0, n], np.int32), seq_lens=np.array([start + n], np.int32),
             block_tables=table, slot_mapping=(table[0][pos // block_size].astype(np.int64)
                                               * block_size + pos % block_size),
-            max_query_len=n, max_seq_len=start + n)
+            block_size=block_size)
         hidden = model.forward(np.asarray(token_ids[start:start + n]), pos, meta, kv)
         rows.append(model.compute_logits(hidden))
         start += n

@@ -27,8 +27,29 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
+    """KV cache size: `num_gpu_blocks_override` blocks, else `kv_cache_memory` bytes, else
+    `gpu_memory_utilization` x the device's free memory after weights (on CPU: available
+    RAM), else the backend's default budget."""
+
     block_size: int = 16
     num_gpu_blocks_override: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float | None = None
+    enable_prefix_caching: bool = True
+
+
+SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """lpm: longest cached prefix first, but no request is passed over more than
+    `lpm_max_skips` times."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    policy: str = "fcfs"
+    lpm_max_skips: int = 8
 
 
 @dataclass(frozen=True)
@@ -40,6 +61,7 @@ class DeviceConfig:
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
 
 
@@ -53,6 +75,13 @@ class EngineArgs:
     seed: int = 0
     block_size: int = 16
     num_gpu_blocks_override: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float | None = None
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    scheduling_policy: str = "fcfs"
+    lpm_max_skips: int = 8
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -77,6 +106,22 @@ class EngineArgs:
         parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
         parser.add_argument("--num-gpu-blocks-override", type=int, default=None,
                             help="number of KV cache blocks to allocate")
+        parser.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES",
+                            help="KV cache size in bytes")
+        parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                            help="KV cache as this fraction of the device's free memory after "
+                                 "the weights (on CPU: of available RAM); CPU default: 4 GiB")
+        parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                            default=True, help="reuse KV blocks of shared prompt prefixes")
+        parser.add_argument("--max-num-seqs", type=int, default=256,
+                            help="most requests in one step")
+        parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                            help="most tokens in one step (longer prompts are chunked)")
+        parser.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+                            help="fcfs; priority (smaller first); lpm (longest cached prefix "
+                                 "first)")
+        parser.add_argument("--lpm-max-skips", type=int, default=8,
+                            help="lpm: how often a waiting request may be passed over")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
@@ -91,10 +136,25 @@ class EngineArgs:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValidationError(f"max_model_len must be positive, got {self.max_model_len}",
                                   "max_model_len")
-        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
-            raise ValidationError("num_gpu_blocks_override must be positive, got "
-                                  f"{self.num_gpu_blocks_override}", "num_gpu_blocks_override")
+        self._check_positive("num_gpu_blocks_override", "kv_cache_memory", "max_num_seqs",
+                             "max_num_batched_tokens", "lpm_max_skips")
+        util = self.gpu_memory_utilization
+        if util is not None and not 0 < util <= 1:
+            raise ValidationError(f"gpu_memory_utilization must be in (0, 1], got {util}",
+                                  "gpu_memory_utilization")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValidationError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                                  f"got {self.scheduling_policy!r}", "scheduling_policy")
         return EngineConfig(
             model=ModelConfig(self.model, self.chat_template, self.max_model_len, self.seed),
-            cache=CacheConfig(self.block_size, self.num_gpu_blocks_override),
+            cache=CacheConfig(self.block_size, self.num_gpu_blocks_override,
+                              self.kv_cache_memory, util, self.enable_prefix_caching),
+            scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens,
+                                      self.scheduling_policy, self.lpm_max_skips),
         )
+
+    def _check_positive(self, *names: str) -> None:
+        for name in names:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValidationError(f"{name} must be positive, got {value}", name)

@@ -4,23 +4,26 @@ from __future__ import annotations
 
 import enum
 
+from vllm_actors.enginecore.block_hash import BlockHash, extend_block_hashes
 from vllm_actors.protocol.engine import EngineCoreRequest, FinishReason
 
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
-    FINISHED = 2
+    PREEMPTED = 2   # back in the waiting queue; its KV was freed and will be recomputed
+    FINISHED = 3
 
 
 class Request:
     """Token ids and progress of one request.
 
     `num_computed_tokens` catches up with `num_tokens` (prompt + outputs); a step computes
-    the difference, or part of it.
+    the difference, or part of it. `block_hashes` cover every full block of `all_token_ids`
+    and grow as tokens are appended.
     """
 
-    def __init__(self, req: EngineCoreRequest, max_model_len: int) -> None:
+    def __init__(self, req: EngineCoreRequest, max_model_len: int, block_size: int = 16) -> None:
         self.request_id = req.request_id
         self.params = req.sampling_params
         self.prompt_token_ids = req.prompt_token_ids
@@ -36,9 +39,15 @@ class Request:
             min(self.params.max_tokens, budget)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
-        self.num_cached_tokens = 0
+        self.num_cached_tokens = -1   # set at first admission
+        self.num_preemptions = 0
+        self.num_times_skipped = 0    # lpm admission passed it over for a later request
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | None = None
+        self.block_size = block_size
+        self.cache_salt = req.cache_salt
+        self.block_hashes: list[BlockHash] = []
+        extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, self.cache_salt)
 
     @property
     def num_tokens(self) -> int:
@@ -54,6 +63,9 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+        if len(self.all_token_ids) % self.block_size == 0:
+            extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size,
+                                self.cache_salt)
 
     def check_stop(self) -> bool:
         """After an appended token: set finish_reason and return True when the request is done.

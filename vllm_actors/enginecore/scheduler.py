@@ -1,117 +1,170 @@
-"""Scheduler: decides each step's work and turns worker results into request outputs.
+"""Scheduler: vLLM V1's single token budget per step, no prefill/decode phases.
 
-This first version runs one request at a time, first come first served: the whole prompt in
-one step, then one token per step, with KV blocks from a free list. Continuous batching,
-chunked prefill and prefix caching replace it in the batching issue; the interface
-(`add_request`, `finish_requests`, `schedule`, `update_from_output`) stays.
+Every request has `num_computed_tokens` catching up with `num_tokens`. A step serves running
+requests first (decodes and unfinished prompt chunks), then admits waiting ones while the
+budget, `max_num_seqs` and free KV blocks allow; long prompts are chunked. When blocks run
+out, the last admitted running request (fcfs/lpm) or the lowest-priority one (priority) is
+preempted: its KV is freed and it is recomputed later, cheaply when its blocks are still
+prefix-cached.
 """
 
 from __future__ import annotations
 
-from collections import deque
-
+from vllm_actors.config import SchedulerConfig
+from vllm_actors.enginecore.admission import make_waiting_queue
+from vllm_actors.enginecore.kv_cache_manager import KVCacheManager
 from vllm_actors.enginecore.request import Request, RequestStatus
-from vllm_actors.protocol.engine import EngineCoreOutput, FinishReason
+from vllm_actors.protocol.engine import EngineCoreOutput, FinishReason, SchedulerStats
 from vllm_actors.protocol.step import CachedRequestData, NewRequestData, StepInput, StepOutput
 
 
 class Scheduler:
     """Args:
-        num_kv_blocks: usable KV blocks (ids 1..num_kv_blocks; block 0 is the null block).
-        block_size: tokens per block.
+        config: limits and policy.
+        kv: the KV cache manager (block accounting and prefix cache).
         max_model_len: longest prompt + output of any request.
     """
 
-    def __init__(self, num_kv_blocks: int, block_size: int, max_model_len: int) -> None:
-        self.block_size = block_size
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
         self.max_model_len = max_model_len
-        self.free_block_ids: deque[int] = deque(range(1, num_kv_blocks + 1))
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
-        self.running: Request | None = None
-        self.block_ids: dict[str, list[int]] = {}
-        self.finished_req_ids: list[str] = []
-        self._sent_to_worker: set[str] = set()
+        self.waiting = make_waiting_queue(config.policy, kv.cached_prefix_tokens,
+                                          config.lpm_max_skips)
+        self.running: list[Request] = []
+        self.finished_req_ids: list[str] = []   # to tell workers on the next step
+        self.num_preemptions = 0                # in the current step
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def has_requests(self) -> bool:
-        return bool(self.waiting) or self.running is not None
+        return bool(self.running) or len(self.waiting) > 0
 
     def finish_requests(self, request_ids: list[str], reason: FinishReason) -> None:
         """Finish (e.g. abort) requests; unknown or already finished ids are ignored."""
         for req_id in request_ids:
             request = self.requests.get(req_id)
-            if request is None or request.is_finished:
+            if request is None:
                 continue
-            if request is self.running:
-                self.running = None
-            elif request in self.waiting:
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
                 self.waiting.remove(request)
             request.finish_reason = reason
             self._free(request)
 
     def _free(self, request: Request) -> None:
-        request.status = RequestStatus.FINISHED
-        self.free_block_ids.extend(reversed(self.block_ids.pop(request.request_id, [])))
-        del self.requests[request.request_id]
-        if request.request_id in self._sent_to_worker:
-            self._sent_to_worker.discard(request.request_id)
+        if request.status == RequestStatus.RUNNING:
             self.finished_req_ids.append(request.request_id)
+        request.status = RequestStatus.FINISHED
+        self.kv.free(request)
+        del self.requests[request.request_id]
 
-    def _blocks_needed(self, request: Request, num_tokens: int) -> int:
-        have = len(self.block_ids.get(request.request_id, ()))
-        return max(0, -(-num_tokens // self.block_size) - have)
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
 
-    def _allocate(self, request: Request, num_tokens: int) -> list[int]:
-        need = self._blocks_needed(request, num_tokens)
-        if need > len(self.free_block_ids):
-            raise RuntimeError(f"out of KV blocks: need {need}, {len(self.free_block_ids)} free")
-        new = [self.free_block_ids.popleft() for _ in range(need)]
-        self.block_ids.setdefault(request.request_id, []).extend(new)
-        return new
+    def _preempt(self, victim: Request, step: StepInput) -> None:
+        self.running.remove(victim)
+        self.kv.free(victim)
+        if step.num_scheduled_tokens.pop(victim.request_id, None) is not None:
+            # already scheduled earlier in this step: take it out again
+            cached = step.cached_requests
+            i = cached.req_ids.index(victim.request_id)
+            for column in (cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+                del column[i]
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.finished_req_ids.append(victim.request_id)
+        self.waiting.prepend(victim)
 
-    def schedule(self) -> StepInput:
-        step = StepInput(finished_req_ids=self.finished_req_ids)
-        self.finished_req_ids = []
-        if self.running is None and self.waiting:
-            request = self.waiting.popleft()
+    def _schedule_running(self, step: StepInput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget,
+                          self.max_model_len - 1 - request.num_computed_tokens)
+            if num_new <= 0:
+                i += 1
+                continue
+            new_blocks = self.kv.allocate_slots(request, num_new)
+            while new_blocks is None:
+                victim = self._pick_victim()
+                budget += step.num_scheduled_tokens.get(victim.request_id, 0)
+                if self.running.index(victim) < i:
+                    i -= 1
+                self._preempt(victim, step)
+                if victim is request:
+                    break
+                new_blocks = self.kv.allocate_slots(request, num_new)
+            if new_blocks is None:
+                continue
+            cached = step.cached_requests
+            cached.req_ids.append(request.request_id)
+            cached.new_block_ids.append([b.block_id for b in new_blocks])
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+            step.num_scheduled_tokens[request.request_id] = num_new
+            request.num_computed_tokens += num_new
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, step: StepInput, budget: int) -> None:
+        while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            hits, num_hit = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget)
+            if self.kv.allocate_slots(request, num_new, hits) is None:
+                break
+            self.waiting.pop(request)
+            self.running.append(request)
             request.status = RequestStatus.RUNNING
-            self.running = request
-            self._allocate(request, request.num_tokens)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
             step.new_requests.append(NewRequestData(
                 request.request_id, list(request.all_token_ids), request.params,
-                list(self.block_ids[request.request_id]), request.num_computed_tokens))
-            self._sent_to_worker.add(request.request_id)
-        elif self.running is not None:
-            request = self.running
-            new_blocks = self._allocate(request, request.num_tokens)
-            step.cached_requests = CachedRequestData([request.request_id], [new_blocks],
-                                                     [request.num_computed_tokens])
-        else:
-            return step
-        step.num_scheduled_tokens[request.request_id] = \
-            request.num_tokens - request.num_computed_tokens
+                self.kv.get_block_ids(request.request_id), num_hit, request.num_prompt_tokens))
+            step.num_scheduled_tokens[request.request_id] = num_new
+            request.num_computed_tokens = num_hit + num_new
+            budget -= num_new
+
+    def schedule(self) -> StepInput:
+        """Choose this step's work; computed counts advance as if the step will succeed."""
+        self.num_preemptions = 0
+        step = StepInput(cached_requests=CachedRequestData())
+        budget = self._schedule_running(step, self.config.max_num_batched_tokens)
+        if self.num_preemptions == 0:
+            self._schedule_waiting(step, budget)
+        step.finished_req_ids = self.finished_req_ids
+        self.finished_req_ids = []
         return step
 
     def update_from_output(self, step: StepInput, output: StepOutput) -> list[EngineCoreOutput]:
-        """Advance computed counts, append sampled tokens, apply stop rules."""
+        """Append sampled tokens, apply stop rules, free finished requests. Partial prompt
+        chunks (no sampled token) produce no output."""
         outputs = []
         for req_id, token_ids in zip(output.req_ids, output.sampled_token_ids):
             request = self.requests.get(req_id)
-            if request is None:  # aborted while the step ran
+            if request is None or not token_ids:   # aborted meanwhile, or mid-prompt
                 continue
-            request.num_computed_tokens += step.num_scheduled_tokens[req_id]
             for token_id in token_ids:
                 request.append_output_token(token_id)
                 if request.check_stop():
                     break
-            finished = request.finish_reason is not None
             outputs.append(EngineCoreOutput(req_id, list(token_ids), request.finish_reason,
                                             request.stop_reason, request.num_cached_tokens))
-            if finished:
-                self.running = None
+            if request.finish_reason is not None:
+                self.running.remove(request)
                 self._free(request)
         return outputs
+
+    def make_stats(self) -> SchedulerStats:
+        queries, hits = self.kv.take_prefix_stats()
+        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, queries, hits,
+                              self.num_preemptions)

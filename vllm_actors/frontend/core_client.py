@@ -26,3 +26,6 @@ class InprocClient:
 
     def get_output(self) -> EngineCoreOutputs:
         return self.core.step()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.core.reset_prefix_cache()

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import itertools
-import sys
-import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
+
+from tqdm import tqdm
 
 from vllm_actors.config import EngineArgs
 from vllm_actors.errors import ValidationError
 from vllm_actors.frontend.core_client import InprocClient
 from vllm_actors.frontend.input_processor import InputProcessor, PromptType
+from vllm_actors.frontend.metrics import StatsAccumulator
 from vllm_actors.frontend.output_processor import OutputProcessor
 from vllm_actors.loaders.model_files import resolve_model
 from vllm_actors.loaders.tokenizer import Tokenizer, load_tokenizer
@@ -47,10 +48,20 @@ class LLM:
         self.client = InprocClient(config)
         self.input_processor = InputProcessor(self.tokenizer, self.client.ready)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.stats = StatsAccumulator()
         self._request_counter = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
+
+    def get_metrics(self) -> dict[str, float]:
+        """Engine counters since start (preemptions, prefix-cache queries and hits, in tokens)
+        and gauges of the latest step, under vLLM's metric names."""
+        return self.stats.snapshot()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget cached prefixes; False while requests still hold KV blocks."""
+        return self.client.reset_prefix_cache()
 
     def _add(self, prompt: PromptType, params: SamplingParams) -> str:
         request_id = str(next(self._request_counter))
@@ -61,12 +72,13 @@ class LLM:
 
     def _run_engine(self) -> Iterator[tuple[RequestOutput, str]]:
         while self.output_processor.has_unfinished_requests():
-            outputs = self.client.get_output().outputs
-            yield from self.output_processor.process_outputs(outputs)
+            engine_outputs = self.client.get_output()
+            self.stats.observe(engine_outputs.scheduler_stats)
+            yield from self.output_processor.process_outputs(engine_outputs.outputs)
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; returns one finished RequestOutput per prompt, in order.
 
         Raises:
@@ -89,14 +101,12 @@ class LLM:
             self._abort(request_ids)
             raise
         finished: dict[str, RequestOutput] = {}
-        start = time.monotonic()
-        for output, _ in self._run_engine():
-            if output.finished:
-                finished[output.request_id] = output
-                if use_tqdm:
-                    _progress(len(finished), len(request_ids), start)
-        if use_tqdm:
-            print(file=sys.stderr)
+        with tqdm(total=len(request_ids), desc="Processed prompts", unit="req",
+                  disable=not use_tqdm or len(request_ids) < 2) as progress:
+            for output, _ in self._run_engine():
+                if output.finished:
+                    finished[output.request_id] = output
+                    progress.update(1)
         return [finished[r] for r in request_ids]
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None
@@ -126,7 +136,7 @@ class LLM:
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+             use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or to a
         list of conversations, rendered with the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -134,7 +144,3 @@ class LLM:
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-
-def _progress(done: int, total: int, start: float) -> None:
-    elapsed = time.monotonic() - start
-    print(f"\rProcessed prompts: {done}/{total} [{elapsed:.1f}s]", end="", file=sys.stderr)

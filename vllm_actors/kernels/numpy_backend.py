@@ -7,11 +7,13 @@ so a step's `x @ W` reads them contiguously.
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import numpy as np
 
 from vllm_actors.kernels import quant
+from vllm_actors.kernels.numpy_attention import NumpyAttention, attend as _attend
 from vllm_actors.kernels.ops import AttentionMetadata, RopeTables, WeightLike
 
 
@@ -48,6 +50,16 @@ class NumpyBackend:
     def to_host(self, x: np.ndarray) -> np.ndarray:
         return x
 
+    def free_memory(self) -> int:
+        try:
+            with open("/proc/meminfo", encoding="ascii") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
     # -- compute ------------------------------------------------------------------------
     def embedding(self, table: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
         return table[token_ids]
@@ -68,7 +80,12 @@ class NumpyBackend:
 
     def silu_mul(self, gate_up: np.ndarray) -> np.ndarray:
         gate, up = np.split(gate_up, 2, axis=-1)
-        return gate / (np.float32(1.0) + np.exp(-gate)) * up
+        out = np.negative(gate)
+        np.exp(out, out=out)
+        out += np.float32(1.0)
+        np.divide(gate, out, out=out)
+        out *= up
+        return out
 
     def rope(self, x: np.ndarray, positions: np.ndarray, tables: RopeTables) -> np.ndarray:
         cos = tables.cos[positions][:, None, :]  # [T, 1, rotary_dim / 2]
@@ -90,49 +107,25 @@ class NumpyBackend:
             out[..., half:tables.rotary_dim] = r2
         return out
 
+    def prepare_attention(self, meta: AttentionMetadata) -> "NumpyAttention":
+        return NumpyAttention.build(meta)
+
     def reshape_and_cache(self, k: np.ndarray, v: np.ndarray,
                           kv_cache: tuple[np.ndarray, np.ndarray],
-                          slot_mapping: np.ndarray) -> None:
+                          attn: "NumpyAttention") -> None:
         k_cache, v_cache = kv_cache
         num_kv_heads, head_dim = k_cache.shape[2:]
-        k_cache.reshape(-1, num_kv_heads, head_dim)[slot_mapping] = k
-        v_cache.reshape(-1, num_kv_heads, head_dim)[slot_mapping] = v
+        k_cache.reshape(-1, num_kv_heads, head_dim)[attn.slot_mapping] = k
+        v_cache.reshape(-1, num_kv_heads, head_dim)[attn.slot_mapping] = v
 
     def paged_attention(self, q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray],
-                        meta: AttentionMetadata, scale: float) -> np.ndarray:
-        k_cache, v_cache = kv_cache
-        num_tokens, num_heads, head_dim = q.shape
-        block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-        group = num_heads // num_kv_heads
-        num_reqs = len(meta.seq_lens)
-        num_blocks = -(-meta.max_seq_len // block_size)
-        ctx = num_blocks * block_size
-        tables = meta.block_tables[:, :num_blocks]
-        # [B, Hk, Dh, L] and [B, Hk, L, Dh]
-        keys = k_cache[tables].reshape(num_reqs, ctx, num_kv_heads, head_dim).transpose(0, 2, 3, 1)
-        values = v_cache[tables].reshape(num_reqs, ctx, num_kv_heads, head_dim).transpose(0, 2, 1, 3)
-
-        q_lens = np.diff(meta.query_start_loc)
-        max_q = meta.max_query_len
-        rows = np.repeat(np.arange(num_reqs), q_lens)
-        cols = np.arange(num_tokens) - meta.query_start_loc[rows]
-        padded = np.zeros((num_reqs, max_q, num_heads, head_dim), np.float32)
-        padded[rows, cols] = q
-        # [B, Hk, max_q * group, Dh]: query head h = kv_head * group + g
-        qh = padded.reshape(num_reqs, max_q, num_kv_heads, group, head_dim)
-        qh = qh.transpose(0, 2, 1, 3, 4).reshape(num_reqs, num_kv_heads, max_q * group, head_dim)
-
-        scores = (qh @ keys).reshape(num_reqs, num_kv_heads, max_q, group, ctx)
-        scores *= np.float32(scale)
-        q_pos = (meta.seq_lens - q_lens)[:, None] + np.arange(max_q)[None, :]   # [B, max_q]
-        visible = np.arange(ctx)[None, None, :] <= q_pos[:, :, None]            # [B, max_q, L]
-        scores = np.where(visible[:, None, :, None, :], scores, np.float32(-np.inf))
-        scores -= scores.max(axis=-1, keepdims=True)
-        probs = np.exp(scores, out=scores)
-        probs /= probs.sum(axis=-1, keepdims=True)
-        out = probs.reshape(num_reqs, num_kv_heads, max_q * group, ctx) @ values
-        out = out.reshape(num_reqs, num_kv_heads, max_q, group, head_dim).transpose(0, 2, 1, 3, 4)
-        return out.reshape(num_reqs, max_q, num_heads, head_dim)[rows, cols]
+                        attn: "NumpyAttention", scale: float) -> np.ndarray:
+        if len(attn.groups) == 1 and attn.groups[0].covers_all:
+            return _attend(q, kv_cache, attn.groups[0], scale)
+        out = np.empty_like(q)
+        for group in attn.groups:
+            out[group.token_index] = _attend(q[group.token_index], kv_cache, group, scale)
+        return out
 
     def lm_head(self, hidden: np.ndarray, table: np.ndarray) -> np.ndarray:
         return hidden @ table.T

@@ -34,15 +34,14 @@ class AttentionMetadata:
         block_tables: [B, max_blocks] int32, KV block ids per request (padded with 0, the null
             block, which attention never reads because it masks by position).
         slot_mapping: [T] int64, flat KV slot (block_id * block_size + offset) of each token.
-        max_query_len / max_seq_len: maxima of the two length arrays.
+        block_size: tokens per KV block.
     """
 
     query_start_loc: np.ndarray
     seq_lens: np.ndarray
     block_tables: np.ndarray
     slot_mapping: np.ndarray
-    max_query_len: int
-    max_seq_len: int
+    block_size: int
 
 
 @dataclass(frozen=True)
@@ -79,6 +78,9 @@ class Backend(Protocol):
 
     def to_host(self, x: Array) -> np.ndarray: ...
 
+    def free_memory(self) -> int:
+        """Bytes the device can still allocate (on CPU: available RAM)."""
+
     # -- compute ------------------------------------------------------------------------
     def embedding(self, table: Any, token_ids: np.ndarray) -> Array:
         """token_ids [T] int -> [T, D]."""
@@ -98,12 +100,14 @@ class Backend(Protocol):
     def rope(self, x: Array, positions: np.ndarray, tables: RopeTables) -> Array:
         """Rotate x [T, H, Dh] (first `rotary_dim` dims) by positions [T]."""
 
-    def reshape_and_cache(self, k: Array, v: Array, kv_cache: Any,
-                          slot_mapping: np.ndarray) -> None:
-        """Write k, v [T, Hk, Dh] into the paged cache at slot_mapping [T]."""
+    def prepare_attention(self, meta: AttentionMetadata) -> Any:
+        """Once per step: the backend's own form of the step's attention layout (device
+        copies, decode/prefill split, ...), passed to every layer's attention ops."""
 
-    def paged_attention(self, q: Array, kv_cache: Any, meta: AttentionMetadata,
-                        scale: float) -> Array:
+    def reshape_and_cache(self, k: Array, v: Array, kv_cache: Any, attn: Any) -> None:
+        """Write k, v [T, Hk, Dh] into the paged cache at the step's slot mapping."""
+
+    def paged_attention(self, q: Array, kv_cache: Any, attn: Any, scale: float) -> Array:
         """Causal attention of q [T, H, Dh] over each request's cached context -> [T, H, Dh].
 
         Prefill chunks and decodes mix freely; GQA maps query head h to KV head h // (H / Hk).

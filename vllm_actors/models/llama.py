@@ -144,8 +144,8 @@ class LlamaForCausalLM:
             down=b.upload_linear([weights.require(p + "ffn_down.weight")]),
         )
 
-    def _attention(self, layer: _Layer, x: Any, positions: np.ndarray,
-                   meta: AttentionMetadata, kv_cache: Any) -> Any:
+    def _attention(self, layer: _Layer, x: Any, positions: np.ndarray, attn: Any,
+                   kv_cache: Any) -> Any:
         b, a = self.backend, self.args
         num_tokens = len(positions)
         qkv = b.linear(x, layer.qkv, layer.qkv_bias)
@@ -157,18 +157,18 @@ class LlamaForCausalLM:
             k = b.rms_norm(k, layer.k_norm, a.rms_norm_eps)
         q = b.rope(q, positions, self.rope)
         k = b.rope(k, positions, self.rope)
-        b.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
-        out = b.paged_attention(q, kv_cache, meta, self.scale)
+        b.reshape_and_cache(k, v, kv_cache, attn)
+        out = b.paged_attention(q, kv_cache, attn, self.scale)
         return b.linear(out.reshape(num_tokens, a.q_size), layer.attn_out)
 
     def forward(self, token_ids: np.ndarray, positions: np.ndarray, meta: AttentionMetadata,
                 kv_caches: list[Any]) -> Any:
         b, eps = self.backend, self.args.rms_norm_eps
+        attn = b.prepare_attention(meta)
         h = b.embedding(self.embed, token_ids)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            attn = self._attention(layer, b.rms_norm(h, layer.attn_norm, eps), positions, meta,
-                                   kv_cache)
-            h = b.add(h, attn)
+            h = b.add(h, self._attention(layer, b.rms_norm(h, layer.attn_norm, eps), positions,
+                                         attn, kv_cache))
             mlp = b.linear(b.silu_mul(b.linear(b.rms_norm(h, layer.ffn_norm, eps), layer.gate_up)),
                            layer.down)
             h = b.add(h, mlp)

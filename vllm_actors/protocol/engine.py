@@ -27,6 +27,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     Attributes:
         eos_token_ids: ids that end generation unless `sampling_params.ignore_eos`.
         arrival_time: seconds since the epoch when the frontend accepted it.
+        priority: smaller runs first under `--scheduling-policy priority`.
+        cache_salt: mixed into the first block's hash, so prefix-cache hits happen only
+            between requests that carry the same salt.
     """
 
     request_id: str
@@ -35,6 +38,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     eos_token_ids: list[int]
     arrival_time: float
     priority: int = 0
+    cache_salt: str | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -57,11 +61,30 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
         return self.finish_reason is not None
 
 
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The scheduler's state after a step.
+
+    Attributes:
+        kv_cache_usage: fraction of KV blocks in use (0..1), the null block excluded.
+        prefix_cache_queries / prefix_cache_hits: prompt tokens looked up / found in the
+            prefix cache by this step's admissions.
+        num_preemptions: requests preempted (KV freed, to be recomputed) in this step.
+    """
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """All outputs of one engine step."""
+    """All outputs of one engine step, with the scheduler's stats when a step ran."""
 
     outputs: list[EngineCoreOutput] = []
     timestamp: float = 0.0
+    scheduler_stats: SchedulerStats | None = None
 
 
 class EngineReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

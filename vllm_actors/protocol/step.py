@@ -16,6 +16,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         token_ids: every token known so far (prompt, plus outputs when resumed).
         block_ids: KV blocks in order; block i holds positions [i * block_size, (i+1) * block_size).
         num_computed_tokens: tokens whose KV is already in those blocks (prefix-cache hits).
+        num_prompt_tokens: how many of token_ids are prompt (the rest are earlier outputs).
     """
 
     req_id: str
@@ -23,6 +24,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    num_prompt_tokens: int
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -37,8 +39,10 @@ class StepInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One step's work.
 
     Attributes:
-        num_scheduled_tokens: tokens to compute this step, per request id.
-        finished_req_ids: requests to forget (finished, aborted or preempted) before the step.
+        num_scheduled_tokens: tokens to compute this step, per request id, in the order the
+            worker lays them out (running requests first, then newly admitted ones).
+        finished_req_ids: requests to forget (finished, aborted or preempted) before the step;
+            a preempted request comes back later as a NewRequestData with all its tokens.
     """
 
     new_requests: list[NewRequestData] = []

@@ -1,14 +1,13 @@
-"""ModelRunner: holds the model, the paged KV cache and per-request state; runs one StepInput.
+"""ModelRunner: the model, its paged KV cache and the persistent InputBatch; runs a StepInput.
 
-It applies the step's diffs (new requests, new blocks, finished ids), lays the scheduled
-tokens out flat with their positions and KV slots, runs the model, and samples one token for
-each request whose scheduled tokens reach the end of what it knows.
+Per step: apply the diffs (finished ids, new requests, new blocks), lay the scheduled tokens
+out flat with vectorized numpy (positions, token ids, KV slots, block tables), run the model,
+and sample only for requests whose scheduled tokens reach their last known token.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -17,29 +16,27 @@ from vllm_actors.errors import ValidationError
 from vllm_actors.kernels import get_backend
 from vllm_actors.kernels.ops import AttentionMetadata
 from vllm_actors.loaders.model_files import resolve_model
+from vllm_actors.models.base import CausalLM
 from vllm_actors.models.registry import load_model
 from vllm_actors.protocol.engine import EngineReady
 from vllm_actors.protocol.step import StepInput, StepOutput
-from vllm_actors.sampling_params import SamplingParams
+from vllm_actors.workers.input_batch import InputBatch
 from vllm_actors.workers.kv_cache import num_kv_blocks
 from vllm_actors.workers.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class _RequestState:
-    token_ids: list[int]
-    block_ids: list[int]
-    num_computed_tokens: int
-    params: SamplingParams
-    generator: np.random.Generator | None
-
-
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    """Args:
+        config: the engine configuration.
+        model: an already built model on `config`'s backend (tests, benchmarks); by default
+            the model named by `config.model.model` is loaded.
+    """
+
+    def __init__(self, config: EngineConfig, model: CausalLM | None = None) -> None:
         self.backend = get_backend(config.device.backend)
-        self.model = load_model(resolve_model(config.model.model), self.backend)
+        self.model = model or load_model(resolve_model(config.model.model), self.backend)
         args = self.model.args
         limit = args.max_position_embeddings
         self.max_model_len = config.model.max_model_len or limit
@@ -47,13 +44,14 @@ class ModelRunner:
             raise ValidationError(f"max_model_len={self.max_model_len} is larger than the "
                                   f"model's context length ({limit})", "max_model_len")
         self.block_size = config.cache.block_size
-        self.num_blocks = num_kv_blocks(config.cache, self.max_model_len)
+        self.num_blocks = num_kv_blocks(config.cache, args, self.max_model_len,
+                                        self.backend.free_memory())
         self.kv_caches = self.backend.allocate_kv_cache(
             args.num_layers, self.num_blocks + 1, self.block_size, args.num_kv_heads,
             args.head_dim)
-        logger.info("KV cache: %d blocks of %d tokens", self.num_blocks, self.block_size)
+        self.batch = InputBatch(config.scheduler.max_num_seqs, self.max_model_len,
+                                self.block_size)
         self.sampler = Sampler(config.model.seed)
-        self.requests: dict[str, _RequestState] = {}
 
     @property
     def ready(self) -> EngineReady:
@@ -61,60 +59,58 @@ class ModelRunner:
                            self.model.args.vocab_size)
 
     def _apply_diffs(self, step: StepInput) -> None:
+        batch = self.batch
         for req_id in step.finished_req_ids:
-            self.requests.pop(req_id, None)
+            batch.remove_request(req_id)
         for new in step.new_requests:
-            generator = None if new.sampling_params.seed is None else \
-                np.random.default_rng(new.sampling_params.seed)
-            self.requests[new.req_id] = _RequestState(
-                list(new.token_ids), list(new.block_ids), new.num_computed_tokens,
-                new.sampling_params, generator)
+            batch.add_request(new, new.num_prompt_tokens)
         cached = step.cached_requests
         for req_id, blocks, computed in zip(cached.req_ids, cached.new_block_ids,
                                             cached.num_computed_tokens):
-            state = self.requests[req_id]
-            state.block_ids.extend(blocks)
-            state.num_computed_tokens = computed
+            row = batch.req_id_to_row[req_id]
+            batch.append_blocks(row, blocks)
+            batch.num_computed_tokens[row] = computed
 
-    def _prepare(self, step: StepInput) -> tuple[np.ndarray, np.ndarray, AttentionMetadata]:
-        states = [self.requests[r] for r in step.num_scheduled_tokens]
-        counts = np.fromiter(step.num_scheduled_tokens.values(), np.int32, len(states))
-        starts = np.array([s.num_computed_tokens for s in states], np.int32)
-        query_start_loc = np.zeros(len(states) + 1, np.int32)
+    def _prepare(self, rows: np.ndarray, counts: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, AttentionMetadata]:
+        """Flat step layout: token ids, positions and attention metadata for `rows`."""
+        batch, bs = self.batch, self.block_size
+        query_start_loc = np.zeros(len(rows) + 1, np.int32)
         np.cumsum(counts, out=query_start_loc[1:])
+        token_rows = np.repeat(rows, counts)                       # [T] row of each token
+        offsets = np.arange(len(token_rows)) - np.repeat(query_start_loc[:-1], counts)
+        starts = batch.num_computed_tokens[rows]
+        positions = np.repeat(starts, counts) + offsets
+        token_ids = batch.token_ids[token_rows, positions]
+        slots = (batch.block_table[token_rows, positions // bs].astype(np.int64) * bs
+                 + positions % bs)
         seq_lens = starts + counts
-        max_blocks = max(len(s.block_ids) for s in states)
-        block_tables = np.zeros((len(states), max_blocks), np.int32)
-        for row, s in enumerate(states):
-            block_tables[row, :len(s.block_ids)] = s.block_ids
-        rows = np.repeat(np.arange(len(states)), counts)
-        positions = starts[rows] + (np.arange(len(rows)) - query_start_loc[rows])
-        token_ids = np.concatenate([np.asarray(s.token_ids[a:a + n], np.int64)
-                                    for s, a, n in zip(states, starts, counts)])
-        slots = (block_tables[rows, positions // self.block_size].astype(np.int64)
-                 * self.block_size + positions % self.block_size)
-        meta = AttentionMetadata(query_start_loc, seq_lens, block_tables, slots,
-                                 int(counts.max()), int(seq_lens.max()))
+        num_blocks = -(-int(seq_lens.max()) // bs)
+        meta = AttentionMetadata(query_start_loc, seq_lens,
+                                 batch.block_table[rows, :num_blocks], slots, bs)
         return token_ids, positions, meta
 
     def execute(self, step: StepInput) -> StepOutput:
         self._apply_diffs(step)
         if not step.num_scheduled_tokens:
             return StepOutput()
-        token_ids, positions, meta = self._prepare(step)
-        hidden = self.model.forward(token_ids, positions, meta, self.kv_caches)
+        batch = self.batch
         req_ids = list(step.num_scheduled_tokens)
-        states = [self.requests[r] for r in req_ids]
-        complete = [i for i, s in enumerate(states) if meta.seq_lens[i] >= len(s.token_ids)]
+        rows = batch.rows_of(req_ids)
+        counts = np.fromiter(step.num_scheduled_tokens.values(), np.int32, len(rows))
+        token_ids, positions, meta = self._prepare(rows, counts)
+        hidden = self.model.forward(token_ids, positions, meta, self.kv_caches)
+
+        batch.num_computed_tokens[rows] += counts
+        done = np.flatnonzero(batch.num_computed_tokens[rows] >= batch.num_tokens[rows])
         sampled: list[list[int]] = [[] for _ in req_ids]
-        if complete:
-            last_rows = meta.query_start_loc[1:][complete] - 1
-            logits = self.model.compute_logits(hidden[last_rows])
-            tokens = self.sampler.sample(logits, [states[i].params for i in complete],
-                                         [states[i].generator for i in complete])
-            for i, token in zip(complete, tokens):
-                states[i].token_ids.append(token)
+        if len(done):
+            done_rows = rows[done]
+            logits = self.model.compute_logits(hidden[meta.query_start_loc[1:][done] - 1])
+            output_index = batch.num_tokens[done_rows] - batch.num_prompt_tokens[done_rows]
+            tokens = self.sampler.sample(logits, [batch.params[r] for r in done_rows],
+                                         output_index)
+            batch.append_tokens(done_rows, tokens)
+            for i, token in zip(done.tolist(), tokens.tolist()):
                 sampled[i] = [token]
-        for s, n in zip(states, step.num_scheduled_tokens.values()):
-            s.num_computed_tokens += n
         return StepOutput(req_ids, sampled)

@@ -1,0 +1,115 @@
+"""Paged attention on numpy, batched across requests with no per-request loop per layer.
+
+A step's requests are split once per step into groups that are each computed with one set of
+batched matmuls: all decode rows (one query token each) together, and prompt rows bucketed by
+query length so that one long prompt chunk does not pad many short ones (a bucket holds rows
+at least half as long as its longest). Keys and values are gathered from the paged cache
+through each group's block tables; the causal/length mask is built once per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from vllm_actors.kernels.ops import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Requests attended together.
+
+    Attributes:
+        token_index: [n] positions of the group's query tokens in the step.
+        covers_all: the group holds every token of the step, in step order.
+        block_tables: [b, num_blocks] only the blocks the longest context needs.
+        rows / cols: [n] place of each query token in the padded [b, max_q] layout.
+        mask: [b, 1, max_q, 1, ctx] float32, 0 where a key is visible, -inf elsewhere.
+    """
+
+    token_index: np.ndarray
+    covers_all: bool
+    block_tables: np.ndarray
+    rows: np.ndarray
+    cols: np.ndarray
+    mask: np.ndarray
+
+    @property
+    def max_q(self) -> int:
+        return self.mask.shape[2]
+
+
+def _group(meta: AttentionMetadata, q_lens: np.ndarray, members: np.ndarray,
+           num_tokens: int) -> AttentionGroup:
+    lens = q_lens[members]
+    rows = np.repeat(np.arange(len(members)), lens)
+    cols = np.arange(len(rows)) - np.repeat(np.cumsum(lens) - lens, lens)
+    token_index = meta.query_start_loc[members][rows] + cols
+    seq_lens = meta.seq_lens[members]
+    num_blocks = -(-int(seq_lens.max()) // meta.block_size)
+    ctx = num_blocks * meta.block_size
+    q_pos = (seq_lens - lens)[:, None] + np.arange(int(lens.max()))[None, :]   # [b, max_q]
+    visible = np.arange(ctx)[None, None, :] <= q_pos[:, :, None]                # [b, max_q, ctx]
+    mask = np.where(visible, np.float32(0), np.float32(-np.inf))[:, None, :, None, :]
+    return AttentionGroup(token_index, len(token_index) == num_tokens,
+                          meta.block_tables[members, :num_blocks], rows, cols, mask)
+
+
+def _prompt_buckets(q_lens: np.ndarray, members: np.ndarray) -> list[np.ndarray]:
+    order = members[np.argsort(-q_lens[members], kind="stable")]
+    buckets = []
+    while len(order):
+        keep = q_lens[order] * 2 > q_lens[order[0]]
+        buckets.append(np.sort(order[keep]))
+        order = order[~keep]
+    return buckets
+
+
+@dataclass(frozen=True)
+class NumpyAttention:
+    """The numpy backend's per-step attention layout."""
+
+    slot_mapping: np.ndarray
+    groups: list[AttentionGroup]
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata) -> "NumpyAttention":
+        q_lens = np.diff(meta.query_start_loc)
+        num_tokens = int(meta.query_start_loc[-1])
+        decode = np.flatnonzero(q_lens == 1)
+        member_sets = ([decode] if len(decode) else []) + \
+            _prompt_buckets(q_lens, np.flatnonzero(q_lens > 1))
+        return cls(meta.slot_mapping, [_group(meta, q_lens, m, num_tokens) for m in member_sets])
+
+
+def attend(q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray], group: AttentionGroup,
+           scale: float) -> np.ndarray:
+    """q [n, H, Dh] of the group's tokens -> attention output [n, H, Dh]."""
+    k_cache, v_cache = kv_cache
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    num_heads = q.shape[1]
+    g = num_heads // num_kv_heads
+    b, max_q = len(group.block_tables), group.max_q
+    ctx = group.block_tables.shape[1] * block_size
+    keys = k_cache[group.block_tables].reshape(b, ctx, num_kv_heads, head_dim).transpose(0, 2, 3, 1)
+    values = v_cache[group.block_tables].reshape(b, ctx, num_kv_heads, head_dim).transpose(0, 2, 1, 3)
+    q = q * np.float32(scale)
+    if max_q == 1:
+        qh = q.reshape(b, num_kv_heads, g, head_dim)
+    else:
+        padded = np.zeros((b, max_q, num_heads, head_dim), np.float32)
+        padded[group.rows, group.cols] = q
+        qh = padded.reshape(b, max_q, num_kv_heads, g, head_dim).transpose(0, 2, 1, 3, 4)
+        qh = qh.reshape(b, num_kv_heads, max_q * g, head_dim)
+    scores = (qh @ keys).reshape(b, num_kv_heads, max_q, g, ctx)   # query head = kv_head * g + i
+    scores += group.mask
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    denom = scores.sum(axis=-1).reshape(b, num_kv_heads, max_q * g, 1)
+    out = scores.reshape(b, num_kv_heads, max_q * g, ctx) @ values
+    out /= denom
+    if max_q == 1:
+        return out.reshape(b, num_heads, head_dim)
+    out = out.reshape(b, num_kv_heads, max_q, g, head_dim).transpose(0, 2, 1, 3, 4)
+    return out.reshape(b, max_q, num_heads, head_dim)[group.rows, group.cols]

@@ -1,0 +1,73 @@
+"""InputBatch: the worker's persistent per-request arrays. A request keeps its row from
+admission until it finishes or is preempted, so each step only writes what changed."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vllm_actors.protocol.step import NewRequestData
+from vllm_actors.sampling_params import SamplingParams
+
+
+class InputBatch:
+    """Rows of preallocated arrays.
+
+    Attributes:
+        token_ids: [max_num_reqs, max_model_len] int32, prompt then outputs.
+        num_tokens / num_prompt_tokens / num_computed_tokens: [max_num_reqs] int32.
+        block_table: [max_num_reqs, max_blocks_per_req] int32 (0 = the null block).
+        num_blocks: [max_num_reqs] int32, filled entries of each block_table row.
+        params: the SamplingParams of each row (None for a free row).
+    """
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        max_blocks = -(-max_model_len // block_size)
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), np.int32)
+        self.num_tokens = np.zeros(max_num_reqs, np.int32)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, np.int32)
+        self.num_computed_tokens = np.zeros(max_num_reqs, np.int32)
+        self.block_table = np.zeros((max_num_reqs, max_blocks), np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, np.int32)
+        self.params: list[SamplingParams | None] = [None] * max_num_reqs
+        self.req_id_to_row: dict[str, int] = {}
+        self.free_rows = list(range(max_num_reqs - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self.req_id_to_row)
+
+    def add_request(self, new: NewRequestData, num_prompt_tokens: int) -> int:
+        """Give a request a row (its tokens, blocks, sampling params); returns the row."""
+        if not self.free_rows:
+            raise RuntimeError("InputBatch is full: more running requests than max_num_seqs")
+        row = self.free_rows.pop()
+        self.req_id_to_row[new.req_id] = row
+        n = len(new.token_ids)
+        self.token_ids[row, :n] = new.token_ids
+        self.num_tokens[row] = n
+        self.num_prompt_tokens[row] = num_prompt_tokens
+        self.num_computed_tokens[row] = new.num_computed_tokens
+        self.num_blocks[row] = 0
+        self.append_blocks(row, new.block_ids)
+        self.params[row] = new.sampling_params
+        return row
+
+    def remove_request(self, req_id: str) -> None:
+        row = self.req_id_to_row.pop(req_id, None)
+        if row is not None:
+            self.params[row] = None
+            self.free_rows.append(row)
+
+    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+        start = self.num_blocks[row]
+        self.block_table[row, start:start + len(block_ids)] = block_ids
+        self.num_blocks[row] = start + len(block_ids)
+
+    def rows_of(self, req_ids: list[str]) -> np.ndarray:
+        return np.fromiter((self.req_id_to_row[r] for r in req_ids), np.int64, len(req_ids))
+
+    def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """One sampled token per row, written after each row's last token."""
+        self.token_ids[rows, self.num_tokens[rows]] = token_ids
+        self.num_tokens[rows] += 1
