@@ -17,6 +17,21 @@ def load_golden(name: str) -> dict:
     return json.loads((GOLDEN / name).read_text(encoding="utf-8"))
 
 
+def _ipc_dirs() -> set[str]:
+    import glob
+    import tempfile
+    return set(glob.glob(f"{tempfile.gettempdir()}/va-*"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leftover_ipc_dirs():
+    """Every engine started by the suite removes its ipc directory."""
+    before = _ipc_dirs()
+    yield
+    leftover = _ipc_dirs() - before
+    assert not leftover, f"engine ipc directories left behind: {sorted(leftover)}"
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     from vllm_actors.loaders.model_files import default_model_path
@@ -34,5 +49,32 @@ def smollm2_tokenizer(smollm2_path):
 
 @pytest.fixture(scope="session")
 def smollm2_llm(smollm2_path):
+    """The default model behind the full engine (core in its own process)."""
     from vllm_actors import LLM
-    return LLM(str(smollm2_path))
+    with LLM(str(smollm2_path)) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(smollm2_path):
+    """(model, backend) loaded in this process, for logits-level checks."""
+    from vllm_actors.kernels.numpy_backend import NumpyBackend
+    from vllm_actors.loaders.model_files import resolve_model
+    from vllm_actors.models.registry import load_model
+    backend = NumpyBackend()
+    return load_model(resolve_model(smollm2_path), backend), backend
+
+
+@pytest.fixture(scope="session")
+def mixed_prompts(smollm2_tokenizer):
+    """48 prompts of 8..600 tokens cut from different offsets of two long texts."""
+    import numpy as np
+    from oracle.prompts import LONG_CODE, LONG_ESSAY
+    source = smollm2_tokenizer.encode(LONG_ESSAY + "\n\n" + LONG_CODE)
+    lengths = np.linspace(8, 600, 48).astype(int)
+    np.random.default_rng(0).shuffle(lengths)
+    out = []
+    for i, n in enumerate(lengths):
+        start = (i * 37) % (len(source) - n)
+        out.append({"prompt_token_ids": source[start:start + n]})
+    return out

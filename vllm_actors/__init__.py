@@ -1,12 +1,15 @@
 """vllm_actors: vLLM's V1 serving engine in Python, without PyTorch."""
 
 from vllm_actors.config import EngineArgs
+from vllm_actors.errors import EngineDeadError, ValidationError
+from vllm_actors.frontend.async_llm import AsyncLLM
 from vllm_actors.frontend.llm import LLM
 from vllm_actors.loaders.tokenizer import Tokenizer, get_tokenizer
 from vllm_actors.outputs import CompletionOutput, RequestOutput
-from vllm_actors.sampling_params import SamplingParams
+from vllm_actors.sampling_params import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "CompletionOutput", "EngineArgs", "RequestOutput", "SamplingParams",
-           "Tokenizer", "get_tokenizer", "__version__"]
+__all__ = ["LLM", "AsyncLLM", "CompletionOutput", "EngineArgs", "EngineDeadError",
+           "RequestOutput", "RequestOutputKind", "SamplingParams", "Tokenizer",
+           "ValidationError", "get_tokenizer", "__version__"]

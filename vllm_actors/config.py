@@ -82,6 +82,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     scheduling_policy: str = "fcfs"
     lpm_max_skips: int = 8
+    multiprocessing: bool = True
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -122,6 +123,9 @@ class EngineArgs:
                                  "first)")
         parser.add_argument("--lpm-max-skips", type=int, default=8,
                             help="lpm: how often a waiting request may be passed over")
+        parser.add_argument("--multiprocessing", action=argparse.BooleanOptionalAction,
+                            default=True, help="run the engine core in its own process (off: "
+                                               "in a thread, for debugging and profiling)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":

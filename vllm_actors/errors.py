@@ -25,6 +25,10 @@ class EngineDeadError(VllmActorsError):
     """The engine core stopped; every pending request fails with this (HTTP 503)."""
 
 
+class RequestFailedError(VllmActorsError):
+    """One request failed inside the engine (finish_reason "error"); others were unaffected."""
+
+
 class ModelLoadError(VllmActorsError):
     """A model, tokenizer or weight file could not be used.
 
@@ -47,3 +51,23 @@ class ModelFormatError(ModelLoadError):
 
 class UnsupportedModelError(ModelLoadError):
     """A well-formed file that uses something we do not implement (architecture, tensor type)."""
+
+
+def error_from_wire(error_type: str, message: str, param: str | None = None) -> Exception:
+    """Rebuild an error raised in another process from its class name and message: our own
+    typed errors keep their class, anything else becomes a VllmActorsError."""
+    cls = next((c for c in _all_subclasses(VllmActorsError) if c.__name__ == error_type), None)
+    if cls is None:
+        return VllmActorsError(f"{error_type}: {message}")
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    if issubclass(cls, ValidationError):
+        error.param = param
+    return error
+
+
+def _all_subclasses(cls: type) -> list[type]:
+    out = [cls]
+    for sub in cls.__subclasses__():
+        out.extend(_all_subclasses(sub))
+    return out

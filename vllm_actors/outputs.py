@@ -30,6 +30,7 @@ class RequestOutput:
 
     Attributes:
         num_cached_tokens: prompt tokens whose KV came from the prefix cache.
+        error: why the engine failed this request (its finish_reason is then "error").
     """
 
     request_id: str
@@ -38,3 +39,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    error: str | None = None

@@ -90,16 +90,18 @@ def test_bad_inputs(smollm2_llm):
     with pytest.raises(ValidationError, match="a prompt must be a string"):
         smollm2_llm.generate([42], GREEDY)
     # nothing was left behind by the failed calls
-    assert not smollm2_llm.output_processor.has_unfinished_requests()
-    assert not smollm2_llm.client.core.has_unfinished_requests()
+    assert not smollm2_llm.engine.output_processor.has_unfinished_requests()
+    stats = smollm2_llm._run(smollm2_llm.engine.get_scheduler_stats())
+    assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0
 
 
 def test_prompt_longer_than_max_model_len(smollm2_path):
-    llm = LLM(str(smollm2_path), max_model_len=32)
-    with pytest.raises(ValidationError, match="the prompt has 40 tokens, but max_model_len is 32"):
-        llm.generate({"prompt_token_ids": [100] * 40}, GREEDY)
-    out = llm.generate({"prompt_token_ids": [100] * 28}, SamplingParams(
-        temperature=0, max_tokens=100))[0].outputs[0]
+    with LLM(str(smollm2_path), max_model_len=32) as llm:
+        with pytest.raises(ValidationError,
+                           match="the prompt has 40 tokens, but max_model_len is 32"):
+            llm.generate({"prompt_token_ids": [100] * 40}, GREEDY)
+        out = llm.generate({"prompt_token_ids": [100] * 28}, SamplingParams(
+            temperature=0, max_tokens=100))[0].outputs[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 4
 
 
@@ -118,7 +120,8 @@ def test_bad_engine_arguments(smollm2_path, tmp_path):
     ({"temperature": -1}, "temperature must be >= 0"),
     ({"max_tokens": 0}, "max_tokens must be at least 1"),
     ({"min_tokens": 5, "max_tokens": 2}, r"min_tokens \(5\) must be <= max_tokens \(2\)"),
-    ({"n": 2}, "n must be 1"),
+    ({"n": 0}, "n must be between 1 and 128"),
+    ({"stop": [""]}, "stop must be a list of non-empty strings"),
     ({"stop_token_ids": [-3]}, "stop_token_ids must be non-negative"),
 ])
 def test_sampling_params_validation(kwargs, message):

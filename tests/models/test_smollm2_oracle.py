@@ -45,13 +45,13 @@ def test_greedy_tokens_match_transformers(greedy_outputs, case):
 
 
 @pytest.mark.parametrize("case", GREEDY["cases"], ids=lambda c: c["name"])
-def test_logits_match_transformers(smollm2_llm, case):
+def test_logits_match_transformers(smollm2_model, case):
     """Logits of the stored steps, recomputed by running prompt + golden tokens as a prompt."""
     from model_driver import prompt_logits
-    runner = smollm2_llm.client.core.executor.runner
+    model, backend = smollm2_model
     steps = GREEDY["logit_steps"]
     ids = case["prompt_token_ids"] + case["tokens"][:max(steps)]
-    logits = prompt_logits(runner.model, runner.backend, ids, chunks=[len(ids) - 5, 5])
+    logits = prompt_logits(model, backend, ids, chunks=[len(ids) - 5, 5])
     worst = 0.0
     for step in steps:
         row = logits[len(case["prompt_token_ids"]) - 1 + step]

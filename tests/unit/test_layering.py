@@ -29,8 +29,8 @@ ALLOWED = {
     "vllm_actors.config": ["vllm_actors.errors"],
     "vllm_actors.sampling_params": ["vllm_actors.errors"],
     "vllm_actors.kernels": ["vllm_actors.kernels"],
-    # The in-process client runs the core in the frontend's process (vLLM's InprocClient).
-    "vllm_actors.frontend.core_client": ["vllm_actors.enginecore.core"],
+    # Multiprocessing off: the core's entry point runs in a thread of the frontend process.
+    "vllm_actors.frontend.core_client": ["vllm_actors.enginecore.proc"],
     # The core reaches workers only through the executor.
     "vllm_actors.enginecore": ["vllm_actors.workers.executor"],
 }
@@ -83,6 +83,7 @@ def test_file_budget(name, path):
 
 def test_rules_catch_a_violation():
     assert violations("vllm_actors.frontend.llm", "vllm_actors.enginecore.scheduler")
+    assert violations("vllm_actors.frontend.core_client", "vllm_actors.enginecore.core")
     assert violations("vllm_actors.enginecore.core", "vllm_actors.workers.model_runner")
     assert not violations("vllm_actors.enginecore.core", "vllm_actors.workers.executor")
     assert violations("vllm_actors.kernels.ops", "vllm_actors.loaders.gguf")

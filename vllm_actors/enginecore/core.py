@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import logging
 import time
 
 from vllm_actors.config import EngineConfig
+from vllm_actors.errors import ValidationError
 from vllm_actors.enginecore.kv_cache_manager import KVCacheManager
 from vllm_actors.enginecore.request import Request
 from vllm_actors.enginecore.scheduler import Scheduler
 from vllm_actors.protocol.engine import (EngineCoreOutputs, EngineCoreRequest, EngineReady,
-                                         FinishReason)
+                                         FinishReason, SchedulerStats)
 from vllm_actors.protocol.step import StepOutput
 from vllm_actors.workers.executor import InprocExecutor
-
-logger = logging.getLogger(__name__)
 
 
 class EngineCore:
@@ -30,6 +28,16 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, kv, self.ready.max_model_len)
 
     def add_request(self, req: EngineCoreRequest) -> None:
+        """Queue a request. Raises ValidationError for one the frontend should have refused
+        (a duplicate id, an empty or too long prompt, ids outside the vocabulary)."""
+        num_tokens = len(req.prompt_token_ids)
+        if req.request_id in self.scheduler.requests:
+            raise ValidationError(f"request id {req.request_id!r} is already in use")
+        if not 0 < num_tokens < self.ready.max_model_len:
+            raise ValidationError(f"the prompt has {num_tokens} tokens; it must have between 1 "
+                                  f"and {self.ready.max_model_len - 1}")
+        if min(req.prompt_token_ids) < 0 or max(req.prompt_token_ids) >= self.ready.vocab_size:
+            raise ValidationError(f"prompt token ids must be in [0, {self.ready.vocab_size})")
         self.scheduler.add_request(Request(req, self.ready.max_model_len, self.block_size))
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -37,6 +45,11 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_requests()
+
+    def get_stats(self) -> SchedulerStats:
+        """The scheduler's current state (prefix-cache counters are left for the next step)."""
+        s = self.scheduler
+        return SchedulerStats(len(s.running), len(s.waiting), s.kv.usage)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; refused (False) while requests hold KV blocks."""

@@ -149,6 +149,13 @@ class Scheduler:
         """Append sampled tokens, apply stop rules, free finished requests. Partial prompt
         chunks (no sampled token) produce no output."""
         outputs = []
+        for req_id, reason in output.failed.items():
+            request = self.requests.get(req_id)
+            if request is not None:
+                self.finish_requests([req_id], FinishReason.ERROR)
+                outputs.append(EngineCoreOutput(req_id, [], FinishReason.ERROR,
+                                                num_cached_tokens=request.num_cached_tokens,
+                                                error=reason))
         for req_id, token_ids in zip(output.req_ids, output.sampled_token_ids):
             request = self.requests.get(req_id)
             if request is None or not token_ids:   # aborted meanwhile, or mid-prompt

@@ -1,42 +1,101 @@
-"""Incremental detokenization: text deltas as tokens arrive, holding back partial UTF-8.
+"""Incremental detokenization with stop strings.
 
-Decodes a sliding window of ids (prefix/read offsets, as vLLM does) so each step costs O(1)
-tokens, and seeds the window with the prompt's last tokens so tokenizers that strip a leading
-space (SentencePiece) still produce the right first word.
+Text grows as tokens arrive: a sliding window of ids is decoded (prefix/read offsets, as
+vLLM does) so each step costs O(1) tokens, text ending in an incomplete UTF-8 character
+(U+FFFD) is held back, and the window starts with the prompt's last tokens so tokenizers that
+strip a leading space still produce the right first word. Stop strings are matched on the
+text once min_tokens is reached; while streaming, a tail that could still become a stop
+string is held back.
 """
 
 from __future__ import annotations
 
 from vllm_actors.loaders.tokenizer import Tokenizer
+from vllm_actors.sampling_params import SamplingParams
 
 _PROMPT_CONTEXT = 5
 _REPLACEMENT = "\ufffd"
 
 
+def find_stop_string(text: str, num_new_chars: int, stop: list[str],
+                     include: bool) -> tuple[str, int] | None:
+    """The first stop string (in list order) that occurs in the newly added text (or across
+    its start), and where to cut the text: before it, or after it when `include`."""
+    for s in stop:
+        index = text.find(s, max(0, len(text) - num_new_chars - len(s) + 1))
+        if index != -1:
+            return s, index + len(s) if include else index
+    return None
+
+
+def partial_stop_length(text: str, stop: list[str]) -> int:
+    """Length of the longest end of `text` that is the start of some stop string."""
+    longest = 0
+    for s in stop:
+        for n in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:n]):
+                longest = n
+                break
+    return longest
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int],
-                 skip_special_tokens: bool = True) -> None:
+                 params: SamplingParams) -> None:
         self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
+        self.skip_special_tokens = params.skip_special_tokens
+        self.spaces_between_special_tokens = params.spaces_between_special_tokens
+        self.stop = params.stop
+        self.include_stop = params.include_stop_str_in_output
+        self.min_tokens = params.min_tokens
         context = prompt_token_ids[-_PROMPT_CONTEXT:]
         self.ids: list[int] = list(context)
         self.prefix_offset = 0
         self.read_offset = len(context)
-        self.text = ""
+        self.output_text = ""
+        self.num_output_tokens = 0
+        self.stop_search_start = 0   # stop strings may not match text made before min_tokens
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(ids, self.skip_special_tokens,
+                                     self.spaces_between_special_tokens)
 
-    def update(self, new_token_ids: list[int], finished: bool = False) -> str:
-        """Append tokens; return the new text they complete (all of it when `finished`)."""
-        self.ids.extend(new_token_ids)
+    def _decode_next(self, token_id: int, flush: bool) -> str:
+        self.ids.append(token_id)
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full_text = self._decode(self.ids[self.prefix_offset:])
-        if len(full_text) <= len(prefix_text) or (full_text.endswith(_REPLACEMENT)
-                                                  and not finished):
+        if len(full_text) <= len(prefix_text) or (full_text.endswith(_REPLACEMENT) and not flush):
             return ""
-        delta = full_text[len(prefix_text):]
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.ids)
-        self.text += delta
-        return delta
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full_text[len(prefix_text):]
+
+    def update(self, new_token_ids: list[int], finished: bool = False,
+               stop_terminated: bool = False) -> str | None:
+        """Add tokens. `stop_terminated`: the engine stopped on EOS or a stop token, whose text
+        is left out unless include_stop_str_in_output. Returns the stop string that matched,
+        after cutting the text at it, or None."""
+        start_len = len(self.output_text)
+        for i, token_id in enumerate(new_token_ids):
+            last = i == len(new_token_ids) - 1
+            self.num_output_tokens += 1
+            if last and stop_terminated and not self.include_stop:
+                continue
+            self.output_text += self._decode_next(token_id, flush=finished and last)
+            if self.num_output_tokens <= self.min_tokens:
+                self.stop_search_start = len(self.output_text)
+        if not self.stop or self.num_output_tokens <= self.min_tokens:
+            return None
+        num_new = len(self.output_text) - max(start_len, self.stop_search_start)
+        match = find_stop_string(self.output_text, num_new, self.stop, self.include_stop)
+        if match is None:
+            return None
+        stop_str, cut = match
+        self.output_text = self.output_text[:cut]
+        return stop_str
+
+    def releasable_text_length(self, finished: bool) -> int:
+        """How much of output_text may be shown now: all of it once finished; otherwise not
+        a tail that might still grow into an (excluded) stop string."""
+        if finished or not self.stop or self.include_stop:
+            return len(self.output_text)
+        return len(self.output_text) - partial_stop_length(self.output_text, self.stop)

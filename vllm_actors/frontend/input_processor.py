@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from vllm_actors.errors import ValidationError
+from vllm_actors.loaders.chat_template import read_chat_template
 from vllm_actors.loaders.tokenizer import Tokenizer
 from vllm_actors.protocol.engine import EngineCoreRequest, EngineReady
 from vllm_actors.sampling_params import SamplingParams
@@ -30,6 +31,16 @@ class InputProcessor:
         raise ValidationError("a prompt must be a string, {'prompt': str} or "
                               f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}",
                               "prompt")
+
+    def chat_prompt(self, messages: list[dict[str, Any]], chat_template: str | None = None,
+                    add_generation_prompt: bool = True) -> dict[str, Any]:
+        """A conversation rendered with the chat template, as {"prompt", "prompt_token_ids"}."""
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+            chat_template=read_chat_template(chat_template))
+        assert isinstance(text, str)
+        return {"prompt": text,
+                "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
                 priority: int = 0) -> tuple[str | None, EngineCoreRequest]:

@@ -1,88 +1,110 @@
-"""LLM: the offline API. Prompts in, `RequestOutput`s out, in the order given."""
+"""LLM: the offline API. Prompts in, finished `RequestOutput`s out, in the order given.
+
+It drives the same engine core process as AsyncLLM, through an AsyncLLM whose event loop
+runs in a private thread, so there is one code path for both.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import itertools
-from pathlib import Path
+import queue
+import threading
 from typing import Any, Iterator, Sequence
 
+import msgspec
 from tqdm import tqdm
 
-from vllm_actors.config import EngineArgs
-from vllm_actors.errors import ValidationError
-from vllm_actors.frontend.core_client import InprocClient
-from vllm_actors.frontend.input_processor import InputProcessor, PromptType
-from vllm_actors.frontend.metrics import StatsAccumulator
-from vllm_actors.frontend.output_processor import OutputProcessor
-from vllm_actors.loaders.model_files import resolve_model
-from vllm_actors.loaders.tokenizer import Tokenizer, load_tokenizer
+from vllm_actors.errors import EngineDeadError, ValidationError
+from vllm_actors.frontend.async_llm import AsyncLLM
+from vllm_actors.frontend.input_processor import PromptType
+from vllm_actors.loaders.tokenizer import Tokenizer
 from vllm_actors.outputs import RequestOutput
-from vllm_actors.sampling_params import SamplingParams
+from vllm_actors.sampling_params import RequestOutputKind, SamplingParams
 
 Messages = list[dict[str, Any]]
 
 
-def _read_chat_template(value: str | None) -> str | None:
-    """--chat-template takes a file path or the template text itself."""
-    if value is None:
-        return None
-    path = Path(value).expanduser()
-    if len(value) < 4096 and "{" not in value and path.is_file():
-        return path.read_text(encoding="utf-8")
-    return value
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's loop where it is installed, else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
 
 
 class LLM:
-    """Load a model and generate with it.
+    """Load a model (in the engine core process) and generate with it.
 
     Args:
         model: a .gguf file or an HF directory; None = the default model (SmolLM2).
-        **engine_args: any `EngineArgs` field (max_model_len, seed, block_size, ...).
+        **engine_args: any `EngineArgs` field (max_model_len, max_num_seqs, seed, ...).
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        args = EngineArgs.from_kwargs(model=model, **engine_args)
-        config = args.create_engine_config()
-        source = resolve_model(config.model.model)
-        self.tokenizer = load_tokenizer(source, _read_chat_template(config.model.chat_template))
-        self.client = InprocClient(config)
-        self.input_processor = InputProcessor(self.tokenizer, self.client.ready)
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.stats = StatsAccumulator()
+        self._loop = new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="LLM-loop",
+                                        daemon=True)
+        self._thread.start()
+        try:
+            self.engine = AsyncLLM(model, **engine_args)
+        except BaseException:
+            self._stop_loop()
+            raise
         self._request_counter = itertools.count()
 
+    # -- plumbing ------------------------------------------------------------------------
+    def _submit(self, coro: Any) -> "concurrent.futures.Future":
+        if not self._loop.is_running():
+            coro.close()
+            raise EngineDeadError("the engine was shut down")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _run(self, coro: Any) -> Any:
+        return self._submit(coro).result()
+
+    def _stop_loop(self) -> None:
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+
+    def shutdown(self) -> None:
+        """Stop the engine core and the loop thread; idempotent."""
+        if hasattr(self, "engine"):
+            self.engine.shutdown()
+        self._stop_loop()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- queries -------------------------------------------------------------------------
     def get_tokenizer(self) -> Tokenizer:
-        return self.tokenizer
+        return self.engine.tokenizer
 
     def get_metrics(self) -> dict[str, float]:
         """Engine counters since start (preemptions, prefix-cache queries and hits, in tokens)
         and gauges of the latest step, under vLLM's metric names."""
-        return self.stats.snapshot()
+        return self.engine.stats.snapshot()
 
     def reset_prefix_cache(self) -> bool:
         """Forget cached prefixes; False while requests still hold KV blocks."""
-        return self.client.reset_prefix_cache()
+        return self._run(self.engine.reset_prefix_cache())
 
-    def _add(self, prompt: PromptType, params: SamplingParams) -> str:
-        request_id = str(next(self._request_counter))
-        text, request = self.input_processor.process(request_id, prompt, params)
-        self.output_processor.add_request(request, text)
-        self.client.add_request(request)
-        return request_id
-
-    def _run_engine(self) -> Iterator[tuple[RequestOutput, str]]:
-        while self.output_processor.has_unfinished_requests():
-            engine_outputs = self.client.get_output()
-            self.stats.observe(engine_outputs.scheduler_stats)
-            yield from self.output_processor.process_outputs(engine_outputs.outputs)
-
+    # -- generation ----------------------------------------------------------------------
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; returns one finished RequestOutput per prompt, in order.
 
         Raises:
-            ValidationError: a bad prompt or a sampling_params list of the wrong length.
+            ValidationError: a bad prompt or a sampling_params list of the wrong length
+                (then nothing is left running).
+            EngineDeadError: the engine core died.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -93,45 +115,64 @@ class LLM:
         if len(params) != len(prompts):
             raise ValidationError(f"got {len(prompts)} prompts but {len(params)} sampling_params",
                                   "sampling_params")
-        request_ids = []
+        final = [msgspec.structs.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                 for p in params]
+        ids = [str(next(self._request_counter)) for _ in prompts]
+        progress = tqdm(total=len(ids), desc="Processed prompts", unit="req",
+                        disable=not use_tqdm or len(ids) < 2)
+        future = self._submit(self._generate_all(ids, list(prompts), final, progress))
         try:
-            for prompt, p in zip(prompts, params):
-                request_ids.append(self._add(prompt, p))
-        except Exception:
-            self._abort(request_ids)
+            return future.result()
+        except KeyboardInterrupt:
+            self._loop.call_soon_threadsafe(self.engine.abort_requests, ids)
             raise
-        finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(request_ids), desc="Processed prompts", unit="req",
-                  disable=not use_tqdm or len(request_ids) < 2) as progress:
-            for output, _ in self._run_engine():
-                if output.finished:
-                    finished[output.request_id] = output
-                    progress.update(1)
-        return [finished[r] for r in request_ids]
+        finally:
+            progress.close()
+
+    async def _generate_all(self, ids: list[str], prompts: list[PromptType],
+                            params: list[SamplingParams], progress: tqdm) -> list[RequestOutput]:
+        collectors = []
+        try:
+            for request_id, prompt, p in zip(ids, prompts, params):
+                collectors.append(self.engine.add_request(request_id, prompt, p))
+        except BaseException:
+            self.engine.abort_requests(ids[:len(collectors)])
+            raise
+
+        async def finished(collector: Any) -> RequestOutput:
+            output = await collector.get()
+            progress.update(1)
+            return output
+
+        return list(await asyncio.gather(*(finished(c) for c in collectors)))
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None
                ) -> Iterator[str]:
-        """Generate for one prompt, yielding text as it is produced (our addition to vLLM's API)."""
-        request_id = self._add(prompt, sampling_params or SamplingParams())
+        """Generate for one prompt, yielding text as it is produced (our addition to vLLM's
+        API). Closing the iterator early aborts the request."""
+        params = msgspec.structs.replace(sampling_params or SamplingParams(),
+                                         output_kind=RequestOutputKind.DELTA, n=1)
+        pieces: queue.Queue = queue.Queue()
+        done = object()
+
+        async def pump() -> None:
+            try:
+                async for output in self.engine.generate(prompt, params):
+                    pieces.put(output.outputs[0].text)
+            except BaseException as e:  # delivered to the consumer
+                pieces.put(e)
+            finally:
+                pieces.put(done)
+
+        future = self._submit(pump())
         try:
-            for output, delta in self._run_engine():
-                if output.request_id == request_id and delta:
-                    yield delta
+            while (item := pieces.get()) is not done:
+                if isinstance(item, BaseException):
+                    raise item
+                if item:
+                    yield item
         finally:
-            self._abort([request_id])
-
-    def _abort(self, request_ids: list[str]) -> None:
-        self.output_processor.abort_requests(request_ids)
-        self.client.abort_requests(request_ids)
-
-    def _chat_prompt(self, messages: Messages, chat_template: str | None,
-                     add_generation_prompt: bool) -> dict[str, Any]:
-        text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False,
-            chat_template=_read_chat_template(chat_template))
-        assert isinstance(text, str)
-        return {"prompt": text,
-                "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+            future.cancel()
 
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -140,7 +181,7 @@ class LLM:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or to a
         list of conversations, rendered with the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self._chat_prompt(list(c), chat_template, add_generation_prompt)
+        prompts = [self.engine.input_processor.chat_prompt(list(c), chat_template,
+                                                            add_generation_prompt)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
-

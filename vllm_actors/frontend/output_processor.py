@@ -1,66 +1,149 @@
-"""OutputProcessor: engine outputs -> per-request `RequestOutput`s with detokenized text."""
+"""OutputProcessor: engine outputs -> RequestOutputs in each request's collector.
+
+The frontend's one loop over a step's outputs: append tokens, detokenize, apply stop strings
+(the core is then told to abort), shape the output by kind (cumulative, delta, final-only),
+and merge the n completions of a parent request.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from vllm_actors.frontend.collector import RequestOutputCollector
 from vllm_actors.frontend.detokenizer import IncrementalDetokenizer
 from vllm_actors.loaders.tokenizer import Tokenizer
 from vllm_actors.outputs import CompletionOutput, RequestOutput
-from vllm_actors.protocol.engine import EngineCoreOutput, EngineCoreRequest
+from vllm_actors.protocol.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
+from vllm_actors.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass
-class _RequestState:
-    output: RequestOutput
+class ParentRequest:
+    """The user's request behind n engine requests (completion i is engine request i)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    kind: RequestOutputKind
+    collector: RequestOutputCollector
+    num_children: int
+    finals: dict[int, CompletionOutput] = field(default_factory=dict)
+
+    def output_for(self, completion: CompletionOutput, num_cached_tokens: int,
+                   error: str | None) -> RequestOutput | None:
+        if completion.finished():
+            self.finals[completion.index] = completion
+        finished = len(self.finals) == self.num_children
+        if self.kind == RequestOutputKind.FINAL_ONLY:
+            if not finished:
+                return None
+            completions = [self.finals[i] for i in sorted(self.finals)]
+        else:
+            completions = [completion]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions,
+                             finished, num_cached_tokens, error)
+
+
+@dataclass
+class RequestState:
+    """One engine request as the frontend tracks it."""
+
+    parent: ParentRequest
+    index: int
     detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    sent_tokens: int = 0
+    sent_chars: int = 0
+
+    def completion(self, finish_reason: str | None, stop_reason: int | str | None
+                   ) -> CompletionOutput | None:
+        """This step's completion output for the parent's kind (None: nothing to send)."""
+        finished = finish_reason is not None
+        kind = self.parent.kind
+        text = self.detokenizer.output_text
+        end = self.detokenizer.releasable_text_length(finished)
+        if kind == RequestOutputKind.DELTA:
+            new_text, new_ids = text[self.sent_chars:end], self.token_ids[self.sent_tokens:]
+            if not (new_text or new_ids or finished):
+                return None
+            self.sent_chars, self.sent_tokens = max(self.sent_chars, end), len(self.token_ids)
+            return CompletionOutput(self.index, new_text, new_ids, finish_reason, stop_reason)
+        return CompletionOutput(self.index, text[:end], list(self.token_ids), finish_reason,
+                                stop_reason)
 
 
 class OutputProcessor:
-    """Tracks every request the frontend has in flight."""
+    """Tracks every engine request in flight, by engine request id."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.requests: dict[str, _RequestState] = {}
+        self.states: dict[str, RequestState] = {}
+        self.children: dict[str, list[str]] = {}   # user request id -> engine request ids
 
-    def add_request(self, request: EngineCoreRequest, prompt: str | None) -> None:
-        completion = CompletionOutput(index=0, text="", token_ids=[])
-        output = RequestOutput(request.request_id, prompt, request.prompt_token_ids, [completion])
-        detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
-                                       request.sampling_params.skip_special_tokens)
-        self.requests[request.request_id] = _RequestState(output, detok)
+    def add_request(self, parent: ParentRequest, index: int, request: EngineCoreRequest,
+                    params: SamplingParams) -> None:
+        detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
+        self.states[request.request_id] = RequestState(parent, index, detok)
+        self.children.setdefault(parent.request_id, []).append(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.states)
 
-    def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
-        """Mark requests aborted and stop tracking them; returns their final outputs."""
-        aborted = []
-        for req_id in request_ids:
-            state = self.requests.pop(req_id, None)
-            if state is not None:
-                state.output.outputs[0].finish_reason = "abort"
-                state.output.finished = True
-                aborted.append(state.output)
-        return aborted
+    def _finish(self, engine_id: str) -> None:
+        state = self.states.pop(engine_id)
+        siblings = self.children.get(state.parent.request_id, [])
+        if engine_id in siblings:
+            siblings.remove(engine_id)
+        if not siblings:
+            self.children.pop(state.parent.request_id, None)
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> list[tuple[RequestOutput, str]]:
-        """Apply one step's outputs. Returns (updated output, new text) per touched request;
-        finished requests are no longer tracked afterwards."""
-        updated = []
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> list[str]:
+        """Apply one step's outputs; returns engine ids that stop strings finished, which the
+        core must abort."""
+        to_abort = []
         for out in outputs:
-            state = self.requests.get(out.request_id)
-            if state is None:
+            state = self.states.get(out.request_id)
+            if state is None:   # aborted meanwhile
                 continue
-            completion = state.output.outputs[0]
-            completion.token_ids.extend(out.new_token_ids)
-            delta = state.detokenizer.update(out.new_token_ids, finished=out.finished)
-            completion.text = state.detokenizer.text
-            state.output.num_cached_tokens = out.num_cached_tokens
-            if out.finished:
-                completion.finish_reason = str(out.finish_reason)
-                completion.stop_reason = out.stop_reason
-                state.output.finished = True
-                del self.requests[out.request_id]
-            updated.append((state.output, delta))
-        return updated
+            reason, stop_reason = out.finish_reason, out.stop_reason
+            state.token_ids.extend(out.new_token_ids)
+            stop_str = state.detokenizer.update(out.new_token_ids, reason is not None,
+                                                reason == FinishReason.STOP)
+            if stop_str is not None:
+                if reason is None:
+                    to_abort.append(out.request_id)
+                reason, stop_reason = FinishReason.STOP, stop_str
+            self._emit(out.request_id, state, None if reason is None else str(reason),
+                       stop_reason, out.num_cached_tokens, out.error)
+        return to_abort
+
+    def _emit(self, engine_id: str, state: RequestState, finish_reason: str | None,
+              stop_reason: int | str | None, num_cached_tokens: int, error: str | None) -> None:
+        completion = state.completion(finish_reason, stop_reason)
+        if finish_reason is not None:
+            self._finish(engine_id)
+        if completion is not None:
+            output = state.parent.output_for(completion, num_cached_tokens, error)
+            if output is not None:
+                state.parent.collector.put(output)
+
+    def engine_ids(self, request_ids: list[str]) -> list[str]:
+        """The engine requests behind user request ids (unknown ids are skipped)."""
+        return [e for r in request_ids for e in self.children.get(r, [])]
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Finish user requests with "abort" (their consumers get a final output); returns
+        the engine ids to abort in the core."""
+        engine_ids = self.engine_ids(request_ids)
+        for engine_id in engine_ids:
+            state = self.states.get(engine_id)
+            if state is not None:
+                self._emit(engine_id, state, "abort", None, 0, None)
+        return engine_ids
+
+    def fail_all(self, error: BaseException) -> None:
+        """The engine died: every consumer's next read raises `error`."""
+        for state in self.states.values():
+            state.parent.collector.put(error)
+        self.states.clear()
+        self.children.clear()

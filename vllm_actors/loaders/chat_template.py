@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -87,3 +88,13 @@ def render_chat_template(source: str, messages: list[dict[str, Any]], *,
         raise
     except jinja2.TemplateError as e:
         raise ChatTemplateError(f"chat template failed to render: {e}") from None
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """A `--chat-template` value: a path to a template file, or the template text itself."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if len(value) < 4096 and "{" not in value and path.is_file():
+        return path.read_text(encoding="utf-8")
+    return value

@@ -7,6 +7,7 @@ prompts, which usually spell their own BOS in the template, are encoded without 
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,8 +73,32 @@ class Tokenizer:
                 ids.append(self.eos_token_id)
         return ids
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False,
+               spaces_between_special_tokens: bool = False) -> str:
+        """Text of `ids`. With `spaces_between_special_tokens` (and special tokens kept), added
+        tokens and the text runs between them are joined with single spaces, as Hugging
+        Face's slow tokenizers do; otherwise pieces are concatenated."""
+        ids = list(ids)
+        if skip_special_tokens or not spaces_between_special_tokens:
+            return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        added = self._added_token_ids
+        pieces: list[str] = []
+        run: list[int] = []
+        for token_id in ids:
+            if token_id in added:
+                if run:
+                    pieces.append(self.backend.decode(run))
+                    run = []
+                pieces.append(self.backend.id_to_token(token_id))
+            else:
+                run.append(token_id)
+        if run:
+            pieces.append(self.backend.decode(run))
+        return " ".join(pieces)
+
+    @functools.cached_property
+    def _added_token_ids(self) -> frozenset[int]:
+        return frozenset(self.backend.get_added_tokens_decoder())
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
         return [self.backend.id_to_token(i) for i in ids]

@@ -1,4 +1,8 @@
-"""Frontend <-> engine core messages: requests in, per-step outputs out, the ready handshake."""
+"""Frontend <-> engine core messages: requests in, per-step outputs out, the ready handshake.
+
+Each direction is a msgspec tagged union (`FrontendMessage`, `CoreMessage`); receivers decode
+one frame and dispatch with `match` on the Struct type.
+"""
 
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ class FinishReason(enum.IntEnum):
         return self.name.lower()
 
 
-class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=1):
     """A tokenized request, ready for the scheduler.
 
     Attributes:
@@ -48,6 +52,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
         new_token_ids: tokens sampled this step (empty for a partial prefill).
         stop_reason: the stop token id that ended the request, if any.
         num_cached_tokens: prompt tokens served from the prefix cache.
+        error: what went wrong, when finish_reason is ERROR.
     """
 
     request_id: str
@@ -55,6 +60,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None
     num_cached_tokens: int = 0
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -79,7 +85,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_preemptions: int = 0
 
 
-class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=11):
     """All outputs of one engine step, with the scheduler's stats when a step ran."""
 
     outputs: list[EngineCoreOutput] = []
@@ -87,7 +93,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     scheduler_stats: SchedulerStats | None = None
 
 
-class EngineReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+class EngineReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=10):
     """Facts the core discovered at startup, sent once before any output.
 
     Attributes:
@@ -100,3 +106,53 @@ class EngineReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     block_size: int
     max_model_len: int
     vocab_size: int
+
+
+class AbortRequests(msgspec.Struct, array_like=True, gc=False, tag=2):
+    """Stop these requests; unknown or finished ids are ignored (aborts race completion)."""
+
+    request_ids: list[str]
+
+
+class UtilityKind(enum.IntEnum):
+    RESET_PREFIX_CACHE = 0   # -> bool: False while requests hold KV blocks
+    GET_STATS = 1            # -> SchedulerStats of the current state
+    PING = 2                 # -> "pong"; a round trip through the core's input and output
+
+
+class UtilityCall(msgspec.Struct, array_like=True, gc=False, tag=3):
+    """A request for one of the core's utilities; answered by a UtilityResult."""
+
+    call_id: int
+    kind: UtilityKind
+
+
+class Shutdown(msgspec.Struct, array_like=True, gc=False, tag=4):
+    """Stop the engine core process cleanly."""
+
+
+class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=12):
+    """The answer to UtilityCall `call_id`: a value, or the error it raised."""
+
+    call_id: int
+    value: SchedulerStats | bool | str | None = None
+    error: str | None = None
+
+
+class EngineDead(msgspec.Struct, array_like=True, gc=False, tag=13):
+    """Sent once before the core exits on a fatal error; every pending request fails."""
+
+    reason: str
+
+
+class EngineStartupError(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=14):
+    """Startup failed (model load, KV sizing, ...): the error's class name and message, so
+    the frontend raises the same typed error."""
+
+    error_type: str
+    message: str
+    param: str | None = None
+
+
+FrontendMessage = EngineCoreRequest | AbortRequests | UtilityCall | Shutdown
+CoreMessage = EngineCoreOutputs | UtilityResult | EngineDead | EngineReady | EngineStartupError

@@ -57,7 +57,13 @@ class StepInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
 
 class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Sampled tokens per scheduled request, in `req_ids` order; an empty list for a request
-    whose prompt is not fully computed yet (a partial prefill chunk)."""
+    whose prompt is not fully computed yet (a partial prefill chunk).
+
+    Attributes:
+        failed: requests that could not be served this step (e.g. non-finite logits), with
+            the reason; the core finishes them with finish_reason "error".
+    """
 
     req_ids: list[str] = []
     sampled_token_ids: list[list[int]] = []
+    failed: dict[str, str] = {}

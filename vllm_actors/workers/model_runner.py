@@ -104,13 +104,19 @@ class ModelRunner:
         batch.num_computed_tokens[rows] += counts
         done = np.flatnonzero(batch.num_computed_tokens[rows] >= batch.num_tokens[rows])
         sampled: list[list[int]] = [[] for _ in req_ids]
+        failed: dict[str, str] = {}
+        if len(done):
+            logits = self.model.compute_logits(hidden[meta.query_start_loc[1:][done] - 1])
+            finite = np.isfinite(logits).all(axis=1)
+            for i in done[~finite].tolist():
+                failed[req_ids[i]] = "the model produced non-finite logits for this request"
+            done, logits = done[finite], logits[finite]
         if len(done):
             done_rows = rows[done]
-            logits = self.model.compute_logits(hidden[meta.query_start_loc[1:][done] - 1])
             output_index = batch.num_tokens[done_rows] - batch.num_prompt_tokens[done_rows]
             tokens = self.sampler.sample(logits, [batch.params[r] for r in done_rows],
                                          output_index)
             batch.append_tokens(done_rows, tokens)
             for i, token in zip(done.tolist(), tokens.tolist()):
                 sampled[i] = [token]
-        return StepOutput(req_ids, sampled)
+        return StepOutput(req_ids, sampled, failed)

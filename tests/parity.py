@@ -1,0 +1,29 @@
+"""Token parity with the near-tie rule: two greedy runs must agree, except where the first
+difference sits on a near-tie (top-2 logit margin under NEAR_TIE), which is printed."""
+
+from __future__ import annotations
+
+import numpy as np
+from model_driver import prompt_logits
+
+from vllm_actors import SamplingParams
+
+NEAR_TIE = 1e-4
+# What the 48-prompt batching and process-split comparisons generate.
+GREEDY_12 = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def assert_same_or_near_tie(smollm2_model, prompts: list[dict], reference: list[list[int]],
+                            outputs: list[list[int]]) -> None:
+    model, backend = smollm2_model
+    for prompt, ref, got in zip(prompts, reference, outputs, strict=True):
+        diff = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
+        if diff is None:
+            assert got == ref
+            continue
+        ids = prompt["prompt_token_ids"] + ref[:diff]
+        row = np.sort(prompt_logits(model, backend, ids)[-1])
+        margin = float(row[-1] - row[-2])
+        print(f"{len(prompt['prompt_token_ids'])}-token prompt: differs at step {diff}, "
+              f"top-2 margin {margin:.2e}")
+        assert margin < NEAR_TIE

@@ -1,0 +1,101 @@
+"""Frontend output pieces with exact values: stop strings, hold-back, collectors, kinds."""
+
+import asyncio
+
+import pytest
+
+from vllm_actors.frontend.collector import RequestOutputCollector
+from vllm_actors.frontend.detokenizer import (IncrementalDetokenizer, find_stop_string,
+                                              partial_stop_length)
+from vllm_actors.frontend.output_processor import OutputProcessor, ParentRequest
+from vllm_actors.outputs import CompletionOutput, RequestOutput
+from vllm_actors.protocol.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
+from vllm_actors.sampling_params import RequestOutputKind, SamplingParams
+
+K = RequestOutputKind
+
+
+def test_find_stop_string():
+    assert find_stop_string("hello world", 5, ["wor"], False) == ("wor", 6)
+    assert find_stop_string("hello world", 5, ["wor"], True) == ("wor", 9)
+    assert find_stop_string("hello world", 4, ["o w"], False) is None   # all in older text
+    assert find_stop_string("hello world", 5, ["o w"], False) == ("o w", 4)  # straddles it
+    assert find_stop_string("abcabc", 3, ["zz", "bc", "ab"], False) == ("bc", 4)  # list order
+
+
+def test_partial_stop_length():
+    assert partial_stop_length("the end of", ["of the"]) == 2
+    assert partial_stop_length("the end o", ["of the", "o"]) == 1
+    assert partial_stop_length("the end", ["of the"]) == 0
+    assert partial_stop_length("aab", ["aabx", "bz"]) == 3
+
+
+def test_detokenizer_stops_and_holds_back(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    ids = tok.encode(" The answer is forty two.")
+    params = SamplingParams(stop=["forty t"], max_tokens=20)
+    detok = IncrementalDetokenizer(tok, [], params)
+    shown = []
+    for i, token in enumerate(ids):
+        stop = detok.update([token])
+        shown.append(detok.output_text[:detok.releasable_text_length(stop is not None)])
+        if stop is not None:
+            break
+    assert stop == "forty t" and detok.output_text == " The answer is "
+    assert all("forty" not in s for s in shown[:-1])
+
+
+def test_min_tokens_delays_stop_strings(smollm2_tokenizer):
+    ids = smollm2_tokenizer.encode(" a b a b")
+    detok = IncrementalDetokenizer(smollm2_tokenizer, [], SamplingParams(stop=["a"],
+                                                                           min_tokens=2))
+    assert detok.update(ids[:1]) is None and detok.update(ids[1:2]) is None
+    assert detok.update(ids[2:3]) == "a" and detok.output_text == " a b "
+
+
+def test_spaces_between_special_tokens(smollm2_tokenizer):
+    ids = smollm2_tokenizer.encode("<|im_start|>user hi<|im_end|>")
+    assert smollm2_tokenizer.decode(ids, spaces_between_special_tokens=True) == \
+        "<|im_start|> user hi <|im_end|>"
+    assert smollm2_tokenizer.decode(ids) == "<|im_start|>user hi<|im_end|>"
+
+
+def test_collector_merges_deltas_and_raises():
+    async def scenario():
+        c = RequestOutputCollector(K.DELTA)
+        c.put(RequestOutput("r", None, [1], [CompletionOutput(0, "a", [5])]))
+        c.put(RequestOutput("r", None, [1], [CompletionOutput(1, "x", [9])]))
+        c.put(RequestOutput("r", None, [1], [CompletionOutput(0, "b", [6], "stop")], True))
+        merged = await c.get()
+        c.put(ValueError("engine died"))
+        with pytest.raises(ValueError):
+            await c.get()
+        return merged
+
+    merged = asyncio.run(scenario())
+    assert [(o.index, o.text, o.token_ids, o.finish_reason) for o in merged.outputs] == \
+        [(0, "ab", [5, 6], "stop"), (1, "x", [9], None)]
+    assert merged.finished
+
+
+def test_final_only_parent_waits_for_all_children(smollm2_tokenizer):
+    async def scenario():
+        processor = OutputProcessor(smollm2_tokenizer)
+        collector = RequestOutputCollector(K.FINAL_ONLY)
+        parent = ParentRequest("p", None, [1], K.FINAL_ONLY, collector, 2)
+        params = SamplingParams(n=2, max_tokens=2, output_kind=K.FINAL_ONLY)
+        for i in range(2):
+            processor.add_request(parent, i, EngineCoreRequest(f"{i}_p", [1], params, [], 0.0),
+                                  params)
+        processor.process_outputs([EngineCoreOutput("0_p", [504]),
+                                   EngineCoreOutput("1_p", [7042])])
+        assert collector.pending is None
+        processor.process_outputs([EngineCoreOutput("1_p", [30], FinishReason.LENGTH)])
+        assert collector.pending is None
+        processor.process_outputs([EngineCoreOutput("0_p", [2988], FinishReason.LENGTH)])
+        return await collector.get(), processor
+
+    out, processor = asyncio.run(scenario())
+    assert out.finished and [c.index for c in out.outputs] == [0, 1]
+    assert out.outputs[1].text == " Paris." and out.outputs[1].finish_reason == "length"
+    assert not processor.has_unfinished_requests() and not processor.children

@@ -1,0 +1,202 @@
+"""The engine core process: handshake, two socket threads, and the busy loop.
+
+    input thread:  PULL socket -> decode -> input queue   (and a watch on the parent process)
+    main thread:   drain input queue -> EngineCore.step() -> output queue; blocks when idle
+    output thread: output queue -> encode -> PUSH socket
+
+The busy loop never touches a socket. A bad request finishes alone with finish_reason
+"error"; any other exception is fatal: EngineDead is sent, then the process exits. If the
+frontend process disappears, the core exits by itself and removes the ipc directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import traceback
+
+import msgspec
+import zmq
+
+from vllm_actors.config import EngineConfig
+from vllm_actors.enginecore.core import EngineCore
+from vllm_actors.errors import ValidationError, VllmActorsError
+from vllm_actors.protocol.engine import (AbortRequests, EngineCoreOutput, EngineCoreOutputs,
+                                         EngineCoreRequest, EngineDead, EngineStartupError,
+                                         FinishReason, FrontendMessage, Shutdown, UtilityCall,
+                                         UtilityKind, UtilityResult)
+from vllm_actors.protocol.wire import Decoder, Encoder, IpcAddresses
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 100          # how often the input thread looks at the parent process
+_STOP = object()       # output-queue sentinel: flush and close
+
+
+class EngineCoreProc:
+    """Runs an EngineCore behind sockets until Shutdown, parent death or a fatal error."""
+
+    def __init__(self, core: EngineCore, addresses: IpcAddresses, parent_pid: int | None) -> None:
+        self.core = core
+        self.addresses = addresses
+        self.parent_pid = parent_pid
+        self.input_queue: queue.Queue = queue.Queue()
+        self.output_queue: queue.Queue = queue.Queue()
+        self.stopping = threading.Event()
+        self.parent_gone = False
+        # Both sockets connect now, before READY is sent, so the frontend's first request
+        # finds a peer; each is then used by its own thread only.
+        self.ctx = zmq.Context()
+        self.input_socket = self.ctx.socket(zmq.PULL)
+        self.input_socket.connect(addresses.inputs)
+        self.output_socket = self.ctx.socket(zmq.PUSH)
+        self.output_socket.connect(addresses.outputs)
+        self.threads = [threading.Thread(target=self._input_loop, name="core-input", daemon=True),
+                        threading.Thread(target=self._output_loop, name="core-output",
+                                         daemon=True)]
+
+    def run(self) -> bool:
+        """Serve until stopped; False after a fatal error (already reported)."""
+        for thread in self.threads:
+            thread.start()
+        try:
+            while not self.stopping.is_set():
+                self._process_input(block=not self.core.has_unfinished_requests())
+                if self.core.has_unfinished_requests() and not self.stopping.is_set():
+                    self.output_queue.put(self.core.step())
+            return True
+        except Exception as e:  # fatal: tell the frontend, then leave
+            logger.exception("engine core failed")
+            self.output_queue.put(EngineDead(f"{type(e).__name__}: {e}"))
+            return False
+        finally:
+            self.stopping.set()
+            self.output_queue.put(_STOP)
+            for thread in self.threads:
+                thread.join(timeout=5)
+            self.ctx.term()
+            if self.parent_gone:
+                self.addresses.remove()
+
+    def _process_input(self, block: bool) -> None:
+        try:
+            message = self.input_queue.get(timeout=POLL_MS / 1000) if block else \
+                self.input_queue.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(message)
+            try:
+                message = self.input_queue.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, message: object) -> None:
+        match message:
+            case EngineCoreRequest():
+                try:
+                    self.core.add_request(message)
+                except ValidationError as e:
+                    failed = EngineCoreOutput(message.request_id, [], FinishReason.ERROR,
+                                              error=str(e))
+                    self.output_queue.put(EngineCoreOutputs([failed]))
+            case AbortRequests(request_ids=ids):
+                self.core.abort_requests(ids)
+            case UtilityCall():
+                self.output_queue.put(self._utility(message))
+            case Shutdown():
+                self.stopping.set()
+
+    def _utility(self, call: UtilityCall) -> UtilityResult:
+        try:
+            match call.kind:
+                case UtilityKind.RESET_PREFIX_CACHE:
+                    return UtilityResult(call.call_id, self.core.reset_prefix_cache())
+                case UtilityKind.GET_STATS:
+                    return UtilityResult(call.call_id, self.core.get_stats())
+                case UtilityKind.PING:
+                    return UtilityResult(call.call_id, "pong")
+        except Exception as e:
+            return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
+        return UtilityResult(call.call_id, error=f"unknown utility {call.kind}")
+
+    def _input_loop(self) -> None:
+        socket = self.input_socket
+        decoder = Decoder(FrontendMessage)
+        try:
+            while not self.stopping.is_set():
+                if socket.poll(POLL_MS):
+                    self.input_queue.put(decoder.decode(socket.recv_multipart(copy=False)))
+                elif self.parent_pid is not None and os.getppid() != self.parent_pid:
+                    logger.warning("frontend process %d is gone; engine core exits",
+                                   self.parent_pid)
+                    self.parent_gone = True
+                    self.input_queue.put(Shutdown())
+                    return
+        finally:
+            socket.close(linger=0)
+
+    def _output_loop(self) -> None:
+        socket = self.output_socket
+        encoder = Encoder()
+        try:
+            while True:
+                item = self.output_queue.get()
+                if item is _STOP:
+                    return
+                socket.send_multipart(encoder.encode(item), copy=False)
+        finally:
+            socket.close(linger=1000)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+def serve(addresses: IpcAddresses, parent_pid: int | None,
+          config: EngineConfig | None = None) -> bool:
+    """Engine core entry, in a child process or a thread: connect to the frontend's
+    handshake socket, receive the config there unless given, build the core, answer READY
+    (or the startup error) and serve until told to stop.
+
+    `parent_pid` is None when the core runs in a thread of the frontend's process.
+    Returns False when startup or serving failed (the frontend has been told why).
+    """
+    ctx = zmq.Context()
+    handshake = ctx.socket(zmq.PAIR)
+    handshake.connect(addresses.handshake)
+    encoder = Encoder()
+    try:
+        if config is None:
+            config = msgspec.msgpack.decode(handshake.recv(), type=EngineConfig)
+        try:
+            core = EngineCore(config)
+        except Exception as e:
+            if not isinstance(e, VllmActorsError):
+                logger.error("engine core startup failed:\n%s", traceback.format_exc())
+            handshake.send_multipart(encoder.encode(EngineStartupError(
+                type(e).__name__, str(e), getattr(e, "param", None))))
+            return False
+        proc = EngineCoreProc(core, addresses, parent_pid)
+        handshake.send_multipart(encoder.encode(core.ready))
+    finally:
+        handshake.close(linger=5000)
+        ctx.term()
+    return proc.run()
+
+
+def main() -> None:
+    """`python -m vllm_actors.enginecore.proc IPC_DIR PARENT_PID`, started by the frontend."""
+    ipc_dir, parent_pid = sys.argv[1], int(sys.argv[2])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the frontend decides on Ctrl-C
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    logging.basicConfig(level=logging.INFO, format="(EngineCore) %(levelname)s %(message)s")
+    sys.exit(0 if serve(IpcAddresses(ipc_dir), parent_pid) else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,267 @@
+"""AsyncLLM: the asyncio API over the engine core process.
+
+    async with AsyncLLM() as llm:
+        async for out in llm.generate("Hello", SamplingParams(max_tokens=8), "req-1"):
+            print(out.outputs[0].text)
+
+One background task reads the core's output socket and feeds each request's collector;
+cancelling a consumer aborts its request in the core. When the core dies (an EngineDead
+message, or its process exits) every pending and every new request raises EngineDeadError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from typing import Any, AsyncIterator
+
+import msgspec
+
+from vllm_actors.config import EngineArgs
+from vllm_actors.errors import EngineDeadError, VllmActorsError
+from vllm_actors.frontend.collector import RequestOutputCollector
+from vllm_actors.frontend.core_client import CoreClient
+from vllm_actors.frontend.input_processor import InputProcessor, PromptType
+from vllm_actors.frontend.metrics import StatsAccumulator
+from vllm_actors.frontend.output_processor import OutputProcessor, ParentRequest
+from vllm_actors.loaders.chat_template import read_chat_template
+from vllm_actors.loaders.model_files import resolve_model
+from vllm_actors.loaders.tokenizer import Tokenizer, load_tokenizer
+from vllm_actors.outputs import RequestOutput
+from vllm_actors.protocol.engine import (AbortRequests, EngineCoreOutputs, EngineDead,
+                                         SchedulerStats, UtilityCall, UtilityKind,
+                                         UtilityResult)
+from vllm_actors.sampling_params import SamplingParams
+
+OUTPUT_CHUNK = 128      # outputs handled between yields to the event loop
+LIVENESS_POLL_S = 0.5   # core liveness polling where no pidfd exists
+
+
+class AsyncLLM:
+    """Args: as `LLM` (model path or None for the default model, plus EngineArgs fields).
+
+    Construction blocks until the core has loaded the model.
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        args = EngineArgs.from_kwargs(model=model, **engine_args)
+        config = args.create_engine_config()
+        source = resolve_model(config.model.model)
+        self.tokenizer = load_tokenizer(source, read_chat_template(config.model.chat_template))
+        self.client = CoreClient(config, use_process=args.multiprocessing)
+        self.ready = self.client.ready
+        self.model_name = source.name
+        self.input_processor = InputProcessor(self.tokenizer, self.ready)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stats = StatsAccumulator()
+        self._dead: EngineDeadError | None = None
+        self._output_task: asyncio.Task | None = None
+        self._watch_task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._stopping = False
+
+    # -- lifecycle -------------------------------------------------------------------------
+    @property
+    def errored(self) -> bool:
+        return self._dead is not None
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    def _ensure_running(self) -> None:
+        """Fail fast when dead; start the output handler on the running loop (again when an
+        earlier loop has ended, as after a second `asyncio.run`)."""
+        if self._dead is not None:
+            raise self._dead
+        loop = asyncio.get_running_loop()
+        if self._loop is loop:
+            return
+        if self._loop is not None and self._loop.is_running():
+            raise VllmActorsError("this AsyncLLM is in use by another running event loop")
+        self._loop = loop
+        self._output_task = loop.create_task(self._output_handler())
+        if self.client.exit_fd is not None:
+            loop.add_reader(self.client.exit_fd, self._on_core_exit)
+        else:
+            self._watch_task = loop.create_task(self._watch_core())
+
+    async def _watch_core(self) -> None:
+        """Liveness by polling, where no exit file descriptor exists."""
+        while self.client.is_alive():
+            await asyncio.sleep(LIVENESS_POLL_S)
+        self._on_core_exit()
+
+    def _on_core_exit(self) -> None:
+        assert self._loop is not None
+        if self.client.exit_fd is not None:
+            self._loop.remove_reader(self.client.exit_fd)
+        if not self._stopping:
+            self._fail(EngineDeadError(
+                f"the engine core process exited unexpectedly (exit code {self.client.exitcode})"))
+
+    def _fail(self, error: EngineDeadError) -> None:
+        if self._dead is None:
+            self._dead = error
+        self.output_processor.fail_all(self._dead)
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(self._dead)
+        self._calls.clear()
+
+    def shutdown(self) -> None:
+        """Stop the core and release everything; idempotent. Pending requests fail with
+        EngineDeadError. Callable from any thread."""
+        if self._stopping:
+            return
+        self._stopping = True
+        if self._dead is None:
+            self._dead = EngineDeadError("the engine was shut down")
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            if _running_loop() is loop:
+                self._stop_in_loop()
+            elif loop.is_running():
+                loop.call_soon_threadsafe(self._stop_in_loop)
+        self.client.shutdown()
+
+    def _stop_in_loop(self) -> None:
+        assert self._loop is not None and self._dead is not None
+        if self.client.exit_fd is not None:
+            self._loop.remove_reader(self.client.exit_fd)
+        self._fail(self._dead)
+        for task in (self._output_task, self._watch_task):
+            if task is not None:
+                task.cancel()
+
+    async def __aenter__(self) -> "AsyncLLM":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __enter__(self) -> "AsyncLLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- the output handler ----------------------------------------------------------------
+    async def _output_handler(self) -> None:
+        try:
+            while True:
+                message = await self.client.recv()
+                match message:
+                    case EngineCoreOutputs(outputs=outputs):
+                        self.stats.observe(message.scheduler_stats)
+                        await self._process(outputs)
+                    case UtilityResult():
+                        self._resolve(message)
+                    case EngineDead(reason=reason):
+                        self._fail(EngineDeadError(f"the engine core failed: {reason}"))
+                        return
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._fail(EngineDeadError(f"the output handler failed: {type(e).__name__}: {e}"))
+
+    async def _process(self, outputs: list) -> None:
+        for start in range(0, len(outputs), OUTPUT_CHUNK):
+            if start:
+                await asyncio.sleep(0)
+            to_abort = self.output_processor.process_outputs(outputs[start:start + OUTPUT_CHUNK])
+            if to_abort:
+                self.client.send(AbortRequests(to_abort))
+
+    def _resolve(self, result: UtilityResult) -> None:
+        future = self._calls.pop(result.call_id, None)
+        if future is None or future.done():
+            return
+        if result.error is not None:
+            future.set_exception(VllmActorsError(result.error))
+        else:
+            future.set_result(result.value)
+
+    # -- requests --------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    priority: int = 0) -> RequestOutputCollector:
+        """Validate and submit (n > 1: n engine requests, seeds seed + i); call from the
+        event loop. Raises ValidationError or EngineDeadError before anything is sent."""
+        self._ensure_running()
+        if request_id in self.output_processor.children:
+            raise VllmActorsError(f"request id {request_id!r} is already in use")
+        children = [(request_id if params.n == 1 else f"{i}_{request_id}",
+                     _child_params(params, i)) for i in range(params.n)]
+        processed = [self.input_processor.process(cid, prompt, p, priority)
+                     for cid, p in children]
+        text, first = processed[0]
+        collector = RequestOutputCollector(params.output_kind)
+        parent = ParentRequest(request_id, text, first.prompt_token_ids, params.output_kind,
+                               collector, params.n)
+        for index, ((_, request), (_, child)) in enumerate(zip(processed, children)):
+            self.output_processor.add_request(parent, index, request, child)
+            self.client.send(request)
+        return collector
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, priority: int = 0
+                       ) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs (shaped by sampling_params.output_kind); the last
+        has `finished=True`. Cancelling the consumer aborts the request."""
+        request_id = request_id or uuid.uuid4().hex
+        collector = self.add_request(request_id, prompt, sampling_params or SamplingParams(),
+                                     priority)
+        finished = False
+        try:
+            while not finished:
+                output = collector.get_nowait() or await collector.get()
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                self.abort_requests([request_id])
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Abort now (call from the event loop); see `abort`."""
+        engine_ids = self.output_processor.abort_requests(request_ids)
+        if engine_ids and self._dead is None:
+            self.client.send(AbortRequests(engine_ids))
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        """Stop requests; their consumers receive a final output with finish_reason "abort"."""
+        self.abort_requests([request_id] if isinstance(request_id, str) else list(request_id))
+
+    # -- utilities -------------------------------------------------------------------------
+    async def _call(self, kind: UtilityKind) -> Any:
+        self._ensure_running()
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        self.client.send(UtilityCall(call_id, kind))
+        return await future
+
+    async def check_health(self) -> None:
+        """Raises EngineDeadError when the core is gone; otherwise a round trip to it."""
+        await self._call(UtilityKind.PING)
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self._call(UtilityKind.RESET_PREFIX_CACHE)
+
+    async def get_scheduler_stats(self) -> SchedulerStats:
+        return await self._call(UtilityKind.GET_STATS)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    if params.n == 1:
+        return params
+    seed = None if params.seed is None else params.seed + index
+    return msgspec.structs.replace(params, n=1, seed=seed)
