@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
 
 TESTS = Path(__file__).parent
-GOLDEN = TESTS / "golden"
 sys.path.insert(0, str(TESTS))
-
-
-def load_golden(name: str) -> dict:
-    return json.loads((GOLDEN / name).read_text(encoding="utf-8"))
 
 
 def _ipc_dirs() -> set[str]:
@@ -78,3 +72,25 @@ def mixed_prompts(smollm2_tokenizer):
         start = (i * 37) % (len(source) - n)
         out.append({"prompt_token_ids": source[start:start + n]})
     return out
+
+
+@pytest.fixture(scope="session")
+def server(smollm2_path):
+    """A real `vllm-actors serve` on the default model, with an API key."""
+    from server_process import API_KEY, ServerProcess
+    proc = ServerProcess(str(smollm2_path), "--api-key", API_KEY, "--served-model-name", "smol")
+    yield proc
+    assert proc.stop() == 0, proc.log()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    import openai
+    from server_process import API_KEY
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def auth():
+    from server_process import API_KEY
+    return {"Authorization": f"Bearer {API_KEY}"}

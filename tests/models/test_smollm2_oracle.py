@@ -4,7 +4,7 @@ the stored steps within 1e-3."""
 
 import numpy as np
 import pytest
-from conftest import GOLDEN, load_golden
+from golden_files import GOLDEN, load_golden
 
 from vllm_actors import SamplingParams
 

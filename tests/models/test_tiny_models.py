@@ -5,7 +5,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import GOLDEN
+from golden_files import GOLDEN
 from gguf import GGMLQuantizationType as T
 from model_driver import prompt_logits
 from tiny_models import (TINY_CONFIGS, TINY_PROMPT, tiny_weights, write_hf_dir,

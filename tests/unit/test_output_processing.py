@@ -7,6 +7,7 @@ import pytest
 from vllm_actors.frontend.collector import RequestOutputCollector
 from vllm_actors.frontend.detokenizer import (IncrementalDetokenizer, find_stop_string,
                                               partial_stop_length)
+from vllm_actors.frontend.metrics import FrontendMetrics
 from vllm_actors.frontend.output_processor import OutputProcessor, ParentRequest
 from vllm_actors.outputs import CompletionOutput, RequestOutput
 from vllm_actors.protocol.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
@@ -80,7 +81,7 @@ def test_collector_merges_deltas_and_raises():
 
 def test_final_only_parent_waits_for_all_children(smollm2_tokenizer):
     async def scenario():
-        processor = OutputProcessor(smollm2_tokenizer)
+        processor = OutputProcessor(smollm2_tokenizer, FrontendMetrics("m"))
         collector = RequestOutputCollector(K.FINAL_ONLY)
         parent = ParentRequest("p", None, [1], K.FINAL_ONLY, collector, 2)
         params = SamplingParams(n=2, max_tokens=2, output_kind=K.FINAL_ONLY)
@@ -99,3 +100,25 @@ def test_final_only_parent_waits_for_all_children(smollm2_tokenizer):
     assert out.finished and [c.index for c in out.outputs] == [0, 1]
     assert out.outputs[1].text == " Paris." and out.outputs[1].finish_reason == "length"
     assert not processor.has_unfinished_requests() and not processor.children
+
+
+def test_metrics_render_with_vllm_names():
+    from vllm_actors.protocol.engine import SchedulerStats
+    metrics = FrontendMetrics("smol")
+    metrics.observe_step(SchedulerStats(3, 1, 0.5, 100, 64, 2))
+    metrics.observe_tokens(1, 0.2, None)
+    metrics.observe_tokens(2, None, 0.1)
+    metrics.observe_finished("stop", 10, 1.5, 0.05)
+    text = metrics.render().decode()
+    for line in ('vllm:num_requests_running{model_name="smol"} 3.0',
+                 'vllm:kv_cache_usage_perc{model_name="smol"} 0.5',
+                 'vllm:prefix_cache_hits_total{model_name="smol"} 64.0',
+                 'vllm:num_preemptions_total{model_name="smol"} 2.0',
+                 'vllm:generation_tokens_total{model_name="smol"} 3.0',
+                 'vllm:prompt_tokens_total{model_name="smol"} 10.0',
+                 'vllm:request_success_total{finished_reason="stop",model_name="smol"} 1.0',
+                 'vllm:time_to_first_token_seconds_count{model_name="smol"} 1.0',
+                 'vllm:inter_token_latency_seconds_sum{model_name="smol"} 0.05',
+                 'vllm:request_queue_time_seconds_count{model_name="smol"} 1.0'):
+        assert line in text, line
+    assert metrics.snapshot()["vllm:prefix_cache_queries"] == 100

@@ -3,7 +3,7 @@ from tests/oracle/make_golden.py), plus the template sandbox and BOS handling.""
 
 import numpy as np
 import pytest
-from conftest import load_golden
+from golden_files import load_golden
 from tiny_models import write_gguf, write_spm_vocab_gguf
 
 from vllm_actors import get_tokenizer

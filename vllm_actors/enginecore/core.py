@@ -46,6 +46,11 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_requests()
 
+    def has_work(self) -> bool:
+        """Requests to run, or finished ones the worker has not been told about yet (one
+        more step frees their rows and reports the new counts)."""
+        return self.scheduler.has_requests() or bool(self.scheduler.finished_req_ids)
+
     def get_stats(self) -> SchedulerStats:
         """The scheduler's current state (prefix-cache counters are left for the next step)."""
         s = self.scheduler
@@ -56,7 +61,7 @@ class EngineCore:
         return self.scheduler.kv.reset_prefix_cache()
 
     def step(self) -> EngineCoreOutputs:
-        if not self.scheduler.has_requests():
+        if not self.has_work():
             return EngineCoreOutputs(timestamp=time.time())
         step_input = self.scheduler.schedule()
         has_work = step_input.num_scheduled_tokens or step_input.finished_req_ids

@@ -65,8 +65,8 @@ class EngineCoreProc:
             thread.start()
         try:
             while not self.stopping.is_set():
-                self._process_input(block=not self.core.has_unfinished_requests())
-                if self.core.has_unfinished_requests() and not self.stopping.is_set():
+                self._process_input(block=not self.core.has_work())
+                if self.core.has_work() and not self.stopping.is_set():
                     self.output_queue.put(self.core.step())
             return True
         except Exception as e:  # fatal: tell the frontend, then leave

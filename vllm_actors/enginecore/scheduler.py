@@ -10,6 +10,8 @@ prefix-cached.
 
 from __future__ import annotations
 
+import time
+
 from vllm_actors.config import SchedulerConfig
 from vllm_actors.enginecore.admission import make_waiting_queue
 from vllm_actors.enginecore.kv_cache_manager import KVCacheManager
@@ -127,6 +129,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
+                request.scheduled_time = time.time()
             step.new_requests.append(NewRequestData(
                 request.request_id, list(request.all_token_ids), request.params,
                 self.kv.get_block_ids(request.request_id), num_hit, request.num_prompt_tokens))
@@ -165,7 +168,9 @@ class Scheduler:
                 if request.check_stop():
                     break
             outputs.append(EngineCoreOutput(req_id, list(token_ids), request.finish_reason,
-                                            request.stop_reason, request.num_cached_tokens))
+                                            request.stop_reason, request.num_cached_tokens,
+                                            scheduled_time=request.scheduled_time))
+            request.scheduled_time = None
             if request.finish_reason is not None:
                 self.running.remove(request)
                 self._free(request)

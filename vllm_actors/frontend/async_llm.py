@@ -23,9 +23,10 @@ from vllm_actors.errors import EngineDeadError, VllmActorsError
 from vllm_actors.frontend.collector import RequestOutputCollector
 from vllm_actors.frontend.core_client import CoreClient
 from vllm_actors.frontend.input_processor import InputProcessor, PromptType
-from vllm_actors.frontend.metrics import StatsAccumulator
+from vllm_actors.frontend.metrics import FrontendMetrics
 from vllm_actors.frontend.output_processor import OutputProcessor, ParentRequest
 from vllm_actors.loaders.chat_template import read_chat_template
+from vllm_actors.loaders.generation_config import generation_defaults
 from vllm_actors.loaders.model_files import resolve_model
 from vllm_actors.loaders.tokenizer import Tokenizer, load_tokenizer
 from vllm_actors.outputs import RequestOutput
@@ -51,10 +52,12 @@ class AsyncLLM:
         self.tokenizer = load_tokenizer(source, read_chat_template(config.model.chat_template))
         self.client = CoreClient(config, use_process=args.multiprocessing)
         self.ready = self.client.ready
-        self.model_name = source.name
+        self.model_name = config.model.served_model_name or source.name
+        self.model_root = str(source.path)
         self.input_processor = InputProcessor(self.tokenizer, self.ready)
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.stats = StatsAccumulator()
+        self.metrics = FrontendMetrics(self.model_name)
+        self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
+        self.generation_defaults = generation_defaults(source, config.model.generation_config)
         self._dead: EngineDeadError | None = None
         self._output_task: asyncio.Task | None = None
         self._watch_task: asyncio.Task | None = None
@@ -155,7 +158,7 @@ class AsyncLLM:
                 message = await self.client.recv()
                 match message:
                     case EngineCoreOutputs(outputs=outputs):
-                        self.stats.observe(message.scheduler_stats)
+                        self.metrics.observe_step(message.scheduler_stats)
                         await self._process(outputs)
                     case UtilityResult():
                         self._resolve(message)

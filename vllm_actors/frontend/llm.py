@@ -89,7 +89,14 @@ class LLM:
     def get_metrics(self) -> dict[str, float]:
         """Engine counters since start (preemptions, prefix-cache queries and hits, in tokens)
         and gauges of the latest step, under vLLM's metric names."""
-        return self.engine.stats.snapshot()
+        return self.engine.metrics.snapshot()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config defaults (see
+        --generation-config) where this engine implements them, else vLLM's defaults."""
+        defaults = self.engine.generation_defaults
+        return SamplingParams(**{k: defaults[k] for k in ("temperature", "max_tokens")
+                                 if k in defaults})
 
     def reset_prefix_cache(self) -> bool:
         """Forget cached prefixes; False while requests still hold KV blocks."""
@@ -109,7 +116,7 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
                   else list(sampling_params))
         if len(params) != len(prompts):

@@ -7,10 +7,12 @@ and merge the n completions of a parent request.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from vllm_actors.frontend.collector import RequestOutputCollector
 from vllm_actors.frontend.detokenizer import IncrementalDetokenizer
+from vllm_actors.frontend.metrics import FrontendMetrics
 from vllm_actors.loaders.tokenizer import Tokenizer
 from vllm_actors.outputs import CompletionOutput, RequestOutput
 from vllm_actors.protocol.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
@@ -51,9 +53,23 @@ class RequestState:
     parent: ParentRequest
     index: int
     detokenizer: IncrementalDetokenizer
+    arrival_time: float
+    num_prompt_tokens: int
     token_ids: list[int] = field(default_factory=list)
     sent_tokens: int = 0
     sent_chars: int = 0
+    last_token_time: float | None = None
+    queue_s: float | None = None
+
+    def record_timing(self, out: EngineCoreOutput, metrics: FrontendMetrics) -> None:
+        now = time.time()
+        if out.scheduled_time is not None:
+            self.queue_s = out.scheduled_time - self.arrival_time
+        if out.new_token_ids:
+            first = now - self.arrival_time if self.last_token_time is None else None
+            since = None if self.last_token_time is None else now - self.last_token_time
+            metrics.observe_tokens(len(out.new_token_ids), first, since)
+            self.last_token_time = now
 
     def completion(self, finish_reason: str | None, stop_reason: int | str | None
                    ) -> CompletionOutput | None:
@@ -75,15 +91,18 @@ class RequestState:
 class OutputProcessor:
     """Tracks every engine request in flight, by engine request id."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, metrics: FrontendMetrics) -> None:
         self.tokenizer = tokenizer
+        self.metrics = metrics
         self.states: dict[str, RequestState] = {}
         self.children: dict[str, list[str]] = {}   # user request id -> engine request ids
 
     def add_request(self, parent: ParentRequest, index: int, request: EngineCoreRequest,
                     params: SamplingParams) -> None:
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
-        self.states[request.request_id] = RequestState(parent, index, detok)
+        self.states[request.request_id] = RequestState(parent, index, detok,
+                                                       request.arrival_time,
+                                                       len(request.prompt_token_ids))
         self.children.setdefault(parent.request_id, []).append(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -106,6 +125,7 @@ class OutputProcessor:
             if state is None:   # aborted meanwhile
                 continue
             reason, stop_reason = out.finish_reason, out.stop_reason
+            state.record_timing(out, self.metrics)
             state.token_ids.extend(out.new_token_ids)
             stop_str = state.detokenizer.update(out.new_token_ids, reason is not None,
                                                 reason == FinishReason.STOP)
@@ -122,6 +142,8 @@ class OutputProcessor:
         completion = state.completion(finish_reason, stop_reason)
         if finish_reason is not None:
             self._finish(engine_id)
+            self.metrics.observe_finished(finish_reason, state.num_prompt_tokens,
+                                          time.time() - state.arrival_time, state.queue_s)
         if completion is not None:
             output = state.parent.output_for(completion, num_cached_tokens, error)
             if output is not None:

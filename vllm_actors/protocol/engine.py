@@ -53,6 +53,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
         stop_reason: the stop token id that ended the request, if any.
         num_cached_tokens: prompt tokens served from the prefix cache.
         error: what went wrong, when finish_reason is ERROR.
+        scheduled_time: epoch seconds of the request's first scheduling, on its first output.
     """
 
     request_id: str
@@ -61,6 +62,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     stop_reason: int | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:

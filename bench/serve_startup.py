@@ -1,0 +1,56 @@
+"""Time from `vllm-actors serve` to the first `/health` 200 (cold start: a new process that
+imports, loads the model in the engine core and opens the port). Median of --runs.
+
+    python bench/serve_startup.py [--runs 3] [--model PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from server_process import free_port  # noqa: E402
+
+
+def one_start(model: list[str]) -> float:
+    port = free_port()
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_actors", "serve", *model, "--port",
+                             str(port), "--host", "127.0.0.1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    return time.perf_counter() - start
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}")
+            time.sleep(0.02)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--model", default=None)
+    args = parser.parse_args()
+    times = [one_start([args.model] if args.model else []) for _ in range(args.runs)]
+    print("| metric | median | runs |\n|---|---|---|")
+    print(f"| `vllm-actors serve` to first /health 200 | {statistics.median(times):.2f} s | "
+          f"{', '.join(f'{t:.2f}' for t in times)} |")
+
+
+if __name__ == "__main__":
+    main()

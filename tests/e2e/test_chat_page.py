@@ -1,0 +1,62 @@
+"""The chat page at / in headless Chromium (Debian's chromium, driven by Playwright): a
+streamed reply, the tokens/s readout, and the stop button aborting the request."""
+
+import os
+import shutil
+import warnings
+
+import pytest
+from server_process import API_KEY, wait_metric
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture(scope="module")
+def page(server):
+    if CHROMIUM is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is missing in CI; .ci/run installs it (apt-get install chromium)")
+        warnings.warn("SKIPPING the chat-page browser test: no chromium on this machine "
+                      "(apt-get install chromium)")
+        pytest.skip("no chromium: install it with `apt-get install chromium`")
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--no-first-run"])
+        page = browser.new_page()
+        page.goto(server.url + "/")
+        page.fill("#api-key", API_KEY)
+        page.dispatch_event("#api-key", "change")
+        page.wait_for_function("document.getElementById('model').textContent === 'smol'")
+        yield page
+        browser.close()
+
+
+def test_streams_a_reply(page):
+    page.fill("#max-tokens", "48")
+    page.fill("#prompt", "What is the capital of France?")
+    page.click("#send")
+    reply = page.locator(".msg.assistant").last
+    page.wait_for_function(
+        "document.querySelector('.msg.assistant:last-of-type').dataset.state === 'done'",
+        timeout=60_000)
+    assert "Paris" in reply.inner_text()
+    assert page.inner_text("#speed").endswith("tok/s") and page.inner_text("#speed")[0].isdigit()
+    assert page.locator(".msg.user").last.inner_text() == "What is the capital of France?"
+
+
+def test_stop_button_aborts(page, server):
+    page.fill("#max-tokens", "3000")
+    page.fill("#prompt", "Count from one to one thousand, one number per line.")
+    page.click("#send")
+    page.wait_for_function(
+        "document.querySelector('.msg.assistant:last-of-type').textContent.length > 20",
+        timeout=60_000)
+    assert page.is_enabled("#stop") and not page.is_enabled("#send")
+    page.click("#stop")
+    page.wait_for_function(
+        "document.querySelector('.msg.assistant:last-of-type').dataset.state === 'stopped'")
+    assert page.is_enabled("#send")
+    wait_metric(server.url, "vllm:num_requests_running", lambda v: v == 0)

@@ -1,0 +1,181 @@
+"""The HTTP surface with raw requests: SSE chunk format field by field, errors in OpenAI's
+shape, auth, the small endpoints, and aborts on disconnect."""
+
+import json
+import re
+
+import httpx
+import pytest
+from server_process import wait_metric
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    events, data = [], []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data.append(line[6:])
+        elif line == "" and data:
+            events.append("\n".join(data))
+            data = []
+    return events
+
+
+def post(server, auth, path, body, **kw):
+    return httpx.post(server.url + path, json=body, headers=auth, timeout=60, **kw)
+
+
+def test_chat_sse_format(server, auth):
+    body = {"model": "smol", "messages": [{"role": "user", "content": "Say hi."}],
+            "temperature": 0, "max_tokens": 8, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=auth,
+                      timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    ids = {c["id"] for c in chunks}
+    assert len(ids) == 1 and ids.pop().startswith("chatcmpl-")
+    for c in chunks:
+        assert c["object"] == "chat.completion.chunk" and c["model"] == "smol"
+        assert isinstance(c["created"], int) and "usage" in c
+    first, *middle, last_choice, usage_chunk = chunks
+    assert first["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                 "logprobs": None, "finish_reason": None}]
+    for c in middle:
+        (choice,) = c["choices"]
+        assert set(choice) == {"index", "delta", "logprobs", "finish_reason"}
+        assert choice["finish_reason"] is None and set(choice["delta"]) == {"content"}
+    (final,) = last_choice["choices"]
+    assert final["finish_reason"] in ("stop", "length") and "stop_reason" in final
+    assert usage_chunk["choices"] == []
+    u = usage_chunk["usage"]
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+    assert u["completion_tokens"] == 8 or final["finish_reason"] == "stop"
+    assert u["prompt_tokens_details"] == {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]}
+    counts = [c["usage"]["completion_tokens"] for c in chunks[1:-1]]
+    assert counts == sorted(counts) and counts[-1] == u["completion_tokens"]
+
+
+def test_completion_sse_format(server, auth):
+    body = {"model": "smol", "prompt": "Count: 1, 2,", "temperature": 0, "max_tokens": 6,
+            "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=auth,
+                      timeout=60) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    for c in chunks:
+        assert c["object"] == "text_completion" and c["id"].startswith("cmpl-")
+        assert "usage" not in c
+        (choice,) = c["choices"]
+        assert set(choice) == {"index", "text", "logprobs", "finish_reason", "stop_reason"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("path, body, status, param, pattern", [
+    ("/v1/chat/completions", "{not json", 400, None, "not valid JSON"),
+    ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]},
+     404, "model", "`gpt-4` does not exist"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "max_tokens": 9000}, 400, "max_tokens",
+     r"maximum context length is 8192 tokens.*you requested 9031 tokens \(31 in the prompt, "
+     r"9000 in the completion\)"),
+    ("/v1/completions", {"prompt": [1] * 8192}, 400, "messages", "prompt has 8192 tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "temperature": -1}, 400, "temperature", "temperature must be >= 0"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0},
+     400, "n", "n must be between 1 and 128"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "max_tokens": "many"}, 400, "max_tokens", "Expected `int"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "Expected `array"),
+    ("/v1/chat/completions", {"model": "smol"}, 400, "messages", "missing required field"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400,
+     "messages", "role must be one of"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 0.5},
+     400, "top_p", "top_p is not supported yet"),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix",
+     "suffix is not supported yet"),
+    ("/v1/completions", {"prompt": [1, 49152]}, 400, "prompt", "out of range"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt", "prompt must be a string"),
+    ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop", "non-empty strings"),
+])
+def test_bad_requests(server, auth, path, body, status, param, pattern):
+    kw = {"content": body} if isinstance(body, str) else {"json": body}
+    r = httpx.post(server.url + path, headers={**auth, "Content-Type": "application/json"},
+                   timeout=30, **kw)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and re.search(pattern, error["message"]), error
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"},
+                                     {"Authorization": "test-key"}])
+def test_auth_required(server, headers):
+    r = httpx.post(server.url + "/v1/chat/completions", headers=headers, timeout=10,
+                   json={"messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 401
+    assert r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/v1/models", headers=headers).status_code == 401
+
+
+def test_open_endpoints(server, auth):
+    for path in ("/health", "/ping", "/version", "/metrics", "/"):
+        assert httpx.get(server.url + path, timeout=10).status_code == 200, path
+    assert httpx.post(server.url + "/ping", timeout=10).status_code == 200
+    assert "version" in httpx.get(server.url + "/version").json()
+
+
+def test_tokenize_detokenize_and_admin(server, auth):
+    r = post(server, auth, "/tokenize", {"prompt": "The capital of France is",
+                                         "return_token_strs": True}).json()
+    assert r["tokens"] == [504, 3575, 282, 4649, 314] and r["count"] == 5
+    assert r["max_model_len"] == 8192 and r["token_strs"][1] == "Ġcapital"
+    chat = post(server, auth, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
+    assert chat.json()["tokens"][0] == 1
+    assert post(server, auth, "/detokenize", {"tokens": r["tokens"]}).json() == \
+        {"prompt": "The capital of France is"}
+    assert post(server, auth, "/detokenize", {"tokens": [-1]}).status_code == 400
+    info = httpx.get(server.url + "/server_info", headers=auth).json()
+    assert info["engine"]["max_model_len"] == 8192 and "api_key" not in info["server"]
+    assert post(server, auth, "/reset_prefix_cache", {}).json() == {"reset": True}
+
+
+def wait_running(server, predicate, timeout=10.0):
+    return wait_metric(server.url, "vllm:num_requests_running", predicate, timeout)
+
+
+def test_streaming_disconnect_aborts(server, auth):
+    body = {"prompt": "Count to a thousand:", "max_tokens": 3000, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=auth,
+                      timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(6):
+            next(lines)
+        assert wait_running(server, lambda v: v >= 1) >= 1
+    wait_running(server, lambda v: v == 0)
+
+
+def test_non_streaming_disconnect_aborts(server, auth):
+    body = {"prompt": "Count to a thousand:", "max_tokens": 3000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, headers=auth, timeout=1.5)
+    wait_running(server, lambda v: v == 0)
+
+
+def test_metrics_names(server, auth):
+    post(server, auth, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries",
+                 "vllm:prefix_cache_hits", "vllm:prompt_tokens_total",
+                 "vllm:generation_tokens_total", "vllm:num_preemptions_total",
+                 'vllm:request_success_total{finished_reason="length",model_name="smol"}',
+                 "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:inter_token_latency_seconds_bucket",
+                 "vllm:e2e_request_latency_seconds_bucket",
+                 "vllm:request_queue_time_seconds_bucket"):
+        assert name in text, name
