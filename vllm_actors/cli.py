@@ -58,7 +58,7 @@ def _serve(args: argparse.Namespace) -> int:
         allowed_origins=tuple(origins), disable_log_requests=args.disable_log_requests,
         uvicorn_log_level=args.uvicorn_log_level,
         enable_force_include_usage=args.enable_force_include_usage,
-        max_logprobs=args.max_logprobs, drain_timeout=args.drain_timeout)
+        drain_timeout=args.drain_timeout)
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.create_engine_config()   # refuse bad flags before loading anything
     run_server(vars(engine_args), config)

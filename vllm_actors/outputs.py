@@ -6,12 +6,28 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability under the raw model distribution, its 1-based rank, and
+    its text (the token decoded on its own)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+# Per position: token id -> Logprob (the position's token plus the top-k alternatives).
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
 class CompletionOutput:
     """One completion of a request.
 
     Attributes:
         finish_reason: "stop", "length", "abort" or "error"; None while running.
         stop_reason: the stop token id that ended it, if one did.
+        logprobs: one dict per token id, when SamplingParams.logprobs is set.
+        cumulative_logprob: sum of the sampled tokens' logprobs (with logprobs only).
     """
 
     index: int
@@ -19,6 +35,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -31,6 +49,8 @@ class RequestOutput:
     Attributes:
         num_cached_tokens: prompt tokens whose KV came from the prefix cache.
         error: why the engine failed this request (its finish_reason is then "error").
+        prompt_logprobs: None for the first prompt token, then one dict per prompt token,
+            when SamplingParams.prompt_logprobs is set.
     """
 
     request_id: str
@@ -40,3 +60,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None

@@ -1,12 +1,14 @@
 """SamplingParams: how to sample one request, validated on construction with messages a user
 can act on. A msgspec Struct so it crosses process boundaries as is.
 
-Defaults follow vLLM: temperature 1.0, max_tokens 16.
+Defaults follow vLLM: temperature 1.0, max_tokens 16, every other control neutral. Fields
+are only ever appended (msgspec decodes shorter arrays by filling defaults).
 """
 
 from __future__ import annotations
 
 import enum
+import math
 
 import msgspec
 
@@ -25,14 +27,16 @@ class RequestOutputKind(enum.IntEnum):
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
-    """Per-request sampling settings.
+    """Per-request sampling settings, applied in vLLM's order (see workers/sampler.py).
 
     Attributes:
         n: completions per prompt; each is its own engine request (seed + i when seeded).
         temperature: 0 means greedy; otherwise logits are divided by it before sampling.
-        seed: per-request seed; the same seed and prompt give the same tokens.
+        seed: per-request seed; the same seed and prompt give the same tokens, whatever
+            else runs in the batch.
         max_tokens: most tokens to generate (None: up to the model's context length).
-        min_tokens: tokens to generate before EOS / stop_token_ids may end the request.
+        min_tokens: tokens to generate before EOS / stop_token_ids may end the request (they
+            are masked until then).
         stop_token_ids: extra token ids that end generation (the token is kept in the output).
         ignore_eos: keep generating through EOS.
         skip_special_tokens: leave special tokens out of the decoded text.
@@ -41,6 +45,20 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False)
         spaces_between_special_tokens: when special tokens are kept in the text, separate
             them from neighbouring text with spaces (as Hugging Face's slow tokenizers do).
         output_kind: cumulative, delta or final-only outputs while streaming.
+        top_k: keep the k most likely tokens (0 or -1: all).
+        top_p: keep the smallest set of most likely tokens whose probability reaches top_p.
+        min_p: drop tokens less likely than min_p times the most likely one.
+        presence_penalty / frequency_penalty: OpenAI's penalties over the generated tokens.
+        repetition_penalty: divide positive (multiply negative) logits of tokens seen in the
+            prompt or output; 1 = off.
+        logit_bias: token id -> value added to its logit (-100..100).
+        allowed_token_ids: only these tokens may be sampled.
+        bad_words: words that must not be generated (as token sequences, any position).
+        best_of: candidates to pick n from; only best_of == n is supported.
+        logprobs: also return the log-probability of each sampled token and of the top
+            `logprobs` alternatives (raw model distribution, with ranks).
+        prompt_logprobs: the same for every prompt token after the first.
+        bad_words_token_ids: `bad_words` tokenized by the frontend (filled there).
     """
 
     n: int = 1
@@ -55,33 +73,78 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False)
     include_stop_str_in_output: bool = False
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = []
+    best_of: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    bad_words_token_ids: list[list[int]] = []
 
     def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         self.validate()
 
     def validate(self) -> None:
         """Raises ValidationError naming the bad parameter."""
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if not 1 <= self.n <= MAX_N:
-            raise ValidationError(f"n must be between 1 and {MAX_N}, got {self.n}", "n")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValidationError("stop must be a list of non-empty strings", "stop")
-        if not self.temperature >= 0:
-            raise ValidationError(f"temperature must be >= 0, got {self.temperature}",
-                                  "temperature")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValidationError(f"max_tokens must be at least 1, got {self.max_tokens}",
-                                  "max_tokens")
-        if self.min_tokens < 0:
-            raise ValidationError(f"min_tokens must be >= 0, got {self.min_tokens}", "min_tokens")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValidationError(f"min_tokens ({self.min_tokens}) must be <= max_tokens "
-                                  f"({self.max_tokens})", "min_tokens")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValidationError("stop_token_ids must be non-negative token ids",
-                                  "stop_token_ids")
+        checks = [
+            (1 <= self.n <= MAX_N, "n", f"n must be between 1 and {MAX_N}, got {self.n}"),
+            (self.best_of in (None, self.n), "best_of",
+             f"best_of={self.best_of} with n={self.n} is not supported; use n"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop",
+             "stop must be a list of non-empty strings"),
+            (all(isinstance(s, str) and s for s in self.bad_words), "bad_words",
+             "bad_words must be a list of non-empty strings"),
+            (self.temperature >= 0 and math.isfinite(self.temperature), "temperature",
+             f"temperature must be a finite number >= 0, got {self.temperature}"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
+             f"max_tokens must be at least 1, got {self.max_tokens}"),
+            (self.min_tokens >= 0, "min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+             f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"),
+            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+             "stop_token_ids must be non-negative token ids"),
+            (self.top_k >= -1, "top_k", f"top_k must be -1, 0 (off) or >= 1, got {self.top_k}"),
+            (0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}"),
+            (0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty",
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty",
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (0 < self.repetition_penalty <= 2, "repetition_penalty",
+             f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"),
+            (all(-100 <= v <= 100 for v in (self.logit_bias or {}).values()), "logit_bias",
+             "logit_bias values must be in [-100, 100]"),
+            (all(t >= 0 for t in (self.logit_bias or {})), "logit_bias",
+             "logit_bias keys must be non-negative token ids"),
+            (self.allowed_token_ids is None or (len(self.allowed_token_ids) > 0 and
+                                                min(self.allowed_token_ids) >= 0),
+             "allowed_token_ids", "allowed_token_ids must be a non-empty list of token ids"),
+            (self.logprobs is None or self.logprobs >= 0, "logprobs",
+             f"logprobs must be >= 0, got {self.logprobs}"),
+            (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
+             f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}"),
+        ]
+        for ok, param, message in checks:
+            if not ok:
+                raise ValidationError(message, param)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    def max_token_id(self) -> int:
+        """The largest token id this request names (-1 if none), to check against the vocab."""
+        ids = [*self.stop_token_ids, *(self.logit_bias or {}), *(self.allowed_token_ids or [])]
+        return max(ids, default=-1)

@@ -16,7 +16,7 @@ K = RequestOutputKind
 
 
 @pytest.fixture(scope="module")
-def engine(smollm2_path):
+def engine(smollm2_path, loop):
     llm = AsyncLLM(str(smollm2_path))
     yield llm
     llm.shutdown()
@@ -28,7 +28,7 @@ async def collect(llm, prompt, params, request_id=None):
 
 # The engine's event-loop state belongs to one loop: all tests of this module share it.
 @pytest.fixture(scope="module")
-def loop(engine):
+def loop():
     loop = asyncio.new_event_loop()
     yield loop
     loop.close()

@@ -56,7 +56,8 @@ def hf_greedy(model: torch.nn.Module, prompt_ids: list[int]) -> dict:
             if step in LOGIT_STEPS:
                 ids = np.unique(np.concatenate(
                     [torch.topk(logits, NUM_TOP_LOGITS).indices.numpy(), spread]))
-                rows.append((step, ids, logits.numpy()[ids]))
+                logprobs = torch.log_softmax(logits, dim=-1).numpy()
+                rows.append((step, ids, logits.numpy()[ids], logprobs[ids]))
             token = int(top2.indices[0])
             tokens.append(token)
             out = model(torch.tensor([[token]]), past_key_values=out.past_key_values,
@@ -78,9 +79,10 @@ def make_smollm2_goldens(gguf_path: Path) -> None:
         result = hf_greedy(model, ids)
         cases.append({"name": name, "kind": kind, "prompt_token_ids": ids,
                       "tokens": result["tokens"], "top2_margins": result["margins"]})
-        for step, ids_row, values in result["rows"]:
+        for step, ids_row, values, logprobs in result["rows"]:
             arrays[f"{name}/{step}/ids"] = ids_row
             arrays[f"{name}/{step}/logits"] = values.astype(np.float32)
+            arrays[f"{name}/{step}/logprobs"] = logprobs.astype(np.float32)
         print(f"{name}: {len(ids)} prompt tokens -> {result['tokens'][:8]}...")
     meta = {"model": gguf_path.name, "oracle": f"transformers fp32 CPU, torch {torch.__version__}",
             "num_generated": NUM_GENERATED, "logit_steps": list(LOGIT_STEPS), "cases": cases}

@@ -120,7 +120,9 @@ class Scheduler:
     def _schedule_waiting(self, step: StepInput, budget: int) -> None:
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            hits, num_hit = self.kv.get_computed_blocks(request)
+            # prompt logprobs need every prompt position computed: no prefix-cache reads
+            hits, num_hit = ([], 0) if request.params.prompt_logprobs is not None else \
+                self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
             if self.kv.allocate_slots(request, num_new, hits) is None:
                 break
@@ -132,7 +134,8 @@ class Scheduler:
                 request.scheduled_time = time.time()
             step.new_requests.append(NewRequestData(
                 request.request_id, list(request.all_token_ids), request.params,
-                self.kv.get_block_ids(request.request_id), num_hit, request.num_prompt_tokens))
+                self.kv.get_block_ids(request.request_id), num_hit, request.num_prompt_tokens,
+                sorted(request.eos_token_ids)))
             step.num_scheduled_tokens[request.request_id] = num_new
             request.num_computed_tokens = num_hit + num_new
             budget -= num_new
@@ -167,9 +170,11 @@ class Scheduler:
                 request.append_output_token(token_id)
                 if request.check_stop():
                     break
-            outputs.append(EngineCoreOutput(req_id, list(token_ids), request.finish_reason,
-                                            request.stop_reason, request.num_cached_tokens,
-                                            scheduled_time=request.scheduled_time))
+            outputs.append(EngineCoreOutput(
+                req_id, list(token_ids), request.finish_reason, request.stop_reason,
+                request.num_cached_tokens, scheduled_time=request.scheduled_time,
+                logprobs=output.logprobs.get(req_id),
+                prompt_logprobs=output.prompt_logprobs.get(req_id)))
             request.scheduled_time = None
             if request.finish_reason is not None:
                 self.running.remove(request)

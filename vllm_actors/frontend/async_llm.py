@@ -54,7 +54,8 @@ class AsyncLLM:
         self.ready = self.client.ready
         self.model_name = config.model.served_model_name or source.name
         self.model_root = str(source.path)
-        self.input_processor = InputProcessor(self.tokenizer, self.ready)
+        self.input_processor = InputProcessor(self.tokenizer, self.ready,
+                                              config.model.max_logprobs)
         self.metrics = FrontendMetrics(self.model_name)
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
         self.generation_defaults = generation_defaults(source, config.model.generation_config)
@@ -128,6 +129,10 @@ class AsyncLLM:
                 self._stop_in_loop()
             elif loop.is_running():
                 loop.call_soon_threadsafe(self._stop_in_loop)
+            else:   # an idle loop: let the cancelled tasks finish on it
+                self._stop_in_loop()
+                tasks = [t for t in (self._output_task, self._watch_task) if t is not None]
+                loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
         self.client.shutdown()
 
     def _stop_in_loop(self) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgspec
+
 from vllm_actors.errors import ValidationError
 from vllm_actors.loaders.chat_template import read_chat_template
 from vllm_actors.loaders.tokenizer import Tokenizer
@@ -15,10 +17,11 @@ PromptType = str | dict[str, Any]
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer, ready: EngineReady) -> None:
+    def __init__(self, tokenizer: Tokenizer, ready: EngineReady, max_logprobs: int = 20) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
+        self.max_logprobs = max_logprobs
 
     def prompt_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) for a string or {"prompt_token_ids": [...]}."""
@@ -57,6 +60,29 @@ class InputProcessor:
         if bad:
             raise ValidationError(f"token id {bad[0]} is out of range for a vocabulary of "
                                   f"{self.vocab_size}", "prompt_token_ids")
+        params = self._check_params(params)
         eos = [] if params.ignore_eos else list(self.tokenizer.eos_token_ids)
         request = EngineCoreRequest(request_id, token_ids, params, eos, time.time(), priority)
         return text, request
+
+    def _check_params(self, params: SamplingParams) -> SamplingParams:
+        """Token ids within the vocabulary, logprobs within --max-logprobs, bad words
+        tokenized (as written and with a leading space, as vLLM does)."""
+        if params.max_token_id() >= self.vocab_size:
+            raise ValidationError(f"token id {params.max_token_id()} (in stop_token_ids, "
+                                  "logit_bias or allowed_token_ids) is out of range for a "
+                                  f"vocabulary of {self.vocab_size}", "logit_bias")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise ValidationError(f"{name}={value} is more than the server allows "
+                                      f"(--max-logprobs {self.max_logprobs})", name)
+        if params.bad_words and not params.bad_words_token_ids:
+            words = []
+            for word in params.bad_words:
+                for variant in (word, " " + word.lstrip()):
+                    ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                    if ids and ids not in words:
+                        words.append(ids)
+            params = msgspec.structs.replace(params, bad_words_token_ids=words)
+        return params

@@ -94,9 +94,7 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config defaults (see
         --generation-config) where this engine implements them, else vLLM's defaults."""
-        defaults = self.engine.generation_defaults
-        return SamplingParams(**{k: defaults[k] for k in ("temperature", "max_tokens")
-                                 if k in defaults})
+        return SamplingParams(**self.engine.generation_defaults)
 
     def reset_prefix_cache(self) -> bool:
         """Forget cached prefixes; False while requests still hold KV blocks."""

@@ -1,4 +1,5 @@
-"""OpenAI request bodies (msgspec Structs), their checks, and their SamplingParams.
+"""OpenAI request bodies (msgspec Structs), their checks, their SamplingParams, and the
+OpenAI logprobs shapes.
 
 Fields the engine does not implement yet are refused with a 400 naming the field when a
 request sets them to anything but their neutral value, never silently ignored.
@@ -41,6 +42,7 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     n: int = 1
     best_of: int | None = None
     stream: bool = False
@@ -51,6 +53,9 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
     user: str | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -115,20 +120,11 @@ _NOT_YET = "is not supported yet"
 
 def refuse_unsupported(req: _GenerationRequest) -> None:
     """Fields whose non-neutral values the engine cannot honour yet: 400 naming the field."""
-    checks = [("top_p", req.top_p not in (None, 1.0)),
-              ("top_k", req.top_k not in (None, 0, -1)),
-              ("presence_penalty", req.presence_penalty not in (None, 0.0)),
-              ("frequency_penalty", req.frequency_penalty not in (None, 0.0)),
-              ("repetition_penalty", req.repetition_penalty not in (None, 1.0)),
-              ("logit_bias", bool(req.logit_bias)),
-              ("best_of", req.best_of not in (None, req.n))]
     if isinstance(req, ChatCompletionRequest):
-        checks += [("logprobs", req.logprobs), ("top_logprobs", req.top_logprobs is not None),
-                   ("tools", bool(req.tools) and req.tool_choice != "none"),
-                   ("response_format", req.response_format not in (None, {"type": "text"}))]
+        checks = [("tools", bool(req.tools) and req.tool_choice != "none"),
+                  ("response_format", req.response_format not in (None, {"type": "text"}))]
     else:
-        checks += [("logprobs", req.logprobs is not None),
-                   ("suffix", bool(req.suffix))]
+        checks = [("suffix", bool(req.suffix))]
     for field, refused in checks:
         if refused:
             raise APIError(400, f"{field} {_NOT_YET} by this server", field)
@@ -197,19 +193,87 @@ def max_tokens_for(requested: int | None, num_prompt_tokens: int, max_model_len:
     return requested
 
 
+_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 def sampling_params(req: _GenerationRequest, max_tokens: int, defaults: dict[str, Any],
                     stream: bool) -> SamplingParams:
-    """Raises APIError 400 naming the field for an invalid value."""
+    """The request's SamplingParams; fields it omits come from the generation-config
+    defaults. Raises APIError 400 naming the field for an invalid value."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    temperature = req.temperature if req.temperature is not None else \
-        float(defaults.get("temperature", 1.0))
+    chosen = {name: getattr(req, name) if getattr(req, name) is not None else defaults[name]
+              for name in _DEFAULTED if getattr(req, name) is not None or name in defaults}
+    if isinstance(req, ChatCompletionRequest):
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+    else:
+        logprobs = req.logprobs
+    try:
+        bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
+    except ValueError:
+        raise APIError(400, "logit_bias keys must be token ids", "logit_bias") from None
     try:
         return SamplingParams(
-            n=req.n, temperature=temperature, seed=req.seed, max_tokens=max_tokens,
+            n=req.n, best_of=req.best_of, seed=req.seed, max_tokens=max_tokens,
             min_tokens=req.min_tokens, stop=stop, stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
-            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0, logit_bias=bias or None,
+            allowed_token_ids=req.allowed_token_ids, bad_words=list(req.bad_words or []),
+            logprobs=logprobs, prompt_logprobs=req.prompt_logprobs,
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+            **chosen)
     except ValidationError as e:
         raise APIError(400, str(e), e.param) from None
+
+
+def _token_bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def chat_logprobs(positions: list[dict[int, Any]] | None, token_ids: list[int],
+                  k: int) -> dict[str, Any] | None:
+    """OpenAI's chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    if positions is None:
+        return None
+    content = []
+    for token_id, position in zip(token_ids, positions):
+        chosen = position[token_id]
+        top = sorted(position.values(), key=lambda lp: lp.rank)[:k]
+        content.append({"token": chosen.decoded_token, "logprob": chosen.logprob,
+                        "bytes": _token_bytes(chosen.decoded_token or ""),
+                        "top_logprobs": [{"token": t.decoded_token, "logprob": t.logprob,
+                                          "bytes": _token_bytes(t.decoded_token or "")}
+                                         for t in top]})
+    return {"content": content}
+
+
+def completion_logprobs(positions: list[dict[int, Any]] | None, token_ids: list[int],
+                        text_offset: int) -> dict[str, Any] | None:
+    """OpenAI's completions `logprobs`: tokens, token_logprobs, top_logprobs, text_offset."""
+    if positions is None:
+        return None
+    tokens, values, tops, offsets = [], [], [], []
+    offset = text_offset
+    for token_id, position in zip(token_ids, positions):
+        chosen = position[token_id]
+        tokens.append(chosen.decoded_token)
+        values.append(chosen.logprob)
+        tops.append({lp.decoded_token: lp.logprob for lp in position.values()})
+        offsets.append(offset)
+        offset += len(chosen.decoded_token or "")
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def prompt_logprobs_json(positions: list[dict[int, Any] | None] | None
+                         ) -> list[dict[str, Any] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token, {token id: {logprob, rank, decoded_token}}."""
+    if positions is None:
+        return None
+    return [None if p is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                                             "decoded_token": lp.decoded_token}
+                                    for t, lp in p.items()} for p in positions]

@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 
 from vllm_actors.frontend.collector import RequestOutputCollector
 from vllm_actors.frontend.detokenizer import IncrementalDetokenizer
+from vllm_actors.frontend.logprobs import LogprobsBuilder
 from vllm_actors.frontend.metrics import FrontendMetrics
 from vllm_actors.loaders.tokenizer import Tokenizer
-from vllm_actors.outputs import CompletionOutput, RequestOutput
+from vllm_actors.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from vllm_actors.protocol.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
 from vllm_actors.sampling_params import RequestOutputKind, SamplingParams
 
@@ -31,6 +32,9 @@ class ParentRequest:
     num_children: int
     finals: dict[int, CompletionOutput] = field(default_factory=dict)
 
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    sent_prompt_logprobs: bool = False
+
     def output_for(self, completion: CompletionOutput, num_cached_tokens: int,
                    error: str | None) -> RequestOutput | None:
         if completion.finished():
@@ -42,8 +46,12 @@ class ParentRequest:
             completions = [self.finals[i] for i in sorted(self.finals)]
         else:
             completions = [completion]
+        prompt_logprobs = self.prompt_logprobs
+        if self.kind == RequestOutputKind.DELTA and self.sent_prompt_logprobs:
+            prompt_logprobs = None   # deltas carry them once
+        self.sent_prompt_logprobs |= prompt_logprobs is not None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions,
-                             finished, num_cached_tokens, error)
+                             finished, num_cached_tokens, error, prompt_logprobs)
 
 
 @dataclass
@@ -60,6 +68,11 @@ class RequestState:
     sent_chars: int = 0
     last_token_time: float | None = None
     queue_s: float | None = None
+    num_logprobs: int | None = None          # the request's k, when it asked for logprobs
+    num_prompt_logprobs: int = 0
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    sent_logprobs: int = 0
 
     def record_timing(self, out: EngineCoreOutput, metrics: FrontendMetrics) -> None:
         now = time.time()
@@ -78,14 +91,29 @@ class RequestState:
         kind = self.parent.kind
         text = self.detokenizer.output_text
         end = self.detokenizer.releasable_text_length(finished)
+        with_lp = self.num_logprobs is not None
+        cumulative = self.cumulative_logprob if with_lp else None
         if kind == RequestOutputKind.DELTA:
             new_text, new_ids = text[self.sent_chars:end], self.token_ids[self.sent_tokens:]
             if not (new_text or new_ids or finished):
                 return None
+            new_lp = self.logprobs[self.sent_logprobs:] if with_lp else None
             self.sent_chars, self.sent_tokens = max(self.sent_chars, end), len(self.token_ids)
-            return CompletionOutput(self.index, new_text, new_ids, finish_reason, stop_reason)
+            self.sent_logprobs = len(self.logprobs)
+            return CompletionOutput(self.index, new_text, new_ids, finish_reason, stop_reason,
+                                    new_lp, cumulative)
         return CompletionOutput(self.index, text[:end], list(self.token_ids), finish_reason,
-                                stop_reason)
+                                stop_reason, list(self.logprobs) if with_lp else None,
+                                cumulative)
+
+    def record_logprobs(self, out: EngineCoreOutput, builder: LogprobsBuilder) -> None:
+        if out.logprobs is not None and self.num_logprobs is not None:
+            positions = builder.positions(out.logprobs, self.num_logprobs)
+            self.logprobs.extend(positions)
+            self.cumulative_logprob += sum(lp[0] for lp in out.logprobs.logprobs)
+        if out.prompt_logprobs is not None and self.parent.prompt_logprobs is None:
+            k = self.num_prompt_logprobs
+            self.parent.prompt_logprobs = [None, *builder.positions(out.prompt_logprobs, k)]
 
 
 class OutputProcessor:
@@ -94,15 +122,17 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer, metrics: FrontendMetrics) -> None:
         self.tokenizer = tokenizer
         self.metrics = metrics
+        self.logprobs_builder = LogprobsBuilder(tokenizer)
         self.states: dict[str, RequestState] = {}
         self.children: dict[str, list[str]] = {}   # user request id -> engine request ids
 
     def add_request(self, parent: ParentRequest, index: int, request: EngineCoreRequest,
                     params: SamplingParams) -> None:
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
-        self.states[request.request_id] = RequestState(parent, index, detok,
-                                                       request.arrival_time,
-                                                       len(request.prompt_token_ids))
+        state = RequestState(parent, index, detok, request.arrival_time,
+                             len(request.prompt_token_ids), num_logprobs=params.logprobs,
+                             num_prompt_logprobs=params.prompt_logprobs or 0)
+        self.states[request.request_id] = state
         self.children.setdefault(parent.request_id, []).append(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -126,6 +156,7 @@ class OutputProcessor:
                 continue
             reason, stop_reason = out.finish_reason, out.stop_reason
             state.record_timing(out, self.metrics)
+            state.record_logprobs(out, self.logprobs_builder)
             state.token_ids.extend(out.new_token_ids)
             stop_str = state.detokenizer.update(out.new_token_ids, reason is not None,
                                                 reason == FinishReason.STOP)

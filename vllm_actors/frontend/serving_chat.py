@@ -11,9 +11,10 @@ from starlette.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 
 from vllm_actors.errors import ValidationError
-from vllm_actors.frontend.openai_schema import (APIError, ChatCompletionRequest, chat_messages,
-                                                decode_request, max_tokens_for,
-                                                refuse_unsupported, sampling_params)
+from vllm_actors.frontend.openai_schema import (APIError, ChatCompletionRequest, chat_logprobs,
+                                                chat_messages, decode_request, max_tokens_for,
+                                                prompt_logprobs_json, refuse_unsupported,
+                                                sampling_params)
 from vllm_actors.frontend.serving import (ServerState, SubRequest, generate_final, new_request_id,
                                           now, raise_if_failed, stream_error, stream_outputs,
                                           usage)
@@ -39,6 +40,10 @@ def _prepare(state: ServerState, req: ChatCompletionRequest) -> tuple[SubRequest
     params = sampling_params(req, limit, state.engine.generation_defaults, req.stream)
     sub = SubRequest(new_request_id("chatcmpl"), {"prompt": text, "prompt_token_ids": ids},
                      params)
+    try:   # limits and token ids, before any stream starts
+        state.engine.input_processor.process(sub.request_id, sub.prompt, params)
+    except ValidationError as e:
+        raise APIError(400, str(e), e.param) from None
     return sub, len(ids)
 
 
@@ -56,14 +61,19 @@ async def create_chat_completion(state: ServerState, raw: Request) -> Response:
         return Response(status_code=499)
     out = outputs[0]
     raise_if_failed(out)
+    k = req.top_logprobs or 0
     choices = [{"index": c.index,
                 "message": {"role": "assistant", "content": c.text, "tool_calls": []},
-                "logprobs": None, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                "logprobs": chat_logprobs(c.logprobs, c.token_ids, k),
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                for c in out.outputs]
     completion_tokens = sum(len(c.token_ids) for c in out.outputs)
-    return JSONResponse({"id": sub.request_id, "object": "chat.completion", "created": now(),
-                         "model": state.model_name, "choices": choices,
-                         "usage": usage(num_prompt, completion_tokens, out.num_cached_tokens)})
+    body = {"id": sub.request_id, "object": "chat.completion", "created": now(),
+            "model": state.model_name, "choices": choices,
+            "usage": usage(num_prompt, completion_tokens, out.num_cached_tokens)}
+    if out.prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+    return JSONResponse(body)
 
 
 async def _stream(state: ServerState, req: ChatCompletionRequest, sub: SubRequest,
@@ -89,11 +99,12 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, sub: SubReques
             cached = out.num_cached_tokens
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
-                if not c.text and c.finish_reason is None:
+                if not c.text and c.finish_reason is None and not (c.logprobs and c.token_ids):
                     continue
-                choice: dict[str, Any] = {"index": c.index,
-                                          "delta": {"content": c.text} if c.text else {},
-                                          "logprobs": None, "finish_reason": c.finish_reason}
+                choice: dict[str, Any] = {
+                    "index": c.index, "delta": {"content": c.text} if c.text else {},
+                    "logprobs": chat_logprobs(c.logprobs, c.token_ids, req.top_logprobs or 0),
+                    "finish_reason": c.finish_reason}
                 if c.finish_reason is not None:
                     choice["stop_reason"] = c.stop_reason
                 yield chunk([choice])

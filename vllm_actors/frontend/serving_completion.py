@@ -12,9 +12,11 @@ from starlette.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 
 from vllm_actors.errors import ValidationError
-from vllm_actors.frontend.openai_schema import (APIError, CompletionRequest, completion_prompts,
+from vllm_actors.frontend.openai_schema import (APIError, CompletionRequest,
+                                                completion_logprobs, completion_prompts,
                                                 decode_request, max_tokens_for,
-                                                refuse_unsupported, sampling_params)
+                                                prompt_logprobs_json, refuse_unsupported,
+                                                sampling_params)
 from vllm_actors.frontend.serving import (ServerState, SubRequest, generate_final, new_request_id,
                                           now, raise_if_failed, stream_error, stream_outputs,
                                           usage)
@@ -40,10 +42,11 @@ def _prepare(state: ServerState, req: CompletionRequest, request_id: str
                                max_len)
         params = sampling_params(req, limit, state.engine.generation_defaults, req.stream)
         sub = SubRequest(f"{request_id}-{i}", {"prompt": text, "prompt_token_ids": ids}, params)
-        try:   # token-id prompts: ids in the vocabulary, before any stream starts
+        try:   # ids in the vocabulary, limits, before any stream starts
             state.engine.input_processor.process(sub.request_id, sub.prompt, params)
         except ValidationError as e:
-            raise APIError(400, str(e), "prompt") from None
+            param = "prompt" if e.param in (None, "prompt_token_ids") else e.param
+            raise APIError(400, str(e), param) from None
         subs.append(sub)
         lengths.append(len(ids))
         texts.append(text if text is not None else tokenizer.decode(ids))
@@ -70,10 +73,12 @@ async def create_completion(state: ServerState, raw: Request) -> Response:
         cached += out.num_cached_tokens
         for c in out.outputs:
             completion_tokens += len(c.token_ids)
-            choices.append({"index": p * req.n + c.index,
-                            "text": (texts[p] if req.echo else "") + c.text, "logprobs": None,
+            prefix = texts[p] if req.echo else ""
+            choices.append({"index": p * req.n + c.index, "text": prefix + c.text,
+                            "logprobs": completion_logprobs(c.logprobs, c.token_ids,
+                                                            len(prefix)),
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                            "prompt_logprobs": None})
+                            "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)})
     return JSONResponse({"id": request_id, "object": "text_completion", "created": now(),
                          "model": state.model_name, "choices": choices,
                          "usage": usage(sum(lengths), completion_tokens, cached)})
@@ -87,6 +92,7 @@ async def _stream(state: ServerState, req: CompletionRequest, request_id: str,
     continuous = include_usage and bool(opts and opts.continuous_usage_stats)
     completion_tokens, cached = 0, [0] * len(subs)
     echoed: set[int] = set()
+    offsets: dict[int, int] = {}
 
     def chunk(choice: dict[str, Any]) -> str:
         body: dict[str, Any] = {"id": request_id, "object": "text_completion",
@@ -106,9 +112,11 @@ async def _stream(state: ServerState, req: CompletionRequest, request_id: str,
                 if req.echo and index not in echoed:
                     echoed.add(index)
                     text = texts[p] + text
-                if not text and c.finish_reason is None:
+                if not text and c.finish_reason is None and not (c.logprobs and c.token_ids):
                     continue
-                yield chunk({"index": index, "text": text, "logprobs": None,
+                logprobs = completion_logprobs(c.logprobs, c.token_ids, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + len(text)
+                yield chunk({"index": index, "text": text, "logprobs": logprobs,
                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
     except Exception as e:
         yield _json.encode(stream_error(e)).decode()

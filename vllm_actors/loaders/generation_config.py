@@ -1,6 +1,7 @@
 """Default sampling parameters from a model's generation_config.json (vLLM's
-`--generation-config`): `auto` reads the model directory's file, `vllm` uses none, and any
-other value names a directory holding the file."""
+`--generation-config`): `auto` reads the model directory's file (or, for a GGUF file, its
+`general.sampling.*` metadata), `vllm` uses none, and any other value names a directory
+holding the file."""
 
 from __future__ import annotations
 
@@ -9,9 +10,18 @@ from pathlib import Path
 from typing import Any
 
 from vllm_actors.errors import ModelFormatError, ModelNotFoundError
+from vllm_actors.loaders.gguf import GGUFFile
 from vllm_actors.loaders.model_files import ModelSource
 
-_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_GGUF_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
+              "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p",
+              "general.sampling.penalty_repeat": "repetition_penalty"}
+
+
+def _gguf_defaults(path: Path) -> dict[str, Any]:
+    meta = GGUFFile(path).metadata
+    return {name: meta[key] for key, name in _GGUF_KEYS.items() if meta.get(key) is not None}
 
 
 def generation_defaults(source: ModelSource, setting: str = "auto") -> dict[str, Any]:
@@ -23,8 +33,8 @@ def generation_defaults(source: ModelSource, setting: str = "auto") -> dict[str,
     if setting == "vllm":
         return {}
     if setting == "auto":
-        if source.kind != "safetensors":
-            return {}
+        if source.kind == "gguf":
+            return _gguf_defaults(source.path)
         path = source.path / "generation_config.json"
         if not path.is_file():
             return {}

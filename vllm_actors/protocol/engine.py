@@ -45,6 +45,20 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     cache_salt: str | None = None
 
 
+class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """Log-probabilities for consecutive token positions (parallel lists, one per position).
+
+    Attributes:
+        token_ids: the position's actual token first, then the top-k alternatives.
+        logprobs: their log-probabilities under the raw model distribution.
+        ranks: 1-based rank of the actual token.
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """What one request produced in one step.
 
@@ -54,6 +68,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
         num_cached_tokens: prompt tokens served from the prefix cache.
         error: what went wrong, when finish_reason is ERROR.
         scheduled_time: epoch seconds of the request's first scheduling, on its first output.
+        logprobs: for new_token_ids, when the request asked for logprobs.
+        prompt_logprobs: for prompt positions 1.., with the first output, when asked for.
     """
 
     request_id: str
@@ -63,6 +79,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_cached_tokens: int = 0
     error: str | None = None
     scheduled_time: float | None = None
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: TokenLogprobs | None = None
 
     @property
     def finished(self) -> bool:

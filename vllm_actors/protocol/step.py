@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import msgspec
 
+from vllm_actors.protocol.engine import TokenLogprobs
 from vllm_actors.sampling_params import SamplingParams
 
 
@@ -17,6 +18,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         block_ids: KV blocks in order; block i holds positions [i * block_size, (i+1) * block_size).
         num_computed_tokens: tokens whose KV is already in those blocks (prefix-cache hits).
         num_prompt_tokens: how many of token_ids are prompt (the rest are earlier outputs).
+        eos_token_ids: masked with stop_token_ids until min_tokens (unless ignore_eos).
     """
 
     req_id: str
@@ -25,6 +27,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     block_ids: list[int]
     num_computed_tokens: int
     num_prompt_tokens: int
+    eos_token_ids: list[int] = []
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -62,8 +65,12 @@ class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     Attributes:
         failed: requests that could not be served this step (e.g. non-finite logits), with
             the reason; the core finishes them with finish_reason "error".
+        logprobs / prompt_logprobs: for requests that asked, keyed by request id (prompt
+            logprobs arrive once, with the request's first sampled token).
     """
 
     req_ids: list[str] = []
     sampled_token_ids: list[list[int]] = []
     failed: dict[str, str] = {}
+    logprobs: dict[str, TokenLogprobs] = {}
+    prompt_logprobs: dict[str, TokenLogprobs] = {}

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from vllm_actors.protocol.engine import TokenLogprobs
 from vllm_actors.protocol.step import NewRequestData
 from vllm_actors.sampling_params import SamplingParams
+from vllm_actors.workers.sampling_state import SamplingState
 
 
 class InputBatch:
@@ -18,6 +20,8 @@ class InputBatch:
         block_table: [max_num_reqs, max_blocks_per_req] int32 (0 = the null block).
         num_blocks: [max_num_reqs] int32, filled entries of each block_table row.
         params: the SamplingParams of each row (None for a free row).
+        sampling: the rows' sampling controls as arrays.
+        prompt_logprobs: per row, prompt logprobs of the chunks computed so far.
     """
 
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
@@ -31,13 +35,15 @@ class InputBatch:
         self.block_table = np.zeros((max_num_reqs, max_blocks), np.int32)
         self.num_blocks = np.zeros(max_num_reqs, np.int32)
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
+        self.sampling = SamplingState(max_num_reqs)
+        self.prompt_logprobs: dict[int, list[TokenLogprobs]] = {}
         self.req_id_to_row: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
 
     def __len__(self) -> int:
         return len(self.req_id_to_row)
 
-    def add_request(self, new: NewRequestData, num_prompt_tokens: int) -> int:
+    def add_request(self, new: NewRequestData) -> int:
         """Give a request a row (its tokens, blocks, sampling params); returns the row."""
         if not self.free_rows:
             raise RuntimeError("InputBatch is full: more running requests than max_num_seqs")
@@ -46,17 +52,20 @@ class InputBatch:
         n = len(new.token_ids)
         self.token_ids[row, :n] = new.token_ids
         self.num_tokens[row] = n
-        self.num_prompt_tokens[row] = num_prompt_tokens
+        self.num_prompt_tokens[row] = new.num_prompt_tokens
         self.num_computed_tokens[row] = new.num_computed_tokens
         self.num_blocks[row] = 0
         self.append_blocks(row, new.block_ids)
         self.params[row] = new.sampling_params
+        self.sampling.set_row(row, new.sampling_params, new.eos_token_ids)
         return row
 
     def remove_request(self, req_id: str) -> None:
         row = self.req_id_to_row.pop(req_id, None)
         if row is not None:
             self.params[row] = None
+            self.sampling.clear_row(row)
+            self.prompt_logprobs.pop(row, None)
             self.free_rows.append(row)
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:

@@ -2,7 +2,8 @@
 
 Per step: apply the diffs (finished ids, new requests, new blocks), lay the scheduled tokens
 out flat with vectorized numpy (positions, token ids, KV slots, block tables), run the model,
-and sample only for requests whose scheduled tokens reach their last known token.
+and sample only for requests whose scheduled tokens reach their last known token; logprobs
+and prompt logprobs for the requests that asked.
 """
 
 from __future__ import annotations
@@ -18,13 +19,17 @@ from vllm_actors.kernels.ops import AttentionMetadata
 from vllm_actors.loaders.model_files import resolve_model
 from vllm_actors.models.base import CausalLM
 from vllm_actors.models.registry import load_model
-from vllm_actors.protocol.engine import EngineReady
+from vllm_actors.protocol.engine import EngineReady, TokenLogprobs
 from vllm_actors.protocol.step import StepInput, StepOutput
 from vllm_actors.workers.input_batch import InputBatch
 from vllm_actors.workers.kv_cache import num_kv_blocks
-from vllm_actors.workers.sampler import Sampler
+from vllm_actors.workers.sampler import Sampler, log_softmax, top_logprobs
 
 logger = logging.getLogger(__name__)
+
+
+def _token_logprobs(ids: np.ndarray, lps: np.ndarray, ranks: np.ndarray) -> TokenLogprobs:
+    return TokenLogprobs(ids.tolist(), lps.astype(float).tolist(), ranks.tolist())
 
 
 class ModelRunner:
@@ -63,7 +68,7 @@ class ModelRunner:
         for req_id in step.finished_req_ids:
             batch.remove_request(req_id)
         for new in step.new_requests:
-            batch.add_request(new, new.num_prompt_tokens)
+            batch.add_request(new)
         cached = step.cached_requests
         for req_id, blocks, computed in zip(cached.req_ids, cached.new_block_ids,
                                             cached.num_computed_tokens):
@@ -72,8 +77,8 @@ class ModelRunner:
             batch.num_computed_tokens[row] = computed
 
     def _prepare(self, rows: np.ndarray, counts: np.ndarray
-                 ) -> tuple[np.ndarray, np.ndarray, AttentionMetadata]:
-        """Flat step layout: token ids, positions and attention metadata for `rows`."""
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, AttentionMetadata]:
+        """Flat step layout: token ids, positions, the row of each token, attention layout."""
         batch, bs = self.batch, self.block_size
         query_start_loc = np.zeros(len(rows) + 1, np.int32)
         np.cumsum(counts, out=query_start_loc[1:])
@@ -88,35 +93,66 @@ class ModelRunner:
         num_blocks = -(-int(seq_lens.max()) // bs)
         meta = AttentionMetadata(query_start_loc, seq_lens,
                                  batch.block_table[rows, :num_blocks], slots, bs)
-        return token_ids, positions, meta
+        return token_ids, positions, token_rows, meta
+
+    def _collect_prompt_logprobs(self, hidden: object, positions: np.ndarray,
+                                 token_rows: np.ndarray) -> None:
+        """Logprobs of the next prompt token at every prompt position computed this step,
+        for rows that asked; kept until the request's first sampled token."""
+        batch = self.batch
+        k = batch.sampling.num_prompt_logprobs[token_rows]
+        sel = np.flatnonzero((k >= 0) & (positions + 1 < batch.num_prompt_tokens[token_rows]))
+        if not len(sel):
+            return
+        lp = log_softmax(self.model.compute_logits(hidden[sel]))
+        nxt = batch.token_ids[token_rows[sel], positions[sel] + 1]
+        ids, lps, ranks = top_logprobs(lp, nxt, int(k[sel].max()))
+        for row in np.unique(token_rows[sel]).tolist():
+            mine = token_rows[sel] == row
+            batch.prompt_logprobs.setdefault(row, []).append(
+                _token_logprobs(ids[mine], lps[mine], ranks[mine]))
+
+    def _sample(self, hidden: object, meta: AttentionMetadata, rows: np.ndarray,
+                req_ids: list[str], out: StepOutput) -> None:
+        batch = self.batch
+        done = np.flatnonzero(batch.num_computed_tokens[rows] >= batch.num_tokens[rows])
+        if not len(done):
+            return
+        logits = self.model.compute_logits(hidden[meta.query_start_loc[1:][done] - 1])
+        finite = np.isfinite(logits).all(axis=1)
+        for i in done[~finite].tolist():
+            out.failed[req_ids[i]] = "the model produced non-finite logits for this request"
+        done, logits = done[finite], logits[finite]
+        if not len(done):
+            return
+        done_rows = rows[done]
+        tokens, lp = self.sampler.sample(logits, done_rows, batch.sampling, batch.token_ids,
+                                         batch.num_prompt_tokens, batch.num_tokens)
+        batch.append_tokens(done_rows, tokens)
+        for i, token in zip(done.tolist(), tokens.tolist()):
+            out.sampled_token_ids[i] = [token]
+        if lp is not None:
+            for j, i in enumerate(lp.rows.tolist()):
+                out.logprobs[req_ids[done[i]]] = _token_logprobs(
+                    lp.token_ids[j:j + 1], lp.logprobs[j:j + 1], lp.ranks[j:j + 1])
+        for i, row in zip(done.tolist(), done_rows.tolist()):
+            pieces = batch.prompt_logprobs.pop(row, None)
+            if pieces:
+                out.prompt_logprobs[req_ids[i]] = TokenLogprobs(
+                    [t for p in pieces for t in p.token_ids],
+                    [v for p in pieces for v in p.logprobs], [r for p in pieces for r in p.ranks])
 
     def execute(self, step: StepInput) -> StepOutput:
         self._apply_diffs(step)
         if not step.num_scheduled_tokens:
             return StepOutput()
-        batch = self.batch
         req_ids = list(step.num_scheduled_tokens)
-        rows = batch.rows_of(req_ids)
+        rows = self.batch.rows_of(req_ids)
         counts = np.fromiter(step.num_scheduled_tokens.values(), np.int32, len(rows))
-        token_ids, positions, meta = self._prepare(rows, counts)
+        token_ids, positions, token_rows, meta = self._prepare(rows, counts)
         hidden = self.model.forward(token_ids, positions, meta, self.kv_caches)
-
-        batch.num_computed_tokens[rows] += counts
-        done = np.flatnonzero(batch.num_computed_tokens[rows] >= batch.num_tokens[rows])
-        sampled: list[list[int]] = [[] for _ in req_ids]
-        failed: dict[str, str] = {}
-        if len(done):
-            logits = self.model.compute_logits(hidden[meta.query_start_loc[1:][done] - 1])
-            finite = np.isfinite(logits).all(axis=1)
-            for i in done[~finite].tolist():
-                failed[req_ids[i]] = "the model produced non-finite logits for this request"
-            done, logits = done[finite], logits[finite]
-        if len(done):
-            done_rows = rows[done]
-            output_index = batch.num_tokens[done_rows] - batch.num_prompt_tokens[done_rows]
-            tokens = self.sampler.sample(logits, [batch.params[r] for r in done_rows],
-                                         output_index)
-            batch.append_tokens(done_rows, tokens)
-            for i, token in zip(done.tolist(), tokens.tolist()):
-                sampled[i] = [token]
-        return StepOutput(req_ids, sampled, failed)
+        self._collect_prompt_logprobs(hidden, positions, token_rows)
+        self.batch.num_computed_tokens[rows] += counts
+        out = StepOutput(req_ids, [[] for _ in req_ids])
+        self._sample(hidden, meta, rows, req_ids, out)
+        return out

@@ -1,34 +1,225 @@
-"""Token sampling from logits: greedy rows by one vectorized argmax, the rest by temperature.
+"""Token sampling in vLLM's order, vectorized over the batch; only the controls some row uses
+are run.
 
-Categorical sampling uses the exponential race: argmax(p / q), q ~ Exp(1). A seeded request
-draws q from a generator keyed by (seed, output index), so its tokens do not depend on
-batching, chunking or preemption; unseeded requests share one generator seeded by --seed.
+    1. raw logprobs (log-softmax of the model's logits) for rows that asked for logprobs
+    2. allowed_token_ids, bad_words, min_tokens (stop ids masked), logit_bias
+    3. repetition, frequency and presence penalties
+    4. greedy rows: argmax (before temperature)
+    5. random rows: temperature, min_p, top_k, top_p, then the exponential race
+       argmax(p / q), q ~ Exp(1), over the tokens still possible; a seeded row draws q from a
+       generator keyed by (seed, output index), so its tokens do not depend on the batch,
+       chunking or preemption.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from vllm_actors.sampling_params import SamplingParams
+from vllm_actors.workers.sampling_state import SamplingState
+
+@dataclass
+class SampledLogprobs:
+    """For the `rows` (indices into the sampled batch) that asked for logprobs.
+
+    token_ids / logprobs: [n, k+1], the sampled token first, then the top k (k = the largest
+    request in the batch; a request keeps its own first k). ranks: [n], 1-based rank of the
+    sampled token in the raw distribution.
+    """
+
+    rows: np.ndarray
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    ranks: np.ndarray
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def top_logprobs(lp: np.ndarray, chosen: np.ndarray, k: int) -> tuple[np.ndarray, ...]:
+    """Sampled ids `chosen` [n] first, then each row's k best: ids, logprobs, sampled ranks."""
+    n = len(lp)
+    picked = lp[np.arange(n), chosen]
+    ranks = (lp > picked[:, None]).sum(axis=1) + 1
+    ids = chosen[:, None]
+    if k > 0:
+        top = np.argpartition(-lp, k - 1, axis=1)[:, :k]
+        order = np.argsort(-np.take_along_axis(lp, top, axis=1), axis=1, kind="stable")
+        ids = np.concatenate([ids, np.take_along_axis(top, order, axis=1)], axis=1)
+    return ids, np.take_along_axis(lp, ids, axis=1), ranks
+
+
+def output_counts(token_ids: np.ndarray, starts: np.ndarray, ends: np.ndarray,
+                  vocab: int) -> np.ndarray:
+    """[n, vocab] counts of token_ids[i, starts[i]:ends[i]] per row i (one bincount)."""
+    lengths = ends - starts
+    rows = np.repeat(np.arange(len(starts)), lengths)
+    cols = np.repeat(starts, lengths) + (np.arange(len(rows)) - np.repeat(
+        np.cumsum(lengths) - lengths, lengths))
+    flat = rows * vocab + token_ids[rows, cols]
+    return np.bincount(flat, minlength=len(starts) * vocab).reshape(len(starts), vocab)
 
 
 class Sampler:
     def __init__(self, seed: int) -> None:
         self.shared_generator = np.random.default_rng(seed)
 
-    def sample(self, logits: np.ndarray, params: list[SamplingParams],
-               output_index: np.ndarray) -> np.ndarray:
-        """logits [N, V] float32; output_index [N]: how many tokens each request has already
-        generated. Returns [N] token ids."""
-        token_ids = np.argmax(logits, axis=-1)
-        for row, p in enumerate(params):
-            if p.greedy:
-                continue
-            scaled = logits[row] / np.float32(p.temperature)
-            probs = np.exp(scaled - scaled.max())
-            probs /= probs.sum()
-            gen = (self.shared_generator if p.seed is None
-                   else np.random.default_rng((p.seed, int(output_index[row]))))
-            q = gen.exponential(size=probs.shape).astype(np.float32)
-            token_ids[row] = int(np.argmax(probs / q))
-        return token_ids
+    def sample(self, logits: np.ndarray, batch_rows: np.ndarray, state: SamplingState,
+               token_ids: np.ndarray, num_prompt: np.ndarray, num_tokens: np.ndarray
+               ) -> tuple[np.ndarray, SampledLogprobs | None]:
+        """logits [n, V] float32 for persistent-batch rows `batch_rows` [n]; token_ids is the
+        batch's [rows, max_len] token matrix with each row's prompt / total lengths.
+        Returns the sampled ids [n] and, when asked, their logprobs."""
+        rows = batch_rows
+        num_out = num_tokens[rows] - num_prompt[rows]
+        want_lp = np.flatnonzero(state.num_logprobs[rows] >= 0)
+        raw_lp = log_softmax(logits[want_lp]) if len(want_lp) else None
+        logits = self.processed_logits(logits, rows, state, token_ids, num_prompt, num_tokens)
+        sampled = np.argmax(logits, axis=1)
+        random = np.flatnonzero(state.temperature[rows] > 0)
+        if len(random):
+            sampled[random] = self._sample_random(logits[random], rows[random], state,
+                                                  num_out[random])
+        out_lp = None
+        if raw_lp is not None:
+            k = int(state.num_logprobs[rows[want_lp]].max())
+            out_lp = SampledLogprobs(want_lp, *top_logprobs(raw_lp, sampled[want_lp], k))
+        return sampled, out_lp
+
+    def processed_logits(self, logits: np.ndarray, rows: np.ndarray, state: SamplingState,
+                         token_ids: np.ndarray, num_prompt: np.ndarray, num_tokens: np.ndarray
+                         ) -> np.ndarray:
+        """Steps 2-3 (masks, bias, penalties) on a copy of logits; what greedy rows argmax."""
+        logits = logits.copy()
+        self._apply_masks_and_bias(logits, rows, state, token_ids, num_prompt, num_tokens)
+        self._apply_penalties(logits, rows, state, token_ids, num_prompt, num_tokens)
+        return logits
+
+    def _apply_masks_and_bias(self, logits: np.ndarray, rows: np.ndarray, state: SamplingState,
+                              token_ids: np.ndarray, num_prompt: np.ndarray,
+                              num_tokens: np.ndarray) -> None:
+        for i, row in enumerate(rows.tolist()):
+            if row in state.allowed:
+                keep = logits[i, state.allowed[row]]
+                logits[i] = -np.inf
+                logits[i, state.allowed[row]] = keep
+            if row in state.bad_words:
+                out = token_ids[row, num_prompt[row]:num_tokens[row]].tolist()
+                for word in state.bad_words[row]:
+                    prefix = word[:-1]
+                    if not prefix or out[len(out) - len(prefix):] == prefix:
+                        logits[i, word[-1]] = -np.inf
+            if row in state.min_tokens_stop_ids and \
+                    num_tokens[row] - num_prompt[row] < state.min_tokens[row]:
+                logits[i, state.min_tokens_stop_ids[row]] = -np.inf
+            if row in state.logit_bias:
+                ids, values = state.logit_bias[row]
+                np.add.at(logits[i], ids, values)
+
+    def _apply_penalties(self, logits: np.ndarray, rows: np.ndarray, state: SamplingState,
+                         token_ids: np.ndarray, num_prompt: np.ndarray,
+                         num_tokens: np.ndarray) -> None:
+        which = np.flatnonzero(state.needs_penalties(rows))
+        if not len(which):
+            return
+        r = rows[which]
+        vocab = logits.shape[1]
+        counts = output_counts(token_ids, num_prompt[r], num_tokens[r], vocab).astype(np.float32)
+        sub = logits[which]
+        rep = state.repetition[r]
+        if (rep != 1).any():
+            in_prompt = output_counts(token_ids, np.zeros_like(r), num_prompt[r], vocab) > 0
+            seen = in_prompt | (counts > 0)
+            factor = np.where(sub > 0, 1.0 / rep[:, None], rep[:, None]).astype(np.float32)
+            sub = np.where(seen, sub * factor, sub)
+        sub -= state.frequency[r][:, None] * counts
+        sub -= state.presence[r][:, None] * (counts > 0)
+        logits[which] = sub
+
+    def _sample_random(self, logits: np.ndarray, rows: np.ndarray, state: SamplingState,
+                       num_out: np.ndarray) -> np.ndarray:
+        """Temperature, then min_p / top_k / top_p as zeroed probabilities, then the
+        exponential race over each row's remaining tokens (zero-probability tokens can never
+        win it, so drawing noise only for the others changes nothing but the cost)."""
+        probs = _softmax(logits / state.temperature[rows][:, None])
+        min_p = state.min_p[rows]
+        if (min_p > 0).any():
+            probs[probs < min_p[:, None] * probs.max(axis=1, keepdims=True)] = 0.0
+        top_k = state.top_k[rows]
+        for k in np.unique(top_k[(top_k > 0) & (top_k < probs.shape[1])]).tolist():
+            sel = np.flatnonzero(top_k == k)
+            kth = -np.partition(-probs[sel], k - 1, axis=1)[:, k - 1:k]
+            probs[sel] = np.where(probs[sel] < kth, 0.0, probs[sel])
+        top_p = state.top_p[rows]
+        if (top_p < 1).any():
+            sel = np.flatnonzero(top_p < 1)
+            probs[sel] = _top_p(probs[sel], top_p[sel])
+        return self._race(probs, rows, state, num_out)
+
+    def _race(self, probs: np.ndarray, rows: np.ndarray, state: SamplingState,
+              num_out: np.ndarray) -> np.ndarray:
+        """argmax(p / q), q ~ Exp(1), over each row's nonzero probabilities."""
+        row_idx, cols = np.nonzero(probs)                  # row-major: rows are contiguous
+        p = probs[row_idx, cols]
+        starts = np.searchsorted(row_idx, np.arange(len(probs)))
+        sizes = np.diff(np.append(starts, len(row_idx)))
+        noise = np.empty(len(p))
+        seeds = state.seed[rows]
+        shared = np.repeat(seeds < 0, sizes)
+        noise[shared] = self.shared_generator.exponential(size=int(shared.sum()))
+        for i in np.flatnonzero(seeds >= 0).tolist():
+            gen = np.random.default_rng((int(seeds[i]), int(num_out[i])))
+            noise[starts[i]:starts[i] + sizes[i]] = gen.exponential(size=int(sizes[i]))
+        score = p / noise
+        best = np.maximum.reduceat(score, starts)
+        winners = np.flatnonzero(score == best[row_idx])
+        first = winners[np.searchsorted(row_idx[winners], np.arange(len(probs)))]
+        return cols[first]
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    e = np.exp(logits - logits.max(axis=1, keepdims=True))
+    e /= e.sum(axis=1, keepdims=True)
+    return e
+
+
+# top-p first ranks only the tokens at least this likely relative to the best one
+_CANDIDATE_RATIO = 1e-3
+
+
+def _top_p(probs: np.ndarray, top_p: np.ndarray) -> np.ndarray:
+    """Zero all but, per row, the most likely tokens until their mass reaches top_p of the
+    row's (possibly already truncated) total; a token is kept when the mass of strictly more
+    likely ones is below that. Rows are first solved from their likeliest candidates only
+    (exact once those hold the needed mass: every other token comes after them); the rest
+    (flat distributions) are sorted in full."""
+    need = top_p * probs.sum(axis=1)
+    cand = probs >= probs.max(axis=1, keepdims=True) * _CANDIDATE_RATIO
+    covered = (probs * cand).sum(axis=1) >= need
+    thresholds = np.empty(len(probs))
+    done = np.flatnonzero(covered)
+    if len(done):
+        thresholds[done] = _threshold_from(probs[done], cand[done], need[done])
+    flat = np.flatnonzero(~covered)
+    if len(flat):
+        d = -np.sort(-probs[flat], axis=1)
+        before = np.cumsum(d, axis=1) - d
+        kept = (before < need[flat, None]).sum(axis=1)
+        thresholds[flat] = d[np.arange(len(flat)), kept - 1]
+    return np.where(probs < thresholds[:, None], 0.0, probs)
+
+
+def _threshold_from(probs: np.ndarray, cand: np.ndarray, need: np.ndarray) -> np.ndarray:
+    """Per row: the smallest kept probability, ranking only the candidate tokens."""
+    rows, cols = np.nonzero(cand)
+    p = probs[rows, cols]
+    order = np.lexsort((-p, rows))
+    rows, p = rows[order], p[order]
+    starts = np.searchsorted(rows, np.arange(len(probs)))
+    inclusive = np.cumsum(p)
+    sizes = np.diff(np.append(starts, len(p)))
+    before = inclusive - p - np.repeat(inclusive[starts] - p[starts], sizes)
+    return np.minimum.reduceat(np.where(before < need[rows], p, np.inf), starts)

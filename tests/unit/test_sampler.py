@@ -1,0 +1,145 @@
+"""The sampler on synthetic logits: truncation equivalences, sampling frequencies, penalties
+and masks with hand-computed values, seeds, logprobs."""
+
+import numpy as np
+import pytest
+
+from vllm_actors.sampling_params import SamplingParams
+from vllm_actors.workers.sampler import Sampler, log_softmax, output_counts
+from vllm_actors.workers.sampling_state import SamplingState
+
+V = 50
+
+
+def batch(params: list[SamplingParams], tokens: list[list[int]], num_prompt: list[int],
+          eos: list[int] = (2,)):
+    state = SamplingState(len(params))
+    for row, p in enumerate(params):
+        state.set_row(row, p, list(eos))
+    width = max(len(t) for t in tokens) + 1
+    token_ids = np.zeros((len(params), width), np.int32)
+    for row, t in enumerate(tokens):
+        token_ids[row, :len(t)] = t
+    return (np.arange(len(params)), state, token_ids, np.asarray(num_prompt),
+            np.asarray([len(t) for t in tokens]))
+
+
+def sample(params, logits, tokens=None, num_prompt=None, sampler=None):
+    tokens = tokens or [[1, 1]] * len(params)
+    num_prompt = num_prompt or [1] * len(params)
+    rows, state, token_ids, np_, nt = batch(params, tokens, num_prompt)
+    return (sampler or Sampler(0)).sample(np.asarray(logits, np.float32), rows, state,
+                                         token_ids, np_, nt)
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy():
+    logits = np.random.default_rng(0).standard_normal((64, V)).astype(np.float32) * 3
+    greedy = logits.argmax(axis=1)
+    for p in (SamplingParams(temperature=1.3, top_k=1, seed=1),
+              SamplingParams(temperature=1.3, top_p=1e-6, seed=2),
+              SamplingParams(temperature=0.0)):
+        tokens, _ = sample([p] * 64, logits)
+        assert np.array_equal(tokens, greedy)
+
+
+def test_frequencies_match_softmax():
+    """20000 draws at temperature 0.7 over 8 tokens; chi-square with 7 degrees of freedom
+    must stay under 24.32 (the 0.1 % critical value)."""
+    logits = np.array([1.0, 0.5, 0.0, -0.5, 2.0, -1.0, 0.3, 1.2], np.float32)
+    expected = np.exp(logits / 0.7) / np.exp(logits / 0.7).sum()
+    sampler, counts = Sampler(1234), np.zeros(8)
+    params = [SamplingParams(temperature=0.7)] * 2000
+    for _ in range(10):
+        tokens, _ = sample(params, np.tile(logits, (2000, 1)), sampler=sampler)
+        counts += np.bincount(tokens, minlength=8)
+    chi2 = float((((counts - 20000 * expected) ** 2) / (20000 * expected)).sum())
+    print(f"chi-square = {chi2:.2f} (bound 24.32)")
+    assert chi2 < 24.32
+
+
+def test_penalties_on_a_hand_computed_example():
+    logits = np.array([[2.0, -1.0, 0.5, 3.0, 1.0]], np.float32)
+    tokens = [[2, 0, 0, 3]]            # prompt [2], output [0, 0, 3]
+    p = SamplingParams(temperature=0.0, repetition_penalty=2.0, frequency_penalty=0.5,
+                       presence_penalty=0.25)
+    rows, state, token_ids, np_, nt = batch([p], tokens, [1])
+    out = Sampler(0).processed_logits(logits, rows, state, token_ids, np_, nt)
+    # token 0: 2.0 / 2 - 0.5 * 2 - 0.25; token 1 untouched; token 2 (prompt): 0.5 / 2;
+    # token 3: 3.0 / 2 - 0.5 - 0.25; token 4 untouched
+    assert np.allclose(out, [[-0.25, -1.0, 0.25, 0.75, 1.0]], atol=1e-6)
+    negative = np.array([[-2.0, 0.0, 0.0, 0.0, 0.0]], np.float32)
+    p = SamplingParams(temperature=0.0, repetition_penalty=1.5)
+    rows, state, token_ids, np_, nt = batch([p], [[4, 0]], [1])
+    out = Sampler(0).processed_logits(negative, rows, state, token_ids, np_, nt)
+    assert out[0, 0] == pytest.approx(-3.0)   # a negative logit is multiplied
+
+
+def test_masks_and_bias():
+    logits = np.zeros((4, 8), np.float32)
+    logits[:, 5] = 1.0
+    params = [SamplingParams(temperature=0, allowed_token_ids=[1, 3], logit_bias={3: 0.5}),
+              SamplingParams(temperature=0, logit_bias={7: 100.0}),
+              SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[5]),
+              SamplingParams(temperature=0, bad_words_token_ids=[[6, 5], [4]])]
+    tokens = [[0, 1], [0, 1], [0, 1], [0, 6]]
+    rows, state, token_ids, np_, nt = batch(params, tokens, [1, 1, 1, 1])
+    out = Sampler(0).processed_logits(logits, rows, state, token_ids, np_, nt)
+    assert np.isneginf(out[0, [0, 2, 4, 5, 6, 7]]).all() and out[0, 3] == 0.5
+    assert out[1, 7] == 100.0
+    assert np.isneginf(out[2, [5, 2]]).all()     # stop id and EOS masked before min_tokens
+    assert np.isneginf(out[3, [5, 4]]).all() and out[3, 6] == 0   # 6 then 5 is banned
+    tokens, _ = sample(params, logits, tokens, [1, 1, 1, 1])
+    assert tokens.tolist() == [3, 7, 0, 0]
+
+
+def test_seeded_rows_ignore_their_neighbours():
+    logits = np.random.default_rng(3).standard_normal((16, V)).astype(np.float32)
+    params = [SamplingParams(temperature=1.0, seed=100 + i) for i in range(16)]
+    together, _ = sample(params, logits)
+    alone = [sample([params[i]], logits[i:i + 1])[0][0] for i in range(16)]
+    assert together.tolist() == alone
+
+
+def test_logprobs_are_raw_and_ranked():
+    logits = np.random.default_rng(4).standard_normal((3, V)).astype(np.float32)
+    params = [SamplingParams(temperature=0, logprobs=3, repetition_penalty=1.3),
+              SamplingParams(temperature=1.0, seed=9),
+              SamplingParams(temperature=0.8, seed=5, logprobs=0)]
+    tokens, lp = sample(params, logits, [[1, 7]] * 3, [1] * 3)
+    assert lp.rows.tolist() == [0, 2]
+    raw = log_softmax(logits[[0, 2]])
+    assert np.allclose(lp.logprobs[:, 0], raw[[0, 1], tokens[[0, 2]]], atol=1e-6)
+    assert lp.token_ids[0, 1:].tolist() == np.argsort(-raw[0])[:3].tolist()
+    assert lp.ranks.tolist() == [int((raw[i] > raw[i, tokens[[0, 2]][i]]).sum()) + 1
+                                 for i in range(2)]
+
+
+def test_output_counts():
+    token_ids = np.array([[1, 2, 2, 3, 0], [4, 4, 4, 4, 4]])
+    counts = output_counts(token_ids, np.array([1, 2]), np.array([4, 5]), 6)
+    assert counts.tolist() == [[0, 0, 2, 1, 0, 0], [0, 0, 0, 0, 3, 0]]
+
+
+def reference_top_p(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """vLLM's definition written plainly: sort, keep while the mass before is below top_p."""
+    out = np.zeros_like(probs)
+    order = np.argsort(-probs, kind="stable")
+    before = 0.0
+    for i in order:
+        if before >= top_p * probs.sum():
+            break
+        out[i] = probs[i]
+        before += probs[i]
+    return out
+
+
+@pytest.mark.parametrize("shape", ["peaked", "flat"])
+def test_top_p_matches_the_definition(shape):
+    from vllm_actors.workers.sampler import _softmax, _top_p
+    rng = np.random.default_rng(7)
+    scale = 6.0 if shape == "peaked" else 0.3
+    probs = _softmax((rng.standard_normal((6, 400)) * scale).astype(np.float32))
+    top_p = np.array([0.05, 0.5, 0.9, 0.95, 0.99, 0.999])
+    got = _top_p(probs, top_p)
+    for i in range(6):
+        assert np.array_equal(got[i] > 0, reference_top_p(probs[i], top_p[i]) > 0), i

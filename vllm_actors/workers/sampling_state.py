@@ -1,0 +1,68 @@
+"""Per-row sampling parameters of the persistent batch, as arrays the sampler indexes.
+
+Common controls are dense arrays (one value per row); rare ones (logit bias, allowed ids,
+bad words, min_tokens stop ids) live in small dicts keyed by row, so a step only touches
+the rows that use them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vllm_actors.sampling_params import SamplingParams
+
+
+class SamplingState:
+    def __init__(self, max_num_reqs: int) -> None:
+        n = max_num_reqs
+        self.temperature = np.ones(n, np.float32)
+        self.top_k = np.zeros(n, np.int64)          # 0 = off
+        self.top_p = np.ones(n, np.float32)
+        self.min_p = np.zeros(n, np.float32)
+        self.presence = np.zeros(n, np.float32)
+        self.frequency = np.zeros(n, np.float32)
+        self.repetition = np.ones(n, np.float32)
+        self.seed = np.full(n, -1, np.int64)         # -1 = the shared generator
+        self.num_logprobs = np.full(n, -1, np.int64)  # -1 = none
+        self.num_prompt_logprobs = np.full(n, -1, np.int64)
+        self.min_tokens = np.zeros(n, np.int64)
+        self.logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.allowed: dict[int, np.ndarray] = {}
+        self.bad_words: dict[int, list[list[int]]] = {}
+        self.min_tokens_stop_ids: dict[int, np.ndarray] = {}
+
+    def set_row(self, row: int, p: SamplingParams, eos_token_ids: list[int]) -> None:
+        greedy = p.greedy
+        self.temperature[row] = 0.0 if greedy else p.temperature
+        # vLLM: greedy requests drop the truncation controls (they cannot change argmax)
+        self.top_k[row] = 0 if greedy or p.top_k <= 0 else p.top_k
+        self.top_p[row] = 1.0 if greedy else p.top_p
+        self.min_p[row] = 0.0 if greedy else p.min_p
+        self.presence[row] = p.presence_penalty
+        self.frequency[row] = p.frequency_penalty
+        self.repetition[row] = p.repetition_penalty
+        self.seed[row] = -1 if p.seed is None else p.seed
+        self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        self.num_prompt_logprobs[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
+        self.min_tokens[row] = p.min_tokens
+        self.clear_row(row)
+        if p.logit_bias:
+            ids = np.fromiter(p.logit_bias.keys(), np.int64)
+            self.logit_bias[row] = (ids, np.fromiter(p.logit_bias.values(), np.float32))
+        if p.allowed_token_ids is not None:
+            self.allowed[row] = np.asarray(p.allowed_token_ids, np.int64)
+        if p.bad_words_token_ids:
+            self.bad_words[row] = [list(w) for w in p.bad_words_token_ids]
+        if p.min_tokens > 0:
+            stop = [*p.stop_token_ids, *([] if p.ignore_eos else eos_token_ids)]
+            if stop:
+                self.min_tokens_stop_ids[row] = np.asarray(stop, np.int64)
+
+    def clear_row(self, row: int) -> None:
+        for extra in (self.logit_bias, self.allowed, self.bad_words, self.min_tokens_stop_ids):
+            extra.pop(row, None)
+
+    def needs_penalties(self, rows: np.ndarray) -> np.ndarray:
+        """Boolean [len(rows)]: rows with any non-neutral penalty."""
+        return ((self.presence[rows] != 0) | (self.frequency[rows] != 0)
+                | (self.repetition[rows] != 1))
