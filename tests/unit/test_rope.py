@@ -18,6 +18,14 @@ def tables(interleaved: bool, rotary_dim: int = HEAD_DIM) -> RopeTables:
     return RopeTables(cos, sin, rotary_dim, interleaved)
 
 
+def rotate(x: np.ndarray, table: RopeTables) -> np.ndarray:
+    """The backend's RoPE on a copy (it may rotate in place)."""
+    backend = NumpyBackend()
+    out = backend.rope(x.copy(), backend.prepare_rope(POSITIONS, table))
+    assert out.shape == x.shape
+    return out
+
+
 def reference_neox(x: np.ndarray, positions: np.ndarray, rotary_dim: int) -> np.ndarray:
     """Complex-number form: pair (i, i + d/2) rotated by position * theta_i, in float64."""
     half = rotary_dim // 2
@@ -31,7 +39,7 @@ def reference_neox(x: np.ndarray, positions: np.ndarray, rotary_dim: int) -> np.
 
 def test_neox_matches_complex_rotation():
     x = det_uniform((len(POSITIONS), 3, HEAD_DIM), seed=5)
-    ours = NumpyBackend().rope(x, POSITIONS, tables(False))
+    ours = rotate(x, tables(False))
     assert np.abs(ours - reference_neox(x, POSITIONS, HEAD_DIM)).max() < 1e-5
     assert np.array_equal(ours[0], x[0])  # position 0 is the identity
     assert np.abs(ours[1:] - x[1:]).max() > 0.1
@@ -42,22 +50,19 @@ def test_interleaved_on_permuted_rows_equals_neox():
     original rows: q.k scores agree at every position."""
     w = det_uniform((2 * HEAD_DIM, 24), seed=9)        # 2 heads
     h = det_uniform((len(POSITIONS), 24), seed=10)
-    backend = NumpyBackend()
-    neox = backend.rope((h @ w.T).reshape(-1, 2, HEAD_DIM), POSITIONS, tables(False))
-    perm = backend.rope((h @ llama_cpp_permute(w, 2).T).reshape(-1, 2, HEAD_DIM), POSITIONS,
-                        tables(True))
+    neox = rotate((h @ w.T).reshape(-1, 2, HEAD_DIM), tables(False))
+    perm = rotate((h @ llama_cpp_permute(w, 2).T).reshape(-1, 2, HEAD_DIM), tables(True))
     # same vectors up to the within-head permutation -> identical dot products
     scores_neox = np.einsum("thd,shd->hts", neox, neox)
     scores_perm = np.einsum("thd,shd->hts", perm, perm)
     assert np.abs(scores_neox - scores_perm).max() < 1e-4
-    wrong = backend.rope((h @ llama_cpp_permute(w, 2).T).reshape(-1, 2, HEAD_DIM), POSITIONS,
-                         tables(False))
+    wrong = rotate((h @ llama_cpp_permute(w, 2).T).reshape(-1, 2, HEAD_DIM), tables(False))
     assert np.abs(np.einsum("thd,shd->hts", wrong, wrong) - scores_neox).max() > 1e-2
 
 
 def test_partial_rotary_leaves_the_rest():
     x = det_uniform((len(POSITIONS), 2, HEAD_DIM), seed=11)
-    out = NumpyBackend().rope(x, POSITIONS, tables(False, rotary_dim=8))
+    out = rotate(x, tables(False, rotary_dim=8))
     assert np.array_equal(out[..., 8:], x[..., 8:])
     assert np.abs(out[..., :8] - reference_neox(x, POSITIONS, 8)[..., :8]).max() < 1e-5
 

@@ -4,7 +4,8 @@ A step's requests are split once per step into groups that are each computed wit
 batched matmuls: all decode rows (one query token each) together, and prompt rows bucketed by
 query length so that one long prompt chunk does not pad many short ones (a bucket holds rows
 at least half as long as its longest). Keys and values are gathered from the paged cache
-through each group's block tables; the causal/length mask is built once per step.
+through each group's block tables; the causal/length masks are built once per step. Long
+query runs are cut into chunks of QUERY_CHUNK rows, each reading only the keys it can see.
 """
 
 from __future__ import annotations
@@ -16,6 +17,25 @@ import numpy as np
 from vllm_actors.kernels.ops import AttentionMetadata
 
 
+# Query rows per attention chunk: a chunk's scores ([b, Hk, rows, g, ctx] float32) stay small
+# enough to be cache-friendly, and each chunk reads only the keys up to its last position
+# (causal), which halves the work of a long prompt.
+QUERY_CHUNK = 64
+
+
+@dataclass(frozen=True)
+class AttentionChunk:
+    """Query rows [q0, q1) of a group, attending to its first `ctx` keys. Keys before `lo` are
+    visible to every row; `mask` ([b, 1, q1 - q0, 1, ctx - lo] float32: 0 where a key is
+    visible, -inf elsewhere) covers the rest."""
+
+    q0: int
+    q1: int
+    lo: int
+    ctx: int
+    mask: np.ndarray
+
+
 @dataclass(frozen=True)
 class AttentionGroup:
     """Requests attended together.
@@ -25,7 +45,8 @@ class AttentionGroup:
         covers_all: the group holds every token of the step, in step order.
         block_tables: [b, num_blocks] only the blocks the longest context needs.
         rows / cols: [n] place of each query token in the padded [b, max_q] layout.
-        mask: [b, 1, max_q, 1, ctx] float32, 0 where a key is visible, -inf elsewhere.
+        max_q: query rows of the longest request in the group.
+        chunks: the query axis cut into `AttentionChunk`s.
     """
 
     token_index: np.ndarray
@@ -33,11 +54,8 @@ class AttentionGroup:
     block_tables: np.ndarray
     rows: np.ndarray
     cols: np.ndarray
-    mask: np.ndarray
-
-    @property
-    def max_q(self) -> int:
-        return self.mask.shape[2]
+    max_q: int
+    chunks: tuple[AttentionChunk, ...]
 
 
 def _group(meta: AttentionMetadata, q_lens: np.ndarray, members: np.ndarray,
@@ -47,13 +65,21 @@ def _group(meta: AttentionMetadata, q_lens: np.ndarray, members: np.ndarray,
     cols = np.arange(len(rows)) - np.repeat(np.cumsum(lens) - lens, lens)
     token_index = meta.query_start_loc[members][rows] + cols
     seq_lens = meta.seq_lens[members]
-    num_blocks = -(-int(seq_lens.max()) // meta.block_size)
-    ctx = num_blocks * meta.block_size
-    q_pos = (seq_lens - lens)[:, None] + np.arange(int(lens.max()))[None, :]   # [b, max_q]
-    visible = np.arange(ctx)[None, None, :] <= q_pos[:, :, None]                # [b, max_q, ctx]
-    mask = np.where(visible, np.float32(0), np.float32(-np.inf))[:, None, :, None, :]
+    max_len = int(seq_lens.max())
+    num_blocks = -(-max_len // meta.block_size)
+    max_q = int(lens.max())
+    q_pos = (seq_lens - lens)[:, None] + np.arange(max_q)[None, :]   # [b, max_q]
+    chunks = []
+    for q0 in range(0, max_q, QUERY_CHUNK):
+        q1 = min(max_q, q0 + QUERY_CHUNK)
+        ctx = min(max_len, int(q_pos[:, q1 - 1].max()) + 1)
+        lo = max(0, min(ctx, int(q_pos[:, q0].min()) + 1))
+        visible = np.arange(lo, ctx)[None, None, :] <= q_pos[:, q0:q1, None]   # [b, rows, ·]
+        mask = np.where(visible, np.float32(0), np.float32(-np.inf))[:, None, :, None, :]
+        chunks.append(AttentionChunk(q0, q1, lo, ctx, mask))
     return AttentionGroup(token_index, len(token_index) == num_tokens,
-                          meta.block_tables[members, :num_blocks], rows, cols, mask)
+                          meta.block_tables[members, :num_blocks], rows, cols, max_q,
+                          tuple(chunks))
 
 
 def _prompt_buckets(q_lens: np.ndarray, members: np.ndarray) -> list[np.ndarray]:
@@ -93,23 +119,31 @@ def attend(q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray], group: Attent
     b, max_q = len(group.block_tables), group.max_q
     ctx = group.block_tables.shape[1] * block_size
     keys = k_cache[group.block_tables].reshape(b, ctx, num_kv_heads, head_dim).transpose(0, 2, 3, 1)
+    if max_q > 1:   # long query runs: contiguous [b, Hk, Dh, ctx] makes the QK^T GEMMs faster
+        keys = np.ascontiguousarray(keys)
     values = v_cache[group.block_tables].reshape(b, ctx, num_kv_heads, head_dim).transpose(0, 2, 1, 3)
     q = q * np.float32(scale)
     if max_q == 1:
-        qh = q.reshape(b, num_kv_heads, g, head_dim)
+        qh = q.reshape(b, num_kv_heads, 1, g, head_dim)
     else:
         padded = np.zeros((b, max_q, num_heads, head_dim), np.float32)
         padded[group.rows, group.cols] = q
         qh = padded.reshape(b, max_q, num_kv_heads, g, head_dim).transpose(0, 2, 1, 3, 4)
-        qh = qh.reshape(b, num_kv_heads, max_q * g, head_dim)
-    scores = (qh @ keys).reshape(b, num_kv_heads, max_q, g, ctx)   # query head = kv_head * g + i
-    scores += group.mask
-    scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    denom = scores.sum(axis=-1).reshape(b, num_kv_heads, max_q * g, 1)
-    out = scores.reshape(b, num_kv_heads, max_q * g, ctx) @ values
-    out /= denom
+    out = np.empty((b, num_kv_heads, max_q, g, head_dim), np.float32)
+    for chunk in group.chunks:
+        rows = (chunk.q1 - chunk.q0) * g      # query head = kv_head * g + i
+        qc = qh[:, :, chunk.q0:chunk.q1].reshape(b, num_kv_heads, rows, head_dim)
+        scores = (qc @ keys[..., :chunk.ctx]).reshape(b, num_kv_heads, chunk.q1 - chunk.q0, g,
+                                                      chunk.ctx)
+        scores[..., chunk.lo:] += chunk.mask
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        denom = scores.sum(axis=-1).reshape(b, num_kv_heads, rows, 1)
+        part = scores.reshape(b, num_kv_heads, rows, chunk.ctx) @ values[:, :, :chunk.ctx]
+        part /= denom
+        out[:, :, chunk.q0:chunk.q1] = part.reshape(b, num_kv_heads, chunk.q1 - chunk.q0, g,
+                                                    head_dim)
     if max_q == 1:
         return out.reshape(b, num_heads, head_dim)
-    out = out.reshape(b, num_kv_heads, max_q, g, head_dim).transpose(0, 2, 1, 3, 4)
-    return out.reshape(b, max_q, num_heads, head_dim)[group.rows, group.cols]
+    out = out.transpose(0, 2, 1, 3, 4).reshape(b, max_q, num_heads, head_dim)
+    return out[group.rows, group.cols]

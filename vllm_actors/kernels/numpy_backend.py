@@ -8,6 +8,7 @@ so a step's `x @ W` reads them contiguously.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -21,10 +22,27 @@ def _float32(weight: WeightLike) -> np.ndarray:
     return quant.dequantize(weight.data, weight.qtype, weight.shape)
 
 
+# Up to this many rows `linear` runs one GEMV per row (measured: docs/BENCHMARKS.md).
+SMALL_BATCH_ROWS = 4
+
+
+@dataclass(frozen=True)
+class LMHead:
+    """The LM head in both layouts (measured, docs/BENCHMARKS.md): one row of hidden state
+    streams `cols` [D, V] at full memory bandwidth, ~40% faster than GEMV over `rows` [V, D];
+    from a few rows on, GEMM over `rows.T` is as fast or faster. Costs a second copy."""
+
+    rows: np.ndarray
+    cols: np.ndarray
+
+
 class NumpyBackend:
     """Implements `kernels.ops.Backend` with numpy on the host."""
 
     name = "numpy"
+
+    def __init__(self) -> None:
+        self._tables: dict[str, np.ndarray] = {}
 
     # -- weights and buffers -------------------------------------------------------------
     def upload_linear(self, parts: Sequence[WeightLike]) -> np.ndarray:
@@ -33,7 +51,15 @@ class NumpyBackend:
         return np.ascontiguousarray(weight.T)  # [in, out]
 
     def upload_table(self, weight: WeightLike) -> np.ndarray:
-        return np.ascontiguousarray(_float32(weight))  # [V, D]
+        table = np.ascontiguousarray(_float32(weight))  # [V, D]
+        self._tables[weight.name] = table
+        return table
+
+    def upload_lm_head(self, weight: WeightLike) -> LMHead:
+        rows = self._tables.get(weight.name)   # the tied embedding, already uploaded
+        if rows is None:
+            rows = np.ascontiguousarray(_float32(weight))
+        return LMHead(rows, np.ascontiguousarray(rows.T))
 
     def upload_vector(self, weight: WeightLike) -> np.ndarray:
         return np.ascontiguousarray(_float32(weight).reshape(-1))
@@ -66,17 +92,30 @@ class NumpyBackend:
 
     def linear(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None
                ) -> np.ndarray:
-        y = x @ weight
+        if 1 < len(x) <= SMALL_BATCH_ROWS:
+            # OpenBLAS's GEMM repacks the whole weight for a few rows; row-by-row GEMV reads
+            # it as it is (and from cache after the first row).
+            y = np.empty((len(x), weight.shape[1]), np.float32)
+            for i in range(len(x)):
+                np.matmul(x[i], weight, out=y[i])
+        else:
+            y = x @ weight
         if bias is not None:
             y += bias
         return y
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-        variance = np.mean(np.square(x), axis=-1, keepdims=True)
-        return (x / np.sqrt(variance + np.float32(eps))) * weight
+        mean_square = np.einsum("...i,...i->...", x, x) / np.float32(x.shape[-1])
+        mean_square += np.float32(eps)
+        inv = np.sqrt(mean_square, out=mean_square)
+        np.divide(np.float32(1.0), inv, out=inv)
+        out = x * inv[..., None]
+        out *= weight
+        return out
 
     def add(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
-        return x + y
+        x += y
+        return x
 
     def silu_mul(self, gate_up: np.ndarray) -> np.ndarray:
         gate, up = np.split(gate_up, 2, axis=-1)
@@ -87,25 +126,25 @@ class NumpyBackend:
         out *= up
         return out
 
-    def rope(self, x: np.ndarray, positions: np.ndarray, tables: RopeTables) -> np.ndarray:
-        cos = tables.cos[positions][:, None, :]  # [T, 1, rotary_dim / 2]
-        sin = tables.sin[positions][:, None, :]
-        rot = x[..., :tables.rotary_dim]
-        if tables.interleaved:
-            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+    def prepare_rope(self, positions: np.ndarray, tables: RopeTables
+                     ) -> tuple[np.ndarray, np.ndarray, int, bool]:
+        return (tables.cos[positions][:, None, :], tables.sin[positions][:, None, :],
+                tables.rotary_dim, tables.interleaved)
+
+    def rope(self, x: np.ndarray, rope: tuple[np.ndarray, np.ndarray, int, bool]) -> np.ndarray:
+        cos, sin, rotary_dim, interleaved = rope
+        if interleaved:
+            x1, x2 = x[..., 0:rotary_dim:2], x[..., 1:rotary_dim:2]
         else:
-            x1, x2 = np.split(rot, 2, axis=-1)
-        r1 = x1 * cos - x2 * sin
-        r2 = x2 * cos + x1 * sin
-        out = x.copy()
-        if tables.interleaved:
-            out[..., 0:tables.rotary_dim:2] = r1
-            out[..., 1:tables.rotary_dim:2] = r2
-        else:
-            half = tables.rotary_dim // 2
-            out[..., :half] = r1
-            out[..., half:tables.rotary_dim] = r2
-        return out
+            half = rotary_dim // 2
+            x1, x2 = x[..., :half], x[..., half:rotary_dim]
+        x1_sin = x1 * sin
+        x2_sin = x2 * sin
+        x1 *= cos
+        x1 -= x2_sin
+        x2 *= cos
+        x2 += x1_sin
+        return x
 
     def prepare_attention(self, meta: AttentionMetadata) -> "NumpyAttention":
         return NumpyAttention.build(meta)
@@ -127,5 +166,7 @@ class NumpyBackend:
             out[group.token_index] = _attend(q[group.token_index], kv_cache, group, scale)
         return out
 
-    def lm_head(self, hidden: np.ndarray, table: np.ndarray) -> np.ndarray:
-        return hidden @ table.T
+    def lm_head(self, hidden: np.ndarray, head: LMHead) -> np.ndarray:
+        if len(hidden) == 1:
+            return hidden @ head.cols
+        return hidden @ head.rows.T

@@ -64,7 +64,11 @@ class Backend(Protocol):
         """Weights `[out_i, in]` concatenated along out (fused QKV, gate+up) -> opaque handle."""
 
     def upload_table(self, weight: WeightLike) -> Any:
-        """An embedding / LM-head table `[V, D]` -> opaque handle."""
+        """An embedding table `[V, D]` -> opaque handle for `embedding`."""
+
+    def upload_lm_head(self, weight: WeightLike) -> Any:
+        """An LM-head table `[V, D]` (maybe the tied embedding) -> opaque handle for `lm_head`,
+        in whatever layout the backend's matmul reads fastest."""
 
     def upload_vector(self, weight: WeightLike) -> Array:
         """A norm weight or bias `[n]` -> float32 device array."""
@@ -92,13 +96,17 @@ class Backend(Protocol):
         """RMSNorm over the last axis of x [..., n] with weight [n]."""
 
     def add(self, x: Array, y: Array) -> Array:
-        """Elementwise x + y (residual connections)."""
+        """Elementwise x + y (residual connections); may reuse x's storage."""
 
     def silu_mul(self, gate_up: Array) -> Array:
         """gate_up [T, 2F] -> silu(gate) * up: [T, F]."""
 
-    def rope(self, x: Array, positions: np.ndarray, tables: RopeTables) -> Array:
-        """Rotate x [T, H, Dh] (first `rotary_dim` dims) by positions [T]."""
+    def prepare_rope(self, positions: np.ndarray, tables: RopeTables) -> Any:
+        """Once per step: the cos/sin rows of the step's positions [T]."""
+
+    def rope(self, x: Array, rope: Any) -> Array:
+        """Rotate x [T, H, Dh] (first `rotary_dim` dims) by the prepared positions; may rotate
+        x in place (q and k are rotated together as one [T, H + Hk, Dh] view)."""
 
     def prepare_attention(self, meta: AttentionMetadata) -> Any:
         """Once per step: the backend's own form of the step's attention layout (device

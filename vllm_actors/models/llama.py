@@ -3,12 +3,14 @@
 RMSNorm -> fused QKV -> RoPE -> paged attention (GQA) -> output projection, then RMSNorm ->
 fused gate/up -> SwiGLU -> down projection; tied or separate LM head.
 RoPE pairing follows the weights: llama.cpp stores llama Q/K rows permuted for adjacent-pair
-rotation, so GGUF llama uses interleaved RoPE; HF checkpoints and GGUF qwen use NeoX halves.
+rotation (HF checkpoints and GGUF qwen use NeoX halves). At load we put such rows back in NeoX
+order within each head: q.k is unchanged by a permutation applied to both, and every step then
+rotates contiguous halves instead of strided pairs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -16,7 +18,7 @@ import numpy as np
 from vllm_actors.errors import ModelFormatError
 from vllm_actors.kernels.ops import AttentionMetadata, Backend, RopeTables
 from vllm_actors.loaders.gguf import GGUFFile
-from vllm_actors.loaders.weights import WeightSet
+from vllm_actors.loaders.weights import RawTensor, WeightSet
 from vllm_actors.models.base import ModelArgs, rope_cos_sin, rope_inv_freq
 
 HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
@@ -107,9 +109,15 @@ class LlamaForCausalLM:
         self.args = args
         self.backend = backend
         self.scale = 1.0 / float(np.sqrt(args.head_dim))
-        self.embed = backend.upload_table(weights.require("token_embd.weight"))
+        embed = weights.require("token_embd.weight")
+        self.embed = backend.upload_table(embed)
         head = weights.get("output.weight")
-        self.head = self.embed if head is None else backend.upload_table(head)
+        self.head = backend.upload_lm_head(embed if head is None else head)
+        # Within-head row order that turns adjacent-pair RoPE rows into NeoX halves.
+        rot = args.rotary_dim
+        self._neox_order = (np.concatenate([np.arange(0, rot, 2), np.arange(1, rot, 2),
+                                            np.arange(rot, args.head_dim)])
+                            if args.rope_interleaved else None)
         self.final_norm = backend.upload_vector(weights.require("output_norm.weight"))
         self.layers = [self._load_layer(weights, i) for i in range(args.num_layers)]
         freq_factors = weights.get("rope_freqs.weight")
@@ -117,23 +125,35 @@ class LlamaForCausalLM:
                                  freq_factors.to_float32(), weights.path)
         cos, sin = rope_cos_sin(inv_freq, args.max_position_embeddings)
         self.rope = RopeTables(backend.upload_array(cos), backend.upload_array(sin),
-                               args.rotary_dim, args.rope_interleaved)
+                               args.rotary_dim, interleaved=False)
+
+    def _neox(self, tensor: RawTensor, num_heads: int) -> RawTensor:
+        """Q/K rows (or a per-dim norm weight when num_heads is 0) in NeoX order."""
+        if self._neox_order is None:
+            return tensor
+        dh = self.args.head_dim
+        order = (self._neox_order if num_heads == 0 else
+                 (np.arange(num_heads)[:, None] * dh + self._neox_order[None, :]).reshape(-1))
+        return replace(tensor, data=np.ascontiguousarray(tensor.data[order]))
 
     def _load_layer(self, weights: WeightSet, i: int) -> _Layer:
         b, p = self.backend, f"blk.{i}."
+        a = self.args
         qkv = [weights.require(p + n) for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight")]
-        if qkv[0].shape[0] != self.args.q_size or qkv[1].shape[0] != self.args.kv_size:
+        if qkv[0].shape[0] != a.q_size or qkv[1].shape[0] != a.kv_size:
             raise ModelFormatError(weights.path, f"{p}attn_q/attn_k shapes {qkv[0].shape}, "
                                                  f"{qkv[1].shape} do not match the config")
+        qkv[0], qkv[1] = self._neox(qkv[0], a.num_heads), self._neox(qkv[1], a.num_kv_heads)
         qkv_bias = None
-        if self.args.attention_bias:
-            biases = [weights.require(p + n).to_float32()
-                      for n in ("attn_q.bias", "attn_k.bias", "attn_v.bias")]
-            qkv_bias = b.upload_array(np.concatenate(biases))
+        if a.attention_bias:
+            q_b, k_b, v_b = (weights.require(p + n) for n in ("attn_q.bias", "attn_k.bias",
+                                                              "attn_v.bias"))
+            biases = [self._neox(q_b, a.num_heads), self._neox(k_b, a.num_kv_heads), v_b]
+            qkv_bias = b.upload_array(np.concatenate([t.to_float32() for t in biases]))
         q_norm = k_norm = None
-        if self.args.qk_norm:
-            q_norm = b.upload_vector(weights.require(p + "attn_q_norm.weight"))
-            k_norm = b.upload_vector(weights.require(p + "attn_k_norm.weight"))
+        if a.qk_norm:
+            q_norm = b.upload_vector(self._neox(weights.require(p + "attn_q_norm.weight"), 0))
+            k_norm = b.upload_vector(self._neox(weights.require(p + "attn_k_norm.weight"), 0))
         return _Layer(
             attn_norm=b.upload_vector(weights.require(p + "attn_norm.weight")),
             qkv=b.upload_linear(qkv), qkv_bias=qkv_bias, q_norm=q_norm, k_norm=k_norm,
@@ -144,19 +164,22 @@ class LlamaForCausalLM:
             down=b.upload_linear([weights.require(p + "ffn_down.weight")]),
         )
 
-    def _attention(self, layer: _Layer, x: Any, positions: np.ndarray, attn: Any,
-                   kv_cache: Any) -> Any:
+    def _attention(self, layer: _Layer, x: Any, rope: Any, attn: Any, kv_cache: Any) -> Any:
         b, a = self.backend, self.args
-        num_tokens = len(positions)
+        num_tokens = len(x)
         qkv = b.linear(x, layer.qkv, layer.qkv_bias)
-        q = qkv[:, :a.q_size].reshape(num_tokens, a.num_heads, a.head_dim)
-        k = qkv[:, a.q_size:a.q_size + a.kv_size].reshape(num_tokens, a.num_kv_heads, a.head_dim)
-        v = qkv[:, a.q_size + a.kv_size:].reshape(num_tokens, a.num_kv_heads, a.head_dim)
+        q_end, k_end = a.q_size, a.q_size + a.kv_size
         if layer.q_norm is not None:
-            q = b.rms_norm(q, layer.q_norm, a.rms_norm_eps)
-            k = b.rms_norm(k, layer.k_norm, a.rms_norm_eps)
-        q = b.rope(q, positions, self.rope)
-        k = b.rope(k, positions, self.rope)
+            qkv[:, :q_end] = b.rms_norm(qkv[:, :q_end].reshape(num_tokens, a.num_heads, a.head_dim),
+                                        layer.q_norm, a.rms_norm_eps).reshape(num_tokens, -1)
+            qkv[:, q_end:k_end] = b.rms_norm(
+                qkv[:, q_end:k_end].reshape(num_tokens, a.num_kv_heads, a.head_dim),
+                layer.k_norm, a.rms_norm_eps).reshape(num_tokens, -1)
+        # q and k rotate together: [T, H + Hk, Dh] is one view of the fused projection.
+        qk = b.rope(qkv[:, :k_end].reshape(num_tokens, a.num_heads + a.num_kv_heads, a.head_dim),
+                    rope)
+        q, k = qk[:, :a.num_heads], qk[:, a.num_heads:]
+        v = qkv[:, k_end:].reshape(num_tokens, a.num_kv_heads, a.head_dim)
         b.reshape_and_cache(k, v, kv_cache, attn)
         out = b.paged_attention(q, kv_cache, attn, self.scale)
         return b.linear(out.reshape(num_tokens, a.q_size), layer.attn_out)
@@ -165,10 +188,11 @@ class LlamaForCausalLM:
                 kv_caches: list[Any]) -> Any:
         b, eps = self.backend, self.args.rms_norm_eps
         attn = b.prepare_attention(meta)
+        rope = b.prepare_rope(positions, self.rope)
         h = b.embedding(self.embed, token_ids)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = b.add(h, self._attention(layer, b.rms_norm(h, layer.attn_norm, eps), positions,
-                                         attn, kv_cache))
+            h = b.add(h, self._attention(layer, b.rms_norm(h, layer.attn_norm, eps), rope, attn,
+                                         kv_cache))
             mlp = b.linear(b.silu_mul(b.linear(b.rms_norm(h, layer.ffn_norm, eps), layer.gate_up)),
                            layer.down)
             h = b.add(h, mlp)

@@ -1,0 +1,54 @@
+"""The benchmark scripts still run (tiny sizes; no timing is asserted, only what they count)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from server_process import API_KEY
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def run_bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_serving_bench_against_our_server(server, tmp_path):
+    out = tmp_path / "serving.json"
+    done = run_bench(str(BENCH / "serving.py"), "--base-url", server.url, "--api-key", API_KEY,
+                     "--model", "smol", "--concurrency", "1,3", "--input-len", "16",
+                     "--output-len", "5", "--min-prompts", "3", "--prompts-per-level", "1",
+                     "--json", str(out))
+    rows = json.loads(out.read_text())
+    assert [r["concurrency"] for r in rows] == [1, 3]
+    assert [r["requests"] for r in rows] == [3, 3]
+    for r in rows:
+        # min_tokens = max_tokens = 5 and our server streams one token per chunk
+        assert r["chunks_per_request"] == 5
+        assert r["ttft_median_ms"] > 0 and r["itl_median_ms"] > 0
+    assert "| concurrency |" in done.stdout
+
+
+def test_compare_llamacpp_quick(tmp_path):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is in the bench extra only")
+    out = tmp_path / "compare.json"
+    run_bench(str(BENCH / "compare_llamacpp.py"), "--quick", "--json", str(out))
+    result = json.loads(out.read_text())
+    assert [r["row"].split(",")[0] for r in result["rows"]] == \
+        ["prefill", "single-stream decode", "batched decode"]
+    assert all(len(r["ours"]) == len(r["llama_cpp"]) == 1 for r in result["rows"])
+    assert result["machine"]["cpus"] >= 1
+
+
+def test_profile_step_counts_every_op():
+    done = run_bench(str(BENCH / "profile_step.py"), "--batch", "2", "--context", "24",
+                     "--query", "3", "--steps", "1")
+    assert "batch 2, context 24, query 3" in done.stdout
+    ops = {line.split("|")[1].strip() for line in done.stdout.splitlines()
+           if line.startswith("| ") and not line.startswith("| op")}
+    assert {"linear", "paged_attention", "rope", "lm_head", "(other)"} <= ops
