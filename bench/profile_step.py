@@ -1,12 +1,14 @@
-"""Where one model step's time goes, per backend op: SmolLM2 on the numpy backend, B sequences
-each at context C running Q query tokens (Q=1: decode; B=1, Q=C: a prefill).
+"""Where one model step's time goes, per backend op: SmolLM2 on a backend (numpy by default),
+B sequences each at context C running Q query tokens (Q=1: decode; B=1, Q=C: a prefill).
 
     python bench/profile_step.py --batch 32 --context 160            # 32-way decode step
     python bench/profile_step.py --batch 1 --context 2048 --query 2048   # 2048-token prefill
 
 The KV cache is filled with random values (attention cost does not depend on them). Each
 backend method is wrapped with a timer; "(other)" is model code between ops. Medians over
---steps steps after 2 warm-up steps. To compare two versions, run this on both checkouts
+--steps steps after 2 warm-up steps. On a device backend (--device opencl / cuda) launches
+are asynchronous, so only the step total (which ends by copying logits to the host) is
+reported. To compare two versions, run this on both checkouts
 alternately (`PYTHONPATH=<checkout> python bench/profile_step.py ...`): the host is noisy.
 """
 
@@ -19,7 +21,7 @@ import time
 
 import numpy as np
 
-from vllm_actors.kernels.numpy_backend import NumpyBackend
+from vllm_actors.kernels import get_backend
 from vllm_actors.kernels.ops import AttentionMetadata
 from vllm_actors.loaders.model_files import ModelSource, default_model_path
 from vllm_actors.models.registry import load_model
@@ -35,19 +37,22 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=160)
     parser.add_argument("--query", type=int, default=1)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--device", default="numpy", choices=("numpy", "opencl", "cuda"))
     args = parser.parse_args()
     if not 1 <= args.query <= args.context:
         parser.error("need 1 <= --query <= --context")
 
-    backend = NumpyBackend()
+    backend = get_backend(args.device)
+    per_op_timing = args.device == "numpy"
     model = load_model(ModelSource("gguf", args.model or default_model_path()), backend)
     a, bs, b, c, q = model.args, 16, args.batch, args.context, args.query
     nb = -(-c // bs)
     rng = np.random.default_rng(0)
     kv = backend.allocate_kv_cache(a.num_layers, b * nb + 1, bs, a.num_kv_heads, a.head_dim)
-    for k_cache, v_cache in kv:
-        k_cache[:] = rng.random(k_cache.shape, np.float32)
-        v_cache[:] = rng.random(v_cache.shape, np.float32)
+    if per_op_timing:   # device caches stay zero: attention's cost does not depend on values
+        for k_cache, v_cache in kv:
+            k_cache[:] = rng.random(k_cache.shape, np.float32)
+            v_cache[:] = rng.random(v_cache.shape, np.float32)
     tables = np.arange(b * nb, dtype=np.int32).reshape(b, nb) + 1
     pos = np.tile(np.arange(c - q, c), b)
     rows = np.repeat(np.arange(b), q)
@@ -58,7 +63,7 @@ def main() -> None:
     last = np.arange(b) * q + q - 1
 
     times: dict[str, float] = collections.defaultdict(float)
-    for name in OPS:
+    for name in OPS if per_op_timing else ():
         fn = getattr(backend, name)
 
         def timed(*a_, _fn=fn, _name=name, **kw):
@@ -73,7 +78,7 @@ def main() -> None:
     for i in range(args.steps + 2):
         times.clear()
         start = time.perf_counter()
-        model.compute_logits(model.forward(ids, pos, meta, kv)[last])
+        model.compute_logits(model.forward(ids, pos, meta, kv), last)
         total = time.perf_counter() - start
         if i >= 2:
             per_step.append(total)
@@ -81,8 +86,10 @@ def main() -> None:
                 per_op[name].append(times.get(name, 0.0))
             per_op["(other)"].append(total - sum(times.values()))
     step = statistics.median(per_step)
-    print(f"batch {b}, context {c}, query {q}: {step * 1e3:.1f} ms/step "
+    print(f"{args.device}: batch {b}, context {c}, query {q}: {step * 1e3:.1f} ms/step "
           f"({b * q / step:.0f} tok/s), median of {args.steps}")
+    if not per_op_timing:
+        return
     print("| op | ms/step |")
     print("|---|---|")
     for name, values in sorted(per_op.items(), key=lambda kv_: -statistics.median(kv_[1])):

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import glob
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,20 +14,20 @@ import pytest
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
 
-
-def _ipc_dirs() -> set[str]:
-    import glob
-    import tempfile
-    return set(glob.glob(f"{tempfile.gettempdir()}/va-*"))
+# A temp root of this session's own, inherited by every engine and server it starts, so the
+# ipc-directory check below sees only this session's engines (not another run's beside it).
+SESSION_TMP = tempfile.mkdtemp(prefix="vat-")
+os.environ["TMPDIR"] = SESSION_TMP
+tempfile.tempdir = None
 
 
 @pytest.fixture(scope="session", autouse=True)
 def no_leftover_ipc_dirs():
     """Every engine started by the suite removes its ipc directory."""
-    before = _ipc_dirs()
     yield
-    leftover = _ipc_dirs() - before
-    assert not leftover, f"engine ipc directories left behind: {sorted(leftover)}"
+    leftover = sorted(glob.glob(f"{SESSION_TMP}/va-*"))
+    assert not leftover, f"engine ipc directories left behind: {leftover}"
+    shutil.rmtree(SESSION_TMP, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -28,6 +28,6 @@ def prompt_logits(model, backend, token_ids: list[int], chunks: list[int] | None
                                               * block_size + pos % block_size),
             block_size=block_size)
         hidden = model.forward(np.asarray(token_ids[start:start + n]), pos, meta, kv)
-        rows.append(model.compute_logits(hidden))
+        rows.append(model.compute_logits(hidden, np.arange(n)))
         start += n
     return np.concatenate(rows)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,7 @@ class CacheConfig:
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
+DEVICES = ("auto", "cpu", "opencl", "cuda")
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,9 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class DeviceConfig:
-    backend: str = "numpy"
+    backend: str = "numpy"        # numpy | opencl | cuda | auto (cuda if CuPy sees a GPU)
+    opencl_platform: int = 0
+    opencl_device: int = 0
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,8 @@ class EngineArgs:
     multiprocessing: bool = True
     kv_cache_dtype: str = "auto"
     device: str = "auto"
+    opencl_platform: int = 0
+    opencl_device: int = 0
     tensor_parallel_size: int = 1
     generation_config: str = "auto"
     served_model_name: str | None = None
@@ -169,7 +175,13 @@ class EngineArgs:
                             help="lpm: how often a waiting request may be passed over")
         parser.add_argument("--kv-cache-dtype", default="auto",
                             help="KV cache element type; only auto (float32 on numpy) for now")
-        parser.add_argument("--device", default="auto", help="auto or cpu (numpy backend)")
+        parser.add_argument("--device", default="auto",
+                            help="auto (cuda if CuPy sees a GPU, else numpy), cpu (numpy), "
+                                 "opencl (PyOpenCL; PoCL runs it on the CPU), cuda (CuPy)")
+        parser.add_argument("--opencl-platform", type=int, default=0,
+                            help="--device opencl: platform index (see `clinfo -l`)")
+        parser.add_argument("--opencl-device", type=int, default=0,
+                            help="--device opencl: device index within the platform")
         parser.add_argument("--tensor-parallel-size", type=int, default=1,
                             help="devices to split the model over; only 1 for now")
         parser.add_argument("--generation-config", default="auto",
@@ -210,6 +222,8 @@ class EngineArgs:
                               self.kv_cache_memory, util, self.enable_prefix_caching),
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens,
                                       self.scheduling_policy, self.lpm_max_skips),
+            device=DeviceConfig({"cpu": "numpy"}.get(self.device, self.device),
+                                self.opencl_platform, self.opencl_device),
         )
 
     def _check_not_yet_implemented(self) -> None:
@@ -219,9 +233,14 @@ class EngineArgs:
             raise ValidationError(f"--kv-cache-dtype {self.kv_cache_dtype} is not implemented "
                                   "yet; only 'auto' (float32 KV on the numpy backend)",
                                   "kv_cache_dtype")
-        if self.device not in ("auto", "cpu"):
+        if self.device not in DEVICES:
             raise ValidationError(f"--device {self.device} is not implemented yet; available: "
-                                  "auto, cpu (numpy backend)", "device")
+                                  f"{', '.join(DEVICES)}", "device")
+        needs = {"opencl": ("pyopencl", "opencl] (or [pocl] for the CPU"),
+                 "cuda": ("cupy", "cuda12] (or [cuda13]")}.get(self.device)
+        if needs and importlib.util.find_spec(needs[0]) is None:
+            raise ValidationError(f"--device {self.device} needs {needs[0]}: pip install "
+                                  f"'vllm-actors[{needs[1]}]'", "device")
         if self.tensor_parallel_size != 1:
             raise ValidationError(f"--tensor-parallel-size {self.tensor_parallel_size} is not "
                                   "implemented yet; only 1", "tensor_parallel_size")

@@ -85,7 +85,7 @@ def test_sigterm_aborts_what_outlives_the_drain(smollm2_path):
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 is not implemented yet"),
     (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2 is not implemented yet"),
-    (["--device", "cuda"], "--device cuda is not implemented yet"),
+    (["--device", "tpu"], "--device tpu is not implemented yet"),
     (["--allowed-origins", "*"], "--allowed-origins must be a JSON list"),
 ])
 def test_bad_flags_fail_clearly(flags, message):

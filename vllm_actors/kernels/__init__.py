@@ -4,16 +4,27 @@ from __future__ import annotations
 
 from vllm_actors.kernels.ops import Backend
 
-BACKENDS = ("numpy",)
+BACKENDS = ("numpy", "opencl", "cuda")
 
 
-def get_backend(name: str = "numpy") -> Backend:
+def get_backend(name: str = "numpy", opencl_platform: int = 0, opencl_device: int = 0
+                ) -> Backend:
     """The backend called `name`.
 
     Raises:
-        ValueError: an unknown backend name.
+        ValueError: an unknown backend name, or an OpenCL platform/device that does not exist.
+        RuntimeError: the backend's package (pyopencl) is not installed.
     """
+    if name == "auto":
+        from vllm_actors.kernels.cuda.backend import cuda_available
+        name = "cuda" if cuda_available() else "numpy"
+    if name == "cuda":
+        from vllm_actors.kernels.cuda.backend import CudaBackend
+        return CudaBackend()
     if name == "numpy":
         from vllm_actors.kernels.numpy_backend import NumpyBackend
         return NumpyBackend()
+    if name == "opencl":
+        from vllm_actors.kernels.opencl.backend import OpenCLBackend
+        return OpenCLBackend(opencl_platform, opencl_device)
     raise ValueError(f"unknown backend {name!r}; available: {', '.join(BACKENDS)}")

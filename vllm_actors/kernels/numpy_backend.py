@@ -117,6 +117,13 @@ class NumpyBackend:
         x += y
         return x
 
+    def split_qkv(self, qkv: np.ndarray, num_heads: int, num_kv_heads: int, head_dim: int
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        t, q_end, k_end = len(qkv), num_heads * head_dim, (num_heads + num_kv_heads) * head_dim
+        return (qkv[:, :q_end].reshape(t, num_heads, head_dim),
+                qkv[:, q_end:k_end].reshape(t, num_kv_heads, head_dim),
+                qkv[:, k_end:].reshape(t, num_kv_heads, head_dim))
+
     def silu_mul(self, gate_up: np.ndarray) -> np.ndarray:
         gate, up = np.split(gate_up, 2, axis=-1)
         out = np.negative(gate)
@@ -166,7 +173,8 @@ class NumpyBackend:
             out[group.token_index] = _attend(q[group.token_index], kv_cache, group, scale)
         return out
 
-    def lm_head(self, hidden: np.ndarray, head: LMHead) -> np.ndarray:
+    def lm_head(self, hidden: np.ndarray, head: LMHead, rows: np.ndarray) -> np.ndarray:
+        hidden = hidden[rows]
         if len(hidden) == 1:
             return hidden @ head.cols
         return hidden @ head.rows.T

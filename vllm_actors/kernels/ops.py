@@ -98,6 +98,11 @@ class Backend(Protocol):
     def add(self, x: Array, y: Array) -> Array:
         """Elementwise x + y (residual connections); may reuse x's storage."""
 
+    def split_qkv(self, qkv: Array, num_heads: int, num_kv_heads: int, head_dim: int
+                  ) -> tuple[Array, Array, Array]:
+        """Fused projection [T, (H + 2 Hk) * Dh] -> q [T, H, Dh], k [T, Hk, Dh], v [T, Hk, Dh]
+        (views where the backend can)."""
+
     def silu_mul(self, gate_up: Array) -> Array:
         """gate_up [T, 2F] -> silu(gate) * up: [T, F]."""
 
@@ -106,7 +111,7 @@ class Backend(Protocol):
 
     def rope(self, x: Array, rope: Any) -> Array:
         """Rotate x [T, H, Dh] (first `rotary_dim` dims) by the prepared positions; may rotate
-        x in place (q and k are rotated together as one [T, H + Hk, Dh] view)."""
+        x in place."""
 
     def prepare_attention(self, meta: AttentionMetadata) -> Any:
         """Once per step: the backend's own form of the step's attention layout (device
@@ -121,5 +126,5 @@ class Backend(Protocol):
         Prefill chunks and decodes mix freely; GQA maps query head h to KV head h // (H / Hk).
         """
 
-    def lm_head(self, hidden: Array, table: Any) -> np.ndarray:
-        """hidden [N, D] -> logits [N, V] on the host (float32)."""
+    def lm_head(self, hidden: Array, head: Any, rows: np.ndarray) -> np.ndarray:
+        """Rows `rows` of hidden [T, D] -> logits [len(rows), V] on the host (float32)."""

@@ -168,18 +168,12 @@ class LlamaForCausalLM:
         b, a = self.backend, self.args
         num_tokens = len(x)
         qkv = b.linear(x, layer.qkv, layer.qkv_bias)
-        q_end, k_end = a.q_size, a.q_size + a.kv_size
+        q, k, v = b.split_qkv(qkv, a.num_heads, a.num_kv_heads, a.head_dim)
         if layer.q_norm is not None:
-            qkv[:, :q_end] = b.rms_norm(qkv[:, :q_end].reshape(num_tokens, a.num_heads, a.head_dim),
-                                        layer.q_norm, a.rms_norm_eps).reshape(num_tokens, -1)
-            qkv[:, q_end:k_end] = b.rms_norm(
-                qkv[:, q_end:k_end].reshape(num_tokens, a.num_kv_heads, a.head_dim),
-                layer.k_norm, a.rms_norm_eps).reshape(num_tokens, -1)
-        # q and k rotate together: [T, H + Hk, Dh] is one view of the fused projection.
-        qk = b.rope(qkv[:, :k_end].reshape(num_tokens, a.num_heads + a.num_kv_heads, a.head_dim),
-                    rope)
-        q, k = qk[:, :a.num_heads], qk[:, a.num_heads:]
-        v = qkv[:, k_end:].reshape(num_tokens, a.num_kv_heads, a.head_dim)
+            q = b.rms_norm(q, layer.q_norm, a.rms_norm_eps)
+            k = b.rms_norm(k, layer.k_norm, a.rms_norm_eps)
+        q = b.rope(q, rope)
+        k = b.rope(k, rope)
         b.reshape_and_cache(k, v, kv_cache, attn)
         out = b.paged_attention(q, kv_cache, attn, self.scale)
         return b.linear(out.reshape(num_tokens, a.q_size), layer.attn_out)
@@ -198,5 +192,5 @@ class LlamaForCausalLM:
             h = b.add(h, mlp)
         return b.rms_norm(h, self.final_norm, eps)
 
-    def compute_logits(self, hidden: Any) -> np.ndarray:
-        return self.backend.lm_head(hidden, self.head)
+    def compute_logits(self, hidden: Any, rows: np.ndarray) -> np.ndarray:
+        return self.backend.lm_head(hidden, self.head, rows)

@@ -40,7 +40,8 @@ class ModelRunner:
     """
 
     def __init__(self, config: EngineConfig, model: CausalLM | None = None) -> None:
-        self.backend = get_backend(config.device.backend)
+        device = config.device
+        self.backend = get_backend(device.backend, device.opencl_platform, device.opencl_device)
         self.model = model or load_model(resolve_model(config.model.model), self.backend)
         args = self.model.args
         limit = args.max_position_embeddings
@@ -104,7 +105,7 @@ class ModelRunner:
         sel = np.flatnonzero((k >= 0) & (positions + 1 < batch.num_prompt_tokens[token_rows]))
         if not len(sel):
             return
-        lp = log_softmax(self.model.compute_logits(hidden[sel]))
+        lp = log_softmax(self.model.compute_logits(hidden, sel))
         nxt = batch.token_ids[token_rows[sel], positions[sel] + 1]
         ids, lps, ranks = top_logprobs(lp, nxt, int(k[sel].max()))
         for row in np.unique(token_rows[sel]).tolist():
@@ -118,7 +119,7 @@ class ModelRunner:
         done = np.flatnonzero(batch.num_computed_tokens[rows] >= batch.num_tokens[rows])
         if not len(done):
             return
-        logits = self.model.compute_logits(hidden[meta.query_start_loc[1:][done] - 1])
+        logits = self.model.compute_logits(hidden, meta.query_start_loc[1:][done] - 1)
         finite = np.isfinite(logits).all(axis=1)
         for i in done[~finite].tolist():
             out.failed[req_ids[i]] = "the model produced non-finite logits for this request"

@@ -1,0 +1,139 @@
+"""Every device-backend op (OpenCL, CUDA) against the numpy reference on random inputs (never
+zeros).
+
+OpenCL runs on the first OpenCL device (PoCL on the CPU in CI); CUDA runs where CuPy sees a
+GPU and is skipped, with the reason, elsewhere. Tolerances, float32:
+elementwise ops and copies 1e-6 relative (exact where nothing is computed); reductions over
+the hidden size (matmuls, RMSNorm, attention) 2e-5 of the output's scale, since the kernels
+sum in a different order than BLAS.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+from gguf import quants
+
+from vllm_actors.kernels.numpy_backend import NumpyBackend
+from vllm_actors.kernels.ops import AttentionMetadata, RopeTables
+from vllm_actors.loaders.weights import RawTensor
+from vllm_actors.models.base import rope_cos_sin
+
+REF = NumpyBackend()
+RNG = np.random.default_rng(1234)
+
+
+def rand(*shape: int) -> np.ndarray:
+    return (RNG.standard_normal(shape) + 0.1).astype(np.float32)
+
+
+def f32(name: str, array: np.ndarray) -> RawTensor:
+    return RawTensor(name, array.shape, int(QT.F32), array)
+
+
+def close(got: np.ndarray, want: np.ndarray, rel: float) -> None:
+    assert got.shape == want.shape and got.dtype == np.float32
+    scale = float(np.abs(want).max())
+    assert scale > 0
+    assert float(np.abs(got - want).max()) <= rel * scale
+
+
+def test_embedding_add_silu_split(dev):
+    table = rand(50, 24)
+    ids = np.array([3, 0, 49, 3, 17])
+    h = dev.embedding(dev.upload_table(f32("t", table)), ids)
+    assert np.array_equal(dev.to_host(h), table[ids])
+    y = rand(5, 24)
+    close(dev.to_host(dev.add(h, dev.upload_array(y))), table[ids] + y, 1e-6)
+    gate_up = rand(5, 32)
+    close(dev.to_host(dev.silu_mul(dev.upload_array(gate_up))), REF.silu_mul(gate_up), 1e-6)
+    qkv = rand(5, (4 + 2 * 2) * 8)
+    for got, want in zip(dev.split_qkv(dev.upload_array(qkv), 4, 2, 8),
+                         REF.split_qkv(qkv, 4, 2, 8)):
+        assert np.array_equal(dev.to_host(got), want)
+
+
+@pytest.mark.parametrize("shape", [(7, 576), (5, 3, 64)])
+def test_rms_norm(dev, shape):
+    x, w = rand(*shape), rand(shape[-1])
+    got = dev.rms_norm(dev.upload_array(x), dev.upload_array(w), 1e-5)
+    close(dev.to_host(got), REF.rms_norm(x, w, 1e-5), 2e-5)
+
+
+@pytest.mark.parametrize("interleaved, rotary_dim", [(False, 16), (True, 16), (False, 8)])
+def test_rope(dev, interleaved, rotary_dim):
+    inv_freq = (1.0 / 10000.0 ** (np.arange(0, rotary_dim, 2) / rotary_dim)).astype(np.float32)
+    cos, sin = rope_cos_sin(inv_freq, 512)
+    positions = np.array([0, 1, 7, 300, 511, 42])
+    x = rand(len(positions), 3, 16)
+    want = REF.rope(x.copy(), REF.prepare_rope(positions, RopeTables(cos, sin, rotary_dim,
+                                                                        interleaved)))
+    table = RopeTables(dev.upload_array(cos), dev.upload_array(sin), rotary_dim, interleaved)
+    got = dev.rope(dev.upload_array(x), dev.prepare_rope(positions, table))
+    close(dev.to_host(got), want, 1e-5)
+
+
+@pytest.mark.parametrize("qtype", [QT.F32, QT.Q8_0, QT.Q4_0, QT.Q4_1])
+def test_linear_and_lm_head(dev, qtype):
+    weights = [rand(48, 96), rand(16, 96)]     # fused: two parts along out
+    parts = [RawTensor(f"w{i}", w.shape, int(qtype), quants.quantize(w, qtype))
+             for i, w in enumerate(weights)]
+    x, bias = rand(6, 96), rand(64)
+    want = REF.linear(x, REF.upload_linear(parts), bias)   # numpy runs the dequantized weights
+    handle = dev.upload_linear(parts)
+    assert handle.kernel == {QT.F32: "linear_f32", QT.Q8_0: "linear_q8_0",
+                             QT.Q4_0: "linear_q4_0", QT.Q4_1: "linear_q4_1"}[qtype]
+    got = dev.linear(dev.upload_array(x), handle, dev.upload_array(bias))
+    close(dev.to_host(got), want, 2e-5)
+    rows = np.array([5, 0, 2])
+    head = parts[0]
+    close(dev.lm_head(dev.upload_array(x), dev.upload_lm_head(head), rows),
+          REF.lm_head(x, REF.upload_lm_head(head), rows), 2e-5)
+
+
+def test_paged_attention_mixed_step(dev):
+    """A decode row (context 37), a 9-token prompt chunk after 20 cached tokens and a fresh
+    5-token prompt, GQA 6 query heads over 2 KV heads, blocks handed out scrambled."""
+    bs, kv_heads, heads, dh = 4, 2, 6, 16
+    num_blocks = 40
+    k_cache, v_cache = rand(num_blocks, bs, kv_heads, dh), rand(num_blocks, bs, kv_heads, dh)
+    q_lens, seq_lens = np.array([1, 9, 5]), np.array([37, 29, 5], np.int32)
+    perm = RNG.permutation(np.arange(1, num_blocks))
+    tables = np.zeros((3, 10), np.int32)
+    tables[0, :10], tables[1, :8], tables[2, :2] = perm[:10], perm[10:18], perm[18:20]
+    positions = np.concatenate([np.arange(s - n, s) for s, n in zip(seq_lens, q_lens)])
+    rows = np.repeat(np.arange(3), q_lens)
+    slots = tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
+    meta = AttentionMetadata(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
+                             seq_lens, tables, slots, bs)
+    t = int(q_lens.sum())
+    q, k, v = rand(t, heads, dh), rand(t, kv_heads, dh), rand(t, kv_heads, dh)
+
+    ref_cache = (k_cache.copy(), v_cache.copy())
+    ref_attn = REF.prepare_attention(meta)
+    REF.reshape_and_cache(k, v, ref_cache, ref_attn)
+    want = REF.paged_attention(q, ref_cache, ref_attn, 0.25)
+
+    cache = (dev.upload_array(k_cache), dev.upload_array(v_cache))
+    attn = dev.prepare_attention(meta)
+    dev.reshape_and_cache(dev.upload_array(k), dev.upload_array(v), cache, attn)
+    assert np.array_equal(dev.to_host(cache[0]), ref_cache[0])
+    assert np.array_equal(dev.to_host(cache[1]), ref_cache[1])
+    got = dev.paged_attention(dev.upload_array(q), cache, attn, 0.25)
+    close(dev.to_host(got), want, 2e-5)
+
+
+def test_sampling_helpers(dev):
+    logits = rand(4, 1000)
+    logits[2, 17] = logits[2, 900] = 50.0          # a tie goes to the lowest id
+    on_device = dev.upload_array(logits)
+    assert np.array_equal(dev.argmax(on_device), [17 if r == 2 else int(np.argmax(logits[r]))
+                                                  for r in range(4)])
+    temperature = np.array([0.5, 0.0, 2.0, 1.0], np.float32)
+    want = logits / np.where(temperature > 0, temperature, 1)[:, None]
+    close(dev.to_host(dev.apply_temperature(on_device, temperature)), want, 1e-6)
+    threshold = np.sort(want, axis=1)[:, -5]        # keep the top 5 of each row
+    masked = dev.to_host(dev.mask_below(on_device, threshold))
+    assert (np.isfinite(masked).sum(axis=1) == 5).all()
+    assert np.array_equal(masked[np.isfinite(masked)], want[want >= threshold[:, None]])

@@ -1,0 +1,87 @@
+"""The CUDA backend (CuPy): the shared device backend (`kernels/device_backend.py`) launching
+the kernels of `ops.cu`, compiled once by NVRTC through `cupy.RawModule`.
+
+Build-only until a GPU machine runs `bench/gpu_check.sh`: CI compiles `ops.cu` with nvcc
+(tests/kernels/test_cuda_sources.py); the parity tests run wherever CuPy sees a GPU.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from typing import Any
+
+import numpy as np
+
+from vllm_actors.kernels.device_backend import DeviceBackend
+
+THREADS = 128   # must match THREADS in ops.cu
+
+
+def _cupy() -> Any:
+    try:
+        import cupy
+    except ImportError:
+        raise RuntimeError("the CUDA backend needs CuPy: pip install 'vllm-actors[cuda12]' "
+                           "(or [cuda13])") from None
+    return cupy
+
+
+def cuda_available() -> bool:
+    """CuPy is installed and sees at least one GPU."""
+    try:
+        return _cupy().cuda.runtime.getDeviceCount() > 0
+    except Exception:   # no CuPy, no driver, no device: all mean "not here"
+        return False
+
+
+class CudaBackend(DeviceBackend):
+    """Implements `kernels.ops.Backend` on one CUDA device (the current one)."""
+
+    name = "cuda"
+    GROUPS = {"rms_norm": THREADS, "argmax_rows": THREADS, "paged_attention": 32}
+
+    def __init__(self, device: int = 0) -> None:
+        cp = _cupy()
+        self.cp = cp
+        count = cp.cuda.runtime.getDeviceCount()
+        if not 0 <= device < count:
+            raise ValueError(f"CUDA device {device} does not exist; CuPy sees {count}")
+        self.device = cp.cuda.Device(device)
+        self.device.use()
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        source = resources.files("vllm_actors.kernels.cuda").joinpath("ops.cu").read_text()
+        module = cp.RawModule(code=source, options=("--std=c++14",))
+        self.kernels = {name: module.get_function(name) for name in (
+            "embedding", "rms_norm", "add_inplace", "silu_mul", "split_qkv", "rope",
+            "reshape_and_cache", "paged_attention", "gather_rows", "linear_f32", "linear_q8_0",
+            "linear_q4_0", "linear_q4_1", "argmax_rows", "apply_temperature", "mask_below")}
+
+    def _put(self, array: np.ndarray) -> Any:
+        with self.stream:
+            return self.cp.asarray(np.ascontiguousarray(array))
+
+    _keep = _put   # CuPy's pool tracks device memory; free_memory asks the driver
+
+    def _empty(self, shape: tuple[int, ...], dtype: Any = np.float32) -> Any:
+        return self.cp.empty(shape, dtype)
+
+    def _zeros(self, shape: tuple[int, ...]) -> Any:
+        return self.cp.zeros(shape, np.float32)
+
+    def _launch(self, name: str, items: tuple[int, ...], *args: Any) -> None:
+        group = self.GROUPS.get(name)
+        if group is None:
+            grid = (-(-items[0] // THREADS), *items[1:])
+            block = (THREADS,)
+        else:
+            grid, block = items, (group,)
+        self.kernels[name](grid, block, args, stream=self.stream)
+
+    def to_host(self, x: Any) -> np.ndarray:
+        out = self.cp.asnumpy(x, stream=self.stream)
+        self.stream.synchronize()
+        return out
+
+    def free_memory(self) -> int:
+        free, _total = self.cp.cuda.runtime.memGetInfo()
+        return int(free) + int(self.cp.get_default_memory_pool().free_bytes())

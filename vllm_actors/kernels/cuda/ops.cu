@@ -1,0 +1,263 @@
+// Every op of kernels/ops.py as CUDA C for CuPy's RawModule (NVRTC) or nvcc. No header is
+// included: GGUF's half-precision block scales are converted with one PTX instruction, so
+// the source compiles anywhere NVRTC does. Activations are float32; linear weights are
+// [out, in] rows as stored in GGUF. Launch shapes are in kernels/cuda/backend.py: x covers
+// the innermost index in blocks of THREADS, y (and z) the rows.
+
+#define THREADS 128
+
+__device__ __forceinline__ float half_to_float(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ float load_half(const unsigned char *p) {
+    return half_to_float((unsigned short)(p[0] | (p[1] << 8)));
+}
+
+extern "C" __global__ void embedding(const float *table, const int *ids, float *out, int dim) {
+    const int t = blockIdx.y, d = blockIdx.x * blockDim.x + threadIdx.x;
+    if (d < dim) out[(size_t)t * dim + d] = table[(size_t)ids[t] * dim + d];
+}
+
+// One block of THREADS per row.
+extern "C" __global__ void rms_norm(const float *x, const float *w, float *out, int n,
+                                    float eps) {
+    __shared__ float partial[THREADS];
+    const int row = blockIdx.x, lid = threadIdx.x;
+    const float *xr = x + (size_t)row * n;
+    float acc = 0.0f;
+    for (int i = lid; i < n; i += THREADS) acc += xr[i] * xr[i];
+    partial[lid] = acc;
+    __syncthreads();
+    for (int s = THREADS / 2; s > 0; s >>= 1) {
+        if (lid < s) partial[lid] += partial[lid + s];
+        __syncthreads();
+    }
+    const float inv = rsqrtf(partial[0] / (float)n + eps);
+    for (int i = lid; i < n; i += THREADS) out[(size_t)row * n + i] = xr[i] * inv * w[i];
+}
+
+extern "C" __global__ void add_inplace(float *x, const float *y, long long size) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < size) x[i] += y[i];
+}
+
+extern "C" __global__ void silu_mul(const float *gate_up, float *out, int f) {
+    const int t = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= f) return;
+    const float g = gate_up[(size_t)t * 2 * f + i], u = gate_up[(size_t)t * 2 * f + f + i];
+    out[(size_t)t * f + i] = g / (1.0f + expf(-g)) * u;
+}
+
+extern "C" __global__ void split_qkv(const float *qkv, float *q, float *k, float *v,
+                                     int q_size, int kv_size) {
+    const int t = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x;
+    const int width = q_size + 2 * kv_size;
+    if (i >= width) return;
+    const float x = qkv[(size_t)t * width + i];
+    if (i < q_size) q[(size_t)t * q_size + i] = x;
+    else if (i < q_size + kv_size) k[(size_t)t * kv_size + i - q_size] = x;
+    else v[(size_t)t * kv_size + i - q_size - kv_size] = x;
+}
+
+// grid (ceil(rot/2 / THREADS), heads, T)
+extern "C" __global__ void rope(float *x, const int *positions, const float *cos_t,
+                                const float *sin_t, int heads, int head_dim, int rot,
+                                int interleaved) {
+    const int t = blockIdx.z, h = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x;
+    const int half_rot = rot / 2;
+    if (i >= half_rot) return;
+    const float c = cos_t[(size_t)positions[t] * half_rot + i];
+    const float s = sin_t[(size_t)positions[t] * half_rot + i];
+    float *row = x + ((size_t)t * heads + h) * head_dim;
+    const int a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half_rot;
+    const float x1 = row[a], x2 = row[b];
+    row[a] = x1 * c - x2 * s;
+    row[b] = x2 * c + x1 * s;
+}
+
+extern "C" __global__ void reshape_and_cache(const float *k, const float *v, float *k_cache,
+                                             float *v_cache, const long long *slots,
+                                             int width) {
+    const int t = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= width) return;
+    const size_t dst = (size_t)slots[t] * width + i;
+    k_cache[dst] = k[(size_t)t * width + i];
+    v_cache[dst] = v[(size_t)t * width + i];
+}
+
+// One warp per (token, query head): lanes split the head dimension; online softmax over the
+// token's visible context through its request's block table. grid (heads, T), block 32.
+extern "C" __global__ void paged_attention(const float *q, const float *k_cache,
+                                           const float *v_cache, const int *token_req,
+                                           const int *token_pos, const int *block_tables,
+                                           float *out, int heads, int kv_heads, int head_dim,
+                                           int block_size, int max_blocks, float scale) {
+    const int h = blockIdx.x, t = blockIdx.y, lane = threadIdx.x;
+    const int kvh = h / (heads / kv_heads);
+    const float *qr = q + ((size_t)t * heads + h) * head_dim;
+    const int *table = block_tables + (size_t)token_req[t] * max_blocks;
+    float acc[8];   // head_dim <= 256: 8 elements per lane
+    float qv[8];
+    for (int r = 0; r < 8; ++r) {
+        const int d = lane + 32 * r;
+        acc[r] = 0.0f;
+        qv[r] = d < head_dim ? qr[d] : 0.0f;
+    }
+    float m = -INFINITY, l = 0.0f;
+    const int last = token_pos[t];
+    for (int j = 0; j <= last; ++j) {
+        const size_t slot = (size_t)table[j / block_size] * block_size + j % block_size;
+        const float *kr = k_cache + (slot * kv_heads + kvh) * head_dim;
+        float s = 0.0f;
+        for (int r = 0; r < 8; ++r) {
+            const int d = lane + 32 * r;
+            if (d < head_dim) s += qv[r] * kr[d];
+        }
+        for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+        s *= scale;
+        const float m_new = fmaxf(m, s);
+        const float correction = expf(m - m_new), p = expf(s - m_new);
+        const float *vr = v_cache + (slot * kv_heads + kvh) * head_dim;
+        for (int r = 0; r < 8; ++r) {
+            const int d = lane + 32 * r;
+            if (d < head_dim) acc[r] = acc[r] * correction + p * vr[d];
+        }
+        l = l * correction + p;
+        m = m_new;
+    }
+    float *o = out + ((size_t)t * heads + h) * head_dim;
+    for (int r = 0; r < 8; ++r) {
+        const int d = lane + 32 * r;
+        if (d < head_dim) o[d] = acc[r] / l;
+    }
+}
+
+extern "C" __global__ void gather_rows(const float *x, const int *rows, float *out,
+                                       int width) {
+    const int r = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < width) out[(size_t)r * width + i] = x[(size_t)rows[r] * width + i];
+}
+
+// ---- linear: y [T, N] = x [T, K] @ W^T (+ bias), W [N, K]; grid (ceil(N / THREADS), T) ----
+
+extern "C" __global__ void linear_f32(const float *x, const float *w, const float *bias,
+                                      float *y, int k, int n, int has_bias) {
+    const int t = blockIdx.y, o = blockIdx.x * blockDim.x + threadIdx.x;
+    if (o >= n) return;
+    const float *xr = x + (size_t)t * k, *wr = w + (size_t)o * k;
+    float acc = 0.0f;
+    for (int i = 0; i < k; ++i) acc += xr[i] * wr[i];
+    y[(size_t)t * n + o] = acc + (has_bias ? bias[o] : 0.0f);
+}
+
+// Q8_0 block (34 bytes): half d, int8 q[32]
+extern "C" __global__ void linear_q8_0(const float *x, const unsigned char *w,
+                                       const float *bias, float *y, int k, int n,
+                                       int has_bias) {
+    const int t = blockIdx.y, o = blockIdx.x * blockDim.x + threadIdx.x;
+    if (o >= n) return;
+    const int nb = k / 32;
+    const float *xr = x + (size_t)t * k;
+    const unsigned char *row = w + (size_t)o * nb * 34;
+    float acc = 0.0f;
+    for (int b = 0; b < nb; ++b) {
+        const unsigned char *blk = row + b * 34;
+        const signed char *qs = (const signed char *)(blk + 2);
+        float s = 0.0f;
+        for (int j = 0; j < 32; ++j) s += (float)qs[j] * xr[b * 32 + j];
+        acc += load_half(blk) * s;
+    }
+    y[(size_t)t * n + o] = acc + (has_bias ? bias[o] : 0.0f);
+}
+
+// Q4_0 block (18 bytes): half d, nibbles (low: elements 0..15, high: 16..31); d * (q - 8)
+extern "C" __global__ void linear_q4_0(const float *x, const unsigned char *w,
+                                       const float *bias, float *y, int k, int n,
+                                       int has_bias) {
+    const int t = blockIdx.y, o = blockIdx.x * blockDim.x + threadIdx.x;
+    if (o >= n) return;
+    const int nb = k / 32;
+    const float *xr = x + (size_t)t * k;
+    const unsigned char *row = w + (size_t)o * nb * 18;
+    float acc = 0.0f;
+    for (int b = 0; b < nb; ++b) {
+        const unsigned char *blk = row + b * 18;
+        const float *xb = xr + b * 32;
+        float s = 0.0f;
+        for (int j = 0; j < 16; ++j) {
+            const unsigned char q = blk[2 + j];
+            s += (float)((int)(q & 15) - 8) * xb[j] + (float)((int)(q >> 4) - 8) * xb[j + 16];
+        }
+        acc += load_half(blk) * s;
+    }
+    y[(size_t)t * n + o] = acc + (has_bias ? bias[o] : 0.0f);
+}
+
+// Q4_1 block (20 bytes): half d, half m, nibbles; d * q + m
+extern "C" __global__ void linear_q4_1(const float *x, const unsigned char *w,
+                                       const float *bias, float *y, int k, int n,
+                                       int has_bias) {
+    const int t = blockIdx.y, o = blockIdx.x * blockDim.x + threadIdx.x;
+    if (o >= n) return;
+    const int nb = k / 32;
+    const float *xr = x + (size_t)t * k;
+    const unsigned char *row = w + (size_t)o * nb * 20;
+    float acc = 0.0f;
+    for (int b = 0; b < nb; ++b) {
+        const unsigned char *blk = row + b * 20;
+        const float *xb = xr + b * 32;
+        float s = 0.0f, xsum = 0.0f;
+        for (int j = 0; j < 16; ++j) {
+            const unsigned char q = blk[4 + j];
+            s += (float)(q & 15) * xb[j] + (float)(q >> 4) * xb[j + 16];
+            xsum += xb[j] + xb[j + 16];
+        }
+        acc += load_half(blk) * s + load_half(blk + 2) * xsum;
+    }
+    y[(size_t)t * n + o] = acc + (has_bias ? bias[o] : 0.0f);
+}
+
+// ---- sampling helpers ------------------------------------------------------------------
+
+// Greedy: one block of THREADS per row of logits [rows, vocab]; ties go to the lowest id.
+extern "C" __global__ void argmax_rows(const float *logits, int vocab, int *out) {
+    __shared__ float best[THREADS];
+    __shared__ int best_id[THREADS];
+    const int row = blockIdx.x, lid = threadIdx.x;
+    const float *lr = logits + (size_t)row * vocab;
+    float b = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int i = lid; i < vocab; i += THREADS)
+        if (lr[i] > b) { b = lr[i]; bi = i; }
+    best[lid] = b;
+    best_id[lid] = bi;
+    __syncthreads();
+    for (int s = THREADS / 2; s > 0; s >>= 1) {
+        if (lid < s && (best[lid + s] > best[lid] ||
+                        (best[lid + s] == best[lid] && best_id[lid + s] < best_id[lid]))) {
+            best[lid] = best[lid + s];
+            best_id[lid] = best_id[lid + s];
+        }
+        __syncthreads();
+    }
+    if (lid == 0) out[row] = best_id[0];
+}
+
+// logits[row, :] /= temperature[row] (rows with temperature 0 are greedy and left alone)
+extern "C" __global__ void apply_temperature(float *logits, const float *temperature,
+                                             int vocab) {
+    const int row = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x;
+    const float temp = temperature[row];
+    if (i < vocab && temp > 0.0f) logits[(size_t)row * vocab + i] /= temp;
+}
+
+// Mask every logit below the row's threshold (the k-th largest for top-k, or the value at
+// which the sorted probabilities reach top_p, found on the host or by a sort) to -inf.
+extern "C" __global__ void mask_below(float *logits, const float *threshold, int vocab) {
+    const int row = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < vocab && logits[(size_t)row * vocab + i] < threshold[row])
+        logits[(size_t)row * vocab + i] = -INFINITY;
+}

@@ -1,0 +1,1 @@
+"""OpenCL kernels (`ops.cl`) and their backend; import `backend` only when pyopencl is installed."""
