@@ -12,7 +12,7 @@ import vllm_actors.kernels.cuda as cuda_pkg
 SOURCES = sorted(Path(cuda_pkg.__file__).parent.glob("*.cu"))
 KERNELS = ("embedding", "rms_norm", "add_inplace", "silu_mul", "split_qkv", "rope",
            "reshape_and_cache", "paged_attention", "gather_rows", "linear_f32", "linear_q8_0",
-           "linear_q4_0", "linear_q4_1", "argmax_rows", "apply_temperature", "mask_below")
+           "linear_q4_0", "linear_q4_1", "linear_q4_k", "linear_q6_k", "argmax_rows", "apply_temperature", "mask_below")
 
 
 def test_there_are_sources():

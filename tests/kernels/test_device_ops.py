@@ -92,6 +92,23 @@ def test_linear_and_lm_head(dev, qtype):
           REF.lm_head(x, REF.upload_lm_head(head), rows), 2e-5)
 
 
+@pytest.mark.parametrize("qtype, block_bytes, scale_offsets", [
+    (QT.Q4_K, 144, (0, 2)), (QT.Q6_K, 210, (208,))])
+def test_linear_k_quants(dev, qtype, block_bytes, scale_offsets):
+    """K-quant super-blocks of random bytes (scales set to sane halves) against numpy's
+    dequantizer, which is bit-identical to gguf-py's."""
+    rows, k = 40, 512
+    raw = RNG.integers(0, 256, (rows, k // 256, block_bytes), dtype=np.uint8)
+    for offset in scale_offsets:
+        halves = (RNG.random((rows, k // 256)) * 0.02 + 0.005).astype(np.float16)
+        raw[:, :, offset:offset + 2] = halves.view(np.uint8).reshape(rows, k // 256, 2)
+    part = RawTensor("wk", (rows, k), int(qtype), raw.reshape(rows, -1))
+    x = rand(3, k)
+    want = REF.linear(x, REF.upload_linear([part]))
+    handle = dev.upload_linear([part])
+    assert handle.kernel == f"linear_{qtype.name.lower()}"
+    close(dev.to_host(dev.linear(dev.upload_array(x), handle)), want, 2e-5)
+
 def test_paged_attention_mixed_step(dev):
     """A decode row (context 37), a 9-token prompt chunk after 20 cached tokens and a fresh
     5-token prompt, GQA 6 query heads over 2 KV heads, blocks handed out scrambled."""

@@ -2,8 +2,8 @@
 with the same names and arguments (`opencl/ops.cl`, `cuda/ops.cu`); a subclass supplies the
 buffers and `_launch`.
 
-Weights and the KV cache live on the device. Q8_0, Q4_0 and Q4_1 linear weights stay in their
-GGUF blocks and are dequantized inside the matmul kernel; other types are dequantized once at
+Weights and the KV cache live on the device. Q8_0, Q4_0, Q4_1, Q4_K and Q6_K linear weights
+stay in their GGUF blocks and are dequantized inside the matmul kernel; other types are dequantized once at
 upload to float32. Per step only token ids, positions, slot mapping and block tables go up,
 and only the sampled rows' logits come back.
 
@@ -21,8 +21,9 @@ import numpy as np
 from vllm_actors.kernels import quant
 from vllm_actors.kernels.ops import AttentionMetadata, RopeTables, WeightLike
 
-# GGML type id -> matmul kernel that reads its blocks
-QUANT_KERNELS = {8: "linear_q8_0", 2: "linear_q4_0", 3: "linear_q4_1"}
+# GGML type id -> (matmul kernel that reads its blocks, values per block)
+QUANT_KERNELS = {8: ("linear_q8_0", 32), 2: ("linear_q4_0", 32), 3: ("linear_q4_1", 32),
+                 12: ("linear_q4_k", 256), 14: ("linear_q6_k", 256)}
 MAX_HEAD_DIM = 256
 
 
@@ -81,8 +82,9 @@ class DeviceBackend:
         out = sum(p.shape[0] for p in parts)
         k = parts[0].shape[-1]
         qtypes = {p.qtype for p in parts}
-        kernel = QUANT_KERNELS.get(next(iter(qtypes))) if len(qtypes) == 1 else None
-        if kernel is not None and k % 32 == 0:
+        kernel, block = (QUANT_KERNELS.get(next(iter(qtypes)), (None, 0)) if len(qtypes) == 1
+                         else (None, 0))
+        if kernel is not None and k % block == 0:
             blocks = np.concatenate([np.asarray(p.data).reshape(p.shape[0], -1) for p in parts])
             return Linear(self._keep(blocks), kernel, out, k)
         weight = np.concatenate([quant.dequantize(p.data, p.qtype, p.shape) for p in parts])

@@ -54,7 +54,7 @@ class CudaBackend(DeviceBackend):
         self.kernels = {name: module.get_function(name) for name in (
             "embedding", "rms_norm", "add_inplace", "silu_mul", "split_qkv", "rope",
             "reshape_and_cache", "paged_attention", "gather_rows", "linear_f32", "linear_q8_0",
-            "linear_q4_0", "linear_q4_1", "argmax_rows", "apply_temperature", "mask_below")}
+            "linear_q4_0", "linear_q4_1", "linear_q4_k", "linear_q6_k", "argmax_rows", "apply_temperature", "mask_below")}
 
     def _put(self, array: np.ndarray) -> Any:
         with self.stream:

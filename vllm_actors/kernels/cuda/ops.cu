@@ -220,6 +220,89 @@ extern "C" __global__ void linear_q4_1(const float *x, const unsigned char *w,
     y[(size_t)t * n + o] = acc + (has_bias ? bias[o] : 0.0f);
 }
 
+// Q4_K super-block (144 bytes, 256 values): half d, half dmin, 12 bytes of packed 6-bit
+// (scale, min) pairs for 8 sub-blocks of 32, then 128 bytes of nibbles (each 32 bytes feed
+// two sub-blocks: low nibbles the first, high nibbles the second); value = d*sc*q - dmin*m.
+__device__ __forceinline__ void q4k_scale_min(int j, const unsigned char *s, float *sc,
+                                              float *mn) {
+    if (j < 4) {
+        *sc = (float)(s[j] & 63);
+        *mn = (float)(s[j + 4] & 63);
+    } else {
+        *sc = (float)((s[j + 4] & 15) | ((s[j - 4] >> 6) << 4));
+        *mn = (float)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+    }
+}
+
+extern "C" __global__ void linear_q4_k(const float *x, const unsigned char *w,
+                                       const float *bias, float *y, int k, int n,
+                                       int has_bias) {
+    const int t = blockIdx.y, o = blockIdx.x * blockDim.x + threadIdx.x;
+    if (o >= n) return;
+    const int nb = k / 256;
+    const float *xr = x + (size_t)t * k;
+    const unsigned char *row = w + (size_t)o * nb * 144;
+    float acc = 0.0f;
+    for (int b = 0; b < nb; ++b) {
+        const unsigned char *blk = row + b * 144;
+        const float d = load_half(blk), dmin = load_half(blk + 2);
+        const unsigned char *scales = blk + 4, *qs = blk + 16;
+        const float *xb = xr + b * 256;
+        for (int pair = 0; pair < 4; ++pair) {
+            float sc1, m1, sc2, m2;
+            q4k_scale_min(2 * pair, scales, &sc1, &m1);
+            q4k_scale_min(2 * pair + 1, scales, &sc2, &m2);
+            float s1 = 0.0f, s2 = 0.0f, x1 = 0.0f, x2 = 0.0f;
+            for (int l = 0; l < 32; ++l) {
+                const unsigned char q = qs[32 * pair + l];
+                const float a = xb[64 * pair + l], c = xb[64 * pair + 32 + l];
+                s1 += (float)(q & 15) * a;
+                s2 += (float)(q >> 4) * c;
+                x1 += a;
+                x2 += c;
+            }
+            acc += d * (sc1 * s1 + sc2 * s2) - dmin * (m1 * x1 + m2 * x2);
+        }
+    }
+    y[(size_t)t * n + o] = acc + (has_bias ? bias[o] : 0.0f);
+}
+
+// Q6_K super-block (210 bytes, 256 values): ql[128] low nibbles, qh[64] high 2-bit pairs,
+// int8 scales[16] (one per 16 values), half d; value = d * scale * (q - 32).
+extern "C" __global__ void linear_q6_k(const float *x, const unsigned char *w,
+                                       const float *bias, float *y, int k, int n,
+                                       int has_bias) {
+    const int t = blockIdx.y, o = blockIdx.x * blockDim.x + threadIdx.x;
+    if (o >= n) return;
+    const int nb = k / 256;
+    const float *xr = x + (size_t)t * k;
+    const unsigned char *row = w + (size_t)o * nb * 210;
+    float acc = 0.0f;
+    for (int b = 0; b < nb; ++b) {
+        const unsigned char *blk = row + b * 210;
+        const unsigned char *ql = blk, *qh = blk + 128;
+        const signed char *sc = (const signed char *)(blk + 192);
+        const float *xb = xr + b * 256;
+        float s = 0.0f;
+        for (int half_ = 0; half_ < 2; ++half_) {
+            const unsigned char *l0 = ql + 64 * half_, *h0 = qh + 32 * half_;
+            const signed char *s0 = sc + 8 * half_;
+            const float *x0 = xb + 128 * half_;
+            for (int l = 0; l < 32; ++l) {
+                const int is = l / 16;
+                const int q1 = (int)((l0[l] & 15) | (((h0[l] >> 0) & 3) << 4)) - 32;
+                const int q2 = (int)((l0[l + 32] & 15) | (((h0[l] >> 2) & 3) << 4)) - 32;
+                const int q3 = (int)((l0[l] >> 4) | (((h0[l] >> 4) & 3) << 4)) - 32;
+                const int q4 = (int)((l0[l + 32] >> 4) | (((h0[l] >> 6) & 3) << 4)) - 32;
+                s += (float)s0[is] * q1 * x0[l] + (float)s0[is + 2] * q2 * x0[l + 32]
+                   + (float)s0[is + 4] * q3 * x0[l + 64] + (float)s0[is + 6] * q4 * x0[l + 96];
+            }
+        }
+        acc += load_half(blk + 208) * s;
+    }
+    y[(size_t)t * n + o] = acc + (has_bias ? bias[o] : 0.0f);
+}
+
 // ---- sampling helpers ------------------------------------------------------------------
 
 // Greedy: one block of THREADS per row of logits [rows, vocab]; ties go to the lowest id.

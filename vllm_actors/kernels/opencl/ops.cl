@@ -196,6 +196,88 @@ __kernel void linear_q4_1(__global const float *x, __global const uchar *w,
     y[(size_t)t * n + o] = acc + (has_bias ? bias[o] : 0.0f);
 }
 
+// Q4_K super-block (144 bytes, 256 values): half d, half dmin, 12 bytes of packed 6-bit
+// (scale, min) pairs for 8 sub-blocks of 32, then 128 bytes of nibbles (each 32 bytes feed
+// two sub-blocks: low nibbles the first, high nibbles the second); value = d*sc*q - dmin*m.
+inline void q4k_scale_min(const int j, __global const uchar *s, float *sc, float *mn) {
+    if (j < 4) {
+        *sc = (float)(s[j] & 63);
+        *mn = (float)(s[j + 4] & 63);
+    } else {
+        *sc = (float)((s[j + 4] & 15) | ((s[j - 4] >> 6) << 4));
+        *mn = (float)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+    }
+}
+
+__kernel void linear_q4_k(__global const float *x, __global const uchar *w,
+                          __global const float *bias, __global float *y, const int k,
+                          const int n, const int has_bias) {
+    const int t = get_global_id(1), o = get_global_id(0);
+    const int nb = k / 256;
+    __global const float *xr = x + (size_t)t * k;
+    __global const uchar *row = w + (size_t)o * nb * 144;
+    float acc = 0.0f;
+    for (int b = 0; b < nb; ++b) {
+        __global const uchar *blk = row + b * 144;
+        const float d = vload_half(0, (__global const half *)blk);
+        const float dmin = vload_half(1, (__global const half *)blk);
+        __global const uchar *scales = blk + 4, *qs = blk + 16;
+        __global const float *xb = xr + b * 256;
+        for (int pair = 0; pair < 4; ++pair) {
+            float sc1, m1, sc2, m2;
+            q4k_scale_min(2 * pair, scales, &sc1, &m1);
+            q4k_scale_min(2 * pair + 1, scales, &sc2, &m2);
+            float s1 = 0.0f, s2 = 0.0f, x1 = 0.0f, x2 = 0.0f;
+            for (int l = 0; l < 32; ++l) {
+                const uchar q = qs[32 * pair + l];
+                const float a = xb[64 * pair + l], c = xb[64 * pair + 32 + l];
+                s1 += (float)(q & 15) * a;
+                s2 += (float)(q >> 4) * c;
+                x1 += a;
+                x2 += c;
+            }
+            acc += d * (sc1 * s1 + sc2 * s2) - dmin * (m1 * x1 + m2 * x2);
+        }
+    }
+    y[(size_t)t * n + o] = acc + (has_bias ? bias[o] : 0.0f);
+}
+
+// Q6_K super-block (210 bytes, 256 values): ql[128] low nibbles, qh[64] high 2-bit pairs,
+// int8 scales[16] (one per 16 values), half d; value = d * scale * (q - 32).
+__kernel void linear_q6_k(__global const float *x, __global const uchar *w,
+                          __global const float *bias, __global float *y, const int k,
+                          const int n, const int has_bias) {
+    const int t = get_global_id(1), o = get_global_id(0);
+    const int nb = k / 256;
+    __global const float *xr = x + (size_t)t * k;
+    __global const uchar *row = w + (size_t)o * nb * 210;
+    float acc = 0.0f;
+    for (int b = 0; b < nb; ++b) {
+        __global const uchar *blk = row + b * 210;
+        __global const uchar *ql = blk, *qh = blk + 128;
+        __global const char *sc = (__global const char *)(blk + 192);
+        const float d = vload_half(0, (__global const half *)(blk + 208));
+        __global const float *xb = xr + b * 256;
+        float s = 0.0f;
+        for (int half_ = 0; half_ < 2; ++half_) {
+            __global const uchar *l0 = ql + 64 * half_, *h0 = qh + 32 * half_;
+            __global const char *s0 = sc + 8 * half_;
+            __global const float *x0 = xb + 128 * half_;
+            for (int l = 0; l < 32; ++l) {
+                const int is = l / 16;
+                const int q1 = (int)((l0[l] & 15) | (((h0[l] >> 0) & 3) << 4)) - 32;
+                const int q2 = (int)((l0[l + 32] & 15) | (((h0[l] >> 2) & 3) << 4)) - 32;
+                const int q3 = (int)((l0[l] >> 4) | (((h0[l] >> 4) & 3) << 4)) - 32;
+                const int q4 = (int)((l0[l + 32] >> 4) | (((h0[l] >> 6) & 3) << 4)) - 32;
+                s += (float)s0[is] * q1 * x0[l] + (float)s0[is + 2] * q2 * x0[l + 32]
+                   + (float)s0[is + 4] * q3 * x0[l + 64] + (float)s0[is + 6] * q4 * x0[l + 96];
+            }
+        }
+        acc += d * s;
+    }
+    y[(size_t)t * n + o] = acc + (has_bias ? bias[o] : 0.0f);
+}
+
 // ---- sampling helpers ------------------------------------------------------------------
 
 // Greedy: one work-group of GROUP per row of logits [rows, vocab]; ties go to the lowest id.
