@@ -147,6 +147,10 @@ def test_sampling_helpers(dev):
     on_device = dev.upload_array(logits)
     assert np.array_equal(dev.argmax(on_device), [17 if r == 2 else int(np.argmax(logits[r]))
                                                   for r in range(4)])
+    broken = logits.copy()
+    broken[1, 5], broken[3, 999] = np.nan, np.inf     # non-finite rows come back as -1
+    assert dev.argmax(dev.upload_array(broken)).tolist() == [int(np.argmax(logits[0])), -1,
+                                                               17, -1]
     temperature = np.array([0.5, 0.0, 2.0, 1.0], np.float32)
     want = logits / np.where(temperature > 0, temperature, 1)[:, None]
     close(dev.to_host(dev.apply_temperature(on_device, temperature)), want, 1e-6)

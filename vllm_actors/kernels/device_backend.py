@@ -189,18 +189,21 @@ class DeviceBackend:
                      np.int32(attn.block_size), np.int32(attn.max_blocks), np.float32(scale))
         return out
 
-    def lm_head(self, hidden: Any, head: Linear, rows: np.ndarray) -> np.ndarray:
+    def lm_head(self, hidden: Any, head: Linear, rows: np.ndarray, on_device: bool = False
+                ) -> Any:
         if not len(rows):
             return np.zeros((0, head.out_features), np.float32)
         width = hidden.shape[1]
         picked = self._empty((len(rows), width))
         self._launch("gather_rows", (width, len(rows)), hidden,
                      self._put(np.asarray(rows, np.int32)), picked, np.int32(width))
-        return self.to_host(self.linear(picked, head))
+        logits = self.linear(picked, head)
+        return logits if on_device else self.to_host(logits)
 
     # -- sampling helpers (on device logits [rows, V]) -----------------------------------
     def argmax(self, logits: Any) -> np.ndarray:
-        """Greedy ids [rows] (ties to the lowest id, as numpy's argmax)."""
+        """Greedy ids [rows] (ties to the lowest id, as numpy's argmax); -1 for a row with a
+        non-finite logit."""
         out = self._empty((logits.shape[0],), np.int32)
         self._launch("argmax_rows", (logits.shape[0],), logits, np.int32(logits.shape[1]), out)
         return self.to_host(out)

@@ -173,7 +173,8 @@ class NumpyBackend:
             out[group.token_index] = _attend(q[group.token_index], kv_cache, group, scale)
         return out
 
-    def lm_head(self, hidden: np.ndarray, head: LMHead, rows: np.ndarray) -> np.ndarray:
+    def lm_head(self, hidden: np.ndarray, head: LMHead, rows: np.ndarray,
+                on_device: bool = False) -> np.ndarray:
         hidden = hidden[rows]
         if len(hidden) == 1:
             return hidden @ head.cols

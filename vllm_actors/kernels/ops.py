@@ -126,5 +126,7 @@ class Backend(Protocol):
         Prefill chunks and decodes mix freely; GQA maps query head h to KV head h // (H / Hk).
         """
 
-    def lm_head(self, hidden: Array, head: Any, rows: np.ndarray) -> np.ndarray:
-        """Rows `rows` of hidden [T, D] -> logits [len(rows), V] on the host (float32)."""
+    def lm_head(self, hidden: Array, head: Any, rows: np.ndarray, on_device: bool = False
+                ) -> Any:
+        """Rows `rows` of hidden [T, D] -> float32 logits [len(rows), V], on the host unless
+        `on_device` (then for the backend's own sampling helpers, e.g. `argmax`)."""

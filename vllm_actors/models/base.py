@@ -54,8 +54,9 @@ class CausalLM(Protocol):
                 kv_caches: list[Any]) -> Any:
         """token_ids, positions [T] -> final hidden states [T, D] (KV written into kv_caches)."""
 
-    def compute_logits(self, hidden: Any, rows: np.ndarray) -> np.ndarray:
-        """Rows `rows` of hidden [T, D] -> float32 logits [len(rows), V] on the host."""
+    def compute_logits(self, hidden: Any, rows: np.ndarray, on_device: bool = False) -> Any:
+        """Rows `rows` of hidden [T, D] -> float32 logits [len(rows), V] on the host (or left
+        on the device for the backend's sampling helpers)."""
 
 
 def _llama3_inv_freq(inv_freq: np.ndarray, scaling: dict[str, Any]) -> np.ndarray:

@@ -192,5 +192,5 @@ class LlamaForCausalLM:
             h = b.add(h, mlp)
         return b.rms_norm(h, self.final_norm, eps)
 
-    def compute_logits(self, hidden: Any, rows: np.ndarray) -> np.ndarray:
-        return self.backend.lm_head(hidden, self.head, rows)
+    def compute_logits(self, hidden: Any, rows: np.ndarray, on_device: bool = False) -> Any:
+        return self.backend.lm_head(hidden, self.head, rows, on_device)

@@ -58,6 +58,8 @@ class ModelRunner:
         self.batch = InputBatch(config.scheduler.max_num_seqs, self.max_model_len,
                                 self.block_size)
         self.sampler = Sampler(config.model.seed)
+        # device backends sample plain-greedy steps themselves (see _sample)
+        self.device_greedy = hasattr(self.backend, "argmax")
 
     @property
     def ready(self) -> EngineReady:
@@ -119,16 +121,26 @@ class ModelRunner:
         done = np.flatnonzero(batch.num_computed_tokens[rows] >= batch.num_tokens[rows])
         if not len(done):
             return
-        logits = self.model.compute_logits(hidden, meta.query_start_loc[1:][done] - 1)
-        finite = np.isfinite(logits).all(axis=1)
+        last = meta.query_start_loc[1:][done] - 1
+        tokens = lp = None
+        if self.device_greedy and batch.sampling.plain_greedy(rows[done]):
+            # only the sampled ids come back from the device (-1: non-finite logits)
+            tokens = self.backend.argmax(self.model.compute_logits(hidden, last, on_device=True))
+            finite = tokens >= 0
+            tokens = tokens[finite].astype(np.int64)
+        else:
+            logits = self.model.compute_logits(hidden, last)
+            finite = np.isfinite(logits).all(axis=1)
+            logits = logits[finite]
         for i in done[~finite].tolist():
             out.failed[req_ids[i]] = "the model produced non-finite logits for this request"
-        done, logits = done[finite], logits[finite]
+        done = done[finite]
         if not len(done):
             return
         done_rows = rows[done]
-        tokens, lp = self.sampler.sample(logits, done_rows, batch.sampling, batch.token_ids,
-                                         batch.num_prompt_tokens, batch.num_tokens)
+        if tokens is None:
+            tokens, lp = self.sampler.sample(logits, done_rows, batch.sampling, batch.token_ids,
+                                             batch.num_prompt_tokens, batch.num_tokens)
         batch.append_tokens(done_rows, tokens)
         for i, token in zip(done.tolist(), tokens.tolist()):
             out.sampled_token_ids[i] = [token]

@@ -62,6 +62,17 @@ class SamplingState:
         for extra in (self.logit_bias, self.allowed, self.bad_words, self.min_tokens_stop_ids):
             extra.pop(row, None)
 
+    def plain_greedy(self, rows: np.ndarray) -> bool:
+        """Every row is greedy with nothing to apply first (no penalties, masks, bias or
+        logprobs): the argmax of the raw logits is the whole of sampling."""
+        listed = rows.tolist()
+        return bool((self.temperature[rows] == 0).all() and (self.num_logprobs[rows] < 0).all()
+                    and not self.needs_penalties(rows).any()
+                    and not any(r in extra for extra in (self.logit_bias, self.allowed,
+                                                         self.bad_words,
+                                                         self.min_tokens_stop_ids)
+                                for r in listed))
+
     def needs_penalties(self, rows: np.ndarray) -> np.ndarray:
         """Boolean [len(rows)]: rows with any non-neutral penalty."""
         return ((self.presence[rows] != 0) | (self.frequency[rows] != 0)

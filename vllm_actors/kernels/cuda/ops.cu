@@ -305,28 +305,35 @@ extern "C" __global__ void linear_q6_k(const float *x, const unsigned char *w,
 
 // ---- sampling helpers ------------------------------------------------------------------
 
-// Greedy: one block of THREADS per row of logits [rows, vocab]; ties go to the lowest id.
+// Greedy: one block of THREADS per row of logits [rows, vocab]; ties go to the lowest id;
+// a row holding any non-finite logit gives -1.
 extern "C" __global__ void argmax_rows(const float *logits, int vocab, int *out) {
     __shared__ float best[THREADS];
-    __shared__ int best_id[THREADS];
+    __shared__ int best_id[THREADS], bad[THREADS];
     const int row = blockIdx.x, lid = threadIdx.x;
     const float *lr = logits + (size_t)row * vocab;
     float b = -INFINITY;
-    int bi = 0x7fffffff;
-    for (int i = lid; i < vocab; i += THREADS)
-        if (lr[i] > b) { b = lr[i]; bi = i; }
+    int bi = 0x7fffffff, nonfinite = 0;
+    for (int i = lid; i < vocab; i += THREADS) {
+        if (!isfinite(lr[i])) nonfinite = 1;
+        else if (lr[i] > b) { b = lr[i]; bi = i; }
+    }
     best[lid] = b;
     best_id[lid] = bi;
+    bad[lid] = nonfinite;
     __syncthreads();
     for (int s = THREADS / 2; s > 0; s >>= 1) {
-        if (lid < s && (best[lid + s] > best[lid] ||
-                        (best[lid + s] == best[lid] && best_id[lid + s] < best_id[lid]))) {
-            best[lid] = best[lid + s];
-            best_id[lid] = best_id[lid + s];
+        if (lid < s) {
+            bad[lid] |= bad[lid + s];
+            if (best[lid + s] > best[lid] ||
+                (best[lid + s] == best[lid] && best_id[lid + s] < best_id[lid])) {
+                best[lid] = best[lid + s];
+                best_id[lid] = best_id[lid + s];
+            }
         }
         __syncthreads();
     }
-    if (lid == 0) out[row] = best_id[0];
+    if (lid == 0) out[row] = bad[0] ? -1 : best_id[0];
 }
 
 // logits[row, :] /= temperature[row] (rows with temperature 0 are greedy and left alone)

@@ -280,28 +280,35 @@ __kernel void linear_q6_k(__global const float *x, __global const uchar *w,
 
 // ---- sampling helpers ------------------------------------------------------------------
 
-// Greedy: one work-group of GROUP per row of logits [rows, vocab]; ties go to the lowest id.
+// Greedy: one work-group of GROUP per row of logits [rows, vocab]; ties go to the lowest id;
+// a row holding any non-finite logit gives -1.
 __kernel void argmax_rows(__global const float *logits, const int vocab, __global int *out) {
     __local float best[GROUP];
-    __local int best_id[GROUP];
+    __local int best_id[GROUP], bad[GROUP];
     const int row = get_group_id(0), lid = get_local_id(0);
     __global const float *lr = logits + (size_t)row * vocab;
     float b = -INFINITY;
-    int bi = 0x7fffffff;
-    for (int i = lid; i < vocab; i += GROUP)
-        if (lr[i] > b) { b = lr[i]; bi = i; }
+    int bi = 0x7fffffff, nonfinite = 0;
+    for (int i = lid; i < vocab; i += GROUP) {
+        if (!isfinite(lr[i])) nonfinite = 1;
+        else if (lr[i] > b) { b = lr[i]; bi = i; }
+    }
     best[lid] = b;
     best_id[lid] = bi;
+    bad[lid] = nonfinite;
     barrier(CLK_LOCAL_MEM_FENCE);
     for (int s = GROUP / 2; s > 0; s >>= 1) {
-        if (lid < s && (best[lid + s] > best[lid] ||
-                        (best[lid + s] == best[lid] && best_id[lid + s] < best_id[lid]))) {
-            best[lid] = best[lid + s];
-            best_id[lid] = best_id[lid + s];
+        if (lid < s) {
+            bad[lid] |= bad[lid + s];
+            if (best[lid + s] > best[lid] ||
+                (best[lid + s] == best[lid] && best_id[lid + s] < best_id[lid])) {
+                best[lid] = best[lid + s];
+                best_id[lid] = best_id[lid + s];
+            }
         }
         barrier(CLK_LOCAL_MEM_FENCE);
     }
-    if (lid == 0) out[row] = best_id[0];
+    if (lid == 0) out[row] = bad[0] ? -1 : best_id[0];
 }
 
 // logits[row, :] /= temperature[row] (rows with temperature 0 are greedy and left alone)
