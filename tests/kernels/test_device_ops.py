@@ -74,16 +74,18 @@ def test_rope(dev, interleaved, rotary_dim):
     close(dev.to_host(got), want, 1e-5)
 
 
-@pytest.mark.parametrize("qtype", [QT.F32, QT.Q8_0, QT.Q4_0, QT.Q4_1])
+@pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1])
 def test_linear_and_lm_head(dev, qtype):
     weights = [rand(48, 96), rand(16, 96)]     # fused: two parts along out
-    parts = [RawTensor(f"w{i}", w.shape, int(qtype), quants.quantize(w, qtype))
-             for i, w in enumerate(weights)]
+    stored = [quants.quantize(w, qtype) for w in weights]
+    if qtype == QT.BF16:    # RawTensor keeps BF16 as uint16 [out, in]
+        stored = [s.view(np.uint16) for s in stored]
+    parts = [RawTensor(f"w{i}", w.shape, int(qtype), s)
+             for i, (w, s) in enumerate(zip(weights, stored))]
     x, bias = rand(6, 96), rand(64)
     want = REF.linear(x, REF.upload_linear(parts), bias)   # numpy runs the dequantized weights
     handle = dev.upload_linear(parts)
-    assert handle.kernel == {QT.F32: "linear_f32", QT.Q8_0: "linear_q8_0",
-                             QT.Q4_0: "linear_q4_0", QT.Q4_1: "linear_q4_1"}[qtype]
+    assert handle.kernel == f"linear_{qtype.name.lower()}"
     got = dev.linear(dev.upload_array(x), handle, dev.upload_array(bias))
     close(dev.to_host(got), want, 2e-5)
     rows = np.array([5, 0, 2])
@@ -158,3 +160,8 @@ def test_sampling_helpers(dev):
     masked = dev.to_host(dev.mask_below(on_device, threshold))
     assert (np.isfinite(masked).sum(axis=1) == 5).all()
     assert np.array_equal(masked[np.isfinite(masked)], want[want >= threshold[:, None]])
+
+
+def test_every_kernel_is_defined(dev):
+    from vllm_actors.kernels.device_backend import KERNEL_NAMES
+    assert set(KERNEL_NAMES) <= set(dev.kernels)

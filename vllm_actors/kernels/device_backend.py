@@ -3,7 +3,8 @@ with the same names and arguments (`opencl/ops.cl`, `cuda/ops.cu`); a subclass s
 buffers and `_launch`.
 
 Weights and the KV cache live on the device. Q8_0, Q4_0, Q4_1, Q4_K and Q6_K linear weights
-stay in their GGUF blocks and are dequantized inside the matmul kernel; other types are dequantized once at
+stay in their GGUF blocks and are dequantized inside the matmul kernel, F16 and BF16 weights
+stay 16-bit (widened to float32 in the kernel); other types are dequantized once at
 upload to float32. Per step only token ids, positions, slot mapping and block tables go up,
 and only the sampled rows' logits come back.
 
@@ -24,6 +25,13 @@ from vllm_actors.kernels.ops import AttentionMetadata, RopeTables, WeightLike
 # GGML type id -> (matmul kernel that reads its blocks, values per block)
 QUANT_KERNELS = {8: ("linear_q8_0", 32), 2: ("linear_q4_0", 32), 3: ("linear_q4_1", 32),
                  12: ("linear_q4_k", 256), 14: ("linear_q6_k", 256)}
+# Every kernel both ops.cl and ops.cu define, by the name launches use.
+KERNEL_NAMES = ("embedding", "rms_norm", "add_inplace", "silu_mul", "split_qkv", "rope",
+                "reshape_and_cache", "paged_attention", "gather_rows", "linear_f32",
+                "linear_f16", "linear_bf16", "linear_q8_0", "linear_q4_0", "linear_q4_1",
+                "linear_q4_k", "linear_q6_k", "argmax_rows", "apply_temperature", "mask_below")
+# 16-bit float storage (GGML F16 = 1, BF16 = 30): kept as stored, widened in the kernel
+HALF_KERNELS = {1: ("linear_f16", np.float16), 30: ("linear_bf16", np.uint16)}
 MAX_HEAD_DIM = 256
 
 
@@ -87,6 +95,12 @@ class DeviceBackend:
         if kernel is not None and k % block == 0:
             blocks = np.concatenate([np.asarray(p.data).reshape(p.shape[0], -1) for p in parts])
             return Linear(self._keep(blocks), kernel, out, k)
+        half = HALF_KERNELS.get(next(iter(qtypes))) if len(qtypes) == 1 else None
+        if half is not None:
+            kernel, dtype = half
+            data = np.concatenate([np.asarray(p.data).view(dtype).reshape(p.shape[0], k)
+                                   for p in parts])
+            return Linear(self._keep(data), kernel, out, k)
         weight = np.concatenate([quant.dequantize(p.data, p.qtype, p.shape) for p in parts])
         return Linear(self._keep(weight.astype(np.float32)), "linear_f32", out, k)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_actors.kernels.device_backend import DeviceBackend
+from vllm_actors.kernels.device_backend import KERNEL_NAMES, DeviceBackend
 
 THREADS = 128   # must match THREADS in ops.cu
 
@@ -51,10 +51,7 @@ class CudaBackend(DeviceBackend):
         self.stream = cp.cuda.Stream(non_blocking=True)
         source = resources.files("vllm_actors.kernels.cuda").joinpath("ops.cu").read_text()
         module = cp.RawModule(code=source, options=("--std=c++14",))
-        self.kernels = {name: module.get_function(name) for name in (
-            "embedding", "rms_norm", "add_inplace", "silu_mul", "split_qkv", "rope",
-            "reshape_and_cache", "paged_attention", "gather_rows", "linear_f32", "linear_q8_0",
-            "linear_q4_0", "linear_q4_1", "linear_q4_k", "linear_q6_k", "argmax_rows", "apply_temperature", "mask_below")}
+        self.kernels = {name: module.get_function(name) for name in KERNEL_NAMES}
 
     def _put(self, array: np.ndarray) -> Any:
         with self.stream:

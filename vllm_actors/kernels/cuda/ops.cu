@@ -153,6 +153,30 @@ extern "C" __global__ void linear_f32(const float *x, const float *w, const floa
     y[(size_t)t * n + o] = acc + (has_bias ? bias[o] : 0.0f);
 }
 
+// F16 storage, float32 arithmetic
+extern "C" __global__ void linear_f16(const float *x, const unsigned short *w, const float *bias,
+                                      float *y, int k, int n, int has_bias) {
+    const int t = blockIdx.y, o = blockIdx.x * blockDim.x + threadIdx.x;
+    if (o >= n) return;
+    const float *xr = x + (size_t)t * k;
+    const unsigned short *wr = w + (size_t)o * k;
+    float acc = 0.0f;
+    for (int i = 0; i < k; ++i) acc += xr[i] * half_to_float(wr[i]);
+    y[(size_t)t * n + o] = acc + (has_bias ? bias[o] : 0.0f);
+}
+
+// BF16 storage: the top 16 bits of a float32
+extern "C" __global__ void linear_bf16(const float *x, const unsigned short *w, const float *bias,
+                                       float *y, int k, int n, int has_bias) {
+    const int t = blockIdx.y, o = blockIdx.x * blockDim.x + threadIdx.x;
+    if (o >= n) return;
+    const float *xr = x + (size_t)t * k;
+    const unsigned short *wr = w + (size_t)o * k;
+    float acc = 0.0f;
+    for (int i = 0; i < k; ++i) acc += xr[i] * __uint_as_float((unsigned int)wr[i] << 16);
+    y[(size_t)t * n + o] = acc + (has_bias ? bias[o] : 0.0f);
+}
+
 // Q8_0 block (34 bytes): half d, int8 q[32]
 extern "C" __global__ void linear_q8_0(const float *x, const unsigned char *w,
                                        const float *bias, float *y, int k, int n,

@@ -127,6 +127,29 @@ __kernel void linear_f32(__global const float *x, __global const float *w,
     y[(size_t)t * n + o] = acc + (has_bias ? bias[o] : 0.0f);
 }
 
+// F16 storage (any device: vload_half needs no extension), float32 arithmetic
+__kernel void linear_f16(__global const float *x, __global const half *w,
+                         __global const float *bias, __global float *y, const int k,
+                         const int n, const int has_bias) {
+    const int t = get_global_id(1), o = get_global_id(0);
+    __global const float *xr = x + (size_t)t * k;
+    float acc = 0.0f;
+    for (int i = 0; i < k; ++i) acc += xr[i] * vload_half((size_t)o * k + i, w);
+    y[(size_t)t * n + o] = acc + (has_bias ? bias[o] : 0.0f);
+}
+
+// BF16 storage: the top 16 bits of a float32
+__kernel void linear_bf16(__global const float *x, __global const ushort *w,
+                          __global const float *bias, __global float *y, const int k,
+                          const int n, const int has_bias) {
+    const int t = get_global_id(1), o = get_global_id(0);
+    __global const float *xr = x + (size_t)t * k;
+    __global const ushort *wr = w + (size_t)o * k;
+    float acc = 0.0f;
+    for (int i = 0; i < k; ++i) acc += xr[i] * as_float((uint)wr[i] << 16);
+    y[(size_t)t * n + o] = acc + (has_bias ? bias[o] : 0.0f);
+}
+
 // Q8_0 block (34 bytes): half d, int8 q[32]; value = d * q
 __kernel void linear_q8_0(__global const float *x, __global const uchar *w,
                           __global const float *bias, __global float *y, const int k,
