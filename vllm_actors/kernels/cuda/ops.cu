@@ -5,6 +5,7 @@
 // the innermost index in blocks of THREADS, y (and z) the rows.
 
 #define THREADS 128
+#define NEG_INF __int_as_float(0xff800000)   // -infinity; NVRTC has no math.h for INFINITY
 
 __device__ __forceinline__ float half_to_float(unsigned short h) {
     float f;
@@ -106,7 +107,7 @@ extern "C" __global__ void paged_attention(const float *q, const float *k_cache,
         acc[r] = 0.0f;
         qv[r] = d < head_dim ? qr[d] : 0.0f;
     }
-    float m = -INFINITY, l = 0.0f;
+    float m = NEG_INF, l = 0.0f;
     const int last = token_pos[t];
     for (int j = 0; j <= last; ++j) {
         const size_t slot = (size_t)table[j / block_size] * block_size + j % block_size;
@@ -336,7 +337,7 @@ extern "C" __global__ void argmax_rows(const float *logits, int vocab, int *out)
     __shared__ int best_id[THREADS], bad[THREADS];
     const int row = blockIdx.x, lid = threadIdx.x;
     const float *lr = logits + (size_t)row * vocab;
-    float b = -INFINITY;
+    float b = NEG_INF;
     int bi = 0x7fffffff, nonfinite = 0;
     for (int i = lid; i < vocab; i += THREADS) {
         if (!isfinite(lr[i])) nonfinite = 1;
@@ -373,5 +374,5 @@ extern "C" __global__ void apply_temperature(float *logits, const float *tempera
 extern "C" __global__ void mask_below(float *logits, const float *threshold, int vocab) {
     const int row = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < vocab && logits[(size_t)row * vocab + i] < threshold[row])
-        logits[(size_t)row * vocab + i] = -INFINITY;
+        logits[(size_t)row * vocab + i] = NEG_INF;
 }
