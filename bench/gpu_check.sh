@@ -52,7 +52,8 @@ if python3 -c "from vllm_actors.loaders.model_files import default_model_path as
   echo "== throughput sweep (bench/profile_step.py, SmolLM2)" > "$OUT/sweep.txt"
   for args in "--batch 1 --context 160" "--batch 32 --context 160" "--batch 128 --context 160" \
               "--batch 1 --context 512 --query 512" "--batch 1 --context 2048 --query 2048"; do
-    timeout 60 python3 bench/profile_step.py --device cuda --steps 5 $args >> "$OUT/sweep.txt" 2>&1
+    timeout 60 python3 bench/profile_step.py --device cuda --steps 5 $args >> "$OUT/sweep.txt" 2>&1 \
+      || { echo "sweep failed: $args" | tee -a "$OUT/tests.log"; status=1; }
   done
 else
   echo "== SmolLM2 is not installed here (its 93 MB wheel exceeds what a device call can" \
