@@ -66,6 +66,9 @@ class CudaBackend(DeviceBackend):
         return self.cp.zeros(shape, np.float32)
 
     def _launch(self, name: str, items: tuple[int, ...], *args: Any) -> None:
+        if any(n > 65535 for n in items[1:]):   # CUDA's limit on grid y and z
+            raise ValueError(f"{name}: {items[1:]} rows exceed CUDA's 65535 grid limit; lower "
+                             "--max-num-batched-tokens")
         group = self.GROUPS.get(name)
         if group is None:
             grid = (-(-items[0] // THREADS), *items[1:])
