@@ -92,7 +92,10 @@ class Sampler:
     def processed_logits(self, logits: np.ndarray, rows: np.ndarray, state: SamplingState,
                          token_ids: np.ndarray, num_prompt: np.ndarray, num_tokens: np.ndarray
                          ) -> np.ndarray:
-        """Steps 2-3 (masks, bias, penalties) on a copy of logits; what greedy rows argmax."""
+        """Steps 2-3 (masks, bias, penalties) on a copy of logits; what greedy rows argmax.
+        With nothing to apply, the logits themselves (no copy)."""
+        if not state.needs_processing(rows):
+            return logits
         logits = logits.copy()
         self._apply_masks_and_bias(logits, rows, state, token_ids, num_prompt, num_tokens)
         self._apply_penalties(logits, rows, state, token_ids, num_prompt, num_tokens)
@@ -101,7 +104,7 @@ class Sampler:
     def _apply_masks_and_bias(self, logits: np.ndarray, rows: np.ndarray, state: SamplingState,
                               token_ids: np.ndarray, num_prompt: np.ndarray,
                               num_tokens: np.ndarray) -> None:
-        for i, row in enumerate(rows.tolist()):
+        for i, row in state.rows_with_extras(rows):
             if row in state.allowed:
                 keep = logits[i, state.allowed[row]]
                 logits[i] = -np.inf

@@ -62,16 +62,27 @@ class SamplingState:
         for extra in (self.logit_bias, self.allowed, self.bad_words, self.min_tokens_stop_ids):
             extra.pop(row, None)
 
+    @property
+    def _extras(self) -> tuple[dict, ...]:
+        return (self.logit_bias, self.allowed, self.bad_words, self.min_tokens_stop_ids)
+
+    def rows_with_extras(self, rows: np.ndarray) -> list[tuple[int, int]]:
+        """(index in rows, row) of the rows with a logit bias, allowed ids, bad words or
+        min_tokens stop ids; no per-row work when no request in the batch uses them."""
+        if not any(self._extras):
+            return []
+        return [(i, row) for i, row in enumerate(rows.tolist())
+                if any(row in extra for extra in self._extras)]
+
+    def needs_processing(self, rows: np.ndarray) -> bool:
+        """Any of rows has a mask, bias or penalty to apply before temperature."""
+        return bool(self.rows_with_extras(rows)) or bool(self.needs_penalties(rows).any())
+
     def plain_greedy(self, rows: np.ndarray) -> bool:
         """Every row is greedy with nothing to apply first (no penalties, masks, bias or
         logprobs): the argmax of the raw logits is the whole of sampling."""
-        listed = rows.tolist()
         return bool((self.temperature[rows] == 0).all() and (self.num_logprobs[rows] < 0).all()
-                    and not self.needs_penalties(rows).any()
-                    and not any(r in extra for extra in (self.logit_bias, self.allowed,
-                                                         self.bad_words,
-                                                         self.min_tokens_stop_ids)
-                                for r in listed))
+                    and not self.needs_processing(rows))
 
     def needs_penalties(self, rows: np.ndarray) -> np.ndarray:
         """Boolean [len(rows)]: rows with any non-neutral penalty."""
