@@ -230,7 +230,7 @@ def main() -> None:
     args.model = str(args.model or default_model_path())
     rows, facts = asyncio.run(measure(args))
     med = statistics.median
-    print(f"| row | ours | llama.cpp | ratio | runs ours / llama.cpp |")
+    print("| row | ours | llama.cpp | ratio | runs ours / llama.cpp |")
     print("|---|---|---|---|---|")
     for r in rows:
         ours, theirs = med(r["ours"]), med(r["llama_cpp"])

@@ -79,8 +79,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
-    print(f"| running requests | scheduler µs/step | runner µs/step (stub model) | "
-          f"µs per request per step | runs (sched+runner) |")
+    print("| running requests | scheduler µs/step | runner µs/step (stub model) | "
+          "µs per request per step | runs (sched+runner) |")
     print("|---|---|---|---|---|")
     for n in args.running:
         results = [measure(n, args.steps) for _ in range(args.runs)]

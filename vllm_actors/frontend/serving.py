@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 
 from vllm_actors.config import ServerConfig
-from vllm_actors.errors import EngineDeadError
+from vllm_actors.errors import EngineDeadError, ValidationError
 from vllm_actors.frontend.async_llm import AsyncLLM
 from vllm_actors.frontend.input_processor import PromptType
 from vllm_actors.frontend.openai_schema import APIError
@@ -40,6 +40,17 @@ class ServerState:
         if self.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down",
                            type_="service_unavailable_error")
+
+    def validate(self, sub: "SubRequest", prompt_param: str | None = None) -> None:
+        """Limits and token ids, checked before any stream starts: a 400 naming the field
+        (prompt-level errors named `prompt_param` when given) instead of a failed stream."""
+        try:
+            self.engine.input_processor.process(sub.request_id, sub.prompt, sub.params)
+        except ValidationError as e:
+            param = e.param
+            if prompt_param is not None and param in (None, "prompt_token_ids"):
+                param = prompt_param
+            raise APIError(400, str(e), param) from None
 
 
 @dataclass

@@ -40,10 +40,7 @@ def _prepare(state: ServerState, req: ChatCompletionRequest) -> tuple[SubRequest
     params = sampling_params(req, limit, state.engine.generation_defaults, req.stream)
     sub = SubRequest(new_request_id("chatcmpl"), {"prompt": text, "prompt_token_ids": ids},
                      params)
-    try:   # limits and token ids, before any stream starts
-        state.engine.input_processor.process(sub.request_id, sub.prompt, params)
-    except ValidationError as e:
-        raise APIError(400, str(e), e.param) from None
+    state.validate(sub)
     return sub, len(ids)
 
 

@@ -42,11 +42,7 @@ def _prepare(state: ServerState, req: CompletionRequest, request_id: str
                                max_len)
         params = sampling_params(req, limit, state.engine.generation_defaults, req.stream)
         sub = SubRequest(f"{request_id}-{i}", {"prompt": text, "prompt_token_ids": ids}, params)
-        try:   # ids in the vocabulary, limits, before any stream starts
-            state.engine.input_processor.process(sub.request_id, sub.prompt, params)
-        except ValidationError as e:
-            param = "prompt" if e.param in (None, "prompt_token_ids") else e.param
-            raise APIError(400, str(e), param) from None
+        state.validate(sub, prompt_param="prompt")
         subs.append(sub)
         lengths.append(len(ids))
         texts.append(text if text is not None else tokenizer.decode(ids))
