@@ -2,7 +2,6 @@
 prompt's tokens when run alone (near-tie rule as in the oracle tests), also with preemption;
 prefix caching reuses a shared system prompt without changing outputs."""
 
-import numpy as np
 import pytest
 from oracle.prompts import LONG_ESSAY
 from parity import GREEDY_12 as GREEDY
