@@ -89,15 +89,14 @@ class DeviceBackend:
     def upload_linear(self, parts: Sequence[WeightLike]) -> Linear:
         out = sum(p.shape[0] for p in parts)
         k = parts[0].shape[-1]
-        qtypes = {p.qtype for p in parts}
-        kernel, block = (QUANT_KERNELS.get(next(iter(qtypes)), (None, 0)) if len(qtypes) == 1
-                         else (None, 0))
+        # fused parts keep their stored form only when they share it
+        qtype = parts[0].qtype if len({p.qtype for p in parts}) == 1 else None
+        kernel, block = QUANT_KERNELS.get(qtype, (None, 0))
         if kernel is not None and k % block == 0:
             blocks = np.concatenate([np.asarray(p.data).reshape(p.shape[0], -1) for p in parts])
             return Linear(self._keep(blocks), kernel, out, k)
-        half = HALF_KERNELS.get(next(iter(qtypes))) if len(qtypes) == 1 else None
-        if half is not None:
-            kernel, dtype = half
+        if qtype in HALF_KERNELS:
+            kernel, dtype = HALF_KERNELS[qtype]
             data = np.concatenate([np.asarray(p.data).view(dtype).reshape(p.shape[0], k)
                                    for p in parts])
             return Linear(self._keep(data), kernel, out, k)
