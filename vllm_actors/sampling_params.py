@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
+from typing import Any
 
 import msgspec
 
@@ -24,6 +25,50 @@ class RequestOutputKind(enum.IntEnum):
     CUMULATIVE = 0   # everything generated so far
     DELTA = 1        # only what is new since the previous output
     FINAL_ONLY = 2   # nothing until the request finishes
+
+
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """Constrain the output to a language (vLLM's names); exactly one field is set.
+
+    Attributes:
+        json: a JSON schema (a dict, or its JSON text) the output must validate against.
+        regex: a regular expression the whole output must match.
+        choice: the output is exactly one of these strings.
+        grammar: a context-free grammar, as GBNF (llama.cpp) or Lark.
+        json_object: any JSON object.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, str):
+            try:
+                self.json = msgspec.json.decode(self.json)
+            except msgspec.DecodeError as e:
+                raise ValidationError(f"the JSON schema is not valid JSON: {e}",
+                                      "structured_outputs") from None
+            if not isinstance(self.json, dict):
+                raise ValidationError("a JSON schema must be a JSON object",
+                                      "structured_outputs")
+        kinds = self.kinds()
+        if len(kinds) != 1:
+            raise ValidationError(
+                "structured outputs need exactly one of json, regex, choice, grammar or "
+                f"json_object; got {', '.join(kinds) if kinds else 'none'}",
+                "structured_outputs")
+        if self.choice is not None and not (self.choice and all(
+                isinstance(c, str) and c for c in self.choice)):
+            raise ValidationError("choice must be a non-empty list of non-empty strings",
+                                  "structured_outputs")
+
+    def kinds(self) -> list[str]:
+        """The names of the fields that are set."""
+        return [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                if getattr(self, name) not in (None, False)]
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
@@ -59,6 +104,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False)
             `logprobs` alternatives (raw model distribution, with ranks).
         prompt_logprobs: the same for every prompt token after the first.
         bad_words_token_ids: `bad_words` tokenized by the frontend (filled there).
+        structured_outputs: constrain the output to a JSON schema, regex, choice or grammar
+            (enforced by a token mask in the sampler, see enginecore/structured_output.py).
     """
 
     n: int = 1
@@ -86,6 +133,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     bad_words_token_ids: list[list[int]] = []
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

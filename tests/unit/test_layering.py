@@ -33,6 +33,9 @@ ALLOWED = {
     "vllm_actors.frontend.core_client": ["vllm_actors.enginecore.proc"],
     # The core reaches workers only through the executor.
     "vllm_actors.enginecore": ["vllm_actors.workers.executor"],
+    # Grammar matchers map bytes to token ids: the core loads the tokenizer (as vLLM's does).
+    "vllm_actors.enginecore.structured_output": ["vllm_actors.loaders.tokenizer",
+                                                 "vllm_actors.loaders.model_files"],
 }
 
 

@@ -9,10 +9,14 @@ from vllm_actors.errors import ValidationError
 from vllm_actors.enginecore.kv_cache_manager import KVCacheManager
 from vllm_actors.enginecore.request import Request
 from vllm_actors.enginecore.scheduler import Scheduler
-from vllm_actors.protocol.engine import (EngineCoreOutputs, EngineCoreRequest, EngineReady,
-                                         FinishReason, SchedulerStats)
-from vllm_actors.protocol.step import StepOutput
+from vllm_actors.enginecore.structured_output import StructuredOutputManager
+from vllm_actors.protocol.engine import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
+                                         EngineReady, FinishReason, SchedulerStats)
+from vllm_actors.protocol.step import StepInput, StepOutput
 from vllm_actors.workers.executor import InprocExecutor
+
+
+GRAMMAR_WAIT_S = 0.02   # the busy loop's wait for a grammar compile when idle otherwise
 
 
 class EngineCore:
@@ -26,21 +30,27 @@ class EngineCore:
         kv = KVCacheManager(self.ready.num_kv_blocks, self.block_size,
                             config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, kv, self.ready.max_model_len)
+        self.structured = StructuredOutputManager(config.model.model, self.ready.vocab_size)
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a request. Raises ValidationError for one the frontend should have refused
         (a duplicate id, an empty or too long prompt, ids outside the vocabulary)."""
         num_tokens = len(req.prompt_token_ids)
-        if req.request_id in self.scheduler.requests:
+        if req.request_id in self.scheduler.requests or req.request_id in self.structured.pending:
             raise ValidationError(f"request id {req.request_id!r} is already in use")
         if not 0 < num_tokens < self.ready.max_model_len:
             raise ValidationError(f"the prompt has {num_tokens} tokens; it must have between 1 "
                                   f"and {self.ready.max_model_len - 1}")
         if min(req.prompt_token_ids) < 0 or max(req.prompt_token_ids) >= self.ready.vocab_size:
             raise ValidationError(f"prompt token ids must be in [0, {self.ready.vocab_size})")
-        self.scheduler.add_request(Request(req, self.ready.max_model_len, self.block_size))
+        request = Request(req, self.ready.max_model_len, self.block_size)
+        if req.sampling_params.structured_outputs is not None:
+            self.structured.submit(request)   # joins the scheduler once compiled
+        else:
+            self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        self.structured.abort(request_ids)
         self.scheduler.finish_requests(request_ids, FinishReason.ABORT)
 
     def has_unfinished_requests(self) -> bool:
@@ -49,7 +59,8 @@ class EngineCore:
     def has_work(self) -> bool:
         """Requests to run, or finished ones the worker has not been told about yet (one
         more step frees their rows and reports the new counts)."""
-        return self.scheduler.has_requests() or bool(self.scheduler.finished_req_ids)
+        return (self.scheduler.has_requests() or bool(self.scheduler.finished_req_ids)
+                or self.structured.has_pending())
 
     def get_stats(self) -> SchedulerStats:
         """The scheduler's current state (prefix-cache counters are left for the next step)."""
@@ -63,8 +74,34 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         if not self.has_work():
             return EngineCoreOutputs(timestamp=time.time())
+        failed = self._admit_compiled_grammars()
         step_input = self.scheduler.schedule()
+        self._add_grammar_bitmask(step_input)
         has_work = step_input.num_scheduled_tokens or step_input.finished_req_ids
         step_output = self.executor.execute(step_input) if has_work else StepOutput()
         outputs = self.scheduler.update_from_output(step_input, step_output)
-        return EngineCoreOutputs(outputs, time.time(), self.scheduler.make_stats())
+        return EngineCoreOutputs(failed + outputs, time.time(), self.scheduler.make_stats())
+
+    def _admit_compiled_grammars(self) -> list[EngineCoreOutput]:
+        """Requests whose grammar is ready join the scheduler; failed ones finish with an
+        error. With nothing else to run, wait briefly for a compile instead of spinning."""
+        if not self.structured.has_pending():
+            return []
+        if not self.scheduler.has_requests():
+            self.structured.wait(GRAMMAR_WAIT_S)
+        ready, failed = self.structured.take_ready()
+        for request in ready:
+            self.scheduler.add_request(request)
+        return [EngineCoreOutput(r.request_id, [], FinishReason.ERROR, error=error)
+                for r, error in failed]
+
+    def _add_grammar_bitmask(self, step: StepInput) -> None:
+        """Allowed tokens for the structured-output requests that sample this step (their
+        scheduled tokens reach their last known token)."""
+        requests = self.scheduler.requests
+        sampling = [requests[req_id] for req_id in step.num_scheduled_tokens
+                    if requests[req_id].grammar is not None
+                    and requests[req_id].num_computed_tokens >= requests[req_id].num_tokens]
+        if sampling:
+            step.grammar_req_ids = [r.request_id for r in sampling]
+            step.grammar_bitmask = self.structured.bitmask(sampling)

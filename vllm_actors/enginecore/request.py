@@ -48,6 +48,8 @@ class Request:
         self.block_size = block_size
         self.cache_salt = req.cache_salt
         self.block_hashes: list[BlockHash] = []
+        self.grammar = None   # an llguidance matcher, for structured outputs
+        self.error: str | None = None   # why the request failed (finish_reason ERROR)
         extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, self.cache_salt)
 
     @property
@@ -64,6 +66,8 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.consume_token(token_id)
         if len(self.all_token_ids) % self.block_size == 0:
             extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size,
                                 self.cache_salt)
@@ -72,10 +76,19 @@ class Request:
         """After an appended token: set finish_reason and return True when the request is done.
 
         Order as vLLM: length limits first, then nothing before min_tokens, then EOS, then
-        stop_token_ids (which also records stop_reason).
+        stop_token_ids (which also records stop_reason). A structured-output request fails
+        on a token its grammar rejects and ends (stop) once its grammar is complete, even
+        before min_tokens (a complete grammar allows nothing but EOS).
         """
+        if self.grammar is not None and self.grammar.is_error():
+            self.finish_reason = FinishReason.ERROR
+            self.error = f"the output left its grammar: {self.grammar.get_error()}"
+            return True
         if self.num_tokens >= self.max_model_len or self.num_output_tokens >= self.max_tokens:
             self.finish_reason = FinishReason.LENGTH
+            return True
+        if self.grammar is not None and self.grammar.is_stopped():
+            self.finish_reason = FinishReason.STOP
             return True
         if self.num_output_tokens < self.params.min_tokens:
             return False

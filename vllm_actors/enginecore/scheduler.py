@@ -172,7 +172,7 @@ class Scheduler:
                     break
             outputs.append(EngineCoreOutput(
                 req_id, list(token_ids), request.finish_reason, request.stop_reason,
-                request.num_cached_tokens, scheduled_time=request.scheduled_time,
+                request.num_cached_tokens, request.error, scheduled_time=request.scheduled_time,
                 logprobs=output.logprobs.get(req_id),
                 prompt_logprobs=output.prompt_logprobs.get(req_id)))
             request.scheduled_time = None

@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 
 from vllm_actors.errors import ValidationError
+from vllm_actors.grammar import check_grammar
 from vllm_actors.loaders.chat_template import read_chat_template
 from vllm_actors.loaders.tokenizer import Tokenizer
 from vllm_actors.protocol.engine import EngineCoreRequest, EngineReady
@@ -66,8 +67,8 @@ class InputProcessor:
         return text, request
 
     def _check_params(self, params: SamplingParams) -> SamplingParams:
-        """Token ids within the vocabulary, logprobs within --max-logprobs, bad words
-        tokenized (as written and with a leading space, as vLLM does)."""
+        """Token ids within the vocabulary, logprobs within --max-logprobs, a grammar
+        llguidance accepts, bad words tokenized (as written and with a leading space, as vLLM does)."""
         if params.max_token_id() >= self.vocab_size:
             raise ValidationError(f"token id {params.max_token_id()} (in stop_token_ids, "
                                   "logit_bias or allowed_token_ids) is out of range for a "
@@ -77,6 +78,8 @@ class InputProcessor:
             if value is not None and value > self.max_logprobs:
                 raise ValidationError(f"{name}={value} is more than the server allows "
                                       f"(--max-logprobs {self.max_logprobs})", name)
+        if params.structured_outputs is not None:
+            check_grammar(params.structured_outputs)
         if params.bad_words and not params.bad_words_token_ids:
             words = []
             for word in params.bad_words:

@@ -73,6 +73,7 @@ class RequestState:
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     sent_logprobs: int = 0
+    stop_token_ids: frozenset[int] = frozenset()   # EOS (unless ignored) and stop_token_ids
 
     def record_timing(self, out: EngineCoreOutput, metrics: FrontendMetrics) -> None:
         now = time.time()
@@ -131,7 +132,9 @@ class OutputProcessor:
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
         state = RequestState(parent, index, detok, request.arrival_time,
                              len(request.prompt_token_ids), num_logprobs=params.logprobs,
-                             num_prompt_logprobs=params.prompt_logprobs or 0)
+                             num_prompt_logprobs=params.prompt_logprobs or 0,
+                             stop_token_ids=frozenset(request.eos_token_ids)
+                             | frozenset(params.stop_token_ids))
         self.states[request.request_id] = state
         self.children.setdefault(parent.request_id, []).append(request.request_id)
 
@@ -158,8 +161,10 @@ class OutputProcessor:
             state.record_timing(out, self.metrics)
             state.record_logprobs(out, self.logprobs_builder)
             state.token_ids.extend(out.new_token_ids)
-            stop_str = state.detokenizer.update(out.new_token_ids, reason is not None,
-                                                reason == FinishReason.STOP)
+            # a STOP on a token other than EOS / stop ids ended a complete grammar: keep it
+            by_token = reason == FinishReason.STOP and bool(out.new_token_ids) and \
+                out.new_token_ids[-1] in state.stop_token_ids
+            stop_str = state.detokenizer.update(out.new_token_ids, reason is not None, by_token)
             if stop_str is not None:
                 if reason is None:
                     to_abort.append(out.request_id)

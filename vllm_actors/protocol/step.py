@@ -46,12 +46,17 @@ class StepInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
             worker lays them out (running requests first, then newly admitted ones).
         finished_req_ids: requests to forget (finished, aborted or preempted) before the step;
             a preempted request comes back later as a NewRequestData with all its tokens.
+        grammar_req_ids / grammar_bitmask: structured-output requests that sample this step
+            and their allowed tokens, int32 [len(grammar_req_ids), ceil(vocab / 32)] as bytes
+            (bit t % 32 of word t // 32 set = token t allowed).
     """
 
     new_requests: list[NewRequestData] = []
     cached_requests: CachedRequestData = msgspec.field(default_factory=CachedRequestData)
     num_scheduled_tokens: dict[str, int] = {}
     finished_req_ids: list[str] = []
+    grammar_req_ids: list[str] = []
+    grammar_bitmask: bytes = b""
 
     @property
     def total_num_scheduled_tokens(self) -> int:

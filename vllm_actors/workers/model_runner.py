@@ -23,7 +23,8 @@ from vllm_actors.protocol.engine import EngineReady, TokenLogprobs
 from vllm_actors.protocol.step import StepInput, StepOutput
 from vllm_actors.workers.input_batch import InputBatch
 from vllm_actors.workers.kv_cache import num_kv_blocks
-from vllm_actors.workers.sampler import Sampler, log_softmax, top_logprobs
+from vllm_actors.workers.sampler import (Sampler, apply_token_bitmask, log_softmax,
+                                        top_logprobs)
 
 logger = logging.getLogger(__name__)
 
@@ -116,14 +117,15 @@ class ModelRunner:
                 _token_logprobs(ids[mine], lps[mine], ranks[mine]))
 
     def _sample(self, hidden: object, meta: AttentionMetadata, rows: np.ndarray,
-                req_ids: list[str], out: StepOutput) -> None:
+                req_ids: list[str], step: StepInput, out: StepOutput) -> None:
         batch = self.batch
         done = np.flatnonzero(batch.num_computed_tokens[rows] >= batch.num_tokens[rows])
         if not len(done):
             return
         last = meta.query_start_loc[1:][done] - 1
         tokens = lp = None
-        if self.device_greedy and batch.sampling.plain_greedy(rows[done]):
+        if self.device_greedy and not step.grammar_req_ids and \
+                batch.sampling.plain_greedy(rows[done]):
             # only the sampled ids come back from the device (-1: non-finite logits)
             tokens = self.backend.argmax(self.model.compute_logits(hidden, last, on_device=True))
             finite = tokens >= 0
@@ -131,9 +133,12 @@ class ModelRunner:
         else:
             logits = self.model.compute_logits(hidden, last)
             finite = np.isfinite(logits).all(axis=1)
+            if step.grammar_req_ids:
+                finite &= self._apply_grammar(logits, done, req_ids, step, out)
             logits = logits[finite]
         for i in done[~finite].tolist():
-            out.failed[req_ids[i]] = "the model produced non-finite logits for this request"
+            out.failed.setdefault(req_ids[i],
+                                  "the model produced non-finite logits for this request")
         done = done[finite]
         if not len(done):
             return
@@ -155,6 +160,22 @@ class ModelRunner:
                     [t for p in pieces for t in p.token_ids],
                     [v for p in pieces for v in p.logprobs], [r for p in pieces for r in p.ranks])
 
+    def _apply_grammar(self, logits: np.ndarray, done: np.ndarray, req_ids: list[str],
+                       step: StepInput, out: StepOutput) -> np.ndarray:
+        """Mask the structured-output rows of logits [len(done), V] with the step's bitmask.
+        Returns a boolean [len(done)]: False for rows whose grammar allows no token (they
+        are reported failed)."""
+        position = {req_id: i for i, req_id in enumerate(req_ids)}
+        scheduled = np.array([position[r] for r in step.grammar_req_ids], np.int64)
+        masked = np.searchsorted(done, scheduled)
+        assert (done[masked] == scheduled).all(), "grammar rows must sample this step"
+        bitmask = np.frombuffer(step.grammar_bitmask, np.int32).reshape(len(scheduled), -1)
+        ok = np.ones(len(done), bool)
+        for j in apply_token_bitmask(logits, masked, bitmask).tolist():
+            ok[masked[j]] = False
+            out.failed[step.grammar_req_ids[j]] = "the request's grammar allows no next token"
+        return ok
+
     def execute(self, step: StepInput) -> StepOutput:
         self._apply_diffs(step)
         if not step.num_scheduled_tokens:
@@ -167,5 +188,5 @@ class ModelRunner:
         self._collect_prompt_logprobs(hidden, positions, token_rows)
         self.batch.num_computed_tokens[rows] += counts
         out = StepOutput(req_ids, [[] for _ in req_ids])
-        self._sample(hidden, meta, rows, req_ids, out)
+        self._sample(hidden, meta, rows, req_ids, step, out)
         return out

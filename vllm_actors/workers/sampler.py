@@ -63,6 +63,19 @@ def output_counts(token_ids: np.ndarray, starts: np.ndarray, ends: np.ndarray,
     return np.bincount(flat, minlength=len(starts) * vocab).reshape(len(starts), vocab)
 
 
+def apply_token_bitmask(logits: np.ndarray, rows: np.ndarray, bitmask: np.ndarray) -> np.ndarray:
+    """Set logits[rows[i], t] = -inf where bit t of bitmask[i] is clear (int32 words, bit
+    t % 32 of word t // 32; see StepInput.grammar_bitmask). Returns the indices into rows
+    whose mask allows no token at all."""
+    vocab = logits.shape[1]
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab, bitorder="little")
+    allowed = bits.view(bool)
+    sub = logits[rows]
+    np.putmask(sub, ~allowed, -np.inf)
+    logits[rows] = sub
+    return np.flatnonzero(~allowed.any(axis=1))
+
+
 class Sampler:
     def __init__(self, seed: int) -> None:
         self.shared_generator = np.random.default_rng(seed)

@@ -1,0 +1,105 @@
+"""Structured outputs in the engine core: grammars compiled off the busy loop, one token
+bitmask per step for the requests that sample, matchers advanced by the sampled tokens.
+
+A request with `structured_outputs` waits here, outside the scheduler, until its grammar is
+compiled (llguidance, on a worker thread that releases the GIL); it then joins the waiting
+queue with its matcher attached (`Request.grammar`). A grammar that fails to compile finishes
+its request with an error. Each step, `bitmask()` writes one row of allowed-token bits per
+sampling request (bit t of word t // 32 set = token t allowed) and the worker masks the
+logits with it; `Request.append_output_token` advances the matcher and `check_stop` ends the
+request when the grammar is complete. Matchers can be rolled back (llguidance keeps the
+history), which speculative decoding will need.
+
+The tokenizer (needed to map grammar bytes to token ids) is loaded on the first structured
+request, on the same worker thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+
+import llguidance
+import numpy as np
+
+from vllm_actors.enginecore.request import Request
+from vllm_actors.errors import ValidationError
+from vllm_actors.grammar import check_grammar
+from vllm_actors.loaders.model_files import resolve_model
+from vllm_actors.loaders.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class StructuredOutputManager:
+    """Args:
+        model: the model path (None: the default model), for its tokenizer.
+        vocab_size: the model's vocabulary (logits width); bitmask rows cover it.
+    """
+
+    def __init__(self, model: str | None, vocab_size: int) -> None:
+        self.model = model
+        self.vocab_size = vocab_size
+        self.num_words = (vocab_size + 31) // 32
+        self.pool = cf.ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self.tokenizer: llguidance.LLTokenizer | None = None
+        self.pending: dict[str, tuple[Request, cf.Future]] = {}
+        self.executor: llguidance.LLExecutor | None = None
+
+    def submit(self, request: Request) -> None:
+        """Start compiling the request's grammar; it is held until `take_ready`."""
+        params = request.params.structured_outputs
+        assert params is not None
+        self.pending[request.request_id] = (request, self.pool.submit(self._compile, params))
+
+    def _compile(self, params) -> llguidance.LLMatcher:
+        if self.tokenizer is None:
+            tok = load_tokenizer(resolve_model(self.model))
+            self.tokenizer = llguidance.LLTokenizer(
+                tok.backend.to_str(), n_vocab=max(self.vocab_size, tok.vocab_size),
+                eos_token=list(tok.eos_token_ids) or None)
+        matcher = llguidance.LLMatcher(self.tokenizer, check_grammar(params), log_level=0)
+        if matcher.is_error():
+            raise ValidationError(f"invalid {params.kinds()[0]}: {matcher.get_error()}",
+                                  "structured_outputs")
+        return matcher
+
+    def has_pending(self) -> bool:
+        return bool(self.pending)
+
+    def wait(self, timeout: float) -> None:
+        """Block until a pending grammar is compiled, at most `timeout` seconds."""
+        cf.wait([f for _, f in self.pending.values()], timeout, cf.FIRST_COMPLETED)
+
+    def take_ready(self) -> tuple[list[Request], list[tuple[Request, str]]]:
+        """(requests whose matcher is ready, (request, error) for failed grammars)."""
+        ready, failed = [], []
+        for req_id, (request, future) in list(self.pending.items()):
+            if not future.done():
+                continue
+            del self.pending[req_id]
+            try:
+                request.grammar = future.result()
+                ready.append(request)
+            except Exception as e:   # any compile failure is this request's alone
+                failed.append((request, str(e) if isinstance(e, ValidationError)
+                               else f"the grammar could not be compiled: {e}"))
+        return ready, failed
+
+    def abort(self, request_ids: list[str]) -> list[str]:
+        """Forget pending requests; returns the ids that were pending."""
+        found = [r for r in request_ids if r in self.pending]
+        for req_id in found:
+            self.pending.pop(req_id)[1].cancel()
+        return found
+
+    def bitmask(self, requests: list[Request]) -> bytes:
+        """Allowed-token bits [len(requests), num_words] int32 for requests about to sample,
+        as bytes (the worker reads them with np.frombuffer)."""
+        mask = np.full((len(requests), self.num_words), -1, np.int32)
+        if self.executor is None:
+            self.executor = llguidance.LLExecutor(num_threads=2)
+        matchers = [(r.grammar, i) for i, r in enumerate(requests)]
+        self.executor.unsafe_compute_mask_ptr(matchers, mask.ctypes.data, self.num_words * 4,
+                                              len(requests))
+        return mask.tobytes()
