@@ -58,7 +58,8 @@ def _serve(args: argparse.Namespace) -> int:
         allowed_origins=tuple(origins), disable_log_requests=args.disable_log_requests,
         uvicorn_log_level=args.uvicorn_log_level,
         enable_force_include_usage=args.enable_force_include_usage,
-        drain_timeout=args.drain_timeout)
+        drain_timeout=args.drain_timeout, enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.create_engine_config()   # refuse bad flags before loading anything
     run_server(vars(engine_args), config)

@@ -64,9 +64,16 @@ class DeviceConfig:
     opencl_device: int = 0
 
 
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_coder")
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
-    """The OpenAI-compatible server's own settings (vLLM's `serve` flag names)."""
+    """The OpenAI-compatible server's own settings (vLLM's `serve` flag names).
+
+    enable_auto_tool_choice needs tool_call_parser: `tool_choice: "auto"` lets the model
+    decide and the parser finds its calls in the text."""
 
     host: str = "0.0.0.0"
     port: int = 8000
@@ -76,6 +83,20 @@ class ServerConfig:
     uvicorn_log_level: str = "info"
     enable_force_include_usage: bool = False
     drain_timeout: float = 30.0
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValidationError("--enable-auto-tool-choice needs --tool-call-parser (one of "
+                                  f"{', '.join(TOOL_CALL_PARSERS)})", "tool_call_parser")
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ValidationError(f"--tool-call-parser {self.tool_call_parser!r} is not one of "
+                                  f"{', '.join(TOOL_CALL_PARSERS)}", "tool_call_parser")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValidationError(f"--reasoning-parser {self.reasoning_parser!r} is not one of "
+                                  f"{', '.join(REASONING_PARSERS)}", "reasoning_parser")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -93,6 +114,14 @@ class ServerConfig:
                             help="send usage in every streamed response, asked for or not")
         parser.add_argument("--drain-timeout", type=float, default=30.0,
                             help="on SIGTERM, seconds running requests may take to finish")
+        parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                            help='allow tool_choice "auto" (needs --tool-call-parser)')
+        parser.add_argument("--tool-call-parser", default=None,
+                            help="how tool calls are found in the output: "
+                                 + ", ".join(TOOL_CALL_PARSERS))
+        parser.add_argument("--reasoning-parser", default=None,
+                            help="split <think> reasoning into reasoning_content: "
+                                 + ", ".join(REASONING_PARSERS))
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ from typing import Any
 import msgspec
 
 from vllm_actors.errors import ValidationError
-from vllm_actors.sampling_params import RequestOutputKind, SamplingParams
+from vllm_actors.sampling_params import (RequestOutputKind, SamplingParams,
+                                         StructuredOutputsParams)
 
 
 class APIError(Exception):
@@ -65,6 +66,12 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     priority: int = 0
     cache_salt: str | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
@@ -84,8 +91,8 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
 
 class CompletionRequest(_GenerationRequest, kw_only=True):
@@ -120,14 +127,60 @@ _NOT_YET = "is not supported yet"
 
 def refuse_unsupported(req: _GenerationRequest) -> None:
     """Fields whose non-neutral values the engine cannot honour yet: 400 naming the field."""
-    if isinstance(req, ChatCompletionRequest):
-        checks = [("tools", bool(req.tools) and req.tool_choice != "none"),
-                  ("response_format", req.response_format not in (None, {"type": "text"}))]
-    else:
-        checks = [("suffix", bool(req.suffix))]
-    for field, refused in checks:
-        if refused:
-            raise APIError(400, f"{field} {_NOT_YET} by this server", field)
+    if isinstance(req, CompletionRequest) and req.suffix:
+        raise APIError(400, f"suffix {_NOT_YET} by this server", "suffix")
+
+
+def structured_outputs_of(req: _GenerationRequest) -> StructuredOutputsParams | None:
+    """The request's output constraint, from `response_format`, vLLM's `structured_outputs`
+    or the older `guided_*` fields. Raises APIError 400 for a malformed one or for more than
+    one constraint."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    fmt = req.response_format
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise APIError(400, "response_format json_schema needs a json_schema object "
+                                    "with a `schema` object", "response_format")
+            found.append(("response_format", {"json": spec["schema"]}))
+        elif kind != "text":
+            raise APIError(400, "response_format.type must be text, json_object or "
+                                f"json_schema, got {kind!r}", "response_format")
+    if req.structured_outputs:
+        found.append(("structured_outputs", req.structured_outputs))
+    for name in ("json", "regex", "choice", "grammar"):
+        value = getattr(req, "guided_" + name)
+        if value is not None:
+            found.append(("guided_" + name, {name: value}))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise APIError(400, "only one output constraint may be given; got "
+                            f"{', '.join(name for name, _ in found)}", found[1][0])
+    name, fields = found[0]
+    try:
+        return msgspec.convert(fields, StructuredOutputsParams)
+    except msgspec.ValidationError as e:
+        raise APIError(400, f"invalid {name}: {e}", name) from None
+    except ValidationError as e:
+        raise APIError(400, f"invalid {name}: {e}", name) from None
+
+
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An earlier assistant tool call as chat templates expect it: arguments as a dict (the
+    API carries them as JSON text), as transformers' and vLLM's renderers pass them."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = msgspec.json.decode(function["arguments"])
+    except msgspec.DecodeError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -147,9 +200,11 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
                 texts.append(part["text"])
             content = "\n".join(texts)
         message: dict[str, Any] = {"role": m.role, "content": content or ""}
-        for key in ("name", "tool_calls", "tool_call_id"):
+        for key in ("name", "tool_call_id"):
             if getattr(m, key) is not None:
                 message[key] = getattr(m, key)
+        if m.tool_calls is not None:
+            message["tool_calls"] = [_template_tool_call(c) for c in m.tool_calls]
         out.append(message)
     if not out:
         raise APIError(400, "messages must not be empty", "messages")
@@ -197,7 +252,8 @@ _DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def sampling_params(req: _GenerationRequest, max_tokens: int, defaults: dict[str, Any],
-                    stream: bool) -> SamplingParams:
+                    stream: bool, structured: StructuredOutputsParams | None = None
+                    ) -> SamplingParams:
     """The request's SamplingParams; fields it omits come from the generation-config
     defaults. Raises APIError 400 naming the field for an invalid value."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -224,6 +280,7 @@ def sampling_params(req: _GenerationRequest, max_tokens: int, defaults: dict[str
             frequency_penalty=req.frequency_penalty or 0.0, logit_bias=bias or None,
             allowed_token_ids=req.allowed_token_ids, bad_words=list(req.bad_words or []),
             logprobs=logprobs, prompt_logprobs=req.prompt_logprobs,
+            structured_outputs=structured,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
             **chosen)
     except ValidationError as e:

@@ -16,7 +16,7 @@ from vllm_actors.frontend.openai_schema import (APIError, CompletionRequest,
                                                 completion_logprobs, completion_prompts,
                                                 decode_request, max_tokens_for,
                                                 prompt_logprobs_json, refuse_unsupported,
-                                                sampling_params)
+                                                sampling_params, structured_outputs_of)
 from vllm_actors.frontend.serving import (ServerState, SubRequest, generate_final, new_request_id,
                                           now, raise_if_failed, stream_error, stream_outputs,
                                           usage)
@@ -30,6 +30,7 @@ def _prepare(state: ServerState, req: CompletionRequest, request_id: str
     """Sub-requests, their prompt lengths and their prompt texts (for echo)."""
     state.check_model(req.model)
     refuse_unsupported(req)
+    structured = structured_outputs_of(req)
     subs, lengths, texts = [], [], []
     tokenizer, max_len = state.engine.tokenizer, state.engine.ready.max_model_len
     for i, prompt in enumerate(completion_prompts(req.prompt)):
@@ -40,7 +41,8 @@ def _prepare(state: ServerState, req: CompletionRequest, request_id: str
             raise APIError(400, str(e), "prompt") from None
         limit = max_tokens_for(req.max_tokens if req.max_tokens is not None else 16, len(ids),
                                max_len)
-        params = sampling_params(req, limit, state.engine.generation_defaults, req.stream)
+        params = sampling_params(req, limit, state.engine.generation_defaults, req.stream,
+                                 structured)
         sub = SubRequest(f"{request_id}-{i}", {"prompt": text, "prompt_token_ids": ids}, params)
         state.validate(sub, prompt_param="prompt")
         subs.append(sub)

@@ -1,0 +1,198 @@
+"""Tools and reasoning on /v1/chat/completions: what `tools` + `tool_choice` ask of the
+engine, and how a choice's text becomes OpenAI's message (content, reasoning_content,
+tool_calls), whole or as stream deltas.
+
+- tool_choice "none": tools are only shown to the chat template.
+- "auto" (the default when tools are given; needs --enable-auto-tool-choice and
+  --tool-call-parser, as in vLLM): the model writes freely; the parser finds its calls.
+- "required": a grammar makes the output a JSON array of {"name", "parameters"} calls.
+- a named function: a grammar makes the output that function's arguments.
+
+Grammars (required and named choices, response_format, structured outputs) are enforced
+from the first token, so under one the reasoning parser only splits off a `<think>` the
+output itself opens. Streaming sends content as it is settled, and each tool call once its arguments
+are complete (a named function's arguments stream as they are generated).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_actors.config import ServerConfig
+from vllm_actors.frontend.openai_schema import APIError, ChatCompletionRequest
+from vllm_actors.frontend.reasoning import ReasoningParser, get_reasoning_parser
+from vllm_actors.frontend.tool_parsers import PARSERS, ToolCall, ToolParser, json_values
+from vllm_actors.sampling_params import StructuredOutputsParams
+
+
+@dataclass
+class ToolPlan:
+    """choice: none | auto | required | named (then `name`)."""
+
+    choice: str = "none"
+    name: str | None = None
+    parser: ToolParser | None = None
+    structured: StructuredOutputsParams | None = None
+
+
+def _check_tools(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """{name: parameters schema}; 400 naming `tools` for a malformed entry."""
+    out = {}
+    for i, tool in enumerate(tools):
+        function = tool.get("function")
+        if tool.get("type") != "function" or not isinstance(function, dict) or \
+                not isinstance(function.get("name"), str) or not function["name"]:
+            raise APIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
+                                "{\"name\": ..., \"parameters\": {...}}}", "tools")
+        params = function.get("parameters", {"type": "object"})
+        if not isinstance(params, dict):
+            raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object",
+                           "tools")
+        out[function["name"]] = params or {"type": "object"}
+    return out
+
+
+def plan_tools(req: ChatCompletionRequest, config: ServerConfig) -> ToolPlan:
+    """What the request's tools and tool_choice need. Raises APIError 400 for a malformed
+    tool, an unknown function name, or "auto" on a server without a tool-call parser."""
+    tools = req.tools or []
+    choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
+    schemas = _check_tools(tools)
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name")
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise APIError(400, 'tool_choice must be "none", "auto", "required" or {"type": '
+                                '"function", "function": {"name": ...}}', "tool_choice")
+        if name not in schemas:
+            raise APIError(400, f"tool_choice names function {name!r}, which is not in tools",
+                           "tool_choice")
+        return ToolPlan("named", name, structured=StructuredOutputsParams(json=schemas[name]))
+    if choice not in ("none", "auto", "required"):
+        raise APIError(400, f'tool_choice must be "none", "auto", "required" or a named '
+                            f"function, got {choice!r}", "tool_choice")
+    if choice != "none" and not tools:
+        raise APIError(400, f'tool_choice "{choice}" needs tools', "tool_choice")
+    if choice == "required":
+        calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
+            {"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
+                                              "parameters": schema},
+             "required": ["name", "parameters"]} for name, schema in schemas.items()]}}
+        if not req.parallel_tool_calls:
+            calls["maxItems"] = 1
+        return ToolPlan("required", structured=StructuredOutputsParams(json=calls))
+    if choice == "auto":
+        if not (config.enable_auto_tool_choice and config.tool_call_parser):
+            raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and '
+                                "--tool-call-parser to be set", "tool_choice")
+        return ToolPlan("auto", parser=PARSERS[config.tool_call_parser](tools))
+    return ToolPlan("none")
+
+
+def _call_json(call: ToolCall, index: int, call_id: str) -> dict[str, Any]:
+    return {"index": index, "id": call_id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
+
+
+@dataclass
+class ChoiceParser:
+    """One choice's text -> message fields; `update` gives stream deltas, `message` the
+    whole message. Both run the same parse, so the deltas add up to the message."""
+
+    plan: ToolPlan
+    reasoning: ReasoningParser | None
+    text: str = ""
+    sent_reasoning: int = 0
+    sent_content: int = 0
+    sent_args: int = 0
+    call_ids: list[str] = field(default_factory=list)
+
+    def _parse(self, final: bool) -> tuple[str | None, str, list[ToolCall]]:
+        """(reasoning, settled content, complete calls) of the text so far."""
+        plan = self.plan
+        if plan.choice == "named":
+            return None, "", [ToolCall(plan.name or "", self.text)]
+        if plan.choice == "required":
+            values, _ = json_values(self.text, self.text.find("[") + 1, ",]")
+            calls = [ToolCall(v["name"], json.dumps(v["parameters"], ensure_ascii=False))
+                     for v in values if isinstance(v, dict) and "name" in v]
+            if final and not calls:
+                return None, self.text, []   # cut short before a complete call
+            return None, "", calls
+        reasoning, content = self.reasoning.split(self.text, final) if self.reasoning \
+            else (None, self.text)
+        parser = plan.parser
+        if parser is None:
+            return reasoning, content, []
+        start = parser.find_start(content)
+        if start < 0:
+            held = 0 if final else parser.partial_start(content)
+            return reasoning, content[:len(content) - held], []
+        calls = parser.calls(content[start:], final)
+        if calls is None or (final and not calls):
+            return reasoning, content, []
+        return reasoning, content[:start], calls
+
+    def _ids(self, n: int) -> list[str]:
+        while len(self.call_ids) < n:
+            self.call_ids.append(f"chatcmpl-tool-{uuid.uuid4().hex}")
+        return self.call_ids
+
+    def message(self, text: str) -> tuple[dict[str, Any], bool]:
+        """(the complete message, whether the finish reason becomes "tool_calls": calls
+        the model chose to make; a named function's call keeps "stop", as OpenAI's does)."""
+        self.text = text
+        reasoning, content, calls = self._parse(final=True)
+        ids = self._ids(len(calls))
+        msg: dict[str, Any] = {"role": "assistant", "content": content or None,
+                               "tool_calls": [{k: v for k, v in _call_json(c, i, ids[i]).items()
+                                               if k != "index"} for i, c in enumerate(calls)]}
+        if reasoning is not None:
+            msg["reasoning_content"] = reasoning
+        if not calls and msg["content"] is None:
+            msg["content"] = ""
+        return msg, bool(calls) and self.plan.choice != "named"
+
+    def update(self, new_text: str, final: bool) -> tuple[dict[str, Any], bool]:
+        """(the delta for new_text, whether tool calls were made so far)."""
+        self.text += new_text
+        reasoning, content, calls = self._parse(final)
+        delta: dict[str, Any] = {}
+        if reasoning is not None and len(reasoning) > self.sent_reasoning:
+            delta["reasoning_content"] = reasoning[self.sent_reasoning:]
+            self.sent_reasoning = len(reasoning)
+        if len(content) > self.sent_content:
+            delta["content"] = content[self.sent_content:]
+            self.sent_content = len(content)
+        if self.plan.choice == "named":
+            pieces = self._named_delta()
+        else:
+            ids = self._ids(len(calls))
+            pieces = [_call_json(c, i, ids[i]) for i, c in enumerate(calls)
+                      if i >= self.sent_args]
+            self.sent_args = max(self.sent_args, len(calls))
+        if pieces:
+            delta["tool_calls"] = pieces
+        return delta, bool(calls) and self.plan.choice != "named"
+
+    def _named_delta(self) -> list[dict[str, Any]]:
+        """A named function's arguments stream as generated; the first piece names it."""
+        if len(self.text) <= self.sent_args and self.call_ids:
+            return []
+        piece: dict[str, Any] = {"index": 0, "function": {"arguments":
+                                                          self.text[self.sent_args:]}}
+        if not self.call_ids:
+            piece.update(id=self._ids(1)[0], type="function")
+            piece["function"] = {"name": self.plan.name, **piece["function"]}
+        self.sent_args = len(self.text)
+        return [piece]
+
+
+def choice_parser(plan: ToolPlan, config: ServerConfig, constrained: bool) -> ChoiceParser:
+    """`constrained`: a grammar shapes the output from its first token, so reasoning is
+    split off only where the output itself opens with `<think>` (a regex or grammar that
+    spells the reasoning out); no template-opened reasoning is assumed."""
+    reasoning = get_reasoning_parser(config.reasoning_parser, explicit_only=constrained)
+    return ChoiceParser(plan, reasoning)
