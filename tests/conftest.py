@@ -80,9 +80,13 @@ def mixed_prompts(smollm2_tokenizer):
 
 @pytest.fixture(scope="session")
 def server(smollm2_path):
-    """A real `vllm-actors serve` on the default model, with an API key."""
+    """A real `vllm-actors serve` on the default model, with an API key, auto tool choice
+    (hermes) and the qwen3 reasoning parser (which splits only outputs that open <think>,
+    so it leaves SmolLM2's ordinary answers alone)."""
     from server_process import API_KEY, ServerProcess
-    proc = ServerProcess(str(smollm2_path), "--api-key", API_KEY, "--served-model-name", "smol")
+    proc = ServerProcess(str(smollm2_path), "--api-key", API_KEY, "--served-model-name", "smol",
+                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                         "--reasoning-parser", "qwen3")
     yield proc
     assert proc.stop() == 0, proc.log()
 
