@@ -1,0 +1,163 @@
+"""Tool-call parsers, reasoning parsers and the chat message/stream shaping, on scripted
+outputs: every parser finds its format, leaves other text as content, and streamed pieces
+(in any chunking) add up to the whole message."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import msgspec
+import pytest
+
+from vllm_actors.config import ServerConfig
+from vllm_actors.frontend.chat_tools import ToolPlan, choice_parser, plan_tools
+from vllm_actors.frontend.openai_schema import APIError, ChatCompletionRequest, chat_messages
+from vllm_actors.frontend.reasoning import get_reasoning_parser
+from vllm_actors.frontend.tool_parsers import PARSERS
+from vllm_actors.loaders.chat_template import render_chat_template
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+
+SCRIPTED = {
+    "hermes": ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+               '"Paris", "days": 2}}\n</tool_call>\n<tool_call>{"name": "get_weather", '
+               '"arguments": {"city": "Rome"}}</tool_call>', "Let me check.\n"),
+    "llama3_json": ('{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}; '
+                    '{"name": "get_weather", "parameters": {"city": "Rome"}}', None),
+    "mistral": ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", '
+                '"days": 2}}, {"name": "get_weather", "arguments": {"city": "Rome"}}]', None),
+    "qwen3_coder": ("Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+                    "</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"
+                    "\n<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n"
+                    "</parameter>\n</function>\n</tool_call>", "Sure.\n"),
+}
+EXPECTED = [("get_weather", {"city": "Paris", "days": 2}), ("get_weather", {"city": "Rome"})]
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTED))
+def test_parsers_find_calls(name):
+    text, content = SCRIPTED[name]
+    found_content, calls = PARSERS[name](TOOLS).extract(text)
+    assert found_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == EXPECTED
+
+
+def test_mistral_newer_format():
+    _, calls = PARSERS["mistral"](TOOLS).extract('[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}')
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather",
+                                                                    {"city": "Oslo"})]
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTED))
+@pytest.mark.parametrize("text", ["Just an answer.", "<tool_call>{not json}</tool_call>",
+                                  '{"no_name": 1}'])
+def test_parsers_leave_other_text_as_content(name, text):
+    assert PARSERS[name](TOOLS).extract(text) == (text, [])
+
+
+def _stream(parser, text, rng):
+    """Feed text in random pieces; collect the deltas as a message would hold them."""
+    got = {"content": "", "reasoning_content": "", "calls": {}}
+    called = False
+    pos = 0
+    while pos < len(text):
+        step = rng.randint(1, 6)
+        piece, pos = text[pos:pos + step], pos + step
+        delta, now_called = parser.update(piece, pos >= len(text))
+        called |= now_called
+        got["content"] += delta.get("content", "")
+        got["reasoning_content"] += delta.get("reasoning_content", "")
+        for call in delta.get("tool_calls", []):
+            entry = got["calls"].setdefault(call["index"], {"name": "", "arguments": ""})
+            entry["name"] += call["function"].get("name", "")
+            entry["arguments"] += call["function"]["arguments"]
+    return got, called
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTED))
+@pytest.mark.parametrize("seed", range(5))
+def test_streamed_pieces_add_up_to_the_message(name, seed):
+    config = ServerConfig(enable_auto_tool_choice=True, tool_call_parser=name,
+                          reasoning_parser="qwen3")
+    text = "<think>first, the tools</think>" + SCRIPTED[name][0]
+    plan = ToolPlan("auto", parser=PARSERS[name](TOOLS))
+    message, called = choice_parser(plan, config, False).message(text)
+    got, streamed_called = _stream(choice_parser(plan, config, False), text, random.Random(seed))
+    assert called and streamed_called
+    assert message["reasoning_content"] == got["reasoning_content"] == "first, the tools"
+    assert (message["content"] or "") == got["content"]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] \
+        == [(c["name"], c["arguments"]) for c in got["calls"].values()]
+
+
+@pytest.mark.parametrize("name, text, expected", [
+    ("deepseek_r1", "<think>abc</think>answer", ("abc", "answer")),
+    ("deepseek_r1", "abc</think>answer", ("abc", "answer")),   # <think> opened by the template
+    ("deepseek_r1", "still thinking", ("still thinking", "")),
+    ("qwen3", "<think>abc</think>answer", ("abc", "answer")),
+    ("qwen3", "no thinking", (None, "no thinking")),
+    ("qwen3", "<think>cut short", ("cut short", "")),
+])
+def test_reasoning_split(name, text, expected):
+    assert get_reasoning_parser(name).split(text) == expected
+
+
+def test_reasoning_holds_back_partial_markers():
+    parser = get_reasoning_parser("qwen3")
+    assert parser.split("<thi", final=False) == (None, "")
+    assert parser.split("<think>abc</thi", final=False) == ("abc", "")
+    assert parser.split("<think>abc</thi", final=True) == ("abc</thi", "")
+
+
+def _request(**kw):
+    return ChatCompletionRequest(messages=[], **kw)
+
+
+@pytest.mark.parametrize("kw, config, param, pattern", [
+    ({"tools": TOOLS}, ServerConfig(), "tool_choice", "requires --enable-auto-tool-choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     ServerConfig(), "tool_choice", "not in tools"),
+    ({"tool_choice": "required"}, ServerConfig(), "tool_choice", "needs tools"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, ServerConfig(), "tool_choice", "must be"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}],
+      "tool_choice": "none"}, ServerConfig(), "tools", "parameters must be"),
+])
+def test_plan_tools_refusals(kw, config, param, pattern):
+    with pytest.raises(APIError, match=pattern) as info:
+        plan_tools(_request(**kw), config)
+    assert info.value.status == 400 and info.value.param == param
+
+
+def test_required_plan_schema_lists_every_tool():
+    plan = plan_tools(_request(tools=TOOLS, tool_choice="required", parallel_tool_calls=False),
+                      ServerConfig())
+    schema = plan.structured.json
+    assert schema["minItems"] == 1 and schema["maxItems"] == 1
+    [option] = schema["items"]["anyOf"]
+    assert option["properties"]["name"] == {"type": "string", "enum": ["get_weather"]}
+
+
+def test_server_config_refuses_unknown_parsers():
+    with pytest.raises(ValueError, match="needs --tool-call-parser"):
+        ServerConfig(enable_auto_tool_choice=True)
+    with pytest.raises(ValueError, match="is not one of"):
+        ServerConfig(tool_call_parser="nope")
+    with pytest.raises(ValueError, match="is not one of"):
+        ServerConfig(reasoning_parser="nope")
+
+
+def test_tool_history_reaches_the_template_with_dict_arguments():
+    request = msgspec.convert({"messages": [
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]}, ChatCompletionRequest)
+    template = ("{% for m in messages %}{% if m.tool_calls %}{% for c in m.tool_calls %}"
+                "CALL {{ c.function.name }}({{ c.function.arguments.city }})\n{% endfor %}"
+                "{% else %}{{ m.role }}[{{ m.tool_call_id }}]: {{ m.content }}\n{% endif %}"
+                "{% endfor %}{% for t in tools %}TOOL {{ t.function.name }}{% endfor %}")
+    text = render_chat_template(template, chat_messages(request), add_generation_prompt=False,
+                                tools=TOOLS)
+    assert text == "CALL get_weather(Paris)\ntool[c1]: sunny\nTOOL get_weather"
