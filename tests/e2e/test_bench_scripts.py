@@ -52,3 +52,10 @@ def test_profile_step_counts_every_op():
     ops = {line.split("|")[1].strip() for line in done.stdout.splitlines()
            if line.startswith("| ") and not line.startswith("| op")}
     assert {"linear", "paged_attention", "rope", "lm_head", "(other)"} <= ops
+
+
+def test_structured_output_bench_reports_both_batches():
+    done = run_bench(str(BENCH / "structured_output.py"), "--runs", "1", "--steps", "2")
+    rows = [line.split("|")[1].strip() for line in done.stdout.splitlines()
+            if line.startswith("| ") and not line.startswith("| batch")]
+    assert rows == ["1", "32"]
