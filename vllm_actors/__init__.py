@@ -6,10 +6,12 @@ from vllm_actors.frontend.async_llm import AsyncLLM
 from vllm_actors.frontend.llm import LLM
 from vllm_actors.loaders.tokenizer import Tokenizer, get_tokenizer
 from vllm_actors.outputs import CompletionOutput, RequestOutput
-from vllm_actors.sampling_params import RequestOutputKind, SamplingParams
+from vllm_actors.sampling_params import (RequestOutputKind, SamplingParams,
+                                         StructuredOutputsParams)
 from vllm_actors.version import __version__
 
 
 __all__ = ["LLM", "AsyncLLM", "CompletionOutput", "EngineArgs", "EngineDeadError",
-           "RequestOutput", "RequestOutputKind", "SamplingParams", "Tokenizer",
+           "RequestOutput", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams",
+           "Tokenizer",
            "ValidationError", "get_tokenizer", "__version__"]

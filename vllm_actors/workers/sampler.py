@@ -68,12 +68,16 @@ def apply_token_bitmask(logits: np.ndarray, rows: np.ndarray, bitmask: np.ndarra
     t % 32 of word t // 32; see StepInput.grammar_bitmask). Returns the indices into rows
     whose mask allows no token at all."""
     vocab = logits.shape[1]
-    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab, bitorder="little")
-    allowed = bits.view(bool)
-    sub = logits[rows]
-    np.putmask(sub, ~allowed, -np.inf)
-    logits[rows] = sub
-    return np.flatnonzero(~allowed.any(axis=1))
+    # inverting the packed words is 8x less work than inverting the unpacked bits
+    disallowed = np.unpackbits(np.invert(bitmask.view(np.uint8)), axis=1, count=vocab,
+                               bitorder="little").view(bool)
+    if len(rows) == len(logits) and (rows == np.arange(len(rows))).all():
+        np.putmask(logits, disallowed, -np.inf)
+    else:
+        sub = logits[rows]
+        np.putmask(sub, disallowed, -np.inf)
+        logits[rows] = sub
+    return np.flatnonzero(disallowed.all(axis=1))
 
 
 class Sampler:
