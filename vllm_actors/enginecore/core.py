@@ -65,7 +65,8 @@ class EngineCore:
     def get_stats(self) -> SchedulerStats:
         """The scheduler's current state (prefix-cache counters are left for the next step)."""
         s = self.scheduler
-        return SchedulerStats(len(s.running), len(s.waiting), s.kv.usage)
+        return SchedulerStats(len(s.running), len(s.waiting) + len(self.structured.pending),
+                              s.kv.usage)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; refused (False) while requests hold KV blocks."""
@@ -80,7 +81,9 @@ class EngineCore:
         has_work = step_input.num_scheduled_tokens or step_input.finished_req_ids
         step_output = self.executor.execute(step_input) if has_work else StepOutput()
         outputs = self.scheduler.update_from_output(step_input, step_output)
-        return EngineCoreOutputs(failed + outputs, time.time(), self.scheduler.make_stats())
+        stats = self.scheduler.make_stats()
+        stats.num_waiting_reqs += len(self.structured.pending)   # waiting for their grammar
+        return EngineCoreOutputs(failed + outputs, time.time(), stats)
 
     def _admit_compiled_grammars(self) -> list[EngineCoreOutput]:
         """Requests whose grammar is ready join the scheduler; failed ones finish with an

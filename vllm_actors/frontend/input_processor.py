@@ -37,11 +37,12 @@ class InputProcessor:
                               "prompt")
 
     def chat_prompt(self, messages: list[dict[str, Any]], chat_template: str | None = None,
-                    add_generation_prompt: bool = True) -> dict[str, Any]:
+                    add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """A conversation rendered with the chat template, as {"prompt", "prompt_token_ids"}."""
         text = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=False,
-            chat_template=read_chat_template(chat_template))
+            chat_template=read_chat_template(chat_template), tools=tools)
         assert isinstance(text, str)
         return {"prompt": text,
                 "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}

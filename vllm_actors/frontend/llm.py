@@ -182,11 +182,13 @@ class LLM:
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, tools: list[dict[str, Any]] | None = None
+             ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or to a
-        list of conversations, rendered with the model's chat template."""
+        list of conversations, rendered with the model's chat template (which also sees
+        `tools`, OpenAI-style function definitions, as in vLLM's LLM.chat)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.engine.input_processor.chat_prompt(list(c), chat_template,
-                                                            add_generation_prompt)
+                                                            add_generation_prompt, tools)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

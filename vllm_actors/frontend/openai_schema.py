@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from vllm_actors.errors import ValidationError
+from vllm_actors.grammar import check_grammar
 from vllm_actors.sampling_params import (RequestOutputKind, SamplingParams,
                                          StructuredOutputsParams)
 
@@ -163,11 +164,21 @@ def structured_outputs_of(req: _GenerationRequest) -> StructuredOutputsParams | 
                             f"{', '.join(name for name, _ in found)}", found[1][0])
     name, fields = found[0]
     try:
-        return msgspec.convert(fields, StructuredOutputsParams)
+        params = msgspec.convert(fields, StructuredOutputsParams)
     except msgspec.ValidationError as e:
         raise APIError(400, f"invalid {name}: {e}", name) from None
     except ValidationError as e:
         raise APIError(400, f"invalid {name}: {e}", name) from None
+    checked_grammar(params, name)
+    return params
+
+
+def checked_grammar(params: StructuredOutputsParams, field: str) -> None:
+    """Raises APIError 400 naming `field` when llguidance cannot use the constraint."""
+    try:
+        check_grammar(params)
+    except ValidationError as e:
+        raise APIError(400, str(e), field) from None
 
 
 def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:

@@ -15,7 +15,8 @@ from vllm_actors.frontend.chat_tools import ToolPlan, choice_parser, plan_tools
 from vllm_actors.frontend.openai_schema import (APIError, ChatCompletionRequest, chat_logprobs,
                                                 chat_messages, decode_request, max_tokens_for,
                                                 prompt_logprobs_json, refuse_unsupported,
-                                                sampling_params, structured_outputs_of)
+                                                checked_grammar, sampling_params,
+                                                structured_outputs_of)
 from vllm_actors.frontend.serving import (ServerState, SubRequest, generate_final, new_request_id,
                                           now, raise_if_failed, stream_error, stream_outputs,
                                           usage)
@@ -31,6 +32,8 @@ def _prepare(state: ServerState, req: ChatCompletionRequest
     messages = chat_messages(req)
     plan = plan_tools(req, state.config)
     structured = structured_outputs_of(req)
+    if plan.structured is not None:
+        checked_grammar(plan.structured, "tools")
     if plan.structured is not None and structured is not None:
         raise APIError(400, f'tool_choice "{plan.choice}" already constrains the output; it '
                             "cannot be combined with response_format or structured_outputs",
