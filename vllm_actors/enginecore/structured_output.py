@@ -17,7 +17,6 @@ request, on the same worker thread.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import logging
 
 import llguidance
 import numpy as np
@@ -27,8 +26,7 @@ from vllm_actors.errors import ValidationError
 from vllm_actors.grammar import check_grammar
 from vllm_actors.loaders.model_files import resolve_model
 from vllm_actors.loaders.tokenizer import load_tokenizer
-
-logger = logging.getLogger(__name__)
+from vllm_actors.sampling_params import StructuredOutputsParams
 
 
 class StructuredOutputManager:
@@ -52,7 +50,7 @@ class StructuredOutputManager:
         assert params is not None
         self.pending[request.request_id] = (request, self.pool.submit(self._compile, params))
 
-    def _compile(self, params) -> llguidance.LLMatcher:
+    def _compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
         if self.tokenizer is None:
             tok = load_tokenizer(resolve_model(self.model))
             self.tokenizer = llguidance.LLTokenizer(
@@ -98,7 +96,7 @@ class StructuredOutputManager:
         as bytes (the worker reads them with np.frombuffer)."""
         mask = np.full((len(requests), self.num_words), -1, np.int32)
         if self.executor is None:
-            self.executor = llguidance.LLExecutor(num_threads=2)
+            self.executor = llguidance.LLExecutor()   # threads: 80 % of the cores, <= 32
         matchers = [(r.grammar, i) for i, r in enumerate(requests)]
         self.executor.unsafe_compute_mask_ptr(matchers, mask.ctypes.data, self.num_words * 4,
                                               len(requests))
