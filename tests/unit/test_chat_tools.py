@@ -161,3 +161,31 @@ def test_tool_history_reaches_the_template_with_dict_arguments():
     text = render_chat_template(template, chat_messages(request), add_generation_prompt=False,
                                 tools=TOOLS)
     assert text == "CALL get_weather(Paris)\ntool[c1]: sunny\nTOOL get_weather"
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral"])
+def test_json_tool_arguments_stream_as_written(name):
+    """Fed one character at a time, a call is announced once its name is known and its
+    arguments then arrive in pieces that concatenate to the final arguments."""
+    text = SCRIPTED[name][0]
+    parser = choice_parser(ToolPlan("auto", parser=PARSERS[name](TOOLS)), ServerConfig(), False)
+    pieces: dict[int, list[dict]] = {}
+    for i, ch in enumerate(text):
+        delta, _ = parser.update(ch, i == len(text) - 1)
+        for piece in delta.get("tool_calls", []):
+            pieces.setdefault(piece["index"], []).append(piece)
+    assert sorted(pieces) == [0, 1]
+    for index, got in pieces.items():
+        assert got[0]["function"]["name"] == "get_weather" and got[0]["id"]
+        assert all("name" not in p["function"] for p in got[1:])
+        assert len(got) > 5      # streamed, not sent whole
+        args = "".join(p["function"]["arguments"] for p in got)
+        assert json.loads(args) == EXPECTED[index][1]
+
+
+def test_a_call_cut_short_is_content_at_the_end():
+    text = 'Hi <tool_call>{"name": "get_weather", "arguments": {"city": "Pa'
+    parser = choice_parser(ToolPlan("auto", parser=PARSERS["hermes"](TOOLS)), ServerConfig(),
+                           False)
+    assert parser.message(text) == ({"role": "assistant", "content": text, "tool_calls": []},
+                                    False)

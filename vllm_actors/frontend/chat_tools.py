@@ -10,13 +10,14 @@ tool_calls), whole or as stream deltas.
 
 Grammars (required and named choices, response_format, structured outputs) are enforced
 from the first token, so under one the reasoning parser only splits off a `<think>` the
-output itself opens. Streaming sends content as it is settled, and each tool call once its arguments
-are complete (a named function's arguments stream as they are generated).
+output itself opens. Streaming sends content as it is settled and tool calls as they are
+written: a call's id and name as soon as its name is known, then its arguments piece by
+piece (arguments are the JSON text the model wrote; qwen3_coder's XML calls, rebuilt as
+JSON, arrive whole).
 """
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 from vllm_actors.config import ServerConfig
 from vllm_actors.frontend.openai_schema import APIError, ChatCompletionRequest
 from vllm_actors.frontend.reasoning import ReasoningParser, get_reasoning_parser
-from vllm_actors.frontend.tool_parsers import PARSERS, ToolCall, ToolParser, json_values
+from vllm_actors.frontend.tool_parsers import PARSERS, ToolCall, ToolParser, read_calls
 from vllm_actors.sampling_params import StructuredOutputsParams
 
 
@@ -106,21 +107,21 @@ class ChoiceParser:
     text: str = ""
     sent_reasoning: int = 0
     sent_content: int = 0
-    sent_args: int = 0
+    sent_args: dict[int, int] = field(default_factory=dict)   # call index -> chars sent
     call_ids: list[str] = field(default_factory=list)
 
     def _parse(self, final: bool) -> tuple[str | None, str, list[ToolCall]]:
-        """(reasoning, settled content, complete calls) of the text so far."""
+        """(reasoning, settled content, calls so far: the last one may be incomplete)."""
         plan = self.plan
         if plan.choice == "named":
-            return None, "", [ToolCall(plan.name or "", self.text)]
+            return None, "", [ToolCall(plan.name or "", self.text, complete=final)]
         if plan.choice == "required":
-            values, _ = json_values(self.text, self.text.find("[") + 1, ",]")
-            calls = [ToolCall(v["name"], json.dumps(v["parameters"], ensure_ascii=False))
-                     for v in values if isinstance(v, dict) and "name" in v]
-            if final and not calls:
-                return None, self.text, []   # cut short before a complete call
-            return None, "", calls
+            bracket = self.text.find("[")
+            read = None if bracket < 0 else \
+                read_calls(self.text, bracket + 1, ("parameters",), ",", final)
+            if read is None or (final and not read[0]):
+                return None, self.text if final else "", []   # cut short before a call
+            return None, "", read[0]
         reasoning, content = self.reasoning.split(self.text, final) if self.reasoning \
             else (None, self.text)
         parser = plan.parser
@@ -156,7 +157,8 @@ class ChoiceParser:
         return msg, bool(calls) and self.plan.choice != "named"
 
     def update(self, new_text: str, final: bool) -> tuple[dict[str, Any], bool]:
-        """(the delta for new_text, whether tool calls were made so far)."""
+        """(the delta for new_text, whether the model has made tool calls so far). A call is
+        announced (id, name) once its name is known; its arguments follow as written."""
         self.text += new_text
         reasoning, content, calls = self._parse(final)
         delta: dict[str, Any] = {}
@@ -166,28 +168,19 @@ class ChoiceParser:
         if len(content) > self.sent_content:
             delta["content"] = content[self.sent_content:]
             self.sent_content = len(content)
-        if self.plan.choice == "named":
-            pieces = self._named_delta()
-        else:
-            ids = self._ids(len(calls))
-            pieces = [_call_json(c, i, ids[i]) for i, c in enumerate(calls)
-                      if i >= self.sent_args]
-            self.sent_args = max(self.sent_args, len(calls))
+        ids = self._ids(len(calls))
+        pieces = []
+        for i, call in enumerate(calls):
+            sent = self.sent_args.get(i)
+            if sent is None:
+                pieces.append(_call_json(call, i, ids[i]))
+            elif len(call.arguments) > sent:
+                pieces.append({"index": i, "function": {"arguments": call.arguments[sent:]}})
+            self.sent_args[i] = len(call.arguments)
         if pieces:
             delta["tool_calls"] = pieces
-        return delta, bool(calls) and self.plan.choice != "named"
-
-    def _named_delta(self) -> list[dict[str, Any]]:
-        """A named function's arguments stream as generated; the first piece names it."""
-        if len(self.text) <= self.sent_args and self.call_ids:
-            return []
-        piece: dict[str, Any] = {"index": 0, "function": {"arguments":
-                                                          self.text[self.sent_args:]}}
-        if not self.call_ids:
-            piece.update(id=self._ids(1)[0], type="function")
-            piece["function"] = {"name": self.plan.name, **piece["function"]}
-        self.sent_args = len(self.text)
-        return [piece]
+        called = any(c.complete for c in calls) and self.plan.choice != "named"
+        return delta, called
 
 
 def choice_parser(plan: ToolPlan, config: ServerConfig, constrained: bool) -> ChoiceParser:

@@ -25,32 +25,88 @@ _decoder = json.JSONDecoder()
 
 @dataclass
 class ToolCall:
+    """arguments: JSON text as the model wrote it (OpenAI sends text); for a call still being
+    written (`complete` False), the part of it written so far."""
+
     name: str
-    arguments: str   # JSON text, as OpenAI sends it
+    arguments: str
+    complete: bool = True
 
 
-def _as_call(obj: Any, args_keys: tuple[str, ...]) -> ToolCall | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = next((obj[k] for k in args_keys if k in obj), {})
-    text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-    return ToolCall(obj["name"], text)
+class Malformed(Exception):
+    """The text cannot be a tool call."""
 
 
-def json_values(text: str, pos: int, separators: str) -> tuple[list[Any], bool]:
-    """Consecutive JSON values in text[pos:], separated by whitespace or `separators`;
-    (values, True when everything after them is whitespace)."""
-    values = []
+def _skip_ws(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    return pos
+
+
+def read_call(text: str, pos: int, args_keys: tuple[str, ...]
+              ) -> tuple[ToolCall | None, int | None]:
+    """Read a {"name": ..., <args key>: {...}} object starting at text[pos].
+
+    Returns (call, end) for a complete object; (call with complete=False, None) when the text
+    ends inside it after the name and the start of the arguments object; (None, None) when it
+    ends earlier. Raises Malformed when the text cannot be such an object."""
+    pos = _skip_ws(text, pos)
+    if pos < len(text) and text[pos] != "{":
+        raise Malformed
+    name, span, pos = None, None, pos + 1
+    while True:
+        pos = _skip_ws(text, pos)
+        if pos < len(text) and text[pos] == "}":
+            break
+        try:
+            key, pos = _decoder.raw_decode(text, pos)
+            pos = _skip_ws(text, pos)
+            if pos < len(text) and (not isinstance(key, str) or text[pos] != ":"):
+                raise Malformed
+            start = _skip_ws(text, pos + 1)
+            value, pos = _decoder.raw_decode(text, start)
+        except (json.JSONDecodeError, IndexError):   # cut short (or broken) from here on
+            is_args = pos < len(text) and "key" in locals() and key in args_keys
+            if isinstance(name, str) and is_args and text[start:start + 1] == "{":
+                return ToolCall(name, text[start:], complete=False), None
+            return None, None
+        if key == "name":
+            name = value
+        elif key in args_keys and span is None:
+            span = (start, pos)
+        pos = _skip_ws(text, pos)
+        if pos < len(text) and text[pos] not in ",}":
+            raise Malformed
+        pos += text[pos:pos + 1] == ","
+    if not isinstance(name, str):
+        raise Malformed
+    args = "{}" if span is None else text[span[0]:span[1]]
+    if args.startswith('"'):   # arguments given as a JSON string holding JSON
+        args = json.loads(args)
+    return ToolCall(name, args), pos + 1
+
+
+def read_calls(text: str, pos: int, args_keys: tuple[str, ...], separators: str,
+               final: bool) -> tuple[list[ToolCall], int] | None:
+    """Consecutive call objects from text[pos], separated by whitespace or `separators`:
+    (calls, where the next non-call text starts). A call cut short comes last, incomplete,
+    unless `final` (then the text is not calls: None). None for malformed text."""
+    calls: list[ToolCall] = []
     while True:
         while pos < len(text) and (text[pos].isspace() or text[pos] in separators):
             pos += 1
-        if pos == len(text):
-            return values, True
+        if pos == len(text) or text[pos] != "{":
+            return calls, pos
         try:
-            value, pos = _decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            return values, False
-        values.append(value)
+            call, end = read_call(text, pos, args_keys)
+        except Malformed:
+            return None
+        if end is None:
+            if final:
+                return None
+            return calls + ([call] if call else []), len(text)
+        calls.append(call)
+        pos = end
 
 
 class ToolParser:
@@ -90,26 +146,31 @@ class ToolParser:
 
 class HermesParser(ToolParser):
     start_markers = ("<tool_call>",)
-    block = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+    args_keys = ("arguments", "parameters")
 
     def calls(self, region: str, final: bool) -> list[ToolCall] | None:
-        out = []
-        for match in self.block.finditer(region):
-            closed = match.group(0).endswith("</tool_call>")
-            if not closed and not final:
-                break
-            try:
-                call = _as_call(json.loads(match.group(1)), ("arguments", "parameters"))
-            except json.JSONDecodeError:
-                call = None
-            if call is None:
+        out: list[ToolCall] = []
+        pos = 0
+        while region.startswith("<tool_call>", pos):
+            read = read_calls(region, pos + len("<tool_call>"), self.args_keys, "", final)
+            if read is None or len(read[0]) > 1:
                 return None if final else out
-            out.append(call)
-        return out
+            calls, pos = read
+            if not calls or not calls[0].complete:
+                return None if final and not calls else out + calls
+            rest = region[pos:].lstrip()
+            if not rest.startswith("</tool_call>"):
+                if not rest or (not final and "</tool_call>".startswith(rest)):
+                    return out + calls   # the closing tag is still coming (or never came)
+                return None if final else out
+            out += calls
+            pos = _skip_ws(region, region.index("</tool_call>", pos) + len("</tool_call>"))
+        return out   # text after the last call is not content (as in vLLM)
 
 
 class Llama3JsonParser(ToolParser):
     start_markers = ("<|python_tag|>",)
+    args_keys = ("parameters", "arguments")
 
     def find_start(self, text: str) -> int:
         stripped = text.lstrip()
@@ -123,43 +184,45 @@ class Llama3JsonParser(ToolParser):
         return super().partial_start(text)
 
     def calls(self, region: str, final: bool) -> list[ToolCall] | None:
-        body = region.removeprefix("<|python_tag|>")
-        values, clean = json_values(body, 0, ";")
-        calls = [_as_call(v, ("parameters", "arguments")) for v in values]
-        if any(c is None for c in calls) or (final and not clean):
-            return None if final else [c for c in calls if c is not None]
-        return calls
+        pos = len("<|python_tag|>") if region.startswith("<|python_tag|>") else 0
+        read = read_calls(region, pos, self.args_keys, ";", final)
+        if read is None or (final and (not read[0] or read[1] < len(region))):
+            return None
+        return read[0]
 
 
 class MistralParser(ToolParser):
+    """[TOOL_CALLS][{...}, ...] or [TOOL_CALLS]name[ARGS]{...}, possibly repeated."""
+
     start_markers = ("[TOOL_CALLS]",)
+    args_keys = ("arguments", "parameters")
     named = re.compile(r"\s*([A-Za-z0-9_.-]+)\s*(?:\[ARGS\])?\s*")
 
     def calls(self, region: str, final: bool) -> list[ToolCall] | None:
         out: list[ToolCall] = []
-        pos = len("[TOOL_CALLS]")
+        pos = _skip_ws(region, len("[TOOL_CALLS]"))
+        if region.startswith("[", pos):
+            read = read_calls(region, pos + 1, self.args_keys, ",", final)
+            if read is None or (final and not region[read[1]:].strip() == "]"):
+                return None
+            return read[0] or (None if final else [])
         while pos < len(region):
-            body = region[pos:].lstrip()
-            if not body:
-                break
-            if body.startswith("["):
-                values, clean = json_values(region, region.index("[", pos), "")
-                if not values:
-                    return None if final else out
-                calls = [_as_call(v, ("arguments", "parameters"))
-                         for v in (values[0] if isinstance(values[0], list) else [])]
-                return out + calls if calls and None not in calls else None
             match = self.named.match(region, pos)
             if match is None or match.end() >= len(region):
                 return None if final else out
             try:
-                args, pos = _decoder.raw_decode(region, match.end())
+                _, end = _decoder.raw_decode(region, match.end())
             except json.JSONDecodeError:
+                if final or not region.startswith("{", match.end()):
+                    return None
+                return out + [ToolCall(match.group(1), region[match.end():], complete=False)]
+            out.append(ToolCall(match.group(1), region[match.end():end]))
+            pos = _skip_ws(region, end)
+            if region.startswith("[TOOL_CALLS]", pos):
+                pos += len("[TOOL_CALLS]")
+            elif pos < len(region):
                 return None if final else out
-            out.append(ToolCall(match.group(1), json.dumps(args, ensure_ascii=False)))
-            pos = region.find("[TOOL_CALLS]", pos)
-            pos = len(region) if pos < 0 else pos + len("[TOOL_CALLS]")
-        return out
+        return out or (None if final else [])
 
 
 class Qwen3CoderParser(ToolParser):
