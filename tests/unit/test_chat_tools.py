@@ -189,3 +189,23 @@ def test_a_call_cut_short_is_content_at_the_end():
                            False)
     assert parser.message(text) == ({"role": "assistant", "content": text, "tool_calls": []},
                                     False)
+
+
+@pytest.mark.parametrize("body", [
+    '{"arguments": {"city": "Paris", "days": 2}, "name": "get_weather"}',
+    '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}, "id": "x1"}',
+    '{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\", \\"days\\": 2}"}',
+])
+def test_streamed_arguments_never_run_past_their_object(body):
+    """Key order, extra members and string-encoded arguments: pieces still add up to the
+    final arguments, char by char."""
+    text = f"<tool_call>{body}</tool_call>"
+    plan = ToolPlan("auto", parser=PARSERS["hermes"](TOOLS))
+    message, _ = choice_parser(plan, ServerConfig(), False).message(text)
+    parser = choice_parser(plan, ServerConfig(), False)
+    args = ""
+    for i, ch in enumerate(text):
+        for piece in parser.update(ch, i == len(text) - 1)[0].get("tool_calls", []):
+            args += piece["function"]["arguments"]
+    assert args == message["tool_calls"][0]["function"]["arguments"]
+    assert json.loads(args) == {"city": "Paris", "days": 2}

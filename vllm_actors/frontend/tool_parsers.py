@@ -43,41 +43,67 @@ def _skip_ws(text: str, pos: int) -> int:
     return pos
 
 
+def _cut_short(text: str, name: Any, span: tuple[int, int] | None, args_from: int | None
+               ) -> tuple[ToolCall | None, None]:
+    """What read_call returns for an object the text ends inside: the call so far once its
+    name is known and its arguments object has started, else nothing yet."""
+    if not isinstance(name, str):
+        return None, None
+    if span is not None and text[span[0]] == "{":
+        return ToolCall(name, text[span[0]:span[1]], complete=False), None
+    if span is None and args_from is not None and text.startswith("{", args_from):
+        return ToolCall(name, text[args_from:], complete=False), None
+    return None, None
+
+
 def read_call(text: str, pos: int, args_keys: tuple[str, ...]
               ) -> tuple[ToolCall | None, int | None]:
     """Read a {"name": ..., <args key>: {...}} object starting at text[pos].
 
     Returns (call, end) for a complete object; (call with complete=False, None) when the text
     ends inside it after the name and the start of the arguments object; (None, None) when it
-    ends earlier. Raises Malformed when the text cannot be such an object."""
+    ends earlier. Raises Malformed when the text cannot be such an object. (Text that stops
+    where a JSON value cannot be read counts as cut short; a final read refuses it.)"""
     pos = _skip_ws(text, pos)
-    if pos < len(text) and text[pos] != "{":
+    if pos == len(text):
+        return None, None
+    if text[pos] != "{":
         raise Malformed
-    name, span, pos = None, None, pos + 1
+    name: Any = None
+    span: tuple[int, int] | None = None
+    pos += 1
     while True:
         pos = _skip_ws(text, pos)
-        if pos < len(text) and text[pos] == "}":
+        if pos == len(text):
+            return _cut_short(text, name, span, None)
+        if text[pos] == "}":
             break
         try:
             key, pos = _decoder.raw_decode(text, pos)
-            pos = _skip_ws(text, pos)
-            if pos < len(text) and (not isinstance(key, str) or text[pos] != ":"):
-                raise Malformed
-            start = _skip_ws(text, pos + 1)
+        except json.JSONDecodeError:
+            return _cut_short(text, name, span, None)
+        pos = _skip_ws(text, pos)
+        if pos == len(text):
+            return _cut_short(text, name, span, None)
+        if not isinstance(key, str) or text[pos] != ":":
+            raise Malformed
+        start = _skip_ws(text, pos + 1)
+        is_args = key in args_keys and span is None
+        try:
             value, pos = _decoder.raw_decode(text, start)
-        except (json.JSONDecodeError, IndexError):   # cut short (or broken) from here on
-            is_args = pos < len(text) and "key" in locals() and key in args_keys
-            if isinstance(name, str) and is_args and text[start:start + 1] == "{":
-                return ToolCall(name, text[start:], complete=False), None
-            return None, None
+        except json.JSONDecodeError:
+            return _cut_short(text, name, span, start if is_args else None)
         if key == "name":
             name = value
-        elif key in args_keys and span is None:
+        elif is_args:
             span = (start, pos)
         pos = _skip_ws(text, pos)
-        if pos < len(text) and text[pos] not in ",}":
+        if pos == len(text):
+            return _cut_short(text, name, span, None)
+        if text[pos] == ",":
+            pos += 1
+        elif text[pos] != "}":
             raise Malformed
-        pos += text[pos:pos + 1] == ","
     if not isinstance(name, str):
         raise Malformed
     args = "{}" if span is None else text[span[0]:span[1]]
