@@ -74,7 +74,8 @@ def test_rope(dev, interleaved, rotary_dim):
     close(dev.to_host(got), want, 1e-5)
 
 
-@pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1])
+@pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1,
+                                   QT.Q5_0, QT.Q5_1])
 def test_linear_and_lm_head(dev, qtype):
     weights = [rand(48, 96), rand(16, 96)]     # fused: two parts along out
     stored = [quants.quantize(w, qtype) for w in weights]
@@ -95,7 +96,8 @@ def test_linear_and_lm_head(dev, qtype):
 
 
 @pytest.mark.parametrize("qtype, block_bytes, scale_offsets", [
-    (QT.Q4_K, 144, (0, 2)), (QT.Q6_K, 210, (208,))])
+    (QT.Q2_K, 84, (80, 82)), (QT.Q3_K, 110, (108,)), (QT.Q4_K, 144, (0, 2)),
+    (QT.Q5_K, 176, (0, 2)), (QT.Q6_K, 210, (208,))])
 def test_linear_k_quants(dev, qtype, block_bytes, scale_offsets):
     """K-quant super-blocks of random bytes (scales set to sane halves) against numpy's
     dequantizer, which is bit-identical to gguf-py's."""

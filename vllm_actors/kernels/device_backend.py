@@ -2,10 +2,10 @@
 with the same names and arguments (`opencl/ops.cl`, `cuda/ops.cu`); a subclass supplies the
 buffers and `_launch`.
 
-Weights and the KV cache live on the device. Q8_0, Q4_0, Q4_1, Q4_K and Q6_K linear weights
-stay in their GGUF blocks and are dequantized inside the matmul kernel, F16 and BF16 weights
-stay 16-bit (widened to float32 in the kernel); other types are dequantized once at
-upload to float32. Per step only token ids, positions, slot mapping and block tables go up,
+Weights and the KV cache live on the device. Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and Q2_K..Q6_K
+linear weights stay in their GGUF blocks and are dequantized inside the matmul kernel
+(`linear_quant.cl` / `.cu`), F16 and BF16 weights stay 16-bit (widened to float32 in the
+kernel); other types are dequantized once at upload to float32. Per step only token ids, positions, slot mapping and block tables go up,
 and only the sampled rows' logits come back.
 
 A launch names its logical index space, innermost first (`items`): one work-item / thread
@@ -15,6 +15,7 @@ each, or, for the kernels in a subclass's `GROUPS`, one cooperating group per it
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib import resources
 from typing import Any, Sequence
 
 import numpy as np
@@ -24,15 +25,26 @@ from vllm_actors.kernels.ops import AttentionMetadata, RopeTables, WeightLike
 
 # GGML type id -> (matmul kernel that reads its blocks, values per block)
 QUANT_KERNELS = {8: ("linear_q8_0", 32), 2: ("linear_q4_0", 32), 3: ("linear_q4_1", 32),
-                 12: ("linear_q4_k", 256), 14: ("linear_q6_k", 256)}
+                 6: ("linear_q5_0", 32), 7: ("linear_q5_1", 32), 10: ("linear_q2_k", 256),
+                 11: ("linear_q3_k", 256), 12: ("linear_q4_k", 256), 13: ("linear_q5_k", 256),
+                 14: ("linear_q6_k", 256)}
 # Every kernel both ops.cl and ops.cu define, by the name launches use.
 KERNEL_NAMES = ("embedding", "rms_norm", "add_inplace", "silu_mul", "split_qkv", "rope",
                 "reshape_and_cache", "paged_attention", "gather_rows", "linear_f32",
                 "linear_f16", "linear_bf16", "linear_q8_0", "linear_q4_0", "linear_q4_1",
-                "linear_q4_k", "linear_q6_k", "argmax_rows", "apply_temperature", "mask_below")
+                "linear_q5_0", "linear_q5_1", "linear_q2_k", "linear_q3_k", "linear_q4_k",
+                "linear_q5_k", "linear_q6_k", "argmax_rows", "apply_temperature", "mask_below")
+# Kernel source files of each device package, built as one program in this order.
+SOURCE_FILES = {"cl": ("ops.cl", "linear_quant.cl"), "cu": ("ops.cu", "linear_quant.cu")}
 # 16-bit float storage (GGML F16 = 1, BF16 = 30): kept as stored, widened in the kernel
 HALF_KERNELS = {1: ("linear_f16", np.float16), 30: ("linear_bf16", np.uint16)}
 MAX_HEAD_DIM = 256
+
+
+def kernel_source(ext: str) -> str:
+    """The whole kernel program of the OpenCL ("cl") or CUDA ("cu") package, one text."""
+    package = resources.files("vllm_actors.kernels." + {"cl": "opencl", "cu": "cuda"}[ext])
+    return "\n".join(package.joinpath(name).read_text() for name in SOURCE_FILES[ext])
 
 
 @dataclass(frozen=True)

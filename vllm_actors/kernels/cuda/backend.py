@@ -7,12 +7,11 @@ Build-only until a GPU machine runs `bench/gpu_check.sh`: CI compiles `ops.cu` w
 
 from __future__ import annotations
 
-from importlib import resources
 from typing import Any
 
 import numpy as np
 
-from vllm_actors.kernels.device_backend import KERNEL_NAMES, DeviceBackend
+from vllm_actors.kernels.device_backend import KERNEL_NAMES, DeviceBackend, kernel_source
 
 THREADS = 128   # must match THREADS in ops.cu
 
@@ -49,8 +48,7 @@ class CudaBackend(DeviceBackend):
         self.device = cp.cuda.Device(device)
         self.device.use()
         self.stream = cp.cuda.Stream(non_blocking=True)
-        source = resources.files("vllm_actors.kernels.cuda").joinpath("ops.cu").read_text()
-        module = cp.RawModule(code=source, options=("--std=c++14",))
+        module = cp.RawModule(code=kernel_source("cu"), options=("--std=c++14",))
         self.kernels = {name: module.get_function(name) for name in KERNEL_NAMES}
 
     def _put(self, array: np.ndarray) -> Any:

@@ -8,12 +8,11 @@ the kernels are simple one-output-per-work-item loops, not tuned for speed.
 
 from __future__ import annotations
 
-from importlib import resources
 from typing import Any
 
 import numpy as np
 
-from vllm_actors.kernels.device_backend import MAX_HEAD_DIM, DeviceBackend
+from vllm_actors.kernels.device_backend import MAX_HEAD_DIM, DeviceBackend, kernel_source
 
 GROUP = 64   # the work-group size ops.cl's cooperative kernels are written for
 
@@ -58,8 +57,7 @@ class OpenCLBackend(DeviceBackend):
         self.context = cl.Context([self.device])
         self.queue = cl.CommandQueue(self.context)
         self.allocator = cl.tools.MemoryPool(cl.tools.ImmediateAllocator(self.queue))
-        source = resources.files("vllm_actors.kernels.opencl").joinpath("ops.cl").read_text()
-        program = cl.Program(self.context, source).build(
+        program = cl.Program(self.context, kernel_source("cl")).build(
             options=[f"-DMAX_HEAD_DIM={MAX_HEAD_DIM}"])
         self.kernels = {k.function_name: k for k in program.all_kernels()}
         self._allocated = 0
