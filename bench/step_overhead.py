@@ -37,8 +37,8 @@ class StubModel:
     def forward(self, token_ids, positions, meta, kv_caches):
         return np.zeros((len(token_ids), 8), np.float32)
 
-    def compute_logits(self, hidden):
-        logits = np.zeros((len(hidden), VOCAB), np.float32)
+    def compute_logits(self, hidden, rows, on_device=False):
+        logits = np.zeros((len(rows), VOCAB), np.float32)
         logits[:, 5] = 1.0
         return logits
 
