@@ -64,8 +64,8 @@ def test_structured_output_bench_reports_both_batches():
 def test_step_overhead_bench_runs_its_stub_model():
     """The stub model follows the model contract (it broke silently once when the contract
     changed)."""
-    done = run_bench(str(BENCH / "step_overhead.py"), "--running", "2", "3", "--steps", "3",
+    done = run_bench(str(BENCH / "step_overhead.py"), "--running", "4", "8", "--steps", "3",
                      "--runs", "1")
     rows = [line.split("|")[1].strip() for line in done.stdout.splitlines()
             if line.startswith("| ") and not line.startswith("| running")]
-    assert rows == ["2", "3"]
+    assert rows == ["4", "8"]
