@@ -17,10 +17,32 @@ from typing import Callable
 
 SHM_DIR = "/dev/shm"
 CACHE_LINE = 64
-_SPIN = 200                 # pure spins before yielding the CPU
-_YIELD_S = 0.002            # then sched_yield for this long, then sleep with backoff
 _MAX_SLEEP_S = 0.001
 _LIVENESS_EVERY_S = 0.25
+
+
+class _WaitPolicy:
+    """Spin this many checks, then sched_yield for `yield_s`, then sleep from `sleep_s` up
+    (doubling) to 1 ms. When the ranks outnumber the cores a spinning waiter only delays the
+    peer it waits for (measured in docs/BENCHMARKS.md), so it sleeps almost at once."""
+
+    spin, yield_s, sleep_s = 200, 0.002, 0.00005
+
+
+_POLICY = _WaitPolicy()
+
+
+def set_oversubscribed(oversubscribed: bool) -> None:
+    """Choose the wait policy for this process (workers call it once at startup)."""
+    _POLICY.spin, _POLICY.yield_s, _POLICY.sleep_s = \
+        (20, 0.0, 0.00001) if oversubscribed else (200, 0.002, 0.00005)
+
+
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
 class PeerGoneError(RuntimeError):
@@ -76,19 +98,19 @@ def parent_alive(parent_pid: int | None) -> Callable[[], bool]:
 def wait_for(ready: Callable[[], bool], alive: Callable[[], bool] = lambda: True,
              what: str = "peer") -> None:
     """Return once `ready()` is true: spin, then yield the CPU, then sleep (up to 1 ms per
-    check) so idle waiters cost little on a machine with fewer cores than processes.
+    check) so idle waiters cost little (see `_WaitPolicy`).
 
     Raises:
         PeerGoneError: `alive()` turned false while waiting.
     """
-    for _ in range(_SPIN):
+    for _ in range(_POLICY.spin):
         if ready():
             return
     start = last_check = time.monotonic()
-    sleep = 0.00005
+    sleep = _POLICY.sleep_s
     while not ready():
         now = time.monotonic()
-        if now - start < _YIELD_S:
+        if now - start < _POLICY.yield_s:
             os.sched_yield()
         else:
             time.sleep(sleep)

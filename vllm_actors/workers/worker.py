@@ -32,7 +32,8 @@ from vllm_actors.protocol.wire import Decoder, Encoder
 from vllm_actors.workers.model_runner import ModelRunner
 from vllm_actors.workers.parallel_state import (ShmCommunicator, communicator_bytes,
                                                 make_group)
-from vllm_actors.workers.shm import SharedBuffer, parent_alive
+from vllm_actors.workers.shm import (SharedBuffer, parent_alive, set_oversubscribed,
+                                     usable_cpus)
 from vllm_actors.workers.launcher import worker_address
 from vllm_actors.workers.shm_broadcast import RingReader, SocketChannel, ring_bytes
 
@@ -59,6 +60,8 @@ class Worker:
         backend = get_backend(device.backend, device.opencl_platform,
                               _opencl_device(device.backend, device.opencl_platform,
                                              device.opencl_device, init.rank))
+        # CPU ranks (numpy, or OpenCL on PoCL) outnumbering the cores: sleep, do not spin
+        set_oversubscribed(backend.name != "cuda" and n > usable_cpus())
         self.runner = ModelRunner(config, backend=backend, tp=make_group(comm, backend),
                                   allocate_kv=False)
 
