@@ -78,7 +78,10 @@ class EngineCoreProc:
             return False
         finally:
             self.stopping.set()
-            self.core.shutdown()
+            try:
+                self.core.shutdown()
+            except Exception:   # the frontend still gets its answer and the sockets close
+                logger.exception("stopping the workers failed")
             self.output_queue.put(_STOP)
             for thread in self.threads:
                 thread.join(timeout=5)

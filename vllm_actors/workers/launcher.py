@@ -20,10 +20,11 @@ import msgspec
 import zmq
 
 from vllm_actors.config import EngineConfig
-from vllm_actors.errors import EngineDeadError, error_from_wire
+from vllm_actors.errors import EngineDeadError, ValidationError, error_from_wire
 from vllm_actors.protocol.engine import EngineStartupError
 from vllm_actors.protocol.worker import WorkerInit, WorkerReady, WorkerStartupReply
 from vllm_actors.protocol.wire import Decoder, Encoder
+from vllm_actors.workers.shm import usable_cpus
 
 logger = logging.getLogger(__name__)
 
@@ -54,14 +55,17 @@ def worker_env(rank: int, world_size: int, device: str, cpu_count: int | None = 
     """
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
-    threads = str(max(1, (cpu_count or os.cpu_count() or 1) // world_size))
+    threads = str(max(1, (cpu_count or usable_cpus()) // world_size))
     for var in _THREAD_VARS:
         env.setdefault(var, threads)
     if device in ("cuda", "auto"):
         visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
         if visible and len(visible) < world_size:
-            raise EngineDeadError(f"--tensor-parallel-size {world_size} needs {world_size} "
-                                  f"GPUs; CUDA_VISIBLE_DEVICES lists {len(visible)}")
+            if device == "cuda":
+                raise ValidationError(f"--tensor-parallel-size {world_size} needs {world_size} "
+                                      f"GPUs; CUDA_VISIBLE_DEVICES lists {len(visible)}",
+                                      "tensor_parallel_size")
+            return env       # auto on a machine that will run on the CPU anyway
         env["CUDA_VISIBLE_DEVICES"] = visible[rank] if visible else str(rank)
     return env
 

@@ -59,7 +59,7 @@ class SharedBuffer:
         try:
             if create:
                 os.ftruncate(fd, size)
-            self._mmap = mmap.mmap(fd, size)
+            self._mmap = mmap.mmap(fd, size)   # unmapped when the process exits
         finally:
             os.close(fd)
         self.name, self.size, self.owner = name, size, create
@@ -78,13 +78,6 @@ class SharedBuffer:
         try:
             os.unlink(os.path.join(SHM_DIR, self.name))
         except FileNotFoundError:
-            pass
-
-    def close(self) -> None:
-        self.buf.release()
-        try:
-            self._mmap.close()
-        except BufferError:   # numpy views still alive; the OS unmaps at exit
             pass
 
 

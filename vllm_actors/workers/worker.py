@@ -121,7 +121,11 @@ def serve(ipc_dir: str, rank: int, parent_pid: int) -> int:
             worker.run()
         except Exception as e:
             logger.exception("worker %d failed", rank)
-            socket.send_multipart(encoder.encode(WorkerFailed(rank, f"{type(e).__name__}: {e}")))
+            try:   # never block on a core that is gone
+                socket.send_multipart(encoder.encode(WorkerFailed(
+                    rank, f"{type(e).__name__}: {e}")), flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass
             return 1
         return 0
     finally:
