@@ -10,7 +10,7 @@ memory ring, 61 all-reduces of [B, 576] float32 (embedding + 2 per layer x 30 la
 gather of [B, 49152 / N] logits to rank 0, the broadcast of B sampled ids; rank 0 answers over
 ZeroMQ as the real worker does. Reported: median ms per step over --runs runs.
 engine: `LLM.generate` of B prompts x --tokens greedy tokens on SmolLM2 at each size
-(size 1: the in-process executor); ms per decode step = (wall time - the 1-token run's) /
+(1: the in-process executor; 1mp: one worker process, i.e. the ring and process hop alone); ms per decode step = (wall time - the 1-token run's) /
 (tokens - 1). Prints Markdown tables.
 """
 
@@ -106,10 +106,12 @@ def measure_comm(size: int, batch: int, steps: int) -> float:
     return elapsed / steps * 1e3
 
 
-def measure_engine(size: int, batch: int, tokens: int) -> float:
+def measure_engine(size: str, batch: int, tokens: int) -> float:
     from vllm_actors import LLM, SamplingParams
     prompts = [{"prompt_token_ids": [1, 504 + i, 2, 3, 4, 5, 6, 7]} for i in range(batch)]
-    with LLM(tensor_parallel_size=size) as llm:
+    backend = "mp" if size.endswith("mp") else None
+    with LLM(tensor_parallel_size=int(size.rstrip("mp")),
+             distributed_executor_backend=backend) as llm:
         def wall(n: int) -> float:
             params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
             llm.generate(prompts, params, use_tqdm=False)
@@ -122,19 +124,20 @@ def measure_engine(size: int, batch: int, tokens: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["comm", "engine"])
-    parser.add_argument("--tp", type=int, nargs="+", default=None)
+    parser.add_argument("--tp", nargs="+", default=None,
+                        help="sizes; engine mode also takes 1mp (one worker process)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
-    sizes = args.tp or ([2, 3] if args.mode == "comm" else [1, 3])
+    sizes = args.tp or (["2", "3"] if args.mode == "comm" else ["1", "1mp", "3"])
     print(f"| mode | TP | batch | ms / step (median of {args.runs}) | runs |")
     print("|---|---|---|---|---|")
     for size in sizes:
         for batch in args.batch:
             if args.mode == "comm":
-                runs = [measure_comm(size, batch, args.steps) for _ in range(args.runs)]
+                runs = [measure_comm(int(size), batch, args.steps) for _ in range(args.runs)]
             else:
                 runs = [measure_engine(size, batch, args.tokens) for _ in range(args.runs)]
             print(f"| {args.mode} | {size} | {batch} | {statistics.median(runs):.2f} | "
