@@ -43,12 +43,15 @@ def decode_step(batch: int) -> bytes:
 def comm_rank(rank, size, ring_name, comm_name, address, batch):
     from vllm_actors.protocol.worker import WorkerCall
     from vllm_actors.workers.parallel_state import ShmCommunicator, communicator_bytes
-    from vllm_actors.workers.shm import SharedBuffer, set_oversubscribed, usable_cpus
+    from vllm_actors.workers.shm import (SharedBuffer, parent_alive, set_oversubscribed,
+                                         usable_cpus)
     from vllm_actors.workers.shm_broadcast import RingReader, ring_bytes
     set_oversubscribed(size > usable_cpus())      # as workers/worker.py decides
-    ring = RingReader(SharedBuffer.attach(ring_name, ring_bytes(size)), size, rank, None)
+    alive = parent_alive(os.getppid())            # leave if the benchmark dies
+    ring = RingReader(SharedBuffer.attach(ring_name, ring_bytes(size)), size, rank, None,
+                      alive=alive)
     comm = ShmCommunicator(SharedBuffer.attach(comm_name, communicator_bytes(size, SLOT)),
-                           rank, size, SLOT)
+                           rank, size, SLOT, alive)
     ctx = zmq.Context()
     socket = ctx.socket(zmq.PAIR)       # a PAIR takes one peer: only rank 0 answers
     if rank == 0:
@@ -80,29 +83,32 @@ def measure_comm(size: int, batch: int, steps: int) -> float:
     ctx_zmq = zmq.Context()
     socket = ctx_zmq.socket(zmq.PAIR)
     socket.bind(address)
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=comm_rank, args=(r, size, ring_buffer.name, comm_buffer.name,
-                                                 address, batch)) for r in range(size)]
-    for p in procs:
-        p.start()
-    writer = RingWriter(ring_buffer, size, [])
-    message = decode_step(batch)
-    for _ in range(20):                       # warm up
-        writer.enqueue(message)
-        socket.recv()
-    start = time.perf_counter()
-    for _ in range(steps):
-        writer.enqueue(message)
-        socket.recv()
-    elapsed = time.perf_counter() - start
-    writer.enqueue(b"")
-    for p in procs:
-        p.join()
-    ring_buffer.unlink()
-    comm_buffer.unlink()
-    socket.close(linger=0)
-    ctx_zmq.term()
-    os.unlink(address[len("ipc://"):])
+    try:
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=comm_rank, args=(r, size, ring_buffer.name, comm_buffer.name,
+                                                     address, batch)) for r in range(size)]
+        for p in procs:
+            p.start()
+        writer = RingWriter(ring_buffer, size, [])
+        message = decode_step(batch)
+        for _ in range(20):                       # warm up
+            writer.enqueue(message)
+            socket.recv()
+        start = time.perf_counter()
+        for _ in range(steps):
+            writer.enqueue(message)
+            socket.recv()
+        elapsed = time.perf_counter() - start
+        writer.enqueue(b"")
+        for p in procs:
+            p.join()
+    finally:
+        ring_buffer.unlink()
+        comm_buffer.unlink()
+        socket.close(linger=0)
+        ctx_zmq.term()
+        if os.path.exists(address[len("ipc://"):]):
+            os.unlink(address[len("ipc://"):])
     return elapsed / steps * 1e3
 
 

@@ -52,3 +52,10 @@ def test_profile_step_counts_every_op():
     ops = {line.split("|")[1].strip() for line in done.stdout.splitlines()
            if line.startswith("| ") and not line.startswith("| op")}
     assert {"linear", "paged_attention", "rope", "lm_head", "(other)"} <= ops
+
+
+def test_tp_overhead_comm_runs():
+    done = run_bench(str(BENCH / "tp_overhead.py"), "comm", "--tp", "2", "--batch", "1",
+                     "--steps", "5", "--runs", "1")
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| comm |")]
+    assert len(rows) == 1 and rows[0].startswith("| comm | 2 | 1 |")
