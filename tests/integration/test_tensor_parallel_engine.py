@@ -99,3 +99,30 @@ def test_sigkill_of_a_worker_kills_the_engine_fast_and_leaves_no_process(smollm2
 def test_shm_segments_are_unlinked_after_startup(tp3_llm):
     mine = [f for f in os.listdir("/dev/shm") if f.startswith(f"va-{tp3_llm.engine.client.pid}-")]
     assert mine == []
+
+
+def test_worker_death_while_idle_is_noticed(smollm2_path):
+    llm = AsyncLLM(str(smollm2_path), tensor_parallel_size=3)
+    core = psutil.Process(llm.client.pid)
+    workers = core.children()
+
+    async def scenario():
+        await llm.check_health()                 # healthy, and the output handler runs
+        os.kill(workers[2].pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        while time.monotonic() - killed_at < 5:
+            try:
+                await llm.check_health()
+            except EngineDeadError as e:
+                return time.monotonic() - killed_at, str(e)
+            await asyncio.sleep(0.02)
+        return 99.0, "still healthy after 5 s"
+
+    after, message = asyncio.run(scenario())
+    print(f"engine dead {after:.2f}s after an idle worker's death: {message}")
+    assert after < 2.0 and "worker rank 2" in message
+    assert llm.errored
+    llm.shutdown()
+    psutil.wait_procs([core, *workers], timeout=5)
+    assert not [p for p in (core, *workers) if p.is_running() and
+                p.status() != psutil.STATUS_ZOMBIE]
