@@ -23,6 +23,10 @@ from vllm_actors.protocol.step import StepInput, StepOutput
 from vllm_actors.protocol.wire import Decoder, IpcAddresses
 from vllm_actors.protocol.worker import (ExecuteStep, InitKVCache, StepDone, WorkerCall,
                                          WorkerFailed, WorkerInit, WorkerReply, WorkerShutdown)
+from vllm_actors.workers import launcher
+from vllm_actors.workers.parallel_state import DEFAULT_SLOT_BYTES, communicator_bytes
+from vllm_actors.workers.shm import SharedBuffer
+from vllm_actors.workers.shm_broadcast import RingWriter, SocketChannel, ring_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -60,11 +64,6 @@ class MultiprocExecutor:
     """
 
     def __init__(self, config: EngineConfig, ipc_dir: str | None = None) -> None:
-        from vllm_actors.workers import launcher
-        from vllm_actors.workers.parallel_state import DEFAULT_SLOT_BYTES, communicator_bytes
-        from vllm_actors.workers.shm import SharedBuffer
-        from vllm_actors.workers.shm_broadcast import RingWriter, SocketChannel, ring_bytes
-        self._launcher = launcher
         n = config.parallel.tensor_parallel_size
         self._own_dir = IpcAddresses.create() if ipc_dir is None else None
         ipc_dir = ipc_dir or self._own_dir.directory
@@ -146,7 +145,7 @@ class MultiprocExecutor:
                 wait_s = SHUTDOWN_WAIT_S
             except Exception:   # a worker died meanwhile: stop them all below
                 logger.warning("could not ask the workers to shut down", exc_info=True)
-        self._launcher.stop_workers(self.handles, wait_s)
+        launcher.stop_workers(self.handles, wait_s)
         self.ring_buffer.unlink()
         self.comm_buffer.unlink()
         self.ctx.term()
