@@ -175,3 +175,13 @@ def test_nccl_group_shares_rank_0s_id_and_reduces_in_place(segment):
     assert sorted(FakeNccl.made) == [(2, tuple(range(-64, 64)), 0),
                                      (2, tuple(range(-64, 64)), 1)]
     assert results == [[(4096, 4096, 12, 7, 0, 0)]] * 2
+
+
+def test_nccl_without_cupy_says_what_to_install(monkeypatch):
+    import sys
+
+    from vllm_actors.workers.nccl import nccl_module
+    monkeypatch.setitem(sys.modules, "cupy", None)      # as if CuPy were not installed
+    monkeypatch.setitem(sys.modules, "cupy.cuda", None)
+    with pytest.raises(RuntimeError, match="needs NCCL through CuPy"):
+        nccl_module()
