@@ -31,6 +31,8 @@ from vllm_actors.workers.shm_broadcast import RingWriter, SocketChannel, ring_by
 logger = logging.getLogger(__name__)
 
 POLL_MS = 50               # how often a waiting executor looks at its workers' processes
+RING_SLOTS = 4             # StepInputs in flight at most (the core waits for each step's output)
+RING_SLOT_BYTES = 1 << 20  # larger StepInputs (many new long prompts) go over the PAIR sockets
 SHUTDOWN_WAIT_S = 5.0
 
 
@@ -70,9 +72,9 @@ class MultiprocExecutor:
         self.ctx = zmq.Context()
         self.handles: list = []
         self.closed = False
-        self.ring_buffer = SharedBuffer.create(ring_bytes(n))
+        self.ring_buffer = SharedBuffer.create(ring_bytes(n, RING_SLOTS, RING_SLOT_BYTES))
         self.comm_buffer = SharedBuffer.create(communicator_bytes(n, DEFAULT_SLOT_BYTES))
-        ring = RingWriter(self.ring_buffer, n, [], alive=self._all_alive)
+        ring = RingWriter(self.ring_buffer, n, [], RING_SLOTS, RING_SLOT_BYTES, self._all_alive)
         inits = [WorkerInit(r, n, launcher.encode_config(config), self.ring_buffer.name,
                             ring.num_slots, ring.slot_bytes, self.comm_buffer.name,
                             DEFAULT_SLOT_BYTES) for r in range(n)]
