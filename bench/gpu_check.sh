@@ -6,7 +6,8 @@
 # Finishes well inside 10 minutes; everything it measures lands in $OUT (default
 # /tmp/gpu_check): the CUDA source build, the CUDA parity tests (every op and the tiny llama
 # in F32 / Q8_0 / Q4_1 against numpy), the engine's greedy parity on --device cuda when the
-# SmolLM2 GGUF is present, and a decode/prefill sweep of bench/profile_step.py.
+# SmolLM2 GGUF is present, tensor parallelism over NCCL when the machine has two GPUs, and a
+# decode/prefill sweep of bench/profile_step.py.
 #
 #   device run: bash bench/gpu_check.sh        (carry: .whl)
 set -uo pipefail
@@ -41,6 +42,13 @@ echo "== CUDA sources and parity tests" | tee "$OUT/tests.log"
 timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
   tests/kernels/test_cuda_sources.py tests/kernels/test_device_ops.py \
   tests/kernels/test_device_model.py -k "cuda or nvcc or sources" 2>&1 | tee -a "$OUT/tests.log"
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+
+# NCCL all-reduce between two CUDA worker processes (a tiny llama at TP=2 against numpy at
+# TP=1); skips with a message on a machine with one GPU (NCCL refuses two ranks on one GPU)
+echo "== tensor parallel on CUDA workers (NCCL)" | tee -a "$OUT/tests.log"
+timeout 240 python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" \
+  tests/kernels/test_tp_devices.py -k cuda 2>&1 | tee -a "$OUT/tests.log"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
 if python3 -c "from vllm_actors.loaders.model_files import default_model_path as d; \

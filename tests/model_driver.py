@@ -10,9 +10,9 @@ from vllm_actors.kernels.ops import AttentionMetadata
 
 def prompt_logits(model, backend, token_ids: list[int], chunks: list[int] | None = None,
                   block_size: int = 16) -> np.ndarray:
-    """Logits [len(token_ids), V]. `chunks` are step sizes (default: the whole prompt at once).
+    """Logits [len(token_ids), V] (None on tensor-parallel ranks other than 0). `chunks` are step sizes (default: the whole prompt at once).
     Blocks are handed out in a scrambled order so a wrong block-table lookup shows."""
-    args = model.args
+    args = getattr(model, "local_args", model.args)   # a tensor-parallel shard's own heads
     num_blocks = -(-len(token_ids) // block_size)
     kv = backend.allocate_kv_cache(args.num_layers, num_blocks + 1, block_size,
                                    args.num_kv_heads, args.head_dim)
@@ -30,4 +30,4 @@ def prompt_logits(model, backend, token_ids: list[int], chunks: list[int] | None
         hidden = model.forward(np.asarray(token_ids[start:start + n]), pos, meta, kv)
         rows.append(model.compute_logits(hidden, np.arange(n)))
         start += n
-    return np.concatenate(rows)
+    return None if rows[0] is None else np.concatenate(rows)   # None: tensor-parallel rank > 0

@@ -66,6 +66,17 @@ class DeviceConfig:
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_coder")
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "uni", "ray")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """tensor_parallel_size: worker processes (one per device) the model is split over;
+    executor_backend: "uni" (one worker, in the engine core's process) or "mp" (one process per
+    rank on this machine). A Ray backend for several machines would plug in beside "mp"."""
+
+    tensor_parallel_size: int = 1
+    executor_backend: str = "uni"
 
 
 @dataclass(frozen=True)
@@ -130,6 +141,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 @dataclass
@@ -155,6 +167,7 @@ class EngineArgs:
     opencl_platform: int = 0
     opencl_device: int = 0
     tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
     generation_config: str = "auto"
     served_model_name: str | None = None
     max_logprobs: int = 20
@@ -212,7 +225,12 @@ class EngineArgs:
         parser.add_argument("--opencl-device", type=int, default=0,
                             help="--device opencl: device index within the platform")
         parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                            help="devices to split the model over; only 1 for now")
+                            help="devices (worker processes) to split the model over")
+        parser.add_argument("--distributed-executor-backend", default=None,
+                            choices=DISTRIBUTED_EXECUTOR_BACKENDS,
+                            help="mp (default when --tensor-parallel-size > 1): one worker "
+                                 "process per device; uni: the worker in the engine core's "
+                                 "process (size 1 only); ray: not supported yet")
         parser.add_argument("--generation-config", default="auto",
                             help="default sampling parameters: auto (the model's "
                                  "generation_config.json), vllm (none), or a directory")
@@ -244,6 +262,7 @@ class EngineArgs:
                                   f"got {self.scheduling_policy!r}", "scheduling_policy")
         self._check_not_yet_implemented()
         return EngineConfig(
+            parallel=self._parallel_config(),
             model=ModelConfig(self.model, self.chat_template, self.max_model_len, self.seed,
                               self.generation_config, self.served_model_name,
                               self.max_logprobs),
@@ -270,9 +289,26 @@ class EngineArgs:
         if needs and importlib.util.find_spec(needs[0]) is None:
             raise ValidationError(f"--device {self.device} needs {needs[0]}: pip install "
                                   f"'vllm-actors[{needs[1]}]'", "device")
-        if self.tensor_parallel_size != 1:
-            raise ValidationError(f"--tensor-parallel-size {self.tensor_parallel_size} is not "
-                                  "implemented yet; only 1", "tensor_parallel_size")
+
+    def _parallel_config(self) -> ParallelConfig:
+        size, backend = self.tensor_parallel_size, self.distributed_executor_backend
+        if size < 1:
+            raise ValidationError(f"tensor_parallel_size must be positive, got {size}",
+                                  "tensor_parallel_size")
+        if backend is None:
+            backend = "mp" if size > 1 else "uni"
+        if backend == "ray":
+            raise ValidationError("--distributed-executor-backend ray is not supported yet; "
+                                  "use mp (worker processes on this machine)",
+                                  "distributed_executor_backend")
+        if backend not in ("mp", "uni"):
+            raise ValidationError(f"--distributed-executor-backend must be mp or uni, got "
+                                  f"{backend!r}", "distributed_executor_backend")
+        if backend == "uni" and size > 1:
+            raise ValidationError(f"--distributed-executor-backend uni runs one worker; "
+                                  f"--tensor-parallel-size {size} needs mp",
+                                  "distributed_executor_backend")
+        return ParallelConfig(size, backend)
 
     def _check_positive(self, *names: str) -> None:
         for name in names:

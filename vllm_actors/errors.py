@@ -25,6 +25,11 @@ class EngineDeadError(VllmActorsError):
     """The engine core stopped; every pending request fails with this (HTTP 503)."""
 
 
+class WorkerDiedError(VllmActorsError):
+    """A worker process of a multi-process engine died or failed; the engine core stops
+    (and the frontend then raises EngineDeadError)."""
+
+
 class RequestFailedError(VllmActorsError):
     """One request failed inside the engine (finish_reason "error"); others were unaffected."""
 

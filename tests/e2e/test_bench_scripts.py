@@ -69,3 +69,10 @@ def test_step_overhead_bench_runs_its_stub_model():
     rows = [line.split("|")[1].strip() for line in done.stdout.splitlines()
             if line.startswith("| ") and not line.startswith("| running")]
     assert rows == ["4", "8"]
+
+
+def test_tp_overhead_comm_runs():
+    done = run_bench(str(BENCH / "tp_overhead.py"), "comm", "--tp", "2", "--batch", "1",
+                     "--steps", "5", "--runs", "1")
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| comm |")]
+    assert len(rows) == 1 and rows[0].startswith("| comm | 2 | 1 |")

@@ -13,7 +13,7 @@ from vllm_actors.enginecore.structured_output import StructuredOutputManager
 from vllm_actors.protocol.engine import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
                                          EngineReady, FinishReason, SchedulerStats)
 from vllm_actors.protocol.step import StepInput, StepOutput
-from vllm_actors.workers.executor import InprocExecutor
+from vllm_actors.workers.executor import executor_for
 
 
 GRAMMAR_WAIT_S = 0.02   # the busy loop's wait for a grammar compile when idle otherwise
@@ -23,14 +23,23 @@ class EngineCore:
     """The scheduling loop's body. Construction loads the model (through the executor) and
     sizes the KV cache; `ready` holds what was found."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        self.executor = InprocExecutor(config)
+    def __init__(self, config: EngineConfig, ipc_dir: str | None = None) -> None:
+        """ipc_dir: where worker processes' sockets go (multi-process executor)."""
+        self.executor = executor_for(config, ipc_dir)
         self.ready: EngineReady = self.executor.ready
         self.block_size = self.ready.block_size
         kv = KVCacheManager(self.ready.num_kv_blocks, self.block_size,
                             config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, kv, self.ready.max_model_len)
         self.structured = StructuredOutputManager(config.model.model, self.ready.vocab_size)
+
+    def check_health(self) -> None:
+        """Raises WorkerDiedError when a worker process is gone (called while idle)."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the workers (worker processes exit; nothing to do in process)."""
+        self.executor.shutdown()
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a request. Raises ValidationError for one the frontend should have refused

@@ -65,7 +65,10 @@ class EngineCoreProc:
             thread.start()
         try:
             while not self.stopping.is_set():
-                self._process_input(block=not self.core.has_work())
+                idle = not self.core.has_work()
+                self._process_input(block=idle)
+                if idle:
+                    self.core.check_health()
                 if self.core.has_work() and not self.stopping.is_set():
                     self.output_queue.put(self.core.step())
             return True
@@ -75,6 +78,10 @@ class EngineCoreProc:
             return False
         finally:
             self.stopping.set()
+            try:
+                self.core.shutdown()
+            except Exception:   # the frontend still gets its answer and the sockets close
+                logger.exception("stopping the workers failed")
             self.output_queue.put(_STOP)
             for thread in self.threads:
                 thread.join(timeout=5)
@@ -174,7 +181,7 @@ def serve(addresses: IpcAddresses, parent_pid: int | None,
         if config is None:
             config = msgspec.msgpack.decode(handshake.recv(), type=EngineConfig)
         try:
-            core = EngineCore(config)
+            core = EngineCore(config, addresses.directory)
         except Exception as e:
             if not isinstance(e, VllmActorsError):
                 logger.error("engine core startup failed:\n%s", traceback.format_exc())

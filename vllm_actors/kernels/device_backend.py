@@ -97,6 +97,9 @@ class DeviceBackend:
     def free_memory(self) -> int:
         raise NotImplementedError
 
+    def from_host(self, x: np.ndarray) -> Any:
+        return self._put(np.asarray(x, np.float32))
+
     # -- weights and buffers -------------------------------------------------------------
     def upload_linear(self, parts: Sequence[WeightLike]) -> Linear:
         out = sum(p.shape[0] for p in parts)

@@ -82,6 +82,10 @@ class Backend(Protocol):
 
     def to_host(self, x: Array) -> np.ndarray: ...
 
+    def from_host(self, x: np.ndarray) -> Array:
+        """A per-step float32 host array (an activation, e.g. after a host all-reduce) on the
+        device; not counted as weights."""
+
     def free_memory(self) -> int:
         """Bytes the device can still allocate (on CPU: available RAM)."""
 

@@ -38,6 +38,33 @@ class RawTensor:
     def to_float32(self) -> np.ndarray:
         return quant.dequantize(self.data, self.qtype, self.shape)
 
+    def row_slice(self, start: int, stop: int) -> "RawTensor":
+        """Rows [start, stop) of the outermost axis (output features; heads; vocab entries).
+        Block-safe for quantized types: GGML blocks run along the innermost axis."""
+        shape = (stop - start, *self.shape[1:])
+        return RawTensor(self.name, shape, self.qtype, self.data[start:stop])
+
+    def col_slice(self, start: int, stop: int) -> "RawTensor":
+        """Columns [start, stop) of a 2-D weight `[out, in]` (input features). Quantized rows
+        are cut on block boundaries; when the cut is not block-aligned the slice is
+        dequantized to float32 instead (logged by the caller's shapes: qtype becomes F32)."""
+        rows = self.shape[0]
+        if self.data.dtype != np.uint8:      # plain float data keeps its logical shape
+            return RawTensor(self.name, (rows, stop - start), self.qtype,
+                             np.ascontiguousarray(self.data[:, start:stop]))
+        block, nbytes = quant.block_layout(self.qtype)
+        if start % block == 0 and stop % block == 0:
+            data = self.data[:, start // block * nbytes: stop // block * nbytes]
+            return RawTensor(self.name, (rows, stop - start), self.qtype,
+                             np.ascontiguousarray(data))
+        dense = np.ascontiguousarray(self.to_float32()[:, start:stop])
+        return RawTensor(self.name, (rows, stop - start), int(GGMLQuantizationType.F32), dense)
+
+    def with_zero_row(self) -> "RawTensor":
+        """One more row of zeros at the end (all-zero bytes decode to 0.0 in every GGML type)."""
+        data = np.concatenate([self.data, np.zeros((1, *self.data.shape[1:]), self.data.dtype)])
+        return RawTensor(self.name, (self.shape[0] + 1, *self.shape[1:]), self.qtype, data)
+
 
 class WeightSet:
     """Weights by canonical name, remembering the file they came from for error messages."""

@@ -45,10 +45,51 @@ class ModelArgs:
         return self.num_kv_heads * self.head_dim
 
 
+class ParallelGroup(Protocol):
+    """The tensor-parallel group a model shard belongs to, handed to the model by its worker
+    (models never see processes, shared memory or NCCL; see `workers/parallel_state.py`).
+    Every rank makes the same calls in the same order."""
+
+    rank: int
+    world_size: int
+
+    def all_reduce(self, x: Any) -> Any:
+        """Sum of x (a backend array, e.g. [T, D]) over the ranks; every rank gets the same
+        bits (partials are added in rank order)."""
+
+    def gather_columns(self, x: np.ndarray, widths: list[int]) -> np.ndarray | None:
+        """Host float32 x [R, widths[rank]] from every rank -> [R, sum(widths)] (the ranks'
+        columns in rank order) on rank 0; None on the others."""
+
+    def broadcast_ids(self, ids: np.ndarray | None, count: int) -> np.ndarray:
+        """int64 [count] from rank 0 (others pass None) -> the same array on every rank."""
+
+
+class SingleRank:
+    """The trivial group of one rank (no tensor parallelism)."""
+
+    rank = 0
+    world_size = 1
+
+    def all_reduce(self, x: Any) -> Any:
+        return x
+
+    def gather_columns(self, x: np.ndarray, widths: list[int]) -> np.ndarray:
+        return x
+
+    def broadcast_ids(self, ids: np.ndarray | None, count: int) -> np.ndarray:
+        assert ids is not None
+        return ids
+
+
 class CausalLM(Protocol):
-    """A model the runner can drive. Backend arrays in, backend arrays out."""
+    """A model the runner can drive. Backend arrays in, backend arrays out.
+
+    `args` describe the whole model; `local_args` this rank's shard (heads, KV heads and MLP
+    width per rank; equal to `args` without tensor parallelism), which sizes the KV cache."""
 
     args: ModelArgs
+    local_args: ModelArgs
 
     def forward(self, token_ids: np.ndarray, positions: np.ndarray, meta: AttentionMetadata,
                 kv_caches: list[Any]) -> Any:
@@ -56,7 +97,8 @@ class CausalLM(Protocol):
 
     def compute_logits(self, hidden: Any, rows: np.ndarray, on_device: bool = False) -> Any:
         """Rows `rows` of hidden [T, D] -> float32 logits [len(rows), V] on the host (or left
-        on the device for the backend's sampling helpers)."""
+        on the device for the backend's sampling helpers). Under tensor parallelism every
+        rank must call it; rank 0 gets the logits, the others None."""
 
 
 def _llama3_inv_freq(inv_freq: np.ndarray, scaling: dict[str, Any]) -> np.ndarray:

@@ -19,7 +19,9 @@ from vllm_actors.errors import ModelFormatError
 from vllm_actors.kernels.ops import AttentionMetadata, Backend, RopeTables
 from vllm_actors.loaders.gguf import GGUFFile
 from vllm_actors.loaders.weights import RawTensor, WeightSet
-from vllm_actors.models.base import ModelArgs, rope_cos_sin, rope_inv_freq
+from vllm_actors.models.base import (ModelArgs, ParallelGroup, SingleRank, rope_cos_sin,
+                                     rope_inv_freq)
+from vllm_actors.models.sharding import ShardPlan
 
 HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                     "Qwen3ForCausalLM")
@@ -103,15 +105,30 @@ class _Layer:
 
 
 class LlamaForCausalLM:
-    """Implements `models.base.CausalLM` for the llama family on any backend."""
+    """Implements `models.base.CausalLM` for the llama family on any backend.
 
-    def __init__(self, args: ModelArgs, weights: WeightSet, backend: Backend) -> None:
+    With a `tp` group of several ranks this is one rank's shard (`models/sharding.py`): its
+    heads and MLP slice, one all-reduce after attention and one after the MLP, a vocab-split
+    embedding (all-reduced) and LM head (gathered to rank 0).
+
+    Raises:
+        ValidationError: the model does not divide among `tp.world_size` ranks.
+    """
+
+    def __init__(self, args: ModelArgs, weights: WeightSet, backend: Backend,
+                 tp: ParallelGroup | None = None) -> None:
         self.args = args
         self.backend = backend
+        self.tp = tp or SingleRank()
+        self.plan = ShardPlan.build(args, self.tp.rank, self.tp.world_size)
+        self.local_args = self.plan.local_args
         self.scale = 1.0 / float(np.sqrt(args.head_dim))
         embed = weights.require("token_embd.weight")
-        self.embed = backend.upload_table(embed)
         head = weights.get("output.weight")
+        if self.plan.sharded:
+            embed = self.plan.vocab_table(embed)
+            head = None if head is None else head.row_slice(*self.plan.vocab)
+        self.embed = backend.upload_table(embed)
         self.head = backend.upload_lm_head(embed if head is None else head)
         # Within-head row order that turns adjacent-pair RoPE rows into NeoX halves.
         rot = args.rotary_dim
@@ -136,36 +153,47 @@ class LlamaForCausalLM:
                  (np.arange(num_heads)[:, None] * dh + self._neox_order[None, :]).reshape(-1))
         return replace(tensor, data=np.ascontiguousarray(tensor.data[order]))
 
+    def _qkv_shard(self, q: RawTensor, k: RawTensor, v: RawTensor) -> list[RawTensor]:
+        """Q/K rows in NeoX order, then this rank's heads of q, k and v (weights or biases)."""
+        a, plan, dh = self.args, self.plan, self.args.head_dim
+        q, k = self._neox(q, a.num_heads), self._neox(k, a.num_kv_heads)
+        if not plan.sharded:
+            return [q, k, v]
+        return [plan.q_rows(q, dh), plan.kv_rows(k, dh), plan.kv_rows(v, dh)]
+
     def _load_layer(self, weights: WeightSet, i: int) -> _Layer:
         b, p = self.backend, f"blk.{i}."
-        a = self.args
+        a, plan = self.args, self.plan
         qkv = [weights.require(p + n) for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight")]
         if qkv[0].shape[0] != a.q_size or qkv[1].shape[0] != a.kv_size:
             raise ModelFormatError(weights.path, f"{p}attn_q/attn_k shapes {qkv[0].shape}, "
                                                  f"{qkv[1].shape} do not match the config")
-        qkv[0], qkv[1] = self._neox(qkv[0], a.num_heads), self._neox(qkv[1], a.num_kv_heads)
+        qkv = self._qkv_shard(*qkv)
         qkv_bias = None
         if a.attention_bias:
-            q_b, k_b, v_b = (weights.require(p + n) for n in ("attn_q.bias", "attn_k.bias",
-                                                              "attn_v.bias"))
-            biases = [self._neox(q_b, a.num_heads), self._neox(k_b, a.num_kv_heads), v_b]
+            biases = self._qkv_shard(*(weights.require(p + n) for n in (
+                "attn_q.bias", "attn_k.bias", "attn_v.bias")))
             qkv_bias = b.upload_array(np.concatenate([t.to_float32() for t in biases]))
         q_norm = k_norm = None
         if a.qk_norm:
             q_norm = b.upload_vector(self._neox(weights.require(p + "attn_q_norm.weight"), 0))
             k_norm = b.upload_vector(self._neox(weights.require(p + "attn_k_norm.weight"), 0))
+        attn_out = weights.require(p + "attn_output.weight")
+        gate, up, down = (weights.require(p + n) for n in ("ffn_gate.weight", "ffn_up.weight",
+                                                            "ffn_down.weight"))
+        if plan.sharded:
+            attn_out = plan.o_cols(attn_out, a.head_dim)
+            gate, up, down = plan.ffn_rows(gate), plan.ffn_rows(up), plan.ffn_cols(down)
         return _Layer(
             attn_norm=b.upload_vector(weights.require(p + "attn_norm.weight")),
             qkv=b.upload_linear(qkv), qkv_bias=qkv_bias, q_norm=q_norm, k_norm=k_norm,
-            attn_out=b.upload_linear([weights.require(p + "attn_output.weight")]),
+            attn_out=b.upload_linear([attn_out]),
             ffn_norm=b.upload_vector(weights.require(p + "ffn_norm.weight")),
-            gate_up=b.upload_linear([weights.require(p + "ffn_gate.weight"),
-                                     weights.require(p + "ffn_up.weight")]),
-            down=b.upload_linear([weights.require(p + "ffn_down.weight")]),
+            gate_up=b.upload_linear([gate, up]), down=b.upload_linear([down]),
         )
 
     def _attention(self, layer: _Layer, x: Any, rope: Any, attn: Any, kv_cache: Any) -> Any:
-        b, a = self.backend, self.args
+        b, a = self.backend, self.local_args
         num_tokens = len(x)
         qkv = b.linear(x, layer.qkv, layer.qkv_bias)
         q, k, v = b.split_qkv(qkv, a.num_heads, a.num_kv_heads, a.head_dim)
@@ -176,21 +204,31 @@ class LlamaForCausalLM:
         k = b.rope(k, rope)
         b.reshape_and_cache(k, v, kv_cache, attn)
         out = b.paged_attention(q, kv_cache, attn, self.scale)
-        return b.linear(out.reshape(num_tokens, a.q_size), layer.attn_out)
+        return self.tp.all_reduce(b.linear(out.reshape(num_tokens, a.q_size), layer.attn_out))
+
+    def _embed(self, token_ids: np.ndarray) -> Any:
+        if not self.plan.sharded:
+            return self.backend.embedding(self.embed, token_ids)
+        return self.tp.all_reduce(self.backend.embedding(self.embed,
+                                                         self.plan.local_ids(token_ids)))
 
     def forward(self, token_ids: np.ndarray, positions: np.ndarray, meta: AttentionMetadata,
                 kv_caches: list[Any]) -> Any:
-        b, eps = self.backend, self.args.rms_norm_eps
+        b, eps, tp = self.backend, self.args.rms_norm_eps, self.tp
         attn = b.prepare_attention(meta)
         rope = b.prepare_rope(positions, self.rope)
-        h = b.embedding(self.embed, token_ids)
+        h = self._embed(token_ids)
         for layer, kv_cache in zip(self.layers, kv_caches):
             h = b.add(h, self._attention(layer, b.rms_norm(h, layer.attn_norm, eps), rope, attn,
                                          kv_cache))
             mlp = b.linear(b.silu_mul(b.linear(b.rms_norm(h, layer.ffn_norm, eps), layer.gate_up)),
                            layer.down)
-            h = b.add(h, mlp)
+            h = b.add(h, tp.all_reduce(mlp))
         return b.rms_norm(h, self.final_norm, eps)
 
     def compute_logits(self, hidden: Any, rows: np.ndarray, on_device: bool = False) -> Any:
-        return self.backend.lm_head(hidden, self.head, rows, on_device)
+        if not self.plan.sharded:
+            return self.backend.lm_head(hidden, self.head, rows, on_device)
+        width = self.plan.vocab_widths[self.tp.rank]   # drops the tied table's zero row
+        local = self.backend.lm_head(hidden, self.head, rows)[:, :width]
+        return self.tp.gather_columns(np.ascontiguousarray(local), self.plan.vocab_widths)

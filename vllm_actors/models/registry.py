@@ -13,7 +13,7 @@ from vllm_actors.loaders.gguf import GGUFFile
 from vllm_actors.loaders.model_files import ModelSource
 from vllm_actors.loaders.weights import gguf_weights, safetensors_weights
 from vllm_actors.models import llama
-from vllm_actors.models.base import CausalLM, ModelArgs
+from vllm_actors.models.base import CausalLM, ModelArgs, ParallelGroup
 
 _FAMILIES: tuple[ModuleType, ...] = (llama,)
 _BY_HF_NAME = {name: m for m in _FAMILIES for name in m.HF_ARCHITECTURES}
@@ -73,11 +73,13 @@ def inspect_model(source: ModelSource) -> tuple[ModelInfo, GGUFFile | None]:
         raise ModelFormatError(source.path / "config.json", f"missing key {e}") from None
 
 
-def load_model(source: ModelSource, backend: Backend) -> CausalLM:
-    """Open, check and upload a model onto `backend`."""
+def load_model(source: ModelSource, backend: Backend, tp: ParallelGroup | None = None
+               ) -> CausalLM:
+    """Open, check and upload a model onto `backend` (only rank `tp.rank`'s shard when a
+    tensor-parallel group is given; each rank reads the file through its own mmap)."""
     info, gguf = inspect_model(source)
     if gguf is not None:
         weights = gguf_weights(gguf)
     else:
         weights = safetensors_weights(source.path, info.args.architecture, info.args.num_layers)
-    return _MODEL_CLASSES[info.family](info.args, weights, backend)
+    return _MODEL_CLASSES[info.family](info.args, weights, backend, tp)

@@ -1,12 +1,39 @@
-"""Executors: how the engine core reaches its workers. The in-process executor calls one
-ModelRunner directly (vLLM's UniProcExecutor); the multi-process one arrives with the actors
-issue."""
+"""Executors: how the engine core reaches its workers (the only workers/ module it imports).
+
+`executor_for(config)` is the seam. "uni" (tensor parallel size 1, the default) is the
+in-process executor: one ModelRunner called directly (vLLM's UniProcExecutor), no copies, no
+IPC. "mp" starts one worker process per rank on this machine, broadcasts each StepInput
+through the shared-memory ring and reads rank 0's StepOutput. A Ray executor for several
+machines would be one more class with the same four members (`ready`, `execute`,
+`check_health`, `shutdown`), chosen here for "ray": it would start workers as actors and
+broadcast over the network instead of shared memory, with NCCL between the ranks' GPUs.
+"""
 
 from __future__ import annotations
 
+import logging
+
+import msgspec
+import zmq
+
 from vllm_actors.config import EngineConfig
+from vllm_actors.errors import WorkerDiedError
 from vllm_actors.protocol.engine import EngineReady
 from vllm_actors.protocol.step import StepInput, StepOutput
+from vllm_actors.protocol.wire import Decoder, IpcAddresses
+from vllm_actors.protocol.worker import (ExecuteStep, InitKVCache, StepDone, WorkerCall,
+                                         WorkerFailed, WorkerInit, WorkerReply, WorkerShutdown)
+from vllm_actors.workers import launcher
+from vllm_actors.workers.parallel_state import DEFAULT_SLOT_BYTES, communicator_bytes
+from vllm_actors.workers.shm import SharedBuffer
+from vllm_actors.workers.shm_broadcast import RingWriter, SocketChannel, ring_bytes
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 50               # how often a waiting executor looks at its workers' processes
+RING_SLOTS = 4             # StepInputs in flight at most (the core waits for each step's output)
+RING_SLOT_BYTES = 1 << 20  # larger StepInputs (many new long prompts) go over the PAIR sockets
+SHUTDOWN_WAIT_S = 5.0
 
 
 class InprocExecutor:
@@ -19,3 +46,122 @@ class InprocExecutor:
 
     def execute(self, step: StepInput) -> StepOutput:
         return self.runner.execute(step)
+
+    def check_health(self) -> None:
+        """Nothing to watch: the worker is this process."""
+
+    def shutdown(self) -> None:
+        pass
+
+
+class MultiprocExecutor:
+    """One worker process per tensor-parallel rank (see workers/launcher.py, worker.py).
+
+    Args:
+        config: the engine configuration (`config.parallel.tensor_parallel_size` ranks).
+        ipc_dir: directory for the workers' sockets (the engine core's own ipc directory,
+            which its frontend removes whatever happens); a private one when None.
+    Raises:
+        the first failing worker's typed startup error, or EngineDeadError.
+    """
+
+    def __init__(self, config: EngineConfig, ipc_dir: str | None = None) -> None:
+        n = config.parallel.tensor_parallel_size
+        self._own_dir = IpcAddresses.create() if ipc_dir is None else None
+        ipc_dir = ipc_dir or self._own_dir.directory
+        self.ctx = zmq.Context()
+        self.handles: list = []
+        self.closed = False
+        self.ring_buffer = SharedBuffer.create(ring_bytes(n, RING_SLOTS, RING_SLOT_BYTES))
+        self.comm_buffer = SharedBuffer.create(communicator_bytes(n, DEFAULT_SLOT_BYTES))
+        ring = RingWriter(self.ring_buffer, n, [], RING_SLOTS, RING_SLOT_BYTES, self._all_alive)
+        inits = [WorkerInit(r, n, launcher.encode_config(config), self.ring_buffer.name,
+                            ring.num_slots, ring.slot_bytes, self.comm_buffer.name,
+                            DEFAULT_SLOT_BYTES) for r in range(n)]
+        try:
+            self.handles = launcher.launch_workers(self.ctx, ipc_dir, inits,
+                                                   config.device.backend)
+            readies = launcher.await_ready(self.handles)
+        except BaseException:
+            self.shutdown()
+            raise
+        finally:   # mapped by every worker now (or never needed again): drop the names
+            self.ring_buffer.unlink()
+            self.comm_buffer.unlink()
+        ring.fallbacks = [SocketChannel(h.socket) for h in self.handles]
+        self.ring = ring
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = Decoder(WorkerReply)
+        self.poller = zmq.Poller()
+        for handle in self.handles:
+            self.poller.register(handle.socket, zmq.POLLIN)
+        num_blocks = min(r.ready.num_kv_blocks for r in readies)
+        self._call(InitKVCache(num_blocks))
+        first = readies[0].ready
+        self.ready = EngineReady(num_blocks, first.block_size, first.max_model_len,
+                                 first.vocab_size)
+        logger.info("%d workers ready (pids %s); %d KV blocks per rank", n,
+                    [h.process.pid for h in self.handles], num_blocks)
+
+    def _call(self, call: WorkerCall) -> None:
+        self.ring.enqueue(self.encoder.encode(call))
+
+    def execute(self, step: StepInput) -> StepOutput:
+        """Broadcast the step, then wait for rank 0's output while watching every worker.
+
+        Raises:
+            WorkerDiedError: a worker exited or reported a failure.
+        """
+        self._call(ExecuteStep(step))
+        while True:
+            for socket, _ in self.poller.poll(POLL_MS):
+                match self.decoder.decode(socket.recv_multipart(copy=False)):
+                    case StepDone(output=output):
+                        return output
+                    case WorkerFailed(rank=rank, reason=reason):
+                        raise WorkerDiedError(f"worker rank {rank} failed: {reason}")
+            self.check_health()
+
+    def _all_alive(self) -> bool:
+        return all(h.process.poll() is None for h in self.handles)
+
+    def check_health(self) -> None:
+        """Raises WorkerDiedError when a worker process has exited."""
+        for handle in self.handles:
+            code = handle.process.poll()
+            if code is not None:
+                how = f"signal {-code}" if code < 0 else f"exit code {code}"
+                raise WorkerDiedError(f"worker rank {handle.rank} (pid {handle.process.pid}) "
+                                      f"exited unexpectedly ({how})")
+
+    def shutdown(self) -> None:
+        """Ask the workers to exit (if all are alive), then make sure they have; safe to call
+        more than once."""
+        if self.closed:
+            return
+        self.closed = True
+        wait_s = 0.0
+        if self.handles and self._all_alive() and hasattr(self, "ring"):
+            try:
+                self._call(WorkerShutdown())
+                wait_s = SHUTDOWN_WAIT_S
+            except Exception:   # a worker died meanwhile: stop them all below
+                logger.warning("could not ask the workers to shut down", exc_info=True)
+        launcher.stop_workers(self.handles, wait_s)
+        self.ring_buffer.unlink()
+        self.comm_buffer.unlink()
+        self.ctx.term()
+        if self._own_dir is not None:
+            self._own_dir.remove()
+
+
+def executor_for(config: EngineConfig, ipc_dir: str | None = None
+                 ) -> InprocExecutor | MultiprocExecutor:
+    """The executor `config.parallel` asks for ("uni" or "mp"; a Ray executor plugs in here).
+
+    Args:
+        ipc_dir: where worker processes' sockets go (see MultiprocExecutor).
+    """
+    if config.parallel.executor_backend == "mp":
+        return MultiprocExecutor(config, ipc_dir)
+    return InprocExecutor(config)

@@ -15,9 +15,9 @@ import numpy as np
 from vllm_actors.config import EngineConfig
 from vllm_actors.errors import ValidationError
 from vllm_actors.kernels import get_backend
-from vllm_actors.kernels.ops import AttentionMetadata
+from vllm_actors.kernels.ops import AttentionMetadata, Backend
 from vllm_actors.loaders.model_files import resolve_model
-from vllm_actors.models.base import CausalLM
+from vllm_actors.models.base import CausalLM, ParallelGroup, SingleRank
 from vllm_actors.models.registry import load_model
 from vllm_actors.protocol.engine import EngineReady, TokenLogprobs
 from vllm_actors.protocol.step import StepInput, StepOutput
@@ -38,29 +38,51 @@ class ModelRunner:
         config: the engine configuration.
         model: an already built model on `config`'s backend (tests, benchmarks); by default
             the model named by `config.model.model` is loaded.
+        backend: the backend to use (a worker builds it first for its tensor-parallel
+            group); by default the one `config.device` names.
+        tp: this rank's tensor-parallel group. Every rank runs every step on the same
+            inputs; only rank 0 samples, and it broadcasts the sampled ids so that every
+            rank's persistent batch stays the same.
+        allocate_kv: False leaves the KV cache to `initialize_kv_cache` (a worker allocates
+            the block count agreed by all ranks).
     """
 
-    def __init__(self, config: EngineConfig, model: CausalLM | None = None) -> None:
+    def __init__(self, config: EngineConfig, model: CausalLM | None = None,
+                 backend: Backend | None = None, tp: ParallelGroup | None = None,
+                 allocate_kv: bool = True) -> None:
         device = config.device
-        self.backend = get_backend(device.backend, device.opencl_platform, device.opencl_device)
-        self.model = model or load_model(resolve_model(config.model.model), self.backend)
+        self.backend = backend or get_backend(device.backend, device.opencl_platform,
+                                              device.opencl_device)
+        self.tp = tp or SingleRank()
+        self.model = model or load_model(resolve_model(config.model.model), self.backend,
+                                         self.tp)
         args = self.model.args
+        self.local_args = getattr(self.model, "local_args", args)
         limit = args.max_position_embeddings
         self.max_model_len = config.model.max_model_len or limit
         if self.max_model_len > limit:
             raise ValidationError(f"max_model_len={self.max_model_len} is larger than the "
                                   f"model's context length ({limit})", "max_model_len")
         self.block_size = config.cache.block_size
-        self.num_blocks = num_kv_blocks(config.cache, args, self.max_model_len,
+        self.num_blocks = num_kv_blocks(config.cache, self.local_args, self.max_model_len,
                                         self.backend.free_memory())
-        self.kv_caches = self.backend.allocate_kv_cache(
-            args.num_layers, self.num_blocks + 1, self.block_size, args.num_kv_heads,
-            args.head_dim)
+        self.kv_caches: list = []
+        if allocate_kv:
+            self.initialize_kv_cache(self.num_blocks)
         self.batch = InputBatch(config.scheduler.max_num_seqs, self.max_model_len,
                                 self.block_size)
         self.sampler = Sampler(config.model.seed)
-        # device backends sample plain-greedy steps themselves (see _sample)
-        self.device_greedy = hasattr(self.backend, "argmax")
+        # device backends sample plain-greedy steps themselves (see _sample); under tensor
+        # parallelism the logits are gathered on the host of rank 0
+        self.device_greedy = hasattr(self.backend, "argmax") and self.tp.world_size == 1
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate `num_blocks` usable blocks (plus the null block) of this rank's KV heads."""
+        local = self.local_args
+        self.num_blocks = num_blocks
+        self.kv_caches = self.backend.allocate_kv_cache(
+            local.num_layers, num_blocks + 1, self.block_size, local.num_kv_heads,
+            local.head_dim)
 
     @property
     def ready(self) -> EngineReady:
@@ -108,7 +130,10 @@ class ModelRunner:
         sel = np.flatnonzero((k >= 0) & (positions + 1 < batch.num_prompt_tokens[token_rows]))
         if not len(sel):
             return
-        lp = log_softmax(self.model.compute_logits(hidden, sel))
+        logits = self.model.compute_logits(hidden, sel)
+        if logits is None:      # a tensor-parallel rank other than 0
+            return
+        lp = log_softmax(logits)
         nxt = batch.token_ids[token_rows[sel], positions[sel] + 1]
         ids, lps, ranks = top_logprobs(lp, nxt, int(k[sel].max()))
         for row in np.unique(token_rows[sel]).tolist():
@@ -123,6 +148,9 @@ class ModelRunner:
         if not len(done):
             return
         last = meta.query_start_loc[1:][done] - 1
+        if self.tp.rank != 0:
+            self._follow_sampling(hidden, last, rows[done])
+            return
         tokens = lp = None
         if self.device_greedy and not step.grammar_req_ids and \
                 batch.sampling.plain_greedy(rows[done]):
@@ -139,13 +167,18 @@ class ModelRunner:
         for i in done[~finite].tolist():
             out.failed.setdefault(req_ids[i],
                                   "the model produced non-finite logits for this request")
-        done = done[finite]
+        all_done, done = done, done[finite]
+        if len(done) and tokens is None:
+            tokens, lp = self.sampler.sample(logits, rows[done], batch.sampling, batch.token_ids,
+                                             batch.num_prompt_tokens, batch.num_tokens)
+        if self.tp.world_size > 1:
+            shared = np.full(len(all_done), -1, np.int64)   # -1: no token (failed row)
+            if len(done):
+                shared[finite] = tokens
+            self.tp.broadcast_ids(shared, len(shared))
         if not len(done):
             return
         done_rows = rows[done]
-        if tokens is None:
-            tokens, lp = self.sampler.sample(logits, done_rows, batch.sampling, batch.token_ids,
-                                             batch.num_prompt_tokens, batch.num_tokens)
         batch.append_tokens(done_rows, tokens)
         for i, token in zip(done.tolist(), tokens.tolist()):
             out.sampled_token_ids[i] = [token]
@@ -175,6 +208,13 @@ class ModelRunner:
             ok[masked[j]] = False
             out.failed[step.grammar_req_ids[j]] = "the request's grammar allows no next token"
         return ok
+
+    def _follow_sampling(self, hidden: object, last: np.ndarray, done_rows: np.ndarray) -> None:
+        """A rank other than 0: its share of the logits, then rank 0's sampled ids."""
+        self.model.compute_logits(hidden, last)
+        tokens = self.tp.broadcast_ids(None, len(done_rows))
+        sampled = tokens >= 0
+        self.batch.append_tokens(done_rows[sampled], tokens[sampled])
 
     def execute(self, step: StepInput) -> StepOutput:
         self._apply_diffs(step)

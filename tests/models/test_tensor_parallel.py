@@ -1,0 +1,121 @@
+"""Tensor-parallel shards of tiny random-weight models give the TP=1 logits.
+
+The ranks run as threads of this process sharing one shared-memory communicator (the same
+code the worker processes run; numpy releases the GIL in BLAS). Covered: KV heads split
+(llama 2 KV heads at TP=2) and replicated (TP=4; qwen2's single KV head), q/k/v biases,
+tied and separate LM heads, Q8_0 row-parallel cuts on and off block boundaries (dequantized
+to float32 when off), chunked prompts.
+"""
+
+import threading
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from model_driver import prompt_logits
+from tiny_models import TINY_PROMPT, write_hf_dir, write_llama_gguf
+
+from vllm_actors.errors import ValidationError
+from vllm_actors.kernels.numpy_backend import NumpyBackend
+from vllm_actors.loaders.model_files import resolve_model
+from vllm_actors.models.base import ModelArgs
+from vllm_actors.models.registry import load_model
+from vllm_actors.models.sharding import ShardPlan
+from vllm_actors.workers.parallel_state import HostGroup, ShmCommunicator, communicator_bytes
+from vllm_actors.workers.shm import SharedBuffer
+
+# Partial sums of a row-parallel matmul are added in a different order than one full-width
+# dot product: float32 rounding only, on logits of magnitude ~1-10.
+TP_TOLERANCE = 2e-5
+SLOT_BYTES = 1 << 16          # small, so the all-reduce and gather run in several chunks
+
+
+def run_ranks(world_size: int, body):
+    """body(group, backend) on `world_size` threads; returns rank 0's result."""
+    buffer = SharedBuffer.create(communicator_bytes(world_size, SLOT_BYTES))
+    results, errors = [None] * world_size, []
+
+    def rank_main(rank):
+        try:
+            backend = NumpyBackend()
+            comm = ShmCommunicator(buffer, rank, world_size, SLOT_BYTES)
+            results[rank] = body(HostGroup(comm, backend), backend)
+        except BaseException as e:   # noqa: BLE001 - re-raised in the test thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world_size)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        buffer.unlink()
+    if errors:
+        raise errors[0]
+    assert all(r is None for r in results[1:])
+    return results[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny-tp")
+    write_hf_dir(root / "llama", "llama")
+    write_hf_dir(root / "qwen2", "qwen2")
+    write_llama_gguf(root / "llama-q8.gguf", qtype=T.Q8_0)
+    return {name: resolve_model(root / path) for name, path in
+            [("llama", "llama"), ("qwen2", "qwen2"), ("llama-q8", "llama-q8.gguf")]}
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "llama-q8"])
+def test_tp_logits_equal_tp1(tiny_sources, name):
+    source = tiny_sources[name]
+    backend = NumpyBackend()
+    expected = prompt_logits(load_model(source, backend), backend, TINY_PROMPT,
+                             [17, 1, 1, 21], block_size=8)
+    for world_size in (1, 2, 4):
+        logits = run_ranks(world_size, lambda group, b: prompt_logits(
+            load_model(source, b, group), b, TINY_PROMPT, [17, 1, 1, 21], block_size=8))
+        diff = float(np.abs(logits - expected).max())
+        print(f"{name} TP={world_size}: max |logits - TP1| = {diff:.2e}")
+        assert logits.shape == expected.shape
+        assert diff <= TP_TOLERANCE
+        assert (logits.argmax(-1) == expected.argmax(-1)).all()
+
+
+SMOL = ModelArgs("llama", hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
+                 head_dim=64, intermediate_size=1536, vocab_size=49152, rms_norm_eps=1e-5,
+                 rope_theta=1e4, max_position_embeddings=8192, rotary_dim=64)
+
+
+def test_shard_plan_for_smollm2_at_tp3():
+    plans = [ShardPlan.build(SMOL, r, 3) for r in range(3)]
+    assert [p.heads for p in plans] == [(0, 3), (3, 6), (6, 9)]
+    assert [p.kv_heads for p in plans] == [(0, 1), (1, 2), (2, 3)]
+    assert [p.ffn for p in plans] == [(0, 512), (512, 1024), (1024, 1536)]
+    assert plans[0].vocab_widths == [16384] * 3
+    assert plans[2].local_args.num_heads == 3 and plans[2].local_args.num_kv_heads == 1
+
+
+def test_kv_heads_replicated_when_fewer_than_ranks():
+    args = ModelArgs("llama", 64, 1, num_heads=8, num_kv_heads=2, head_dim=8,
+                     intermediate_size=64, vocab_size=10, rms_norm_eps=1e-5, rope_theta=1e4,
+                     max_position_embeddings=16, rotary_dim=8)
+    assert [ShardPlan.build(args, r, 4).kv_heads for r in range(4)] == [(0, 1), (0, 1),
+                                                                       (1, 2), (1, 2)]
+    uneven = ShardPlan.build(replace(args, num_heads=12, num_kv_heads=3, intermediate_size=48),
+                             2, 3)
+    assert uneven.vocab == (8, 10) and uneven.vocab_widths == [4, 4, 2]
+
+
+@pytest.mark.parametrize("args, size, message", [
+    (SMOL, 2, "9 attention heads are not divisible by --tensor-parallel-size 2"),
+    (SMOL, 9, "MLP width 1536 is not divisible by --tensor-parallel-size 9"),
+    (replace(SMOL, num_heads=12, num_kv_heads=8), 3,
+     "8 KV heads and --tensor-parallel-size 3 do not divide one another"),
+])
+def test_indivisible_sizes_are_explained(args, size, message):
+    with pytest.raises(ValidationError, match=message) as info:
+        ShardPlan.build(args, 0, size)
+    assert info.value.param == "tensor_parallel_size"

@@ -1,0 +1,148 @@
+"""A worker process: one tensor-parallel rank on one device.
+
+    python -m vllm_actors.workers.worker IPC_DIR RANK PARENT_PID
+
+Startup: connect the PAIR socket `IPC_DIR/w<RANK>`, receive WorkerInit, build the backend,
+the tensor-parallel group and this rank's model shard, answer WorkerReady (or the startup
+error). Then loop: read the next WorkerCall from the shared-memory ring; on ExecuteStep run
+the ModelRunner (rank 0 sends the StepOutput back); InitKVCache allocates; WorkerShutdown
+exits. Any exception is sent as WorkerFailed before exiting. The worker dies with its parent
+(PR_SET_PDEATHSIG, and the parent is checked while waiting in shared memory).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import traceback
+
+import msgspec
+import zmq
+
+from vllm_actors.config import EngineConfig
+from vllm_actors.errors import VllmActorsError
+from vllm_actors.kernels import get_backend
+from vllm_actors.protocol.engine import EngineStartupError
+from vllm_actors.protocol.worker import (ExecuteStep, InitKVCache, StepDone, WorkerCall,
+                                         WorkerFailed, WorkerInit, WorkerReady, WorkerShutdown)
+from vllm_actors.protocol.wire import Decoder, Encoder
+from vllm_actors.workers.model_runner import ModelRunner
+from vllm_actors.workers.parallel_state import (ShmCommunicator, communicator_bytes,
+                                                make_group)
+from vllm_actors.workers.shm import (SharedBuffer, parent_alive, set_oversubscribed,
+                                     usable_cpus)
+from vllm_actors.workers.launcher import worker_address
+from vllm_actors.workers.shm_broadcast import RingReader, SocketChannel, ring_bytes
+
+logger = logging.getLogger(__name__)
+_PR_SET_PDEATHSIG = 1
+
+
+class Worker:
+    """One rank: its ring reader, communicator, and ModelRunner over its shard."""
+
+    def __init__(self, init: WorkerInit, socket: zmq.Socket, parent_pid: int | None) -> None:
+        self.rank, self.socket = init.rank, socket
+        alive = parent_alive(parent_pid)
+        config = msgspec.msgpack.decode(init.config, type=EngineConfig)
+        n = init.world_size
+        self.ring_buffer = SharedBuffer.attach(
+            init.ring_name, ring_bytes(n, init.ring_slots, init.ring_slot_bytes))
+        self.ring = RingReader(self.ring_buffer, n, init.rank, SocketChannel(socket),
+                               init.ring_slots, init.ring_slot_bytes, alive)
+        self.comm_buffer = SharedBuffer.attach(init.comm_name,
+                                               communicator_bytes(n, init.comm_slot_bytes))
+        comm = ShmCommunicator(self.comm_buffer, init.rank, n, init.comm_slot_bytes, alive)
+        device = config.device
+        backend = get_backend(device.backend, device.opencl_platform,
+                              _opencl_device(device.backend, device.opencl_platform,
+                                             device.opencl_device, init.rank))
+        # CPU ranks (numpy, or OpenCL on PoCL) outnumbering the cores: sleep, do not spin
+        set_oversubscribed(backend.name != "cuda" and n > usable_cpus())
+        self.runner = ModelRunner(config, backend=backend, tp=make_group(comm, backend),
+                                  allocate_kv=False)
+
+    def run(self) -> None:
+        """Serve WorkerCalls until WorkerShutdown."""
+        decoder = msgspec.msgpack.Decoder(WorkerCall)
+        encoder = Encoder()
+        while True:
+            match decoder.decode(self.ring.dequeue()):
+                case ExecuteStep(step=step):
+                    output = self.runner.execute(step)
+                    if self.rank == 0:
+                        self.socket.send_multipart(encoder.encode(StepDone(output)), copy=False)
+                case InitKVCache(num_blocks=num_blocks):
+                    self.runner.initialize_kv_cache(num_blocks)
+                case WorkerShutdown():
+                    return
+
+
+def _opencl_device(backend: str, platform: int, first: int, rank: int) -> int:
+    """Rank r takes the r-th device after --opencl-device on the platform, wrapping around
+    when the platform has fewer (PoCL has one CPU device: the ranks share it)."""
+    if backend != "opencl" or rank == 0:
+        return first
+    import pyopencl
+    platforms = pyopencl.get_platforms()
+    count = len(platforms[platform].get_devices()) if platform < len(platforms) else 1
+    return (first + rank) % max(count, 1)
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:   # not Linux: the shared-memory waits still check the parent
+        pass
+
+
+def serve(ipc_dir: str, rank: int, parent_pid: int) -> int:
+    """Worker entry. Returns the exit code."""
+    ctx = zmq.Context()
+    socket = ctx.socket(zmq.PAIR)
+    socket.connect(worker_address(ipc_dir, rank))
+    encoder = Encoder()
+    try:
+        init = Decoder(WorkerInit).decode([socket.recv()])
+        try:
+            worker = Worker(init, socket, parent_pid)
+        except Exception as e:
+            if not isinstance(e, VllmActorsError):
+                logger.error("worker %d startup failed:\n%s", rank, traceback.format_exc())
+            socket.send_multipart(encoder.encode(EngineStartupError(
+                type(e).__name__, str(e), getattr(e, "param", None))))
+            return 1
+        socket.send_multipart(encoder.encode(WorkerReady(rank, worker.runner.ready)))
+        try:
+            worker.run()
+        except Exception as e:
+            logger.exception("worker %d failed", rank)
+            try:   # never block on a core that is gone
+                socket.send_multipart(encoder.encode(WorkerFailed(
+                    rank, f"{type(e).__name__}: {e}")), flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+            return 1
+        return 0
+    finally:
+        socket.close(linger=1000)
+        ctx.term()
+
+
+def main() -> None:
+    ipc_dir, rank, parent_pid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    _die_with_parent()
+    if os.getppid() != parent_pid:     # the parent died before PDEATHSIG was armed
+        sys.exit(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)    # the frontend decides on Ctrl-C
+    logging.basicConfig(level=logging.INFO,
+                        format=f"(Worker rank {rank}) %(levelname)s %(message)s")
+    sys.exit(serve(ipc_dir, rank, parent_pid))
+
+
+if __name__ == "__main__":
+    main()
