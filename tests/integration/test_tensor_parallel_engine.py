@@ -4,6 +4,7 @@ logprobs; a killed worker makes the engine dead within 2 s with no process left 
 a size the model does not divide into fails at startup with the worker's own message."""
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -12,7 +13,8 @@ import psutil
 import pytest
 from parity import GREEDY_12, assert_same_or_near_tie
 
-from vllm_actors import AsyncLLM, EngineDeadError, LLM, RequestOutputKind, SamplingParams
+from vllm_actors import (AsyncLLM, EngineDeadError, LLM, RequestOutputKind, SamplingParams,
+                         StructuredOutputsParams)
 from vllm_actors.errors import ValidationError
 
 LOGPROB_TOLERANCE = 1e-3     # as the logprob oracle tests: float32 sums in another order
@@ -47,6 +49,21 @@ def test_tp3_logprobs_equal_tp1(smollm2_llm, tp3_llm, prompts):
     print(f"{len(pairs)} positions, max |logprob TP3 - TP1| = {max(diffs):.2e}")
     assert len(diffs) >= 2 * len(pairs)   # at least the top 2 of every position
     assert max(diffs) <= LOGPROB_TOLERANCE
+
+
+def test_tp3_structured_outputs_equal_tp1(smollm2_llm, tp3_llm):
+    """The grammar bitmask rides in the broadcast StepInput; rank 0 masks, the other ranks
+    follow its ids. A constrained row and a free row in one batch equal TP=1's."""
+    schema = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0,
+                                                          "maximum": 99}},
+              "required": ["answer"], "additionalProperties": False}
+    chat = [{"role": "user", "content": "What is 2+2? Answer in JSON."}]
+    params = [SamplingParams(temperature=0.0, max_tokens=40,
+                             structured_outputs=StructuredOutputsParams(json=schema)),
+              SamplingParams(temperature=0.0, max_tokens=8)]
+    a, b = (llm.chat([chat, chat], params, use_tqdm=False) for llm in (smollm2_llm, tp3_llm))
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert 0 <= json.loads(b[0].outputs[0].text)["answer"] <= 99
 
 
 def test_indivisible_size_fails_at_startup(smollm2_path):
