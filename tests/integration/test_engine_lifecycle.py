@@ -11,12 +11,11 @@ import time
 
 import psutil
 import pytest
+from engine_death import LONG, kill_while_streaming
 
 from vllm_actors import AsyncLLM, EngineDeadError, LLM, RequestOutputKind, SamplingParams
 from vllm_actors.enginecore.core import EngineCore
 
-LONG = SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True,
-                      output_kind=RequestOutputKind.DELTA)
 
 
 def wait_until(condition, timeout: float) -> float:
@@ -40,21 +39,7 @@ def test_sigkill_of_the_core_fails_pending_requests_fast(smollm2_path):
     pid, ipc_dir = llm.client.pid, llm.client.addresses.directory
 
     async def scenario():
-        results = {}
-
-        async def consume(name):
-            try:
-                async for _ in llm.generate("Count:", LONG, name):
-                    results.setdefault(name, "streaming")
-            except EngineDeadError as e:
-                results[name] = (time.monotonic(), str(e))
-
-        tasks = [asyncio.create_task(consume(f"r{i}")) for i in range(3)]
-        while len(results) < 3:
-            await asyncio.sleep(0.01)
-        killed_at = time.monotonic()
-        os.kill(pid, signal.SIGKILL)
-        await asyncio.gather(*tasks)
+        killed_at, results = await kill_while_streaming(llm, pid, 3)
         with pytest.raises(EngineDeadError):
             async for _ in llm.generate("again", LONG):
                 pass

@@ -11,9 +11,10 @@ import time
 
 import psutil
 import pytest
+from engine_death import kill_while_streaming
 from parity import GREEDY_12, assert_same_or_near_tie
 
-from vllm_actors import (AsyncLLM, EngineDeadError, LLM, RequestOutputKind, SamplingParams,
+from vllm_actors import (AsyncLLM, EngineDeadError, LLM, SamplingParams,
                          StructuredOutputsParams)
 from vllm_actors.errors import ValidationError
 
@@ -72,8 +73,6 @@ def test_indivisible_size_fails_at_startup(smollm2_path):
         LLM(str(smollm2_path), tensor_parallel_size=2)
 
 
-LONG = SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True,
-                      output_kind=RequestOutputKind.DELTA)
 
 
 def test_sigkill_of_a_worker_kills_the_engine_fast_and_leaves_no_process(smollm2_path):
@@ -82,25 +81,7 @@ def test_sigkill_of_a_worker_kills_the_engine_fast_and_leaves_no_process(smollm2
     workers = core.children()
     assert len(workers) == 3
 
-    async def scenario():
-        results = {}
-
-        async def consume(name):
-            try:
-                async for _ in llm.generate("Count:", LONG, name):
-                    results.setdefault(name, "streaming")
-            except EngineDeadError as e:
-                results[name] = (time.monotonic(), str(e))
-
-        tasks = [asyncio.create_task(consume(f"r{i}")) for i in range(2)]
-        while len(results) < 2:
-            await asyncio.sleep(0.01)
-        killed_at = time.monotonic()
-        os.kill(workers[1].pid, signal.SIGKILL)
-        await asyncio.gather(*tasks)
-        return killed_at, results
-
-    killed_at, results = asyncio.run(scenario())
+    killed_at, results = asyncio.run(kill_while_streaming(llm, workers[1].pid, 2))
     for when, message in results.values():
         print(f"EngineDeadError {when - killed_at:.2f}s after the kill: {message}")
         assert when - killed_at < 2.0

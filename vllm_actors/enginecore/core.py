@@ -110,10 +110,9 @@ class EngineCore:
     def _add_grammar_bitmask(self, step: StepInput) -> None:
         """Allowed tokens for the structured-output requests that sample this step (their
         scheduled tokens reach their last known token)."""
-        requests = self.scheduler.requests
-        sampling = [requests[req_id] for req_id in step.num_scheduled_tokens
-                    if requests[req_id].grammar is not None
-                    and requests[req_id].num_computed_tokens >= requests[req_id].num_tokens]
+        scheduled = map(self.scheduler.requests.__getitem__, step.num_scheduled_tokens)
+        sampling = [r for r in scheduled
+                    if r.grammar is not None and r.num_computed_tokens >= r.num_tokens]
         if sampling:
             step.grammar_req_ids = [r.request_id for r in sampling]
             step.grammar_bitmask = self.structured.bitmask(sampling)

@@ -23,7 +23,7 @@ import numpy as np
 
 from vllm_actors.enginecore.request import Request
 from vllm_actors.errors import ValidationError
-from vllm_actors.grammar import check_grammar
+from vllm_actors.grammar import grammar_for
 from vllm_actors.loaders.model_files import resolve_model
 from vllm_actors.loaders.tokenizer import load_tokenizer
 from vllm_actors.sampling_params import StructuredOutputsParams
@@ -56,7 +56,8 @@ class StructuredOutputManager:
             self.tokenizer = llguidance.LLTokenizer(
                 tok.backend.to_str(), n_vocab=max(self.vocab_size, tok.vocab_size),
                 eos_token=list(tok.eos_token_ids) or None)
-        matcher = llguidance.LLMatcher(self.tokenizer, check_grammar(params), log_level=0)
+        # the frontend validated the grammar; the matcher reports whatever it still refuses
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar_for(params), log_level=0)
         if matcher.is_error():
             raise ValidationError(f"invalid {params.kinds()[0]}: {matcher.get_error()}",
                                   "structured_outputs")

@@ -12,7 +12,6 @@ from typing import Any
 import msgspec
 
 from vllm_actors.errors import ValidationError
-from vllm_actors.grammar import check_grammar
 from vllm_actors.sampling_params import (RequestOutputKind, SamplingParams,
                                          StructuredOutputsParams)
 
@@ -132,10 +131,12 @@ def refuse_unsupported(req: _GenerationRequest) -> None:
         raise APIError(400, f"suffix {_NOT_YET} by this server", "suffix")
 
 
-def structured_outputs_of(req: _GenerationRequest) -> StructuredOutputsParams | None:
+def structured_outputs_of(req: _GenerationRequest
+                          ) -> tuple[StructuredOutputsParams | None, str | None]:
     """The request's output constraint, from `response_format`, vLLM's `structured_outputs`
-    or the older `guided_*` fields. Raises APIError 400 for a malformed one or for more than
-    one constraint."""
+    or the older `guided_*` fields, and the field it came from (to name in a 400 when the
+    grammar is refused later, see `ServerState.validate`). Raises APIError 400 for a
+    malformed one or for more than one constraint."""
     found: list[tuple[str, dict[str, Any]]] = []
     fmt = req.response_format
     if fmt is not None:
@@ -158,7 +159,7 @@ def structured_outputs_of(req: _GenerationRequest) -> StructuredOutputsParams | 
         if value is not None:
             found.append(("guided_" + name, {name: value}))
     if not found:
-        return None
+        return None, None
     if len(found) > 1:
         raise APIError(400, "only one output constraint may be given; got "
                             f"{', '.join(name for name, _ in found)}", found[1][0])
@@ -169,16 +170,7 @@ def structured_outputs_of(req: _GenerationRequest) -> StructuredOutputsParams | 
         raise APIError(400, f"invalid {name}: {e}", name) from None
     except ValidationError as e:
         raise APIError(400, f"invalid {name}: {e}", name) from None
-    checked_grammar(params, name)
-    return params
-
-
-def checked_grammar(params: StructuredOutputsParams, field: str) -> None:
-    """Raises APIError 400 naming `field` when llguidance cannot use the constraint."""
-    try:
-        check_grammar(params)
-    except ValidationError as e:
-        raise APIError(400, str(e), field) from None
+    return params, name
 
 
 def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:

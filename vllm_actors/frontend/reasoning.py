@@ -14,15 +14,9 @@ could still become a marker is held back.
 
 from __future__ import annotations
 
+from vllm_actors.frontend.detokenizer import partial_stop_length
+
 START, END = "<think>", "</think>"
-
-
-def _held_back(text: str, marker: str) -> int:
-    """Length of the longest end of `text` that is a proper start of `marker`."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class ReasoningParser:
@@ -43,7 +37,7 @@ class ReasoningParser:
             return "", ""
         end = body.find(END)
         if end < 0:
-            keep = len(body) if final else len(body) - _held_back(body, END)
+            keep = len(body) if final else len(body) - partial_stop_length(body, [END])
             return body[:keep], ""
         return body[:end], body[end + len(END):]
 

@@ -41,15 +41,19 @@ class ServerState:
             raise APIError(503, "the server is shutting down", code="shutting_down",
                            type_="service_unavailable_error")
 
-    def validate(self, sub: "SubRequest", prompt_param: str | None = None) -> None:
-        """Limits and token ids, checked before any stream starts: a 400 naming the field
-        (prompt-level errors named `prompt_param` when given) instead of a failed stream."""
+    def validate(self, sub: "SubRequest", prompt_param: str | None = None,
+                 constraint_param: str | None = None) -> None:
+        """Limits, token ids and the output grammar, checked before any stream starts: a 400
+        naming the field (prompt-level errors named `prompt_param`, grammar errors
+        `constraint_param`, when given) instead of a failed stream."""
         try:
             self.engine.input_processor.process(sub.request_id, sub.prompt, sub.params)
         except ValidationError as e:
             param = e.param
             if prompt_param is not None and param in (None, "prompt_token_ids"):
                 param = prompt_param
+            elif constraint_param is not None and param == "structured_outputs":
+                param = constraint_param
             raise APIError(400, str(e), param) from None
 
 

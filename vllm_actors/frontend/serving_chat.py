@@ -15,8 +15,7 @@ from vllm_actors.frontend.chat_tools import ToolPlan, choice_parser, plan_tools
 from vllm_actors.frontend.openai_schema import (APIError, ChatCompletionRequest, chat_logprobs,
                                                 chat_messages, decode_request, max_tokens_for,
                                                 prompt_logprobs_json, refuse_unsupported,
-                                                checked_grammar, sampling_params,
-                                                structured_outputs_of)
+                                                sampling_params, structured_outputs_of)
 from vllm_actors.frontend.serving import (ServerState, SubRequest, generate_final, new_request_id,
                                           now, raise_if_failed, stream_error, stream_outputs,
                                           usage)
@@ -31,9 +30,7 @@ def _prepare(state: ServerState, req: ChatCompletionRequest
     refuse_unsupported(req)
     messages = chat_messages(req)
     plan = plan_tools(req, state.config)
-    structured = structured_outputs_of(req)
-    if plan.structured is not None:
-        checked_grammar(plan.structured, "tools")
+    structured, constraint_field = structured_outputs_of(req)
     if plan.structured is not None and structured is not None:
         raise APIError(400, f'tool_choice "{plan.choice}" already constrains the output; it '
                             "cannot be combined with response_format or structured_outputs",
@@ -51,12 +48,11 @@ def _prepare(state: ServerState, req: ChatCompletionRequest
     limit = max_tokens_for(requested, len(ids), state.engine.ready.max_model_len)
     params = sampling_params(req, limit, state.engine.generation_defaults, req.stream,
                              plan.structured or structured)
-    if state.config.tool_call_parser == "mistral" and plan.choice == "auto":
-        # its [TOOL_CALLS] marker is a special token
+    if plan.parser is not None and plan.parser.special_markers:
         params = msgspec.structs.replace(params, skip_special_tokens=False)
     sub = SubRequest(new_request_id("chatcmpl"), {"prompt": text, "prompt_token_ids": ids},
                      params)
-    state.validate(sub)
+    state.validate(sub, constraint_param="tools" if plan.structured else constraint_field)
     return sub, len(ids), plan
 
 

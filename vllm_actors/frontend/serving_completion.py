@@ -30,7 +30,7 @@ def _prepare(state: ServerState, req: CompletionRequest, request_id: str
     """Sub-requests, their prompt lengths and their prompt texts (for echo)."""
     state.check_model(req.model)
     refuse_unsupported(req)
-    structured = structured_outputs_of(req)
+    structured, constraint_field = structured_outputs_of(req)
     subs, lengths, texts = [], [], []
     tokenizer, max_len = state.engine.tokenizer, state.engine.ready.max_model_len
     for i, prompt in enumerate(completion_prompts(req.prompt)):
@@ -44,7 +44,7 @@ def _prepare(state: ServerState, req: CompletionRequest, request_id: str
         params = sampling_params(req, limit, state.engine.generation_defaults, req.stream,
                                  structured)
         sub = SubRequest(f"{request_id}-{i}", {"prompt": text, "prompt_token_ids": ids}, params)
-        state.validate(sub, prompt_param="prompt")
+        state.validate(sub, prompt_param="prompt", constraint_param=constraint_field)
         subs.append(sub)
         lengths.append(len(ids))
         texts.append(text if text is not None else tokenizer.decode(ids))

@@ -20,6 +20,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_actors.frontend.detokenizer import partial_stop_length
+
 _decoder = json.JSONDecoder()
 
 
@@ -136,7 +138,11 @@ def read_calls(text: str, pos: int, args_keys: tuple[str, ...], separators: str,
 
 
 class ToolParser:
+    """start_markers: where tool calls begin; special_markers: a marker is a special token,
+    so the request must keep special tokens in its text."""
+
     start_markers: tuple[str, ...] = ()
+    special_markers = False
 
     def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
         self.tools = {t.get("function", {}).get("name"): t.get("function", {})
@@ -149,10 +155,7 @@ class ToolParser:
 
     def partial_start(self, text: str) -> int:
         """Length of the end of `text` that might still grow into a start marker."""
-        for n in range(min(max(map(len, self.start_markers)) - 1, len(text)), 0, -1):
-            if any(m.startswith(text[-n:]) for m in self.start_markers):
-                return n
-        return 0
+        return partial_stop_length(text, list(self.start_markers))
 
     def calls(self, region: str, final: bool) -> list[ToolCall] | None:
         """The complete calls in `region` (text from the start marker on); None when the
@@ -221,6 +224,7 @@ class MistralParser(ToolParser):
     """[TOOL_CALLS][{...}, ...] or [TOOL_CALLS]name[ARGS]{...}, possibly repeated."""
 
     start_markers = ("[TOOL_CALLS]",)
+    special_markers = True
     args_keys = ("arguments", "parameters")
     named = re.compile(r"\s*([A-Za-z0-9_.-]+)\s*(?:\[ARGS\])?\s*")
 

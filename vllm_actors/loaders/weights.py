@@ -53,11 +53,12 @@ class RawTensor:
             return RawTensor(self.name, (rows, stop - start), self.qtype,
                              np.ascontiguousarray(self.data[:, start:stop]))
         block, nbytes = quant.block_layout(self.qtype)
+        first, last = start // block, -(-stop // block)     # the blocks covering the cut
+        data = np.ascontiguousarray(self.data[:, first * nbytes:last * nbytes])
         if start % block == 0 and stop % block == 0:
-            data = self.data[:, start // block * nbytes: stop // block * nbytes]
-            return RawTensor(self.name, (rows, stop - start), self.qtype,
-                             np.ascontiguousarray(data))
-        dense = np.ascontiguousarray(self.to_float32()[:, start:stop])
+            return RawTensor(self.name, (rows, stop - start), self.qtype, data)
+        covering = quant.dequantize(data, self.qtype, (rows, (last - first) * block))
+        dense = np.ascontiguousarray(covering[:, start - first * block:stop - first * block])
         return RawTensor(self.name, (rows, stop - start), int(GGMLQuantizationType.F32), dense)
 
     def with_zero_row(self) -> "RawTensor":

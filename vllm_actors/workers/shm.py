@@ -21,12 +21,15 @@ _MAX_SLEEP_S = 0.001
 _LIVENESS_EVERY_S = 0.25
 
 
-class _WaitPolicy:
-    """Spin this many checks, then sched_yield for `yield_s`, then sleep from `sleep_s` up
-    (doubling) to 1 ms. When the ranks outnumber the cores a spinning waiter only delays the
-    peer it waits for (measured in docs/BENCHMARKS.md), so it sleeps almost at once."""
+# (spin checks, sched_yield seconds, first sleep seconds; sleeps double up to 1 ms). When the
+# ranks outnumber the cores a spinning waiter only delays the peer it waits for (measured in
+# docs/BENCHMARKS.md), so it sleeps almost at once.
+_DEDICATED_CORES = (200, 0.002, 0.00005)
+_OVERSUBSCRIBED = (20, 0.0, 0.00001)
 
-    spin, yield_s, sleep_s = 200, 0.002, 0.00005
+
+class _WaitPolicy:
+    spin, yield_s, sleep_s = _DEDICATED_CORES
 
 
 _POLICY = _WaitPolicy()
@@ -35,7 +38,7 @@ _POLICY = _WaitPolicy()
 def set_oversubscribed(oversubscribed: bool) -> None:
     """Choose the wait policy for this process (workers call it once at startup)."""
     _POLICY.spin, _POLICY.yield_s, _POLICY.sleep_s = \
-        (20, 0.0, 0.00001) if oversubscribed else (200, 0.002, 0.00005)
+        _OVERSUBSCRIBED if oversubscribed else _DEDICATED_CORES
 
 
 def usable_cpus() -> int:
