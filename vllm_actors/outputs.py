@@ -49,6 +49,8 @@ class RequestOutput:
     Attributes:
         num_cached_tokens: prompt tokens whose KV came from the prefix cache.
         error: why the engine failed this request (its finish_reason is then "error").
+        error_param: the request field at fault when the request itself caused the failure
+            (an invalid value, a grammar the engine cannot follow); None for engine faults.
         prompt_logprobs: None for the first prompt token, then one dict per prompt token,
             when SamplingParams.prompt_logprobs is set.
     """
@@ -61,3 +63,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    error_param: str | None = None

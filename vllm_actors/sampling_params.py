@@ -17,6 +17,8 @@ from vllm_actors.errors import ValidationError
 
 _GREEDY_EPS = 1e-5
 MAX_N = 128
+SEED_MODULUS = 2**64          # seeds are taken modulo 2^64 (a negative int64 seed wraps)
+MIN_SEED = -(2**63)
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -140,13 +142,22 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False)
             self.stop = [self.stop]
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
-        if self.logit_bias:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if self.logit_bias and isinstance(self.logit_bias, dict):
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise ValidationError("logit_bias must map token ids to numbers",
+                                      "logit_bias") from None
         self.validate()
+        if self.seed is not None:
+            self.seed %= SEED_MODULUS
 
     def validate(self) -> None:
-        """Raises ValidationError naming the bad parameter."""
+        """Raises ValidationError naming the bad parameter (a wrong type included)."""
+        self._check_types()
         checks = [
+            (self.seed is None or MIN_SEED <= self.seed < SEED_MODULUS, "seed",
+             f"seed must be an integer in [-2^63, 2^64), got {self.seed}"),
             (1 <= self.n <= MAX_N, "n", f"n must be between 1 and {MAX_N}, got {self.n}"),
             (self.best_of in (None, self.n), "best_of",
              f"best_of={self.best_of} with n={self.n} is not supported; use n"),
@@ -188,6 +199,21 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False)
             if not ok:
                 raise ValidationError(message, param)
 
+    def _check_types(self) -> None:
+        for info in _FIELDS:
+            value = getattr(self, info.name)
+            try:
+                msgspec.convert(value, info.type)
+            except msgspec.ValidationError as e:
+                raise ValidationError(f"{info.name}: {e} (got {value!r})", info.name) from None
+
+    def child(self, index: int) -> "SamplingParams":
+        """The params of completion `index` of n: n=1, seed + index (mod 2^64) when seeded."""
+        if self.n == 1:
+            return self
+        seed = None if self.seed is None else (self.seed + index) % SEED_MODULUS
+        return msgspec.structs.replace(self, n=1, seed=seed)
+
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
@@ -196,3 +222,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False)
         """The largest token id this request names (-1 if none), to check against the vocab."""
         ids = [*self.stop_token_ids, *(self.logit_bias or {}), *(self.allowed_token_ids or [])]
         return max(ids, default=-1)
+
+
+_FIELDS = msgspec.structs.fields(SamplingParams)

@@ -24,12 +24,20 @@ def batch(params: list[SamplingParams], tokens: list[list[int]], num_prompt: lis
             np.asarray([len(t) for t in tokens]))
 
 
-def sample(params, logits, tokens=None, num_prompt=None, sampler=None):
+def sample_all(params, logits, tokens=None, num_prompt=None, sampler=None):
+    """(ids, logprobs, failed rows) from one sampler call."""
     tokens = tokens or [[1, 1]] * len(params)
     num_prompt = num_prompt or [1] * len(params)
     rows, state, token_ids, np_, nt = batch(params, tokens, num_prompt)
     return (sampler or Sampler(0)).sample(np.asarray(logits, np.float32), rows, state,
                                          token_ids, np_, nt)
+
+
+def sample(params, logits, tokens=None, num_prompt=None, sampler=None):
+    """(ids, logprobs) where no row may fail."""
+    ids, lp, failed = sample_all(params, logits, tokens, num_prompt, sampler)
+    assert not failed, failed
+    return ids, lp
 
 
 def test_top_k_1_and_tiny_top_p_are_greedy():
@@ -143,3 +151,67 @@ def test_top_p_matches_the_definition(shape):
     got = _top_p(probs, top_p)
     for i in range(6):
         assert np.array_equal(got[i] > 0, reference_top_p(probs[i], top_p[i]) > 0), i
+
+
+# -- extreme controls: no row can fail its neighbours, no value can crash the sampler --------
+
+def test_extreme_controls_sample_valid_tokens_beside_a_normal_row():
+    """Values at the edges of what validation accepts (found to crash the engine before):
+    each row gets a token in the vocabulary, and the ordinary row next to them is sampled
+    exactly as when alone."""
+    logits = np.random.default_rng(11).standard_normal((6, V)).astype(np.float32) * 4
+    extreme = [SamplingParams(temperature=1e39, allowed_token_ids=[1, 2, 3], seed=1),
+               SamplingParams(temperature=1.0, repetition_penalty=1e-300, seed=2),
+               SamplingParams(temperature=1.0, top_k=2**64 - 1, seed=3),
+               SamplingParams(temperature=1.0, seed=2**64 - 1),
+               SamplingParams(temperature=1e-4, seed=4)]
+    normal = SamplingParams(temperature=0.9, seed=77)
+    tokens, _ = sample([*extreme, normal], logits, [[1, 7, 7]] * 6, [2] * 6)
+    assert ((0 <= tokens) & (tokens < V)).all()
+    assert tokens[0] in (1, 2, 3)
+    alone, _ = sample([normal], logits[5:6], [[1, 7, 7]], [2])
+    assert tokens[5] == alone[0]
+
+
+def test_huge_seeds_are_reproducible_and_distinct():
+    logits = np.zeros((1, V), np.float32)
+    draws = {seed: [int(sample([SamplingParams(temperature=1.0, seed=seed)], logits)[0][0])
+                    for _ in range(2)] for seed in (2**63, 2**64 - 1, 5)}
+    assert all(a == b for a, b in draws.values())
+    params = [SamplingParams(temperature=1.0, seed=2**64 - 1 - i) for i in range(20)]
+    assert len(set(sample(params, np.zeros((20, V), np.float32))[0].tolist())) > 1
+
+
+def test_a_row_with_no_token_left_fails_alone():
+    logits = np.random.default_rng(12).standard_normal((3, V)).astype(np.float32)
+    params = [SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.7, allowed_token_ids=[4], bad_words=["x"],
+                             bad_words_token_ids=[[4]], seed=1),
+              SamplingParams(temperature=0.0, allowed_token_ids=[4], bad_words=["x"],
+                             bad_words_token_ids=[[4]])]
+    tokens, _, failed = sample_all(params, logits)
+    assert tokens.tolist() == [int(logits[0].argmax()), -1, -1]
+    assert set(failed) == {1, 2} and failed[1][1] == "allowed_token_ids"
+    assert "no token is left" in failed[1][0]
+
+
+def test_a_row_that_raises_fails_alone(monkeypatch):
+    """Whatever raises inside sampling (here: one seeded row's generator) fails that row;
+    the batch is sampled again row by row and the other rows get their tokens."""
+    real = np.random.default_rng
+
+    def rng(seed=None):
+        if isinstance(seed, tuple) and seed[0] == 666:
+            raise OverflowError("boom")
+        return real(seed)
+
+    monkeypatch.setattr(np.random, "default_rng", rng)
+    logits = np.random.default_rng(13).standard_normal((3, V)).astype(np.float32)
+    params = [SamplingParams(temperature=0.8, seed=1, logprobs=2),
+              SamplingParams(temperature=0.8, seed=666),
+              SamplingParams(temperature=0.0, logprobs=0)]
+    tokens, lp, failed = sample_all(params, logits)
+    assert list(failed) == [1] and "OverflowError: boom" in failed[1][0]
+    alone = sample([params[0]], logits[:1])[0][0]
+    assert tokens.tolist() == [alone, -1, int(logits[2].argmax())]
+    assert lp.rows.tolist() == [0, 2] and lp.token_ids[:, 0].tolist() == [alone, tokens[2]]

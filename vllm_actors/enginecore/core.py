@@ -104,8 +104,8 @@ class EngineCore:
         ready, failed = self.structured.take_ready()
         for request in ready:
             self.scheduler.add_request(request)
-        return [EngineCoreOutput(r.request_id, [], FinishReason.ERROR, error=error)
-                for r, error in failed]
+        return [EngineCoreOutput(r.request_id, [], FinishReason.ERROR, error=error,
+                                 error_param="structured_outputs") for r, error in failed]
 
     def _add_grammar_bitmask(self, step: StepInput) -> None:
         """Allowed tokens for the structured-output requests that sample this step (their

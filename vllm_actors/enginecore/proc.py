@@ -34,6 +34,7 @@ from vllm_actors.protocol.wire import Decoder, Encoder, IpcAddresses
 logger = logging.getLogger(__name__)
 
 POLL_MS = 100          # how often the input thread looks at the parent process
+REQUEST_TAG = EngineCoreRequest.__struct_config__.tag
 _STOP = object()       # output-queue sentinel: flush and close
 
 
@@ -105,18 +106,43 @@ class EngineCoreProc:
     def _handle(self, message: object) -> None:
         match message:
             case EngineCoreRequest():
-                try:
-                    self.core.add_request(message)
-                except ValidationError as e:
-                    failed = EngineCoreOutput(message.request_id, [], FinishReason.ERROR,
-                                              error=str(e))
-                    self.output_queue.put(EngineCoreOutputs([failed]))
+                self._add_request(message)
             case AbortRequests(request_ids=ids):
                 self.core.abort_requests(ids)
             case UtilityCall():
                 self.output_queue.put(self._utility(message))
             case Shutdown():
                 self.stopping.set()
+
+    def _add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request; whatever goes wrong while admitting it fails it alone."""
+        try:
+            self.core.add_request(request)
+        except ValidationError as e:
+            self._fail_request(request.request_id, str(e), e.param or "prompt")
+        except Exception as e:
+            logger.exception("admitting request %s failed", request.request_id)
+            self._fail_request(request.request_id, f"{type(e).__name__}: {e}", None)
+
+    def _fail_request(self, request_id: str, error: str, param: str | None) -> None:
+        failed = EngineCoreOutput(request_id, [], FinishReason.ERROR, error=error,
+                                  error_param=param)
+        self.output_queue.put(EngineCoreOutputs([failed]))
+
+    def _undecodable(self, frames: list, error: Exception) -> None:
+        """A message that does not decode: if it is a request, fail that request (the
+        frontend validates, so this is a client bypassing it or a version mismatch); the
+        core goes on either way."""
+        logger.error("dropped an undecodable message: %s", error)
+        try:
+            raw = msgspec.msgpack.decode(frames[0].buffer if hasattr(frames[0], "buffer")
+                                         else frames[0])
+        except msgspec.DecodeError:
+            return
+        if isinstance(raw, list) and len(raw) > 1 and raw[0] == REQUEST_TAG and \
+                isinstance(raw[1], str):
+            self._fail_request(raw[1], f"the request could not be decoded: {error}",
+                               "sampling_params")
 
     def _utility(self, call: UtilityCall) -> UtilityResult:
         try:
@@ -137,7 +163,11 @@ class EngineCoreProc:
         try:
             while not self.stopping.is_set():
                 if socket.poll(POLL_MS):
-                    self.input_queue.put(decoder.decode(socket.recv_multipart(copy=False)))
+                    frames = socket.recv_multipart(copy=False)
+                    try:
+                        self.input_queue.put(decoder.decode(frames))
+                    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+                        self._undecodable(frames, e)
                 elif self.parent_pid is not None and os.getppid() != self.parent_pid:
                     logger.warning("frontend process %d is gone; engine core exits",
                                    self.parent_pid)

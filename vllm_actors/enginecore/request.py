@@ -50,6 +50,7 @@ class Request:
         self.block_hashes: list[BlockHash] = []
         self.grammar = None   # an llguidance matcher, for structured outputs
         self.error: str | None = None   # why the request failed (finish_reason ERROR)
+        self.error_param: str | None = None   # the request field at fault, if it was
         extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, self.cache_salt)
 
     @property
@@ -83,6 +84,7 @@ class Request:
         if self.grammar is not None and self.grammar.is_error():
             self.finish_reason = FinishReason.ERROR
             self.error = f"the output left its grammar: {self.grammar.get_error()}"
+            self.error_param = "structured_outputs"
             return True
         if self.num_tokens >= self.max_model_len or self.num_output_tokens >= self.max_tokens:
             self.finish_reason = FinishReason.LENGTH

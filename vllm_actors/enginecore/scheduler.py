@@ -161,7 +161,8 @@ class Scheduler:
                 self.finish_requests([req_id], FinishReason.ERROR)
                 outputs.append(EngineCoreOutput(req_id, [], FinishReason.ERROR,
                                                 num_cached_tokens=request.num_cached_tokens,
-                                                error=reason))
+                                                error=reason,
+                                                error_param=output.failed_params.get(req_id)))
         for req_id, token_ids in zip(output.req_ids, output.sampled_token_ids):
             request = self.requests.get(req_id)
             if request is None or not token_ids:   # aborted meanwhile, or mid-prompt
@@ -174,7 +175,8 @@ class Scheduler:
                 req_id, list(token_ids), request.finish_reason, request.stop_reason,
                 request.num_cached_tokens, request.error, scheduled_time=request.scheduled_time,
                 logprobs=output.logprobs.get(req_id),
-                prompt_logprobs=output.prompt_logprobs.get(req_id)))
+                prompt_logprobs=output.prompt_logprobs.get(req_id),
+                error_param=request.error_param))
             request.scheduled_time = None
             if request.finish_reason is not None:
                 self.running.remove(request)

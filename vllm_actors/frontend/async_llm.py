@@ -16,13 +16,11 @@ import itertools
 import uuid
 from typing import Any, AsyncIterator
 
-import msgspec
-
 from vllm_actors.config import EngineArgs
 from vllm_actors.errors import EngineDeadError, VllmActorsError
 from vllm_actors.frontend.collector import RequestOutputCollector
 from vllm_actors.frontend.core_client import CoreClient
-from vllm_actors.frontend.input_processor import InputProcessor, PromptType
+from vllm_actors.frontend.input_processor import InputProcessor, ProcessedRequest, PromptType
 from vllm_actors.frontend.metrics import FrontendMetrics
 from vllm_actors.frontend.output_processor import OutputProcessor, ParentRequest
 from vllm_actors.loaders.chat_template import read_chat_template
@@ -193,27 +191,35 @@ class AsyncLLM:
             future.set_result(result.value)
 
     # -- requests --------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    priority: int = 0) -> RequestOutputCollector:
-        """Validate and submit (n > 1: n engine requests, seeds seed + i); call from the
-        event loop. Raises ValidationError or EngineDeadError before anything is sent."""
+    def add_request(self, request_id: str, prompt: PromptType | ProcessedRequest,
+                    params: SamplingParams, priority: int = 0) -> RequestOutputCollector:
+        """Submit a request (n > 1: n engine requests, seeds seed + i); call from the event
+        loop. `prompt` may be a ProcessedRequest (from `input_processor.process`, which the
+        server runs off the event loop): it is then sent as it is, without checking again.
+        Raises ValidationError or EngineDeadError before anything is sent."""
         self._ensure_running()
         if request_id in self.output_processor.children:
             raise VllmActorsError(f"request id {request_id!r} is already in use")
-        children = [(request_id if params.n == 1 else f"{i}_{request_id}",
-                     _child_params(params, i)) for i in range(params.n)]
-        processed = [self.input_processor.process(cid, prompt, p, priority)
-                     for cid, p in children]
-        text, first = processed[0]
+        processed = prompt if isinstance(prompt, ProcessedRequest) else \
+            self.input_processor.process(request_id, prompt, params, priority)
+        params = processed.request.sampling_params
         collector = RequestOutputCollector(params.output_kind)
-        parent = ParentRequest(request_id, text, first.prompt_token_ids, params.output_kind,
-                               collector, params.n)
-        for index, ((_, request), (_, child)) in enumerate(zip(processed, children)):
-            self.output_processor.add_request(parent, index, request, child)
-            self.client.send(request)
+        parent = ParentRequest(request_id, processed.prompt, processed.request.prompt_token_ids,
+                               params.output_kind, collector, params.n)
+        children = [processed.child(i, request_id if params.n == 1 else f"{i}_{request_id}")
+                    for i in range(params.n)]
+        for index, child in enumerate(children):
+            self.output_processor.add_request(parent, index, child, child.sampling_params)
+        try:
+            for child in children:
+                self.client.send(child)
+        except BaseException:
+            self.abort_requests([request_id])
+            raise
         return collector
 
-    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+    async def generate(self, prompt: PromptType | ProcessedRequest,
+                       sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0
                        ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs (shaped by sampling_params.output_kind); the last
@@ -267,9 +273,3 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
     except RuntimeError:
         return None
 
-
-def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    if params.n == 1:
-        return params
-    seed = None if params.seed is None else params.seed + index
-    return msgspec.structs.replace(params, n=1, seed=seed)

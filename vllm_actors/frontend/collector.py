@@ -29,6 +29,7 @@ def _merge(pending: RequestOutput, new: RequestOutput, kind: RequestOutputKind) 
     pending.finished = new.finished
     pending.num_cached_tokens = new.num_cached_tokens
     pending.error = new.error or pending.error
+    pending.error_param = new.error_param or pending.error_param
 
 
 class RequestOutputCollector:

@@ -1,8 +1,15 @@
-"""InputProcessor: a user's prompt + SamplingParams -> a validated EngineCoreRequest."""
+"""InputProcessor: a user's prompt + SamplingParams -> a validated EngineCoreRequest.
+
+A request is processed once (tokenized, checked, bad words tokenized, grammar checked) and the
+result, a `ProcessedRequest`, is what travels: the server processes it off the event loop and
+hands it to `AsyncLLM` as is, and the n completions of one request are derived from it
+without processing again. `chat_prompt` is the one place a conversation is rendered.
+"""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -15,6 +22,27 @@ from vllm_actors.protocol.engine import EngineCoreRequest, EngineReady
 from vllm_actors.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# keyword arguments a chat template receives from the engine itself; chat_template_kwargs
+# may not replace them
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt",
+                                      "tokenize", "chat_template", "bos_token", "eos_token"})
+
+
+@dataclass(frozen=True)
+class ProcessedRequest:
+    """A validated request, ready to send: the prompt's text (None when given as ids) and the
+    engine request (its params with `bad_words_token_ids` filled)."""
+
+    prompt: str | None
+    request: EngineCoreRequest
+
+    def child(self, index: int, request_id: str) -> EngineCoreRequest:
+        """Engine request for completion `index` of n (see SamplingParams.child)."""
+        params = self.request.sampling_params
+        return msgspec.structs.replace(self.request, request_id=request_id,
+                                       sampling_params=params.child(index))
 
 
 class InputProcessor:
@@ -29,8 +57,14 @@ class InputProcessor:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-        if isinstance(prompt, dict) and "prompt" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValidationError("prompt_token_ids must be a list of integers",
+                                      "prompt_token_ids")
+            text = prompt.get("prompt")
+            return text if isinstance(text, str) else None, list(ids)
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
             return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
         raise ValidationError("a prompt must be a string, {'prompt': str} or "
                               f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}",
@@ -38,18 +72,36 @@ class InputProcessor:
 
     def chat_prompt(self, messages: list[dict[str, Any]], chat_template: str | None = None,
                     add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        """A conversation rendered with the chat template, as {"prompt", "prompt_token_ids"}."""
+                    tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A conversation rendered with the chat template (the model's, or `chat_template`:
+        a path or the template text), as {"prompt", "prompt_token_ids"}.
+
+        Raises ValidationError for kwargs that would replace the engine's own and for
+        messages the template refuses (ChatTemplateError)."""
+        kwargs = dict(template_kwargs or {})
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+        if reserved:
+            raise ValidationError(f"chat_template_kwargs may not set {', '.join(reserved)}: "
+                                  "the server sets them", "chat_template_kwargs")
         text = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=False,
-            chat_template=read_chat_template(chat_template), tools=tools)
+            chat_template=read_chat_template(chat_template), tools=tools, **kwargs)
         assert isinstance(text, str)
         return {"prompt": text,
                 "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                priority: int = 0) -> tuple[str | None, EngineCoreRequest]:
-        """Raises ValidationError for an empty or too long prompt or out-of-vocab ids."""
+                priority: int = 0) -> ProcessedRequest:
+        """Raises ValidationError for an empty or too long prompt, out-of-vocab ids, a
+        priority outside int64, or params the engine cannot serve (see `_check_params`)."""
+        if not isinstance(params, SamplingParams):
+            raise ValidationError("sampling_params must be a SamplingParams, got "
+                                  f"{type(params).__name__}", "sampling_params")
+        if isinstance(priority, bool) or not isinstance(priority, int) or \
+                not INT64_MIN <= priority <= INT64_MAX:
+            raise ValidationError(f"priority must be an integer in [-2^63, 2^63), got "
+                                  f"{priority!r}", "priority")
         text, token_ids = self.prompt_token_ids(prompt)
         if not token_ids:
             raise ValidationError("the prompt is empty (0 tokens)", "prompt")
@@ -65,7 +117,7 @@ class InputProcessor:
         params = self._check_params(params)
         eos = [] if params.ignore_eos else list(self.tokenizer.eos_token_ids)
         request = EngineCoreRequest(request_id, token_ids, params, eos, time.time(), priority)
-        return text, request
+        return ProcessedRequest(text, request)
 
     def _check_params(self, params: SamplingParams) -> SamplingParams:
         """Token ids within the vocabulary, logprobs within --max-logprobs, a grammar
@@ -82,11 +134,12 @@ class InputProcessor:
         if params.structured_outputs is not None:
             check_grammar(params.structured_outputs)
         if params.bad_words and not params.bad_words_token_ids:
-            words = []
+            words: dict[tuple[int, ...], None] = {}   # ordered and without repeats
             for word in params.bad_words:
                 for variant in (word, " " + word.lstrip()):
                     ids = self.tokenizer.encode(variant, add_special_tokens=False)
-                    if ids and ids not in words:
-                        words.append(ids)
-            params = msgspec.structs.replace(params, bad_words_token_ids=words)
+                    if ids:
+                        words[tuple(ids)] = None
+            params = msgspec.structs.replace(params,
+                                             bad_words_token_ids=[list(w) for w in words])
         return params

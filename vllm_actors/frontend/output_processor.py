@@ -7,6 +7,7 @@ and merge the n completions of a parent request.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -18,6 +19,8 @@ from vllm_actors.loaders.tokenizer import Tokenizer
 from vllm_actors.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from vllm_actors.protocol.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
 from vllm_actors.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -36,7 +39,7 @@ class ParentRequest:
     sent_prompt_logprobs: bool = False
 
     def output_for(self, completion: CompletionOutput, num_cached_tokens: int,
-                   error: str | None) -> RequestOutput | None:
+                   error: str | None, error_param: str | None = None) -> RequestOutput | None:
         if completion.finished():
             self.finals[completion.index] = completion
         finished = len(self.finals) == self.num_children
@@ -51,7 +54,7 @@ class ParentRequest:
             prompt_logprobs = None   # deltas carry them once
         self.sent_prompt_logprobs |= prompt_logprobs is not None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions,
-                             finished, num_cached_tokens, error, prompt_logprobs)
+                             finished, num_cached_tokens, error, prompt_logprobs, error_param)
 
 
 @dataclass
@@ -157,31 +160,43 @@ class OutputProcessor:
             state = self.states.get(out.request_id)
             if state is None:   # aborted meanwhile
                 continue
-            reason, stop_reason = out.finish_reason, out.stop_reason
-            state.record_timing(out, self.metrics)
-            state.record_logprobs(out, self.logprobs_builder)
-            state.token_ids.extend(out.new_token_ids)
-            # a STOP on a token other than EOS / stop ids ended a complete grammar: keep it
-            by_token = reason == FinishReason.STOP and bool(out.new_token_ids) and \
-                out.new_token_ids[-1] in state.stop_token_ids
-            stop_str = state.detokenizer.update(out.new_token_ids, reason is not None, by_token)
-            if stop_str is not None:
-                if reason is None:
-                    to_abort.append(out.request_id)
-                reason, stop_reason = FinishReason.STOP, stop_str
-            self._emit(out.request_id, state, None if reason is None else str(reason),
-                       stop_reason, out.num_cached_tokens, out.error)
+            try:
+                self._process_output(out, state, to_abort)
+            except Exception as e:   # this request's alone: fail it, keep the others
+                logger.exception("processing the output of %s failed", out.request_id)
+                to_abort.append(out.request_id)
+                if out.request_id in self.states:
+                    self._emit(out.request_id, state, "error", None, out.num_cached_tokens,
+                               f"processing the output failed: {type(e).__name__}: {e}")
         return to_abort
 
+    def _process_output(self, out: EngineCoreOutput, state: RequestState,
+                        to_abort: list[str]) -> None:
+        reason, stop_reason = out.finish_reason, out.stop_reason
+        state.record_timing(out, self.metrics)
+        state.record_logprobs(out, self.logprobs_builder)
+        state.token_ids.extend(out.new_token_ids)
+        # a STOP on a token other than EOS / stop ids ended a complete grammar: keep it
+        by_token = reason == FinishReason.STOP and bool(out.new_token_ids) and \
+            out.new_token_ids[-1] in state.stop_token_ids
+        stop_str = state.detokenizer.update(out.new_token_ids, reason is not None, by_token)
+        if stop_str is not None:
+            if reason is None:
+                to_abort.append(out.request_id)
+            reason, stop_reason = FinishReason.STOP, stop_str
+        self._emit(out.request_id, state, None if reason is None else str(reason),
+                   stop_reason, out.num_cached_tokens, out.error, out.error_param)
+
     def _emit(self, engine_id: str, state: RequestState, finish_reason: str | None,
-              stop_reason: int | str | None, num_cached_tokens: int, error: str | None) -> None:
+              stop_reason: int | str | None, num_cached_tokens: int, error: str | None,
+              error_param: str | None = None) -> None:
         completion = state.completion(finish_reason, stop_reason)
         if finish_reason is not None:
             self._finish(engine_id)
             self.metrics.observe_finished(finish_reason, state.num_prompt_tokens,
                                           time.time() - state.arrival_time, state.queue_s)
         if completion is not None:
-            output = state.parent.output_for(completion, num_cached_tokens, error)
+            output = state.parent.output_for(completion, num_cached_tokens, error, error_param)
             if output is not None:
                 state.parent.collector.put(output)
 

@@ -70,6 +70,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
         scheduled_time: epoch seconds of the request's first scheduling, on its first output.
         logprobs: for new_token_ids, when the request asked for logprobs.
         prompt_logprobs: for prompt positions 1.., with the first output, when asked for.
+        error_param: with `error`, the request field at fault when the failure is the
+            request's own (an invalid value, a grammar the engine cannot follow: HTTP 400);
+            None when the engine failed (HTTP 500).
     """
 
     request_id: str
@@ -81,6 +84,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     scheduled_time: float | None = None
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: TokenLogprobs | None = None
+    error_param: str | None = None
 
     @property
     def finished(self) -> bool:

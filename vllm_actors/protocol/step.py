@@ -70,6 +70,8 @@ class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     Attributes:
         failed: requests that could not be served this step (e.g. non-finite logits), with
             the reason; the core finishes them with finish_reason "error".
+        failed_params: for failed requests at fault themselves (a grammar that allows no
+            token, masks that leave none), the request field to blame.
         logprobs / prompt_logprobs: for requests that asked, keyed by request id (prompt
             logprobs arrive once, with the request's first sampled token).
     """
@@ -79,3 +81,4 @@ class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     failed: dict[str, str] = {}
     logprobs: dict[str, TokenLogprobs] = {}
     prompt_logprobs: dict[str, TokenLogprobs] = {}
+    failed_params: dict[str, str] = {}

@@ -169,8 +169,13 @@ class ModelRunner:
                                   "the model produced non-finite logits for this request")
         all_done, done = done, done[finite]
         if len(done) and tokens is None:
-            tokens, lp = self.sampler.sample(logits, rows[done], batch.sampling, batch.token_ids,
-                                             batch.num_prompt_tokens, batch.num_tokens)
+            tokens, lp, failed = self.sampler.sample(
+                logits, rows[done], batch.sampling, batch.token_ids, batch.num_prompt_tokens,
+                batch.num_tokens)
+            for j, (reason, param) in failed.items():
+                out.failed.setdefault(req_ids[done[j]], reason)
+                if param is not None:
+                    out.failed_params[req_ids[done[j]]] = param
         if self.tp.world_size > 1:
             shared = np.full(len(all_done), -1, np.int64)   # -1: no token (failed row)
             if len(done):
@@ -178,14 +183,16 @@ class ModelRunner:
             self.tp.broadcast_ids(shared, len(shared))
         if not len(done):
             return
+        sampled = tokens >= 0                              # -1: the sampler failed the row
         done_rows = rows[done]
-        batch.append_tokens(done_rows, tokens)
-        for i, token in zip(done.tolist(), tokens.tolist()):
+        batch.append_tokens(done_rows[sampled], tokens[sampled])
+        for i, token in zip(done[sampled].tolist(), tokens[sampled].tolist()):
             out.sampled_token_ids[i] = [token]
         if lp is not None:
             for j, i in enumerate(lp.rows.tolist()):
-                out.logprobs[req_ids[done[i]]] = _token_logprobs(
-                    lp.token_ids[j:j + 1], lp.logprobs[j:j + 1], lp.ranks[j:j + 1])
+                if sampled[i]:
+                    out.logprobs[req_ids[done[i]]] = _token_logprobs(
+                        lp.token_ids[j:j + 1], lp.logprobs[j:j + 1], lp.ranks[j:j + 1])
         for i, row in zip(done.tolist(), done_rows.tolist()):
             pieces = batch.prompt_logprobs.pop(row, None)
             if pieces:
@@ -207,6 +214,7 @@ class ModelRunner:
         for j in apply_token_bitmask(logits, masked, bitmask).tolist():
             ok[masked[j]] = False
             out.failed[step.grammar_req_ids[j]] = "the request's grammar allows no next token"
+            out.failed_params[step.grammar_req_ids[j]] = "structured_outputs"
         return ok
 
     def _follow_sampling(self, hidden: object, last: np.ndarray, done_rows: np.ndarray) -> None:

@@ -13,11 +13,20 @@ are run.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 
 from vllm_actors.workers.sampling_state import SamplingState
+
+logger = logging.getLogger(__name__)
+
+Failures = dict[int, tuple[str, str | None]]   # row -> (reason, request field at fault)
+
+_F32_MAX = np.float32(np.finfo(np.float32).max)
+NOTHING_LEFT = ("no token is left to sample: allowed_token_ids, bad_words, min_tokens and "
+                "logit_bias exclude every token", "allowed_token_ids")
 
 @dataclass
 class SampledLogprobs:
@@ -86,25 +95,66 @@ class Sampler:
 
     def sample(self, logits: np.ndarray, batch_rows: np.ndarray, state: SamplingState,
                token_ids: np.ndarray, num_prompt: np.ndarray, num_tokens: np.ndarray
-               ) -> tuple[np.ndarray, SampledLogprobs | None]:
+               ) -> tuple[np.ndarray, SampledLogprobs | None, Failures]:
         """logits [n, V] float32 for persistent-batch rows `batch_rows` [n]; token_ids is the
         batch's [rows, max_len] token matrix with each row's prompt / total lengths.
-        Returns the sampled ids [n] and, when asked, their logprobs."""
-        rows = batch_rows
+        Returns the sampled ids [n], their logprobs when asked, and the rows (indices into
+        logits) that could not be sampled (their ids are -1), with the reason and the
+        request field at fault (None when the sampler itself failed).
+
+        One row's controls cannot fail the others: if sampling the batch raises, each row is
+        sampled on its own and only the rows that still raise fail."""
+        args = (state, token_ids, num_prompt, num_tokens)
+        try:
+            return self._sample(logits, batch_rows, *args)
+        except Exception:
+            logger.exception("sampling a batch of %d failed; sampling its rows one by one",
+                             len(batch_rows))
+        sampled = np.full(len(batch_rows), -1, np.int64)
+        failed: Failures = {}
+        pieces = []
+        for i in range(len(batch_rows)):
+            try:
+                ids, lp, bad = self._sample(logits[i:i + 1], batch_rows[i:i + 1], *args)
+            except Exception as e:
+                failed[i] = (f"sampling failed for this request: {type(e).__name__}: {e}",
+                             None)
+                continue
+            sampled[i] = ids[0]
+            if bad:
+                failed[i] = bad[0]
+            elif lp is not None:
+                pieces.append((i, lp))
+        return sampled, _stack_logprobs(pieces), failed
+
+    def _sample(self, logits: np.ndarray, rows: np.ndarray, state: SamplingState,
+                token_ids: np.ndarray, num_prompt: np.ndarray, num_tokens: np.ndarray
+                ) -> tuple[np.ndarray, SampledLogprobs | None, Failures]:
         num_out = num_tokens[rows] - num_prompt[rows]
         want_lp = np.flatnonzero(state.num_logprobs[rows] >= 0)
         raw_lp = log_softmax(logits[want_lp]) if len(want_lp) else None
-        logits = self.processed_logits(logits, rows, state, token_ids, num_prompt, num_tokens)
+        processed = self.processed_logits(logits, rows, state, token_ids, num_prompt,
+                                          num_tokens)
+        failed: Failures = {}
+        if processed is not logits:   # masks ran: a row may have no token left
+            for i in np.flatnonzero(np.isneginf(processed.max(axis=1))).tolist():
+                failed[i] = NOTHING_LEFT
+        logits = processed
         sampled = np.argmax(logits, axis=1)
         random = np.flatnonzero(state.temperature[rows] > 0)
+        if failed:
+            random = np.setdiff1d(random, list(failed))
         if len(random):
             sampled[random] = self._sample_random(logits[random], rows[random], state,
                                                   num_out[random])
+        if failed:
+            sampled[list(failed)] = -1
         out_lp = None
         if raw_lp is not None:
             k = int(state.num_logprobs[rows[want_lp]].max())
-            out_lp = SampledLogprobs(want_lp, *top_logprobs(raw_lp, sampled[want_lp], k))
-        return sampled, out_lp
+            chosen = np.maximum(sampled[want_lp], 0)   # failed rows' entries are dropped
+            out_lp = SampledLogprobs(want_lp, *top_logprobs(raw_lp, chosen, k))
+        return sampled, out_lp, failed
 
     def processed_logits(self, logits: np.ndarray, rows: np.ndarray, state: SamplingState,
                          token_ids: np.ndarray, num_prompt: np.ndarray, num_tokens: np.ndarray
@@ -116,6 +166,7 @@ class Sampler:
         logits = logits.copy()
         self._apply_masks_and_bias(logits, rows, state, token_ids, num_prompt, num_tokens)
         self._apply_penalties(logits, rows, state, token_ids, num_prompt, num_tokens)
+        np.minimum(logits, _F32_MAX, out=logits)   # extreme penalties overflow to +inf
         return logits
 
     def _apply_masks_and_bias(self, logits: np.ndarray, rows: np.ndarray, state: SamplingState,
@@ -154,7 +205,8 @@ class Sampler:
             in_prompt = output_counts(token_ids, np.zeros_like(r), num_prompt[r], vocab) > 0
             seen = in_prompt | (counts > 0)
             factor = np.where(sub > 0, 1.0 / rep[:, None], rep[:, None]).astype(np.float32)
-            sub = np.where(seen, sub * factor, sub)
+            with np.errstate(over="ignore"):   # capped at float32's max afterwards
+                sub = np.where(seen, sub * factor, sub)
         sub -= state.frequency[r][:, None] * counts
         sub -= state.presence[r][:, None] * (counts > 0)
         logits[which] = sub
@@ -164,7 +216,7 @@ class Sampler:
         """Temperature, then min_p / top_k / top_p as zeroed probabilities, then the
         exponential race over each row's remaining tokens (zero-probability tokens can never
         win it, so drawing noise only for the others changes nothing but the cost)."""
-        probs = _softmax(logits / state.temperature[rows][:, None])
+        probs = _softmax(logits, state.temperature[rows][:, None])
         min_p = state.min_p[rows]
         if (min_p > 0).any():
             probs[probs < min_p[:, None] * probs.max(axis=1, keepdims=True)] = 0.0
@@ -187,10 +239,10 @@ class Sampler:
         starts = np.searchsorted(row_idx, np.arange(len(probs)))
         sizes = np.diff(np.append(starts, len(row_idx)))
         noise = np.empty(len(p))
-        seeds = state.seed[rows]
-        shared = np.repeat(seeds < 0, sizes)
+        seeds, seeded = state.seed[rows], state.seeded[rows]
+        shared = np.repeat(~seeded, sizes)
         noise[shared] = self.shared_generator.exponential(size=int(shared.sum()))
-        for i in np.flatnonzero(seeds >= 0).tolist():
+        for i in np.flatnonzero(seeded).tolist():
             gen = np.random.default_rng((int(seeds[i]), int(num_out[i])))
             noise[starts[i]:starts[i] + sizes[i]] = gen.exponential(size=int(sizes[i]))
         score = p / noise
@@ -200,10 +252,29 @@ class Sampler:
         return cols[first]
 
 
-def _softmax(logits: np.ndarray) -> np.ndarray:
-    e = np.exp(logits - logits.max(axis=1, keepdims=True))
+def _softmax(logits: np.ndarray, temperature: np.ndarray | float = 1.0) -> np.ndarray:
+    """softmax(logits / temperature) per row; the max is taken out before dividing, so a
+    small temperature cannot overflow to inf - inf."""
+    with np.errstate(over="ignore"):
+        e = np.exp((logits - logits.max(axis=1, keepdims=True)) / temperature)
     e /= e.sum(axis=1, keepdims=True)
     return e
+
+
+def _stack_logprobs(pieces: list[tuple[int, SampledLogprobs]]) -> SampledLogprobs | None:
+    """Per-row SampledLogprobs (row index, its one-row result) as one, top-k lists padded to
+    the widest (a request reads only its own first k)."""
+    if not pieces:
+        return None
+    width = max(lp.token_ids.shape[1] for _, lp in pieces)
+
+    def pad(a: np.ndarray, value: float) -> np.ndarray:
+        return np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=value)
+
+    return SampledLogprobs(np.array([i for i, _ in pieces], np.int64),
+                           np.concatenate([pad(lp.token_ids, 0) for _, lp in pieces]),
+                           np.concatenate([pad(lp.logprobs, -np.inf) for _, lp in pieces]),
+                           np.concatenate([lp.ranks for _, lp in pieces]))
 
 
 # top-p first ranks only the tokens at least this likely relative to the best one

@@ -11,6 +11,11 @@ import numpy as np
 
 from vllm_actors.sampling_params import SamplingParams
 
+MIN_TEMPERATURE = 1e-2
+MAX_TEMPERATURE = float(np.finfo(np.float32).max)
+MAX_TOP_K = 2**31
+MIN_REPETITION_PENALTY = float(np.finfo(np.float32).tiny)
+
 
 class SamplingState:
     def __init__(self, max_num_reqs: int) -> None:
@@ -22,7 +27,8 @@ class SamplingState:
         self.presence = np.zeros(n, np.float32)
         self.frequency = np.zeros(n, np.float32)
         self.repetition = np.ones(n, np.float32)
-        self.seed = np.full(n, -1, np.int64)         # -1 = the shared generator
+        self.seed = np.zeros(n, np.uint64)
+        self.seeded = np.zeros(n, bool)               # False = the shared generator
         self.num_logprobs = np.full(n, -1, np.int64)  # -1 = none
         self.num_prompt_logprobs = np.full(n, -1, np.int64)
         self.min_tokens = np.zeros(n, np.int64)
@@ -33,15 +39,21 @@ class SamplingState:
 
     def set_row(self, row: int, p: SamplingParams, eos_token_ids: list[int]) -> None:
         greedy = p.greedy
-        self.temperature[row] = 0.0 if greedy else p.temperature
-        # vLLM: greedy requests drop the truncation controls (they cannot change argmax)
-        self.top_k[row] = 0 if greedy or p.top_k <= 0 else p.top_k
+        # as vLLM, a tiny temperature is raised to MIN_TEMPERATURE (logits / t must stay
+        # finite); a huge one is capped where float32 still holds it
+        self.temperature[row] = 0.0 if greedy else min(max(p.temperature, MIN_TEMPERATURE),
+                                                       MAX_TEMPERATURE)
+        # vLLM: greedy requests drop the truncation controls (they cannot change argmax);
+        # a top_k beyond any vocabulary is the same as none
+        self.top_k[row] = 0 if greedy or p.top_k <= 0 or p.top_k >= MAX_TOP_K else p.top_k
         self.top_p[row] = 1.0 if greedy else p.top_p
         self.min_p[row] = 0.0 if greedy else p.min_p
         self.presence[row] = p.presence_penalty
         self.frequency[row] = p.frequency_penalty
-        self.repetition[row] = p.repetition_penalty
-        self.seed[row] = -1 if p.seed is None else p.seed
+        # a penalty below float32's smallest normal would divide logits by zero
+        self.repetition[row] = max(p.repetition_penalty, MIN_REPETITION_PENALTY)
+        self.seeded[row] = p.seed is not None
+        self.seed[row] = 0 if p.seed is None else p.seed
         self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
         self.num_prompt_logprobs[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
         self.min_tokens[row] = p.min_tokens
