@@ -24,9 +24,8 @@ def _generate(args: argparse.Namespace) -> int:
     print(f" ready in {time.monotonic() - start:.1f}s", file=sys.stderr, flush=True)
     prompt: str | dict = args.prompt
     if args.chat:
-        messages = [{"role": "user", "content": args.prompt}]
-        prompt = {"prompt_token_ids": llm.get_tokenizer().apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True)}
+        prompt = llm.engine.input_processor.chat_prompt([{"role": "user",
+                                                           "content": args.prompt}])
     for delta in llm.stream(prompt, params):
         print(delta, end="", flush=True)
     print()
@@ -59,11 +58,13 @@ def _serve(args: argparse.Namespace) -> int:
         uvicorn_log_level=args.uvicorn_log_level,
         enable_force_include_usage=args.enable_force_include_usage,
         drain_timeout=args.drain_timeout, enable_auto_tool_choice=args.enable_auto_tool_choice,
-        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+        trust_request_chat_template=args.trust_request_chat_template,
+        max_request_body_size=args.max_request_body_size,
+        exit_on_engine_death=args.exit_on_engine_death)
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.create_engine_config()   # refuse bad flags before loading anything
-    run_server(vars(engine_args), config)
-    return 0
+    return run_server(vars(engine_args), config)
 
 
 def _pull(args: argparse.Namespace) -> int:

@@ -97,8 +97,14 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    trust_request_chat_template: bool = False
+    max_request_body_size: int = 32 * 2**20
+    exit_on_engine_death: bool = True
 
     def __post_init__(self) -> None:
+        if self.max_request_body_size < 1:
+            raise ValidationError("--max-request-body-size must be positive, got "
+                                  f"{self.max_request_body_size}", "max_request_body_size")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValidationError("--enable-auto-tool-choice needs --tool-call-parser (one of "
                                   f"{', '.join(TOOL_CALL_PARSERS)})", "tool_call_parser")
@@ -133,6 +139,15 @@ class ServerConfig:
         parser.add_argument("--reasoning-parser", default=None,
                             help="split <think> reasoning into reasoning_content: "
                                  + ", ".join(REASONING_PARSERS))
+        parser.add_argument("--trust-request-chat-template", action="store_true",
+                            help="run chat templates sent in requests (chat_template); off: "
+                                 "they are refused with a 400")
+        parser.add_argument("--max-request-body-size", type=int, default=32 * 2**20,
+                            metavar="BYTES", help="larger request bodies are refused with 413")
+        parser.add_argument("--exit-on-engine-death", action=argparse.BooleanOptionalAction,
+                            default=True, help="exit with status 1 when the engine dies, so a "
+                                               "supervisor restarts the server (off: stay up "
+                                               "answering 503)")
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,7 @@ def test_completion_sse_format(server, auth):
                               "max_tokens": 9000}, 400, "max_tokens",
      r"maximum context length is 8192 tokens.*you requested 9031 tokens \(31 in the prompt, "
      r"9000 in the completion\)"),
-    ("/v1/completions", {"prompt": [1] * 8192}, 400, "messages", "prompt has 8192 tokens"),
+    ("/v1/completions", {"prompt": [1] * 8192}, 400, "prompt", "prompt has 8192 tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "temperature": -1}, 400, "temperature",
      "temperature must be a finite number >= 0"),

@@ -14,9 +14,9 @@ import logging
 import time
 from typing import Any, AsyncIterator
 
-import msgspec
 import uvicorn
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
@@ -27,7 +27,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from vllm_actors.config import ServerConfig
 from vllm_actors.errors import EngineDeadError, ValidationError
 from vllm_actors.frontend.async_llm import AsyncLLM
-from vllm_actors.frontend.openai_schema import APIError
+from vllm_actors.frontend.openai_schema import (APIError, DetokenizeRequest, TokenizeRequest,
+                                                chat_messages)
+from vllm_actors.frontend.request_body import decode_request, read_body
 from vllm_actors.frontend.serving import ServerState
 from vllm_actors.frontend.serving_chat import create_chat_completion
 from vllm_actors.frontend.serving_completion import create_completion
@@ -35,6 +37,7 @@ from vllm_actors.version import __version__
 
 logger = logging.getLogger("vllm_actors.server")
 HEALTH_TIMEOUT_S = 5.0
+ENGINE_DEATH_EXIT_DELAY_S = 1.0   # in-flight streams get their error event, then the exit
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/reset_prefix_cache", "/server_info")
 
 
@@ -64,14 +67,39 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-async def _json_body(raw: Request) -> dict[str, Any]:
-    try:
-        body = msgspec.json.decode(await raw.body())
-    except msgspec.DecodeError as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    return body
+def error_response(e: Exception, path: str) -> JSONResponse:
+    """The OpenAI-shaped answer for an exception raised while handling `path`: one log line
+    for a handled error, a traceback only for a bug (an unexpected exception, 500)."""
+    if isinstance(e, ValidationError):
+        e = APIError(400, str(e), e.param)
+    elif isinstance(e, EngineDeadError):
+        e = APIError(503, str(e), code="engine_dead", type_="service_unavailable_error")
+    elif not isinstance(e, APIError):
+        logger.exception("unhandled error on %s", path)
+        e = APIError(500, f"internal error: {type(e).__name__}: {e}", type_="server_error")
+    if e.status < 500 or e.code in ("engine_dead", "shutting_down", "engine_error"):
+        logger.info("%d on %s: %s", e.status, path, e.message)
+    return _error(e)
+
+
+def endpoint(handler: Any) -> Any:
+    """Wraps a route handler so every exception becomes its error response in the handler
+    itself: the response is complete, nothing is re-raised to the ASGI server, so no
+    traceback is logged and the keep-alive connection stays usable."""
+    async def wrapped(raw: Request) -> Response:
+        try:
+            return await handler(raw)
+        except Exception as e:
+            return error_response(e, raw.url.path)
+    return wrapped
+
+
+async def _http_error(raw: Request, e: Exception) -> Response:
+    """Unknown routes and methods, in OpenAI's error shape."""
+    assert isinstance(e, HTTPException)
+    message = {404: f"no route {raw.url.path}", 405: f"{raw.method} is not allowed on "
+               f"{raw.url.path}"}.get(e.status_code, str(e.detail))
+    return _error(APIError(e.status_code, message, code={404: "not_found"}.get(e.status_code)))
 
 
 def build_app(state: ServerState) -> Starlette:
@@ -81,6 +109,8 @@ def build_app(state: ServerState) -> Starlette:
 
     async def health(raw: Request) -> Response:
         try:
+            if engine.errored:
+                raise engine.dead_error
             await asyncio.wait_for(engine.check_health(), HEALTH_TIMEOUT_S)
         except (EngineDeadError, asyncio.TimeoutError) as e:
             return _error(APIError(503, f"the engine is not answering: {e or 'timeout'}",
@@ -93,31 +123,42 @@ def build_app(state: ServerState) -> Starlette:
                 "max_model_len": engine.ready.max_model_len, "permission": []}
         return JSONResponse({"object": "list", "data": [card]})
 
-    async def tokenize(raw: Request) -> Response:
-        body = await _json_body(raw)
-        state.check_model(body.get("model"))
-        if "messages" in body:
-            ids = engine.tokenizer.apply_chat_template(
-                body["messages"], add_generation_prompt=body.get("add_generation_prompt", True))
-        elif isinstance(body.get("prompt"), str):
-            ids = engine.tokenizer.encode(body["prompt"], body.get("add_special_tokens", True))
+    def do_tokenize(body: bytes) -> dict[str, Any]:
+        req = decode_request(body, TokenizeRequest)
+        state.check_model(req.model)
+        processor = engine.input_processor
+        if req.messages is not None:
+            if req.chat_template is not None and not state.config.trust_request_chat_template:
+                raise APIError(400, "this server does not run chat templates sent in requests",
+                               "chat_template")
+            ids = processor.chat_prompt(chat_messages(req), req.chat_template,
+                                        req.add_generation_prompt, req.tools,
+                                        req.chat_template_kwargs)["prompt_token_ids"]
+        elif req.prompt is not None:
+            ids = engine.tokenizer.encode(req.prompt, req.add_special_tokens)
         else:
             raise APIError(400, "give `prompt` (a string) or `messages`", "prompt")
         result: dict[str, Any] = {"count": len(ids), "max_model_len": engine.ready.max_model_len,
                                   "tokens": ids}
-        if body.get("return_token_strs"):
+        if req.return_token_strs:
             result["token_strs"] = engine.tokenizer.convert_ids_to_tokens(ids)
-        return JSONResponse(result)
+        return result
+
+    def do_detokenize(body: bytes) -> dict[str, Any]:
+        req = decode_request(body, DetokenizeRequest)
+        state.check_model(req.model)
+        vocab = engine.ready.vocab_size
+        if not all(0 <= t < vocab for t in req.tokens):
+            raise APIError(400, f"tokens must be a list of token ids in [0, {vocab})", "tokens")
+        return {"prompt": engine.tokenizer.decode(req.tokens)}
+
+    async def tokenize(raw: Request) -> Response:
+        body = await read_body(raw, state.config.max_request_body_size)
+        return JSONResponse(await state.prepare(do_tokenize, body))
 
     async def detokenize(raw: Request) -> Response:
-        body = await _json_body(raw)
-        state.check_model(body.get("model"))
-        tokens = body.get("tokens")
-        vocab = engine.ready.vocab_size
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < vocab
-                                                   for t in tokens):
-            raise APIError(400, f"tokens must be a list of token ids in [0, {vocab})", "tokens")
-        return JSONResponse({"prompt": engine.tokenizer.decode(tokens)})
+        body = await read_body(raw, state.config.max_request_body_size)
+        return JSONResponse(await state.prepare(do_detokenize, body))
 
     async def server_info(raw: Request) -> Response:
         ready = engine.ready
@@ -144,15 +185,14 @@ def build_app(state: ServerState) -> Starlette:
     async def completions(raw: Request) -> Response:
         return await create_completion(state, raw)
 
-    routes = [Route("/", index), Route("/health", health), Route("/version", version),
-              Route("/ping", health, methods=["GET", "POST"]), Route("/metrics", metrics),
-              Route("/v1/models", models),
-              Route("/v1/chat/completions", chat, methods=["POST"]),
-              Route("/v1/completions", completions, methods=["POST"]),
-              Route("/tokenize", tokenize, methods=["POST"]),
-              Route("/detokenize", detokenize, methods=["POST"]),
-              Route("/server_info", server_info),
-              Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"])]
+    api = [("/health", health, ["GET"]), ("/version", version, ["GET"]),
+           ("/ping", health, ["GET", "POST"]), ("/metrics", metrics, ["GET"]),
+           ("/v1/models", models, ["GET"]), ("/v1/chat/completions", chat, ["POST"]),
+           ("/v1/completions", completions, ["POST"]), ("/tokenize", tokenize, ["POST"]),
+           ("/detokenize", detokenize, ["POST"]), ("/server_info", server_info, ["GET"]),
+           ("/reset_prefix_cache", reset_prefix_cache, ["POST"])]
+    routes = [Route("/", index),
+              *(Route(path, endpoint(fn), methods=methods) for path, fn, methods in api)]
     middleware = []
     if state.config.allowed_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(
@@ -160,41 +200,46 @@ def build_app(state: ServerState) -> Starlette:
     if state.config.api_key:
         middleware.append(Middleware(APIKeyMiddleware, api_key=state.config.api_key))
 
-    async def api_error(raw: Request, e: Exception) -> Response:
-        if isinstance(e, APIError):
-            return _error(e)
-        if isinstance(e, ValidationError):
-            return _error(APIError(400, str(e), e.param))
-        if isinstance(e, EngineDeadError):
-            return _error(APIError(503, str(e), code="engine_dead",
-                                   type_="service_unavailable_error"))
-        logger.exception("unhandled error on %s", raw.url.path)
-        return _error(APIError(500, f"internal error: {type(e).__name__}: {e}",
-                               type_="server_error"))
-
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
         engine.shutdown()
 
     return Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
-                     exception_handlers={Exception: api_error})
+                     exception_handlers={HTTPException: _http_error})
 
 
 class DrainingServer(uvicorn.Server):
     """uvicorn, except that the first SIGTERM/SIGINT drains: stop accepting connections,
     refuse new requests with 503, let running ones finish for up to `drain_timeout` seconds,
-    abort the rest, then exit 0. A second signal exits at once."""
+    abort the rest, then exit 0. A second signal exits at once.
+
+    When the engine dies the server logs why, and (unless --no-exit-on-engine-death) exits
+    with status 1 after ENGINE_DEATH_EXIT_DELAY_S, so a supervisor restarts it."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
         self.state = state
+        self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None
+        state.engine.on_engine_death(self._on_engine_death)
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    def _on_engine_death(self, error: EngineDeadError) -> None:
+        if not self.state.config.exit_on_engine_death:
+            logger.error("%s; requests are answered 503 until the server is restarted", error)
+            return
+        logger.error("%s; the server exits in %.0fs with status 1", error,
+                     ENGINE_DEATH_EXIT_DELAY_S)
+        self.exit_code = 1
+        asyncio.get_running_loop().call_later(ENGINE_DEATH_EXIT_DELAY_S, self._exit_now)
+
+    def _exit_now(self) -> None:
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self.state.draining or self._loop is None:
@@ -223,8 +268,9 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def run_server(engine_args: dict[str, Any], config: ServerConfig) -> None:
-    """Load the engine, then serve until SIGTERM/SIGINT (drained) ends it."""
+def run_server(engine_args: dict[str, Any], config: ServerConfig) -> int:
+    """Load the engine, then serve until SIGTERM/SIGINT (drained) or the engine's death
+    ends it. Returns the process exit status (0, or 1 after engine death)."""
     engine = AsyncLLM(**engine_args)
     state = ServerState(engine, config, engine.model_name)
     try:
@@ -236,7 +282,10 @@ def run_server(engine_args: dict[str, Any], config: ServerConfig) -> None:
                                loop=loop, log_level=config.uvicorn_log_level,
                                timeout_graceful_shutdown=5)
     logger.info("serving %s on http://%s:%d", state.model_name, config.host, config.port)
+    server = DrainingServer(uv_config, state)
     try:
-        DrainingServer(uv_config, state).run()
+        server.run()
     finally:
         engine.shutdown()
+        state.pool.shutdown(wait=False, cancel_futures=True)
+    return server.exit_code

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import signal
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from vllm_actors.config import EngineArgs
 from vllm_actors.errors import EngineDeadError, VllmActorsError
@@ -64,11 +65,22 @@ class AsyncLLM:
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._stopping = False
+        self._death_callbacks: list[Callable[[EngineDeadError], None]] = []
 
     # -- lifecycle -------------------------------------------------------------------------
     @property
     def errored(self) -> bool:
         return self._dead is not None
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        """Why the engine is dead (None while it runs)."""
+        return self._dead
+
+    def on_engine_death(self, callback: Callable[[EngineDeadError], None]) -> None:
+        """Call `callback(error)` on the event loop when the engine core dies (not when it is
+        shut down), after every pending request has been failed."""
+        self._death_callbacks.append(callback)
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
@@ -101,17 +113,21 @@ class AsyncLLM:
         if self.client.exit_fd is not None:
             self._loop.remove_reader(self.client.exit_fd)
         if not self._stopping:
-            self._fail(EngineDeadError(
-                f"the engine core process exited unexpectedly (exit code {self.client.exitcode})"))
+            status = _exit_status(self.client.exitcode)
+            self._fail(EngineDeadError(f"the engine core process exited unexpectedly ({status})"))
 
     def _fail(self, error: EngineDeadError) -> None:
-        if self._dead is None:
+        first = self._dead is None
+        if first:
             self._dead = error
         self.output_processor.fail_all(self._dead)
         for future in self._calls.values():
             if not future.done():
                 future.set_exception(self._dead)
         self._calls.clear()
+        if first and not self._stopping:
+            for callback in self._death_callbacks:
+                callback(error)
 
     def shutdown(self) -> None:
         """Stop the core and release everything; idempotent. Pending requests fail with
@@ -265,6 +281,17 @@ class AsyncLLM:
 
     async def get_scheduler_stats(self) -> SchedulerStats:
         return await self._call(UtilityKind.GET_STATS)
+
+
+def _exit_status(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -63,7 +63,8 @@ def plan_tools(req: ChatCompletionRequest, config: ServerConfig) -> ToolPlan:
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
     schemas = _check_tools(tools)
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name")
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
         if choice.get("type") != "function" or not isinstance(name, str):
             raise APIError(400, 'tool_choice must be "none", "auto", "required" or {"type": '
                                 '"function", "function": {"name": ...}}', "tool_choice")

@@ -102,24 +102,26 @@ class CompletionRequest(_GenerationRequest, kw_only=True):
     logprobs: int | None = None
 
 
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's /tokenize: a `prompt` or chat `messages` (rendered as chat requests are)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    tools: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
-
-
-def decode_request(body: bytes, cls: type) -> Any:
-    """Parse a JSON body. Raises APIError 400 naming the field for malformed input."""
-    try:
-        return msgspec.json.decode(body, type=cls)
-    except msgspec.ValidationError as e:
-        text = str(e)
-        if "at `$." in text:
-            param = text.rpartition("at `$.")[2].rstrip("`").split("[")[0].split(".")[0]
-        elif "missing required field `" in text:
-            param = text.rpartition("missing required field `")[2].rstrip("`")
-        else:
-            param = None
-        raise APIError(400, f"invalid request: {text}", param) from None
-    except msgspec.DecodeError as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
 
 
 _NOT_YET = "is not supported yet"
@@ -186,7 +188,7 @@ def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
     return {**call, "function": {**function, "arguments": arguments}}
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+def chat_messages(req: ChatCompletionRequest | TokenizeRequest) -> list[dict[str, Any]]:
     """Messages as template-ready dicts; text content parts are joined into one string."""
     out = []
     for i, m in enumerate(req.messages):
@@ -230,8 +232,10 @@ def completion_prompts(prompt: Any) -> list[str | list[int]]:
                         "list of token-id lists (non-empty)", "prompt")
 
 
-def max_tokens_for(requested: int | None, num_prompt_tokens: int, max_model_len: int) -> int:
-    """The request's max_tokens, defaulting to what the context has left.
+def max_tokens_for(requested: int | None, num_prompt_tokens: int, max_model_len: int,
+                   prompt_param: str) -> int:
+    """The request's max_tokens, defaulting to what the context has left; `prompt_param`
+    names the prompt's field (messages or prompt) in the error.
 
     Raises APIError 400 naming both numbers when prompt + max_tokens exceed max_model_len.
     """
@@ -239,7 +243,7 @@ def max_tokens_for(requested: int | None, num_prompt_tokens: int, max_model_len:
     if room < 1:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens, "
                             f"but the prompt has {num_prompt_tokens} tokens, which leaves no "
-                            "room for a completion. Please shorten the prompt.", "messages")
+                            "room for a completion. Please shorten the prompt.", prompt_param)
     if requested is None:
         return room
     if requested > room:

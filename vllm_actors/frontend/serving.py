@@ -1,26 +1,43 @@
 """What the OpenAI endpoints share: server state (the engine, in-flight requests, draining),
-sub-request runners that abort on client disconnect, ids and usage."""
+request bodies read within a size limit, preparation off the event loop, sub-request runners
+that abort on client disconnect, streams that always clean up, ids and usage.
+
+A request's heavy work (JSON decoding, chat-template rendering, tokenization, bad-word
+tokenization, grammar checks) runs in `ServerState.prepare`'s thread pool, once; the event
+loop only moves bytes and outputs.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
+import functools
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable, TypeVar
 
+from sse_starlette import EventSourceResponse
 from starlette.requests import Request
+from starlette.types import Receive, Scope, Send
 
 from vllm_actors.config import ServerConfig
 from vllm_actors.errors import EngineDeadError, ValidationError
 from vllm_actors.frontend.async_llm import AsyncLLM
-from vllm_actors.frontend.input_processor import PromptType
+from vllm_actors.frontend.input_processor import ProcessedRequest, PromptType
 from vllm_actors.frontend.openai_schema import APIError
 from vllm_actors.outputs import RequestOutput
 from vllm_actors.sampling_params import SamplingParams
 
 logger = logging.getLogger("vllm_actors.server")
+
+PREPARE_THREADS = 4        # requests being decoded / rendered / tokenized at once
+PREPARE_TIMEOUT_S = 60.0   # a request still not prepared after this is refused
+FIRST_OUTPUT_WAIT_S = 10.0  # a stream waits this long for its first output before its 200,
+                            # so a request the engine refuses still gets a 4xx
+T = TypeVar("T")
 
 
 @dataclass
@@ -30,6 +47,9 @@ class ServerState:
     model_name: str
     in_flight: set[str] = field(default_factory=set)
     draining: bool = False
+    pool: concurrent.futures.ThreadPoolExecutor = field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(
+            PREPARE_THREADS, thread_name_prefix="prepare"))
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -37,24 +57,47 @@ class ServerState:
                                 f"`{self.model_name}`", "model", "model_not_found")
 
     def admit(self) -> None:
+        """Raises APIError 503 while draining or once the engine is dead."""
         if self.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down",
                            type_="service_unavailable_error")
+        if self.engine.errored:
+            raise EngineDeadError(str(self.engine.dead_error))
 
-    def validate(self, sub: "SubRequest", prompt_param: str | None = None,
-                 constraint_param: str | None = None) -> None:
-        """Limits, token ids and the output grammar, checked before any stream starts: a 400
-        naming the field (prompt-level errors named `prompt_param`, grammar errors
-        `constraint_param`, when given) instead of a failed stream."""
+    async def prepare(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` in the preparation pool (never on the event loop).
+
+        Raises whatever fn raises, or APIError 400 when it takes longer than
+        PREPARE_TIMEOUT_S (the thread's result is then dropped)."""
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self.pool, functools.partial(fn, *args))
         try:
-            self.engine.input_processor.process(sub.request_id, sub.prompt, sub.params)
+            return await asyncio.wait_for(future, PREPARE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise APIError(400, f"the request took longer than {PREPARE_TIMEOUT_S:.0f}s to "
+                                "prepare (chat template, tokenization, grammar); it was "
+                                "dropped") from None
+
+    def process(self, sub: "SubRequest", prompt_param: str | None = None,
+                constraint_param: str | None = None) -> None:
+        """Validate and tokenize `sub` once (in the preparation pool); the result travels in
+        `sub.processed`. Raises APIError 400 naming the field (prompt-level errors named
+        `prompt_param`, grammar errors `constraint_param`, when given)."""
+        try:
+            sub.processed = self.engine.input_processor.process(
+                sub.request_id, sub.prompt, sub.params, sub.priority)
         except ValidationError as e:
-            param = e.param
-            if prompt_param is not None and param in (None, "prompt_token_ids"):
-                param = prompt_param
-            elif constraint_param is not None and param == "structured_outputs":
-                param = constraint_param
-            raise APIError(400, str(e), param) from None
+            raise APIError(400, str(e), _param(e.param, prompt_param, constraint_param)) \
+                from None
+
+
+def _param(param: str | None, prompt_param: str | None, constraint_param: str | None
+           ) -> str | None:
+    if prompt_param is not None and param in (None, "prompt", "prompt_token_ids"):
+        return prompt_param
+    if constraint_param is not None and param == "structured_outputs":
+        return constraint_param
+    return param
 
 
 @dataclass
@@ -64,6 +107,17 @@ class SubRequest:
     request_id: str
     prompt: PromptType
     params: SamplingParams
+    priority: int = 0
+    processed: ProcessedRequest | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        assert self.processed is not None
+        return len(self.processed.request.prompt_token_ids)
+
+    @property
+    def engine_prompt(self) -> PromptType | ProcessedRequest:
+        return self.processed if self.processed is not None else self.prompt
 
 
 def new_request_id(prefix: str) -> str:
@@ -80,15 +134,22 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def raise_if_failed(output: RequestOutput) -> None:
-    """A request the engine failed (finish_reason "error") answers 500 with the reason."""
-    if output.error:
-        raise APIError(500, f"the engine failed this request: {output.error}",
-                       code="engine_error", type_="server_error")
+def raise_if_failed(output: RequestOutput, constraint_param: str | None = None) -> None:
+    """A request the engine failed (finish_reason "error"): 400 naming the field when the
+    request itself was at fault (a grammar the engine cannot follow, masks that leave no
+    token), else 500 with the reason."""
+    if not output.error:
+        return
+    if output.error_param is not None:
+        raise APIError(400, output.error, _param(output.error_param, None, constraint_param))
+    raise APIError(500, f"the engine failed this request: {output.error}",
+                   code="engine_error", type_="server_error")
 
 
 def stream_error(error: Exception) -> dict[str, Any]:
     """The error event sent when a stream cannot go on."""
+    if isinstance(error, APIError):
+        return error.body()
     dead = isinstance(error, EngineDeadError)
     return APIError(503 if dead else 500, str(error), code="engine_dead" if dead else None,
                     type_="service_unavailable_error" if dead else "server_error").body()
@@ -101,7 +162,8 @@ async def _wait_for_disconnect(raw: Request) -> None:
 
 async def _final(state: ServerState, sub: SubRequest) -> RequestOutput:
     output = None
-    async for output in state.engine.generate(sub.prompt, sub.params, sub.request_id):
+    async for output in state.engine.generate(sub.engine_prompt, sub.params, sub.request_id,
+                                              sub.priority):
         pass
     assert output is not None
     return output
@@ -136,7 +198,8 @@ async def stream_outputs(state: ServerState, subs: list[SubRequest]
 
     async def pump(index: int, sub: SubRequest) -> None:
         try:
-            async for output in state.engine.generate(sub.prompt, sub.params, sub.request_id):
+            async for output in state.engine.generate(sub.engine_prompt, sub.params,
+                                                      sub.request_id, sub.priority):
                 queue.put_nowait((index, output))
         except Exception as e:
             queue.put_nowait(e)
@@ -160,3 +223,53 @@ async def stream_outputs(state: ServerState, subs: list[SubRequest]
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         state.in_flight.difference_update(s.request_id for s in subs)
+
+
+async def open_stream(state: ServerState, subs: list[SubRequest],
+                      constraint_param: str | None = None
+                      ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """`stream_outputs`, started before the response is: the first output is awaited (up to
+    FIRST_OUTPUT_WAIT_S) so that a request the engine refuses at once answers 4xx (and a
+    dead engine 503) instead of a 200 with the error inside the stream."""
+    outputs = stream_outputs(state, subs)
+    first = asyncio.ensure_future(outputs.__anext__())
+    try:
+        await asyncio.wait({first}, timeout=FIRST_OUTPUT_WAIT_S)
+        if first.done():
+            raise_if_failed(first.result()[1], constraint_param)
+    except BaseException:
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        await outputs.aclose()
+        raise
+    return _continue(first, outputs)
+
+
+async def _continue(first: asyncio.Future, outputs: AsyncIterator[tuple[int, RequestOutput]]
+                    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    try:
+        try:
+            yield await first
+        except StopAsyncIteration:
+            return
+        async for item in outputs:
+            yield item
+    finally:
+        first.cancel()
+        await outputs.aclose()   # type: ignore[attr-defined]
+
+
+class EventStream(EventSourceResponse):
+    """An SSE response whose body iterator is always closed when the response ends, however
+    it ends (client gone, server shutdown), so the engine requests behind it are aborted and
+    leave the in-flight set at once rather than whenever the garbage collector runs."""
+
+    def __init__(self, content: AsyncIterator[str]) -> None:
+        super().__init__(content, ping=15, sep="\n")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()   # type: ignore[attr-defined]

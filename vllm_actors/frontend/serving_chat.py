@@ -3,31 +3,47 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from sse_starlette import EventSourceResponse
 
 from vllm_actors.errors import ValidationError
 from vllm_actors.frontend.chat_tools import ToolPlan, choice_parser, plan_tools
 from vllm_actors.frontend.openai_schema import (APIError, ChatCompletionRequest, chat_logprobs,
-                                                chat_messages, decode_request, max_tokens_for,
+                                                chat_messages, max_tokens_for,
                                                 prompt_logprobs_json, refuse_unsupported,
                                                 sampling_params, structured_outputs_of)
-from vllm_actors.frontend.serving import (ServerState, SubRequest, generate_final, new_request_id,
-                                          now, raise_if_failed, stream_error, stream_outputs,
-                                          usage)
+from vllm_actors.frontend.request_body import decode_request, read_body
+from vllm_actors.frontend.serving import (EventStream, ServerState, SubRequest, generate_final,
+                                          new_request_id, now, open_stream, raise_if_failed,
+                                          stream_error, usage)
+from vllm_actors.outputs import RequestOutput
 
 logger = logging.getLogger("vllm_actors.server")
 _json = msgspec.json.Encoder()
 
 
-def _prepare(state: ServerState, req: ChatCompletionRequest
-             ) -> tuple[SubRequest, int, ToolPlan]:
+@dataclass
+class PreparedChat:
+    req: ChatCompletionRequest
+    sub: SubRequest
+    plan: ToolPlan
+    constraint_param: str | None
+
+
+def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_id: str
+                 ) -> PreparedChat:
+    """Everything a chat request needs before it runs (in the preparation pool): checks,
+    tool plan, the rendered and tokenized conversation, validated SamplingParams."""
     state.check_model(req.model)
     refuse_unsupported(req)
+    if req.chat_template is not None and not state.config.trust_request_chat_template:
+        raise APIError(400, "this server does not run chat templates sent in requests; start "
+                            "it with --trust-request-chat-template to allow them",
+                       "chat_template")
     messages = chat_messages(req)
     plan = plan_tools(req, state.config)
     structured, constraint_field = structured_outputs_of(req)
@@ -36,24 +52,27 @@ def _prepare(state: ServerState, req: ChatCompletionRequest
                             "cannot be combined with response_format or structured_outputs",
                        "tool_choice")
     try:
-        text = state.engine.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=req.add_generation_prompt, tokenize=False,
-            chat_template=req.chat_template, tools=req.tools or None,
-            **(req.chat_template_kwargs or {}))
+        prompt = state.engine.input_processor.chat_prompt(
+            messages, req.chat_template, req.add_generation_prompt, req.tools or None,
+            req.chat_template_kwargs)
     except ValidationError as e:
-        raise APIError(400, str(e), "messages") from None
-    ids = state.engine.tokenizer.encode(str(text), add_special_tokens=False)
+        raise APIError(400, str(e), e.param or "messages") from None
     requested = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
-    limit = max_tokens_for(requested, len(ids), state.engine.ready.max_model_len)
+    limit = max_tokens_for(requested, len(prompt["prompt_token_ids"]),
+                           state.engine.ready.max_model_len, "messages")
     params = sampling_params(req, limit, state.engine.generation_defaults, req.stream,
                              plan.structured or structured)
     if plan.parser is not None and plan.parser.special_markers:
         params = msgspec.structs.replace(params, skip_special_tokens=False)
-    sub = SubRequest(new_request_id("chatcmpl"), {"prompt": text, "prompt_token_ids": ids},
-                     params)
-    state.validate(sub, constraint_param="tools" if plan.structured else constraint_field)
-    return sub, len(ids), plan
+    sub = SubRequest(request_id, prompt, params, req.priority)
+    constraint_param = "tools" if plan.structured else constraint_field
+    state.process(sub, "messages", constraint_param)
+    return PreparedChat(req, sub, plan, constraint_param)
+
+
+def _decode_and_prepare(state: ServerState, body: bytes, request_id: str) -> PreparedChat:
+    return prepare_chat(state, decode_request(body, ChatCompletionRequest), request_id)
 
 
 def _finish_reason(reason: str | None, called_tools: bool) -> str | None:
@@ -61,20 +80,28 @@ def _finish_reason(reason: str | None, called_tools: bool) -> str | None:
 
 
 async def create_chat_completion(state: ServerState, raw: Request) -> Response:
-    req = decode_request(await raw.body(), ChatCompletionRequest)
+    body = await read_body(raw, state.config.max_request_body_size)
     state.admit()
-    sub, num_prompt, plan = _prepare(state, req)
+    prepared = await state.prepare(_decode_and_prepare, state, body,
+                                   new_request_id("chatcmpl"))
+    req, sub, plan = prepared.req, prepared.sub, prepared.plan
     if not state.config.disable_log_requests:
-        logger.info("chat request %s: %d prompt tokens, %s", sub.request_id, num_prompt,
-                    sub.params)
+        logger.info("chat request %s: %d prompt tokens, %s", sub.request_id,
+                    sub.num_prompt_tokens, sub.params)
     if req.stream:
-        return EventSourceResponse(_stream(state, req, sub, num_prompt, plan), ping=15,
-                                   sep="\n")
-    outputs = await generate_final(state, raw, [sub])
-    if outputs is None:
+        outputs = await open_stream(state, [sub], prepared.constraint_param)
+        return EventStream(_stream(state, req, sub, plan, outputs))
+    results = await generate_final(state, raw, [sub])
+    if results is None:
         return Response(status_code=499)
-    out = outputs[0]
-    raise_if_failed(out)
+    out = results[0]
+    raise_if_failed(out, prepared.constraint_param)
+    return JSONResponse(chat_response(state, req, sub, plan, out))
+
+
+def chat_response(state: ServerState, req: ChatCompletionRequest, sub: SubRequest,
+                  plan: ToolPlan, out: RequestOutput) -> dict[str, Any]:
+    """The chat.completion body for a finished request."""
     k = req.top_logprobs or 0
     constrained = sub.params.structured_outputs is not None
     choices = []
@@ -87,15 +114,16 @@ async def create_chat_completion(state: ServerState, raw: Request) -> Response:
     completion_tokens = sum(len(c.token_ids) for c in out.outputs)
     body = {"id": sub.request_id, "object": "chat.completion", "created": now(),
             "model": state.model_name, "choices": choices,
-            "usage": usage(num_prompt, completion_tokens, out.num_cached_tokens)}
+            "usage": usage(sub.num_prompt_tokens, completion_tokens, out.num_cached_tokens)}
     if out.prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
-    return JSONResponse(body)
+    return body
 
 
 async def _stream(state: ServerState, req: ChatCompletionRequest, sub: SubRequest,
-                  num_prompt: int, plan: ToolPlan) -> AsyncIterator[str]:
-    created, opts = now(), req.stream_options
+                  plan: ToolPlan, outputs: AsyncIterator[tuple[int, RequestOutput]]
+                  ) -> AsyncIterator[str]:
+    created, opts, num_prompt = now(), req.stream_options, sub.num_prompt_tokens
     include_usage = state.config.enable_force_include_usage or bool(opts and opts.include_usage)
     continuous = include_usage and bool(opts and opts.continuous_usage_stats)
     completion_tokens = cached = 0
@@ -108,13 +136,13 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, sub: SubReques
             body["usage"] = usage(num_prompt, completion_tokens, cached)
         return _json.encode(body).decode()
 
-    for index in range(sub.params.n):
-        yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
-                      "logprobs": None, "finish_reason": None}])
     constrained = sub.params.structured_outputs is not None
     parsers = [choice_parser(plan, state.config, constrained) for _ in range(sub.params.n)]
     try:
-        async for _, out in stream_outputs(state, [sub]):
+        for index in range(sub.params.n):
+            yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                          "logprobs": None, "finish_reason": None}])
+        async for _, out in outputs:
             cached = out.num_cached_tokens
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
@@ -130,6 +158,8 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, sub: SubReques
                 yield chunk([choice])
     except Exception as e:   # the engine died mid-stream: say so in the stream
         yield _json.encode(stream_error(e)).decode()
+    finally:
+        await outputs.aclose()   # type: ignore[attr-defined]
     if include_usage:
         yield _json.encode({"id": sub.request_id, "object": "chat.completion.chunk",
                             "created": created, "model": state.model_name, "choices": [],

@@ -4,34 +4,49 @@ text_completion format; `echo` prepends the prompt, `suffix` is refused."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from sse_starlette import EventSourceResponse
 
 from vllm_actors.errors import ValidationError
 from vllm_actors.frontend.openai_schema import (APIError, CompletionRequest,
                                                 completion_logprobs, completion_prompts,
-                                                decode_request, max_tokens_for,
+                                                max_tokens_for,
                                                 prompt_logprobs_json, refuse_unsupported,
                                                 sampling_params, structured_outputs_of)
-from vllm_actors.frontend.serving import (ServerState, SubRequest, generate_final, new_request_id,
-                                          now, raise_if_failed, stream_error, stream_outputs,
-                                          usage)
+from vllm_actors.frontend.request_body import decode_request, read_body
+from vllm_actors.frontend.serving import (EventStream, ServerState, SubRequest, generate_final,
+                                          new_request_id, now, open_stream, raise_if_failed,
+                                          stream_error, usage)
+from vllm_actors.outputs import RequestOutput
 
 logger = logging.getLogger("vllm_actors.server")
 _json = msgspec.json.Encoder()
 
 
-def _prepare(state: ServerState, req: CompletionRequest, request_id: str
-             ) -> tuple[list[SubRequest], list[int], list[str]]:
-    """Sub-requests, their prompt lengths and their prompt texts (for echo)."""
+@dataclass
+class PreparedCompletion:
+    req: CompletionRequest
+    request_id: str
+    subs: list[SubRequest]
+    texts: list[str]             # each prompt's text (for echo)
+    constraint_param: str | None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(s.num_prompt_tokens for s in self.subs)
+
+
+def prepare_completion(state: ServerState, req: CompletionRequest, request_id: str
+                       ) -> PreparedCompletion:
+    """Checks, tokenized prompts and validated SamplingParams (in the preparation pool)."""
     state.check_model(req.model)
     refuse_unsupported(req)
     structured, constraint_field = structured_outputs_of(req)
-    subs, lengths, texts = [], [], []
+    subs, texts = [], []
     tokenizer, max_len = state.engine.tokenizer, state.engine.ready.max_model_len
     for i, prompt in enumerate(completion_prompts(req.prompt)):
         try:
@@ -40,51 +55,58 @@ def _prepare(state: ServerState, req: CompletionRequest, request_id: str
         except ValidationError as e:
             raise APIError(400, str(e), "prompt") from None
         limit = max_tokens_for(req.max_tokens if req.max_tokens is not None else 16, len(ids),
-                               max_len)
+                               max_len, "prompt")
         params = sampling_params(req, limit, state.engine.generation_defaults, req.stream,
                                  structured)
-        sub = SubRequest(f"{request_id}-{i}", {"prompt": text, "prompt_token_ids": ids}, params)
-        state.validate(sub, prompt_param="prompt", constraint_param=constraint_field)
+        sub = SubRequest(f"{request_id}-{i}", {"prompt": text, "prompt_token_ids": ids}, params,
+                         req.priority)
+        state.process(sub, "prompt", constraint_field)
         subs.append(sub)
-        lengths.append(len(ids))
         texts.append(text if text is not None else tokenizer.decode(ids))
-    return subs, lengths, texts
+    return PreparedCompletion(req, request_id, subs, texts, constraint_field)
+
+
+def _decode_and_prepare(state: ServerState, body: bytes, request_id: str
+                        ) -> PreparedCompletion:
+    return prepare_completion(state, decode_request(body, CompletionRequest), request_id)
 
 
 async def create_completion(state: ServerState, raw: Request) -> Response:
-    req = decode_request(await raw.body(), CompletionRequest)
+    body = await read_body(raw, state.config.max_request_body_size)
     state.admit()
-    request_id = new_request_id("cmpl")
-    subs, lengths, texts = _prepare(state, req, request_id)
+    prepared = await state.prepare(_decode_and_prepare, state, body, new_request_id("cmpl"))
+    req, subs = prepared.req, prepared.subs
     if not state.config.disable_log_requests:
-        logger.info("completion request %s: %d prompt(s), %d prompt tokens, %s", request_id,
-                    len(subs), sum(lengths), subs[0].params)
+        logger.info("completion request %s: %d prompt(s), %d prompt tokens, %s",
+                    prepared.request_id, len(subs), prepared.num_prompt_tokens, subs[0].params)
     if req.stream:
-        return EventSourceResponse(_stream(state, req, request_id, subs, lengths, texts),
-                                   ping=15, sep="\n")
-    outputs = await generate_final(state, raw, subs)
-    if outputs is None:
+        outputs = await open_stream(state, subs, prepared.constraint_param)
+        return EventStream(_stream(state, prepared, outputs))
+    results = await generate_final(state, raw, subs)
+    if results is None:
         return Response(status_code=499)
     choices, completion_tokens, cached = [], 0, 0
-    for p, out in enumerate(outputs):
-        raise_if_failed(out)
+    for p, out in enumerate(results):
+        raise_if_failed(out, prepared.constraint_param)
         cached += out.num_cached_tokens
         for c in out.outputs:
             completion_tokens += len(c.token_ids)
-            prefix = texts[p] if req.echo else ""
+            prefix = prepared.texts[p] if req.echo else ""
             choices.append({"index": p * req.n + c.index, "text": prefix + c.text,
                             "logprobs": completion_logprobs(c.logprobs, c.token_ids,
                                                             len(prefix)),
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                             "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)})
-    return JSONResponse({"id": request_id, "object": "text_completion", "created": now(),
-                         "model": state.model_name, "choices": choices,
-                         "usage": usage(sum(lengths), completion_tokens, cached)})
+    return JSONResponse({"id": prepared.request_id, "object": "text_completion",
+                         "created": now(), "model": state.model_name, "choices": choices,
+                         "usage": usage(prepared.num_prompt_tokens, completion_tokens, cached)})
 
 
-async def _stream(state: ServerState, req: CompletionRequest, request_id: str,
-                  subs: list[SubRequest], lengths: list[int], texts: list[str]
-                  ) -> AsyncIterator[str]:
+async def _stream(state: ServerState, prepared: PreparedCompletion,
+                  outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+    req, request_id, subs, texts = prepared.req, prepared.request_id, prepared.subs, \
+        prepared.texts
+    num_prompt = prepared.num_prompt_tokens
     created, opts = now(), req.stream_options
     include_usage = state.config.enable_force_include_usage or bool(opts and opts.include_usage)
     continuous = include_usage and bool(opts and opts.continuous_usage_stats)
@@ -97,11 +119,11 @@ async def _stream(state: ServerState, req: CompletionRequest, request_id: str,
                                 "created": created, "model": state.model_name,
                                 "choices": [choice]}
         if continuous:
-            body["usage"] = usage(sum(lengths), completion_tokens, sum(cached))
+            body["usage"] = usage(num_prompt, completion_tokens, sum(cached))
         return _json.encode(body).decode()
 
     try:
-        async for p, out in stream_outputs(state, subs):
+        async for p, out in outputs:
             cached[p] = out.num_cached_tokens
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
@@ -118,9 +140,11 @@ async def _stream(state: ServerState, req: CompletionRequest, request_id: str,
                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
     except Exception as e:
         yield _json.encode(stream_error(e)).decode()
+    finally:
+        await outputs.aclose()   # type: ignore[attr-defined]
     if include_usage:
         yield _json.encode({"id": request_id, "object": "text_completion", "created": created,
                             "model": state.model_name, "choices": [],
-                            "usage": usage(sum(lengths), completion_tokens,
+                            "usage": usage(num_prompt, completion_tokens,
                                            sum(cached))}).decode()
     yield "[DONE]"
