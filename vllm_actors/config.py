@@ -60,7 +60,7 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class DeviceConfig:
     backend: str = "numpy"        # numpy | opencl | cuda | auto (cuda if CuPy sees a GPU)
-    opencl_platform: int = 0
+    opencl_platform: int | None = None   # None: the first platform that can build programs
     opencl_device: int = 0
 
 
@@ -179,7 +179,7 @@ class EngineArgs:
     multiprocessing: bool = True
     kv_cache_dtype: str = "auto"
     device: str = "auto"
-    opencl_platform: int = 0
+    opencl_platform: int | None = None
     opencl_device: int = 0
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
@@ -235,8 +235,9 @@ class EngineArgs:
         parser.add_argument("--device", default="auto",
                             help="auto (cuda if CuPy sees a GPU, else numpy), cpu (numpy), "
                                  "opencl (PyOpenCL; PoCL runs it on the CPU), cuda (CuPy)")
-        parser.add_argument("--opencl-platform", type=int, default=0,
-                            help="--device opencl: platform index (see `clinfo -l`)")
+        parser.add_argument("--opencl-platform", type=int, default=None,
+                            help="--device opencl: platform index (see `clinfo -l`); default: "
+                                 "the first platform that can build programs")
         parser.add_argument("--opencl-device", type=int, default=0,
                             help="--device opencl: device index within the platform")
         parser.add_argument("--tensor-parallel-size", type=int, default=1,

@@ -2,9 +2,8 @@
 `--device cuda` where CuPy sees a GPU): the same greedy tokens as the numpy backend, near-tie
 rule (tests/parity.py)."""
 
-import importlib.util
-
 import pytest
+from opencl_platform import require_opencl
 from parity import assert_same_or_near_tie
 
 from vllm_actors import LLM, SamplingParams
@@ -14,8 +13,8 @@ GREEDY_16 = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
 def _skip_without(device: str) -> None:
-    if device == "opencl" and importlib.util.find_spec("pyopencl") is None:
-        pytest.skip("pip install 'vllm-actors[pocl]'")
+    if device == "opencl":
+        require_opencl()
     if device == "cuda":
         from vllm_actors.kernels.cuda.backend import cuda_available
         if not cuda_available():

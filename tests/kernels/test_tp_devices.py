@@ -4,9 +4,8 @@ CPU workers with ring slots too small for any StepInput (every step through the 
 fallback); OpenCL (PoCL in CI): the host all-reduce path (download, shared-memory sum,
 upload); CUDA: the NCCL all-reduce, on a machine with two GPUs (bench/gpu_check.sh runs it)."""
 
-import importlib.util
-
 import pytest
+from opencl_platform import require_opencl
 from tiny_models import write_hf_dir
 
 from vllm_actors import EngineArgs, SamplingParams
@@ -19,8 +18,8 @@ PROMPTS = [[(i * 37 + j * 11) % 256 for j in range(5 + 9 * i)] for i in range(3)
 
 
 def _skip_without(device: str) -> None:
-    if device == "opencl" and importlib.util.find_spec("pyopencl") is None:
-        pytest.skip("pip install 'vllm-actors[pocl]'")
+    if device == "opencl":
+        require_opencl()
     if device == "cuda":
         from vllm_actors.kernels.cuda.backend import cuda_available
         if not cuda_available():

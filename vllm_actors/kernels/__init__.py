@@ -7,13 +7,15 @@ from vllm_actors.kernels.ops import Backend
 BACKENDS = ("numpy", "opencl", "cuda")
 
 
-def get_backend(name: str = "numpy", opencl_platform: int = 0, opencl_device: int = 0
-                ) -> Backend:
-    """The backend called `name`.
+def get_backend(name: str = "numpy", opencl_platform: int | None = None,
+                opencl_device: int = 0) -> Backend:
+    """The backend called `name`. OpenCL: `opencl_platform` None takes the first platform
+    whose device `opencl_device` can build programs.
 
     Raises:
         ValueError: an unknown backend name, or an OpenCL platform/device that does not exist.
-        RuntimeError: the backend's package (pyopencl) is not installed.
+        RuntimeError: the backend's package (pyopencl) is not installed; OpenCLPlatformError
+            (a RuntimeError): the named OpenCL platform, or every one, cannot build programs.
     """
     if name == "auto":
         from vllm_actors.kernels.cuda.backend import cuda_available

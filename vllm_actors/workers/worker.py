@@ -22,7 +22,7 @@ import traceback
 import msgspec
 import zmq
 
-from vllm_actors.config import EngineConfig
+from vllm_actors.config import DeviceConfig, EngineConfig
 from vllm_actors.errors import VllmActorsError
 from vllm_actors.kernels import get_backend
 from vllm_actors.protocol.engine import EngineStartupError
@@ -57,9 +57,7 @@ class Worker:
                                                communicator_bytes(n, init.comm_slot_bytes))
         comm = ShmCommunicator(self.comm_buffer, init.rank, n, init.comm_slot_bytes, alive)
         device = config.device
-        backend = get_backend(device.backend, device.opencl_platform,
-                              _opencl_device(device.backend, device.opencl_platform,
-                                             device.opencl_device, init.rank))
+        backend = get_backend(device.backend, *_opencl_choice(device, init.rank))
         # CPU ranks (numpy, or OpenCL on PoCL) outnumbering the cores: sleep, do not spin
         set_oversubscribed(backend.name != "cuda" and n > usable_cpus())
         self.runner = ModelRunner(config, backend=backend, tp=make_group(comm, backend),
@@ -81,15 +79,17 @@ class Worker:
                     return
 
 
-def _opencl_device(backend: str, platform: int, first: int, rank: int) -> int:
-    """Rank r takes the r-th device after --opencl-device on the platform, wrapping around
-    when the platform has fewer (PoCL has one CPU device: the ranks share it)."""
-    if backend != "opencl" or rank == 0:
-        return first
-    import pyopencl
-    platforms = pyopencl.get_platforms()
-    count = len(platforms[platform].get_devices()) if platform < len(platforms) else 1
-    return (first + rank) % max(count, 1)
+def _opencl_choice(device: DeviceConfig, rank: int) -> tuple[int | None, int]:
+    """(platform, device) of this rank: every rank takes the same platform (the one named,
+    else the first that can build programs) and rank r the r-th device after
+    --opencl-device, wrapping around when the platform has fewer (PoCL has one CPU device:
+    the ranks share it)."""
+    if device.backend != "opencl" or rank == 0:
+        return device.opencl_platform, device.opencl_device
+    from vllm_actors.kernels.opencl.platforms import list_platforms, select_platform
+    platform = select_platform(device.opencl_platform, device.opencl_device)
+    count = len(list_platforms()[platform][1])
+    return platform, (device.opencl_device + rank) % max(count, 1)
 
 
 def _die_with_parent() -> None:

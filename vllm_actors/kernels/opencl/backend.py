@@ -1,8 +1,9 @@
 """The OpenCL backend (PyOpenCL): the shared device backend (`kernels/device_backend.py`)
 launching the kernels of `ops.cl`.
 
-The program is built once per context and its kernel objects are fetched once; per-step
-buffers come from a memory pool. On PoCL (OpenCL on the CPU) this runs in CI for correctness;
+The platform is the one named, else the first that can build programs (`platforms.py`). The
+program is built once per context and its kernel objects are fetched once; per-step buffers
+come from a memory pool. On PoCL (OpenCL on the CPU) this runs in CI for correctness;
 the kernels are simple one-output-per-work-item loops, not tuned for speed.
 """
 
@@ -13,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from vllm_actors.kernels.device_backend import MAX_HEAD_DIM, DeviceBackend, kernel_source
+from vllm_actors.kernels.opencl.platforms import select_platform
 
 GROUP = 64   # the work-group size ops.cl's cooperative kernels are written for
 
@@ -41,19 +43,13 @@ class OpenCLBackend(DeviceBackend):
     name = "opencl"
     GROUPS = {"rms_norm": GROUP, "argmax_rows": GROUP}
 
-    def __init__(self, platform: int = 0, device: int = 0) -> None:
+    def __init__(self, platform: int | None = None, device: int = 0) -> None:
+        """platform None: the first platform whose device `device` can build programs
+        (`platforms.select_platform`); an explicit one must exist and build."""
         cl, cl_array = _cl()
         self.cl, self.cl_array = cl, cl_array
-        platforms = cl.get_platforms()
-        if not 0 <= platform < len(platforms):
-            raise ValueError(f"OpenCL platform {platform} does not exist; found "
-                             f"{[p.name for p in platforms]} (--opencl-platform)")
-        devices = platforms[platform].get_devices()
-        if not 0 <= device < len(devices):
-            raise ValueError(f"OpenCL device {device} does not exist on platform "
-                             f"{platforms[platform].name!r}; found {[d.name for d in devices]} "
-                             "(--opencl-device)")
-        self.device = devices[device]
+        self.platform = select_platform(platform, device)
+        self.device = cl.get_platforms()[self.platform].get_devices()[device]
         self.context = cl.Context([self.device])
         self.queue = cl.CommandQueue(self.context)
         self.allocator = cl.tools.MemoryPool(cl.tools.ImmediateAllocator(self.queue))
