@@ -7,7 +7,11 @@ import math
 import pytest
 
 from vllm_actors.frontend.completion_choices import ChoiceShaper, completion_logprobs
-from vllm_actors.frontend.openai_schema import APIError, CompletionRequest, sampling_params
+from vllm_actors.frontend.openai_schema import (
+    APIError,
+    CompletionRequest,
+    sampling_params,
+)
 from vllm_actors.outputs import CompletionOutput, Logprob
 
 TEXT = {10: "a", 11: "bb", 12: "c", 13: "q", 20: "X", 21: "Y", 22: "Z"}

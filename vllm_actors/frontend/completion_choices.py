@@ -13,8 +13,9 @@ count of its earlier chunks, so its chunks concatenate to the non-streamed lists
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from vllm_actors.outputs import CompletionOutput, PositionLogprobs
 
