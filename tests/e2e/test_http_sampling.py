@@ -37,9 +37,12 @@ def test_completion_logprobs_and_prompt_logprobs(server, auth):
         "logprobs": 2, "prompt_logprobs": 1, "echo": True})
     choice = body["choices"][0]
     lp = choice["logprobs"]
-    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 4
-    assert lp["text_offset"][0] == len("The capital of France is")
-    assert all(len(top) in (2, 3) for top in lp["top_logprobs"])
+    # echo: the 5 prompt tokens (the first without a logprob) before the 4 generated ones
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 9
+    assert lp["text_offset"][5] == len("The capital of France is")
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(len(top) in (1, 2) for top in lp["top_logprobs"][1:5])   # prompt_logprobs 1
+    assert all(len(top) in (2, 3) for top in lp["top_logprobs"][5:])
     prompt_lp = choice["prompt_logprobs"]
     assert len(prompt_lp) == 5 and prompt_lp[0] is None
     assert prompt_lp[1]["3575"]["decoded_token"] == " capital"

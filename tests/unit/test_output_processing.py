@@ -9,7 +9,7 @@ from vllm_actors.frontend.detokenizer import (IncrementalDetokenizer, find_stop_
                                               partial_stop_length)
 from vllm_actors.frontend.metrics import FrontendMetrics
 from vllm_actors.frontend.output_processor import OutputProcessor, ParentRequest
-from vllm_actors.outputs import CompletionOutput, RequestOutput
+from vllm_actors.outputs import CompletionOutput, Logprob, RequestOutput
 from vllm_actors.protocol.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
 from vllm_actors.sampling_params import RequestOutputKind, SamplingParams
 
@@ -77,6 +77,28 @@ def test_collector_merges_deltas_and_raises():
     assert [(o.index, o.text, o.token_ids, o.finish_reason) for o in merged.outputs] == \
         [(0, "ab", [5, 6], "stop"), (1, "x", [9], None)]
     assert merged.finished
+
+
+def test_collector_merges_delta_logprobs():
+    """A slow consumer of a stream still gets every token's logprobs and the prompt's."""
+    first = [{5: Logprob(-0.5, 1, "a")}]
+    prompt_lps = [None, {7: Logprob(-2.0, 3, "p")}]
+
+    async def scenario():
+        c = RequestOutputCollector(K.DELTA)
+        c.put(RequestOutput("r", None, [1, 7], [CompletionOutput(0, "a", [5], None, None,
+                                                                 first, -0.5)],
+                            prompt_logprobs=prompt_lps))
+        c.put(RequestOutput("r", None, [1, 7], [CompletionOutput(
+            0, "b", [6], "length", None, [{6: Logprob(-1.5, 2, "b")}], -2.0)], True))
+        return await c.get()
+
+    merged = asyncio.run(scenario())
+    (out,) = merged.outputs
+    assert out.token_ids == [5, 6] and out.cumulative_logprob == -2.0
+    assert [list(p) for p in out.logprobs] == [[5], [6]]
+    assert out.logprobs[1][6].logprob == -1.5
+    assert merged.prompt_logprobs is prompt_lps
 
 
 def test_final_only_parent_waits_for_all_children(smollm2_tokenizer):

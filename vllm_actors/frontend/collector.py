@@ -22,10 +22,15 @@ def _merge(pending: RequestOutput, new: RequestOutput, kind: RequestOutputKind) 
         elif kind == RequestOutputKind.DELTA:
             old.text += completion.text
             old.token_ids.extend(completion.token_ids)
+            if old.logprobs is not None and completion.logprobs is not None:
+                old.logprobs.extend(completion.logprobs)
+            old.cumulative_logprob = completion.cumulative_logprob
             old.finish_reason, old.stop_reason = completion.finish_reason, completion.stop_reason
         else:
             pending.outputs[pending.outputs.index(old)] = completion
     pending.outputs.sort(key=lambda c: c.index)
+    if pending.prompt_logprobs is None:
+        pending.prompt_logprobs = new.prompt_logprobs   # deltas carry them once
     pending.finished = new.finished
     pending.num_cached_tokens = new.num_cached_tokens
     pending.error = new.error or pending.error

@@ -272,6 +272,7 @@ def sampling_params(req: _GenerationRequest, max_tokens: int, defaults: dict[str
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     else:
         logprobs = req.logprobs
+    prompt_logprobs, max_tokens = _completion_echo(req, max_tokens)
     try:
         bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
     except ValueError:
@@ -286,12 +287,31 @@ def sampling_params(req: _GenerationRequest, max_tokens: int, defaults: dict[str
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0, logit_bias=bias or None,
             allowed_token_ids=req.allowed_token_ids, bad_words=list(req.bad_words or []),
-            logprobs=logprobs, prompt_logprobs=req.prompt_logprobs,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             structured_outputs=structured,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
             **chosen)
     except ValidationError as e:
         raise APIError(400, str(e), e.param) from None
+
+
+def _completion_echo(req: _GenerationRequest, max_tokens: int) -> tuple[int | None, int]:
+    """(prompt_logprobs, max_tokens) as vLLM's CompletionRequest sets them: `echo` with
+    `logprobs` asks for prompt logprobs (unless the request set prompt_logprobs itself), and
+    `echo` with max_tokens 0 generates one token, which the response drops. Raises APIError
+    400 for max_tokens 0 without echo."""
+    prompt_logprobs = req.prompt_logprobs
+    if not isinstance(req, CompletionRequest):
+        return prompt_logprobs, max_tokens
+    if prompt_logprobs is None and req.echo:
+        prompt_logprobs = req.logprobs
+    if max_tokens == 0:
+        if not req.echo:
+            raise APIError(400, "max_tokens must be at least 1, got 0 (max_tokens 0 is only "
+                                "allowed with echo=true, which returns the prompt alone)",
+                           "max_tokens")
+        max_tokens = 1
+    return prompt_logprobs, max_tokens
 
 
 def _token_bytes(text: str) -> list[int]:
@@ -313,24 +333,6 @@ def chat_logprobs(positions: list[dict[int, Any]] | None, token_ids: list[int],
                                           "bytes": _token_bytes(t.decoded_token or "")}
                                          for t in top]})
     return {"content": content}
-
-
-def completion_logprobs(positions: list[dict[int, Any]] | None, token_ids: list[int],
-                        text_offset: int) -> dict[str, Any] | None:
-    """OpenAI's completions `logprobs`: tokens, token_logprobs, top_logprobs, text_offset."""
-    if positions is None:
-        return None
-    tokens, values, tops, offsets = [], [], [], []
-    offset = text_offset
-    for token_id, position in zip(token_ids, positions):
-        chosen = position[token_id]
-        tokens.append(chosen.decoded_token)
-        values.append(chosen.logprob)
-        tops.append({lp.decoded_token: lp.logprob for lp in position.values()})
-        offsets.append(offset)
-        offset += len(chosen.decoded_token or "")
-    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
-            "text_offset": offsets}
 
 
 def prompt_logprobs_json(positions: list[dict[int, Any] | None] | None

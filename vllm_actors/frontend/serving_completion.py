@@ -1,5 +1,6 @@
 """POST /v1/completions: one or more prompts (text or token ids), JSON or SSE in OpenAI's
-text_completion format; `echo` prepends the prompt, `suffix` is refused."""
+text_completion format; `echo` prepends the prompt (and its logprobs, see
+completion_choices.py), `suffix` is refused."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from vllm_actors.errors import ValidationError
-from vllm_actors.frontend.openai_schema import (APIError, CompletionRequest,
-                                                completion_logprobs, completion_prompts,
+from vllm_actors.frontend.completion_choices import ChoiceShaper
+from vllm_actors.frontend.openai_schema import (APIError, CompletionRequest, completion_prompts,
                                                 max_tokens_for,
                                                 prompt_logprobs_json, refuse_unsupported,
                                                 sampling_params, structured_outputs_of)
@@ -71,6 +72,12 @@ def _decode_and_prepare(state: ServerState, body: bytes, request_id: str
     return prepare_completion(state, decode_request(body, CompletionRequest), request_id)
 
 
+def _shaper(state: ServerState, prepared: PreparedCompletion) -> ChoiceShaper:
+    tokenizer, req = state.engine.tokenizer, prepared.req
+    return ChoiceShaper(prepared.texts, req.echo, req.echo and req.max_tokens == 0,
+                        req.logprobs, lambda token_id: tokenizer.decode([token_id]))
+
+
 async def create_completion(state: ServerState, raw: Request) -> Response:
     body = await read_body(raw, state.config.max_request_body_size)
     state.admit()
@@ -85,16 +92,17 @@ async def create_completion(state: ServerState, raw: Request) -> Response:
     results = await generate_final(state, raw, subs)
     if results is None:
         return Response(status_code=499)
+    shaper = _shaper(state, prepared)
     choices, completion_tokens, cached = [], 0, 0
     for p, out in enumerate(results):
         raise_if_failed(out, prepared.constraint_param)
         cached += out.num_cached_tokens
         for c in out.outputs:
-            completion_tokens += len(c.token_ids)
-            prefix = prepared.texts[p] if req.echo else ""
-            choices.append({"index": p * req.n + c.index, "text": prefix + c.text,
-                            "logprobs": completion_logprobs(c.logprobs, c.token_ids,
-                                                            len(prefix)),
+            piece = shaper.piece(p, p * req.n + c.index, out.prompt_token_ids,
+                                 out.prompt_logprobs, c)
+            completion_tokens += piece.num_generated
+            choices.append({"index": p * req.n + c.index, "text": piece.text,
+                            "logprobs": piece.logprobs,
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                             "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)})
     return JSONResponse({"id": prepared.request_id, "object": "text_completion",
@@ -104,15 +112,13 @@ async def create_completion(state: ServerState, raw: Request) -> Response:
 
 async def _stream(state: ServerState, prepared: PreparedCompletion,
                   outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
-    req, request_id, subs, texts = prepared.req, prepared.request_id, prepared.subs, \
-        prepared.texts
+    req, request_id, subs = prepared.req, prepared.request_id, prepared.subs
     num_prompt = prepared.num_prompt_tokens
     created, opts = now(), req.stream_options
     include_usage = state.config.enable_force_include_usage or bool(opts and opts.include_usage)
     continuous = include_usage and bool(opts and opts.continuous_usage_stats)
     completion_tokens, cached = 0, [0] * len(subs)
-    echoed: set[int] = set()
-    offsets: dict[int, int] = {}
+    shaper = _shaper(state, prepared)
 
     def chunk(choice: dict[str, Any]) -> str:
         body: dict[str, Any] = {"id": request_id, "object": "text_completion",
@@ -126,17 +132,13 @@ async def _stream(state: ServerState, prepared: PreparedCompletion,
         async for p, out in outputs:
             cached[p] = out.num_cached_tokens
             for c in out.outputs:
-                completion_tokens += len(c.token_ids)
                 index = p * req.n + c.index
-                text = c.text
-                if req.echo and index not in echoed:
-                    echoed.add(index)
-                    text = texts[p] + text
-                if not text and c.finish_reason is None and not (c.logprobs and c.token_ids):
+                piece = shaper.piece(p, index, out.prompt_token_ids, out.prompt_logprobs, c)
+                completion_tokens += piece.num_generated
+                if not piece.text and c.finish_reason is None and \
+                        not (piece.logprobs and piece.has_tokens):
                     continue
-                logprobs = completion_logprobs(c.logprobs, c.token_ids, offsets.get(index, 0))
-                offsets[index] = offsets.get(index, 0) + len(text)
-                yield chunk({"index": index, "text": text, "logprobs": logprobs,
+                yield chunk({"index": index, "text": piece.text, "logprobs": piece.logprobs,
                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
     except Exception as e:
         yield _json.encode(stream_error(e)).decode()
