@@ -1,0 +1,170 @@
+"""No request can hurt the server: each input that once killed the engine, stalled the event
+loop, leaked a request or answered 500 is replayed against the shared server, and afterwards
+the engine is alive and a greedy request returns the same tokens as before."""
+
+import http.client
+import json
+import re
+import time
+
+import httpx
+import pytest
+
+GREEDY = {"prompt": "The three primary colors are", "max_tokens": 12, "temperature": 0}
+CHAT = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
+
+
+def post(server, auth, path, body, **kw):
+    return httpx.post(server.url + path, json=body, headers=auth, timeout=120, **kw)
+
+
+@pytest.fixture(scope="module")
+def greedy_before(server, auth):
+    r = post(server, auth, "/v1/completions", GREEDY)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def assert_engine_unhurt(server, auth, greedy_before):
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    r = post(server, auth, "/v1/completions", GREEDY)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy_before, r.text
+
+
+# Each once raised inside the engine core and killed it for every later request.
+@pytest.mark.parametrize("extra", [
+    {"seed": 2**63}, {"seed": 2**64 - 1}, {"seed": -1}, {"n": 2, "seed": 2**63 - 1},
+    {"n": 2, "seed": 2**64 - 1}, {"top_k": 2**64 - 1},
+    {"temperature": 1e39, "response_format": {"type": "json_object"}},
+    {"temperature": 1e39, "allowed_token_ids": [1, 2, 3]},
+    {"repetition_penalty": 1e-300}, {"temperature": 1e-30, "repetition_penalty": 1e-300},
+    {"temperature": 0.5, "allowed_token_ids": [5], "bad_words": ["hello"], "logprobs": 2},
+], ids=lambda e: json.dumps(e)[:60])
+def test_extreme_values_are_served(server, auth, greedy_before, extra):
+    r = post(server, auth, "/v1/completions", {"prompt": "Hello", "max_tokens": 4, **extra})
+    assert r.status_code in (200, 400), r.text
+    if r.status_code == 400:   # only a request whose masks leave no token may be refused
+        assert r.json()["error"]["param"] == "allowed_token_ids", r.text
+    assert_engine_unhurt(server, auth, greedy_before)
+
+
+def test_seeds_wrap_modulo_2_64(server, auth):
+    """A seed and the same seed + 2^64 ... are not both expressible, but a negative int64
+    seed is the same seed as its two's complement, and n > 1 derives seed + i mod 2^64."""
+    def text(seed, n=1):
+        body = {"prompt": "Once", "max_tokens": 6, "temperature": 1.0, "seed": seed, "n": n}
+        r = post(server, auth, "/v1/completions", body)
+        assert r.status_code == 200, r.text
+        return [c["text"] for c in r.json()["choices"]]
+    assert text(-1) == text(2**64 - 1)
+    assert text(2**64 - 1, n=2) == text(2**64 - 1) + text(0)
+
+
+# Each once answered 500 (or worse); each must be a 4xx naming the field.
+@pytest.mark.parametrize("path, body, status, param, pattern", [
+    ("/v1/completions", {"prompt": "x", "seed": 2**64}, 400, "seed", r"\[-2\^63, 2\^64\)"),
+    ("/v1/completions", {"prompt": "x", "seed": -(2**63) - 1}, 400, "seed", "seed"),
+    ("/v1/completions", {"prompt": "x", "priority": 2**63}, 400, "priority", "int|range"),
+    ("/v1/completions", {"prompt": "x", "priority": 2**70}, 400, "priority", "int|range"),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": {"type": "function", "function": "f"},
+                              "tools": [{"type": "function", "function": {"name": "f"}}]},
+     400, "tool_choice", "tool_choice must be"),
+    *[("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {key: 1}}, 400,
+       "chat_template_kwargs", f"may not set {key}")
+      for key in ("tokenize", "messages", "add_generation_prompt", "chat_template")],
+    ("/v1/chat/completions", {**CHAT, "chat_template": "{{ 'x' }}"}, 400, "chat_template",
+     "--trust-request-chat-template"),
+    ("/tokenize", {"messages": 5}, 400, "messages", "Expected `array"),
+    ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image"}]}]}, 400,
+     "messages", "only text parts"),
+    ("/detokenize", {"tokens": ["a"]}, 400, "tokens", "Expected `int`"),
+    ("/v1/completions", {"prompt": "x", "top_k": "5"}, 400, "top_k", "Expected `int"),
+])
+def test_former_500s_are_4xx(server, auth, greedy_before, path, body, status, param, pattern):
+    r = post(server, auth, path, body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and re.search(pattern, error["message"]), error
+    assert_engine_unhurt(server, auth, greedy_before)
+
+
+def test_deep_json_is_refused(server, auth):
+    body = '{"prompt": "x", "response_format": ' + "[" * 10_000 + "]" * 10_000 + "}"
+    r = httpx.post(server.url + "/v1/completions", content=body, timeout=30,
+                   headers={**auth, "Content-Type": "application/json"})
+    assert r.status_code == 400 and "deeper than 64" in r.json()["error"]["message"], r.text
+    shallow = {"prompt": "x", "max_tokens": 1, "logit_bias": {}, "user": "u",
+               "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+                   "type": "object", "properties": {"a": {"type": "array", "items": {
+                       "type": "array", "items": {"type": "integer"}}}}}}}}
+    assert post(server, auth, "/v1/completions", shallow).status_code == 200
+
+
+def test_list_content_tokenizes_like_chat(server, auth):
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                                       {"type": "text", "text": "there"}]}]}
+    joined = {"messages": [{"role": "user", "content": "Hi\nthere"}]}
+    a, b = post(server, auth, "/tokenize", parts), post(server, auth, "/tokenize", joined)
+    assert a.status_code == 200 and a.json()["tokens"] == b.json()["tokens"]
+
+
+def test_null_means_default(server, auth):
+    nulls = dict.fromkeys(("n", "stream", "logprobs", "echo", "stop", "seed", "best_of",
+                           "stream_options", "top_p", "max_tokens", "user", "suffix",
+                           "presence_penalty", "min_tokens", "ignore_eos", "priority"))
+    r = post(server, auth, "/v1/completions", {**GREEDY, **nulls, "max_tokens": 12})
+    assert r.status_code == 200, r.text
+    chat_nulls = dict.fromkeys(("n", "stream", "logprobs", "top_logprobs", "tools",
+                                "tool_choice", "parallel_tool_calls", "response_format",
+                                "max_completion_tokens", "stream_options"))
+    r = post(server, auth, "/v1/chat/completions", {**CHAT, **chat_nulls,
+                                                    "stream_options": {"include_usage": None}})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_unknown_routes_and_methods_answer_openai_errors(server, auth):
+    r = httpx.get(server.url + "/v1/nope", headers=auth, timeout=10)
+    assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = httpx.get(server.url + "/v1/completions", headers=auth, timeout=10)
+    assert r.status_code == 405 and "GET is not allowed" in r.json()["error"]["message"]
+
+
+def test_handled_errors_keep_the_connection_and_log_one_line(server, auth):
+    """A 400 is answered in the handler: no traceback in the log, and the same keep-alive
+    connection then serves 20 good requests."""
+    log_start = len(server.log())
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    headers = {**auth, "Content-Type": "application/json"}
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": "x", "seed": 2**64}), headers)
+    first = conn.getresponse()
+    assert first.status == 400 and first.getheader("connection") != "close"
+    first.read()
+    sock = conn.sock
+    for _ in range(20):
+        conn.request("POST", "/v1/completions",
+                     json.dumps({"prompt": "Hi", "max_tokens": 1}), headers)
+        r = conn.getresponse()
+        assert r.status == 200, r.read()
+        r.read()
+        assert conn.sock is sock   # the same connection all along
+    conn.close()
+    new_log = server.log()[log_start:]
+    assert "Traceback" not in new_log and len(re.findall(r"400 on /v1/completions",
+                                                         new_log)) == 1, new_log
+
+
+def test_body_limit_gives_413(server, auth, greedy_before):
+    body = json.dumps({"prompt": "x" * (33 * 2**20)})   # default limit: 32 MiB
+    r = httpx.post(server.url + "/v1/completions", content=body, timeout=60,
+                   headers={**auth, "Content-Type": "application/json"})
+    assert r.status_code == 413 and "--max-request-body-size" in r.json()["error"]["message"]
+    assert_engine_unhurt(server, auth, greedy_before)
+
+
+def test_many_bad_words_do_not_stall(server, auth):
+    words = [f"w{i}zz" for i in range(10_000)]
+    start = time.monotonic()
+    r = post(server, auth, "/v1/completions", {"prompt": "Hi", "max_tokens": 2,
+                                               "bad_words": words})
+    assert r.status_code == 200, r.text
+    print(f"10,000 bad_words: {time.monotonic() - start:.2f}s")
