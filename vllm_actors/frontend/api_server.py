@@ -178,7 +178,11 @@ def build_app(state: ServerState) -> Starlette:
         engine.shutdown()
 
     return Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
-                     exception_handlers={Exception: api_error})
+                     # Typed errors are answered where they are raised; only Exception goes to
+                     # Starlette's outermost middleware, which re-raises after answering (and
+                     # uvicorn then drops the keep-alive connection a client may reuse).
+                     exception_handlers={APIError: api_error, ValidationError: api_error,
+                                         EngineDeadError: api_error, Exception: api_error})
 
 
 class DrainingServer(uvicorn.Server):
