@@ -31,6 +31,8 @@ from vllm_actors.frontend.openai_schema import APIError
 from vllm_actors.frontend.serving import ServerState
 from vllm_actors.frontend.serving_chat import create_chat_completion
 from vllm_actors.frontend.serving_completion import create_completion
+from vllm_actors.frontend.serving_responses import (ResponseStore, create_response,
+                                                    delete_response, retrieve_response)
 from vllm_actors.version import __version__
 
 logger = logging.getLogger("vllm_actors.server")
@@ -144,11 +146,22 @@ def build_app(state: ServerState) -> Starlette:
     async def completions(raw: Request) -> Response:
         return await create_completion(state, raw)
 
+    responses_store = ResponseStore()
+
+    async def responses(raw: Request) -> Response:
+        return await create_response(state, responses_store, raw)
+
+    async def stored_response(raw: Request) -> Response:
+        handler = retrieve_response if raw.method == "GET" else delete_response
+        return await handler(responses_store, raw.path_params["response_id"])
+
     routes = [Route("/", index), Route("/health", health), Route("/version", version),
               Route("/ping", health, methods=["GET", "POST"]), Route("/metrics", metrics),
               Route("/v1/models", models),
               Route("/v1/chat/completions", chat, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/responses", responses, methods=["POST"]),
+              Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
               Route("/tokenize", tokenize, methods=["POST"]),
               Route("/detokenize", detokenize, methods=["POST"]),
               Route("/server_info", server_info),
