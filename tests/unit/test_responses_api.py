@@ -3,8 +3,10 @@ LRU, and output items / stream events built from scripted chat-parser deltas."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
+from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -12,13 +14,17 @@ from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from vllm_actors.config import ServerConfig
+from vllm_actors.errors import EngineDeadError
 from vllm_actors.frontend.chat_tools import ToolPlan, choice_parser
 from vllm_actors.frontend.openai_schema import APIError
 from vllm_actors.frontend.responses_output import OutputBuilder
 from vllm_actors.frontend.responses_schema import (ResponsesRequest, chat_request, input_items,
                                                    input_messages, refuse_unsupported)
-from vllm_actors.frontend.serving_responses import ResponseStore, StoredResponse
+from vllm_actors.frontend.serving import ServerState, SubRequest
+from vllm_actors.frontend.serving_responses import ResponseStore, StoredResponse, _stream, _Turn
 from vllm_actors.frontend.tool_parsers import PARSERS
+from vllm_actors.outputs import CompletionOutput, RequestOutput
+from vllm_actors.sampling_params import SamplingParams
 
 WEATHER = {"type": "function", "name": "get_weather", "strict": True,
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
@@ -229,3 +235,61 @@ def test_empty_and_cut_outputs():
     assert item["status"] == "incomplete"
     assert item["content"][0]["logprobs"] == [{"token": "The", "logprob": -0.5},
                                               {"token": " st", "logprob": -1.0}]
+
+
+class _ScriptedEngine:
+    """Stands in for AsyncLLM in `_stream`: yields scripted delta outputs, then fails with
+    `error` if given; its tokenizer counts words."""
+
+    def __init__(self, deltas: list[tuple[str, str | None]], error: Exception | None = None):
+        self.deltas, self.error = deltas, error
+        self.tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens: text.split())
+
+    async def generate(self, prompt, params, request_id):
+        for text, finish in self.deltas:
+            yield RequestOutput(request_id, None, [], [CompletionOutput(
+                0, text, [1] * len(text.split()), finish)], finish is not None, 5)
+        if self.error is not None:
+            raise self.error
+
+
+def _run_stream(engine: _ScriptedEngine, store: ResponseStore) -> list[dict]:
+    config = ServerConfig(reasoning_parser="qwen3")
+    state = ServerState(engine, config, "smol")
+    req = _request(stream=True, max_output_tokens=8)
+    sub = SubRequest("chatcmpl-1", {"prompt": "p"}, SamplingParams(max_tokens=8))
+    turn = _Turn("resp_1", 0, req, sub, ToolPlan("none"), 11, input_items("hi"), "smol")
+
+    async def collect():
+        return [json.loads(e["data"]) async for e in _stream(state, store, turn)]
+    return asyncio.run(collect())
+
+
+def test_stream_ends_incomplete_and_is_stored():
+    store = ResponseStore()
+    events = _run_stream(_ScriptedEngine([("<think>a b c</think>", None), ("Hi", None),
+                                          (" there", "length")]), store)
+    final = events[-1]
+    assert final["type"] == "response.incomplete" and final["response"]["status"] == "incomplete"
+    assert final["response"]["usage"] == {
+        "input_tokens": 11, "output_tokens": 5, "total_tokens": 16,
+        "input_tokens_details": {"cached_tokens": 5},
+        "output_tokens_details": {"reasoning_tokens": 3}}
+    assert [(i["type"], i["status"]) for i in final["response"]["output"]] == \
+        [("reasoning", "completed"), ("message", "incomplete")]
+    stored = store.get("resp_1")
+    assert stored.body == final["response"] and stored.conversation() == \
+        input_items("hi") + final["response"]["output"]
+
+
+def test_stream_failure_ends_with_response_failed():
+    store = ResponseStore()
+    events = _run_stream(_ScriptedEngine([("Hi", None)], EngineDeadError("the engine died")),
+                         store)
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", "response.output_text.delta", "response.failed"]
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["usage"] is None
+    assert failed["error"] == {"code": "server_error", "message": "the engine died"}
+    assert failed["output"][0]["content"][0]["text"] == "Hi" and len(store) == 0
