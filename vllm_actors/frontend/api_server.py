@@ -33,6 +33,8 @@ from vllm_actors.frontend.request_body import decode_request, read_body
 from vllm_actors.frontend.serving import ServerState
 from vllm_actors.frontend.serving_chat import create_chat_completion
 from vllm_actors.frontend.serving_completion import create_completion
+from vllm_actors.frontend.serving_responses import (ResponseStore, create_response,
+                                                    delete_response, retrieve_response)
 from vllm_actors.version import __version__
 
 logger = logging.getLogger("vllm_actors.server")
@@ -185,10 +187,21 @@ def build_app(state: ServerState) -> Starlette:
     async def completions(raw: Request) -> Response:
         return await create_completion(state, raw)
 
+    responses_store = ResponseStore()
+
+    async def responses(raw: Request) -> Response:
+        return await create_response(state, responses_store, raw)
+
+    async def stored_response(raw: Request) -> Response:
+        handler = retrieve_response if raw.method == "GET" else delete_response
+        return await handler(responses_store, raw.path_params["response_id"])
+
     api = [("/health", health, ["GET"]), ("/version", version, ["GET"]),
            ("/ping", health, ["GET", "POST"]), ("/metrics", metrics, ["GET"]),
            ("/v1/models", models, ["GET"]), ("/v1/chat/completions", chat, ["POST"]),
            ("/v1/completions", completions, ["POST"]), ("/tokenize", tokenize, ["POST"]),
+           ("/v1/responses", responses, ["POST"]),
+           ("/v1/responses/{response_id}", stored_response, ["GET", "DELETE"]),
            ("/detokenize", detokenize, ["POST"]), ("/server_info", server_info, ["GET"]),
            ("/reset_prefix_cache", reset_prefix_cache, ["POST"])]
     routes = [Route("/", index),
