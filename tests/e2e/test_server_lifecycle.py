@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -36,8 +37,8 @@ def core_pid(server: ServerProcess) -> int:
     return child.pid
 
 
-def test_dead_engine_answers_503(smollm2_path):
-    server = ServerProcess(str(smollm2_path))
+def test_dead_engine_answers_503_when_kept_up(smollm2_path):
+    server = ServerProcess(str(smollm2_path), "--no-exit-on-engine-death")
     try:
         os.kill(core_pid(server), signal.SIGKILL)
         time.sleep(0.5)
@@ -45,7 +46,88 @@ def test_dead_engine_answers_503(smollm2_path):
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
         r = httpx.post(server.url + "/v1/chat/completions", timeout=10,
                        json={"messages": [{"role": "user", "content": "x"}]})
-        assert r.status_code == 503 and "exited unexpectedly" in r.json()["error"]["message"]
+        assert r.status_code == 503 and "killed by signal SIGKILL" in \
+            r.json()["error"]["message"]
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=10,
+                          json={"prompt": "x", "stream": True}) as r:   # 503 before any 200
+            assert r.status_code == 503
+        time.sleep(2)
+        assert server.proc.poll() is None
+        assert re.search(r"ERROR .*killed by signal SIGKILL.*until the server is restarted",
+                         server.log())
+    finally:
+        assert server.stop() == 0
+
+
+def test_engine_death_fails_streams_and_exits_1(smollm2_path):
+    """The core dies under a running stream: the stream gets an error event, one ERROR line
+    names the cause, and the server exits with status 1 (systemd's Restart=on-failure)."""
+    server = ServerProcess(str(smollm2_path))
+    result: dict = {}
+    thread = stream_in_thread(server.url, {**LONG, "max_tokens": 3000}, result)
+    wait_metric(server.url, "vllm:num_requests_running", lambda v: v >= 1, timeout=30)
+    os.kill(core_pid(server), signal.SIGKILL)
+    thread.join(30)
+    assert server.proc.wait(30) == 1
+    error = json.loads(result["events"][-2][6:])["error"]
+    assert error["code"] == "engine_dead" and result["events"][-1] == "data: [DONE]"
+    errors = [line for line in server.log().splitlines() if " ERROR " in f" {line} "
+              or line.startswith("ERROR")]
+    assert len(errors) == 1 and "killed by signal SIGKILL" in errors[0] and \
+        "exits in" in errors[0], server.log()
+
+
+def test_dropped_stream_leaves_nothing_and_sigterm_is_quick(smollm2_path):
+    """A client that drops its stream (the chat page's Stop button) is gone from the
+    in-flight set at once: SIGTERM then exits in under 2 s instead of draining for it."""
+    server = ServerProcess(str(smollm2_path))
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={**LONG, "max_tokens": 3000}) as r:
+        lines = r.iter_lines()
+        while not next(lines).startswith("data: "):
+            pass
+    wait_metric(server.url, "vllm:num_requests_running", lambda v: v == 0, timeout=10)
+    start = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(30) == 0
+    elapsed = time.monotonic() - start
+    print(f"SIGTERM to exit: {elapsed:.2f}s")
+    assert elapsed < 2.0, server.log()
+    assert "draining: 0 request(s)" in server.log()
+
+
+def test_health_answers_while_a_hostile_template_renders(smollm2_path):
+    """A trusted request template that loops for 10 s renders off the event loop: /health
+    keeps answering within 200 ms, then the request gets a 400 from the render limit."""
+    server = ServerProcess(str(smollm2_path), "--trust-request-chat-template")
+    try:
+        loop = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+        result: dict = {}
+
+        def hostile():
+            result["r"] = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+                "messages": [{"role": "user", "content": "x"}], "chat_template": loop})
+        thread = threading.Thread(target=hostile)
+        thread.start()
+        time.sleep(0.5)
+        latencies = []
+        with httpx.Client(timeout=5) as probe:   # one connection: time the server, not setup
+            while thread.is_alive():
+                start = time.monotonic()
+                assert probe.get(server.url + "/health").status_code == 200
+                latencies.append(time.monotonic() - start)
+                time.sleep(0.1)
+        thread.join()
+        print(f"/health during the render: {len(latencies)} probes, median "
+              f"{sorted(latencies)[len(latencies) // 2] * 1000:.1f} ms, max "
+              f"{max(latencies) * 1000:.1f} ms")
+        assert len(latencies) > 20 and max(latencies) < 0.2
+        r = result["r"]
+        assert r.status_code == 400 and "longer than 10s" in r.json()["error"]["message"]
+        ok = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+            "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"})
+        assert ok.status_code == 200, ok.text
     finally:
         assert server.stop() == 0
 

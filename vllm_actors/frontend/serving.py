@@ -185,8 +185,9 @@ async def generate_final(state: ServerState, raw: Request,
             return None
         return list(work.result())
     finally:
-        disconnect.cancel()
         state.in_flight.difference_update(s.request_id for s in subs)
+        disconnect.cancel()
+        work.cancel()   # a no-op when done; aborts the requests when this was cancelled
 
 
 async def stream_outputs(state: ServerState, subs: list[SubRequest]
@@ -219,10 +220,12 @@ async def stream_outputs(state: ServerState, subs: list[SubRequest]
             else:
                 yield item
     finally:
+        # bookkeeping before any await: under a cancelled scope (sse-starlette's task group
+        # when the client leaves) every await raises again, and what follows it never runs
+        state.in_flight.difference_update(s.request_id for s in subs)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        state.in_flight.difference_update(s.request_id for s in subs)
 
 
 async def open_stream(state: ServerState, subs: list[SubRequest],
@@ -240,7 +243,7 @@ async def open_stream(state: ServerState, subs: list[SubRequest],
     except BaseException:
         first.cancel()
         await asyncio.gather(first, return_exceptions=True)
-        await outputs.aclose()
+        await outputs.aclose()   # type: ignore[attr-defined]
         raise
     return _continue(first, outputs)
 
