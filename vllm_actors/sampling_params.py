@@ -200,12 +200,18 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False)
                 raise ValidationError(message, param)
 
     def _check_types(self) -> None:
+        """Every field of its declared type, and every integer within 64 bits (the wire's
+        limit: msgpack carries [-2^63, 2^64))."""
         for info in _FIELDS:
             value = getattr(self, info.name)
             try:
                 msgspec.convert(value, info.type)
+                _ENCODER.encode(value)
             except msgspec.ValidationError as e:
                 raise ValidationError(f"{info.name}: {e} (got {value!r})", info.name) from None
+            except OverflowError:
+                raise ValidationError(f"{info.name} holds an integer beyond 64 bits",
+                                      info.name) from None
 
     def child(self, index: int) -> "SamplingParams":
         """The params of completion `index` of n: n=1, seed + index (mod 2^64) when seeded."""
@@ -225,3 +231,4 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False)
 
 
 _FIELDS = msgspec.structs.fields(SamplingParams)
+_ENCODER = msgspec.msgpack.Encoder()

@@ -99,10 +99,13 @@ def start_script(tmp_path, model, mode):
     return proc, int(pid), ipc_dir
 
 
-def test_core_exits_when_the_frontend_is_killed(tmp_path, smollm2_path):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_core_exits_when_the_frontend_is_killed(tmp_path, smollm2_path, sig):
+    """No handler runs in the LLM's process either way: the core sees its parent go, exits
+    and removes the ipc directory."""
     proc, core_pid, ipc_dir = start_script(tmp_path, smollm2_path, "wait")
     assert psutil.pid_exists(core_pid) and os.path.isdir(ipc_dir)
-    proc.send_signal(signal.SIGKILL)
+    proc.send_signal(sig)
     proc.wait()
     print(f"core exited {wait_until(lambda: gone(core_pid), 5):.2f}s after the frontend")
     wait_until(lambda: not os.path.exists(ipc_dir), 5)

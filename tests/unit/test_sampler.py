@@ -215,3 +215,12 @@ def test_a_row_that_raises_fails_alone(monkeypatch):
     alone = sample([params[0]], logits[:1])[0][0]
     assert tokens.tolist() == [alone, -1, int(logits[2].argmax())]
     assert lp.rows.tolist() == [0, 2] and lp.token_ids[:, 0].tolist() == [alone, tokens[2]]
+
+
+def test_a_top_p_that_underflows_keeps_the_likeliest_token():
+    """top_p=1e-300 passes validation ((0, 1]) but is 0 in float32: the likeliest token
+    alone stays, as for any top_p below its probability (found by the fuzz test)."""
+    logits = np.random.default_rng(14).standard_normal((4, V)).astype(np.float32)
+    tokens, _ = sample([SamplingParams(temperature=1.0, top_p=1e-300, seed=i) for i in range(4)],
+                       logits)
+    assert tokens.tolist() == logits.argmax(axis=1).tolist()

@@ -287,7 +287,8 @@ def _top_p(probs: np.ndarray, top_p: np.ndarray) -> np.ndarray:
     likely ones is below that. Rows are first solved from their likeliest candidates only
     (exact once those hold the needed mass: every other token comes after them); the rest
     (flat distributions) are sorted in full."""
-    need = top_p * probs.sum(axis=1)
+    # > 0, so the likeliest token always stays (a top_p that underflowed to 0 keeps it alone)
+    need = np.maximum(top_p * probs.sum(axis=1), np.finfo(np.float64).tiny)
     cand = probs >= probs.max(axis=1, keepdims=True) * _CANDIDATE_RATIO
     covered = (probs * cand).sum(axis=1) >= need
     thresholds = np.empty(len(probs))
