@@ -177,8 +177,12 @@ def build_app(state: ServerState) -> Starlette:
         yield
         engine.shutdown()
 
+    # the request's own errors are answered inside the app and the connection stays open;
+    # Starlette answers a bare `Exception` handler's errors, then re-raises (uvicorn then
+    # logs a traceback and drops the keep-alive connection)
+    handled = (APIError, ValidationError, EngineDeadError, Exception)
     return Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
-                     exception_handlers={Exception: api_error})
+                     exception_handlers=dict.fromkeys(handled, api_error))
 
 
 class DrainingServer(uvicorn.Server):
