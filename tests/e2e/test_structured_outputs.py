@@ -244,7 +244,7 @@ def test_readme_json_schema_example(client, capsys):
     """The README's json_schema example, run as written (only the model renamed to the test
     server's): a clean answer, exactly the key `answer` holding an integer."""
     readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
-    [block] = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S)
+    [block] = [b for b in re.findall(r"```python\n(.*?)```", readme, re.DOTALL)
                if '"json_schema"' in b]
     code = block.replace('"SmolLM2-135M-Instruct.Q4_1"', repr(MODEL))
     assert code != block

@@ -9,8 +9,8 @@ import random
 
 import msgspec
 import pytest
-
 from grammar_text import params_accept
+
 from vllm_actors.config import ServerConfig
 from vllm_actors.frontend.chat_tools import ToolPlan, choice_parser, plan_tools
 from vllm_actors.frontend.openai_schema import APIError, ChatCompletionRequest, chat_messages
@@ -272,7 +272,7 @@ def test_required_tools_keep_their_schema_refs():
 def test_required_output_cut_short_is_the_same_whole_and_streamed(text, calls, content):
     """max_tokens can cut a required call; the message keeps what the stream already sent."""
     plan = ToolPlan("required")
-    message, called = choice_parser(plan, ServerConfig(), True).message(text)
+    message, _ = choice_parser(plan, ServerConfig(), True).message(text)
     assert message["content"] == content
     assert [(c["function"]["name"], c["function"]["arguments"])
             for c in message["tool_calls"]] == calls

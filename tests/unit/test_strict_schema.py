@@ -8,8 +8,8 @@ from __future__ import annotations
 import copy
 
 import pytest
-
 from grammar_text import params_accept
+
 from vllm_actors.sampling_params import StructuredOutputsParams
 from vllm_actors.strict_schema import strict_schema
 
