@@ -3,7 +3,10 @@ bad schema or grammar with a 400 before the request is queued) and the engine co
 compiles the grammar into a token matcher, see enginecore/structured_output.py).
 
 JSON is generated compact (no free whitespace between tokens): a small model allowed free
-whitespace can fill its whole budget with newlines.
+whitespace can fill its whole budget with newlines. JSON schemas are strict: objects get only
+the keys they declare unless they say `additionalProperties` (see strict_schema.py); a request
+opts out with `disable_additional_properties=False` (and into free whitespace with
+`disable_any_whitespace=False`).
 """
 
 from __future__ import annotations
@@ -14,8 +17,7 @@ import llguidance
 
 from vllm_actors.errors import ValidationError
 from vllm_actors.sampling_params import StructuredOutputsParams
-
-_JSON_OPTIONS = {"whitespace_flexible": False}
+from vllm_actors.strict_schema import strict_schema
 
 
 def grammar_for(params: StructuredOutputsParams) -> str:
@@ -23,13 +25,15 @@ def grammar_for(params: StructuredOutputsParams) -> str:
 
     Raises ValidationError when the schema cannot even be read as one (the grammar itself
     is checked by `check_grammar`)."""
+    options = {"whitespace_flexible": params.disable_any_whitespace is False}
     try:
         if params.json is not None:
-            return llguidance.LLMatcher.grammar_from_json_schema(params.json,
-                                                                 overrides=_JSON_OPTIONS)
+            schema = params.json if params.disable_additional_properties is False \
+                else strict_schema(params.json)
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
         if params.json_object:
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"},
-                                                                 overrides=_JSON_OPTIONS)
+                                                                 overrides=options)
         if params.regex is not None:
             return llguidance.LLMatcher.grammar_from_regex(params.regex)
         if params.choice is not None:

@@ -38,6 +38,12 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
         choice: the output is exactly one of these strings.
         grammar: a context-free grammar, as GBNF (llama.cpp) or Lark.
         json_object: any JSON object.
+        disable_additional_properties: for `json`: None or True (the default) generate only
+            the keys a schema declares unless it says `additionalProperties`, as vLLM's
+            default backend does; False compiles the schema as JSON Schema reads it
+            (undeclared keys allowed).
+        disable_any_whitespace: for `json` and `json_object`: None or True (the default)
+            generate compact JSON; False allows whitespace between tokens.
     """
 
     json: str | dict[str, Any] | None = None
@@ -45,6 +51,8 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_additional_properties: bool | None = None
+    disable_any_whitespace: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.json, str):

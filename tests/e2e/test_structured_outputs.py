@@ -7,8 +7,11 @@ from __future__ import annotations
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
+import httpx
 import jsonschema
+import openai
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -29,7 +32,7 @@ SCHEMAS = [
                                                "maxItems": 3}}, "required": ["tags"]},
     {"type": "object", "properties": {"where": {
         "type": "object", "properties": {"country": NAME, "capital": {"type": "boolean"}},
-        "required": ["country", "capital"], "additionalProperties": False}},
+        "required": ["country", "capital"]}},
      "required": ["where"]},
     {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99},
      "minItems": 2, "maxItems": 4},
@@ -41,18 +44,32 @@ SCHEMAS = [
                                       "open": {"const": True}},
      "required": ["code", "open"]},
 ]
-for schema in SCHEMAS:
-    if schema["type"] == "object":
-        schema["additionalProperties"] = False
+
+
+def _closed(schema):
+    """The schema as the server enforces it by default: objects without
+    additionalProperties get only their declared keys (for jsonschema to check)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if "items" in out:
+        out["items"] = _closed(out["items"])
+    if "anyOf" in out:
+        out["anyOf"] = [_closed(s) for s in out["anyOf"]]
+    if "properties" in out:
+        out["properties"] = {k: _closed(v) for k, v in out["properties"].items()}
+        out.setdefault("additionalProperties", False)
+    return out
+
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
     "parameters": {"type": "object", "properties": {
         "city": NAME, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-        "required": ["city", "unit"], "additionalProperties": False}}}
+        "required": ["city", "unit"]}}}
 TIME = {"type": "function", "function": {
     "name": "get_time", "parameters": {"type": "object", "properties": {"zone": NAME},
-                                       "required": ["zone"], "additionalProperties": False}}}
+                                       "required": ["zone"]}}}
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
@@ -69,7 +86,7 @@ def test_json_schema_outputs_validate(client, temperature):
     for schema, reply in zip(SCHEMAS, replies):
         choice = reply.choices[0]
         assert choice.finish_reason == "stop", (schema, choice.message.content)
-        jsonschema.validate(json.loads(choice.message.content), schema)
+        jsonschema.validate(json.loads(choice.message.content), _closed(schema))
 
 
 def test_json_object_and_vllm_field_names(client):
@@ -105,7 +122,7 @@ def _tool_call_args(call, tools):
     schema = next(t["function"]["parameters"] for t in tools
                   if t["function"]["name"] == call.function.name)
     args = json.loads(call.function.arguments)
-    jsonschema.validate(args, schema)
+    jsonschema.validate(args, _closed(schema))
     return args
 
 
@@ -221,3 +238,125 @@ def test_plain_chat_has_no_reasoning_field(client):
         model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
         temperature=0).choices[0].message
     assert message.content and "reasoning_content" not in (message.model_extra or {})
+
+
+def test_readme_json_schema_example(client, capsys):
+    """The README's json_schema example, run as written (only the model renamed to the test
+    server's): a clean answer, exactly the key `answer` holding an integer."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
+    [block] = [b for b in re.findall(r"```python\n(.*?)```", readme, re.DOTALL)
+               if '"json_schema"' in b]
+    code = block.replace('"SmolLM2-135M-Instruct.Q4_1"', repr(MODEL))
+    assert code != block
+    scope = {"client": client}
+    exec(code, scope)   # noqa: S102 - the README's own example
+    reply = scope["reply"]
+    content = reply.choices[0].message.content
+    assert capsys.readouterr().out == content + "\n"
+    data = json.loads(content)
+    assert list(data) == ["answer"] and type(data["answer"]) is int, content
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_readme_schema_sampled_gives_clean_answers(client):
+    """The README's request sampled at temperature 1 (seeded): every answer is exactly
+    {"answer": integer}; without strict schemas about half ran on with invented keys."""
+    def ask(seed):
+        return client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "2+2?"}], temperature=1.0,
+            seed=seed, max_tokens=40, response_format=ANSWER).choices[0]
+
+    with ThreadPoolExecutor(8) as pool:
+        choices = list(pool.map(ask, range(8)))
+    for choice in choices:
+        data = json.loads(choice.message.content)
+        assert list(data) == ["answer"] and type(data["answer"]) is int, choice.message.content
+        assert choice.finish_reason == "stop"
+
+
+def test_structured_outputs_opt_out_over_http(client):
+    """disable_additional_properties=false compiles the schema as JSON Schema reads it: an
+    object with no declared keys and minProperties 1 is satisfiable only that way (and the
+    model, free to invent keys, goes on until max_tokens: why strict is the default)."""
+    schema = {"type": "object", "properties": {}, "minProperties": 1}
+    reply = client.completions.create(
+        model=MODEL, prompt="JSON:", max_tokens=40, temperature=0, extra_body={
+            "structured_outputs": {"json": schema, "disable_additional_properties": False}})
+    assert re.match(r'\{"[^"]+":', reply.choices[0].text), reply.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="minProperties"):
+        client.completions.create(model=MODEL, prompt="JSON:", max_tokens=40,
+                                  extra_body={"structured_outputs": {"json": schema}})
+
+
+def test_a_refused_request_leaves_the_connection_open(server, auth):
+    """A 400 (here a regex llguidance refuses) is answered inside the app: the same
+    keep-alive connection serves the next request, and the server logs no traceback."""
+    logged = len(server.log())
+    body = {"model": MODEL, "prompt": "JSON:", "max_tokens": 2}
+    with httpx.Client(base_url=server.url, headers=auth, timeout=120) as http:
+        bad = http.post("/v1/completions", json=dict(body, structured_outputs={"regex": "a(b"}))
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "structured_outputs"
+        assert http.post("/v1/completions", json=body).status_code == 200
+    assert "Exception in ASGI application" not in server.log()[logged:]
+
+
+def _whole_message(client, kw):
+    choice = client.chat.completions.create(**kw).choices[0]
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    return choice.message.content or None, calls, choice.finish_reason
+
+
+def _streamed_message(client, kw):
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for piece in choice.delta.tool_calls or []:
+            entry = calls.setdefault(piece.index, ["", ""])
+            entry[0] += piece.function.name or ""
+            entry[1] += piece.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return content or None, [tuple(c) for c in calls.values()], finish
+
+
+ANSWER = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
+    "type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}}}
+NAMED_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+SAME_MESSAGE = {   # case: (question, request fields, max_tokens, cut short)
+    "json_schema": ("2+2?", {"response_format": ANSWER}, 60, False),
+    "json_schema cut short": ("2+2?", {"response_format": ANSWER}, 3, True),
+    "required": ("Weather and time in Oslo?", {"tools": [WEATHER, TIME],
+                                               "tool_choice": "required"}, 80, False),
+    "required cut short": ("Weather and time in Oslo?", {"tools": [WEATHER, TIME],
+                                                         "tool_choice": "required"}, 12, True),
+    "named": ("Weather in Oslo?", {"tools": [WEATHER, TIME], "tool_choice": NAMED_WEATHER},
+              60, False),
+    "named cut short": ("Weather in Oslo?", {"tools": [WEATHER], "tool_choice": NAMED_WEATHER},
+                        5, True),
+}
+
+
+@pytest.mark.parametrize("case", list(SAME_MESSAGE))
+def test_streamed_and_whole_answers_are_the_same_message(client, case):
+    """One seeded request asked whole and streamed gives the same message: content, tool
+    calls (name, arguments) and finish reason, also when max_tokens cuts it short."""
+    question, fields, max_tokens, cut = SAME_MESSAGE[case]
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": question}],
+              temperature=0.8, seed=11, max_tokens=max_tokens, **fields)
+    whole = _whole_message(client, kw)
+    assert _streamed_message(client, kw) == whole
+    content, calls, finish = whole
+    if cut:
+        assert finish == "length"
+    elif "response_format" in fields:
+        assert finish == "stop" and list(json.loads(content)) == ["answer"]
+    else:
+        tools = fields["tools"]
+        assert finish == ("tool_calls" if fields["tool_choice"] == "required" else "stop")
+        assert content is None and calls
+        for name, arguments in calls:
+            schema = next(t["function"]["parameters"] for t in tools
+                          if t["function"]["name"] == name)
+            jsonschema.validate(json.loads(arguments), _closed(schema))
+    if "tools" in fields and cut:
+        assert calls and content is None   # the begun call, as streamed

@@ -9,6 +9,7 @@ import random
 
 import msgspec
 import pytest
+from grammar_text import params_accept
 
 from vllm_actors.config import ServerConfig
 from vllm_actors.frontend.chat_tools import ToolPlan, choice_parser, plan_tools
@@ -209,3 +210,73 @@ def test_streamed_arguments_never_run_past_their_object(body):
             args += piece["function"]["arguments"]
     assert args == message["tool_calls"][0]["function"]["arguments"]
     assert json.loads(args) == {"city": "Paris", "days": 2}
+
+
+def _plan(tool_choice, tools=TOOLS):
+    return plan_tools(_request(tools=tools, tool_choice=tool_choice), ServerConfig())
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize("text, ok", [
+    ('[{"name":"get_weather","parameters":{"city":"Paris","days":2}}]', True),
+    ('[{"name":"get_weather","parameters":{}},{"name":"get_weather","parameters":{"days":1}}]',
+     True),
+    ('[{"name":"get_weather","parameters":{"city":"Paris"},"id":"x"}]', False),   # call key
+    ('[{"name":"get_weather","parameters":{"city":"Paris","country":"FR"}}]', False),
+    ('[{"name":"get_time","parameters":{}}]', False),
+])
+def test_required_calls_have_only_declared_keys(text, ok):
+    assert params_accept(_plan("required").structured, text) is ok
+
+
+@pytest.mark.parametrize("text, ok", [('{"city":"Paris","days":2}', True), ('{}', True),
+                                      ('{"city":"Paris","unit":"c"}', False)])
+def test_named_arguments_have_only_declared_keys(text, ok):
+    assert params_accept(_plan(NAMED).structured, text) is ok
+
+
+@pytest.mark.parametrize("function", [{"name": "get_weather"},
+                                      {"name": "get_weather", "parameters": {}}])
+def test_a_tool_without_parameters_takes_none(function):
+    tools = [{"type": "function", "function": function}]
+    assert params_accept(_plan(NAMED, tools).structured, "{}")
+    assert not params_accept(_plan(NAMED, tools).structured, '{"a":1}')
+    required = _plan("required", tools).structured
+    assert params_accept(required, '[{"name":"get_weather","parameters":{}}]')
+    assert not params_accept(required, '[{"name":"get_weather","parameters":{"a":1}}]')
+
+
+def test_required_tools_keep_their_schema_refs():
+    point = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    tools = [{"type": "function", "function": {"name": name, "parameters": {
+        "$defs": {"P": point}, "type": "object",
+        "properties": {"at": {"$ref": "#/$defs/P"}, "const": {"const": {"$ref": "#/x"}}},
+        "required": ["at"]}}} for name in ("a", "b")]
+    required = _plan("required", tools).structured
+    assert params_accept(required, '[{"name":"b","parameters":{"at":{"x":1}}}]')
+    assert params_accept(required, '[{"name":"a","parameters":{"at":{"x":1},'
+                                   '"const":{"$ref":"#/x"}}}]')
+    assert not params_accept(required, '[{"name":"b","parameters":{"at":{"x":1,"y":2}}}]')
+    assert tools[0]["function"]["parameters"]["properties"]["at"] == {"$ref": "#/$defs/P"}
+
+
+@pytest.mark.parametrize("text, calls, content", [
+    ('[{"name": "get_weather", "parameters": {"city": "Pa', [("get_weather", '{"city": "Pa')],
+     None),
+    ('[{"name": "get_weather", "parameters": {}}, {"name": "get_weather", "parameters": {"d',
+     [("get_weather", "{}"), ("get_weather", '{"d')], None),
+    ('[{"name": "get_wea', [], '[{"name": "get_wea'),
+])
+def test_required_output_cut_short_is_the_same_whole_and_streamed(text, calls, content):
+    """max_tokens can cut a required call; the message keeps what the stream already sent."""
+    plan = ToolPlan("required")
+    message, _ = choice_parser(plan, ServerConfig(), True).message(text)
+    assert message["content"] == content
+    assert [(c["function"]["name"], c["function"]["arguments"])
+            for c in message["tool_calls"]] == calls
+    for seed in range(3):
+        got, _ = _stream(choice_parser(plan, ServerConfig(), True), text, random.Random(seed))
+        assert (got["content"] or None) == content
+        assert [(c["name"], c["arguments"]) for c in got["calls"].values()] == calls

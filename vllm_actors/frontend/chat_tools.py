@@ -5,8 +5,12 @@ tool_calls), whole or as stream deltas.
 - tool_choice "none": tools are only shown to the chat template.
 - "auto" (the default when tools are given; needs --enable-auto-tool-choice and
   --tool-call-parser, as in vLLM): the model writes freely; the parser finds its calls.
-- "required": a grammar makes the output a JSON array of {"name", "parameters"} calls.
+- "required": a grammar makes the output a JSON array of {"name", "parameters"} calls (a
+  call has exactly those two keys).
 - a named function: a grammar makes the output that function's arguments.
+Arguments follow the tool's schema strictly, as any JSON schema here (grammar.py): only the
+declared parameters unless the schema says `additionalProperties`; a tool without
+`parameters` takes none (OpenAI's reading), so its arguments are `{}`.
 
 Grammars (required and named choices, response_format, structured outputs) are enforced
 from the first token, so under one the reasoning parser only splits off a `<think>` the
@@ -48,12 +52,48 @@ def _check_tools(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 not isinstance(function.get("name"), str) or not function["name"]:
             raise APIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
                                 "{\"name\": ..., \"parameters\": {...}}}", "tools")
-        params = function.get("parameters", {"type": "object"})
-        if not isinstance(params, dict):
+        params = function.get("parameters")
+        if params is not None and not isinstance(params, dict):
             raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object",
                            "tools")
-        out[function["name"]] = params or {"type": "object"}
+        out[function["name"]] = params or _NO_PARAMETERS
     return out
+
+
+_NO_PARAMETERS = {"type": "object", "properties": {}}
+_DATA_KEYWORDS = ("const", "enum", "default", "examples")
+
+
+def _rebased(schema: Any, prefix: str) -> Any:
+    """A copy of `schema` whose local `$ref`s ("#/...") point below `prefix`, the place the
+    schema takes inside a larger one (data keywords are copied as they are)."""
+    if isinstance(schema, list):
+        return [_rebased(v, prefix) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = prefix + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = _rebased(value, prefix)
+    return out
+
+
+def _calls_schema(schemas: dict[str, dict[str, Any]], parallel: bool) -> dict[str, Any]:
+    """The "required" grammar's schema: an array of calls, each {"name", "parameters"} and
+    nothing else, the parameters as the tool declares them (refs rebased)."""
+    options = [{"type": "object", "properties": {
+        "name": {"type": "string", "enum": [name]},
+        "parameters": _rebased(schema, f"#/items/anyOf/{i}/properties/parameters")},
+        "required": ["name", "parameters"], "additionalProperties": False}
+        for i, (name, schema) in enumerate(schemas.items())]
+    calls = {"type": "array", "minItems": 1, "items": {"anyOf": options}}
+    if not parallel:
+        calls["maxItems"] = 1
+    return calls
 
 
 def plan_tools(req: ChatCompletionRequest, config: ServerConfig) -> ToolPlan:
@@ -78,12 +118,7 @@ def plan_tools(req: ChatCompletionRequest, config: ServerConfig) -> ToolPlan:
     if choice != "none" and not tools:
         raise APIError(400, f'tool_choice "{choice}" needs tools', "tool_choice")
     if choice == "required":
-        calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
-            {"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
-                                              "parameters": schema},
-             "required": ["name", "parameters"]} for name, schema in schemas.items()]}}
-        if not req.parallel_tool_calls:
-            calls["maxItems"] = 1
+        calls = _calls_schema(schemas, bool(req.parallel_tool_calls))
         return ToolPlan("required", structured=StructuredOutputsParams(json=calls))
     if choice == "auto":
         if not (config.enable_auto_tool_choice and config.tool_call_parser):
@@ -117,11 +152,13 @@ class ChoiceParser:
         if plan.choice == "named":
             return None, "", [ToolCall(plan.name or "", self.text, complete=final)]
         if plan.choice == "required":
+            # output cut short (max_tokens) keeps the calls it began, the last incomplete, as
+            # the stream sent them; text with no call at all is content
             bracket = self.text.find("[")
             read = None if bracket < 0 else \
-                read_calls(self.text, bracket + 1, ("parameters",), ",", final)
+                read_calls(self.text, bracket + 1, ("parameters",), ",", final=False)
             if read is None or (final and not read[0]):
-                return None, self.text if final else "", []   # cut short before a call
+                return None, self.text if final else "", []
             return None, "", read[0]
         reasoning, content = self.reasoning.split(self.text, final) if self.reasoning \
             else (None, self.text)
