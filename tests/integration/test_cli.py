@@ -1,5 +1,6 @@
 """The `vllm-actors` command, run as users run it."""
 
+import re
 import subprocess
 import sys
 
@@ -14,7 +15,10 @@ def test_generate_chat_streams_answer():
                      "--max-tokens", "24")
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
-    assert "ready in" in result.stderr
+    lines = result.stderr.splitlines()   # every log line on a line of its own
+    assert lines[0].startswith("Loading ") and lines[0].endswith("...")
+    assert any(line.startswith("(EngineCore) INFO KV cache") for line in lines[1:])
+    assert re.fullmatch(r"Ready in [0-9.]+s", lines[-1]), lines
 
 
 def test_generate_reports_bad_model_path(tmp_path):
