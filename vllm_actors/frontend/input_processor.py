@@ -24,6 +24,9 @@ from vllm_actors.sampling_params import SamplingParams
 PromptType = str | dict[str, Any]
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# A text longer than max_model_len x the longest token x this cannot fit the context even if
+# normalization merged every few characters into one: it is refused without tokenizing it.
+TEXT_SLACK = 4
 # keyword arguments a chat template receives from the engine itself; chat_template_kwargs
 # may not replace them
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt",
@@ -51,11 +54,21 @@ class InputProcessor:
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
         self.max_logprobs = max_logprobs
+        self.max_text_chars = self.max_model_len * tokenizer.max_token_chars * TEXT_SLACK
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt text. Raises ValidationError, before tokenizing, for a text
+        too long for any tokenization of it to fit max_model_len."""
+        if len(text) > self.max_text_chars:
+            raise ValidationError(
+                f"the prompt has {len(text)} characters, far more than max_model_len "
+                f"({self.max_model_len}) tokens can hold; shorten it", "prompt")
+        return self.tokenizer.encode(text, add_special_tokens)
 
     def prompt_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) for a string or {"prompt_token_ids": [...]}."""
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, (list, tuple)) or not all(
@@ -65,7 +78,7 @@ class InputProcessor:
             text = prompt.get("prompt")
             return text if isinstance(text, str) else None, list(ids)
         if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            return prompt["prompt"], self.encode(prompt["prompt"])
         raise ValidationError("a prompt must be a string, {'prompt': str} or "
                               f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}",
                               "prompt")
@@ -88,8 +101,7 @@ class InputProcessor:
             messages, add_generation_prompt=add_generation_prompt, tokenize=False,
             chat_template=read_chat_template(chat_template), tools=tools, **kwargs)
         assert isinstance(text, str)
-        return {"prompt": text,
-                "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+        return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=False)}
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
                 priority: int = 0) -> ProcessedRequest:

@@ -56,7 +56,8 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_id: str
             messages, req.chat_template, req.add_generation_prompt, req.tools or None,
             req.chat_template_kwargs)
     except ValidationError as e:
-        raise APIError(400, str(e), e.param or "messages") from None
+        raise APIError(400, str(e), "messages" if e.param in (None, "prompt") else e.param) \
+            from None
     requested = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     limit = max_tokens_for(requested, len(prompt["prompt_token_ids"]),

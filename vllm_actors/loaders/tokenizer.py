@@ -47,6 +47,13 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for, bounded from above by the
+        longest token string (byte-level and SentencePiece markers and byte-fallback tokens
+        only make token strings longer than the text they stand for)."""
+        return max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
+
     def _token(self, token_id: int | None) -> str | None:
         return None if token_id is None else self.backend.id_to_token(token_id)
 
