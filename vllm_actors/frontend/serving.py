@@ -1,6 +1,6 @@
 """What the OpenAI endpoints share: server state (the engine, in-flight requests, draining),
-request bodies read within a size limit, preparation off the event loop, sub-request runners
-that abort on client disconnect, streams that always clean up, ids and usage.
+preparation off the event loop, sub-request runners that abort on client disconnect, streams
+that always clean up, ids and usage.
 
 A request's heavy work (JSON decoding, chat-template rendering, tokenization, bad-word
 tokenization, grammar checks) runs in `ServerState.prepare`'s thread pool, once; the event
@@ -57,7 +57,7 @@ class ServerState:
                                 f"`{self.model_name}`", "model", "model_not_found")
 
     def admit(self) -> None:
-        """Raises APIError 503 while draining or once the engine is dead."""
+        """Raises APIError 503 while draining, EngineDeadError (503) once the engine is dead."""
         if self.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down",
                            type_="service_unavailable_error")
