@@ -206,17 +206,22 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False)
         for ok, param, message in checks:
             if not ok:
                 raise ValidationError(message, param)
+        self._check_wire()
 
     def _check_types(self) -> None:
-        """Every field of its declared type, and every integer within 64 bits (the wire's
-        limit: msgpack carries [-2^63, 2^64))."""
+        """Every field of its declared type."""
         for info in _FIELDS:
             value = getattr(self, info.name)
             try:
                 msgspec.convert(value, info.type)
-                _ENCODER.encode(value)
             except msgspec.ValidationError as e:
                 raise ValidationError(f"{info.name}: {e} (got {value!r})", info.name) from None
+
+    def _check_wire(self) -> None:
+        """Every integer within 64 bits: the wire (msgpack) carries [-2^63, 2^64)."""
+        for info in _FIELDS:
+            try:
+                _ENCODER.encode(getattr(self, info.name))
             except OverflowError:
                 raise ValidationError(f"{info.name} holds an integer beyond 64 bits",
                                       info.name) from None

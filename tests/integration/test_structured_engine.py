@@ -81,3 +81,47 @@ def test_pending_grammar_abort_and_failure(manager):
         manager.wait(1.0)
         ready, failed = manager.take_ready()
     assert ready == [] and failed[0][0] is bad and "unclosed group" in failed[0][1]
+
+
+def test_a_grammar_the_core_refuses_fails_that_request_as_its_own_fault(smollm2_path,
+                                                                        monkeypatch):
+    """A grammar the frontend's check lets through but the core's compile refuses (as
+    llguidance limits can) fails that request alone with error_param structured_outputs,
+    which the server answers as a 400 naming the constraint field; a free request beside
+    it is served."""
+    import asyncio
+
+    from vllm_actors import AsyncLLM
+    from vllm_actors.errors import ValidationError
+    from vllm_actors.frontend.openai_schema import APIError
+    from vllm_actors.frontend.serving import raise_if_failed
+
+    def refuse(self, params):
+        raise ValidationError("invalid regex: beyond the grammar library's limits",
+                              "structured_outputs")
+
+    monkeypatch.setattr(StructuredOutputManager, "_compile", refuse)
+    llm = AsyncLLM(str(smollm2_path), multiprocessing=False)   # the patched core in a thread
+
+    async def final(prompt, params, request_id):
+        out = None
+        async for out in llm.generate(prompt, params, request_id):
+            pass
+        return out
+
+    async def scenario():
+        constrained = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(
+            regex="a+"))
+        return await asyncio.gather(final("Hi", constrained, "bad"),
+                                    final("Hi", SamplingParams(max_tokens=4), "good"))
+
+    try:
+        bad, good = asyncio.run(scenario())
+    finally:
+        llm.shutdown()
+    assert bad.outputs[0].finish_reason == "error" and bad.error_param == "structured_outputs"
+    assert "beyond the grammar library's limits" in bad.error
+    assert good.outputs[0].finish_reason == "length" and good.error is None
+    with pytest.raises(APIError) as refused:
+        raise_if_failed(bad, "guided_regex")
+    assert refused.value.status == 400 and refused.value.param == "guided_regex"
