@@ -124,7 +124,27 @@ def test_bad_engine_arguments(smollm2_path, tmp_path):
     ({"n": 0}, "n must be between 1 and 128"),
     ({"stop": [""]}, "stop must be a list of non-empty strings"),
     ({"stop_token_ids": [-3]}, "stop_token_ids must be non-negative"),
+    ({"seed": "x"}, r"seed: Expected `int \| null`, got `str`"),
+    ({"seed": 2**64}, r"seed must be an integer in \[-2\^63, 2\^64\)"),
+    ({"n": True}, "n: Expected `int`, got `bool`"),
+    ({"top_k": 10**30}, "top_k holds an integer beyond 64 bits"),
+    ({"logit_bias": {"a": 1}}, "logit_bias must map token ids to numbers"),
+    ({"stop": [1]}, r"stop: Expected `str`, got `int`"),
 ])
 def test_sampling_params_validation(kwargs, message):
-    with pytest.raises(ValidationError, match=message):
+    with pytest.raises(ValidationError, match=message) as refused:
         SamplingParams(**kwargs)
+    assert refused.value.param in kwargs
+
+
+def test_seeds_beyond_int64_generate(smollm2_llm):
+    """Once an OverflowError that killed the engine: seeds up to 2^64 - 1 (and n > 1 past
+    it, wrapping to 0) sample reproducibly, and the engine serves on."""
+    params = SamplingParams(temperature=1.0, seed=2**64 - 1, n=2, max_tokens=6)
+    first, again = (smollm2_llm.generate("Once", params)[0] for _ in range(2))
+    assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
+    wrapped = smollm2_llm.generate("Once", SamplingParams(temperature=1.0, seed=0,
+                                                          max_tokens=6))[0]
+    assert first.outputs[1].token_ids == wrapped.outputs[0].token_ids
+    assert smollm2_llm.generate("Once", GREEDY)[0].outputs[0].finish_reason in ("stop",
+                                                                                 "length")
