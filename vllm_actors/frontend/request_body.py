@@ -10,6 +10,8 @@ from starlette.requests import Request
 
 from vllm_actors.frontend.openai_schema import APIError
 
+MAX_JSON_DEPTH = 64   # deeper request bodies are refused (no OpenAI field nests near this)
+
 
 async def read_body(raw: Request, limit: int) -> bytes:
     """The request body, refused with 413 once it is larger than `limit` bytes."""
@@ -27,10 +29,6 @@ async def read_body(raw: Request, limit: int) -> bytes:
                            code="request_too_large")
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-
-MAX_JSON_DEPTH = 64   # deeper request bodies are refused (no OpenAI field nests near this)
 
 
 def decode_json_body(body: bytes) -> dict[str, Any]:
