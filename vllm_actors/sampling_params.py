@@ -17,6 +17,8 @@ from vllm_actors.errors import ValidationError
 
 _GREEDY_EPS = 1e-5
 MAX_N = 128
+MAX_STOP_STRINGS = 1024       # stop strings are matched on the frontend's event loop at
+MAX_STOP_CHARS = 32768        # every step: bounded so one request cannot stall the others
 SEED_MODULUS = 2**64          # seeds are taken modulo 2^64 (a negative int64 seed wraps)
 MIN_SEED = -(2**63)
 
@@ -171,6 +173,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False)
              f"best_of={self.best_of} with n={self.n} is not supported; use n"),
             (all(isinstance(s, str) and s for s in self.stop), "stop",
              "stop must be a list of non-empty strings"),
+            (len(self.stop) <= MAX_STOP_STRINGS and
+             sum(map(len, self.stop)) <= MAX_STOP_CHARS, "stop",
+             f"stop may hold at most {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} "
+             f"characters in all, got {len(self.stop)} of {sum(map(len, self.stop))}"),
             (all(isinstance(s, str) and s for s in self.bad_words), "bad_words",
              "bad_words must be a list of non-empty strings"),
             (self.temperature >= 0 and math.isfinite(self.temperature), "temperature",

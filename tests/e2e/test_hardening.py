@@ -79,6 +79,8 @@ def test_seeds_wrap_modulo_2_64(server, auth):
      "messages", "only text parts"),
     ("/detokenize", {"tokens": ["a"]}, 400, "tokens", "Expected `int`"),
     ("/v1/completions", {"prompt": "x", "top_k": "5"}, 400, "top_k", "Expected `int"),
+    ("/v1/completions", {"prompt": "x", "stop": [f"s{i}" for i in range(10_000)]}, 400,
+     "stop", "at most 1024 strings"),
 ])
 def test_former_500s_are_4xx(server, auth, greedy_before, path, body, status, param, pattern):
     r = post(server, auth, path, body)
@@ -159,6 +161,26 @@ def test_body_limit_gives_413(server, auth, greedy_before):
                    headers={**auth, "Content-Type": "application/json"})
     assert r.status_code == 413 and "--max-request-body-size" in r.json()["error"]["message"]
     assert_engine_unhurt(server, auth, greedy_before)
+
+
+def test_long_stop_strings_do_not_stall(server, auth):
+    """1,024 stop strings (the most allowed) and one of 32,768 characters are matched at
+    every step without holding the event loop: /version answers quickly meanwhile."""
+    for stop in ([f"zq{i}xw" for i in range(1024)], ["e" * 32768]):
+        body = {"prompt": "Once upon a time", "max_tokens": 60, "ignore_eos": True,
+                "temperature": 0, "stop": stop, "stream": True}
+        slowest = 0.0
+        with httpx.Client(base_url=server.url, headers=auth, timeout=60) as probe, \
+                httpx.stream("POST", server.url + "/v1/completions", json=body, headers=auth,
+                             timeout=120) as r:
+            assert r.status_code == 200
+            for i, _ in enumerate(r.iter_lines()):
+                if i % 10 == 0:
+                    start = time.monotonic()
+                    assert probe.get("/version").status_code == 200
+                    slowest = max(slowest, time.monotonic() - start)
+        print(f"{len(stop)} stop string(s): slowest /version {slowest * 1000:.0f} ms")
+        assert slowest < 0.2
 
 
 def test_many_bad_words_do_not_stall(server, auth):

@@ -144,3 +144,16 @@ def test_metrics_render_with_vllm_names():
                  'vllm:request_queue_time_seconds_count{model_name="smol"} 1.0'):
         assert line in text, line
     assert metrics.snapshot()["vllm:prefix_cache_queries"] == 100
+
+
+def test_stop_prefix_index_equals_the_plain_search():
+    """The indexed hold-back gives what checking every prefix of every stop string gives."""
+    import random
+    from vllm_actors.frontend.detokenizer import StopPrefixes
+    rng = random.Random(5)
+    for _ in range(300):
+        stops = ["".join(rng.choice("ab c") for _ in range(rng.randint(1, 6)))
+                 for _ in range(rng.randint(1, 5))]
+        text = "".join(rng.choice("ab c") for _ in range(rng.randint(0, 12)))
+        assert StopPrefixes(stops).partial_length(text) == partial_stop_length(text, stops), \
+            (text, stops)

@@ -39,6 +39,31 @@ def partial_stop_length(text: str, stop: list[str]) -> int:
     return longest
 
 
+class StopPrefixes:
+    """`partial_stop_length` for one request's stop strings, indexed once: the proper prefixes
+    of every stop string by their last character, longest first, so a step checks only the
+    prefixes that could end the text instead of every length of every stop string."""
+
+    def __init__(self, stop: list[str]) -> None:
+        self.stop = stop
+        index: dict[str, list[tuple[int, int]]] = {}   # last char -> (stop index, length)
+        for k, s in enumerate(stop):
+            for n in range(1, len(s)):
+                index.setdefault(s[n - 1], []).append((k, n))
+        for candidates in index.values():
+            candidates.sort(key=lambda kn: -kn[1])
+        self.index = index
+
+    def partial_length(self, text: str) -> int:
+        """Length of the longest end of `text` that is the start of some stop string."""
+        if not text:
+            return 0
+        for k, n in self.index.get(text[-1], ()):
+            if n <= len(text) and text.endswith(self.stop[k][:n]):
+                return n
+        return 0
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int],
                  params: SamplingParams) -> None:
@@ -46,6 +71,7 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = params.skip_special_tokens
         self.spaces_between_special_tokens = params.spaces_between_special_tokens
         self.stop = params.stop
+        self.stop_prefixes = StopPrefixes(params.stop) if params.stop else None
         self.include_stop = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
         context = prompt_token_ids[-_PROMPT_CONTEXT:]
@@ -96,6 +122,6 @@ class IncrementalDetokenizer:
     def releasable_text_length(self, finished: bool) -> int:
         """How much of output_text may be shown now: all of it once finished; otherwise not
         a tail that might still grow into an (excluded) stop string."""
-        if finished or not self.stop or self.include_stop:
+        if finished or self.stop_prefixes is None or self.include_stop:
             return len(self.output_text)
-        return len(self.output_text) - partial_stop_length(self.output_text, self.stop)
+        return len(self.output_text) - self.stop_prefixes.partial_length(self.output_text)
