@@ -213,6 +213,7 @@ def build_app(state: ServerState) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        engine.start()
         yield
         engine.shutdown()
 

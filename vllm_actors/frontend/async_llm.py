@@ -85,6 +85,12 @@ class AsyncLLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
 
+    def start(self) -> None:
+        """Start reading outputs and watching the core on the running event loop (the first
+        request does it otherwise); a server calls it at startup so that the core's death is
+        noticed even before any request."""
+        self._ensure_running()
+
     def _ensure_running(self) -> None:
         """Fail fast when dead; start the output handler on the running loop (again when an
         earlier loop has ended, as after a second `asyncio.run`)."""
