@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class Logprob:
     """One token's log-probability under the raw model distribution, its 1-based rank, and
     its text (the token decoded on its own)."""

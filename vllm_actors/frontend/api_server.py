@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import importlib.resources
 import logging
 import time
@@ -20,7 +21,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -30,7 +31,7 @@ from vllm_actors.frontend.async_llm import AsyncLLM
 from vllm_actors.frontend.openai_schema import (APIError, DetokenizeRequest, TokenizeRequest,
                                                 chat_messages)
 from vllm_actors.frontend.request_body import decode_request, read_body
-from vllm_actors.frontend.serving import ServerState
+from vllm_actors.frontend.serving import JSONBody, ServerState
 from vllm_actors.frontend.serving_chat import create_chat_completion
 from vllm_actors.frontend.serving_completion import create_completion
 from vllm_actors.frontend.serving_responses import (ResponseStore, create_response,
@@ -42,8 +43,8 @@ ENGINE_DEATH_EXIT_DELAY_S = 1.0   # in-flight streams get their error event, the
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/reset_prefix_cache", "/server_info")
 
 
-def _error(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+def _error(e: APIError) -> JSONBody:
+    return JSONBody(e.body(), status_code=e.status)
 
 
 class APIKeyMiddleware:
@@ -68,7 +69,7 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def error_response(e: Exception, path: str) -> JSONResponse:
+def error_response(e: Exception, path: str) -> JSONBody:
     """The OpenAI-shaped answer for an exception raised while handling `path`: one log line
     for a handled error, a traceback only for a bug (an unexpected exception, 500)."""
     if isinstance(e, ValidationError):
@@ -121,7 +122,7 @@ def build_app(state: ServerState) -> Starlette:
         card = {"id": state.model_name, "object": "model", "created": int(time.time()),
                 "owned_by": "vllm-actors", "root": engine.model_root, "parent": None,
                 "max_model_len": engine.ready.max_model_len, "permission": []}
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONBody({"object": "list", "data": [card]})
 
     def do_tokenize(body: bytes) -> dict[str, Any]:
         req = decode_request(body, TokenizeRequest)
@@ -154,27 +155,27 @@ def build_app(state: ServerState) -> Starlette:
 
     async def tokenize(raw: Request) -> Response:
         body = await read_body(raw, state.config.max_request_body_size)
-        return JSONResponse(await state.prepare(do_tokenize, body))
+        return JSONBody(await state.prepare(do_tokenize, body))
 
     async def detokenize(raw: Request) -> Response:
         body = await read_body(raw, state.config.max_request_body_size)
-        return JSONResponse(await state.prepare(do_detokenize, body))
+        return JSONBody(await state.prepare(do_detokenize, body))
 
     async def server_info(raw: Request) -> Response:
         ready = engine.ready
-        return JSONResponse({"version": __version__, "model": state.model_name,
+        return JSONBody({"version": __version__, "model": state.model_name,
                              "engine": {f: getattr(ready, f) for f in ready.__struct_fields__},
                              "server": {k: v for k, v in dataclasses.asdict(state.config).items()
                                         if k != "api_key"}})
 
     async def reset_prefix_cache(raw: Request) -> Response:
-        return JSONResponse({"reset": await engine.reset_prefix_cache()})
+        return JSONBody({"reset": await engine.reset_prefix_cache()})
 
     async def metrics(raw: Request) -> Response:
         return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def version(raw: Request) -> Response:
-        return JSONResponse({"version": __version__})
+        return JSONBody({"version": __version__})
 
     async def index(raw: Request) -> Response:
         return HTMLResponse(page)
@@ -285,6 +286,11 @@ def run_server(engine_args: dict[str, Any], config: ServerConfig) -> int:
     ends it. Returns the process exit status (0, or 1 after engine death)."""
     engine = AsyncLLM(**engine_args)
     state = ServerState(engine, config, engine.model_name)
+    # what startup built lives as long as the server: keep it out of every later collection,
+    # whose full passes would otherwise walk it (pauses of ~0.5 s after a request with large
+    # logprobs, measured: docs/BENCHMARKS.md)
+    gc.collect()
+    gc.freeze()
     try:
         import uvloop  # noqa: F401
         loop = "uvloop"

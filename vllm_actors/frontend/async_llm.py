@@ -35,6 +35,7 @@ from vllm_actors.protocol.engine import (AbortRequests, EngineCoreOutputs, Engin
 from vllm_actors.sampling_params import SamplingParams
 
 OUTPUT_CHUNK = 128      # outputs handled between yields to the event loop
+LARGE_PROMPT_LOGPROBS = 512   # prompt logprobs of more positions are built off the loop
 LIVENESS_POLL_S = 0.5   # core liveness polling where no pidfd exists
 
 
@@ -199,9 +200,28 @@ class AsyncLLM:
         for start in range(0, len(outputs), OUTPUT_CHUNK):
             if start:
                 await asyncio.sleep(0)
-            to_abort = self.output_processor.process_outputs(outputs[start:start + OUTPUT_CHUNK])
+            chunk = outputs[start:start + OUTPUT_CHUNK]
+            to_abort = self.output_processor.process_outputs(
+                chunk, await self._large_prompt_logprobs(chunk))
             if to_abort:
                 self.client.send(AbortRequests(to_abort))
+
+    async def _large_prompt_logprobs(self, outputs: list) -> dict[str, Any] | None:
+        """Prompt logprobs of many positions (an echo request's, lm-eval's) as dicts, built in
+        a thread: 7,000 positions x 21 alternatives take ~0.5 s that the event loop should
+        spend on other requests. Only this handler waits for them."""
+        large = [o for o in outputs if o.prompt_logprobs is not None
+                 and len(o.prompt_logprobs.ranks) > LARGE_PROMPT_LOGPROBS]
+        if not large:
+            return None
+        loop = asyncio.get_running_loop()
+        built = {}
+        for out in large:
+            positions = await loop.run_in_executor(None, self.output_processor.prompt_positions,
+                                                   out)
+            if positions is not None:
+                built[out.request_id] = positions
+        return built
 
     def _resolve(self, result: UtilityResult) -> None:
         future = self._calls.pop(result.call_id, None)

@@ -110,14 +110,18 @@ class RequestState:
                                 stop_reason, list(self.logprobs) if with_lp else None,
                                 cumulative)
 
-    def record_logprobs(self, out: EngineCoreOutput, builder: LogprobsBuilder) -> None:
+    def record_logprobs(self, out: EngineCoreOutput, builder: LogprobsBuilder,
+                        prompt_positions: list[PositionLogprobs] | None = None) -> None:
+        """`prompt_positions`: the prompt logprobs already built (off the event loop)."""
         if out.logprobs is not None and self.num_logprobs is not None:
             positions = builder.positions(out.logprobs, self.num_logprobs)
             self.logprobs.extend(positions)
             self.cumulative_logprob += sum(lp[0] for lp in out.logprobs.logprobs)
         if out.prompt_logprobs is not None and self.parent.prompt_logprobs is None:
-            k = self.num_prompt_logprobs
-            self.parent.prompt_logprobs = [None, *builder.positions(out.prompt_logprobs, k)]
+            if prompt_positions is None:
+                prompt_positions = builder.positions(out.prompt_logprobs,
+                                                     self.num_prompt_logprobs)
+            self.parent.prompt_logprobs = [None, *prompt_positions]
 
 
 class OutputProcessor:
@@ -152,16 +156,27 @@ class OutputProcessor:
         if not siblings:
             self.children.pop(state.parent.request_id, None)
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> list[str]:
+    def prompt_positions(self, out: EngineCoreOutput) -> list[PositionLogprobs] | None:
+        """The prompt logprobs `out` carries as per-position dicts, or None when its request
+        is gone. Safe to run off the event loop while the output handler waits for it."""
+        state = self.states.get(out.request_id)
+        if state is None or out.prompt_logprobs is None:
+            return None
+        return self.logprobs_builder.positions(out.prompt_logprobs, state.num_prompt_logprobs)
+
+    def process_outputs(self, outputs: list[EngineCoreOutput],
+                        prompt_positions: dict[str, list[PositionLogprobs]] | None = None
+                        ) -> list[str]:
         """Apply one step's outputs; returns engine ids that stop strings finished, which the
-        core must abort."""
+        core must abort. `prompt_positions`: prompt logprobs built beforehand, by id."""
         to_abort = []
         for out in outputs:
             state = self.states.get(out.request_id)
             if state is None:   # aborted meanwhile
                 continue
             try:
-                self._process_output(out, state, to_abort)
+                self._process_output(out, state, to_abort,
+                                     (prompt_positions or {}).get(out.request_id))
             except Exception as e:   # this request's alone: fail it, keep the others
                 logger.exception("processing the output of %s failed", out.request_id)
                 to_abort.append(out.request_id)
@@ -171,10 +186,11 @@ class OutputProcessor:
         return to_abort
 
     def _process_output(self, out: EngineCoreOutput, state: RequestState,
-                        to_abort: list[str]) -> None:
+                        to_abort: list[str],
+                        prompt_positions: list[PositionLogprobs] | None) -> None:
         reason, stop_reason = out.finish_reason, out.stop_reason
         state.record_timing(out, self.metrics)
-        state.record_logprobs(out, self.logprobs_builder)
+        state.record_logprobs(out, self.logprobs_builder, prompt_positions)
         state.token_ids.extend(out.new_token_ids)
         # a STOP on a token other than EOS / stop ids ended a complete grammar: keep it
         by_token = reason == FinishReason.STOP and bool(out.new_token_ids) and \

@@ -8,7 +8,7 @@ from typing import Any, AsyncIterator
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from vllm_actors.errors import ValidationError
 from vllm_actors.frontend.chat_tools import ToolPlan, choice_parser, plan_tools
@@ -18,8 +18,8 @@ from vllm_actors.frontend.openai_schema import (APIError, ChatCompletionRequest,
                                                 sampling_params, structured_outputs_of)
 from vllm_actors.frontend.request_body import decode_request, read_body
 from vllm_actors.frontend.serving import (EventStream, ServerState, SubRequest, generate_final,
-                                          new_request_id, now, open_stream, raise_if_failed,
-                                          stream_error, usage)
+                                          json_built_off_loop, new_request_id, now,
+                                          open_stream, raise_if_failed, stream_error, usage)
 from vllm_actors.outputs import RequestOutput
 
 logger = logging.getLogger("vllm_actors.server")
@@ -97,7 +97,7 @@ async def create_chat_completion(state: ServerState, raw: Request) -> Response:
         return Response(status_code=499)
     out = results[0]
     raise_if_failed(out, prepared.constraint_param)
-    return JSONResponse(chat_response(state, req, sub, plan, out))
+    return await json_built_off_loop(state, chat_response, state, req, sub, plan, out)
 
 
 def chat_response(state: ServerState, req: ChatCompletionRequest, sub: SubRequest,

@@ -10,7 +10,7 @@ from typing import Any, AsyncIterator
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from vllm_actors.errors import ValidationError
 from vllm_actors.frontend.completion_choices import ChoiceShaper
@@ -20,8 +20,8 @@ from vllm_actors.frontend.openai_schema import (APIError, CompletionRequest, com
                                                 sampling_params, structured_outputs_of)
 from vllm_actors.frontend.request_body import decode_request, read_body
 from vllm_actors.frontend.serving import (EventStream, ServerState, SubRequest, generate_final,
-                                          new_request_id, now, open_stream, raise_if_failed,
-                                          stream_error, usage)
+                                          json_built_off_loop, new_request_id, now,
+                                          open_stream, raise_if_failed, stream_error, usage)
 from vllm_actors.outputs import RequestOutput
 
 logger = logging.getLogger("vllm_actors.server")
@@ -92,6 +92,13 @@ async def create_completion(state: ServerState, raw: Request) -> Response:
     results = await generate_final(state, raw, subs)
     if results is None:
         return Response(status_code=499)
+    return await json_built_off_loop(state, _completion_body, state, prepared, results)
+
+
+def _completion_body(state: ServerState, prepared: PreparedCompletion,
+                     results: list[RequestOutput]) -> dict[str, Any]:
+    """The text_completion body for finished sub-requests (in the preparation pool)."""
+    req = prepared.req
     shaper = _shaper(state, prepared)
     choices, completion_tokens, cached = [], 0, 0
     for p, out in enumerate(results):
@@ -105,9 +112,9 @@ async def create_completion(state: ServerState, raw: Request) -> Response:
                             "logprobs": piece.logprobs,
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                             "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)})
-    return JSONResponse({"id": prepared.request_id, "object": "text_completion",
-                         "created": now(), "model": state.model_name, "choices": choices,
-                         "usage": usage(prepared.num_prompt_tokens, completion_tokens, cached)})
+    return {"id": prepared.request_id, "object": "text_completion", "created": now(),
+            "model": state.model_name, "choices": choices,
+            "usage": usage(prepared.num_prompt_tokens, completion_tokens, cached)}
 
 
 async def _stream(state: ServerState, prepared: PreparedCompletion,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from vllm_actors.frontend.chat_tools import ChoiceParser, ToolPlan, choice_parser
 from vllm_actors.frontend.openai_schema import APIError, chat_logprobs
@@ -29,8 +29,9 @@ from vllm_actors.frontend.responses_output import OutputBuilder, new_id
 from vllm_actors.frontend.responses_schema import (ResponsesRequest, chat_request, input_items,
                                                    refuse_unsupported)
 from vllm_actors.frontend.request_body import decode_request, read_body
-from vllm_actors.frontend.serving import (EventStream, ServerState, SubRequest, generate_final,
-                                          new_request_id, open_stream, raise_if_failed)
+from vllm_actors.frontend.serving import (EventStream, JSONBody, ServerState, SubRequest,
+                                          generate_final, new_request_id, open_stream,
+                                          raise_if_failed)
 from vllm_actors.frontend.serving_chat import prepare_chat
 from vllm_actors.outputs import CompletionOutput, RequestOutput
 
@@ -209,7 +210,7 @@ async def create_response(state: ServerState, store: ResponseStore, raw: Request
     builder = OutputBuilder(emit=False, logprobs=req.wants_logprobs)
     delta, _ = _parser(state, turn).update(c.text, final=True)
     builder.feed(delta, _logprobs(turn, c))
-    return JSONResponse(_finish(state, store, turn, builder, c.finish_reason,
+    return JSONBody(_finish(state, store, turn, builder, c.finish_reason,
                                 len(c.token_ids), out.num_cached_tokens))
 
 
@@ -265,10 +266,10 @@ async def retrieve_response(store: ResponseStore, response_id: str) -> Response:
     stored = store.get(response_id)
     if stored is None:
         raise store.not_found(response_id)
-    return JSONResponse(stored.body)
+    return JSONBody(stored.body)
 
 
 async def delete_response(store: ResponseStore, response_id: str) -> Response:
     if not store.delete(response_id):
         raise store.not_found(response_id)
-    return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+    return JSONBody({"id": response_id, "object": "response.deleted", "deleted": True})
