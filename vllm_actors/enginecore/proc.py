@@ -29,7 +29,7 @@ from vllm_actors.protocol.engine import (AbortRequests, EngineCoreOutput, Engine
                                          EngineCoreRequest, EngineDead, EngineStartupError,
                                          FinishReason, FrontendMessage, Shutdown, UtilityCall,
                                          UtilityKind, UtilityResult)
-from vllm_actors.protocol.wire import Decoder, Encoder, IpcAddresses
+from vllm_actors.protocol.wire import Decoder, Encoder, IpcAddresses, frame_buffer
 
 logger = logging.getLogger(__name__)
 
@@ -135,8 +135,7 @@ class EngineCoreProc:
         core goes on either way."""
         logger.error("dropped an undecodable message: %s", error)
         try:
-            raw = msgspec.msgpack.decode(frames[0].buffer if hasattr(frames[0], "buffer")
-                                         else frames[0])
+            raw = msgspec.msgpack.decode(frame_buffer(frames[0]))
         except msgspec.DecodeError:
             return
         if isinstance(raw, list) and len(raw) > 1 and raw[0] == REQUEST_TAG and \

@@ -129,9 +129,7 @@ def build_app(state: ServerState) -> Starlette:
         state.check_model(req.model)
         processor = engine.input_processor
         if req.messages is not None:
-            if req.chat_template is not None and not state.config.trust_request_chat_template:
-                raise APIError(400, "this server does not run chat templates sent in requests",
-                               "chat_template")
+            state.check_chat_template(req.chat_template)
             ids = processor.chat_prompt(chat_messages(req), req.chat_template,
                                         req.add_generation_prompt, req.tools,
                                         req.chat_template_kwargs)["prompt_token_ids"]

@@ -29,14 +29,9 @@ def find_stop_string(text: str, num_new_chars: int, stop: list[str],
 
 
 def partial_stop_length(text: str, stop: list[str]) -> int:
-    """Length of the longest end of `text` that is the start of some stop string."""
-    longest = 0
-    for s in stop:
-        for n in range(min(len(s) - 1, len(text)), longest, -1):
-            if text.endswith(s[:n]):
-                longest = n
-                break
-    return longest
+    """Length of the longest end of `text` that is the start of some stop string (for a few
+    markers; a request's stop strings keep their `StopPrefixes`)."""
+    return StopPrefixes(stop).partial_length(text)
 
 
 class StopPrefixes:

@@ -58,6 +58,14 @@ class ServerState:
             raise APIError(404, f"The model `{model}` does not exist; this server serves "
                                 f"`{self.model_name}`", "model", "model_not_found")
 
+    def check_chat_template(self, template: str | None) -> None:
+        """A chat template sent in a request runs only with --trust-request-chat-template
+        (vLLM's rule); otherwise APIError 400 naming `chat_template`."""
+        if template is not None and not self.config.trust_request_chat_template:
+            raise APIError(400, "this server does not run chat templates sent in requests; "
+                                "start it with --trust-request-chat-template to allow them",
+                           "chat_template")
+
     def admit(self) -> None:
         """Raises APIError 503 while draining, EngineDeadError (503) once the engine is dead."""
         if self.draining:
@@ -282,16 +290,19 @@ async def _continue(first: asyncio.Future, outputs: AsyncIterator[tuple[int, Req
 
 
 class EventStream(EventSourceResponse):
-    """An SSE response whose body iterator is always closed when the response ends, however
-    it ends (client gone, server shutdown), so the engine requests behind it are aborted and
-    leave the in-flight set at once rather than whenever the garbage collector runs."""
+    """An SSE response of `content` (events made from `outputs`, an `open_stream`) that closes
+    both when the response ends, however it ends (client gone, server shutdown): the engine
+    requests behind it are aborted and leave the in-flight set at once rather than whenever
+    the garbage collector runs."""
 
-    def __init__(self, content: AsyncIterator[str]) -> None:
+    def __init__(self, content: AsyncIterator[Any], outputs: AsyncIterator[Any]) -> None:
         super().__init__(content, ping=15, sep="\n")
+        self.outputs = outputs
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            with contextlib.suppress(Exception):
-                await self.body_iterator.aclose()   # type: ignore[attr-defined]
+            for iterator in (self.body_iterator, self.outputs):
+                with contextlib.suppress(Exception):
+                    await iterator.aclose()   # type: ignore[attr-defined]

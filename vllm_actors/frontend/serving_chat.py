@@ -40,10 +40,7 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_id: str
     tool plan, the rendered and tokenized conversation, validated SamplingParams."""
     state.check_model(req.model)
     refuse_unsupported(req)
-    if req.chat_template is not None and not state.config.trust_request_chat_template:
-        raise APIError(400, "this server does not run chat templates sent in requests; start "
-                            "it with --trust-request-chat-template to allow them",
-                       "chat_template")
+    state.check_chat_template(req.chat_template)
     messages = chat_messages(req)
     plan = plan_tools(req, state.config)
     structured, constraint_field = structured_outputs_of(req)
@@ -91,7 +88,7 @@ async def create_chat_completion(state: ServerState, raw: Request) -> Response:
                     sub.num_prompt_tokens, sub.params)
     if req.stream:
         outputs = await open_stream(state, [sub], prepared.constraint_param)
-        return EventStream(_stream(state, req, sub, plan, outputs))
+        return EventStream(_stream(state, req, sub, plan, outputs), outputs)
     results = await generate_final(state, raw, [sub])
     if results is None:
         return Response(status_code=499)
@@ -137,12 +134,12 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, sub: SubReques
             body["usage"] = usage(num_prompt, completion_tokens, cached)
         return _json.encode(body).decode()
 
+    for index in range(sub.params.n):
+        yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                      "logprobs": None, "finish_reason": None}])
     constrained = sub.params.structured_outputs is not None
     parsers = [choice_parser(plan, state.config, constrained) for _ in range(sub.params.n)]
     try:
-        for index in range(sub.params.n):
-            yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
-                          "logprobs": None, "finish_reason": None}])
         async for _, out in outputs:
             cached = out.num_cached_tokens
             for c in out.outputs:
@@ -159,8 +156,6 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, sub: SubReques
                 yield chunk([choice])
     except Exception as e:   # the engine died mid-stream: say so in the stream
         yield _json.encode(stream_error(e)).decode()
-    finally:
-        await outputs.aclose()   # type: ignore[attr-defined]
     if include_usage:
         yield _json.encode({"id": sub.request_id, "object": "chat.completion.chunk",
                             "created": created, "model": state.model_name, "choices": [],

@@ -88,7 +88,7 @@ async def create_completion(state: ServerState, raw: Request) -> Response:
                     prepared.request_id, len(subs), prepared.num_prompt_tokens, subs[0].params)
     if req.stream:
         outputs = await open_stream(state, subs, prepared.constraint_param)
-        return EventStream(_stream(state, prepared, outputs))
+        return EventStream(_stream(state, prepared, outputs), outputs)
     results = await generate_final(state, raw, subs)
     if results is None:
         return Response(status_code=499)
@@ -149,8 +149,6 @@ async def _stream(state: ServerState, prepared: PreparedCompletion,
                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
     except Exception as e:
         yield _json.encode(stream_error(e)).decode()
-    finally:
-        await outputs.aclose()   # type: ignore[attr-defined]
     if include_usage:
         yield _json.encode({"id": request_id, "object": "text_completion", "created": created,
                             "model": state.model_name, "choices": [],

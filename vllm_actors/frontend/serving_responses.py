@@ -200,7 +200,7 @@ async def create_response(state: ServerState, store: ResponseStore, raw: Request
                     turn.sub.request_id, turn.num_prompt, turn.sub.params)
     if req.stream:
         outputs = await open_stream(state, [turn.sub], turn.constraint_param)
-        return EventStream(_stream(state, store, turn, outputs))
+        return EventStream(_stream(state, store, turn, outputs), outputs)
     results = await generate_final(state, raw, [turn.sub])
     if results is None:
         return Response(status_code=499)
@@ -219,16 +219,6 @@ def _parser(state: ServerState, turn: _Turn) -> ChoiceParser:
 
 
 async def _stream(state: ServerState, store: ResponseStore, turn: _Turn,
-                  outputs: AsyncIterator[tuple[int, RequestOutput]]
-                  ) -> AsyncIterator[dict[str, str]]:
-    try:
-        async for event in _events(state, store, turn, outputs):
-            yield event
-    finally:
-        await outputs.aclose()   # type: ignore[attr-defined]
-
-
-async def _events(state: ServerState, store: ResponseStore, turn: _Turn,
                   outputs: AsyncIterator[tuple[int, RequestOutput]]
                   ) -> AsyncIterator[dict[str, str]]:
     builder = OutputBuilder(emit=True, logprobs=turn.req.wants_logprobs)

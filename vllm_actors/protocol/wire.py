@@ -54,7 +54,7 @@ class Decoder:
     def decode(self, frames: list[Any]) -> Any:
         self._frames = frames
         try:
-            return self._decoder.decode(_buffer(frames[0]))
+            return self._decoder.decode(frame_buffer(frames[0]))
         finally:
             self._frames = []
 
@@ -62,12 +62,13 @@ class Decoder:
         if cls is np.ndarray:
             dtype, shape, data = obj
             if isinstance(data, int):
-                data = _buffer(self._frames[data])
+                data = frame_buffer(self._frames[data])
             return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
         raise NotImplementedError(f"cannot decode {cls.__name__}")
 
 
-def _buffer(frame: Any) -> Any:
+def frame_buffer(frame: Any) -> Any:
+    """The bytes of a received frame (a zmq.Frame's buffer, or the bytes themselves)."""
     return frame.buffer if hasattr(frame, "buffer") else frame
 
 
