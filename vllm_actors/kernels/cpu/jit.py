@@ -1,0 +1,26 @@
+"""How every kernel of the CPU backend is compiled: one decorator, so flags stay uniform.
+
+- `cache=True`: compiled code is cached on disk, so only the first start compiles. numba
+  writes next to the source (`__pycache__`) and falls back to a per-user directory when the
+  package directory is read-only (or to `NUMBA_CACHE_DIR` when set).
+- `nogil=True`: the backend's own worker threads call kernels concurrently.
+- Fast math without `nnan`/`ninf`: reductions may be reassociated (so LLVM vectorizes them)
+  and multiply-adds contracted, but -inf masks and inf checks keep their meaning.
+- `error_model="numpy"`: no zero-division checks inside loops.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numba
+
+FASTMATH = frozenset({"nsz", "arcp", "contract", "afn", "reassoc"})
+
+
+def kernel(fn: Callable[..., Any] | None = None, *, parallel: bool = False) -> Any:
+    """`@kernel` or `@kernel(parallel=True)`: numba's njit with the backend's flags."""
+    def wrap(f: Callable[..., Any]) -> Any:
+        return numba.njit(cache=True, nogil=True, fastmath=set(FASTMATH), parallel=parallel,
+                          error_model="numpy", boundscheck=False)(f)
+    return wrap if fn is None else wrap(fn)
