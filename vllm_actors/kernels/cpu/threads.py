@@ -1,0 +1,95 @@
+"""The CPU backend's one thread budget: numba's kernel threads and the pool that runs
+dequantize-then-BLAS tiles are sized to the CPUs this process may really use, and BLAS itself
+runs single-threaded so the two never fight over cores.
+
+Usable CPUs = the affinity mask, capped by a cgroup CPU quota (`cpu.max` in cgroup v2,
+`cpu.cfs_quota_us / cpu.cfs_period_us` in v1), divided among tensor-parallel ranks by the
+caller. None of the pools spin: idle threads block (see `configure`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+
+def _cgroup_quota() -> float | None:
+    """CPUs allowed by a cgroup quota, or None when unlimited or unknown."""
+    try:
+        with open("/sys/fs/cgroup/cpu.max", encoding="ascii") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            return int(quota) / int(period)
+        return None
+    except (OSError, ValueError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", encoding="ascii") as f:
+            quota_us = int(f.read())
+        with open("/sys/fs/cgroup/cpu/cpu.cfs_period_us", encoding="ascii") as f:
+            period_us = int(f.read())
+        return quota_us / period_us if quota_us > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on: affinity mask, capped by a cgroup quota (rounded up)."""
+    try:
+        count = len(os.sched_getaffinity(0))
+    except AttributeError:
+        count = os.cpu_count() or 1
+    quota = _cgroup_quota()
+    if quota is not None:
+        count = min(count, max(1, math.ceil(quota)))
+    return max(1, count)
+
+
+class TilePool:
+    """Runs `fn(lo, hi)` over contiguous parts of `range(n)` on `size` threads (the caller's
+    thread takes the last part). The kernels it runs release the GIL (numba `nogil`, BLAS)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = max(1, size)
+        self._executor = (ThreadPoolExecutor(self.size - 1, thread_name_prefix="cpu-tiles")
+                          if self.size > 1 else None)
+        self._lock = threading.Lock()
+
+    def run_split(self, fn: Callable[[int, int], None], n: int, align: int = 1) -> None:
+        """Split range(n) into up to `size` parts whose bounds are multiples of `align`."""
+        parts = min(self.size, max(1, -(-n // align)))
+        if parts == 1 or self._executor is None:
+            fn(0, n)
+            return
+        per = -(-(-(-n // align)) // parts) * align
+        bounds = [(lo, min(n, lo + per)) for lo in range(0, n, per)]
+        futures: list[Future[None]] = [self._executor.submit(fn, lo, hi)
+                                       for lo, hi in bounds[:-1]]
+        fn(*bounds[-1])
+        for future in futures:
+            future.result()
+
+
+_STATE: dict[str, object] = {}
+
+
+def configure(threads: int | None = None) -> TilePool:
+    """Size numba's threads and the tile pool to `threads` (default: usable CPUs) and make
+    BLAS single-threaded; idempotent, returns the process's pool."""
+    count = max(1, threads or usable_cpus())
+    pool = _STATE.get("pool")
+    if isinstance(pool, TilePool) and pool.size == count:
+        return pool
+    import numba
+    numba.set_num_threads(min(count, numba.config.NUMBA_NUM_THREADS))
+    try:
+        from threadpoolctl import threadpool_limits
+        _STATE["blas_limit"] = threadpool_limits(1, user_api="blas")
+    except ImportError:   # pragma: no cover - threadpoolctl is a dependency
+        pass
+    pool = TilePool(count)
+    _STATE["pool"] = pool
+    return pool
