@@ -161,6 +161,10 @@ class DeviceBackend:
         self._launch("add_inplace", (x.size,), x, y, np.int64(x.size))
         return x
 
+    def add_rms_norm(self, h: Any, delta: Any, weight: Any, eps: float) -> tuple[Any, Any]:
+        h = self.add(h, delta)
+        return h, self.rms_norm(h, weight, eps)
+
     def split_qkv(self, qkv: Any, num_heads: int, num_kv_heads: int, head_dim: int
                   ) -> tuple[Any, Any, Any]:
         t = qkv.shape[0]

@@ -120,6 +120,11 @@ class NumpyBackend:
         x += y
         return x
 
+    def add_rms_norm(self, h: np.ndarray, delta: np.ndarray, weight: np.ndarray, eps: float
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        h = self.add(h, delta)
+        return h, self.rms_norm(h, weight, eps)
+
     def split_qkv(self, qkv: np.ndarray, num_heads: int, num_kv_heads: int, head_dim: int
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         t, q_end, k_end = len(qkv), num_heads * head_dim, (num_heads + num_kv_heads) * head_dim

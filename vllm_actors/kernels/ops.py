@@ -55,7 +55,8 @@ class RopeTables:
 
 
 class Backend(Protocol):
-    """What a device backend provides. Implementations: numpy (reference), OpenCL, CUDA."""
+    """What a device backend provides. Implementations: numpy (reference), cpu (compiled),
+    OpenCL, CUDA."""
 
     name: str
 
@@ -101,6 +102,11 @@ class Backend(Protocol):
 
     def add(self, x: Array, y: Array) -> Array:
         """Elementwise x + y (residual connections); may reuse x's storage."""
+
+    def add_rms_norm(self, h: Array, delta: Array, weight: Array, eps: float
+                     ) -> tuple[Array, Array]:
+        """The residual add fused with the next norm: h += delta (h may be updated in place),
+        then (h, RMSNorm(h) with weight)."""
 
     def split_qkv(self, qkv: Array, num_heads: int, num_kv_heads: int, head_dim: int
                   ) -> tuple[Array, Array, Array]:

@@ -218,13 +218,15 @@ class LlamaForCausalLM:
         attn = b.prepare_attention(meta)
         rope = b.prepare_rope(positions, self.rope)
         h = self._embed(token_ids)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            h = b.add(h, self._attention(layer, b.rms_norm(h, layer.attn_norm, eps), rope, attn,
-                                         kv_cache))
-            mlp = b.linear(b.silu_mul(b.linear(b.rms_norm(h, layer.ffn_norm, eps), layer.gate_up)),
-                           layer.down)
-            h = b.add(h, tp.all_reduce(mlp))
-        return b.rms_norm(h, self.final_norm, eps)
+        x = b.rms_norm(h, self.layers[0].attn_norm, eps)
+        next_norms = [layer.attn_norm for layer in self.layers[1:]] + [self.final_norm]
+        for layer, kv_cache, next_norm in zip(self.layers, kv_caches, next_norms):
+            # each residual add is fused with the norm that follows it
+            h, x = b.add_rms_norm(h, self._attention(layer, x, rope, attn, kv_cache),
+                                  layer.ffn_norm, eps)
+            mlp = b.linear(b.silu_mul(b.linear(x, layer.gate_up)), layer.down)
+            h, x = b.add_rms_norm(h, tp.all_reduce(mlp), next_norm, eps)
+        return x
 
     def compute_logits(self, hidden: Any, rows: np.ndarray, on_device: bool = False) -> Any:
         if not self.plan.sharded:
