@@ -5,7 +5,8 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf import quants as gguf_quants
 
-from vllm_actors.kernels.quant import block_layout, dequantize, is_supported
+from vllm_actors.kernels.quant import (BLOCK_FIELDS, BLOCK_OFFSETS, block_layout, dequantize,
+                                      is_supported)
 
 TYPES = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K,
          T.Q5_K, T.Q6_K]
@@ -60,3 +61,12 @@ def test_supported_types():
     assert all(is_supported(t) for t in TYPES)
     assert not is_supported(T.I32)
     assert not is_supported(9999)
+
+
+@pytest.mark.parametrize("qtype", list(BLOCK_FIELDS), ids=lambda t: T(t).name)
+def test_block_fields_match_ggml_layout(qtype):
+    """The layouts the device kernels read (BLOCK_FIELDS) fill GGML's block exactly, and put
+    the half-float scales where this file's own table does."""
+    assert sum(size for _, size in BLOCK_FIELDS[qtype]) == block_layout(qtype)[1]
+    halves = [off for name, off in BLOCK_OFFSETS[qtype].items() if name in ("d", "m", "dmin")]
+    assert sorted(halves) == sorted(F16_FIELDS[qtype])

@@ -17,6 +17,27 @@ from gguf import quants as gguf_quants
 T = GGMLQuantizationType
 QK_K = 256
 
+# The fields of each block type the device matmuls read in place (`linear_quant.cl` / `.cu`),
+# in storage order: (name, bytes). Half floats: d (scale), m / dmin (min); the rest are byte
+# arrays. The device sources get values per block, bytes per block and these offsets as
+# #defines (`device_backend.kernel_source`); the sizes add up to GGML_QUANT_SIZES's.
+BLOCK_FIELDS: dict[int, tuple[tuple[str, int], ...]] = {
+    T.Q8_0: (("d", 2), ("qs", 32)),
+    T.Q4_0: (("d", 2), ("qs", 16)),
+    T.Q4_1: (("d", 2), ("m", 2), ("qs", 16)),
+    T.Q5_0: (("d", 2), ("qh", 4), ("qs", 16)),
+    T.Q5_1: (("d", 2), ("m", 2), ("qh", 4), ("qs", 16)),
+    T.Q2_K: (("scales", 16), ("qs", 64), ("d", 2), ("dmin", 2)),
+    T.Q3_K: (("hmask", 32), ("qs", 64), ("scales", 12), ("d", 2)),
+    T.Q4_K: (("d", 2), ("dmin", 2), ("scales", 12), ("qs", 128)),
+    T.Q5_K: (("d", 2), ("dmin", 2), ("scales", 12), ("qh", 32), ("qs", 128)),
+    T.Q6_K: (("ql", 128), ("qh", 64), ("scales", 16), ("d", 2)),
+}
+# qtype -> {field: byte offset in the block}, from BLOCK_FIELDS
+BLOCK_OFFSETS: dict[int, dict[str, int]] = {
+    qt: {name: sum(size for _, size in fields[:i]) for i, (name, _) in enumerate(fields)}
+    for qt, fields in BLOCK_FIELDS.items()}
+
 
 def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
     """The float16 field at byte `start` of every block, as float32 `[num_blocks, 1]`."""
