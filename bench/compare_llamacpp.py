@@ -40,13 +40,17 @@ BATCH_PROMPT_TOKENS = 32
 class LlamaCpp:
     """llama.cpp through its C API: one context per shape of work, greedy sampling on host."""
 
-    def __init__(self, path: str, threads: int) -> None:
+    def __init__(self, path: str, threads: int, **model_params: Any) -> None:
+        """model_params: llama_model_params fields to set, e.g. use_extra_bufts=False."""
         import llama_cpp as lc
         self.lc = lc
         self._quiet = lc.llama_log_callback(lambda level, text, data: None)  # keep a ref
         lc.llama_log_set(self._quiet, ctypes.c_void_p(0))
         lc.llama_backend_init()
-        self.model = lc.llama_model_load_from_file(path.encode(), lc.llama_model_default_params())
+        params = lc.llama_model_default_params()
+        for key, value in model_params.items():
+            setattr(params, key, value)
+        self.model = lc.llama_model_load_from_file(path.encode(), params)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path}")
         self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
