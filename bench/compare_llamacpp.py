@@ -2,7 +2,7 @@
 and through llama.cpp (llama-cpp-python's low-level batch API), alternating runs.
 
     pip install -e ".[bench]"        # llama-cpp-python, threadpoolctl
-    python bench/compare_llamacpp.py [--model PATH] [--runs 3] [--quick]
+    python bench/compare_llamacpp.py [--model PATH] [--runs 3] [--device cpu] [--quick]
 
 Rows: prefill tok/s at 128 / 512 / 2048 prompt tokens (submit to first token), single-stream
 decode tok/s over 128 tokens, and batched decode aggregate tok/s with 1 / 4 / 16 / 32
@@ -111,8 +111,9 @@ class LlamaCpp:
 
 
 class Ours:
-    def __init__(self, model: str, max_len: int) -> None:
-        self.engine = AsyncLLM(model, enable_prefix_caching=False, max_model_len=max_len)
+    def __init__(self, model: str, max_len: int, device: str) -> None:
+        self.engine = AsyncLLM(model, enable_prefix_caching=False, max_model_len=max_len,
+                               device=device)
         self.counter = 0
 
     async def _run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, float]:
@@ -179,7 +180,7 @@ def prompt_tokens(tokenizer: Any, count: int, offset: int = 0) -> list[int]:
 
 
 async def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    ours = Ours(args.model, max(args.prefill) + args.decode_tokens + 64)
+    ours = Ours(args.model, max(args.prefill) + args.decode_tokens + 64, args.device)
     theirs = LlamaCpp(args.model, args.threads)
     tok = ours.engine.get_tokenizer()
     rows: list[dict[str, Any]] = []
@@ -219,6 +220,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="GGUF file (default: SmolLM2 Q4_1)")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--device", default="cpu",
+                        help="our backend: cpu (compiled, the default), numpy, opencl, cuda")
     parser.add_argument("--prefill", type=lambda s: [int(x) for x in s.split(",")],
                         default=[128, 512, 2048])
     parser.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")],

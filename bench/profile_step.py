@@ -1,4 +1,4 @@
-"""Where one model step's time goes, per backend op: SmolLM2 on a backend (numpy by default),
+"""Where one model step's time goes, per backend op: SmolLM2 on a backend (cpu by default),
 B sequences each at context C running Q query tokens (Q=1: decode; B=1, Q=C: a prefill).
 
     python bench/profile_step.py --batch 32 --context 160            # 32-way decode step
@@ -8,7 +8,7 @@ The KV cache is filled with random values (attention cost does not depend on the
 backend method is wrapped with a timer; "(other)" is model code between ops. Medians over
 --steps steps after 2 warm-up steps. On a device backend (--device opencl / cuda) launches
 are asynchronous, so only the step total (which ends by copying logits to the host) is
-reported. To compare two versions, run this on both checkouts
+reported (the host backends, cpu and numpy, are timed per op). To compare two versions, run this on both checkouts
 alternately (`PYTHONPATH=<checkout> python bench/profile_step.py ...`): the host is noisy.
 """
 
@@ -26,7 +26,7 @@ from vllm_actors.kernels.ops import AttentionMetadata
 from vllm_actors.loaders.model_files import ModelSource, default_model_path
 from vllm_actors.models.registry import load_model
 
-OPS = ("embedding", "linear", "rms_norm", "add", "silu_mul", "prepare_rope", "rope",
+OPS = ("embedding", "linear", "rms_norm", "add", "add_rms_norm", "silu_mul", "prepare_rope", "rope",
        "prepare_attention", "reshape_and_cache", "paged_attention", "lm_head")
 
 
@@ -37,13 +37,13 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=160)
     parser.add_argument("--query", type=int, default=1)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--device", default="numpy", choices=("numpy", "opencl", "cuda"))
+    parser.add_argument("--device", default="cpu", choices=("cpu", "numpy", "opencl", "cuda"))
     args = parser.parse_args()
     if not 1 <= args.query <= args.context:
         parser.error("need 1 <= --query <= --context")
 
     backend = get_backend(args.device)
-    per_op_timing = args.device == "numpy"
+    per_op_timing = args.device in ("cpu", "numpy")
     model = load_model(ModelSource("gguf", args.model or default_model_path()), backend)
     a, bs, b, c, q = model.args, 16, args.batch, args.context, args.query
     nb = -(-c // bs)
@@ -51,8 +51,9 @@ def main() -> None:
     kv = backend.allocate_kv_cache(a.num_layers, b * nb + 1, bs, a.num_kv_heads, a.head_dim)
     if per_op_timing:   # device caches stay zero: attention's cost does not depend on values
         for k_cache, v_cache in kv:
-            k_cache[:] = rng.random(k_cache.shape, np.float32)
-            v_cache[:] = rng.random(v_cache.shape, np.float32)
+            if k_cache.dtype == np.float32:
+                k_cache[:] = rng.random(k_cache.shape, np.float32)
+                v_cache[:] = rng.random(v_cache.shape, np.float32)
     tables = np.arange(b * nb, dtype=np.int32).reshape(b, nb) + 1
     pos = np.tile(np.arange(c - q, c), b)
     rows = np.repeat(np.arange(b), q)

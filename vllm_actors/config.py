@@ -43,7 +43,7 @@ class CacheConfig:
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
-DEVICES = ("auto", "cpu", "opencl", "cuda")
+DEVICES = ("auto", "cpu", "numpy", "opencl", "cuda")
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class DeviceConfig:
-    backend: str = "numpy"        # numpy | opencl | cuda | auto (cuda if CuPy sees a GPU)
+    backend: str = "cpu"   # cpu (compiled) | numpy (reference) | opencl | cuda | auto
     opencl_platform: int | None = None   # None: the first platform that can build programs
     opencl_device: int = 0
 
@@ -240,8 +240,10 @@ class EngineArgs:
         parser.add_argument("--kv-cache-dtype", default="auto",
                             help="KV cache element type; only auto (float32 on numpy) for now")
         parser.add_argument("--device", default="auto",
-                            help="auto (cuda if CuPy sees a GPU, else numpy), cpu (numpy), "
-                                 "opencl (PyOpenCL; PoCL runs it on the CPU), cuda (CuPy)")
+                            help="auto (cuda if CuPy sees a GPU, else cpu), cpu (compiled "
+                                 "kernels, weights kept quantized), numpy (the float32 "
+                                 "reference), opencl (PyOpenCL; PoCL runs it on the CPU), "
+                                 "cuda (CuPy)")
         parser.add_argument("--opencl-platform", type=int, default=None,
                             help="--device opencl: platform index (see `clinfo -l`); default: "
                                  "the first platform that can build programs")
@@ -290,7 +292,7 @@ class EngineArgs:
                               self.kv_cache_memory, util, self.enable_prefix_caching),
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens,
                                       self.scheduling_policy, self.lpm_max_skips),
-            device=DeviceConfig({"cpu": "numpy"}.get(self.device, self.device),
+            device=DeviceConfig(self.device,
                                 self.opencl_platform, self.opencl_device),
         )
 

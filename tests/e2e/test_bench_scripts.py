@@ -48,10 +48,17 @@ def test_compare_llamacpp_quick(tmp_path):
 def test_profile_step_counts_every_op():
     done = run_bench(str(BENCH / "profile_step.py"), "--batch", "2", "--context", "24",
                      "--query", "3", "--steps", "1")
-    assert "numpy: batch 2, context 24, query 3" in done.stdout
+    assert "cpu: batch 2, context 24, query 3" in done.stdout
     ops = {line.split("|")[1].strip() for line in done.stdout.splitlines()
            if line.startswith("| ") and not line.startswith("| op")}
-    assert {"linear", "paged_attention", "rope", "lm_head", "(other)"} <= ops
+    assert {"linear", "paged_attention", "rope", "add_rms_norm", "lm_head", "(other)"} <= ops
+
+
+def test_shared_cores_bench_reports_alone_and_busy():
+    done = run_bench(str(BENCH / "shared_cores.py"), "--devices", "cpu", "--runs", "1",
+                     "--decode-tokens", "4")
+    rows = [line.split("|") for line in done.stdout.splitlines() if line.startswith("| cpu |")]
+    assert len(rows) == 1 and float(rows[0][2]) > 0 and float(rows[0][3]) > 0
 
 
 def test_structured_output_bench_reports_both_batches():

@@ -1,6 +1,7 @@
 """SmolLM2-135M-Instruct (Q4_1 GGUF) against transformers fp32 on the same file: greedy tokens
-identical for 64 steps on every golden prompt (a difference only at a near-tie), and logits at
-the stored steps within 1e-3."""
+identical for 64 steps on every golden prompt (a difference only at a near-tie), alone and in a
+batch of 32 with chunked prefill, on the default (compiled CPU) backend; logits at the stored
+steps within 1e-3 on the numpy and the compiled CPU backends."""
 
 import numpy as np
 import pytest
@@ -59,3 +60,38 @@ def test_logits_match_transformers(smollm2_model, case):
         worst = max(worst, float(np.abs(row[keys] - LOGITS[f"{case['name']}/{step}/logits"]).max()))
     print(f"{case['name']}: max |logits - transformers| = {worst:.2e}")
     assert worst <= LOGIT_TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def cpu_model(smollm2_path):
+    """The model on the compiled CPU backend, in this process."""
+    from vllm_actors.kernels.cpu.backend import CpuBackend
+    from vllm_actors.loaders.model_files import resolve_model
+    from vllm_actors.models.registry import load_model
+    backend = CpuBackend()
+    return load_model(resolve_model(smollm2_path), backend), backend
+
+
+@pytest.mark.parametrize("case", GREEDY["cases"], ids=lambda c: c["name"])
+def test_cpu_backend_logits_match_transformers(cpu_model, case):
+    test_logits_match_transformers(cpu_model, case)
+
+
+@pytest.fixture(scope="module")
+def batched_chunked_outputs(smollm2_path, mixed_prompts):
+    """The golden prompts among fillers, 32 requests at once, prompts cut into 64-token chunks
+    (the default device: the compiled CPU backend)."""
+    from vllm_actors import LLM
+    cases = GREEDY["cases"]
+    fillers = sorted(mixed_prompts, key=lambda p: len(p["prompt_token_ids"]))[:32 - len(cases)]
+    params = SamplingParams(temperature=0.0, max_tokens=GREEDY["num_generated"], ignore_eos=True)
+    with LLM(str(smollm2_path), max_num_seqs=32, max_num_batched_tokens=64,
+             enable_prefix_caching=False) as llm:
+        outs = llm.generate([{"prompt_token_ids": c["prompt_token_ids"]} for c in cases]
+                            + fillers, params)
+    return {case["name"]: out.outputs[0].token_ids for case, out in zip(cases, outs)}
+
+
+@pytest.mark.parametrize("case", GREEDY["cases"], ids=lambda c: c["name"])
+def test_greedy_tokens_in_a_chunked_batch_of_32(batched_chunked_outputs, case):
+    test_greedy_tokens_match_transformers(batched_chunked_outputs, case)

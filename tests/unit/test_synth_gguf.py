@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from vllm_actors import LLM, SamplingParams
-from vllm_actors.config import DEVICES
 from vllm_actors.kernels.quant import dequantize
 from vllm_actors.loaders.gguf import GGUFFile
 
@@ -20,9 +19,7 @@ import synth_gguf  # noqa: E402
 
 T = gguf.GGMLQuantizationType
 SHAPE = synth_gguf.Shape(layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, context=512)
-# the numpy reference backend where it is its own device, else "cpu" (numpy before the
-# compiled CPU backend lands)
-DEVICE = "numpy" if "numpy" in DEVICES else "cpu"
+DEVICE = "cpu"   # the compiled backend, which keeps the Q4_K / Q6_K blocks
 
 
 @pytest.fixture(scope="module")

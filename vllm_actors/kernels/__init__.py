@@ -1,13 +1,14 @@
-"""Compute backends behind one contract (`ops.Backend`); numpy is the reference."""
+"""Compute backends behind one contract (`ops.Backend`); numpy is the reference, cpu the
+compiled CPU path."""
 
 from __future__ import annotations
 
 from vllm_actors.kernels.ops import Backend
 
-BACKENDS = ("numpy", "opencl", "cuda")
+BACKENDS = ("cpu", "numpy", "opencl", "cuda")
 
 
-def get_backend(name: str = "numpy", opencl_platform: int | None = None,
+def get_backend(name: str = "cpu", opencl_platform: int | None = None,
                 opencl_device: int = 0) -> Backend:
     """The backend called `name`. OpenCL: `opencl_platform` None takes the first platform
     whose device `opencl_device` can build programs.
@@ -19,10 +20,13 @@ def get_backend(name: str = "numpy", opencl_platform: int | None = None,
     """
     if name == "auto":
         from vllm_actors.kernels.cuda.backend import cuda_available
-        name = "cuda" if cuda_available() else "numpy"
+        name = "cuda" if cuda_available() else "cpu"
     if name == "cuda":
         from vllm_actors.kernels.cuda.backend import CudaBackend
         return CudaBackend()
+    if name == "cpu":
+        from vllm_actors.kernels.cpu.backend import CpuBackend
+        return CpuBackend()
     if name == "numpy":
         from vllm_actors.kernels.numpy_backend import NumpyBackend
         return NumpyBackend()

@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
-_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                "NUMBA_NUM_THREADS")
 
 
 def worker_address(ipc_dir: str, rank: int) -> str:

@@ -9,6 +9,7 @@ and prompt logprobs for the requests that asked.
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 
@@ -83,6 +84,25 @@ class ModelRunner:
         self.kv_caches = self.backend.allocate_kv_cache(
             local.num_layers, num_blocks + 1, self.block_size, local.num_kv_heads,
             local.head_dim)
+        if getattr(self.backend, "compiles_lazily", False):
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Run the model on dummy tokens whose KV goes to the null block (never read), so a
+        backend that compiles kernels on first use (cpu) has them all before the engine says
+        it is ready: one decode row, a few rows, and a prefill-sized chunk."""
+        start = time.perf_counter()
+        logger.info("preparing %s kernels (compiled on the first start, then loaded from "
+                    "the cache)", self.backend.name)
+        bs = self.block_size
+        for n in sorted({1, min(3, self.max_model_len), min(64, self.max_model_len)}):
+            pos = np.arange(n)
+            meta = AttentionMetadata(np.array([0, n], np.int32), np.array([n], np.int32),
+                                     np.zeros((1, -(-n // bs)), np.int32),
+                                     (pos % bs).astype(np.int64), bs)
+            hidden = self.model.forward(np.zeros(n, np.int64), pos, meta, self.kv_caches)
+            self.model.compute_logits(hidden, np.arange(min(n, 2)))
+        logger.info("%s kernels ready in %.1f s", self.backend.name, time.perf_counter() - start)
 
     @property
     def ready(self) -> EngineReady:

@@ -77,14 +77,15 @@ _STATE: dict[str, object] = {}
 
 
 def configure(threads: int | None = None) -> TilePool:
-    """Size numba's threads and the tile pool to `threads` (default: usable CPUs) and make
-    BLAS single-threaded; idempotent, returns the process's pool."""
-    count = max(1, threads or usable_cpus())
+    """Size numba's threads and the tile pool to `threads` (default: the usable CPUs, capped
+    by NUMBA_NUM_THREADS, which a tensor-parallel launcher sets to each rank's share) and
+    make BLAS single-threaded; idempotent, returns the process's pool."""
+    import numba
+    count = max(1, min(threads or usable_cpus(), numba.config.NUMBA_NUM_THREADS))
     pool = _STATE.get("pool")
     if isinstance(pool, TilePool) and pool.size == count:
         return pool
-    import numba
-    numba.set_num_threads(min(count, numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(count)
     try:
         from threadpoolctl import threadpool_limits
         _STATE["blas_limit"] = threadpool_limits(1, user_api="blas")

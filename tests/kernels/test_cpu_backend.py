@@ -1,0 +1,162 @@
+"""The compiled CPU backend (`kernels/cpu/`) op by op and as a whole model, against the numpy
+reference backend on the same inputs (random, never zeros).
+
+Tolerances, float32: elementwise ops 1e-6 of the output's scale (the kernels compute the same
+expressions, fused); reductions over the hidden size (RMSNorm, matmuls) 2e-5 of the output's
+scale, since the kernels sum in another order than numpy/BLAS; whole-model logits 1e-4 on
+logits of magnitude ~1-10, with the same argmax everywhere. The quantized matmul kernels and
+attention have their own tests (test_cpu_qmatmul.py, test_cpu_attention.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+from gguf import quants
+from model_driver import prompt_logits
+from tiny_models import TINY_PROMPT, write_llama_gguf
+
+from vllm_actors.kernels import get_backend, quant
+from vllm_actors.kernels.cpu import elementwise
+from vllm_actors.kernels.cpu.backend import CpuBackend
+from vllm_actors.kernels.numpy_backend import NumpyBackend
+from vllm_actors.kernels.ops import RopeTables
+from vllm_actors.loaders.model_files import resolve_model
+from vllm_actors.loaders.weights import RawTensor
+from vllm_actors.models.base import rope_cos_sin
+from vllm_actors.models.registry import load_model
+
+REF = NumpyBackend()
+RNG = np.random.default_rng(7)
+
+
+@pytest.fixture(scope="module")
+def cpu() -> CpuBackend:
+    return CpuBackend()
+
+
+def rand(*shape: int) -> np.ndarray:
+    return (RNG.standard_normal(shape) + 0.1).astype(np.float32)
+
+
+def close(got: np.ndarray, want: np.ndarray, rel: float) -> None:
+    assert got.shape == want.shape and got.dtype == np.float32
+    scale = float(np.abs(want).max())
+    assert scale > 0
+    assert float(np.abs(got - want).max()) <= rel * scale
+
+
+# Below PARALLEL_ROWS rows the serial kernels run, from it the parallel ones.
+ROW_COUNTS = [1, 7, elementwise.PARALLEL_ROWS + 3]
+
+
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+def test_rms_norm_and_fused_add(cpu, rows):
+    x, w, d = rand(rows, 576), rand(576), rand(rows, 576)
+    close(cpu.rms_norm(x, w, 1e-5), REF.rms_norm(x, w, 1e-5), 2e-5)
+    h, want_h = x.copy(), x + d
+    h_out, normed = cpu.add_rms_norm(h, d, w, 1e-6)
+    close(h_out, want_h, 1e-6)
+    close(normed, REF.rms_norm(want_h, w, 1e-6), 2e-5)
+
+
+def test_rms_norm_over_heads_of_a_strided_view(cpu):
+    qkv = rand(5, (4 + 2 * 2) * 16)
+    q, k, _ = cpu.split_qkv(qkv, 4, 2, 16)
+    w = rand(16)
+    close(cpu.rms_norm(k, w, 1e-6), REF.rms_norm(np.ascontiguousarray(k), w, 1e-6), 2e-5)
+
+
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+def test_silu_mul(cpu, rows):
+    gate_up = rand(rows, 2 * 96) * 4
+    gate_up[0, :3] = [-200.0, 200.0, 0.0]        # exp overflow must give silu = -0, not nan
+    with np.errstate(over="ignore"):
+        want = REF.silu_mul(gate_up)
+    close(cpu.silu_mul(gate_up), want, 1e-6)
+
+
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+@pytest.mark.parametrize("interleaved, rotary_dim", [(False, 16), (True, 16), (False, 8)])
+def test_rope_in_place_on_views(cpu, rows, interleaved, rotary_dim):
+    cos, sin = rope_cos_sin(1.0 / (10000 ** (np.arange(0, rotary_dim, 2) / rotary_dim)), 64)
+    tables = RopeTables(cos.astype(np.float32), sin.astype(np.float32), rotary_dim, interleaved)
+    positions = RNG.integers(0, 64, rows)
+    qkv = rand(rows, (4 + 2 * 2) * 16)
+    want = [REF.rope(np.ascontiguousarray(t), REF.prepare_rope(positions, tables))
+            for t in REF.split_qkv(qkv.copy(), 4, 2, 16)[:2]]
+    q, k, _ = cpu.split_qkv(qkv, 4, 2, 16)
+    step = cpu.prepare_rope(positions, tables)
+    for got, expected in zip((cpu.rope(q, step), cpu.rope(k, step)), want):
+        close(np.ascontiguousarray(got), expected, 1e-6)
+    close(np.ascontiguousarray(q), want[0], 1e-6)    # rotated in place, in the fused output
+
+
+def test_embedding_and_tied_lm_head_share_one_table(cpu):
+    table = rand(300, 64)
+    raw = RawTensor("token_embd.weight", (300, 64), int(QT.Q8_0), quants.quantize(table, QT.Q8_0))
+    handle = cpu.upload_table(raw)
+    assert cpu.upload_lm_head(raw) is handle            # no second copy of the LM head
+    want_table = quants.dequantize(raw.data, QT.Q8_0).reshape(300, 64)
+    ids = np.array([3, 0, 299, 3])
+    close(cpu.embedding(handle, ids), want_table[ids], 1e-6)
+    hidden = rand(6, 64)
+    close(cpu.lm_head(hidden, handle, np.array([5, 1])), hidden[[5, 1]] @ want_table.T, 2e-5)
+
+
+def random_blocks(qtype: QT, rows: int, cols: int) -> np.ndarray:
+    """Random blocks of a quant type with finite float16 scales in [0.001, 0.01]."""
+    block_size, type_size = quant.block_layout(qtype)
+    blocks = RNG.integers(0, 256, (rows * cols // block_size, type_size), dtype=np.uint8)
+    for name, offset in quant.BLOCK_OFFSETS[qtype].items():
+        if name in ("d", "m", "dmin"):
+            scales = RNG.uniform(0.001, 0.01, len(blocks)).astype(np.float16)
+            blocks[:, offset:offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+def test_fused_linear_of_parts_in_different_formats(cpu):
+    """Q4_K_M stores attn_v (and some ffn_down) as Q6_K beside Q4_K q/k: one fused QKV."""
+    parts = [("q", QT.Q4_K, 256), ("k", QT.Q4_K, 64), ("v", QT.Q6_K, 64)]
+    raws, dense = [], []
+    for name, qtype, rows in parts:
+        blocks = random_blocks(qtype, rows, 512)
+        raws.append(RawTensor(name, (rows, 512), int(qtype), blocks))
+        dense.append(quants.dequantize(blocks, qtype).reshape(rows, 512))
+    linear = cpu.upload_linear(raws)
+    bias = rand(384)
+    for t in (1, 3, 40):
+        x = rand(t, 512)
+        close(cpu.linear(x, linear, bias), x @ np.concatenate(dense).T + bias, 2e-5)
+
+
+@pytest.mark.parametrize("qtype", [None, QT.Q8_0, QT.Q4_1], ids=["f32", "q8_0", "q4_1"])
+def test_tiny_llama_matches_numpy(cpu, qtype, tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_llama_gguf(path, qtype=qtype)
+    want = prompt_logits(load_model(resolve_model(path), REF), REF, TINY_PROMPT,
+                         [17, 1, 1, 21], block_size=8)
+    got = prompt_logits(load_model(resolve_model(path), cpu), cpu, TINY_PROMPT,
+                        [17, 1, 1, 21], block_size=8)
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() <= 1e-4
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_weights_stay_quantized(cpu, tmp_path):
+    path = tmp_path / "tiny_q4.gguf"
+    write_llama_gguf(path, qtype=QT.Q4_1)
+    backend = CpuBackend()
+    load_model(resolve_model(path), backend)
+    import gguf
+    reader = gguf.GGUFReader(str(path))
+    matrices = sum(int(t.n_bytes) for t in reader.tensors if len(t.shape) == 2)
+    assert 0 < backend.weight_bytes <= 1.15 * matrices
+
+
+def test_device_names():
+    assert isinstance(get_backend("cpu"), CpuBackend)
+    assert isinstance(get_backend("numpy"), NumpyBackend)
+    with pytest.raises(ValueError):
+        CpuBackend(kv_cache_dtype="int4")

@@ -1,0 +1,172 @@
+"""The compiled CPU backend: `kernels.ops.Backend` on numba kernels, weights kept quantized.
+
+- Weights stay in their GGUF formats in memory (`qmatmul.QuantMatrix`): decode steps run
+  GEMV kernels that dequantize in registers; larger steps dequantize L2-sized weight tiles
+  and hand them to single-threaded BLAS, tiles split over the backend's thread pool. The tied
+  embedding is the LM head (one copy).
+- Paged attention reads K/V through the block table (`attention.py`); the KV cache is
+  float32 or float16.
+- One thread budget (`threads.configure`): numba's threads and the tile pool, sized to the
+  CPUs this process may use; BLAS single-threaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from vllm_actors.kernels import quant
+from vllm_actors.kernels.cpu import attention, elementwise, qmatmul, threads
+from vllm_actors.kernels.numpy_backend import NumpyBackend
+from vllm_actors.kernels.ops import AttentionMetadata, RopeTables, WeightLike
+
+
+@dataclass(frozen=True)
+class Linear:
+    """A linear weight `[out, in]`: one QuantMatrix, or several (fused parts stored in
+    different formats, e.g. Q4_K q/k with a Q6_K v) whose outputs are laid side by side."""
+
+    parts: tuple[qmatmul.QuantMatrix, ...]
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+@dataclass(frozen=True)
+class StepRope:
+    positions: np.ndarray
+    cos: np.ndarray
+    sin: np.ndarray
+    rotary_dim: int
+    interleaved: bool
+
+
+def _matrix(weight: WeightLike) -> qmatmul.QuantMatrix:
+    shape = tuple(weight.shape)
+    if len(shape) != 2:
+        raise ValueError(f"{weight.name}: a matrix was expected, got shape {shape}")
+    return qmatmul.pack(weight.data, weight.qtype, (int(shape[0]), int(shape[1])))
+
+
+class CpuBackend:
+    """Implements `kernels.ops.Backend` with numba kernels on the host; see the module
+    docstring. `kv_cache_dtype`: "float32" or "float16"."""
+
+    name = "cpu"
+    compiles_lazily = True   # the model runner warms every kernel up before it reports ready
+
+    def __init__(self, num_threads: int | None = None, kv_cache_dtype: str = "float32") -> None:
+        if kv_cache_dtype not in ("float32", "float16"):
+            raise ValueError(f"kv_cache_dtype must be float32 or float16, got {kv_cache_dtype!r}")
+        self.pool = threads.configure(num_threads)
+        self.kv_cache_dtype = kv_cache_dtype
+        self._tables: dict[str, qmatmul.QuantMatrix] = {}
+        self.weight_bytes = 0
+
+    # -- weights and buffers -------------------------------------------------------------
+    def upload_linear(self, parts: Sequence[WeightLike]) -> Linear:
+        mats = [_matrix(p) for p in parts]
+        if len(mats) > 1 and qmatmul.supports_fused(mats):
+            mats = [qmatmul.concat(mats)]
+        linear = Linear(tuple(mats), sum(m.rows for m in mats), mats[0].cols)
+        self.weight_bytes += linear.nbytes
+        return linear
+
+    def upload_table(self, weight: WeightLike) -> qmatmul.QuantMatrix:
+        table = _matrix(weight)
+        self._tables[weight.name] = table
+        self.weight_bytes += table.nbytes
+        return table
+
+    def upload_lm_head(self, weight: WeightLike) -> qmatmul.QuantMatrix:
+        table = self._tables.get(weight.name)   # the tied embedding, already uploaded
+        if table is None:
+            table = _matrix(weight)
+            self.weight_bytes += table.nbytes
+        return table
+
+    def upload_vector(self, weight: WeightLike) -> np.ndarray:
+        return np.ascontiguousarray(
+            quant.dequantize(weight.data, weight.qtype, weight.shape).reshape(-1))
+
+    def upload_array(self, array: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(array, dtype=np.float32)
+
+    def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int,
+                          num_kv_heads: int, head_dim: int) -> list[Any]:
+        return attention.allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads,
+                                           head_dim, self.kv_cache_dtype)
+
+    def to_host(self, x: np.ndarray) -> np.ndarray:
+        return x
+
+    def from_host(self, x: np.ndarray) -> np.ndarray:
+        return x
+
+    def free_memory(self) -> int:
+        return NumpyBackend.free_memory(self)   # type: ignore[arg-type]
+
+    # -- compute ------------------------------------------------------------------------
+    def embedding(self, table: qmatmul.QuantMatrix, token_ids: np.ndarray) -> np.ndarray:
+        out = np.empty((len(token_ids), table.cols), np.float32)
+        qmatmul.take_rows(table, np.ascontiguousarray(token_ids, dtype=np.int64), out)
+        return out
+
+    def _matmul(self, x: np.ndarray, parts: Sequence[qmatmul.QuantMatrix]) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if len(parts) == 1:
+            return qmatmul.matmul(parts[0], x, self.pool)
+        return np.concatenate([qmatmul.matmul(p, x, self.pool) for p in parts], axis=1)
+
+    def linear(self, x: np.ndarray, weight: Linear, bias: np.ndarray | None = None
+               ) -> np.ndarray:
+        y = self._matmul(x, weight.parts)
+        if bias is not None:
+            y += bias
+        return y
+
+    def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        return elementwise.rms_norm(x, weight, eps)
+
+    def add(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        x += y
+        return x
+
+    def add_rms_norm(self, h: np.ndarray, delta: np.ndarray, weight: np.ndarray, eps: float
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        return h, elementwise.add_rms_norm(h, delta, weight, eps)
+
+    def split_qkv(self, qkv: np.ndarray, num_heads: int, num_kv_heads: int, head_dim: int
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return NumpyBackend.split_qkv(self, qkv, num_heads, num_kv_heads,  # type: ignore
+                                      head_dim)
+
+    def silu_mul(self, gate_up: np.ndarray) -> np.ndarray:
+        return elementwise.silu_mul(gate_up)
+
+    def prepare_rope(self, positions: np.ndarray, tables: RopeTables) -> StepRope:
+        return StepRope(np.ascontiguousarray(positions, dtype=np.int64), tables.cos,
+                        tables.sin, tables.rotary_dim, tables.interleaved)
+
+    def rope(self, x: np.ndarray, rope: StepRope) -> np.ndarray:
+        return elementwise.rope(x, rope.positions, rope.cos, rope.sin, rope.rotary_dim,
+                                rope.interleaved)
+
+    def prepare_attention(self, meta: AttentionMetadata) -> Any:
+        return attention.prepare(meta)
+
+    def reshape_and_cache(self, k: np.ndarray, v: np.ndarray, kv_cache: Any, attn: Any) -> None:
+        attention.write_kv(k, v, kv_cache, attn)
+
+    def paged_attention(self, q: np.ndarray, kv_cache: Any, attn: Any, scale: float
+                        ) -> np.ndarray:
+        return attention.paged_attention(q, kv_cache, attn, scale)
+
+    def lm_head(self, hidden: np.ndarray, head: qmatmul.QuantMatrix, rows: np.ndarray,
+                on_device: bool = False) -> np.ndarray:
+        return qmatmul.matmul(head, np.ascontiguousarray(hidden[rows]), self.pool)

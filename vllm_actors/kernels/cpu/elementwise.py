@@ -1,0 +1,157 @@
+"""Row-wise kernels of the CPU backend: RMSNorm (alone and fused with the residual add),
+SiLU-and-multiply and RoPE in place.
+
+Each comes as a serial kernel (few rows: decode steps, where a parallel region's ~3 us launch
+would cost more than the work) and a `prange` kernel over rows (prefill), picked by
+`PARALLEL_ROWS`. Inputs may be strided views (q/k/v of a fused projection); outputs are new
+C-contiguous arrays unless the op is documented in place.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import prange
+
+from vllm_actors.kernels.cpu.jit import kernel
+
+# From this many rows a kernel runs over rows in parallel.
+PARALLEL_ROWS = 16
+
+
+@kernel
+def _rms_row(x, weight, eps, out):
+    n = x.shape[0]
+    acc = np.float32(0.0)
+    for i in range(n):
+        acc += x[i] * x[i]
+    inv = np.float32(1.0) / np.float32(math.sqrt(acc / np.float32(n) + np.float32(eps)))
+    for i in range(n):
+        out[i] = x[i] * inv * weight[i]
+
+
+@kernel
+def _rms_norm_serial(x, weight, eps, out):
+    for r in range(x.shape[0]):
+        _rms_row(x[r], weight, eps, out[r])
+
+
+@kernel(parallel=True)
+def _rms_norm_parallel(x, weight, eps, out):
+    for r in prange(x.shape[0]):
+        _rms_row(x[r], weight, eps, out[r])
+
+
+@kernel
+def _add_rms_row(h, delta, weight, eps, out):
+    n = h.shape[0]
+    acc = np.float32(0.0)
+    for i in range(n):
+        v = h[i] + delta[i]
+        h[i] = v
+        acc += v * v
+    inv = np.float32(1.0) / np.float32(math.sqrt(acc / np.float32(n) + np.float32(eps)))
+    for i in range(n):
+        out[i] = h[i] * inv * weight[i]
+
+
+@kernel
+def _add_rms_norm_serial(h, delta, weight, eps, out):
+    for r in range(h.shape[0]):
+        _add_rms_row(h[r], delta[r], weight, eps, out[r])
+
+
+@kernel(parallel=True)
+def _add_rms_norm_parallel(h, delta, weight, eps, out):
+    for r in prange(h.shape[0]):
+        _add_rms_row(h[r], delta[r], weight, eps, out[r])
+
+
+@kernel
+def _silu_mul_row(gate_up, out):
+    f = out.shape[0]
+    for i in range(f):
+        g = gate_up[i]
+        out[i] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[f + i]
+
+
+@kernel
+def _silu_mul_serial(gate_up, out):
+    for r in range(out.shape[0]):
+        _silu_mul_row(gate_up[r], out[r])
+
+
+@kernel(parallel=True)
+def _silu_mul_parallel(gate_up, out):
+    for r in prange(out.shape[0]):
+        _silu_mul_row(gate_up[r], out[r])
+
+
+@kernel
+def _rope_row(x, cos, sin, rotary_dim, interleaved):
+    """x [H, Dh] of one token rotated in place by its position's cos/sin [rotary_dim / 2]."""
+    half = rotary_dim // 2
+    for h in range(x.shape[0]):
+        for i in range(half):
+            if interleaved:
+                a, b = 2 * i, 2 * i + 1
+            else:
+                a, b = i, half + i
+            x1, x2 = x[h, a], x[h, b]
+            x[h, a] = x1 * cos[i] - x2 * sin[i]
+            x[h, b] = x2 * cos[i] + x1 * sin[i]
+
+
+@kernel
+def _rope_serial(x, positions, cos, sin, rotary_dim, interleaved):
+    for t in range(x.shape[0]):
+        p = positions[t]
+        _rope_row(x[t], cos[p], sin[p], rotary_dim, interleaved)
+
+
+@kernel(parallel=True)
+def _rope_parallel(x, positions, cos, sin, rotary_dim, interleaved):
+    for t in prange(x.shape[0]):
+        p = positions[t]
+        _rope_row(x[t], cos[p], sin[p], rotary_dim, interleaved)
+
+
+def _rows(x: np.ndarray) -> np.ndarray:
+    """x [..., n] as a 2-D [rows, n] array (a view when the layout allows)."""
+    return x.reshape(-1, x.shape[-1])
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm over the last axis: a new float32 array of x's shape."""
+    out = np.empty(x.shape, np.float32)
+    rows = _rows(x)
+    fn = _rms_norm_parallel if len(rows) >= PARALLEL_ROWS else _rms_norm_serial
+    fn(rows, weight, eps, out.reshape(rows.shape))
+    return out
+
+
+def add_rms_norm(h: np.ndarray, delta: np.ndarray, weight: np.ndarray, eps: float
+                 ) -> np.ndarray:
+    """h += delta in place (the residual stream), then RMSNorm(h) as a new array."""
+    out = np.empty(h.shape, np.float32)
+    fn = _add_rms_norm_parallel if len(h) >= PARALLEL_ROWS else _add_rms_norm_serial
+    fn(h, delta, weight, eps, out)
+    return out
+
+
+def silu_mul(gate_up: np.ndarray) -> np.ndarray:
+    """gate_up [T, 2F] -> silu(gate) * up [T, F]."""
+    out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
+    fn = _silu_mul_parallel if len(out) >= PARALLEL_ROWS else _silu_mul_serial
+    fn(gate_up, out)
+    return out
+
+
+def rope(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+         rotary_dim: int, interleaved: bool) -> np.ndarray:
+    """Rotate x [T, H, Dh] in place by the cos/sin rows [max_pos, rotary_dim / 2] of each
+    token's position; returns x."""
+    fn = _rope_parallel if len(x) >= PARALLEL_ROWS else _rope_serial
+    fn(x, positions, cos, sin, rotary_dim, interleaved)
+    return x
