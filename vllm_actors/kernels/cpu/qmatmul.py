@@ -17,7 +17,8 @@ from vllm_actors.kernels import quant
 from vllm_actors.kernels.cpu import qmatmul_layout as layout
 from vllm_actors.kernels.cpu.qmatmul_float import gemv_f32, gemv_half, rows_f32, rows_half
 from vllm_actors.kernels.cpu.qmatmul_k23 import gemv_q2_k, gemv_q3_k, rows_q2_k, rows_q3_k
-from vllm_actors.kernels.cpu.qmatmul_k45 import gemv_q45_k, gemv_q6_k, rows_q45_k, rows_q6_k
+from vllm_actors.kernels.cpu.qmatmul_k45 import (
+    gemv_q4_k, gemv_q5_k, gemv_q6_k, rows_q45_k, rows_q6_k)
 from vllm_actors.kernels.cpu.qmatmul_legacy import (
     gemv_q4, gemv_q5, gemv_q8_0, rows_q4, rows_q5, rows_q8_0)
 from vllm_actors.kernels.cpu.qmatmul_prims import HALF_LUT, SUM_RUN, block_sums
@@ -44,15 +45,16 @@ _NO_U16 = np.zeros((0, 0), dtype=np.uint16)
 _NO_U8 = np.zeros((0, 0), dtype=np.uint8)
 
 
-def _kernel_args(w: QuantMatrix) -> tuple[Any, ...]:
-    """The planes as the type's kernels take them (shared kernels get placeholders)."""
+def _kernel_args(w: QuantMatrix, rows: bool = False) -> tuple[Any, ...]:
+    """The planes as the type's GEMV (or `rows`) kernel takes them (kernels shared by two
+    types get placeholders)."""
     p = w.planes
     qt = w.qtype
     if qt == T.Q4_0:
         return p[0], p[1], _NO_U16
     if qt == T.Q5_0:
         return p[0], p[1], p[2], _NO_U16
-    if qt == T.Q4_K:
+    if qt == T.Q4_K and rows:
         return (_NO_U8,) + p
     if qt in (T.F16, T.BF16):
         return p[0], qt == T.BF16
@@ -65,7 +67,7 @@ _KERNELS: dict[int, tuple[Callable[..., None], Callable[..., None]]] = {
     T.Q4_0: (gemv_q4, rows_q4), T.Q4_1: (gemv_q4, rows_q4),
     T.Q5_0: (gemv_q5, rows_q5), T.Q5_1: (gemv_q5, rows_q5), T.Q8_0: (gemv_q8_0, rows_q8_0),
     T.Q2_K: (gemv_q2_k, rows_q2_k), T.Q3_K: (gemv_q3_k, rows_q3_k),
-    T.Q4_K: (gemv_q45_k, rows_q45_k), T.Q5_K: (gemv_q45_k, rows_q45_k),
+    T.Q4_K: (gemv_q4_k, rows_q45_k), T.Q5_K: (gemv_q5_k, rows_q45_k),
     T.Q6_K: (gemv_q6_k, rows_q6_k),
 }
 
@@ -77,6 +79,11 @@ TILE_BYTES_SMALL_M = 256 << 10
 TILE_BYTES_LARGE_M = 1 << 20
 LARGE_M = 64
 PREFETCH_BYTES = 16 << 10       # the GEMV kernels prefetch about this far ahead
+# The rows kernels' inner trip count (weights per run), passed at run time: with a constant,
+# LLVM unrolls those loops and, unable to rule out `out` aliasing the planes, leaves them
+# scalar (Q8_0: 0.52 ns/weight); a runtime count gets them vectorized behind alias checks
+# (0.13 ns/weight).
+ROW_RUN = 32
 
 
 def supports_fused(parts: Sequence[QuantMatrix]) -> bool:
@@ -137,7 +144,7 @@ def dequantize_rows(w: QuantMatrix, r0: int, r1: int, out: np.ndarray) -> None:
     """Rows [r0, r1) as float32 into out `[r1 - r0, K]` (serial, releases the GIL)."""
     if not 0 <= r0 <= r1 <= w.rows or out.shape != (r1 - r0, w.cols):
         raise ValueError(f"dequantize_rows [{r0}, {r1}) into {out.shape}, W {w.rows}x{w.cols}")
-    _KERNELS[w.qtype][1](*_kernel_args(w), HALF_LUT, _row_ids(w.rows)[r0:r1], out)
+    _KERNELS[w.qtype][1](*_kernel_args(w, rows=True), HALF_LUT, _row_ids(w.rows)[r0:r1], out, ROW_RUN)
 
 
 def take_rows(w: QuantMatrix, ids: np.ndarray, out: np.ndarray) -> None:
@@ -147,7 +154,7 @@ def take_rows(w: QuantMatrix, ids: np.ndarray, out: np.ndarray) -> None:
         raise ValueError(f"take_rows: out {out.shape} for {ids.size} rows of {w.cols}")
     if ids.size and (ids.min() < 0 or ids.max() >= w.rows):
         raise IndexError(f"row ids out of range [0, {w.rows})")
-    _KERNELS[w.qtype][1](*_kernel_args(w), HALF_LUT, ids, out)
+    _KERNELS[w.qtype][1](*_kernel_args(w, rows=True), HALF_LUT, ids, out, ROW_RUN)
 
 
 _scratch = threading.local()
@@ -184,7 +191,7 @@ def matmul(w: QuantMatrix, x: np.ndarray, pool: TilePool | None = None) -> np.nd
     tile = _tile_rows(w, m, workers)
     tiles = -(-w.rows // tile)
     rows_kernel = _KERNELS[w.qtype][1]
-    args = _kernel_args(w)
+    args = _kernel_args(w, rows=True)
     ids = _row_ids(w.rows)
     dense = w.planes[0] if w.qtype == T.F32 else None
 
@@ -196,7 +203,7 @@ def matmul(w: QuantMatrix, x: np.ndarray, pool: TilePool | None = None) -> np.nd
                 weights = dense[a:b]
             else:
                 weights = buf[:(b - a) * w.cols].reshape(b - a, w.cols)
-                rows_kernel(*args, HALF_LUT, ids[a:b], weights)
+                rows_kernel(*args, HALF_LUT, ids[a:b], weights, ROW_RUN)
             np.matmul(x, weights.T, out=out[:, a:b])
 
     if pool is None:

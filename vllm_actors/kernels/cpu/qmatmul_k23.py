@@ -14,7 +14,7 @@ import numpy as np
 from numba import prange
 
 from vllm_actors.kernels.cpu.jit import kernel
-from vllm_actors.kernels.cpu.qmatmul_prims import prefetch, stack_f32
+from vllm_actors.kernels.cpu.qmatmul_prims import prefetch, shr32, stack_f32
 
 
 @kernel(parallel=True)
@@ -58,21 +58,22 @@ def gemv_q2_k(qs, scales, d, dmin, lut, x, xs, out, dist):  # type: ignore[no-un
                         x1 = x[m, xo + 8 + i]
                         x2 = x[m, xo + 16 + i]
                         x3 = x[m, xo + 24 + i]
-                        acc[i] += (a0 * (np.float32((np.int32(qs[r0, o + i]) >> sh) & 3) * x0
-                                         + np.float32((np.int32(qs[r0, o + 8 + i]) >> sh) & 3) * x1)
-                                   + b0 * (np.float32((np.int32(qs[r0, o + 16 + i]) >> sh) & 3) * x2
-                                           + np.float32((np.int32(qs[r0, o + 24 + i]) >> sh) & 3) * x3))
-                        acc[8 + i] += (a1 * (np.float32((np.int32(qs[r1, o + i]) >> sh) & 3) * x0
-                                             + np.float32((np.int32(qs[r1, o + 8 + i]) >> sh) & 3) * x1)
-                                       + b1 * (np.float32((np.int32(qs[r1, o + 16 + i]) >> sh) & 3) * x2
-                                               + np.float32((np.int32(qs[r1, o + 24 + i]) >> sh) & 3) * x3))
+                        acc[i] += (a0 * (np.float32((shr32(qs[r0, o + i], sh)) & 3) * x0
+                                         + np.float32((shr32(qs[r0, o + 8 + i], sh)) & 3) * x1)
+                                   + b0 * (np.float32((shr32(qs[r0, o + 16 + i], sh)) & 3) * x2
+                                           + np.float32((shr32(qs[r0, o + 24 + i], sh)) & 3) * x3))
+                        acc[8 + i] += (a1 * (np.float32((shr32(qs[r1, o + i], sh)) & 3) * x0
+                                             + np.float32((shr32(qs[r1, o + 8 + i], sh)) & 3) * x1)
+                                       + b1 * (np.float32((shr32(qs[r1, o + 16 + i], sh)) & 3) * x2
+                                               + np.float32((shr32(qs[r1, o + 24 + i], sh)) & 3) * x3))
             out[m, r0] = acc[0:8].sum() - off0
             if r0 + 1 < n:
                 out[m, r0 + 1] = acc[8:16].sum() - off1
 
 
 @kernel
-def rows_q2_k(qs, scales, d, dmin, lut, ids, out):  # type: ignore[no-untyped-def]
+def rows_q2_k(qs, scales, d, dmin, lut, ids, out, run):  # type: ignore[no-untyped-def]
+    half = run // 2
     for t in range(ids.size):
         r = ids[t]
         for sb in range(qs.shape[1] // 64):
@@ -81,13 +82,18 @@ def rows_q2_k(qs, scales, d, dmin, lut, ids, out):  # type: ignore[no-untyped-de
             for nj in range(8):
                 o = 64 * sb + 32 * (nj >> 2)
                 sh = 2 * (nj & 3)
-                for half in range(2):
-                    sv = np.int32(scales[r, 16 * sb + 2 * nj + half])
-                    a = dv * np.float32(sv & 15)
-                    low = ev * np.float32(sv >> 4)
-                    for j in range(16):
-                        q = (np.int32(qs[r, o + 16 * half + j]) >> sh) & 3
-                        out[t, 256 * sb + 32 * nj + 16 * half + j] = a * np.float32(q) - low
+                w = 256 * sb + 32 * nj
+                v = np.int32(scales[r, 16 * sb + 2 * nj])
+                u = np.int32(scales[r, 16 * sb + 2 * nj + 1])
+                a = dv * np.float32(v & 15)
+                b = dv * np.float32(u & 15)
+                la = ev * np.float32(v >> 4)
+                lb = ev * np.float32(u >> 4)
+                for j in range(half):
+                    q = (shr32(qs[r, o + j], sh)) & 3
+                    p = (shr32(qs[r, o + 16 + j], sh)) & 3
+                    out[t, w + j] = a * np.float32(q) - la
+                    out[t, w + 16 + j] = b * np.float32(p) - lb
 
 
 @kernel(parallel=True)
@@ -119,7 +125,7 @@ def gemv_q3_k(hmask, qs, scales, d, lut, x, xs, out, dist):  # type: ignore[no-u
                     off1 += a1 * xs[m, s] + b1 * xs[m, s + 1]
                     o = 64 * sb + 32 * (nj >> 2)
                     sh = 2 * (nj & 3)
-                    hs = (nj >> 2) * 4 + (nj & 3)
+                    hs = nj    # hmask bit 4n + j
                     hb = 32 * sb
                     xo = 16 * s
                     for i in range(8):
@@ -127,25 +133,26 @@ def gemv_q3_k(hmask, qs, scales, d, lut, x, xs, out, dist):  # type: ignore[no-u
                         x1 = x[m, xo + 8 + i]
                         x2 = x[m, xo + 16 + i]
                         x3 = x[m, xo + 24 + i]
-                        q0 = ((np.int32(qs[r0, o + i]) >> sh) & 3) | (((np.int32(hmask[r0, hb + i]) >> hs) & 1) << 2)
-                        q1 = ((np.int32(qs[r0, o + 8 + i]) >> sh) & 3) | (((np.int32(hmask[r0, hb + 8 + i]) >> hs) & 1) << 2)
-                        q2 = ((np.int32(qs[r0, o + 16 + i]) >> sh) & 3) | (((np.int32(hmask[r0, hb + 16 + i]) >> hs) & 1) << 2)
-                        q3 = ((np.int32(qs[r0, o + 24 + i]) >> sh) & 3) | (((np.int32(hmask[r0, hb + 24 + i]) >> hs) & 1) << 2)
+                        q0 = ((shr32(qs[r0, o + i], sh)) & 3) | (((shr32(hmask[r0, hb + i], hs)) & 1) << 2)
+                        q1 = ((shr32(qs[r0, o + 8 + i], sh)) & 3) | (((shr32(hmask[r0, hb + 8 + i], hs)) & 1) << 2)
+                        q2 = ((shr32(qs[r0, o + 16 + i], sh)) & 3) | (((shr32(hmask[r0, hb + 16 + i], hs)) & 1) << 2)
+                        q3 = ((shr32(qs[r0, o + 24 + i], sh)) & 3) | (((shr32(hmask[r0, hb + 24 + i], hs)) & 1) << 2)
                         acc[i] += (a0 * (np.float32(q0) * x0 + np.float32(q1) * x1)
                                    + b0 * (np.float32(q2) * x2 + np.float32(q3) * x3))
-                        q0 = ((np.int32(qs[r1, o + i]) >> sh) & 3) | (((np.int32(hmask[r1, hb + i]) >> hs) & 1) << 2)
-                        q1 = ((np.int32(qs[r1, o + 8 + i]) >> sh) & 3) | (((np.int32(hmask[r1, hb + 8 + i]) >> hs) & 1) << 2)
-                        q2 = ((np.int32(qs[r1, o + 16 + i]) >> sh) & 3) | (((np.int32(hmask[r1, hb + 16 + i]) >> hs) & 1) << 2)
-                        q3 = ((np.int32(qs[r1, o + 24 + i]) >> sh) & 3) | (((np.int32(hmask[r1, hb + 24 + i]) >> hs) & 1) << 2)
+                        q0 = ((shr32(qs[r1, o + i], sh)) & 3) | (((shr32(hmask[r1, hb + i], hs)) & 1) << 2)
+                        q1 = ((shr32(qs[r1, o + 8 + i], sh)) & 3) | (((shr32(hmask[r1, hb + 8 + i], hs)) & 1) << 2)
+                        q2 = ((shr32(qs[r1, o + 16 + i], sh)) & 3) | (((shr32(hmask[r1, hb + 16 + i], hs)) & 1) << 2)
+                        q3 = ((shr32(qs[r1, o + 24 + i], sh)) & 3) | (((shr32(hmask[r1, hb + 24 + i], hs)) & 1) << 2)
                         acc[8 + i] += (a1 * (np.float32(q0) * x0 + np.float32(q1) * x1)
                                        + b1 * (np.float32(q2) * x2 + np.float32(q3) * x3))
-            out[m, r0] = acc[0:8].sum() - 4 * off0
+            out[m, r0] = acc[0:8].sum() - np.float32(4) * off0
             if r0 + 1 < n:
-                out[m, r0 + 1] = acc[8:16].sum() - 4 * off1
+                out[m, r0 + 1] = acc[8:16].sum() - np.float32(4) * off1
 
 
 @kernel
-def rows_q3_k(hmask, qs, scales, d, lut, ids, out):  # type: ignore[no-untyped-def]
+def rows_q3_k(hmask, qs, scales, d, lut, ids, out, run):  # type: ignore[no-untyped-def]
+    half = run // 2
     for t in range(ids.size):
         r = ids[t]
         for sb in range(qs.shape[1] // 64):
@@ -153,11 +160,14 @@ def rows_q3_k(hmask, qs, scales, d, lut, ids, out):  # type: ignore[no-untyped-d
             for nj in range(8):
                 o = 64 * sb + 32 * (nj >> 2)
                 sh = 2 * (nj & 3)
-                hs = (nj >> 2) * 4 + (nj & 3)
-                for half in range(2):
-                    a = dv * np.float32(scales[r, 16 * sb + 2 * nj + half])
-                    for j in range(16):
-                        l = 16 * half + j
-                        q = (((np.int32(qs[r, o + l]) >> sh) & 3)
-                             | (((np.int32(hmask[r, 32 * sb + l]) >> hs) & 1) << 2))
-                        out[t, 256 * sb + 32 * nj + l] = a * np.float32(q - 4)
+                hb = 32 * sb
+                w = 256 * sb + 32 * nj
+                a = dv * np.float32(scales[r, 16 * sb + 2 * nj])
+                b = dv * np.float32(scales[r, 16 * sb + 2 * nj + 1])
+                for j in range(half):
+                    q = (((shr32(qs[r, o + j], sh)) & 3)
+                         | (((shr32(hmask[r, hb + j], nj)) & 1) << 2))
+                    p = (((shr32(qs[r, o + 16 + j], sh)) & 3)
+                         | (((shr32(hmask[r, hb + 16 + j], nj)) & 1) << 2))
+                    out[t, w + j] = a * np.float32(q - 4)
+                    out[t, w + 16 + j] = b * np.float32(p - 4)

@@ -16,13 +16,65 @@ import numpy as np
 from numba import prange
 
 from vllm_actors.kernels.cpu.jit import kernel
-from vllm_actors.kernels.cpu.qmatmul_prims import prefetch, stack_f32
+from vllm_actors.kernels.cpu.qmatmul_prims import prefetch, shr32, stack_f32
 
 
 @kernel(parallel=True)
-def gemv_q45_k(qh, qs, sc, mn, d, dmin, lut, x, xs, out, dist):  # type: ignore[no-untyped-def]
+def gemv_q4_k(qs, sc, mn, d, dmin, lut, x, xs, out, dist):  # type: ignore[no-untyped-def]
     n, rb = qs.shape
-    five = qh.shape[0] > 0
+    for g in prange((n + 1) // 2):
+        r0 = 2 * g
+        r1 = min(r0 + 1, n - 1)
+        p0 = min(r0 + dist, n - 1) * rb
+        p1 = min(r0 + dist + 1, n - 1) * rb
+        acc = stack_f32(16)
+        for m in range(x.shape[0]):
+            for i in range(16):
+                acc[i] = 0
+            off0 = np.float32(0)
+            off1 = np.float32(0)
+            for sb in range(rb // 128):
+                d0 = lut[d[r0, sb]]
+                d1 = lut[d[r1, sb]]
+                e0 = lut[dmin[r0, sb]]
+                e1 = lut[dmin[r1, sb]]
+                for s in range(8):
+                    prefetch(qs, p0 + 128 * sb + 16 * s)
+                    prefetch(qs, p1 + 128 * sb + 16 * s)
+                    j = 8 * sb + s
+                    xsum = xs[m, 2 * j] + xs[m, 2 * j + 1]
+                    off0 += e0 * np.float32(mn[r0, j]) * xsum
+                    off1 += e1 * np.float32(mn[r1, j]) * xsum
+                    a0 = d0 * np.float32(sc[r0, j])
+                    a1 = d1 * np.float32(sc[r1, j])
+                    o = 128 * sb + 32 * (s >> 1)
+                    sh = 4 * (s & 1)
+                    xo = 32 * j
+                    for i in range(8):
+                        x0 = x[m, xo + i]
+                        x1 = x[m, xo + 8 + i]
+                        x2 = x[m, xo + 16 + i]
+                        x3 = x[m, xo + 24 + i]
+                        q0 = (shr32(qs[r0, o + i], sh)) & 15
+                        q1 = (shr32(qs[r0, o + 8 + i], sh)) & 15
+                        q2 = (shr32(qs[r0, o + 16 + i], sh)) & 15
+                        q3 = (shr32(qs[r0, o + 24 + i], sh)) & 15
+                        u0 = (shr32(qs[r1, o + i], sh)) & 15
+                        u1 = (shr32(qs[r1, o + 8 + i], sh)) & 15
+                        u2 = (shr32(qs[r1, o + 16 + i], sh)) & 15
+                        u3 = (shr32(qs[r1, o + 24 + i], sh)) & 15
+                        acc[i] += a0 * (np.float32(q0) * x0 + np.float32(q1) * x1
+                                        + np.float32(q2) * x2 + np.float32(q3) * x3)
+                        acc[8 + i] += a1 * (np.float32(u0) * x0 + np.float32(u1) * x1
+                                            + np.float32(u2) * x2 + np.float32(u3) * x3)
+            out[m, r0] = acc[0:8].sum() - off0
+            if r0 + 1 < n:
+                out[m, r0 + 1] = acc[8:16].sum() - off1
+
+
+@kernel(parallel=True)
+def gemv_q5_k(qh, qs, sc, mn, d, dmin, lut, x, xs, out, dist):  # type: ignore[no-untyped-def]
+    n, rb = qs.shape
     for g in prange((n + 1) // 2):
         r0 = 2 * g
         r1 = min(r0 + 1, n - 1)
@@ -57,23 +109,22 @@ def gemv_q45_k(qh, qs, sc, mn, d, dmin, lut, x, xs, out, dist):  # type: ignore[
                         x1 = x[m, xo + 8 + i]
                         x2 = x[m, xo + 16 + i]
                         x3 = x[m, xo + 24 + i]
-                        q0 = (np.int32(qs[r0, o + i]) >> sh) & 15
-                        q1 = (np.int32(qs[r0, o + 8 + i]) >> sh) & 15
-                        q2 = (np.int32(qs[r0, o + 16 + i]) >> sh) & 15
-                        q3 = (np.int32(qs[r0, o + 24 + i]) >> sh) & 15
-                        u0 = (np.int32(qs[r1, o + i]) >> sh) & 15
-                        u1 = (np.int32(qs[r1, o + 8 + i]) >> sh) & 15
-                        u2 = (np.int32(qs[r1, o + 16 + i]) >> sh) & 15
-                        u3 = (np.int32(qs[r1, o + 24 + i]) >> sh) & 15
-                        if five:
-                            q0 |= ((np.int32(qh[r0, hb + i]) >> s) & 1) << 4
-                            q1 |= ((np.int32(qh[r0, hb + 8 + i]) >> s) & 1) << 4
-                            q2 |= ((np.int32(qh[r0, hb + 16 + i]) >> s) & 1) << 4
-                            q3 |= ((np.int32(qh[r0, hb + 24 + i]) >> s) & 1) << 4
-                            u0 |= ((np.int32(qh[r1, hb + i]) >> s) & 1) << 4
-                            u1 |= ((np.int32(qh[r1, hb + 8 + i]) >> s) & 1) << 4
-                            u2 |= ((np.int32(qh[r1, hb + 16 + i]) >> s) & 1) << 4
-                            u3 |= ((np.int32(qh[r1, hb + 24 + i]) >> s) & 1) << 4
+                        q0 = (shr32(qs[r0, o + i], sh)) & 15
+                        q1 = (shr32(qs[r0, o + 8 + i], sh)) & 15
+                        q2 = (shr32(qs[r0, o + 16 + i], sh)) & 15
+                        q3 = (shr32(qs[r0, o + 24 + i], sh)) & 15
+                        u0 = (shr32(qs[r1, o + i], sh)) & 15
+                        u1 = (shr32(qs[r1, o + 8 + i], sh)) & 15
+                        u2 = (shr32(qs[r1, o + 16 + i], sh)) & 15
+                        u3 = (shr32(qs[r1, o + 24 + i], sh)) & 15
+                        q0 |= ((shr32(qh[r0, hb + i], s)) & 1) << 4
+                        q1 |= ((shr32(qh[r0, hb + 8 + i], s)) & 1) << 4
+                        q2 |= ((shr32(qh[r0, hb + 16 + i], s)) & 1) << 4
+                        q3 |= ((shr32(qh[r0, hb + 24 + i], s)) & 1) << 4
+                        u0 |= ((shr32(qh[r1, hb + i], s)) & 1) << 4
+                        u1 |= ((shr32(qh[r1, hb + 8 + i], s)) & 1) << 4
+                        u2 |= ((shr32(qh[r1, hb + 16 + i], s)) & 1) << 4
+                        u3 |= ((shr32(qh[r1, hb + 24 + i], s)) & 1) << 4
                         acc[i] += a0 * (np.float32(q0) * x0 + np.float32(q1) * x1
                                         + np.float32(q2) * x2 + np.float32(q3) * x3)
                         acc[8 + i] += a1 * (np.float32(u0) * x0 + np.float32(u1) * x1
@@ -84,7 +135,8 @@ def gemv_q45_k(qh, qs, sc, mn, d, dmin, lut, x, xs, out, dist):  # type: ignore[
 
 
 @kernel
-def rows_q45_k(qh, qs, sc, mn, d, dmin, lut, ids, out):  # type: ignore[no-untyped-def]
+def rows_q45_k(qh, qs, sc, mn, d, dmin, lut, ids, out, run):  # type: ignore[no-untyped-def]
+    """Q4_K, or Q5_K when `qh` is not empty."""
     five = qh.shape[0] > 0
     for t in range(ids.size):
         r = ids[t]
@@ -94,13 +146,18 @@ def rows_q45_k(qh, qs, sc, mn, d, dmin, lut, ids, out):  # type: ignore[no-untyp
             for s in range(8):
                 scale = dv * np.float32(sc[r, 8 * sb + s])
                 low = ev * np.float32(mn[r, 8 * sb + s])
-                shift = 4 * (s & 1)
+                sh = 4 * (s & 1)
                 o = 128 * sb + 32 * (s >> 1)
-                for j in range(32):
-                    q = (np.int32(qs[r, o + j]) >> shift) & 15
-                    if five:
-                        q |= ((np.int32(qh[r, 32 * sb + j]) >> s) & 1) << 4
-                    out[t, 256 * sb + 32 * s + j] = scale * np.float32(q) - low
+                w = 256 * sb + 32 * s
+                if five:
+                    for j in range(run):
+                        q = ((shr32(qs[r, o + j], sh)) & 15) | (
+                            ((shr32(qh[r, 32 * sb + j], s)) & 1) << 4)
+                        out[t, w + j] = scale * np.float32(q) - low
+                else:
+                    for j in range(run):
+                        q = (shr32(qs[r, o + j], sh)) & 15
+                        out[t, w + j] = scale * np.float32(q) - low
 
 
 @kernel(parallel=True)
@@ -142,25 +199,26 @@ def gemv_q6_k(ql, qh, scales, d, lut, x, xs, out, dist):  # type: ignore[no-unty
                         x1 = x[m, xo + 8 + i]
                         x2 = x[m, xo + 16 + i]
                         x3 = x[m, xo + 24 + i]
-                        q0 = ((np.int32(ql[r0, o + i]) >> ls) & 15) | (((np.int32(qh[r0, hb + i]) >> hs) & 3) << 4)
-                        q1 = ((np.int32(ql[r0, o + 8 + i]) >> ls) & 15) | (((np.int32(qh[r0, hb + 8 + i]) >> hs) & 3) << 4)
-                        q2 = ((np.int32(ql[r0, o + 16 + i]) >> ls) & 15) | (((np.int32(qh[r0, hb + 16 + i]) >> hs) & 3) << 4)
-                        q3 = ((np.int32(ql[r0, o + 24 + i]) >> ls) & 15) | (((np.int32(qh[r0, hb + 24 + i]) >> hs) & 3) << 4)
+                        q0 = ((shr32(ql[r0, o + i], ls)) & 15) | (((shr32(qh[r0, hb + i], hs)) & 3) << 4)
+                        q1 = ((shr32(ql[r0, o + 8 + i], ls)) & 15) | (((shr32(qh[r0, hb + 8 + i], hs)) & 3) << 4)
+                        q2 = ((shr32(ql[r0, o + 16 + i], ls)) & 15) | (((shr32(qh[r0, hb + 16 + i], hs)) & 3) << 4)
+                        q3 = ((shr32(ql[r0, o + 24 + i], ls)) & 15) | (((shr32(qh[r0, hb + 24 + i], hs)) & 3) << 4)
                         acc[i] += (a0 * (np.float32(q0) * x0 + np.float32(q1) * x1)
                                    + b0 * (np.float32(q2) * x2 + np.float32(q3) * x3))
-                        q0 = ((np.int32(ql[r1, o + i]) >> ls) & 15) | (((np.int32(qh[r1, hb + i]) >> hs) & 3) << 4)
-                        q1 = ((np.int32(ql[r1, o + 8 + i]) >> ls) & 15) | (((np.int32(qh[r1, hb + 8 + i]) >> hs) & 3) << 4)
-                        q2 = ((np.int32(ql[r1, o + 16 + i]) >> ls) & 15) | (((np.int32(qh[r1, hb + 16 + i]) >> hs) & 3) << 4)
-                        q3 = ((np.int32(ql[r1, o + 24 + i]) >> ls) & 15) | (((np.int32(qh[r1, hb + 24 + i]) >> hs) & 3) << 4)
+                        q0 = ((shr32(ql[r1, o + i], ls)) & 15) | (((shr32(qh[r1, hb + i], hs)) & 3) << 4)
+                        q1 = ((shr32(ql[r1, o + 8 + i], ls)) & 15) | (((shr32(qh[r1, hb + 8 + i], hs)) & 3) << 4)
+                        q2 = ((shr32(ql[r1, o + 16 + i], ls)) & 15) | (((shr32(qh[r1, hb + 16 + i], hs)) & 3) << 4)
+                        q3 = ((shr32(ql[r1, o + 24 + i], ls)) & 15) | (((shr32(qh[r1, hb + 24 + i], hs)) & 3) << 4)
                         acc[8 + i] += (a1 * (np.float32(q0) * x0 + np.float32(q1) * x1)
                                        + b1 * (np.float32(q2) * x2 + np.float32(q3) * x3))
-            out[m, r0] = acc[0:8].sum() - 32 * off0
+            out[m, r0] = acc[0:8].sum() - np.float32(32) * off0
             if r0 + 1 < n:
-                out[m, r0 + 1] = acc[8:16].sum() - 32 * off1
+                out[m, r0 + 1] = acc[8:16].sum() - np.float32(32) * off1
 
 
 @kernel
-def rows_q6_k(ql, qh, scales, d, lut, ids, out):  # type: ignore[no-untyped-def]
+def rows_q6_k(ql, qh, scales, d, lut, ids, out, run):  # type: ignore[no-untyped-def]
+    half = run // 2
     for t in range(ids.size):
         r = ids[t]
         for sb in range(ql.shape[1] // 128):
@@ -170,8 +228,15 @@ def rows_q6_k(ql, qh, scales, d, lut, ids, out):  # type: ignore[no-untyped-def]
                 k = hk & 3
                 o = 128 * sb + 64 * h + 32 * (k & 1)
                 hb = 64 * sb + 32 * h
-                for j in range(32):
-                    q = (((np.int32(ql[r, o + j]) >> (4 * (k >> 1))) & 15)
-                         | (((np.int32(qh[r, hb + j]) >> (2 * k)) & 3) << 4))
-                    scale = dv * np.float32(scales[r, 16 * sb + 8 * h + 2 * k + (j >> 4)])
-                    out[t, 256 * sb + 128 * h + 32 * k + j] = scale * np.float32(q - 32)
+                w = 256 * sb + 128 * h + 32 * k
+                ls = 4 * (k >> 1)
+                s = 16 * sb + 8 * h + 2 * k
+                a = dv * np.float32(scales[r, s])
+                b = dv * np.float32(scales[r, s + 1])
+                for j in range(half):
+                    q = (((shr32(ql[r, o + j], ls)) & 15)
+                         | (((shr32(qh[r, hb + j], 2 * k)) & 3) << 4))
+                    p = (((shr32(ql[r, o + 16 + j], ls)) & 15)
+                         | (((shr32(qh[r, hb + 16 + j], 2 * k)) & 3) << 4))
+                    out[t, w + j] = a * np.float32(q - 32)
+                    out[t, w + 16 + j] = b * np.float32(p - 32)

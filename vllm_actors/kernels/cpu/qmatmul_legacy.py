@@ -22,7 +22,7 @@ import numpy as np
 from numba import prange
 
 from vllm_actors.kernels.cpu.jit import kernel
-from vllm_actors.kernels.cpu.qmatmul_prims import prefetch, stack_f32
+from vllm_actors.kernels.cpu.qmatmul_prims import prefetch, shr32, stack_f32
 
 
 @kernel(parallel=True)
@@ -62,12 +62,12 @@ def gemv_q8_0(qs, d, lut, x, xs, out, dist):  # type: ignore[no-untyped-def]
 
 
 @kernel
-def rows_q8_0(qs, d, lut, ids, out):  # type: ignore[no-untyped-def]
+def rows_q8_0(qs, d, lut, ids, out, run):  # type: ignore[no-untyped-def]
     for t in range(ids.size):
         r = ids[t]
         for b in range(qs.shape[1] // 32):
             dv = lut[d[r, b]]
-            for j in range(32):
+            for j in range(run):
                 out[t, 32 * b + j] = dv * np.float32(qs[r, 32 * b + j])
 
 
@@ -99,8 +99,8 @@ def gemv_q4(qs, d, mn, lut, x, xs, out, dist):  # type: ignore[no-untyped-def]
                     off0 += lut[mn[r0, b]] * s
                     off1 += lut[mn[r1, b]] * s
                 else:
-                    off0 -= 8 * d0 * s
-                    off1 -= 8 * d1 * s
+                    off0 -= np.float32(8) * d0 * s
+                    off1 -= np.float32(8) * d1 * s
                 for i in range(8):
                     xa = x[m, xo + i]
                     xb = x[m, xo + 8 + i]
@@ -124,23 +124,19 @@ def gemv_q4(qs, d, mn, lut, x, xs, out, dist):  # type: ignore[no-untyped-def]
 
 
 @kernel
-def rows_q4(qs, d, mn, lut, ids, out):  # type: ignore[no-untyped-def]
+def rows_q4(qs, d, mn, lut, ids, out, run):  # type: ignore[no-untyped-def]
     has_min = mn.shape[0] > 0
+    half = run // 2
     for t in range(ids.size):
         r = ids[t]
         for b in range(qs.shape[1] // 16):
             dv = lut[d[r, b]]
-            if has_min:
-                mv = lut[mn[r, b]]
-                for j in range(16):
-                    q = qs[r, 16 * b + j]
-                    out[t, 32 * b + j] = dv * np.float32(np.int32(q & 15)) + mv
-                    out[t, 32 * b + 16 + j] = dv * np.float32(np.int32(q >> 4)) + mv
-            else:
-                for j in range(16):
-                    q = qs[r, 16 * b + j]
-                    out[t, 32 * b + j] = dv * np.float32(np.int32(q & 15) - 8)
-                    out[t, 32 * b + 16 + j] = dv * np.float32(np.int32(q >> 4) - 8)
+            mv = lut[mn[r, b]] if has_min else np.float32(0)
+            bias = 0 if has_min else 8
+            for j in range(half):
+                q = np.int32(qs[r, 16 * b + j])
+                out[t, 32 * b + j] = dv * np.float32((q & 15) - bias) + mv
+                out[t, 32 * b + 16 + j] = dv * np.float32((q >> 4) - bias) + mv
 
 
 @kernel(parallel=True)
@@ -172,8 +168,8 @@ def gemv_q5(qs, qh, d, mn, lut, x, xs, out, dist):  # type: ignore[no-untyped-de
                     off0 += lut[mn[r0, b]] * s
                     off1 += lut[mn[r1, b]] * s
                 else:
-                    off0 -= 16 * d0 * s
-                    off1 -= 16 * d1 * s
+                    off0 -= np.float32(16) * d0 * s
+                    off1 -= np.float32(16) * d1 * s
                 h0 = np.uint32(qh[r0, b])
                 h1 = np.uint32(qh[r1, b])
                 for i in range(8):
@@ -184,25 +180,26 @@ def gemv_q5(qs, qh, d, mn, lut, x, xs, out, dist):  # type: ignore[no-untyped-de
                     q = qs[r0, o + i]
                     p = qs[r0, o + 8 + i]
                     acc[i] += d0 * (
-                        np.float32(np.int32(q & 15) | (np.int32((h0 >> i) & 1) << 4)) * xa
-                        + np.float32(np.int32(p & 15) | (np.int32((h0 >> (8 + i)) & 1) << 4)) * xb
-                        + np.float32(np.int32(q >> 4) | (np.int32((h0 >> (16 + i)) & 1) << 4)) * xc
-                        + np.float32(np.int32(p >> 4) | (np.int32((h0 >> (24 + i)) & 1) << 4)) * xd)
+                        np.float32(np.int32(q & 15) | ((shr32(h0, i) & 1) << 4)) * xa
+                        + np.float32(np.int32(p & 15) | ((shr32(h0, 8 + i) & 1) << 4)) * xb
+                        + np.float32(np.int32(q >> 4) | ((shr32(h0, 16 + i) & 1) << 4)) * xc
+                        + np.float32(np.int32(p >> 4) | ((shr32(h0, 24 + i) & 1) << 4)) * xd)
                     q = qs[r1, o + i]
                     p = qs[r1, o + 8 + i]
                     acc[8 + i] += d1 * (
-                        np.float32(np.int32(q & 15) | (np.int32((h1 >> i) & 1) << 4)) * xa
-                        + np.float32(np.int32(p & 15) | (np.int32((h1 >> (8 + i)) & 1) << 4)) * xb
-                        + np.float32(np.int32(q >> 4) | (np.int32((h1 >> (16 + i)) & 1) << 4)) * xc
-                        + np.float32(np.int32(p >> 4) | (np.int32((h1 >> (24 + i)) & 1) << 4)) * xd)
+                        np.float32(np.int32(q & 15) | ((shr32(h1, i) & 1) << 4)) * xa
+                        + np.float32(np.int32(p & 15) | ((shr32(h1, 8 + i) & 1) << 4)) * xb
+                        + np.float32(np.int32(q >> 4) | ((shr32(h1, 16 + i) & 1) << 4)) * xc
+                        + np.float32(np.int32(p >> 4) | ((shr32(h1, 24 + i) & 1) << 4)) * xd)
             out[m, r0] = acc[0:8].sum() + off0
             if r0 + 1 < n:
                 out[m, r0 + 1] = acc[8:16].sum() + off1
 
 
 @kernel
-def rows_q5(qs, qh, d, mn, lut, ids, out):  # type: ignore[no-untyped-def]
+def rows_q5(qs, qh, d, mn, lut, ids, out, run):  # type: ignore[no-untyped-def]
     has_min = mn.shape[0] > 0
+    half = run // 2
     for t in range(ids.size):
         r = ids[t]
         for b in range(qs.shape[1] // 16):
@@ -210,9 +207,9 @@ def rows_q5(qs, qh, d, mn, lut, ids, out):  # type: ignore[no-untyped-def]
             h = np.uint32(qh[r, b])
             mv = lut[mn[r, b]] if has_min else np.float32(0)
             bias = 0 if has_min else 16
-            for j in range(16):
-                q = qs[r, 16 * b + j]
-                lo = np.int32(q & 15) | (np.int32((h >> j) & 1) << 4)
-                hi = np.int32(q >> 4) | (np.int32((h >> (16 + j)) & 1) << 4)
+            for j in range(half):
+                q = np.int32(qs[r, 16 * b + j])
+                lo = (q & 15) | ((shr32(h, j) & 1) << 4)
+                hi = (q >> 4) | ((shr32(h, 16 + j) & 1) << 4)
                 out[t, 32 * b + j] = dv * np.float32(lo - bias) + mv
                 out[t, 32 * b + 16 + j] = dv * np.float32(hi - bias) + mv

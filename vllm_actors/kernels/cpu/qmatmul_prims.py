@@ -119,6 +119,41 @@ def bf16_to_float(typingctx, bits):  # type: ignore[no-untyped-def]
     return sig, codegen
 
 
+def _to_i32(builder, value, ty):  # type: ignore[no-untyped-def]
+    i32 = ir.IntType(32)
+    if ty.bitwidth > 32:
+        return builder.trunc(value, i32)
+    if ty.bitwidth < 32:
+        return (builder.sext if ty.signed else builder.zext)(value, i32)
+    return value
+
+
+@intrinsic
+def shr32(typingctx, value, amount):  # type: ignore[no-untyped-def]
+    """`value >> amount` as a 32-bit logical shift (amount < 32), typed int32. numba widens
+    every integer operation to 64 bits; LLVM narrows constant shifts back but not variable
+    ones, which then run on 64-bit lanes (Q5_0: 2.4x slower)."""
+    if not isinstance(value, types.Integer) or not isinstance(amount, types.Integer):
+        return None
+    sig = types.int32(value, amount)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.lshr(_to_i32(builder, args[0], value), _to_i32(builder, args[1], amount))
+    return sig, codegen
+
+
+@intrinsic
+def shl32(typingctx, value, amount):  # type: ignore[no-untyped-def]
+    """`value << amount` in 32 bits (amount < 32), typed int32 (see `shr32`)."""
+    if not isinstance(value, types.Integer) or not isinstance(amount, types.Integer):
+        return None
+    sig = types.int32(value, amount)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.shl(_to_i32(builder, args[0], value), _to_i32(builder, args[1], amount))
+    return sig, codegen
+
+
 @intrinsic
 def stack_f32(typingctx, n):  # type: ignore[no-untyped-def]
     """A float32 array of literal size `n` on the stack (uninitialized)."""
