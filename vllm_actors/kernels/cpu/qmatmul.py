@@ -120,11 +120,17 @@ def _prefetch_rows(w: QuantMatrix) -> int:
     return max(4, min(32, PREFETCH_BYTES * w.rows // max(1, w.nbytes)))
 
 
+def _check_f32(name: str, a: np.ndarray, shape: tuple[int, int]) -> None:
+    if a.shape != shape or a.dtype != np.float32 or not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous float32 {shape}, got {a.dtype} "
+                         f"{a.shape}{'' if a.flags.c_contiguous else ' (strided)'}")
+
+
 def gemv(w: QuantMatrix, x: np.ndarray, out: np.ndarray) -> None:
     """out[M, N] = x[M, K] @ W.T for small M (both float32, C-contiguous); parallel over pairs
     of weight rows (numba's threads)."""
-    if x.shape[1] != w.cols or out.shape != (x.shape[0], w.rows):
-        raise ValueError(f"gemv: x {x.shape}, out {out.shape} against W {(w.rows, w.cols)}")
+    _check_f32("x", x, (x.shape[0], w.cols))
+    _check_f32("out", out, (x.shape[0], w.rows))
     if w.qtype in layout.FLOAT_TYPES:
         sums = np.empty((x.shape[0], 0), dtype=np.float32)
     else:
@@ -135,23 +141,21 @@ def gemv(w: QuantMatrix, x: np.ndarray, out: np.ndarray) -> None:
 
 @functools.lru_cache(maxsize=16)
 def _row_ids(n: int) -> np.ndarray:
-    ids = np.arange(n, dtype=np.int64)
-    ids.setflags(write=False)
-    return ids
+    return np.arange(n, dtype=np.int64)   # writable: one numba signature with take_rows'
 
 
 def dequantize_rows(w: QuantMatrix, r0: int, r1: int, out: np.ndarray) -> None:
     """Rows [r0, r1) as float32 into out `[r1 - r0, K]` (serial, releases the GIL)."""
-    if not 0 <= r0 <= r1 <= w.rows or out.shape != (r1 - r0, w.cols):
-        raise ValueError(f"dequantize_rows [{r0}, {r1}) into {out.shape}, W {w.rows}x{w.cols}")
+    if not 0 <= r0 <= r1 <= w.rows:
+        raise ValueError(f"dequantize_rows [{r0}, {r1}) of {w.rows} rows")
+    _check_f32("out", out, (r1 - r0, w.cols))
     _KERNELS[w.qtype][1](*_kernel_args(w, rows=True), HALF_LUT, _row_ids(w.rows)[r0:r1], out, ROW_RUN)
 
 
 def take_rows(w: QuantMatrix, ids: np.ndarray, out: np.ndarray) -> None:
     """Rows `ids` (e.g. token ids) as float32 into out `[len(ids), K]`."""
-    ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
-    if out.shape != (ids.size, w.cols):
-        raise ValueError(f"take_rows: out {out.shape} for {ids.size} rows of {w.cols}")
+    ids = np.array(ids, dtype=np.int64).reshape(-1)
+    _check_f32("out", out, (ids.size, w.cols))
     if ids.size and (ids.min() < 0 or ids.max() >= w.rows):
         raise IndexError(f"row ids out of range [0, {w.rows})")
     _KERNELS[w.qtype][1](*_kernel_args(w, rows=True), HALF_LUT, ids, out, ROW_RUN)
@@ -185,8 +189,7 @@ def matmul(w: QuantMatrix, x: np.ndarray, pool: TilePool | None = None) -> np.nd
     if m <= GEMV_MAX_ROWS[w.qtype]:
         gemv(w, x, out)
         return out
-    if x.shape[1] != w.cols:
-        raise ValueError(f"matmul: x {x.shape} against W {(w.rows, w.cols)}")
+    _check_f32("x", x, (m, w.cols))
     workers = pool.size if pool is not None else 1
     tile = _tile_rows(w, m, workers)
     tiles = -(-w.rows // tile)

@@ -70,7 +70,9 @@ def gemv_half(w, bf16, lut, x, xs, out, dist):  # type: ignore[no-untyped-def]
 @kernel
 def rows_f32(w, lut, ids, out, run):  # type: ignore[no-untyped-def]
     for t in range(ids.size):
-        out[t, :] = w[ids[t], :]
+        r = ids[t]
+        for j in range(w.shape[1]):
+            out[t, j] = w[r, j]
 
 
 @kernel
