@@ -56,7 +56,7 @@ def random_weights(qt: int, n: int, k: int, rng: np.random.Generator) -> np.ndar
                 else (bits.view(np.uint32) >> 16).astype(np.uint16))
     block_size, type_size = quant.block_layout(qt)
     blocks = rng.integers(0, 256, (n * k // block_size, type_size), dtype=np.uint8)
-    for name, offset, _size in quant.BLOCK_FIELDS[qt]:
+    for name, offset in quant.BLOCK_OFFSETS[qt].items():
         if name in ("d", "dmin", "m"):
             scale = rng.uniform(1e-3, 1e-1, (len(blocks), 1)).astype(np.float16)
             blocks[:, offset:offset + 2] = scale.view(np.uint8)

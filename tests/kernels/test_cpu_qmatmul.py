@@ -38,7 +38,7 @@ def random_weights(qt: int, n: int, k: int, seed: int = 0) -> np.ndarray:
             np.uint16)
     block_size, type_size = quant.block_layout(qt)
     blocks = rng.integers(0, 256, (n * k // block_size, type_size), dtype=np.uint8)
-    for name, offset, _size in quant.BLOCK_FIELDS[qt]:
+    for name, offset in quant.BLOCK_OFFSETS[qt].items():
         if name in ("d", "dmin", "m"):
             scale = rng.uniform(1e-3, 1e-1, (len(blocks), 1)) * rng.choice([-1, 1], (len(blocks), 1))
             blocks[:, offset:offset + 2] = scale.astype(np.float16).view(np.uint8)
