@@ -10,6 +10,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import numba
 import numpy as np
 from gguf import GGMLQuantizationType
 
@@ -21,7 +22,7 @@ from vllm_actors.kernels.cpu.qmatmul_k45 import (
     gemv_q4_k, gemv_q5_k, gemv_q6_k, rows_q45_k, rows_q6_k)
 from vllm_actors.kernels.cpu.qmatmul_legacy import (
     gemv_q4, gemv_q5, gemv_q8_0, rows_q4, rows_q5, rows_q8_0)
-from vllm_actors.kernels.cpu.qmatmul_prims import HALF_LUT, SUM_RUN, block_sums
+from vllm_actors.kernels.cpu.qmatmul_prims import HALF_LUT
 from vllm_actors.kernels.cpu.threads import TilePool
 
 T = GGMLQuantizationType
@@ -72,11 +73,19 @@ _KERNELS: dict[int, tuple[Callable[..., None], Callable[..., None]]] = {
 }
 
 # Up to this many rows of x `matmul` runs the GEMV kernels; beyond, dequantized tiles + BLAS.
-GEMV_MAX_ROWS: dict[int, int] = {qt: 4 for qt in _KERNELS}
-# Bytes of float32 weight per dequantized tile: small batches keep it in L2, large ones
-# amortize BLAS's packing of x over more weight rows.
-TILE_BYTES_SMALL_M = 256 << 10
-TILE_BYTES_LARGE_M = 1 << 20
+# Measured (3072x1536 and 4096x4096, one thread): the GEMV kernels decode the weights again
+# for every row of x, so the cut falls where that costs more than the dequantize pass.
+GEMV_MAX_ROWS: dict[int, int] = {
+    T.F32: 8, T.F16: 6, T.BF16: 6, T.Q8_0: 8, T.Q4_0: 6, T.Q4_1: 6, T.Q5_0: 3, T.Q5_1: 3,
+    T.Q2_K: 4, T.Q3_K: 3, T.Q4_K: 4, T.Q5_K: 3, T.Q6_K: 3}
+# GEMVs over fewer weights x rows than this run on the calling thread: waking numba's
+# threads costs more than they save (Q8_0 256x576: 17 us on one thread or two).
+SERIAL_MAX_WORK = 1 << 18
+# Bytes of float32 weight per dequantized tile. BLAS repacks x for every tile, so tiles are
+# larger than L2 (measured, one thread, M = 16..512: 64 KB tiles 1.3-1.8x numpy's time,
+# 1-4 MB 0.9-1.2x).
+TILE_BYTES_SMALL_M = 1 << 20
+TILE_BYTES_LARGE_M = 4 << 20
 LARGE_M = 64
 PREFETCH_BYTES = 16 << 10       # the GEMV kernels prefetch about this far ahead
 # The rows kernels' inner trip count (weights per run), passed at run time: with a constant,
@@ -131,12 +140,17 @@ def gemv(w: QuantMatrix, x: np.ndarray, out: np.ndarray) -> None:
     of weight rows (numba's threads)."""
     _check_f32("x", x, (x.shape[0], w.cols))
     _check_f32("out", out, (x.shape[0], w.rows))
-    if w.qtype in layout.FLOAT_TYPES:
-        sums = np.empty((x.shape[0], 0), dtype=np.float32)
-    else:
-        sums = np.empty((x.shape[0], w.cols // SUM_RUN), dtype=np.float32)
-        block_sums(x, sums)
-    _KERNELS[w.qtype][0](*_kernel_args(w), HALF_LUT, x, sums, out, _prefetch_rows(w))
+    run = functools.partial(_KERNELS[w.qtype][0], *_kernel_args(w), HALF_LUT, x, out,
+                            _prefetch_rows(w))
+    if w.rows * w.cols * x.shape[0] > SERIAL_MAX_WORK:
+        run()
+        return
+    threads = numba.get_num_threads()     # small: on this thread alone (per-thread setting)
+    numba.set_num_threads(1)
+    try:
+        run()
+    finally:
+        numba.set_num_threads(threads)
 
 
 @functools.lru_cache(maxsize=16)

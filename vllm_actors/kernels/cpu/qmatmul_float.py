@@ -18,7 +18,7 @@ from vllm_actors.kernels.cpu.qmatmul_prims import bf16_to_float, half_to_float, 
 
 
 @kernel(parallel=True)
-def gemv_f32(w, lut, x, xs, out, dist):  # type: ignore[no-untyped-def]
+def gemv_f32(w, lut, x, out, dist):  # type: ignore[no-untyped-def]
     n, k = w.shape
     for g in prange((n + 1) // 2):
         r0 = 2 * g
@@ -40,7 +40,7 @@ def gemv_f32(w, lut, x, xs, out, dist):  # type: ignore[no-untyped-def]
 
 
 @kernel(parallel=True)
-def gemv_half(w, bf16, lut, x, xs, out, dist):  # type: ignore[no-untyped-def]
+def gemv_half(w, bf16, lut, x, out, dist):  # type: ignore[no-untyped-def]
     """F16 (`bf16` False) or BF16 bits `w`."""
     n, k = w.shape
     for g in prange((n + 1) // 2):

@@ -16,12 +16,15 @@ import numpy as np
 from numba import prange
 
 from vllm_actors.kernels.cpu.jit import kernel
-from vllm_actors.kernels.cpu.qmatmul_prims import prefetch, shr32, stack_f32
+from vllm_actors.kernels.cpu.qmatmul_prims import (
+    SUM_RUN, block_sums, prefetch, shr32, stack_f32)
 
 
 @kernel(parallel=True)
-def gemv_q4_k(qs, sc, mn, d, dmin, lut, x, xs, out, dist):  # type: ignore[no-untyped-def]
+def gemv_q4_k(qs, sc, mn, d, dmin, lut, x, out, dist):  # type: ignore[no-untyped-def]
     n, rb = qs.shape
+    xs = np.empty((x.shape[0], x.shape[1] // SUM_RUN), dtype=np.float32)
+    block_sums(x, xs)
     for g in prange((n + 1) // 2):
         r0 = 2 * g
         r1 = min(r0 + 1, n - 1)
@@ -73,8 +76,10 @@ def gemv_q4_k(qs, sc, mn, d, dmin, lut, x, xs, out, dist):  # type: ignore[no-un
 
 
 @kernel(parallel=True)
-def gemv_q5_k(qh, qs, sc, mn, d, dmin, lut, x, xs, out, dist):  # type: ignore[no-untyped-def]
+def gemv_q5_k(qh, qs, sc, mn, d, dmin, lut, x, out, dist):  # type: ignore[no-untyped-def]
     n, rb = qs.shape
+    xs = np.empty((x.shape[0], x.shape[1] // SUM_RUN), dtype=np.float32)
+    block_sums(x, xs)
     for g in prange((n + 1) // 2):
         r0 = 2 * g
         r1 = min(r0 + 1, n - 1)
@@ -161,8 +166,10 @@ def rows_q45_k(qh, qs, sc, mn, d, dmin, lut, ids, out, run):  # type: ignore[no-
 
 
 @kernel(parallel=True)
-def gemv_q6_k(ql, qh, scales, d, lut, x, xs, out, dist):  # type: ignore[no-untyped-def]
+def gemv_q6_k(ql, qh, scales, d, lut, x, out, dist):  # type: ignore[no-untyped-def]
     n, rb = ql.shape
+    xs = np.empty((x.shape[0], x.shape[1] // SUM_RUN), dtype=np.float32)
+    block_sums(x, xs)
     for g in prange((n + 1) // 2):
         r0 = 2 * g
         r1 = min(r0 + 1, n - 1)

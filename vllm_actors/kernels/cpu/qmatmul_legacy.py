@@ -22,11 +22,12 @@ import numpy as np
 from numba import prange
 
 from vllm_actors.kernels.cpu.jit import kernel
-from vllm_actors.kernels.cpu.qmatmul_prims import prefetch, shr32, stack_f32
+from vllm_actors.kernels.cpu.qmatmul_prims import (
+    SUM_RUN, block_sums, prefetch, shr32, stack_f32)
 
 
 @kernel(parallel=True)
-def gemv_q8_0(qs, d, lut, x, xs, out, dist):  # type: ignore[no-untyped-def]
+def gemv_q8_0(qs, d, lut, x, out, dist):  # type: ignore[no-untyped-def]
     n, k = qs.shape
     for g in prange((n + 1) // 2):
         r0 = 2 * g
@@ -72,9 +73,11 @@ def rows_q8_0(qs, d, lut, ids, out, run):  # type: ignore[no-untyped-def]
 
 
 @kernel(parallel=True)
-def gemv_q4(qs, d, mn, lut, x, xs, out, dist):  # type: ignore[no-untyped-def]
+def gemv_q4(qs, d, mn, lut, x, out, dist):  # type: ignore[no-untyped-def]
     """Q4_0 (`mn` empty: w = d * (q - 8)) and Q4_1 (w = d * q + m)."""
     n, rb = qs.shape
+    xs = np.empty((x.shape[0], x.shape[1] // SUM_RUN), dtype=np.float32)
+    block_sums(x, xs)
     has_min = mn.shape[0] > 0
     for g in prange((n + 1) // 2):
         r0 = 2 * g
@@ -140,10 +143,12 @@ def rows_q4(qs, d, mn, lut, ids, out, run):  # type: ignore[no-untyped-def]
 
 
 @kernel(parallel=True)
-def gemv_q5(qs, qh, d, mn, lut, x, xs, out, dist):  # type: ignore[no-untyped-def]
+def gemv_q5(qs, qh, d, mn, lut, x, out, dist):  # type: ignore[no-untyped-def]
     """Q5_0 (`mn` empty: w = d * (q - 16)) and Q5_1 (w = d * q + m); q's fifth bit for
     element j of a block is bit j of the block's qh word."""
     n, rb = qs.shape
+    xs = np.empty((x.shape[0], x.shape[1] // SUM_RUN), dtype=np.float32)
+    block_sums(x, xs)
     has_min = mn.shape[0] > 0
     for g in prange((n + 1) // 2):
         r0 = 2 * g
