@@ -10,7 +10,6 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-import numba
 import numpy as np
 from gguf import GGMLQuantizationType
 
@@ -140,17 +139,8 @@ def gemv(w: QuantMatrix, x: np.ndarray, out: np.ndarray) -> None:
     of weight rows (numba's threads)."""
     _check_f32("x", x, (x.shape[0], w.cols))
     _check_f32("out", out, (x.shape[0], w.rows))
-    run = functools.partial(_KERNELS[w.qtype][0], *_kernel_args(w), HALF_LUT, x, out,
-                            _prefetch_rows(w))
-    if w.rows * w.cols * x.shape[0] > SERIAL_MAX_WORK:
-        run()
-        return
-    threads = numba.get_num_threads()     # small: on this thread alone (per-thread setting)
-    numba.set_num_threads(1)
-    try:
-        run()
-    finally:
-        numba.set_num_threads(threads)
+    threads = 1 if w.rows * w.cols * x.shape[0] <= SERIAL_MAX_WORK else 0
+    _KERNELS[w.qtype][0](*_kernel_args(w), HALF_LUT, x, out, _prefetch_rows(w), threads)
 
 
 @functools.lru_cache(maxsize=16)

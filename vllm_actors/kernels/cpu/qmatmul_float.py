@@ -14,11 +14,13 @@ import numpy as np
 from numba import prange
 
 from vllm_actors.kernels.cpu.jit import kernel
-from vllm_actors.kernels.cpu.qmatmul_prims import bf16_to_float, half_to_float, prefetch
+from vllm_actors.kernels.cpu.qmatmul_prims import (
+    bf16_to_float, half_to_float, limit_threads, prefetch, restore_threads)
 
 
 @kernel(parallel=True)
-def gemv_f32(w, lut, x, out, dist):  # type: ignore[no-untyped-def]
+def gemv_f32(w, lut, x, out, dist, threads):  # type: ignore[no-untyped-def]
+    prev = limit_threads(threads)
     n, k = w.shape
     for g in prange((n + 1) // 2):
         r0 = 2 * g
@@ -37,11 +39,13 @@ def gemv_f32(w, lut, x, out, dist):  # type: ignore[no-untyped-def]
             out[m, r0] = a0
             if r0 + 1 < n:
                 out[m, r0 + 1] = a1
+    restore_threads(prev)
 
 
 @kernel(parallel=True)
-def gemv_half(w, bf16, lut, x, out, dist):  # type: ignore[no-untyped-def]
+def gemv_half(w, bf16, lut, x, out, dist, threads):  # type: ignore[no-untyped-def]
     """F16 (`bf16` False) or BF16 bits `w`."""
+    prev = limit_threads(threads)
     n, k = w.shape
     for g in prange((n + 1) // 2):
         r0 = 2 * g
@@ -65,6 +69,7 @@ def gemv_half(w, bf16, lut, x, out, dist):  # type: ignore[no-untyped-def]
             out[m, r0] = a0
             if r0 + 1 < n:
                 out[m, r0 + 1] = a1
+    restore_threads(prev)
 
 
 @kernel

@@ -15,11 +15,12 @@ from numba import prange
 
 from vllm_actors.kernels.cpu.jit import kernel
 from vllm_actors.kernels.cpu.qmatmul_prims import (
-    SUM_RUN, block_sums, prefetch, shr32, stack_f32)
+    SUM_RUN, block_sums, limit_threads, prefetch, restore_threads, shr32, stack_f32)
 
 
 @kernel(parallel=True)
-def gemv_q2_k(qs, scales, d, dmin, lut, x, out, dist):  # type: ignore[no-untyped-def]
+def gemv_q2_k(qs, scales, d, dmin, lut, x, out, dist, threads):  # type: ignore[no-untyped-def]
+    prev = limit_threads(threads)
     n, rb = qs.shape
     xs = np.empty((x.shape[0], x.shape[1] // SUM_RUN), dtype=np.float32)
     block_sums(x, xs)
@@ -72,6 +73,7 @@ def gemv_q2_k(qs, scales, d, dmin, lut, x, out, dist):  # type: ignore[no-untype
             out[m, r0] = acc[0:8].sum() - off0
             if r0 + 1 < n:
                 out[m, r0 + 1] = acc[8:16].sum() - off1
+    restore_threads(prev)
 
 
 @kernel
@@ -100,7 +102,8 @@ def rows_q2_k(qs, scales, d, dmin, lut, ids, out, run):  # type: ignore[no-untyp
 
 
 @kernel(parallel=True)
-def gemv_q3_k(hmask, qs, scales, d, lut, x, out, dist):  # type: ignore[no-untyped-def]
+def gemv_q3_k(hmask, qs, scales, d, lut, x, out, dist, threads):  # type: ignore[no-untyped-def]
+    prev = limit_threads(threads)
     n, rb = qs.shape
     xs = np.empty((x.shape[0], x.shape[1] // SUM_RUN), dtype=np.float32)
     block_sums(x, xs)
@@ -153,6 +156,7 @@ def gemv_q3_k(hmask, qs, scales, d, lut, x, out, dist):  # type: ignore[no-untyp
             out[m, r0] = acc[0:8].sum() - np.float32(4) * off0
             if r0 + 1 < n:
                 out[m, r0 + 1] = acc[8:16].sum() - np.float32(4) * off1
+    restore_threads(prev)
 
 
 @kernel

@@ -17,11 +17,12 @@ from numba import prange
 
 from vllm_actors.kernels.cpu.jit import kernel
 from vllm_actors.kernels.cpu.qmatmul_prims import (
-    SUM_RUN, block_sums, prefetch, shr32, stack_f32)
+    SUM_RUN, block_sums, limit_threads, prefetch, restore_threads, shr32, stack_f32)
 
 
 @kernel(parallel=True)
-def gemv_q4_k(qs, sc, mn, d, dmin, lut, x, out, dist):  # type: ignore[no-untyped-def]
+def gemv_q4_k(qs, sc, mn, d, dmin, lut, x, out, dist, threads):  # type: ignore[no-untyped-def]
+    prev = limit_threads(threads)
     n, rb = qs.shape
     xs = np.empty((x.shape[0], x.shape[1] // SUM_RUN), dtype=np.float32)
     block_sums(x, xs)
@@ -73,10 +74,12 @@ def gemv_q4_k(qs, sc, mn, d, dmin, lut, x, out, dist):  # type: ignore[no-untype
             out[m, r0] = acc[0:8].sum() - off0
             if r0 + 1 < n:
                 out[m, r0 + 1] = acc[8:16].sum() - off1
+    restore_threads(prev)
 
 
 @kernel(parallel=True)
-def gemv_q5_k(qh, qs, sc, mn, d, dmin, lut, x, out, dist):  # type: ignore[no-untyped-def]
+def gemv_q5_k(qh, qs, sc, mn, d, dmin, lut, x, out, dist, threads):  # type: ignore[no-untyped-def]
+    prev = limit_threads(threads)
     n, rb = qs.shape
     xs = np.empty((x.shape[0], x.shape[1] // SUM_RUN), dtype=np.float32)
     block_sums(x, xs)
@@ -137,6 +140,7 @@ def gemv_q5_k(qh, qs, sc, mn, d, dmin, lut, x, out, dist):  # type: ignore[no-un
             out[m, r0] = acc[0:8].sum() - off0
             if r0 + 1 < n:
                 out[m, r0 + 1] = acc[8:16].sum() - off1
+    restore_threads(prev)
 
 
 @kernel
@@ -166,7 +170,8 @@ def rows_q45_k(qh, qs, sc, mn, d, dmin, lut, ids, out, run):  # type: ignore[no-
 
 
 @kernel(parallel=True)
-def gemv_q6_k(ql, qh, scales, d, lut, x, out, dist):  # type: ignore[no-untyped-def]
+def gemv_q6_k(ql, qh, scales, d, lut, x, out, dist, threads):  # type: ignore[no-untyped-def]
+    prev = limit_threads(threads)
     n, rb = ql.shape
     xs = np.empty((x.shape[0], x.shape[1] // SUM_RUN), dtype=np.float32)
     block_sums(x, xs)
@@ -221,6 +226,7 @@ def gemv_q6_k(ql, qh, scales, d, lut, x, out, dist):  # type: ignore[no-untyped-
             out[m, r0] = acc[0:8].sum() - np.float32(32) * off0
             if r0 + 1 < n:
                 out[m, r0 + 1] = acc[8:16].sum() - np.float32(32) * off1
+    restore_threads(prev)
 
 
 @kernel

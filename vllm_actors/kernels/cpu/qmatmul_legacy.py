@@ -23,11 +23,12 @@ from numba import prange
 
 from vllm_actors.kernels.cpu.jit import kernel
 from vllm_actors.kernels.cpu.qmatmul_prims import (
-    SUM_RUN, block_sums, prefetch, shr32, stack_f32)
+    SUM_RUN, block_sums, limit_threads, prefetch, restore_threads, shr32, stack_f32)
 
 
 @kernel(parallel=True)
-def gemv_q8_0(qs, d, lut, x, out, dist):  # type: ignore[no-untyped-def]
+def gemv_q8_0(qs, d, lut, x, out, dist, threads):  # type: ignore[no-untyped-def]
+    prev = limit_threads(threads)
     n, k = qs.shape
     for g in prange((n + 1) // 2):
         r0 = 2 * g
@@ -60,6 +61,7 @@ def gemv_q8_0(qs, d, lut, x, out, dist):  # type: ignore[no-untyped-def]
             out[m, r0] = acc[0:8].sum()
             if r0 + 1 < n:
                 out[m, r0 + 1] = acc[8:16].sum()
+    restore_threads(prev)
 
 
 @kernel
@@ -73,8 +75,9 @@ def rows_q8_0(qs, d, lut, ids, out, run):  # type: ignore[no-untyped-def]
 
 
 @kernel(parallel=True)
-def gemv_q4(qs, d, mn, lut, x, out, dist):  # type: ignore[no-untyped-def]
+def gemv_q4(qs, d, mn, lut, x, out, dist, threads):  # type: ignore[no-untyped-def]
     """Q4_0 (`mn` empty: w = d * (q - 8)) and Q4_1 (w = d * q + m)."""
+    prev = limit_threads(threads)
     n, rb = qs.shape
     xs = np.empty((x.shape[0], x.shape[1] // SUM_RUN), dtype=np.float32)
     block_sums(x, xs)
@@ -124,6 +127,7 @@ def gemv_q4(qs, d, mn, lut, x, out, dist):  # type: ignore[no-untyped-def]
             out[m, r0] = acc[0:8].sum() + off0
             if r0 + 1 < n:
                 out[m, r0 + 1] = acc[8:16].sum() + off1
+    restore_threads(prev)
 
 
 @kernel
@@ -143,9 +147,10 @@ def rows_q4(qs, d, mn, lut, ids, out, run):  # type: ignore[no-untyped-def]
 
 
 @kernel(parallel=True)
-def gemv_q5(qs, qh, d, mn, lut, x, out, dist):  # type: ignore[no-untyped-def]
+def gemv_q5(qs, qh, d, mn, lut, x, out, dist, threads):  # type: ignore[no-untyped-def]
     """Q5_0 (`mn` empty: w = d * (q - 16)) and Q5_1 (w = d * q + m); q's fifth bit for
     element j of a block is bit j of the block's qh word."""
+    prev = limit_threads(threads)
     n, rb = qs.shape
     xs = np.empty((x.shape[0], x.shape[1] // SUM_RUN), dtype=np.float32)
     block_sums(x, xs)
@@ -199,6 +204,7 @@ def gemv_q5(qs, qh, d, mn, lut, x, out, dist):  # type: ignore[no-untyped-def]
             out[m, r0] = acc[0:8].sum() + off0
             if r0 + 1 < n:
                 out[m, r0 + 1] = acc[8:16].sum() + off1
+    restore_threads(prev)
 
 
 @kernel

@@ -22,6 +22,7 @@ faster than the conversion instruction (Q8_0: 0.062 vs 0.078 ns/weight).
 from __future__ import annotations
 
 import llvmlite.binding as llvm
+import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
@@ -151,6 +152,55 @@ def shl32(typingctx, value, amount):  # type: ignore[no-untyped-def]
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
         return builder.shl(_to_i32(builder, args[0], value), _to_i32(builder, args[1], amount))
+    return sig, codegen
+
+
+# numba's threading layer registers its C functions with LLVM when its threads start.
+numba.get_num_threads()
+
+
+@intrinsic
+def limit_threads(typingctx, count):  # type: ignore[no-untyped-def]
+    """Lower numba's thread count for the parallel loops this thread starts next to `count`
+    (when 0 < count < current); returns the count it replaced, for `restore_threads`. Small
+    GEMVs run on one thread: waking numba's threads costs ~14 us here, and the Python-level
+    `numba.set_num_threads` pair 5 us. Calls the threading layer by symbol name, as numba's own
+    parallel loops do, so kernels stay cacheable (`numba.set_num_threads` in jitted code makes
+    them uncacheable)."""
+    if not isinstance(count, types.Integer):
+        return None
+    sig = types.intp(count)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        intp = context.get_value_type(types.intp)
+        i32 = ir.IntType(32)
+        get = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(intp, []), "get_num_threads")
+        put = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i32]), "set_num_threads")
+        previous = builder.call(get, [])
+        wanted = context.cast(builder, args[0], count, types.intp)
+        lower = builder.and_(builder.icmp_signed(">", wanted, ir.Constant(intp, 0)),
+                             builder.icmp_signed("<", wanted, previous))
+        with builder.if_then(lower):
+            builder.call(put, [builder.trunc(wanted, i32)])
+        return previous
+    return sig, codegen
+
+
+@intrinsic
+def restore_threads(typingctx, count):  # type: ignore[no-untyped-def]
+    """Set numba's thread count for this thread back to `count` (from `limit_threads`)."""
+    if not isinstance(count, types.Integer):
+        return None
+    sig = types.none(count)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        i32 = ir.IntType(32)
+        put = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i32]), "set_num_threads")
+        builder.call(put, [context.cast(builder, args[0], count, types.int32)])
+        return context.get_dummy_value()
     return sig, codegen
 
 
