@@ -15,7 +15,7 @@ from numba import prange
 
 from vllm_actors.kernels.cpu.jit import kernel
 from vllm_actors.kernels.cpu.qmatmul_prims import (
-    SUM_RUN, block_sums, limit_threads, prefetch, restore_threads, shr32, stack_f32)
+    SUM_RUN, block_sums, limit_threads, prefetch, restore_threads, shl32, shr32, stack_f32)
 
 
 @kernel(parallel=True)
@@ -24,12 +24,14 @@ def gemv_q2_k(qs, scales, d, dmin, lut, x, out, dist, threads):  # type: ignore[
     n, rb = qs.shape
     xs = np.empty((x.shape[0], x.shape[1] // SUM_RUN), dtype=np.float32)
     block_sums(x, xs)
+    subs = scales.shape[1] // max(1, rb // 64)     # 16; opaque to LLVM (see gemv_q6_k)
     for g in prange((n + 1) // 2):
         r0 = 2 * g
         r1 = min(r0 + 1, n - 1)
         p0 = min(r0 + dist, n - 1) * rb
         p1 = min(r0 + dist + 1, n - 1) * rb
         acc = stack_f32(16)
+        scl = stack_f32(32)         # the superblock's sub-block scales, both rows
         for m in range(x.shape[0]):
             for i in range(16):
                 acc[i] = 0
@@ -40,36 +42,36 @@ def gemv_q2_k(qs, scales, d, dmin, lut, x, out, dist, threads):  # type: ignore[
                 d1 = lut[d[r1, sb]]
                 e0 = lut[dmin[r0, sb]]
                 e1 = lut[dmin[r1, sb]]
-                for nj in range(8):
-                    prefetch(qs, p0 + 64 * sb + 8 * nj)
-                    prefetch(qs, p1 + 64 * sb + 8 * nj)
-                    s = 16 * sb + 2 * nj
-                    v0 = np.int32(scales[r0, s])
-                    w0 = np.int32(scales[r0, s + 1])
-                    v1 = np.int32(scales[r1, s])
-                    w1 = np.int32(scales[r1, s + 1])
-                    off0 += e0 * (np.float32(v0 >> 4) * xs[m, s] + np.float32(w0 >> 4) * xs[m, s + 1])
-                    off1 += e1 * (np.float32(v1 >> 4) * xs[m, s] + np.float32(w1 >> 4) * xs[m, s + 1])
-                    a0 = d0 * np.float32(v0 & 15)
-                    b0 = d0 * np.float32(w0 & 15)
-                    a1 = d1 * np.float32(v1 & 15)
-                    b1 = d1 * np.float32(w1 & 15)
-                    o = 64 * sb + 32 * (nj >> 2)
-                    sh = 2 * (nj & 3)
-                    xo = 16 * s
+                for s in range(subs):
+                    v0 = np.int32(scales[r0, 16 * sb + s])
+                    v1 = np.int32(scales[r1, 16 * sb + s])
+                    scl[s] = d0 * np.float32(v0 & 15)
+                    scl[16 + s] = d1 * np.float32(v1 & 15)
+                    off0 += e0 * np.float32(shr32(v0, 4)) * xs[m, 16 * sb + s]
+                    off1 += e1 * np.float32(shr32(v1, 4)) * xs[m, 16 * sb + s]
+                for nc in range(8):      # half nc // 4 of the superblock, bytes 8 * (nc % 4)..
+                    prefetch(qs, p0 + 64 * sb + 8 * nc)
+                    prefetch(qs, p1 + 64 * sb + 8 * nc)
+                    half = nc >> 2
+                    c = nc & 3
+                    o = 64 * sb + 32 * half + 8 * c
+                    t = 8 * half + (c >> 1)         # sub-block of shift 0; shift 2j adds 2j
+                    xo = 256 * sb + 128 * half + 8 * c
                     for i in range(8):
                         x0 = x[m, xo + i]
-                        x1 = x[m, xo + 8 + i]
-                        x2 = x[m, xo + 16 + i]
-                        x3 = x[m, xo + 24 + i]
-                        acc[i] += (a0 * (np.float32((shr32(qs[r0, o + i], sh)) & 3) * x0
-                                         + np.float32((shr32(qs[r0, o + 8 + i], sh)) & 3) * x1)
-                                   + b0 * (np.float32((shr32(qs[r0, o + 16 + i], sh)) & 3) * x2
-                                           + np.float32((shr32(qs[r0, o + 24 + i], sh)) & 3) * x3))
-                        acc[8 + i] += (a1 * (np.float32((shr32(qs[r1, o + i], sh)) & 3) * x0
-                                             + np.float32((shr32(qs[r1, o + 8 + i], sh)) & 3) * x1)
-                                       + b1 * (np.float32((shr32(qs[r1, o + 16 + i], sh)) & 3) * x2
-                                               + np.float32((shr32(qs[r1, o + 24 + i], sh)) & 3) * x3))
+                        x1 = x[m, xo + 32 + i]
+                        x2 = x[m, xo + 64 + i]
+                        x3 = x[m, xo + 96 + i]
+                        q = np.int32(qs[r0, o + i])
+                        acc[i] += (scl[t] * np.float32(q & 3) * x0
+                                   + scl[t + 2] * np.float32(shr32(q, 2) & 3) * x1
+                                   + scl[t + 4] * np.float32(shr32(q, 4) & 3) * x2
+                                   + scl[t + 6] * np.float32(shr32(q, 6)) * x3)
+                        q = np.int32(qs[r1, o + i])
+                        acc[8 + i] += (scl[16 + t] * np.float32(q & 3) * x0
+                                   + scl[16 + t + 2] * np.float32(shr32(q, 2) & 3) * x1
+                                   + scl[16 + t + 4] * np.float32(shr32(q, 4) & 3) * x2
+                                   + scl[16 + t + 6] * np.float32(shr32(q, 6)) * x3)
             out[m, r0] = acc[0:8].sum() - off0
             if r0 + 1 < n:
                 out[m, r0 + 1] = acc[8:16].sum() - off1
@@ -107,12 +109,14 @@ def gemv_q3_k(hmask, qs, scales, d, lut, x, out, dist, threads):  # type: ignore
     n, rb = qs.shape
     xs = np.empty((x.shape[0], x.shape[1] // SUM_RUN), dtype=np.float32)
     block_sums(x, xs)
+    subs = scales.shape[1] // max(1, rb // 64)     # 16; opaque to LLVM (see gemv_q6_k)
     for g in prange((n + 1) // 2):
         r0 = 2 * g
         r1 = min(r0 + 1, n - 1)
         p0 = min(r0 + dist, n - 1) * rb
         p1 = min(r0 + dist + 1, n - 1) * rb
         acc = stack_f32(16)
+        scl = stack_f32(32)         # the superblock's sub-block scales, both rows
         for m in range(x.shape[0]):
             for i in range(16):
                 acc[i] = 0
@@ -121,38 +125,38 @@ def gemv_q3_k(hmask, qs, scales, d, lut, x, out, dist, threads):  # type: ignore
             for sb in range(rb // 64):
                 d0 = lut[d[r0, sb]]
                 d1 = lut[d[r1, sb]]
-                for nj in range(8):
-                    prefetch(qs, p0 + 64 * sb + 8 * nj)
-                    prefetch(qs, p1 + 64 * sb + 8 * nj)
-                    s = 16 * sb + 2 * nj
-                    a0 = d0 * np.float32(scales[r0, s])
-                    b0 = d0 * np.float32(scales[r0, s + 1])
-                    a1 = d1 * np.float32(scales[r1, s])
-                    b1 = d1 * np.float32(scales[r1, s + 1])
-                    off0 += a0 * xs[m, s] + b0 * xs[m, s + 1]
-                    off1 += a1 * xs[m, s] + b1 * xs[m, s + 1]
-                    o = 64 * sb + 32 * (nj >> 2)
-                    sh = 2 * (nj & 3)
-                    hs = nj    # hmask bit 4n + j
-                    hb = 32 * sb
-                    xo = 16 * s
+                for s in range(subs):
+                    scl[s] = d0 * np.float32(scales[r0, 16 * sb + s])
+                    scl[16 + s] = d1 * np.float32(scales[r1, 16 * sb + s])
+                    off0 += scl[s] * xs[m, 16 * sb + s]
+                    off1 += scl[16 + s] * xs[m, 16 * sb + s]
+                for nc in range(8):      # half nc // 4 of the superblock, bytes 8 * (nc % 4)..
+                    prefetch(qs, p0 + 64 * sb + 8 * nc)
+                    prefetch(qs, p1 + 64 * sb + 8 * nc)
+                    half = nc >> 2
+                    c = nc & 3
+                    o = 64 * sb + 32 * half + 8 * c
+                    t = 8 * half + (c >> 1)         # sub-block of shift 0; shift 2j adds 2j
+                    xo = 256 * sb + 128 * half + 8 * c
+                    hb = 32 * sb + 8 * c
+                    hs = 4 * half
                     for i in range(8):
                         x0 = x[m, xo + i]
-                        x1 = x[m, xo + 8 + i]
-                        x2 = x[m, xo + 16 + i]
-                        x3 = x[m, xo + 24 + i]
-                        q0 = ((shr32(qs[r0, o + i], sh)) & 3) | (((shr32(hmask[r0, hb + i], hs)) & 1) << 2)
-                        q1 = ((shr32(qs[r0, o + 8 + i], sh)) & 3) | (((shr32(hmask[r0, hb + 8 + i], hs)) & 1) << 2)
-                        q2 = ((shr32(qs[r0, o + 16 + i], sh)) & 3) | (((shr32(hmask[r0, hb + 16 + i], hs)) & 1) << 2)
-                        q3 = ((shr32(qs[r0, o + 24 + i], sh)) & 3) | (((shr32(hmask[r0, hb + 24 + i], hs)) & 1) << 2)
-                        acc[i] += (a0 * (np.float32(q0) * x0 + np.float32(q1) * x1)
-                                   + b0 * (np.float32(q2) * x2 + np.float32(q3) * x3))
-                        q0 = ((shr32(qs[r1, o + i], sh)) & 3) | (((shr32(hmask[r1, hb + i], hs)) & 1) << 2)
-                        q1 = ((shr32(qs[r1, o + 8 + i], sh)) & 3) | (((shr32(hmask[r1, hb + 8 + i], hs)) & 1) << 2)
-                        q2 = ((shr32(qs[r1, o + 16 + i], sh)) & 3) | (((shr32(hmask[r1, hb + 16 + i], hs)) & 1) << 2)
-                        q3 = ((shr32(qs[r1, o + 24 + i], sh)) & 3) | (((shr32(hmask[r1, hb + 24 + i], hs)) & 1) << 2)
-                        acc[8 + i] += (a1 * (np.float32(q0) * x0 + np.float32(q1) * x1)
-                                       + b1 * (np.float32(q2) * x2 + np.float32(q3) * x3))
+                        x1 = x[m, xo + 32 + i]
+                        x2 = x[m, xo + 64 + i]
+                        x3 = x[m, xo + 96 + i]
+                        q = np.int32(qs[r0, o + i])
+                        h = shr32(hmask[r0, hb + i], hs)
+                        acc[i] += (scl[t] * np.float32((q & 3) | shl32(h & 1, 2)) * x0
+                                   + scl[t + 2] * np.float32((shr32(q, 2) & 3) | shl32(h & 2, 1)) * x1
+                                   + scl[t + 4] * np.float32((shr32(q, 4) & 3) | (h & 4)) * x2
+                                   + scl[t + 6] * np.float32(shr32(q, 6) | shr32(h & 8, 1)) * x3)
+                        q = np.int32(qs[r1, o + i])
+                        h = shr32(hmask[r1, hb + i], hs)
+                        acc[8 + i] += (scl[16 + t] * np.float32((q & 3) | shl32(h & 1, 2)) * x0
+                                   + scl[16 + t + 2] * np.float32((shr32(q, 2) & 3) | shl32(h & 2, 1)) * x1
+                                   + scl[16 + t + 4] * np.float32((shr32(q, 4) & 3) | (h & 4)) * x2
+                                   + scl[16 + t + 6] * np.float32(shr32(q, 6) | shr32(h & 8, 1)) * x3)
             out[m, r0] = acc[0:8].sum() - np.float32(4) * off0
             if r0 + 1 < n:
                 out[m, r0 + 1] = acc[8:16].sum() - np.float32(4) * off1

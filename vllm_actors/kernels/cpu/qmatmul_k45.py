@@ -17,7 +17,7 @@ from numba import prange
 
 from vllm_actors.kernels.cpu.jit import kernel
 from vllm_actors.kernels.cpu.qmatmul_prims import (
-    SUM_RUN, block_sums, limit_threads, prefetch, restore_threads, shr32, stack_f32)
+    SUM_RUN, block_sums, limit_threads, prefetch, restore_threads, shl32, shr32, stack_f32)
 
 
 @kernel(parallel=True)
@@ -26,12 +26,14 @@ def gemv_q4_k(qs, sc, mn, d, dmin, lut, x, out, dist, threads):  # type: ignore[
     n, rb = qs.shape
     xs = np.empty((x.shape[0], x.shape[1] // SUM_RUN), dtype=np.float32)
     block_sums(x, xs)
+    subs = sc.shape[1] // max(1, rb // 128)     # 8; opaque to LLVM (see gemv_q6_k)
     for g in prange((n + 1) // 2):
         r0 = 2 * g
         r1 = min(r0 + 1, n - 1)
         p0 = min(r0 + dist, n - 1) * rb
         p1 = min(r0 + dist + 1, n - 1) * rb
         acc = stack_f32(16)
+        scl = stack_f32(16)         # d * sc of the superblock, both rows
         for m in range(x.shape[0]):
             for i in range(16):
                 acc[i] = 0
@@ -42,35 +44,55 @@ def gemv_q4_k(qs, sc, mn, d, dmin, lut, x, out, dist, threads):  # type: ignore[
                 d1 = lut[d[r1, sb]]
                 e0 = lut[dmin[r0, sb]]
                 e1 = lut[dmin[r1, sb]]
-                for s in range(8):
-                    prefetch(qs, p0 + 128 * sb + 16 * s)
-                    prefetch(qs, p1 + 128 * sb + 16 * s)
+                for s in range(subs):
                     j = 8 * sb + s
+                    scl[s] = d0 * np.float32(sc[r0, j])
+                    scl[8 + s] = d1 * np.float32(sc[r1, j])
                     xsum = xs[m, 2 * j] + xs[m, 2 * j + 1]
                     off0 += e0 * np.float32(mn[r0, j]) * xsum
                     off1 += e1 * np.float32(mn[r1, j]) * xsum
-                    a0 = d0 * np.float32(sc[r0, j])
-                    a1 = d1 * np.float32(sc[r1, j])
-                    o = 128 * sb + 32 * (s >> 1)
-                    sh = 4 * (s & 1)
-                    xo = 32 * j
+                for gg in range(4):      # 32 bytes: sub-blocks 2gg (low nibbles), 2gg + 1
+                    o = 128 * sb + 32 * gg
+                    prefetch(qs, p0 + o)
+                    prefetch(qs, p1 + o)
+                    a0 = scl[2 * gg]
+                    b0 = scl[2 * gg + 1]
+                    a1 = scl[8 + 2 * gg]
+                    b1 = scl[9 + 2 * gg]
+                    xo = 256 * sb + 64 * gg
                     for i in range(8):
+                        q0 = np.int32(qs[r0, o + i])
+                        q1 = np.int32(qs[r0, o + 8 + i])
+                        q2 = np.int32(qs[r0, o + 16 + i])
+                        q3 = np.int32(qs[r0, o + 24 + i])
+                        u0 = np.int32(qs[r1, o + i])
+                        u1 = np.int32(qs[r1, o + 8 + i])
+                        u2 = np.int32(qs[r1, o + 16 + i])
+                        u3 = np.int32(qs[r1, o + 24 + i])
                         x0 = x[m, xo + i]
                         x1 = x[m, xo + 8 + i]
                         x2 = x[m, xo + 16 + i]
                         x3 = x[m, xo + 24 + i]
-                        q0 = (shr32(qs[r0, o + i], sh)) & 15
-                        q1 = (shr32(qs[r0, o + 8 + i], sh)) & 15
-                        q2 = (shr32(qs[r0, o + 16 + i], sh)) & 15
-                        q3 = (shr32(qs[r0, o + 24 + i], sh)) & 15
-                        u0 = (shr32(qs[r1, o + i], sh)) & 15
-                        u1 = (shr32(qs[r1, o + 8 + i], sh)) & 15
-                        u2 = (shr32(qs[r1, o + 16 + i], sh)) & 15
-                        u3 = (shr32(qs[r1, o + 24 + i], sh)) & 15
-                        acc[i] += a0 * (np.float32(q0) * x0 + np.float32(q1) * x1
-                                        + np.float32(q2) * x2 + np.float32(q3) * x3)
-                        acc[8 + i] += a1 * (np.float32(u0) * x0 + np.float32(u1) * x1
-                                            + np.float32(u2) * x2 + np.float32(u3) * x3)
+                        acc[i] += a0 * (np.float32((q0 & 15)) * x0
+                                        + np.float32((q1 & 15)) * x1
+                                        + np.float32((q2 & 15)) * x2
+                                        + np.float32((q3 & 15)) * x3)
+                        acc[8 + i] += a1 * (np.float32((u0 & 15)) * x0
+                                            + np.float32((u1 & 15)) * x1
+                                            + np.float32((u2 & 15)) * x2
+                                            + np.float32((u3 & 15)) * x3)
+                        x0 = x[m, xo + 32 + i]
+                        x1 = x[m, xo + 40 + i]
+                        x2 = x[m, xo + 48 + i]
+                        x3 = x[m, xo + 56 + i]
+                        acc[i] += b0 * (np.float32(shr32(q0, 4)) * x0
+                                        + np.float32(shr32(q1, 4)) * x1
+                                        + np.float32(shr32(q2, 4)) * x2
+                                        + np.float32(shr32(q3, 4)) * x3)
+                        acc[8 + i] += b1 * (np.float32(shr32(u0, 4)) * x0
+                                            + np.float32(shr32(u1, 4)) * x1
+                                            + np.float32(shr32(u2, 4)) * x2
+                                            + np.float32(shr32(u3, 4)) * x3)
             out[m, r0] = acc[0:8].sum() - off0
             if r0 + 1 < n:
                 out[m, r0 + 1] = acc[8:16].sum() - off1
@@ -83,12 +105,14 @@ def gemv_q5_k(qh, qs, sc, mn, d, dmin, lut, x, out, dist, threads):  # type: ign
     n, rb = qs.shape
     xs = np.empty((x.shape[0], x.shape[1] // SUM_RUN), dtype=np.float32)
     block_sums(x, xs)
+    subs = sc.shape[1] // max(1, rb // 128)     # 8; opaque to LLVM (see gemv_q6_k)
     for g in prange((n + 1) // 2):
         r0 = 2 * g
         r1 = min(r0 + 1, n - 1)
         p0 = min(r0 + dist, n - 1) * rb
         p1 = min(r0 + dist + 1, n - 1) * rb
         acc = stack_f32(16)
+        scl = stack_f32(16)         # d * sc of the superblock, both rows
         for m in range(x.shape[0]):
             for i in range(16):
                 acc[i] = 0
@@ -99,44 +123,64 @@ def gemv_q5_k(qh, qs, sc, mn, d, dmin, lut, x, out, dist, threads):  # type: ign
                 d1 = lut[d[r1, sb]]
                 e0 = lut[dmin[r0, sb]]
                 e1 = lut[dmin[r1, sb]]
-                for s in range(8):
-                    prefetch(qs, p0 + 128 * sb + 16 * s)
-                    prefetch(qs, p1 + 128 * sb + 16 * s)
+                for s in range(subs):
                     j = 8 * sb + s
+                    scl[s] = d0 * np.float32(sc[r0, j])
+                    scl[8 + s] = d1 * np.float32(sc[r1, j])
                     xsum = xs[m, 2 * j] + xs[m, 2 * j + 1]
                     off0 += e0 * np.float32(mn[r0, j]) * xsum
                     off1 += e1 * np.float32(mn[r1, j]) * xsum
-                    a0 = d0 * np.float32(sc[r0, j])
-                    a1 = d1 * np.float32(sc[r1, j])
-                    o = 128 * sb + 32 * (s >> 1)
-                    sh = 4 * (s & 1)
-                    xo = 32 * j
+                for gg in range(4):      # 32 bytes: sub-blocks 2gg (low nibbles), 2gg + 1
+                    o = 128 * sb + 32 * gg
+                    prefetch(qs, p0 + o)
+                    prefetch(qs, p1 + o)
+                    a0 = scl[2 * gg]
+                    b0 = scl[2 * gg + 1]
+                    a1 = scl[8 + 2 * gg]
+                    b1 = scl[9 + 2 * gg]
+                    xo = 256 * sb + 64 * gg
                     hb = 32 * sb
                     for i in range(8):
+                        q0 = np.int32(qs[r0, o + i])
+                        q1 = np.int32(qs[r0, o + 8 + i])
+                        q2 = np.int32(qs[r0, o + 16 + i])
+                        q3 = np.int32(qs[r0, o + 24 + i])
+                        u0 = np.int32(qs[r1, o + i])
+                        u1 = np.int32(qs[r1, o + 8 + i])
+                        u2 = np.int32(qs[r1, o + 16 + i])
+                        u3 = np.int32(qs[r1, o + 24 + i])
+                        h0 = shl32(shr32(qh[r0, hb + i], 2 * gg), 4)
+                        h1 = shl32(shr32(qh[r0, hb + 8 + i], 2 * gg), 4)
+                        h2 = shl32(shr32(qh[r0, hb + 16 + i], 2 * gg), 4)
+                        h3 = shl32(shr32(qh[r0, hb + 24 + i], 2 * gg), 4)
+                        v0 = shl32(shr32(qh[r1, hb + i], 2 * gg), 4)
+                        v1 = shl32(shr32(qh[r1, hb + 8 + i], 2 * gg), 4)
+                        v2 = shl32(shr32(qh[r1, hb + 16 + i], 2 * gg), 4)
+                        v3 = shl32(shr32(qh[r1, hb + 24 + i], 2 * gg), 4)
                         x0 = x[m, xo + i]
                         x1 = x[m, xo + 8 + i]
                         x2 = x[m, xo + 16 + i]
                         x3 = x[m, xo + 24 + i]
-                        q0 = (shr32(qs[r0, o + i], sh)) & 15
-                        q1 = (shr32(qs[r0, o + 8 + i], sh)) & 15
-                        q2 = (shr32(qs[r0, o + 16 + i], sh)) & 15
-                        q3 = (shr32(qs[r0, o + 24 + i], sh)) & 15
-                        u0 = (shr32(qs[r1, o + i], sh)) & 15
-                        u1 = (shr32(qs[r1, o + 8 + i], sh)) & 15
-                        u2 = (shr32(qs[r1, o + 16 + i], sh)) & 15
-                        u3 = (shr32(qs[r1, o + 24 + i], sh)) & 15
-                        q0 |= ((shr32(qh[r0, hb + i], s)) & 1) << 4
-                        q1 |= ((shr32(qh[r0, hb + 8 + i], s)) & 1) << 4
-                        q2 |= ((shr32(qh[r0, hb + 16 + i], s)) & 1) << 4
-                        q3 |= ((shr32(qh[r0, hb + 24 + i], s)) & 1) << 4
-                        u0 |= ((shr32(qh[r1, hb + i], s)) & 1) << 4
-                        u1 |= ((shr32(qh[r1, hb + 8 + i], s)) & 1) << 4
-                        u2 |= ((shr32(qh[r1, hb + 16 + i], s)) & 1) << 4
-                        u3 |= ((shr32(qh[r1, hb + 24 + i], s)) & 1) << 4
-                        acc[i] += a0 * (np.float32(q0) * x0 + np.float32(q1) * x1
-                                        + np.float32(q2) * x2 + np.float32(q3) * x3)
-                        acc[8 + i] += a1 * (np.float32(u0) * x0 + np.float32(u1) * x1
-                                            + np.float32(u2) * x2 + np.float32(u3) * x3)
+                        acc[i] += a0 * (np.float32((q0 & 15) | (h0 & 16)) * x0
+                                        + np.float32((q1 & 15) | (h1 & 16)) * x1
+                                        + np.float32((q2 & 15) | (h2 & 16)) * x2
+                                        + np.float32((q3 & 15) | (h3 & 16)) * x3)
+                        acc[8 + i] += a1 * (np.float32((u0 & 15) | (v0 & 16)) * x0
+                                            + np.float32((u1 & 15) | (v1 & 16)) * x1
+                                            + np.float32((u2 & 15) | (v2 & 16)) * x2
+                                            + np.float32((u3 & 15) | (v3 & 16)) * x3)
+                        x0 = x[m, xo + 32 + i]
+                        x1 = x[m, xo + 40 + i]
+                        x2 = x[m, xo + 48 + i]
+                        x3 = x[m, xo + 56 + i]
+                        acc[i] += b0 * (np.float32(shr32(q0, 4) | shr32(h0 & 32, 1)) * x0
+                                        + np.float32(shr32(q1, 4) | shr32(h1 & 32, 1)) * x1
+                                        + np.float32(shr32(q2, 4) | shr32(h2 & 32, 1)) * x2
+                                        + np.float32(shr32(q3, 4) | shr32(h3 & 32, 1)) * x3)
+                        acc[8 + i] += b1 * (np.float32(shr32(u0, 4) | shr32(v0 & 32, 1)) * x0
+                                            + np.float32(shr32(u1, 4) | shr32(v1 & 32, 1)) * x1
+                                            + np.float32(shr32(u2, 4) | shr32(v2 & 32, 1)) * x2
+                                            + np.float32(shr32(u3, 4) | shr32(v3 & 32, 1)) * x3)
             out[m, r0] = acc[0:8].sum() - off0
             if r0 + 1 < n:
                 out[m, r0 + 1] = acc[8:16].sum() - off1
@@ -171,16 +215,22 @@ def rows_q45_k(qh, qs, sc, mn, d, dmin, lut, ids, out, run):  # type: ignore[no-
 
 @kernel(parallel=True)
 def gemv_q6_k(ql, qh, scales, d, lut, x, out, dist, threads):  # type: ignore[no-untyped-def]
+    """Per pass, lane i of chunk c of half h reads ql[64h + 8c + i], ql[64h + 32 + 8c + i] and
+    qh[32h + 8c + i] once and gets the weights of all four quarters from them."""
     prev = limit_threads(threads)
     n, rb = ql.shape
     xs = np.empty((x.shape[0], x.shape[1] // SUM_RUN), dtype=np.float32)
     block_sums(x, xs)
+    # 16, but not a constant to LLVM: that loop then gets vectorized instead of unrolled
+    # into scalar code
+    subs = scales.shape[1] // max(1, rb // 128)
     for g in prange((n + 1) // 2):
         r0 = 2 * g
         r1 = min(r0 + 1, n - 1)
         p0 = min(r0 + dist, n - 1) * rb
         p1 = min(r0 + dist + 1, n - 1) * rb
         acc = stack_f32(16)
+        sc = stack_f32(32)          # d * scales of the superblock, both rows
         for m in range(x.shape[0]):
             for i in range(16):
                 acc[i] = 0
@@ -189,40 +239,39 @@ def gemv_q6_k(ql, qh, scales, d, lut, x, out, dist, threads):  # type: ignore[no
             for sb in range(rb // 128):
                 d0 = lut[d[r0, sb]]
                 d1 = lut[d[r1, sb]]
-                for hk in range(8):
-                    h = hk >> 2
-                    k = hk & 3
-                    o = 128 * sb + 64 * h + 32 * (k & 1)
-                    prefetch(ql, p0 + 128 * sb + 16 * hk)
-                    prefetch(ql, p1 + 128 * sb + 16 * hk)
-                    s = 16 * sb + 8 * h + 2 * k
-                    xo = 256 * sb + 128 * h + 32 * k
-                    a0 = d0 * np.float32(scales[r0, s])
-                    b0 = d0 * np.float32(scales[r0, s + 1])
-                    a1 = d1 * np.float32(scales[r1, s])
-                    b1 = d1 * np.float32(scales[r1, s + 1])
-                    off0 += a0 * xs[m, s] + b0 * xs[m, s + 1]
-                    off1 += a1 * xs[m, s] + b1 * xs[m, s + 1]
-                    ls = 4 * (k >> 1)
-                    hs = 2 * k
-                    hb = 64 * sb + 32 * h
+                for s in range(subs):
+                    sc[s] = d0 * np.float32(scales[r0, 16 * sb + s])
+                    sc[16 + s] = d1 * np.float32(scales[r1, 16 * sb + s])
+                    off0 += sc[s] * xs[m, 16 * sb + s]
+                    off1 += sc[16 + s] * xs[m, 16 * sb + s]
+                for hc in range(8):
+                    h = hc >> 2
+                    c = hc & 3
+                    prefetch(ql, p0 + 128 * sb + 16 * hc)
+                    prefetch(ql, p1 + 128 * sb + 16 * hc)
+                    lo = 128 * sb + 64 * h + 8 * c
+                    hb = 64 * sb + 32 * h + 8 * c
+                    xo = 256 * sb + 128 * h + 8 * c
+                    t = 8 * h + (c >> 1)
                     for i in range(8):
                         x0 = x[m, xo + i]
-                        x1 = x[m, xo + 8 + i]
-                        x2 = x[m, xo + 16 + i]
-                        x3 = x[m, xo + 24 + i]
-                        q0 = ((shr32(ql[r0, o + i], ls)) & 15) | (((shr32(qh[r0, hb + i], hs)) & 3) << 4)
-                        q1 = ((shr32(ql[r0, o + 8 + i], ls)) & 15) | (((shr32(qh[r0, hb + 8 + i], hs)) & 3) << 4)
-                        q2 = ((shr32(ql[r0, o + 16 + i], ls)) & 15) | (((shr32(qh[r0, hb + 16 + i], hs)) & 3) << 4)
-                        q3 = ((shr32(ql[r0, o + 24 + i], ls)) & 15) | (((shr32(qh[r0, hb + 24 + i], hs)) & 3) << 4)
-                        acc[i] += (a0 * (np.float32(q0) * x0 + np.float32(q1) * x1)
-                                   + b0 * (np.float32(q2) * x2 + np.float32(q3) * x3))
-                        q0 = ((shr32(ql[r1, o + i], ls)) & 15) | (((shr32(qh[r1, hb + i], hs)) & 3) << 4)
-                        q1 = ((shr32(ql[r1, o + 8 + i], ls)) & 15) | (((shr32(qh[r1, hb + 8 + i], hs)) & 3) << 4)
-                        q2 = ((shr32(ql[r1, o + 16 + i], ls)) & 15) | (((shr32(qh[r1, hb + 16 + i], hs)) & 3) << 4)
-                        q3 = ((shr32(ql[r1, o + 24 + i], ls)) & 15) | (((shr32(qh[r1, hb + 24 + i], hs)) & 3) << 4)
-                        acc[8 + i] += (a1 * (np.float32(q0) * x0 + np.float32(q1) * x1)
-                                       + b1 * (np.float32(q2) * x2 + np.float32(q3) * x3))
+                        x1 = x[m, xo + 32 + i]
+                        x2 = x[m, xo + 64 + i]
+                        x3 = x[m, xo + 96 + i]
+                        qa = ql[r0, lo + i]
+                        qb = ql[r0, lo + 32 + i]
+                        qq = qh[r0, hb + i]
+                        acc[i] += (sc[t] * np.float32((qa & 15) | shl32(qq & 3, 4)) * x0
+                                   + sc[t + 2] * np.float32((qb & 15) | shl32(qq & 12, 2)) * x1
+                                   + sc[t + 4] * np.float32(shr32(qa, 4) | (qq & 48)) * x2
+                                   + sc[t + 6] * np.float32(shr32(qb, 4) | shr32(qq & 192, 2)) * x3)
+                        qa = ql[r1, lo + i]
+                        qb = ql[r1, lo + 32 + i]
+                        qq = qh[r1, hb + i]
+                        acc[8 + i] += (sc[16 + t] * np.float32((qa & 15) | shl32(qq & 3, 4)) * x0
+                                       + sc[18 + t] * np.float32((qb & 15) | shl32(qq & 12, 2)) * x1
+                                       + sc[20 + t] * np.float32(shr32(qa, 4) | (qq & 48)) * x2
+                                       + sc[22 + t] * np.float32(shr32(qb, 4) | shr32(qq & 192, 2)) * x3)
             out[m, r0] = acc[0:8].sum() - np.float32(32) * off0
             if r0 + 1 < n:
                 out[m, r0 + 1] = acc[8:16].sum() - np.float32(32) * off1

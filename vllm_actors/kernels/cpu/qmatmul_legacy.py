@@ -146,6 +146,11 @@ def rows_q4(qs, d, mn, lut, ids, out, run):  # type: ignore[no-untyped-def]
                 out[t, 32 * b + 16 + j] = dv * np.float32((q >> 4) - bias) + mv
 
 
+# FIFTH_BIT[byte, i] = 16 * bit i of byte: eight fifth bits spread to eight lanes by one
+# 8-byte load (per-lane variable shifts cost five instructions per 8 weights).
+FIFTH_BIT = ((np.arange(256)[:, None] >> np.arange(8)[None, :]) & 1).astype(np.uint8) << 4
+
+
 @kernel(parallel=True)
 def gemv_q5(qs, qh, d, mn, lut, x, out, dist, threads):  # type: ignore[no-untyped-def]
     """Q5_0 (`mn` empty: w = d * (q - 16)) and Q5_1 (w = d * q + m); q's fifth bit for
@@ -180,8 +185,16 @@ def gemv_q5(qs, qh, d, mn, lut, x, out, dist, threads):  # type: ignore[no-untyp
                 else:
                     off0 -= np.float32(16) * d0 * s
                     off1 -= np.float32(16) * d1 * s
-                h0 = np.uint32(qh[r0, b])
-                h1 = np.uint32(qh[r1, b])
+                h0 = qh[r0, b]
+                h1 = qh[r1, b]
+                a0 = h0 & 255            # bytes of the fifth bits: elements 0-7, 8-15, ...
+                b0 = shr32(h0, 8) & 255
+                c0 = shr32(h0, 16) & 255
+                e0 = shr32(h0, 24)
+                a1 = h1 & 255
+                b1 = shr32(h1, 8) & 255
+                c1 = shr32(h1, 16) & 255
+                e1 = shr32(h1, 24)
                 for i in range(8):
                     xa = x[m, xo + i]
                     xb = x[m, xo + 8 + i]
@@ -189,18 +202,16 @@ def gemv_q5(qs, qh, d, mn, lut, x, out, dist, threads):  # type: ignore[no-untyp
                     xd = x[m, xo + 24 + i]
                     q = qs[r0, o + i]
                     p = qs[r0, o + 8 + i]
-                    acc[i] += d0 * (
-                        np.float32(np.int32(q & 15) | ((shr32(h0, i) & 1) << 4)) * xa
-                        + np.float32(np.int32(p & 15) | ((shr32(h0, 8 + i) & 1) << 4)) * xb
-                        + np.float32(np.int32(q >> 4) | ((shr32(h0, 16 + i) & 1) << 4)) * xc
-                        + np.float32(np.int32(p >> 4) | ((shr32(h0, 24 + i) & 1) << 4)) * xd)
+                    acc[i] += d0 * (np.float32((q & 15) | FIFTH_BIT[a0, i]) * xa
+                                    + np.float32((p & 15) | FIFTH_BIT[b0, i]) * xb
+                                    + np.float32(shr32(q, 4) | FIFTH_BIT[c0, i]) * xc
+                                    + np.float32(shr32(p, 4) | FIFTH_BIT[e0, i]) * xd)
                     q = qs[r1, o + i]
                     p = qs[r1, o + 8 + i]
-                    acc[8 + i] += d1 * (
-                        np.float32(np.int32(q & 15) | ((shr32(h1, i) & 1) << 4)) * xa
-                        + np.float32(np.int32(p & 15) | ((shr32(h1, 8 + i) & 1) << 4)) * xb
-                        + np.float32(np.int32(q >> 4) | ((shr32(h1, 16 + i) & 1) << 4)) * xc
-                        + np.float32(np.int32(p >> 4) | ((shr32(h1, 24 + i) & 1) << 4)) * xd)
+                    acc[8 + i] += d1 * (np.float32((q & 15) | FIFTH_BIT[a1, i]) * xa
+                                        + np.float32((p & 15) | FIFTH_BIT[b1, i]) * xb
+                                        + np.float32(shr32(q, 4) | FIFTH_BIT[c1, i]) * xc
+                                        + np.float32(shr32(p, 4) | FIFTH_BIT[e1, i]) * xd)
             out[m, r0] = acc[0:8].sum() + off0
             if r0 + 1 < n:
                 out[m, r0 + 1] = acc[8:16].sum() + off1

@@ -247,9 +247,10 @@ def prefetch(typingctx, arr, index):  # type: ignore[no-untyped-def]
 @kernel
 def block_sums(x: np.ndarray, out: np.ndarray) -> None:
     """out[m, s] = sum of x[m, SUM_RUN*s : SUM_RUN*(s+1)] (float32 [M, K // SUM_RUN])."""
-    for m in range(x.shape[0]):
+    run = x.shape[1] // max(1, out.shape[1])   # SUM_RUN, opaque to LLVM: a vectorized sum
+    for m in range(x.shape[0]):                 # (a constant got unrolled and gathered)
         for s in range(out.shape[1]):
             acc = np.float32(0)
-            for j in range(SUM_RUN):
-                acc += x[m, SUM_RUN * s + j]
+            for j in range(run):
+                acc += x[m, run * s + j]
             out[m, s] = acc
