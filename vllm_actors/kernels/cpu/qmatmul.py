@@ -168,11 +168,12 @@ def take_rows(w: QuantMatrix, ids: np.ndarray, out: np.ndarray) -> None:
 _scratch = threading.local()
 
 
-def _tile_buffer(size: int) -> np.ndarray:
-    """This thread's float32 scratch of at least `size` elements (kept between calls)."""
-    buf = getattr(_scratch, "buf", None)
+def _scratch_buffer(name: str, size: int) -> np.ndarray:
+    """This thread's float32 scratch `name` of at least `size` elements (kept between calls)."""
+    buf = getattr(_scratch, name, None)
     if buf is None or buf.size < size:
-        buf = _scratch.buf = np.empty(size, dtype=np.float32)
+        buf = np.empty(size, dtype=np.float32)
+        setattr(_scratch, name, buf)
     return buf
 
 
@@ -203,7 +204,8 @@ def matmul(w: QuantMatrix, x: np.ndarray, pool: TilePool | None = None) -> np.nd
     dense = w.planes[0] if w.qtype == T.F32 else None
 
     def run(lo: int, hi: int) -> None:
-        buf = _tile_buffer(tile * w.cols) if dense is None else None
+        buf = _scratch_buffer("tile", tile * w.cols) if dense is None else None
+        res = _scratch_buffer("result", tile * m)
         for t in range(lo, hi):
             a, b = t * tile, min(w.rows, (t + 1) * tile)
             if dense is not None:
@@ -211,7 +213,11 @@ def matmul(w: QuantMatrix, x: np.ndarray, pool: TilePool | None = None) -> np.nd
             else:
                 weights = buf[:(b - a) * w.cols].reshape(b - a, w.cols)
                 rows_kernel(*args, HALF_LUT, ids[a:b], weights, ROW_RUN)
-            np.matmul(x, weights.T, out=out[:, a:b])
+            # into a contiguous block, then copied: BLAS writing the strided columns of `out`
+            # directly measured 25 % slower at M = 16
+            part = res[:m * (b - a)].reshape(m, b - a)
+            np.matmul(x, weights.T, out=part)
+            out[:, a:b] = part
 
     if pool is None:
         run(0, tiles)
