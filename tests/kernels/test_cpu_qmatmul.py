@@ -40,7 +40,8 @@ def random_weights(qt: int, n: int, k: int, seed: int = 0) -> np.ndarray:
     blocks = rng.integers(0, 256, (n * k // block_size, type_size), dtype=np.uint8)
     for name, offset in quant.BLOCK_OFFSETS[qt].items():
         if name in ("d", "dmin", "m"):
-            scale = rng.uniform(1e-3, 1e-1, (len(blocks), 1)) * rng.choice([-1, 1], (len(blocks), 1))
+            sign = rng.choice([-1, 1], (len(blocks), 1))
+            scale = rng.uniform(1e-3, 1e-1, (len(blocks), 1)) * sign
             blocks[:, offset:offset + 2] = scale.astype(np.float16).view(np.uint8)
     return blocks.reshape(n, -1)
 
@@ -118,11 +119,11 @@ def test_concat_stacks_rows(qt):
     k = shapes_for(qt)[1][1]
     sizes = (3, 1, 6)
     datas = [random_weights(qt, n, k, seed=i) for i, n in enumerate(sizes)]
-    parts = [qm.pack(d, qt, (n, k)) for d, n in zip(datas, sizes)]
+    parts = [qm.pack(d, qt, (n, k)) for d, n in zip(datas, sizes, strict=True)]
     assert qm.supports_fused(parts)
     fused = qm.concat(parts)
     assert (fused.rows, fused.cols) == (sum(sizes), k)
-    w64 = np.concatenate([reference(d, qt, n, k) for d, n in zip(datas, sizes)])
+    w64 = np.concatenate([reference(d, qt, n, k) for d, n in zip(datas, sizes, strict=True)])
     x = np.random.default_rng(2).standard_normal((2, k), dtype=np.float32)
     assert_product(qm.matmul(fused, x), x, w64)
     other = qm.pack(random_weights(T.Q8_0, 2, 2 * k), T.Q8_0, (2, 2 * k))

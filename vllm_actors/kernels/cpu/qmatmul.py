@@ -13,7 +13,6 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from vllm_actors.kernels import quant
 from vllm_actors.kernels.cpu import qmatmul_layout as layout
 from vllm_actors.kernels.cpu.qmatmul_float import gemv_f32, gemv_half, rows_f32, rows_half
 from vllm_actors.kernels.cpu.qmatmul_k23 import gemv_q2_k, gemv_q3_k, rows_q2_k, rows_q3_k
@@ -153,7 +152,8 @@ def dequantize_rows(w: QuantMatrix, r0: int, r1: int, out: np.ndarray) -> None:
     if not 0 <= r0 <= r1 <= w.rows:
         raise ValueError(f"dequantize_rows [{r0}, {r1}) of {w.rows} rows")
     _check_f32("out", out, (r1 - r0, w.cols))
-    _KERNELS[w.qtype][1](*_kernel_args(w, rows=True), HALF_LUT, _row_ids(w.rows)[r0:r1], out, ROW_RUN)
+    ids = _row_ids(w.rows)[r0:r1]
+    _KERNELS[w.qtype][1](*_kernel_args(w, rows=True), HALF_LUT, ids, out, ROW_RUN)
 
 
 def take_rows(w: QuantMatrix, ids: np.ndarray, out: np.ndarray) -> None:

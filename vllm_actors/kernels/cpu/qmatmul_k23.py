@@ -1,11 +1,12 @@
-"""GEMV and row kernels for Q2_K and Q3_K, over the planes of `qmatmul_layout`; structure and
-signatures as in `qmatmul_k45`.
+"""GEMV and row kernels for Q2_K and Q3_K over the planes of `qmatmul_layout`; signatures and
+scheme as in `qmatmul_k45`.
 
 Both split a 256-weight superblock into 8 runs of 32 (n = run // 4, j = run % 4) and 16
 sub-blocks of 16: weight 128n + 32j + l has the 2-bit q = (qs[32n + l] >> 2j) & 3 and
 sub-block s = 8n + 2j + l // 16. Q2_K: `d * (scales[s] & 15) * q - dmin * (scales[s] >> 4)`.
-Q3_K: `d * scales[s] * (q | hbit << 2) - 4)`, hbit = (hmask[l] >> (4n + j)) & 1, its scales
-unpacked to int8 at load time.
+Q3_K: `d * scales[s] * ((q | hbit << 2) - 4)`, hbit = (hmask[l] >> (4n + j)) & 1, its scales
+unpacked to int8 at load time. The GEMV kernels take each qs (and hmask) byte once and get
+its four weights (shifts 0, 2, 4, 6) from it.
 """
 
 from __future__ import annotations
@@ -68,10 +69,10 @@ def gemv_q2_k(qs, scales, d, dmin, lut, x, out, dist, threads):  # type: ignore[
                                    + scl[t + 4] * np.float32(shr32(q, 4) & 3) * x2
                                    + scl[t + 6] * np.float32(shr32(q, 6)) * x3)
                         q = np.int32(qs[r1, o + i])
-                        acc[8 + i] += (scl[16 + t] * np.float32(q & 3) * x0
-                                   + scl[16 + t + 2] * np.float32(shr32(q, 2) & 3) * x1
-                                   + scl[16 + t + 4] * np.float32(shr32(q, 4) & 3) * x2
-                                   + scl[16 + t + 6] * np.float32(shr32(q, 6)) * x3)
+                        acc[8 + i] += (scl[t + 16] * np.float32(q & 3) * x0
+                                       + scl[t + 18] * np.float32(shr32(q, 2) & 3) * x1
+                                       + scl[t + 20] * np.float32(shr32(q, 4) & 3) * x2
+                                       + scl[t + 22] * np.float32(shr32(q, 6)) * x3)
             out[m, r0] = acc[0:8].sum() - off0
             if r0 + 1 < n:
                 out[m, r0 + 1] = acc[8:16].sum() - off1
@@ -147,16 +148,24 @@ def gemv_q3_k(hmask, qs, scales, d, lut, x, out, dist, threads):  # type: ignore
                         x3 = x[m, xo + 96 + i]
                         q = np.int32(qs[r0, o + i])
                         h = shr32(hmask[r0, hb + i], hs)
-                        acc[i] += (scl[t] * np.float32((q & 3) | shl32(h & 1, 2)) * x0
-                                   + scl[t + 2] * np.float32((shr32(q, 2) & 3) | shl32(h & 2, 1)) * x1
-                                   + scl[t + 4] * np.float32((shr32(q, 4) & 3) | (h & 4)) * x2
-                                   + scl[t + 6] * np.float32(shr32(q, 6) | shr32(h & 8, 1)) * x3)
+                        w0 = (q & 3) | shl32(h & 1, 2)
+                        w1 = (shr32(q, 2) & 3) | shl32(h & 2, 1)
+                        w2 = (shr32(q, 4) & 3) | (h & 4)
+                        w3 = shr32(q, 6) | shr32(h & 8, 1)
+                        acc[i] += (scl[t] * np.float32(w0) * x0
+                                   + scl[t + 2] * np.float32(w1) * x1
+                                   + scl[t + 4] * np.float32(w2) * x2
+                                   + scl[t + 6] * np.float32(w3) * x3)
                         q = np.int32(qs[r1, o + i])
                         h = shr32(hmask[r1, hb + i], hs)
-                        acc[8 + i] += (scl[16 + t] * np.float32((q & 3) | shl32(h & 1, 2)) * x0
-                                   + scl[16 + t + 2] * np.float32((shr32(q, 2) & 3) | shl32(h & 2, 1)) * x1
-                                   + scl[16 + t + 4] * np.float32((shr32(q, 4) & 3) | (h & 4)) * x2
-                                   + scl[16 + t + 6] * np.float32(shr32(q, 6) | shr32(h & 8, 1)) * x3)
+                        w0 = (q & 3) | shl32(h & 1, 2)
+                        w1 = (shr32(q, 2) & 3) | shl32(h & 2, 1)
+                        w2 = (shr32(q, 4) & 3) | (h & 4)
+                        w3 = shr32(q, 6) | shr32(h & 8, 1)
+                        acc[8 + i] += (scl[t + 16] * np.float32(w0) * x0
+                                       + scl[t + 18] * np.float32(w1) * x1
+                                       + scl[t + 20] * np.float32(w2) * x2
+                                       + scl[t + 22] * np.float32(w3) * x3)
             out[m, r0] = acc[0:8].sum() - np.float32(4) * off0
             if r0 + 1 < n:
                 out[m, r0 + 1] = acc[8:16].sum() - np.float32(4) * off1

@@ -1,8 +1,11 @@
-"""GEMV and row kernels for Q4_K/Q5_K (one kernel; Q4_K passes an empty `qh`) and Q6_K, over
-the planes of `qmatmul_layout`. Superblocks of 256 weights (`quant.QK_K`), signatures and
-structure as in `qmatmul_legacy`: two weight rows per prange iteration, 8 lane partial sums per
-row on the stack, the loop around the lane loop holds the prefetch (which also keeps LLVM from
-vectorizing across that loop), and mins / the -32 offset go through the run sums xs.
+"""GEMV and row kernels for Q4_K, Q5_K (rows: one kernel, Q4_K passing an empty `qh`) and Q6_K
+over the planes of `qmatmul_layout`; superblocks of 256 weights (`quant.QK_K`). Signatures
+and scheme as in `qmatmul_legacy` (two weight rows per prange iteration, 8 lane partial sums
+per row on the stack). Per superblock the sub-block scales of both rows go into a stack table
+first, in a loop whose trip count LLVM cannot see (so it is vectorized, not unrolled into
+scalar code); mins and the -32 offset of Q6_K go through x's run sums. Each quant byte is read
+once for all the weights it holds; the loop around the lane loop holds the prefetch (which
+also keeps LLVM from vectorizing across that loop).
 
 Q4_K/Q5_K: sub-block s (32 weights) of a superblock is `d * sc[s] * q - dmin * mn[s]`, q the
 low (s even) or high (s odd) nibbles of bytes 32*(s//2)..+32, plus bit s of qh[l] for Q5_K.
@@ -271,7 +274,8 @@ def gemv_q6_k(ql, qh, scales, d, lut, x, out, dist, threads):  # type: ignore[no
                         acc[8 + i] += (sc[16 + t] * np.float32((qa & 15) | shl32(qq & 3, 4)) * x0
                                        + sc[18 + t] * np.float32((qb & 15) | shl32(qq & 12, 2)) * x1
                                        + sc[20 + t] * np.float32(shr32(qa, 4) | (qq & 48)) * x2
-                                       + sc[22 + t] * np.float32(shr32(qb, 4) | shr32(qq & 192, 2)) * x3)
+                                       + sc[22 + t] * np.float32(shr32(qb, 4) | shr32(qq & 192, 2))
+                                       * x3)
             out[m, r0] = acc[0:8].sum() - np.float32(32) * off0
             if r0 + 1 < n:
                 out[m, r0 + 1] = acc[8:16].sum() - np.float32(32) * off1

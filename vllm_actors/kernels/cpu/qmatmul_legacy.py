@@ -2,18 +2,20 @@
 and Q8_0, over their planar layouts (`qmatmul_layout`): `qs` the packed quants `[N, K * bits
 / 8]`, `qh` the fifth bits as uint32 `[N, K / 32]`, `d`/`m` float16 bits `[N, K / 32]`.
 
-Every GEMV kernel has the signature `(planes..., lut, x, xs, out, dist)`: x float32 `[M, K]`,
-xs its runs of 16 summed (`block_sums`), out float32 `[M, N]`, `dist` how many rows ahead to
-prefetch. Each prange iteration takes two weight rows and, per row of x, keeps 8 lane partial
-sums per weight row on the stack; a block adds `scale * (8-lane partial dot)` to them, and
-the offsets (-8, -16) and mins cost one multiply per block through xs. The rows kernels
-`(planes..., lut, ids, out)` write rows `ids` dequantized to out float32 `[len(ids), K]`.
+GEMV kernels: `(planes..., lut, x, out, dist, threads)`, x float32 `[M, K]`, out float32
+`[M, N]`, lut `HALF_LUT`, `dist` how many rows ahead to prefetch, `threads` a cap on numba's
+threads (0: none; see `limit_threads`). Each prange iteration takes two weight rows and, per
+row of x, keeps 8 lane partial sums per weight row on the stack; a block adds
+`scale * (8-lane partial dot)` to them, and the offsets (-8, -16) and mins cost one multiply
+per block through x's runs of 16 summed once per call (`block_sums`).
+Rows kernels: `(planes..., lut, ids, out, run)` write rows `ids` dequantized to out float32
+`[len(ids), K]`; `run` = 32 at run time (see `qmatmul.ROW_RUN`).
 
-The kernels are spelled out per type and per row (no helper calls in the loops): numba does
-not inline njit helpers into prange bodies (a helper per block measured 12x slower), and
-loops over the two rows keep the partial sums in memory instead of registers (3.5x slower).
-Nibbles are widened with `np.int32(...)` before the float conversion so LLVM works on 32-bit
-lanes (numba types `uint8 >> 4` as int64: 1.6x slower).
+Written out per type and per row, with no helper calls in the loops: numba does not inline
+njit helpers into prange bodies (a helper per block measured 12x slower), and a loop over the
+two rows keeps the partial sums in memory instead of registers (3.5x slower). Nibbles are
+widened with `np.int32(...)` before the float conversion and variable shifts go through
+`shr32`, so LLVM works on 32-bit lanes (numba types `uint8 >> 4` as int64: 1.6x slower).
 """
 
 from __future__ import annotations
