@@ -101,6 +101,16 @@ def _k_scales_6bit(scales: np.ndarray) -> np.ndarray:
     return (low | (high << 4)).astype(np.int8) - np.int8(32)
 
 
+def unpack_q3_k_scales(scales: np.ndarray) -> np.ndarray:
+    """Q3_K's packed `[n, 12]` scale bytes -> int8 `[n, 16]` sub-block scales (bias removed)."""
+    return _k_scales_6bit(scales)
+
+
+def unpack_k4_scales_mins(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's packed `[n, 12]` bytes -> uint8 scales `[n, 8]` and mins `[n, 8]`."""
+    return _k4_scales_mins(scales)
+
+
 def _deq_q3_k(b: np.ndarray) -> np.ndarray:
     # hmask[32] | qs[64] | scales[12] | d. Element (n, j, l) uses qs[32n + l] bits 2j..,
     # hmask[l] bit 4n + j (a clear bit subtracts 4) and scale 8n + 2j + l // 16.

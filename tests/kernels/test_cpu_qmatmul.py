@@ -1,0 +1,195 @@
+"""The CPU backend's quantized matmul (`kernels/cpu/qmatmul`) against the reference
+dequantizers (`kernels.quant`, bit-identical to gguf-py's), on random blocks of every type.
+
+Blocks are random bytes with sane float16 scales (|d|, |dmin|, |m| in [1e-3, 1e-1]), so every
+bit pattern of the quant fields is exercised. Products are checked against float64 products
+of the reference weights: |out - ref| <= 1e-4 * (|x| @ |W|.T), elementwise (float32
+accumulation over K <= 4096 stays orders of magnitude below that).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from gguf import quants as gguf_quants
+
+from vllm_actors.kernels import quant
+from vllm_actors.kernels.cpu import qmatmul as qm
+from vllm_actors.kernels.cpu import qmatmul_layout as layout
+from vllm_actors.kernels.cpu.jit import kernel
+from vllm_actors.kernels.cpu.qmatmul_prims import half_to_float, half_to_float_soft
+from vllm_actors.kernels.cpu.threads import TilePool
+
+TYPES = sorted(layout.SUPPORTED)
+LEGACY = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0}
+REL_TOL = 1e-4
+
+
+def random_weights(qt: int, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Stored data of a random (n, k) tensor of type qt, as a loader would hand it over."""
+    rng = np.random.default_rng(seed)
+    if qt == T.F32:
+        return rng.standard_normal((n, k), dtype=np.float32)
+    if qt == T.F16:
+        return rng.standard_normal((n, k)).astype(np.float16)
+    if qt == T.BF16:
+        return (rng.standard_normal((n, k), dtype=np.float32).view(np.uint32) >> 16).astype(
+            np.uint16)
+    block_size, type_size = quant.block_layout(qt)
+    blocks = rng.integers(0, 256, (n * k // block_size, type_size), dtype=np.uint8)
+    for name, offset in quant.BLOCK_OFFSETS[qt].items():
+        if name in ("d", "dmin", "m"):
+            sign = rng.choice([-1, 1], (len(blocks), 1))
+            scale = rng.uniform(1e-3, 1e-1, (len(blocks), 1)) * sign
+            blocks[:, offset:offset + 2] = scale.astype(np.float16).view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
+def reference(data: np.ndarray, qt: int, n: int, k: int) -> np.ndarray:
+    return quant.dequantize(data, qt, (n, k)).astype(np.float64)
+
+
+def assert_product(out: np.ndarray, x: np.ndarray, w64: np.ndarray) -> None:
+    want = x.astype(np.float64) @ w64.T
+    bound = REL_TOL * (np.abs(x).astype(np.float64) @ np.abs(w64).T) + 1e-30
+    worst = np.max(np.abs(out - want) / bound)
+    assert worst <= 1.0, f"error {worst * REL_TOL:.2e} of sum |w||x|"
+
+
+def shapes_for(qt: int) -> list[tuple[int, int]]:
+    block = quant.block_layout(qt)[0]
+    ks = [256, 512, 1536] if block == quant.QK_K else [32, 96, 576]
+    if qt in layout.FLOAT_TYPES:
+        ks = [7, 96, 577]
+    return [(1, ks[0]), (3, ks[1]), (5, ks[2]), (67, ks[1])]
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: T(t).name)
+def test_rows_match_reference_bit_for_bit(qt):
+    n, k = 13, shapes_for(qt)[1][1]
+    data = random_weights(qt, n, k)
+    w = qm.pack(data, qt, (n, k))
+    want = quant.dequantize(data, qt, (n, k))
+    got = np.empty((n, k), dtype=np.float32)
+    qm.dequantize_rows(w, 0, n, got)
+    np.testing.assert_array_equal(got, want)
+    for r0, r1 in [(0, 1), (5, 12), (12, 13), (4, 4)]:
+        part = np.empty((r1 - r0, k), dtype=np.float32)
+        qm.dequantize_rows(w, r0, r1, part)
+        np.testing.assert_array_equal(part, want[r0:r1])
+    ids = np.array([12, 0, 0, 7, 3])
+    taken = np.empty((len(ids), k), dtype=np.float32)
+    qm.take_rows(w, ids, taken)
+    np.testing.assert_array_equal(taken, want[ids])
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: T(t).name)
+def test_matmul_against_float64_reference(qt):
+    rng = np.random.default_rng(1)
+    pool = TilePool(2)
+    for n, k in shapes_for(qt):
+        data = random_weights(qt, n, k, seed=n + k)
+        w = qm.pack(data, qt, (n, k))
+        w64 = reference(data, qt, n, k)
+        for m in (1, 2, 3, 7, 16, 33, 300):
+            x = rng.standard_normal((m, k), dtype=np.float32)
+            assert_product(qm.matmul(w, x, pool if m % 2 else None), x, w64)
+        for m in (1, 3, 8):      # the GEMV kernels at every M they may be given
+            x = rng.standard_normal((m, k), dtype=np.float32)
+            out = np.empty((m, n), dtype=np.float32)
+            qm.gemv(w, x, out)
+            assert_product(out, x, w64)
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: T(t).name)
+def test_planes_are_a_compact_copy(qt):
+    n, k = 4, shapes_for(qt)[1][1]
+    data = random_weights(qt, n, k)
+    data.setflags(write=False)                  # as a read-only memmap would be
+    w = qm.pack(data, qt, (n, k))
+    assert (w.qtype, w.rows, w.cols) == (qt, n, k)
+    assert all(p.flags.c_contiguous and p.flags.writeable for p in w.planes)
+    assert not any(np.shares_memory(p, data) for p in w.planes)
+    assert w.nbytes <= 1.15 * layout.nbytes_gguf(qt, n, k)
+
+
+@pytest.mark.parametrize("qt", [T.Q4_K, T.Q8_0, T.F16, T.Q5_0], ids=lambda t: T(t).name)
+def test_concat_stacks_rows(qt):
+    k = shapes_for(qt)[1][1]
+    sizes = (3, 1, 6)
+    datas = [random_weights(qt, n, k, seed=i) for i, n in enumerate(sizes)]
+    parts = [qm.pack(d, qt, (n, k)) for d, n in zip(datas, sizes, strict=True)]
+    assert qm.supports_fused(parts)
+    fused = qm.concat(parts)
+    assert (fused.rows, fused.cols) == (sum(sizes), k)
+    w64 = np.concatenate([reference(d, qt, n, k) for d, n in zip(datas, sizes, strict=True)])
+    x = np.random.default_rng(2).standard_normal((2, k), dtype=np.float32)
+    assert_product(qm.matmul(fused, x), x, w64)
+    other = qm.pack(random_weights(T.Q8_0, 2, 2 * k), T.Q8_0, (2, 2 * k))
+    assert not qm.supports_fused([parts[0], other])
+    with pytest.raises(ValueError):
+        qm.concat([parts[0], other])
+
+
+def iq4_nl_blocks(n: int, k: int) -> np.ndarray:
+    """Random IQ4_NL blocks (a float16 d at byte 0, then 16 bytes of 4-bit indices)."""
+    rng = np.random.default_rng(3)
+    block_size, type_size = quant.block_layout(T.IQ4_NL)
+    blocks = rng.integers(0, 256, (n * k // block_size, type_size), dtype=np.uint8)
+    blocks[:, :2] = rng.uniform(1e-3, 1e-1, (len(blocks), 1)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
+def test_types_without_kernels_are_converted(monkeypatch):
+    n, k = 9, 256
+    data = iq4_nl_blocks(n, k)
+    exact = quant.dequantize(data, T.IQ4_NL, (n, k))
+    small = qm.pack(data, T.IQ4_NL, (n, k))            # small: kept as float32, exactly
+    assert small.qtype == T.F32
+    np.testing.assert_array_equal(small.planes[0], exact)
+
+    monkeypatch.setattr(layout, "CONVERT_F32_MAX", 0)   # large: requantized to Q8_0
+    big = qm.pack(data, T.IQ4_NL, (n, k))
+    assert big.qtype == T.Q8_0
+    got = np.empty((n, k), dtype=np.float32)
+    qm.dequantize_rows(big, 0, n, got)
+    block_max = np.abs(exact.reshape(-1, 32)).max(axis=1, keepdims=True)
+    assert np.all(np.abs(got - exact).reshape(-1, 32) <= block_max / 226)
+
+    ternary = gguf_quants.quantize(np.random.default_rng(4).standard_normal(
+        (4, 256), dtype=np.float32), T.TQ2_0)
+    tq = qm.pack(ternary, T.TQ2_0, (4, 256))
+    x = np.ones((1, 256), dtype=np.float32)
+    assert_product(qm.matmul(tq, x), x, reference(ternary, T.TQ2_0, 4, 256))
+
+
+def test_bad_arguments_are_refused():
+    w = qm.pack(random_weights(T.Q8_0, 4, 64), T.Q8_0, (4, 64))
+    with pytest.raises(ValueError):
+        qm.pack(random_weights(T.Q8_0, 4, 64), T.Q8_0, (4, 96))
+    with pytest.raises(ValueError):                  # 48 columns: not whole Q4_0 blocks
+        qm.pack(np.zeros(18, np.uint8), T.Q4_0, (1, 48))
+    with pytest.raises(ValueError):
+        qm.gemv(w, np.zeros((1, 64), np.float64), np.zeros((1, 4), np.float32))
+    with pytest.raises(ValueError):
+        qm.dequantize_rows(w, 3, 5, np.zeros((2, 64), np.float32))
+    with pytest.raises(IndexError):
+        qm.take_rows(w, np.array([4]), np.zeros((1, 64), np.float32))
+
+
+@kernel
+def _convert_all(bits, out_soft, out_native):  # type: ignore[no-untyped-def]
+    for i in range(bits.size):
+        out_soft[i] = half_to_float_soft(bits[i])
+        out_native[i] = half_to_float(bits[i])
+
+
+def test_half_conversions_cover_every_value():
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    want = bits.view(np.float16).astype(np.float32)
+    soft = np.empty_like(want)
+    native = np.empty_like(want)
+    _convert_all(bits, soft, native)
+    np.testing.assert_array_equal(soft.view(np.uint32), want.view(np.uint32))   # NaN payloads too
+    np.testing.assert_array_equal(native, want)                                 # NaN == NaN here

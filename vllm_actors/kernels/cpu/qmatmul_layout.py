@@ -1,0 +1,106 @@
+"""How each GGML type is kept in memory by the CPU backend: its blocks split into planes.
+
+A plane holds one field of every block of a row, rows stacked: `[N, blocks_per_row * size]`
+(float16 fields as uint16 `[N, blocks_per_row]`). The split is lossless: the same bits, moved.
+Two fields are also widened so the kernels read them with plain loads: the 6-bit scales of
+Q3_K (12 bytes -> 16 int8, bias of 32 removed) and Q4_K/Q5_K (12 bytes -> 8 scales + 8 mins,
+uint8). Sizes relative to the GGUF bytes: 1.0 for all types but Q3_K 1.036, Q4_K 1.028,
+Q5_K 1.023. Field offsets come from `quant.BLOCK_FIELDS` / `BLOCK_OFFSETS`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
+
+from vllm_actors.kernels import quant
+
+T = GGMLQuantizationType
+
+FLOAT_TYPES = (T.F32, T.F16, T.BF16)
+# plane names per type, in the order the kernels take them
+PLANES: dict[int, tuple[str, ...]] = {
+    T.F32: ("w",), T.F16: ("w",), T.BF16: ("w",),
+    T.Q4_0: ("qs", "d"), T.Q4_1: ("qs", "d", "m"),
+    T.Q5_0: ("qs", "qh", "d"), T.Q5_1: ("qs", "qh", "d", "m"),
+    T.Q8_0: ("qs", "d"),
+    T.Q2_K: ("qs", "scales", "d", "dmin"),
+    T.Q3_K: ("hmask", "qs", "scales", "d"),
+    T.Q4_K: ("qs", "sc", "mn", "d", "dmin"),
+    T.Q5_K: ("qh", "qs", "sc", "mn", "d", "dmin"),
+    T.Q6_K: ("ql", "qh", "scales", "d"),
+}
+SUPPORTED = frozenset(PLANES)
+_VIEW = {"d": np.uint16, "dmin": np.uint16, "m": np.uint16}
+_SIGNED = {(T.Q8_0, "qs"), (T.Q6_K, "scales")}
+
+# Types without kernels are converted once: tensors up to this many weights to F32 (exact),
+# larger ones requantized to Q8_0 (see `convert`).
+CONVERT_F32_MAX = 1 << 20
+
+
+def _field(blocks: np.ndarray, qtype: int, name: str) -> np.ndarray:
+    """One byte field of every block: `[N, blocks_per_row, size]` -> `[N * bpr, size]`."""
+    offset = quant.BLOCK_OFFSETS[qtype][name]
+    size = dict(quant.BLOCK_FIELDS[qtype])[name]
+    return blocks[:, :, offset:offset + size].reshape(-1, size)
+
+
+def split(raw: np.ndarray, qtype: int, rows: int, cols: int) -> tuple[np.ndarray, ...]:
+    """Stored bytes (uint8, `rows * cols` weights of a supported type) -> the type's planes,
+    copied into fresh C-contiguous arrays."""
+    qt = T(qtype)
+    if qt in FLOAT_TYPES:
+        dtype = np.float32 if qt == T.F32 else np.uint16
+        return (np.array(raw.view(dtype).reshape(rows, cols), copy=True),)
+    block_size, type_size = quant.block_layout(qt)
+    if cols % block_size:
+        raise ValueError(f"{qt.name}: {cols} columns are not a multiple of {block_size}")
+    bpr = cols // block_size
+    blocks = raw.reshape(rows, bpr, type_size)
+    planes = []
+    for name in PLANES[qt]:
+        if qt in (T.Q4_K, T.Q5_K) and name in ("sc", "mn"):
+            sc, mn = quant.unpack_k4_scales_mins(_field(blocks, qt, "scales"))
+            part = sc if name == "sc" else mn
+        elif qt == T.Q3_K and name == "scales":
+            part = quant.unpack_q3_k_scales(_field(blocks, qt, "scales"))
+        else:
+            part = _field(blocks, qt, name)
+        plane = np.ascontiguousarray(part).reshape(rows, -1)
+        if name in _VIEW:
+            plane = plane.view(_VIEW[name])
+        elif name == "qh" and qt in (T.Q5_0, T.Q5_1):
+            plane = plane.view(np.uint32)
+        elif (qt, name) in _SIGNED or plane.dtype == np.int8:
+            plane = plane.view(np.int8)
+        planes.append(plane)
+    return tuple(planes)
+
+
+def convert(raw: np.ndarray, qtype: int, rows: int, cols: int
+            ) -> tuple[int, tuple[np.ndarray, ...]]:
+    """A type without kernels (IQ*, TQ*, MXFP4, ...) -> (new type, planes). Dequantized with
+    `quant.dequantize` (gguf-py's reference); up to `CONVERT_F32_MAX` weights kept as F32
+    (no error), else requantized to Q8_0 per 32 weights with `gguf.quants.quantize`: each
+    weight moves by at most half a Q8_0 step plus the float16 rounding of the scale, i.e.
+    <= 0.504 * max|block| / 127 + 2^-11 * max|block| < max|block| / 226."""
+    if cols * rows <= CONVERT_F32_MAX:
+        dense = quant.dequantize(raw, qtype, (rows, cols))
+        return T.F32, (np.ascontiguousarray(dense, dtype=np.float32),)
+    if cols % 32:
+        raise ValueError(f"{T(qtype).name}: cannot requantize {cols} columns to Q8_0")
+    row_bytes = raw.size // rows
+    out = np.empty((rows, cols // 32 * 34), dtype=np.uint8)
+    step = max(1, (1 << 22) // cols)     # bounded float32 temporaries
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        dense = quant.dequantize(raw[r0 * row_bytes:r1 * row_bytes], qtype, (r1 - r0, cols))
+        out[r0:r1] = gguf_quants.quantize(dense, T.Q8_0).reshape(r1 - r0, -1)
+    return T.Q8_0, split(out.reshape(-1), T.Q8_0, rows, cols)
+
+
+def nbytes_gguf(qtype: int, rows: int, cols: int) -> int:
+    block_size, type_size = quant.block_layout(qtype)
+    return rows * cols // block_size * type_size
