@@ -2,7 +2,12 @@
 backend's, per layer call: prepare + KV write + attention, in ms, medians over --runs runs of
 --iters calls each. Prints a Markdown table.
 
-    python bench/cpu_attention.py [--runs 7] [--iters 5] [--threads N] [--only SUBSTRING]
+    python bench/cpu_attention.py [--runs 7] [--iters 5] [--layers 1] [--threads N]
+                                  [--only SUBSTRING]
+
+`--layers N` gives each call the next of N caches in turn, as a model's layers do: with N large
+enough that N caches exceed the last-level cache, decode reads K/V from memory, as it does in a
+real model (one layer's cache alone may stay cache-resident across repeated calls).
 
 Shapes: SmolLM2-135M (H=9, Hk=3, Dh=64) and an 8B shape (H=32, Hk=8, Dh=128), block size 16.
 The numpy backend has only a float32 cache, so its column is the same for both of our cache
@@ -67,8 +72,8 @@ def timed(fn, runs: int, iters: int) -> float:
     return statistics.median(samples) * 1e3
 
 
-def bench_case(shape: dict, q_lens: list[int], cached: list[int], runs: int, iters: int
-               ) -> dict[str, float]:
+def bench_case(shape: dict, q_lens: list[int], cached: list[int], runs: int, iters: int,
+               layers: int) -> dict[str, float]:
     rng = np.random.default_rng(0)
     h, hk, dh = shape["heads"], shape["kv_heads"], shape["head_dim"]
     meta, num_blocks = metadata(q_lens, cached, rng)
@@ -81,32 +86,39 @@ def bench_case(shape: dict, q_lens: list[int], cached: list[int], runs: int, ite
     times = {}
 
     backend = NumpyBackend()
-    np_cache = backend.allocate_kv_cache(1, num_blocks, BLOCK, hk, dh)[0]
-    for part in np_cache:
-        part[...] = rng.standard_normal(part.shape, dtype=np.float32)
+    np_caches = backend.allocate_kv_cache(layers, num_blocks, BLOCK, hk, dh)
+    for np_cache in np_caches:
+        for part in np_cache:
+            part[...] = rng.standard_normal(part.shape, dtype=np.float32)
+    turn = iter(range(1 << 62))
 
     def numpy_call() -> None:
+        np_cache = np_caches[next(turn) % layers]
         attn = backend.prepare_attention(meta)
         backend.reshape_and_cache(k, v, np_cache, attn)
         backend.paged_attention(q, np_cache, attn, scale)
 
     times["numpy"] = timed(numpy_call, runs, iters)
     for dtype in ("float32", "float16"):
-        cache = cpu.allocate_kv_cache(1, num_blocks, BLOCK, hk, dh, dtype)[0]
-        for part, ref in zip(cache, np_cache):
-            part[...] = ref if dtype == "float32" else ref.astype(np.float16).view(np.uint16)
+        caches = cpu.allocate_kv_cache(layers, num_blocks, BLOCK, hk, dh, dtype)
+        for cache, np_cache in zip(caches, np_caches):
+            for part, ref in zip(cache, np_cache):
+                part[...] = ref if dtype == "float32" else ref.astype(np.float16).view(np.uint16)
         out = np.empty((tokens, h, dh), np.float32)
 
         def ours_call() -> None:
+            cache = caches[next(turn) % layers]
             attn = cpu.prepare(meta)
             cpu.write_kv(k, v, cache, attn)
             cpu.paged_attention(q, cache, attn, scale, out)
 
         attn = cpu.prepare(meta)
-        cpu.write_kv(k, v, cache, attn)
+        for cache in caches:
+            cpu.write_kv(k, v, cache, attn)
         times[dtype] = timed(ours_call, runs, iters)
-        times[dtype + " attn"] = timed(lambda: cpu.paged_attention(q, cache, attn, scale, out),
-                                       runs, iters)
+        times[dtype + " attn"] = timed(
+            lambda: cpu.paged_attention(q, caches[next(turn) % layers], attn, scale, out),
+            runs, iters)
     return times
 
 
@@ -114,6 +126,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=1, help="caches cycled through")
     parser.add_argument("--threads", type=int, default=None, help="numba threads")
     parser.add_argument("--only", default="", help="run the cases whose name contains this")
     args = parser.parse_args()
@@ -126,7 +139,7 @@ def main() -> None:
     for name, shape, q_lens, cached in CASES:
         if args.only not in name:
             continue
-        t = bench_case(shape, q_lens, cached, args.runs, args.iters)
+        t = bench_case(shape, q_lens, cached, args.runs, args.iters, args.layers)
         print(f"| {name} | {t['numpy']:.3f} | {t['float32']:.3f} | "
               f"{t['numpy'] / t['float32']:.1f} | {t['float16']:.3f} | "
               f"{t['numpy'] / t['float16']:.1f} | "

@@ -21,7 +21,7 @@ import numba
 import numpy as np
 
 from vllm_actors.kernels.cpu.attention_kernels import (
-    merge_parts, run_lanes, write_kv_parallel, write_kv_serial)
+    merge_parts, merge_range, run_items, run_lane, write_kv_parallel, write_kv_serial)
 from vllm_actors.kernels.cpu.attention_plan import Plan, build_plan
 from vllm_actors.kernels.ops import AttentionMetadata
 
@@ -149,10 +149,18 @@ def paged_attention(q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray],
     pm = np.empty((parts, plan.rows_max), np.float32)
     pl = np.empty((parts, plan.rows_max), np.float32)
     pacc = np.empty((parts, plan.rows_max, head_dim), np.float32)
-    run_lanes(q, k_cache, v_cache, attn.block_tables, attn.block_size.bit_length() - 1, plan.items,
-              plan.lane_start, g, plan.rows_max, np.float32(scale * _LOG2E), out, pm, pl, pacc)
-    if plan.num_parts:
+    shift = attn.block_size.bit_length() - 1
+    qscale = np.float32(scale * _LOG2E)
+    if plan.lanes > 1:
+        run_items(q, k_cache, v_cache, attn.block_tables, shift, plan.items, plan.lanes, g,
+                  plan.rows_max, qscale, out, pm, pl, pacc)
+    else:   # one item (or one thread): no parallel region to start
+        run_lane(q, k_cache, v_cache, attn.block_tables, shift, plan.items,
+                 np.zeros(1, np.int64), g, plan.rows_max, qscale, out, pm, pl, pacc)
+    if len(plan.merges) > 1 and attn.threads > 1:
         merge_parts(plan.merges, g, pm, pl, pacc, out)
+    elif len(plan.merges):
+        merge_range(plan.merges, 0, len(plan.merges), g, pm, pl, pacc, out)
     return out
 
 

@@ -1,9 +1,12 @@
-"""The parallel entry points of paged attention: run each thread's list of work items, merge
-split-context partial states, and write new keys and values into the paged cache.
+"""The parallel entry points of paged attention: run the step's work items, merge split-context
+partial states, and write new keys and values into the paged cache.
 
 A work item (a row of `items`, see `attention_plan`) is the query tokens tok0..tok0+nq-1 of one
-request under one KV head, over keys k0..k1-1. Threads (`prange` over lanes) take the items the
-plan balanced onto them; each thread keeps its own tiles, allocated once per call.
+request under KV heads kvh0..kvh1-1, over keys k0..k1-1. Its rows are head-major: row
+(h - kvh0) * nq * g + i * g + j is query token tok0 + i, query head h * g + j. Each thread
+(`prange` over lanes) keeps its own tiles and takes the next item from a shared atomic
+counter, so a thread slowed by anything (a long item, another process on its core) takes
+fewer items instead of holding the step up; items come sorted by decreasing cost.
 """
 
 from __future__ import annotations
@@ -11,69 +14,155 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from vllm_actors.kernels.cpu.attention_math import exp2, from_f32
+from vllm_actors.kernels.cpu.attention_intrinsics import fetch_add
+from vllm_actors.kernels.cpu.attention_math import exp2, from_f32, stage_rows
 from vllm_actors.kernels.cpu.attention_tiles import (
-    NEG_INF, TK, attend_item, finish_rows, load_queries)
+    NEG_INF, TK, ZERO, prefetch_rows, softmax_rows, tile_pv, tile_scores)
 from vllm_actors.kernels.cpu.jit import kernel
 
 # columns of a work item
-TOK0, NQ, POS0, KVH, K0, K1, PART, REQ = range(8)
-ITEM_COLS = 8
+TOK0, NQ, POS0, KVH0, KVH1, K0, K1, PART, REQ = range(9)
+ITEM_COLS = 9
+# columns of a merge: (tok0, nq, kvh0, kvh1, first partial slot, partial slots)
+M_TOK0, M_NQ, M_KVH0, M_KVH1, M_PART0, M_PARTS = range(6)
 
 
-@kernel(parallel=True)
-def run_lanes(q, kc, vc, block_tables, shift, items, lane_start, g, rows_max, qscale, out, pm,
-              pl, pacc):
-    """Every item of every lane; lane i runs items lane_start[i]..lane_start[i + 1] - 1.
+@kernel
+def attend_item(q, kc, vc, table, shift, tok0, pos0, nq, g, kvh0, kvh1, k0, k1, qscale, qt,
+                kbuf, vbuf, s, m, l, acc):
+    """The item's rows over keys k0..k1-1, causal (query token i sits at position pos0 + i);
+    leaves the unnormalized state in m, l, acc (rows head-major)."""
+    dh = acc.shape[1]
+    rows = nq * g
+    for h in range(kvh0, kvh1):
+        base = (h - kvh0) * rows
+        for i in range(nq):
+            for j in range(g):
+                src = q[tok0 + i, h * g + j]
+                r = base + i * g + j
+                dst = qt[r]
+                for d in range(dh):
+                    dst[d] = src[d] * qscale
+                m[r] = NEG_INF
+                l[r] = ZERO
+                ar = acc[r]
+                for d in range(dh):
+                    ar[d] = ZERO
+    end = min(k1, pos0 + nq)
+    for t0 in range(k0, end, TK):
+        n = min(TK, end - t0)
+        ahead = min(TK, end - t0 - n)
+        prefetch_rows(kc, table, shift, kvh0, kvh1, t0 + n, ahead)
+        prefetch_rows(vc, table, shift, kvh0, kvh1, t0 + n, ahead)
+        for h in range(kvh0, kvh1):
+            lo = (h - kvh0) * rows
+            hi = lo + rows
+            qh, sh, mh, lh, ah = qt[lo:hi], s[lo:hi], m[lo:hi], l[lo:hi], acc[lo:hi]
+            stage_rows(kc, table, shift, h, t0, n, kbuf)
+            tile_scores(qh, rows, kc, kbuf, table, shift, h, t0, n, sh)
+            softmax_rows(sh, rows, g, pos0, t0, n, mh, lh, ah)
+            stage_rows(vc, table, shift, h, t0, n, vbuf)
+            tile_pv(sh, rows, vc, vbuf, table, shift, h, t0, n, ah)
+
+
+@kernel
+def finish_rows(tok0, nq, g, kvh0, kvh1, m, l, acc, part, out, pm, pl, pacc):
+    """Normalized rows into `out`, or the raw state into partial slot `part`."""
+    dh = acc.shape[1]
+    rows = nq * g
+    for h in range(kvh0, kvh1):
+        for i in range(nq):
+            for j in range(g):
+                r = (h - kvh0) * rows + i * g + j
+                ar = acc[r]
+                if part < 0:
+                    inv = np.float32(1.0) / l[r]
+                    dst = out[tok0 + i, h * g + j]
+                    for d in range(dh):
+                        dst[d] = ar[d] * inv
+                else:
+                    pm[part, r] = m[r]
+                    pl[part, r] = l[r]
+                    dst = pacc[part, r]
+                    for d in range(dh):
+                        dst[d] = ar[d]
+
+
+@kernel
+def run_lane(q, kc, vc, block_tables, shift, items, counter, g, rows_max, qscale, out, pm, pl,
+             pacc):
+    """One thread's share: items taken in order from the shared `counter` until none is left.
     `shift` is log2 of the block size."""
     dh = q.shape[2]
-    for lane in prange(lane_start.shape[0] - 1):
-        qt = np.empty((rows_max, dh), np.float32)
-        acc = np.empty((rows_max, dh), np.float32)
-        s = np.empty((rows_max, TK), np.float32)
-        m = np.empty(rows_max, np.float32)
-        l = np.empty(rows_max, np.float32)
-        kbuf = np.empty((TK, dh), np.float32)
-        vbuf = np.empty((TK, dh), np.float32)
-        for it in range(lane_start[lane], lane_start[lane + 1]):
-            tok0 = items[it, TOK0]
-            nq = items[it, NQ]
-            kvh = items[it, KVH]
-            load_queries(q, tok0, nq, kvh, g, qscale, qt)
-            attend_item(kc, vc, block_tables[items[it, REQ]], shift, items[it, POS0], nq, g, kvh,
-                        items[it, K0], items[it, K1], qt, kbuf, vbuf, s, m, l, acc)
-            finish_rows(tok0, nq, kvh, g, m, l, acc, items[it, PART], out, pm, pl, pacc)
+    n_items = items.shape[0]
+    qt = np.empty((rows_max, dh), np.float32)
+    acc = np.empty((rows_max, dh), np.float32)
+    s = np.empty((rows_max, TK), np.float32)
+    m = np.empty(rows_max, np.float32)
+    l = np.empty(rows_max, np.float32)
+    kbuf = np.empty((TK, dh), np.float32)
+    vbuf = np.empty((TK, dh), np.float32)
+    it = fetch_add(counter, 1)
+    while it < n_items:
+        tok0 = items[it, TOK0]
+        nq = items[it, NQ]
+        kvh0 = items[it, KVH0]
+        kvh1 = items[it, KVH1]
+        attend_item(q, kc, vc, block_tables[items[it, REQ]], shift, tok0, items[it, POS0], nq,
+                    g, kvh0, kvh1, items[it, K0], items[it, K1], qscale, qt, kbuf, vbuf, s, m,
+                    l, acc)
+        finish_rows(tok0, nq, g, kvh0, kvh1, m, l, acc, items[it, PART], out, pm, pl, pacc)
+        it = fetch_add(counter, 1)
 
 
 @kernel(parallel=True)
-def merge_parts(merges, g, pm, pl, pacc, out):
-    """Combine the partial states of split items: merges rows are (tok0, nq, kvh, part0,
-    nparts); row r of every part is query token tok0 + r // g, head kvh * g + r % g."""
+def run_items(q, kc, vc, block_tables, shift, items, lanes, g, rows_max, qscale, out, pm, pl,
+              pacc):
+    """Every item, on `lanes` threads sharing one counter."""
+    counter = np.zeros(1, np.int64)
+    for _lane in prange(lanes):
+        run_lane(q, kc, vc, block_tables, shift, items, counter, g, rows_max, qscale, out, pm,
+                 pl, pacc)
+
+
+@kernel
+def merge_range(merges, lo, hi, g, pm, pl, pacc, out):
+    """Combine the partial states of split items lo..hi-1 (rows laid out as in
+    `finish_rows`)."""
     dh = pacc.shape[2]
-    for i in prange(merges.shape[0]):
-        tok0 = merges[i, 0]
-        nq = merges[i, 1]
-        kvh = merges[i, 2]
-        p0 = merges[i, 3]
-        p1 = p0 + merges[i, 4]
-        for r in range(nq * g):
+    for i in range(lo, hi):
+        tok0 = merges[i, M_TOK0]
+        nq = merges[i, M_NQ]
+        kvh0 = merges[i, M_KVH0]
+        p0 = merges[i, M_PART0]
+        p1 = p0 + merges[i, M_PARTS]
+        rows = nq * g
+        for r in range((merges[i, M_KVH1] - kvh0) * rows):
             mx = NEG_INF
             for p in range(p0, p1):
                 mx = max(mx, pm[p, r])
-            tot = np.float32(0.0)
-            o = out[tok0 + r // g, kvh * g + r % g]
+            o = out[tok0 + (r % rows) // g, (kvh0 + r // rows) * g + r % g]
             for d in range(dh):
-                o[d] = 0.0
+                o[d] = ZERO
+            tot = ZERO
             for p in range(p0, p1):
                 w = exp2(pm[p, r] - mx)
                 if w == 0.0:
                     continue
                 tot += w * pl[p, r]
+                src = pacc[p, r]
                 for d in range(dh):
-                    o[d] += w * pacc[p, r, d]
+                    o[d] += w * src[d]
             inv = np.float32(1.0) / tot
             for d in range(dh):
                 o[d] *= inv
+
+
+@kernel(parallel=True)
+def merge_parts(merges, g, pm, pl, pacc, out):
+    """merge_range over all merges, one prange iteration each."""
+    for i in prange(merges.shape[0]):
+        merge_range(merges, i, i + 1, g, pm, pl, pacc, out)
 
 
 @kernel
@@ -82,6 +171,7 @@ def write_rows(k, v, kc, vc, slots, lo, hi):
     block_size = kc.shape[1]
     hk = kc.shape[2]
     dh = kc.shape[3]
+    like = kc[0, 0, 0, 0]
     for t in range(lo, hi):
         slot = slots[t]
         if slot < 0:
@@ -89,9 +179,13 @@ def write_rows(k, v, kc, vc, slots, lo, hi):
         blk = slot // block_size
         off = slot - blk * block_size
         for h in range(hk):
+            ks = k[t, h]
+            vs = v[t, h]
+            kd = kc[blk, off, h]
+            vd = vc[blk, off, h]
             for d in range(dh):
-                kc[blk, off, h, d] = from_f32(k[t, h, d], kc[0, 0, 0, 0])
-                vc[blk, off, h, d] = from_f32(v[t, h, d], vc[0, 0, 0, 0])
+                kd[d] = from_f32(ks[d], like)
+                vd[d] = from_f32(vs[d], like)
 
 
 @kernel

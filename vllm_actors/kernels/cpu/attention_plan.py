@@ -1,16 +1,20 @@
-"""The work partition of one step's paged attention, computed once per step and head shape.
+"""The work partition of one step's paged attention, computed once per step and head shape
+(a small serial kernel: a few microseconds, where the same in numpy calls costs ~0.2 ms).
 
-Units of work: each decode request (one query token) is one unit; each prefill chunk is cut
-into query tiles of about TILE_FLOATS / Dh rows (tile tokens x g query heads per KV head). Every
-unit is repeated for each KV head, so the g query heads that share a KV head are computed
-together and each key/value row is read once for all of them.
+Units of work:
+- a decode request (one query token) is one unit over all its KV heads: the kernel walks the
+  context tile by tile and, per tile, every head, so each KV block is read front to back once
+  (the cache is [block, offset, head, dim]; a per-head pass would stride through every block
+  once per head, which costs about half the memory bandwidth);
+- a prefill chunk is cut into query tiles of about TILE_FLOATS / Dh rows (tile tokens x g
+  query heads), one unit per (tile, KV head): the g query heads sharing a KV head are computed
+  together, so each key/value row is read once for all of them.
 
 Balance: a unit whose cost is large next to the step's total over the threads is split along
 its keys (flash-decoding style: each split keeps its own softmax max/sum/accumulator and
-`merge_parts` combines them), down to MIN_SPLIT_KEYS keys a split. This is what keeps both
-cores busy at decode batch 1, where there are only Hk units. Items are then cut into one
-contiguous run per thread by cumulative cost (items stay ordered by request, KV head, query
-tile, so the tiles of one head that read the same keys run back to back on one thread).
+`merge_parts` combines them), down to MIN_SPLIT_KEYS keys a split. This keeps both cores busy
+at decode batch 1. Items are sorted by decreasing cost; threads take them from a shared
+counter (largest first, so the last ones to be taken are the small ones).
 """
 
 from __future__ import annotations
@@ -19,85 +23,135 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_actors.kernels.cpu.attention_kernels import ITEM_COLS, K0, K1, KVH, NQ, PART, POS0, REQ, TOK0
+from vllm_actors.kernels.cpu.attention_kernels import (
+    ITEM_COLS, K0, K1, KVH0, KVH1, NQ, PART, POS0, REQ, TOK0)
 from vllm_actors.kernels.cpu.attention_tiles import TK
+from vllm_actors.kernels.cpu.jit import kernel
 
 TILE_FLOATS = 4096        # a prefill tile's query rows x head dim (its accumulator: 16 KiB)
-MIN_SPLIT_KEYS = 128      # a key split never has fewer keys than this (a multiple of TK)
-SPLITS_PER_THREAD = 8     # aim: no item costs more than total / (threads * this)
-ROW_COST, LOAD_COST = 1.0, 4.0   # per row x key, and per key loaded into a tile (x Dh)
+MIN_SPLIT_KEYS = 256      # a key split never has fewer keys than this (a multiple of TK)
+SPLITS_PER_THREAD = 4     # aim: no item costs more than total / (threads * this)
+LOAD_COST = 4.0           # cost of loading a key (and value) row, in row x key units
 
 
 @dataclass(frozen=True)
 class Plan:
-    """Work items ([n, ITEM_COLS] int64, columns named in attention_kernels), thread runs
-    (`lane_start` [lanes + 1]), the merges of split items ([m, 5]: tok0, nq, kvh, part0,
-    nparts) and the partial-state slots they need."""
+    """Work items ([n, ITEM_COLS] int64, columns named in attention_kernels, largest first),
+    threads to run them on, the merges of split items ([m, 6]) and the partial-state slots
+    they need, and the most rows an item has."""
 
     items: np.ndarray
-    lane_start: np.ndarray
+    lanes: int
     merges: np.ndarray
     num_parts: int
     rows_max: int
 
 
-def _units(query_start_loc: np.ndarray, seq_lens: np.ndarray, tile_tokens: int
-           ) -> np.ndarray:
-    """[U, 5] int64: tok0, nq, pos0, key_end, req of each query tile, in request order."""
-    qsl = query_start_loc.astype(np.int64)
-    q_lens = np.diff(qsl)
-    lens = seq_lens.astype(np.int64)
-    tiles = np.where(q_lens > 0, -(-q_lens // tile_tokens), 0)
-    tiles[q_lens == 1] = 1
-    req = np.repeat(np.arange(len(q_lens)), tiles)
-    first = np.repeat(np.cumsum(tiles) - tiles, tiles)
-    i0 = (np.arange(len(req)) - first) * tile_tokens
-    nq = np.minimum(tile_tokens, q_lens[req] - i0)
-    pos0 = lens[req] - q_lens[req] + i0
-    return np.stack([qsl[req] + i0, nq, pos0, pos0 + nq, req], axis=1)
+@kernel
+def _put(units, u, tok0, nq, pos0, kend, kvh0, kvh1, req):
+    units[u, 0] = tok0
+    units[u, 1] = nq
+    units[u, 2] = pos0
+    units[u, 3] = kend
+    units[u, 4] = kvh0
+    units[u, 5] = kvh1
+    units[u, 6] = req
+
+
+@kernel
+def _units(qsl, seq_lens, hk, g, tile_tokens):
+    """[U, 7] int64 (tok0, nq, pos0, key_end, kvh0, kvh1, req) and cost of each unit."""
+    count = 0
+    for b in range(seq_lens.shape[0]):
+        ql = qsl[b + 1] - qsl[b]
+        count += 1 if ql == 1 else (ql + tile_tokens - 1) // tile_tokens * hk
+    units = np.empty((count, 7), np.int64)
+    cost = np.empty(count, np.float64)
+    u = 0
+    for b in range(seq_lens.shape[0]):
+        ql = qsl[b + 1] - qsl[b]
+        start = seq_lens[b] - ql
+        if ql == 1:
+            _put(units, u, qsl[b], 1, start, start + 1, 0, hk, b)
+            cost[u] = hk * (g + LOAD_COST) * (start + 1)
+            u += 1
+            continue
+        for i0 in range(0, ql, tile_tokens):
+            nq = min(tile_tokens, ql - i0)
+            kend = start + i0 + nq
+            for h in range(hk):
+                _put(units, u, qsl[b] + i0, nq, start + i0, kend, h, h + 1, b)
+                cost[u] = nq * g * (kend - (nq - 1) / 2.0) + LOAD_COST * kend
+                u += 1
+    return units, cost
+
+
+@kernel
+def _plan(qsl, seq_lens, hk, g, tile_tokens, threads):
+    units, cost = _units(qsl, seq_lens, hk, g, tile_tokens)
+    n_units = units.shape[0]
+    target = max(cost.sum() / (threads * SPLITS_PER_THREAD), 1.0)
+    splits = np.ones(n_units, np.int64)
+    chunk = np.empty(n_units, np.int64)
+    for u in range(n_units):
+        kend = units[u, 3]
+        s = 1
+        if threads > 1:
+            s = min(max(int(np.ceil(cost[u] / target)), 1), max(kend // MIN_SPLIT_KEYS, 1))
+        c = max((((kend + s - 1) // s + TK - 1) // TK) * TK, TK)
+        chunk[u] = c
+        splits[u] = max((kend + c - 1) // c, 1)
+    n_items = splits.sum()
+    n_merges = 0
+    for u in range(n_units):
+        n_merges += 1 if splits[u] > 1 else 0
+    items = np.empty((n_items, ITEM_COLS), np.int64)
+    item_cost = np.empty(n_items, np.float64)
+    merges = np.empty((n_merges, 6), np.int64)
+    it = 0
+    part = 0
+    mi = 0
+    rows_max = 1
+    for u in range(n_units):
+        tok0 = units[u, 0]
+        nq = units[u, 1]
+        kend = units[u, 3]
+        kvh0 = units[u, 4]
+        kvh1 = units[u, 5]
+        rows_max = max(rows_max, nq * g * (kvh1 - kvh0))
+        s = splits[u]
+        if s > 1:
+            merges[mi, 0] = tok0
+            merges[mi, 1] = nq
+            merges[mi, 2] = kvh0
+            merges[mi, 3] = kvh1
+            merges[mi, 4] = part
+            merges[mi, 5] = s
+            mi += 1
+        for j in range(s):
+            k0 = j * chunk[u]
+            k1 = min(kend, k0 + chunk[u])
+            items[it, TOK0] = tok0
+            items[it, NQ] = nq
+            items[it, POS0] = units[u, 2]
+            items[it, KVH0] = kvh0
+            items[it, KVH1] = kvh1
+            items[it, K0] = k0
+            items[it, K1] = k1
+            items[it, REQ] = units[u, 6]
+            items[it, PART] = part if s > 1 else -1
+            part += 1 if s > 1 else 0
+            item_cost[it] = cost[u] * (k1 - k0) / max(kend, 1)
+            it += 1
+    order = np.argsort(-item_cost, kind="mergesort")
+    return items[order], merges, part, rows_max
 
 
 def build_plan(query_start_loc: np.ndarray, seq_lens: np.ndarray, num_kv_heads: int, g: int,
                head_dim: int, threads: int) -> Plan:
-    """The items of a step for `num_kv_heads` KV heads of `g` query heads each."""
+    """The items of a step for `num_kv_heads` KV heads of `g` query heads each
+    (query_start_loc and seq_lens as int64)."""
     tile_tokens = max(1, max(16, TILE_FLOATS // head_dim) // g)
-    units = _units(query_start_loc, seq_lens, tile_tokens)
-    tok0, nq, pos0, kend, req = units.T
-    visible = kend - (nq - 1) / 2.0          # mean keys a row of the tile sees
-    cost = ROW_COST * nq * g * visible + LOAD_COST * kend
-    total = float(cost.sum()) * num_kv_heads
-    splits = np.ones(len(units), np.int64)
-    if threads > 1 and len(units):
-        target = total / (threads * SPLITS_PER_THREAD)
-        splits = np.clip(np.ceil(cost / max(target, 1.0)).astype(np.int64), 1,
-                         np.maximum(kend // MIN_SPLIT_KEYS, 1))
-    chunk = -(-(-(-kend // splits)) // TK) * TK           # keys a split, a multiple of TK
-    splits = np.maximum(-(-kend // chunk), 1)
-    # expand: unit -> KV heads -> splits (in that order)
-    uh = np.repeat(np.arange(len(units)), num_kv_heads)
-    head = np.tile(np.arange(num_kv_heads), len(units))
-    s_uh = splits[uh]
-    u = np.repeat(uh, s_uh)
-    j = np.arange(len(u)) - np.repeat(np.cumsum(s_uh) - s_uh, s_uh)
-    items = np.empty((len(u), ITEM_COLS), np.int64)
-    items[:, TOK0] = tok0[u]
-    items[:, NQ] = nq[u]
-    items[:, POS0] = pos0[u]
-    items[:, KVH] = np.repeat(head, s_uh)
-    items[:, K0] = j * chunk[u]
-    items[:, K1] = np.minimum(kend[u], (j + 1) * chunk[u])
-    items[:, REQ] = req[u]
-    split = s_uh > 1
-    is_part = np.repeat(split, s_uh)
-    items[:, PART] = np.where(is_part, np.cumsum(is_part) - 1, -1)
-    part0 = np.cumsum(np.where(split, s_uh, 0)) - np.where(split, s_uh, 0)
-    merges = np.stack([tok0[uh], nq[uh], head, part0, s_uh], axis=1)[split]
-    item_cost = (cost[u] * (items[:, K1] - items[:, K0]) / kend[u]) if len(u) else cost[u]
-    lanes = max(1, min(threads, len(items)))
-    ends = np.cumsum(item_cost)
-    mids = ends - item_cost / 2
-    share = ends[-1] / lanes if len(ends) else 1.0
-    lane_of = np.minimum((mids / max(share, 1e-30)).astype(np.int64), lanes - 1)
-    lane_start = np.searchsorted(lane_of, np.arange(lanes + 1), side="left").astype(np.int64)
-    return Plan(items, lane_start, np.ascontiguousarray(merges, np.int64),
-                int(is_part.sum()), int(tile_tokens * g if (nq > 1).any() else g))
+    items, merges, parts, rows_max = _plan(query_start_loc, seq_lens, num_kv_heads, g,
+                                           tile_tokens, max(1, threads))
+    return Plan(items, max(1, min(threads, len(items))), merges, int(parts), int(rows_max))

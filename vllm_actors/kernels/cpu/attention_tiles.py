@@ -1,6 +1,6 @@
-"""One work item of paged attention, on one thread: the query rows of one KV head over a range
-of keys, with an online softmax (running max `m` and sum `l` per row, in base 2: queries come
-in pre-scaled by scale * log2(e)).
+"""The tile steps of paged attention, on one thread: the query rows of one KV head against one
+tile of keys, with an online softmax (running max `m` and sum `l` per row, in base 2: queries
+come in pre-scaled by scale * log2(e)).
 
 Rows are (query token, query head of the KV head's group): row r = i * g + j. Keys go by in
 tiles of TK; a tile's key and value rows are read straight from the paged cache through the
@@ -12,8 +12,7 @@ block table (a float16 cache is first converted into a small per-thread float32 
 - softmax step: per row, mask keys past the row's position, tile max, rescale;
 - P @ V: four value rows at a time into two accumulator rows, across the head dim.
 
-`finish_rows` then normalizes into the output, or stores the unnormalized state (m, l, acc)
-when the item's keys are one split of a longer context (merged by `merge_parts`).
+The item loop around these (heads, tiles, output) is `attention_kernels.attend_item`.
 """
 
 from __future__ import annotations
@@ -30,14 +29,15 @@ ZERO = np.float32(0.0)
 
 
 @kernel
-def prefetch_rows(cache, table, shift, kvh, t0, n):
-    """Ask for the cache lines of rows t0..t0+n-1 of head kvh (the next tile) ahead of use."""
+def prefetch_rows(cache, table, shift, kvh0, kvh1, t0, n):
+    """Ask for the cache lines of rows t0..t0+n-1, heads kvh0..kvh1-1, ahead of use."""
     mask = (1 << shift) - 1
-    step = 64 // cache.itemsize
+    step = max(1, 64 // cache.itemsize)
     for t in range(t0, t0 + n):
         blk = table[t >> shift]
-        for d in range(0, cache.shape[3], step):
-            prefetch(cache, blk, t & mask, kvh, d)
+        for h in range(kvh0, kvh1):
+            for d in range(0, cache.shape[3], step):
+                prefetch(cache, blk, t & mask, h, d)
 
 
 @kernel
@@ -176,62 +176,3 @@ def tile_pv(s, rows, vc, vbuf, table, shift, kvh, t0, n, acc):
             oa = acc[pairs]
             for d in range(dh):
                 oa[d] += (a0 * v0[d] + a1 * v1[d]) + (a2 * v2[d] + a3 * v3[d])
-
-
-@kernel
-def load_queries(q, tok0, nq, kvh, g, qscale, qt):
-    """qt[i * g + j] = q[tok0 + i, kvh * g + j] * qscale."""
-    dh = qt.shape[1]
-    for i in range(nq):
-        for j in range(g):
-            src = q[tok0 + i, kvh * g + j]
-            dst = qt[i * g + j]
-            for d in range(dh):
-                dst[d] = src[d] * qscale
-
-
-@kernel
-def attend_item(kc, vc, table, shift, pos0, nq, g, kvh, k0, k1, qt, kbuf, vbuf, s, m, l,
-                acc):
-    """Rows qt[:nq * g] (loaded) over keys k0..k1-1, causal (query token i sits at position
-    pos0 + i); leaves the unnormalized state in m, l, acc."""
-    rows = nq * g
-    dh = acc.shape[1]
-    for r in range(rows):
-        m[r] = NEG_INF
-        l[r] = ZERO
-        ar = acc[r]
-        for d in range(dh):
-            ar[d] = ZERO
-    end = min(k1, pos0 + nq)
-    for t0 in range(k0, end, TK):
-        n = min(TK, end - t0)
-        ahead = min(TK, end - t0 - n)
-        prefetch_rows(kc, table, shift, kvh, t0 + n, ahead)
-        prefetch_rows(vc, table, shift, kvh, t0 + n, ahead)
-        stage_rows(kc, table, shift, kvh, t0, n, kbuf)
-        tile_scores(qt, rows, kc, kbuf, table, shift, kvh, t0, n, s)
-        softmax_rows(s, rows, g, pos0, t0, n, m, l, acc)
-        stage_rows(vc, table, shift, kvh, t0, n, vbuf)
-        tile_pv(s, rows, vc, vbuf, table, shift, kvh, t0, n, acc)
-
-
-@kernel
-def finish_rows(tok0, nq, kvh, g, m, l, acc, part, out, pm, pl, pacc):
-    """Normalized rows into out[tok0 + i, kvh * g + j], or the raw state into partial `part`."""
-    dh = acc.shape[1]
-    for i in range(nq):
-        for j in range(g):
-            r = i * g + j
-            ar = acc[r]
-            if part < 0:
-                inv = np.float32(1.0) / l[r]
-                dst = out[tok0 + i, kvh * g + j]
-                for d in range(dh):
-                    dst[d] = ar[d] * inv
-            else:
-                pm[part, r] = m[r]
-                pl[part, r] = l[r]
-                dst = pacc[part, r]
-                for d in range(dh):
-                    dst[d] = ar[d]
