@@ -127,10 +127,11 @@ def write_kv(k: np.ndarray, v: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarra
 def paged_attention(q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray],
                     attn: CpuAttention, scale: float, out: np.ndarray | None = None
                     ) -> np.ndarray:
-    """Causal attention of q float32 [T, H, Dh] (any strides) over each request's cached
-    context -> [T, H, Dh] float32 (into `out` when given, which must be C-contiguous)."""
+    """Causal attention of q float32 [T, H, Dh] over each request's cached context -> [T, H, Dh]
+    float32 (into `out` when given, which must be C-contiguous). A strided q (a view of a fused
+    QKV output) is copied first: the kernels are compiled for C-contiguous queries only."""
     k_cache, v_cache = kv_cache
-    q = _float32_view(q, "q")
+    q = np.ascontiguousarray(_float32_view(q, "q"))
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     if num_heads % num_kv_heads or k_cache.shape[3] != head_dim or \
@@ -151,11 +152,12 @@ def paged_attention(q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray],
     pacc = np.empty((parts, plan.rows_max, head_dim), np.float32)
     shift = attn.block_size.bit_length() - 1
     qscale = np.float32(scale * _LOG2E)
+    kc, vc = k_cache.reshape(-1), v_cache.reshape(-1)
     if plan.lanes > 1:
-        run_items(q, k_cache, v_cache, attn.block_tables, shift, plan.items, plan.lanes, g,
+        run_items(q, kc, vc, attn.block_tables, shift, num_kv_heads, plan.items, plan.lanes, g,
                   plan.rows_max, qscale, out, pm, pl, pacc)
     else:   # one item (or one thread): no parallel region to start
-        run_lane(q, k_cache, v_cache, attn.block_tables, shift, plan.items,
+        run_lane(q, kc, vc, attn.block_tables, shift, num_kv_heads, plan.items,
                  np.zeros(1, np.int64), g, plan.rows_max, qscale, out, pm, pl, pacc)
     if len(plan.merges) > 1 and attn.threads > 1:
         merge_parts(plan.merges, g, pm, pl, pacc, out)

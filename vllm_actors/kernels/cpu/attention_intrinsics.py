@@ -84,19 +84,19 @@ def fetch_add(typingctx, counter, value):   # noqa: ARG001
 
 
 @intrinsic
-def prefetch(typingctx, arr, i0, i1, i2, i3):   # noqa: ARG001
-    """Hint the cache line holding arr[i0, i1, i2, i3] (a 4-D array) into the caches."""
-    if isinstance(arr, types.Array) and arr.ndim == 4:
+def prefetch(typingctx, arr, index):   # noqa: ARG001
+    """Hint the cache line holding arr[index] (a 1-D array) into the caches."""
+    if isinstance(arr, types.Array) and arr.ndim == 1 and isinstance(index, types.Integer):
         def codegen(context, builder, sig, args):
             aryty = sig.args[0]
             ary = context.make_array(aryty)(context, builder, args[0])
-            idx = [context.cast(builder, a, t, types.intp) for a, t in zip(args[1:], sig.args[1:])]
-            ptr = cgutils.get_item_pointer(context, builder, aryty, ary, idx)
+            idx = context.cast(builder, args[1], sig.args[1], types.intp)
+            ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [idx])
             i32 = ir.IntType(32)
             byte_ptr = ir.IntType(8).as_pointer()
             fnty = ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32])
             fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
             builder.call(fn, [builder.bitcast(ptr, byte_ptr), i32(0), i32(3), i32(1)])
             return context.get_dummy_value()
-        return types.none(arr, i0, i1, i2, i3), codegen
+        return types.none(arr, index), codegen
     return None

@@ -15,7 +15,7 @@ import numpy as np
 from numba import prange
 
 from vllm_actors.kernels.cpu.attention_intrinsics import fetch_add
-from vllm_actors.kernels.cpu.attention_math import exp2, from_f32, stage_rows
+from vllm_actors.kernels.cpu.attention_math import exp2, from_f32, row_source, stage_rows
 from vllm_actors.kernels.cpu.attention_tiles import (
     NEG_INF, TK, ZERO, prefetch_rows, softmax_rows, tile_pv, tile_scores)
 from vllm_actors.kernels.cpu.jit import kernel
@@ -28,41 +28,36 @@ M_TOK0, M_NQ, M_KVH0, M_KVH1, M_PART0, M_PARTS = range(6)
 
 
 @kernel
-def attend_item(q, kc, vc, table, shift, tok0, pos0, nq, g, kvh0, kvh1, k0, k1, qscale, qt,
-                kbuf, vbuf, s, m, l, acc):
+def attend_item(q, kc, vc, table, shift, hk, tok0, pos0, nq, g, kvh0, kvh1, k0, k1, qscale,
+                qt, kbuf, vbuf, offs, s, m, l, acc):
     """The item's rows over keys k0..k1-1, causal (query token i sits at position pos0 + i);
-    leaves the unnormalized state in m, l, acc (rows head-major)."""
+    leaves the unnormalized state in m, l, acc (rows head-major). kc, vc: flat caches."""
     dh = acc.shape[1]
     rows = nq * g
     for h in range(kvh0, kvh1):
-        base = (h - kvh0) * rows
         for i in range(nq):
             for j in range(g):
-                src = q[tok0 + i, h * g + j]
-                r = base + i * g + j
-                dst = qt[r]
+                r = (h - kvh0) * rows + i * g + j
                 for d in range(dh):
-                    dst[d] = src[d] * qscale
+                    qt[r, d] = q[tok0 + i, h * g + j, d] * qscale
+                    acc[r, d] = ZERO
                 m[r] = NEG_INF
                 l[r] = ZERO
-                ar = acc[r]
-                for d in range(dh):
-                    ar[d] = ZERO
+    ksrc = row_source(kc, kbuf)
+    vsrc = row_source(vc, vbuf)
     end = min(k1, pos0 + nq)
     for t0 in range(k0, end, TK):
         n = min(TK, end - t0)
         ahead = min(TK, end - t0 - n)
-        prefetch_rows(kc, table, shift, kvh0, kvh1, t0 + n, ahead)
-        prefetch_rows(vc, table, shift, kvh0, kvh1, t0 + n, ahead)
+        prefetch_rows(kc, table, shift, hk, dh, kvh0, kvh1, t0 + n, ahead)
+        prefetch_rows(vc, table, shift, hk, dh, kvh0, kvh1, t0 + n, ahead)
         for h in range(kvh0, kvh1):
-            lo = (h - kvh0) * rows
-            hi = lo + rows
-            qh, sh, mh, lh, ah = qt[lo:hi], s[lo:hi], m[lo:hi], l[lo:hi], acc[lo:hi]
-            stage_rows(kc, table, shift, h, t0, n, kbuf)
-            tile_scores(qh, rows, kc, kbuf, table, shift, h, t0, n, sh)
-            softmax_rows(sh, rows, g, pos0, t0, n, mh, lh, ah)
-            stage_rows(vc, table, shift, h, t0, n, vbuf)
-            tile_pv(sh, rows, vc, vbuf, table, shift, h, t0, n, ah)
+            r0 = (h - kvh0) * rows
+            stage_rows(kc, table, shift, hk, h, t0, n, kbuf, offs)
+            tile_scores(qt, r0, rows, ksrc, offs, n, s)
+            softmax_rows(s, r0, nq, g, pos0, t0, n, m, l, acc)
+            stage_rows(vc, table, shift, hk, h, t0, n, vbuf, offs)
+            tile_pv(s, r0, rows, vsrc, offs, n, acc)
 
 
 @kernel
@@ -74,25 +69,22 @@ def finish_rows(tok0, nq, g, kvh0, kvh1, m, l, acc, part, out, pm, pl, pacc):
         for i in range(nq):
             for j in range(g):
                 r = (h - kvh0) * rows + i * g + j
-                ar = acc[r]
                 if part < 0:
                     inv = np.float32(1.0) / l[r]
-                    dst = out[tok0 + i, h * g + j]
                     for d in range(dh):
-                        dst[d] = ar[d] * inv
+                        out[tok0 + i, h * g + j, d] = acc[r, d] * inv
                 else:
                     pm[part, r] = m[r]
                     pl[part, r] = l[r]
-                    dst = pacc[part, r]
                     for d in range(dh):
-                        dst[d] = ar[d]
+                        pacc[part, r, d] = acc[r, d]
 
 
 @kernel
-def run_lane(q, kc, vc, block_tables, shift, items, counter, g, rows_max, qscale, out, pm, pl,
-             pacc):
+def run_lane(q, kc, vc, block_tables, shift, hk, items, counter, g, rows_max, qscale, out, pm,
+             pl, pacc):
     """One thread's share: items taken in order from the shared `counter` until none is left.
-    `shift` is log2 of the block size."""
+    kc, vc: the caches flattened; `shift` is log2 of the block size, hk the KV heads."""
     dh = q.shape[2]
     n_items = items.shape[0]
     qt = np.empty((rows_max, dh), np.float32)
@@ -100,29 +92,30 @@ def run_lane(q, kc, vc, block_tables, shift, items, counter, g, rows_max, qscale
     s = np.empty((rows_max, TK), np.float32)
     m = np.empty(rows_max, np.float32)
     l = np.empty(rows_max, np.float32)
-    kbuf = np.empty((TK, dh), np.float32)
-    vbuf = np.empty((TK, dh), np.float32)
+    kbuf = np.empty(TK * dh, np.float32)
+    vbuf = np.empty(TK * dh, np.float32)
+    offs = np.empty(TK, np.uint64)
     it = fetch_add(counter, 1)
     while it < n_items:
         tok0 = items[it, TOK0]
         nq = items[it, NQ]
         kvh0 = items[it, KVH0]
         kvh1 = items[it, KVH1]
-        attend_item(q, kc, vc, block_tables[items[it, REQ]], shift, tok0, items[it, POS0], nq,
-                    g, kvh0, kvh1, items[it, K0], items[it, K1], qscale, qt, kbuf, vbuf, s, m,
-                    l, acc)
+        attend_item(q, kc, vc, block_tables[items[it, REQ]], shift, hk, tok0, items[it, POS0],
+                    nq, g, kvh0, kvh1, items[it, K0], items[it, K1], qscale, qt, kbuf, vbuf,
+                    offs, s, m, l, acc)
         finish_rows(tok0, nq, g, kvh0, kvh1, m, l, acc, items[it, PART], out, pm, pl, pacc)
         it = fetch_add(counter, 1)
 
 
 @kernel(parallel=True)
-def run_items(q, kc, vc, block_tables, shift, items, lanes, g, rows_max, qscale, out, pm, pl,
-              pacc):
+def run_items(q, kc, vc, block_tables, shift, hk, items, lanes, g, rows_max, qscale, out, pm,
+              pl, pacc):
     """Every item, on `lanes` threads sharing one counter."""
     counter = np.zeros(1, np.int64)
     for _lane in prange(lanes):
-        run_lane(q, kc, vc, block_tables, shift, items, counter, g, rows_max, qscale, out, pm,
-                 pl, pacc)
+        run_lane(q, kc, vc, block_tables, shift, hk, items, counter, g, rows_max, qscale, out,
+                 pm, pl, pacc)
 
 
 @kernel
@@ -141,21 +134,21 @@ def merge_range(merges, lo, hi, g, pm, pl, pacc, out):
             mx = NEG_INF
             for p in range(p0, p1):
                 mx = max(mx, pm[p, r])
-            o = out[tok0 + (r % rows) // g, (kvh0 + r // rows) * g + r % g]
+            tok = tok0 + (r % rows) // g
+            head = (kvh0 + r // rows) * g + r % g
             for d in range(dh):
-                o[d] = ZERO
+                out[tok, head, d] = ZERO
             tot = ZERO
             for p in range(p0, p1):
                 w = exp2(pm[p, r] - mx)
                 if w == 0.0:
                     continue
                 tot += w * pl[p, r]
-                src = pacc[p, r]
                 for d in range(dh):
-                    o[d] += w * src[d]
+                    out[tok, head, d] += w * pacc[p, r, d]
             inv = np.float32(1.0) / tot
             for d in range(dh):
-                o[d] *= inv
+                out[tok, head, d] *= inv
 
 
 @kernel(parallel=True)
@@ -179,13 +172,9 @@ def write_rows(k, v, kc, vc, slots, lo, hi):
         blk = slot // block_size
         off = slot - blk * block_size
         for h in range(hk):
-            ks = k[t, h]
-            vs = v[t, h]
-            kd = kc[blk, off, h]
-            vd = vc[blk, off, h]
             for d in range(dh):
-                kd[d] = from_f32(ks[d], like)
-                vd[d] = from_f32(vs[d], like)
+                kc[blk, off, h, d] = from_f32(k[t, h, d], like)
+                vc[blk, off, h, d] = from_f32(v[t, h, d], like)
 
 
 @kernel

@@ -8,9 +8,11 @@ cache (`read_half`) uses the CPU's own conversion where it has one (F16C: 5x fas
 bit conversion, itself 2x faster than a 65,536-entry table); that agrees with numpy on every
 value except signaling NaNs, which it quiets.
 
-The cache-dtype dispatch (`to_f32`, `from_f32`, `stage_rows`, `cache_row`) is done with numba
+The cache-dtype dispatch (`to_f32`, `from_f32`, `stage_rows`, `row_source`) is done with numba
 overloads, resolved when a kernel compiles, so each kernel is written once and compiled per
 cache dtype: a float32 cache is read in place, a float16 one through a small float32 tile.
+Kernels take caches flattened to 1-D and address rows by offset: slicing a row out of an array
+inside a loop costs numba a reference-count update (an atomic, in a call) per slice.
 """
 
 from __future__ import annotations
@@ -85,13 +87,14 @@ def from_f32(x, like):
     raise NotImplementedError
 
 
-def stage_rows(cache, table, shift, kvh, t0, n, buf):
-    """Make rows t0..t0+n-1 of head kvh readable by `cache_row` (kernels only)."""
+def stage_rows(cache, table, shift, hk, kvh, t0, n, buf, offs):
+    """Make rows t0..t0+n-1 of head kvh readable at offs[i] in `row_source(cache, buf)`
+    (kernels only)."""
     raise NotImplementedError
 
 
-def cache_row(cache, buf, table, shift, kvh, t, i):
-    """Row t (tile row i) of head kvh as a float32 vector (kernels only)."""
+def row_source(cache, buf):
+    """The float32 array `stage_rows` offsets point into (kernels only)."""
     raise NotImplementedError
 
 
@@ -131,34 +134,45 @@ def _from_f32(x, like):
 
 
 @kernel
-def convert_rows(cache, table, shift, kvh, t0, n, buf):
-    """buf[i] = float32 of cache row t0 + i (head kvh), i < n, through the block table."""
+def row_offsets(table, shift, hk, dh, kvh, t0, n, offs):
+    """offs[i] = flat offset of row t0 + i, head kvh, in a [blocks, 2^shift, hk, dh] cache."""
     mask = (1 << shift) - 1
-    dh = buf.shape[1]
     for i in range(n):
         t = t0 + i
-        row = cache[table[t >> shift], t & mask, kvh]
-        dst = buf[i]
+        offs[i] = np.uint64((((table[t >> shift] << shift) + (t & mask)) * hk + kvh) * dh)
+
+
+@kernel
+def convert_rows(cache, table, shift, hk, kvh, t0, n, buf, offs):
+    """buf[i * dh:(i + 1) * dh] = float32 of row t0 + i (head kvh) of the flat float16 cache;
+    offs[i] = i * dh."""
+    dh = buf.shape[0] // offs.shape[0]
+    row_offsets(table, shift, hk, dh, kvh, t0, n, offs)
+    for i in range(n):
+        src = offs[i]
+        dst = np.uint64(i * dh)
         for d in range(dh):
-            dst[d] = read_half(row[d])
+            e = np.uint64(d)
+            buf[dst + e] = read_half(cache[src + e])
+        offs[i] = dst
 
 
 @overload(stage_rows, jit_options=_JIT)
-def _stage_rows(cache, table, shift, kvh, t0, n, buf):
-    """float16 cache: convert the tile's rows into buf; float32: nothing (read in place)."""
+def _stage_rows(cache, table, shift, hk, kvh, t0, n, buf, offs):
+    """float16 cache: convert the tile's rows into buf; float32: only the row offsets (the
+    rows are read in place)."""
     if _is_half(cache):
-        return lambda cache, table, shift, kvh, t0, n, buf: convert_rows(
-            cache, table, shift, kvh, t0, n, buf)
-    return lambda cache, table, shift, kvh, t0, n, buf: None
+        return lambda cache, table, shift, hk, kvh, t0, n, buf, offs: convert_rows(
+            cache, table, shift, hk, kvh, t0, n, buf, offs)
+    return lambda cache, table, shift, hk, kvh, t0, n, buf, offs: row_offsets(
+        table, shift, hk, buf.shape[0] // offs.shape[0], kvh, t0, n, offs)
 
 
-@overload(cache_row, jit_options=_JIT)
-def _cache_row(cache, buf, table, shift, kvh, t, i):
-    """Key/value row t (tile row i) as float32: the staged copy, or the cache row itself."""
+@overload(row_source, jit_options=_JIT)
+def _row_source(cache, buf):
     if _is_half(cache):
-        return lambda cache, buf, table, shift, kvh, t, i: buf[i]
-    return lambda cache, buf, table, shift, kvh, t, i: cache[
-        table[t >> shift], t & ((1 << shift) - 1), kvh]
+        return lambda cache, buf: buf
+    return lambda cache, buf: cache
 
 
 # exp2(f) on [-1/2, 1/2]: Taylor coefficients of e^(f ln 2), degree 6 (relative error < 2e-7).

@@ -143,8 +143,7 @@ def _plan(qsl, seq_lens, hk, g, tile_tokens, threads):
             part += 1 if s > 1 else 0
             item_cost[it] = cost[u] * (k1 - k0) / max(kend, 1)
             it += 1
-    order = np.argsort(-item_cost, kind="mergesort")
-    return items[order], merges, part, rows_max
+    return items, item_cost, merges, part, rows_max
 
 
 def build_plan(query_start_loc: np.ndarray, seq_lens: np.ndarray, num_kv_heads: int, g: int,
@@ -152,6 +151,8 @@ def build_plan(query_start_loc: np.ndarray, seq_lens: np.ndarray, num_kv_heads: 
     """The items of a step for `num_kv_heads` KV heads of `g` query heads each
     (query_start_loc and seq_lens as int64)."""
     tile_tokens = max(1, max(16, TILE_FLOATS // head_dim) // g)
-    items, merges, parts, rows_max = _plan(query_start_loc, seq_lens, num_kv_heads, g,
-                                           tile_tokens, max(1, threads))
+    items, cost, merges, parts, rows_max = _plan(query_start_loc, seq_lens, num_kv_heads, g,
+                                                 tile_tokens, max(1, threads))
+    if len(items) > 1:
+        items = items[np.argsort(-cost, kind="stable")]
     return Plan(items, max(1, min(threads, len(items))), merges, int(parts), int(rows_max))
