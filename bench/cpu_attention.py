@@ -11,14 +11,21 @@ real model (one layer's cache alone may stay cache-resident across repeated call
 
 Shapes: SmolLM2-135M (H=9, Hk=3, Dh=64) and an 8B shape (H=32, Hk=8, Dh=128), block size 16.
 The numpy backend has only a float32 cache, so its column is the same for both of our cache
-dtypes. Both sides use every core (numba threads; numpy's BLAS threads).
+dtypes. Both sides use every core (numba threads; numpy's BLAS threads). Runs interleave the
+implementations; OMP_WAIT_POLICY defaults to PASSIVE (see below).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
+from typing import Callable
+
+# numba's OpenMP threads sleep when idle instead of spinning: on a machine shared with other
+# processes a spinning waiter delays the very thread it waits for (10-100x slower calls).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
 
@@ -61,15 +68,19 @@ def metadata(q_lens: list[int], cached: list[int], rng: np.random.Generator
                              BLOCK), int(nblocks.sum()) + 1
 
 
-def timed(fn, runs: int, iters: int) -> float:
-    fn()
-    samples = []
+def timed(calls: dict[str, Callable[[], None]], runs: int, iters: int) -> dict[str, float]:
+    """Median ms per call of each callable; runs interleave the callables so that a noisy
+    neighbour slows all of them alike."""
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for fn in calls.values():
+        fn()
     for _ in range(runs):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        samples.append((time.perf_counter() - t0) / iters)
-    return statistics.median(samples) * 1e3
+        for name, fn in calls.items():
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            samples[name].append((time.perf_counter() - t0) / iters)
+    return {name: statistics.median(s) * 1e3 for name, s in samples.items()}
 
 
 def bench_case(shape: dict, q_lens: list[int], cached: list[int], runs: int, iters: int,
@@ -83,14 +94,14 @@ def bench_case(shape: dict, q_lens: list[int], cached: list[int], runs: int, ite
     k = qkv[:, h * dh:(h + hk) * dh].reshape(tokens, hk, dh)
     v = qkv[:, (h + hk) * dh:].reshape(tokens, hk, dh)
     scale = dh ** -0.5
-    times = {}
+    turn = iter(range(1 << 62))
+    calls: dict[str, Callable[[], None]] = {}
 
     backend = NumpyBackend()
     np_caches = backend.allocate_kv_cache(layers, num_blocks, BLOCK, hk, dh)
     for np_cache in np_caches:
         for part in np_cache:
             part[...] = rng.standard_normal(part.shape, dtype=np.float32)
-    turn = iter(range(1 << 62))
 
     def numpy_call() -> None:
         np_cache = np_caches[next(turn) % layers]
@@ -98,28 +109,29 @@ def bench_case(shape: dict, q_lens: list[int], cached: list[int], runs: int, ite
         backend.reshape_and_cache(k, v, np_cache, attn)
         backend.paged_attention(q, np_cache, attn, scale)
 
-    times["numpy"] = timed(numpy_call, runs, iters)
+    calls["numpy"] = numpy_call
     for dtype in ("float32", "float16"):
         caches = cpu.allocate_kv_cache(layers, num_blocks, BLOCK, hk, dh, dtype)
         for cache, np_cache in zip(caches, np_caches):
             for part, ref in zip(cache, np_cache):
                 part[...] = ref if dtype == "float32" else ref.astype(np.float16).view(np.uint16)
         out = np.empty((tokens, h, dh), np.float32)
-
-        def ours_call() -> None:
-            cache = caches[next(turn) % layers]
-            attn = cpu.prepare(meta)
-            cpu.write_kv(k, v, cache, attn)
-            cpu.paged_attention(q, cache, attn, scale, out)
-
         attn = cpu.prepare(meta)
         for cache in caches:
             cpu.write_kv(k, v, cache, attn)
-        times[dtype] = timed(ours_call, runs, iters)
-        times[dtype + " attn"] = timed(
-            lambda: cpu.paged_attention(q, caches[next(turn) % layers], attn, scale, out),
-            runs, iters)
-    return times
+
+        def ours_call(caches=caches, out=out) -> None:
+            cache = caches[next(turn) % layers]
+            step = cpu.prepare(meta)
+            cpu.write_kv(k, v, cache, step)
+            cpu.paged_attention(q, cache, step, scale, out)
+
+        def attention_only(caches=caches, out=out, attn=attn) -> None:
+            cpu.paged_attention(q, caches[next(turn) % layers], attn, scale, out)
+
+        calls[dtype] = ours_call
+        calls[dtype + " attn"] = attention_only
+    return timed(calls, runs, iters)
 
 
 def main() -> None:
