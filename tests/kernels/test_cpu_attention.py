@@ -189,7 +189,14 @@ def test_decode_only_batch(dtype):
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_prefill_only(dtype):
-    _compare([150, 33], [0, 0], 9, 3, 64, 16, dtype, seed=2)
+    # 433 tokens x 3 heads x 64: enough to write the cache on the parallel path
+    _compare([400, 33], [0, 0], 9, 3, 64, 16, dtype, seed=2)
+
+
+def test_head_dim_256_and_32k_context():
+    _compare([1, 9], [50, 20], 4, 2, 256, 16, "float32", seed=7)
+    attn = _compare([1], [32767], 2, 1, 64, 32, "float16", seed=8)
+    assert attn.plan(1, 2, 64).num_parts >= 8
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

@@ -95,7 +95,9 @@ def prefetch(typingctx, arr, index):   # noqa: ARG001
             i32 = ir.IntType(32)
             byte_ptr = ir.IntType(8).as_pointer()
             fnty = ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32])
-            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+            # (read, keep in all cache levels, data); the name is mangled for the pointer
+            # type: llvm.prefetch.p0 (opaque pointers) or .p0i8 (older LLVM)
+            fn = builder.module.declare_intrinsic("llvm.prefetch", [byte_ptr], fnty)
             builder.call(fn, [builder.bitcast(ptr, byte_ptr), i32(0), i32(3), i32(1)])
             return context.get_dummy_value()
         return types.none(arr, index), codegen
