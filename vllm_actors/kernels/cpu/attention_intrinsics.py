@@ -1,6 +1,6 @@
 """LLVM-level helpers numba does not offer on the CPU, as numba intrinsics (inlined into the
 kernels that call them): bit casts, the hardware float16 -> float32 conversion, an atomic
-counter for dynamic work distribution, and a cache prefetch.
+counter for dynamic work distribution, a cache prefetch, and small stack arrays.
 
 `HARDWARE_HALF`: whether the CPU numba compiles for converts float16 in hardware (x86 F16C,
 present on every AVX2 CPU; aarch64 always). Without it LLVM would emit a call to a runtime
@@ -18,6 +18,7 @@ from llvmlite import binding as llvm
 from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
+from numba.np.arrayobj import make_array, populate_array
 
 
 def _hardware_half() -> bool:
@@ -102,3 +103,26 @@ def prefetch(typingctx, arr, index):   # noqa: ARG001
             return context.get_dummy_value()
         return types.none(arr, index), codegen
     return None
+
+
+@intrinsic
+def stack_f32(typingctx, n):   # noqa: ARG001
+    """A float32 array of `n` (a literal) elements on the calling function's stack.
+
+    For a micro-kernel's accumulators: indexed with constants only (after unrolling), LLVM
+    keeps them in vector registers, which numba arrays on the heap never are (LLVM cannot
+    prove that those do not alias the arrays the kernel reads). The array must not outlive
+    the function that made it (never return or store it)."""
+    if not isinstance(n, types.IntegerLiteral):
+        return None
+    size = n.literal_value
+    arrty = types.Array(types.float32, 1, "C")
+
+    def codegen(context, builder, sig, args):
+        ptr = cgutils.alloca_once(builder, ir.FloatType(), size=size)
+        ary = make_array(arrty)(context, builder)
+        itemsize = context.get_constant(types.intp, 4)
+        populate_array(ary, data=ptr, shape=[context.get_constant(types.intp, size)],
+                       strides=[itemsize], itemsize=itemsize, meminfo=None)
+        return ary._getvalue()
+    return arrty(n), codegen

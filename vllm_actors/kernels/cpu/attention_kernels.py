@@ -16,6 +16,7 @@ from numba import prange
 
 from vllm_actors.kernels.cpu.attention_intrinsics import fetch_add
 from vllm_actors.kernels.cpu.attention_math import exp2, from_f32, row_source, stage_rows
+from vllm_actors.kernels.cpu.attention_prefill import PK, attend_prefill, finish_prefill
 from vllm_actors.kernels.cpu.attention_tiles import (
     NEG_INF, TK, ZERO, prefetch_rows, softmax_rows, tile_pv, tile_scores)
 from vllm_actors.kernels.cpu.jit import kernel
@@ -87,24 +88,44 @@ def run_lane(q, kc, vc, block_tables, shift, hk, items, counter, g, rows_max, qs
     kc, vc: the caches flattened; `shift` is log2 of the block size, hk the KV heads."""
     dh = q.shape[2]
     n_items = items.shape[0]
+    ldp = (rows_max + 15) // 16 * 16          # prefill rows, padded for the 16-row blocks
     qt = np.empty((rows_max, dh), np.float32)
     acc = np.empty((rows_max, dh), np.float32)
     s = np.empty((rows_max, TK), np.float32)
-    m = np.empty(rows_max, np.float32)
-    l = np.empty(rows_max, np.float32)
-    kbuf = np.empty(TK * dh, np.float32)
-    vbuf = np.empty(TK * dh, np.float32)
-    offs = np.empty(TK, np.uint64)
+    m = np.empty(ldp, np.float32)
+    l = np.empty(ldp, np.float32)
+    tile = max(TK, PK)
+    kbuf = np.empty(tile * dh, np.float32)
+    vbuf = np.empty(tile * dh, np.float32)
+    offs = np.empty(tile, np.uint64)
+    blocked = dh % 4 == 0
+    if blocked:
+        qT = np.empty((dh, ldp), np.float32)
+        accT = np.empty((dh, ldp), np.float32)
+        sT = np.empty((PK, ldp), np.float32)
+    else:
+        qT = np.empty((0, 0), np.float32)
+        accT = np.empty((0, 0), np.float32)
+        sT = np.empty((0, 0), np.float32)
+    mref = np.empty(ldp, np.float32)
     it = fetch_add(counter, 1)
     while it < n_items:
         tok0 = items[it, TOK0]
         nq = items[it, NQ]
         kvh0 = items[it, KVH0]
         kvh1 = items[it, KVH1]
-        attend_item(q, kc, vc, block_tables[items[it, REQ]], shift, hk, tok0, items[it, POS0],
-                    nq, g, kvh0, kvh1, items[it, K0], items[it, K1], qscale, qt, kbuf, vbuf,
-                    offs, s, m, l, acc)
-        finish_rows(tok0, nq, g, kvh0, kvh1, m, l, acc, items[it, PART], out, pm, pl, pacc)
+        table = block_tables[items[it, REQ]]
+        if blocked and nq > 1 and kvh1 == kvh0 + 1:
+            attend_prefill(q, kc, vc, table, shift, hk, tok0, items[it, POS0], nq, g, kvh0,
+                           items[it, K0], items[it, K1], qscale, qT, accT, sT, m, l, mref,
+                           kbuf, vbuf, offs)
+            finish_prefill(tok0, nq, g, kvh0, m, l, accT, items[it, PART], out, pm, pl, pacc)
+        else:
+            attend_item(q, kc, vc, table, shift, hk, tok0, items[it, POS0], nq, g, kvh0, kvh1,
+                        items[it, K0], items[it, K1], qscale, qt, kbuf, vbuf, offs, s, m, l,
+                        acc)
+            finish_rows(tok0, nq, g, kvh0, kvh1, m, l, acc, items[it, PART], out, pm, pl,
+                        pacc)
         it = fetch_add(counter, 1)
 
 
