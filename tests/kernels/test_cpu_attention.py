@@ -189,7 +189,6 @@ def test_decode_only_batch(dtype):
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_prefill_only(dtype):
-    # 433 tokens x 3 heads x 64: enough to write the cache on the parallel path
     _compare([400, 33], [0, 0], 9, 3, 64, 16, dtype, seed=2)
 
 

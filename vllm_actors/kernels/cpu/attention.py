@@ -21,12 +21,11 @@ import numba
 import numpy as np
 
 from vllm_actors.kernels.cpu.attention_kernels import (
-    merge_parts, merge_range, run_items, run_lane, write_kv_parallel, write_kv_serial)
+    merge_range, run_items, run_lane, write_kv_rows)
 from vllm_actors.kernels.cpu.attention_plan import Plan, build_plan
 from vllm_actors.kernels.ops import AttentionMetadata
 
 CACHE_DTYPES = {"float32": np.float32, "float16": np.uint16}
-PARALLEL_WRITE_ELEMENTS = 1 << 16   # below this many K elements a step writes on one thread
 _LOG2E = 1.4426950408889634
 
 
@@ -118,10 +117,7 @@ def write_kv(k: np.ndarray, v: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarra
     if k.shape != v.shape or k.shape[1:] != k_cache.shape[2:] or k.shape[0] != attn.num_tokens:
         raise ValueError(f"k {k.shape} / v {v.shape} do not fit the cache {k_cache.shape} "
                          f"and {attn.num_tokens} tokens")
-    if k.size < PARALLEL_WRITE_ELEMENTS or attn.threads == 1:
-        write_kv_serial(k, v, k_cache, v_cache, attn.slot_mapping)
-    else:
-        write_kv_parallel(k, v, k_cache, v_cache, attn.slot_mapping, attn.threads)
+    write_kv_rows(k, v, k_cache, v_cache, attn.slot_mapping)
 
 
 def paged_attention(q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray],
@@ -159,9 +155,7 @@ def paged_attention(q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray],
     else:   # one item (or one thread): no parallel region to start
         run_lane(q, kc, vc, attn.block_tables, shift, num_kv_heads, plan.items,
                  np.zeros(1, np.int64), g, plan.rows_max, qscale, out, pm, pl, pacc)
-    if len(plan.merges) > 1 and attn.threads > 1:
-        merge_parts(plan.merges, g, pm, pl, pacc, out)
-    elif len(plan.merges):
+    if len(plan.merges):
         merge_range(plan.merges, 0, len(plan.merges), g, pm, pl, pacc, out)
     return out
 

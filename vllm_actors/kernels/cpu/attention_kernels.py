@@ -1,5 +1,5 @@
-"""The parallel entry points of paged attention: run the step's work items, merge split-context
-partial states, and write new keys and values into the paged cache.
+"""The entry points of paged attention: run the step's work items (in parallel), merge
+split-context partial states, and write new keys and values into the paged cache.
 
 A work item (a row of `items`, see `attention_plan`) is the query tokens tok0..tok0+nq-1 of one
 request under KV heads kvh0..kvh1-1, over keys k0..k1-1. Its rows are head-major: row
@@ -7,6 +7,10 @@ request under KV heads kvh0..kvh1-1, over keys k0..k1-1. Its rows are head-major
 (`prange` over lanes) keeps its own tiles and takes the next item from a shared atomic
 counter, so a thread slowed by anything (a long item, another process on its core) takes
 fewer items instead of holding the step up; items come sorted by decreasing cost.
+
+Items with many query rows of one KV head (prefill) run `attention_prefill.attend_prefill`
+(register-blocked, transposed); the others (decode: one token, all KV heads) `attend_item`
+(dot products over `attention_tiles`).
 """
 
 from __future__ import annotations
@@ -142,7 +146,7 @@ def run_items(q, kc, vc, block_tables, shift, hk, items, lanes, g, rows_max, qsc
 @kernel
 def merge_range(merges, lo, hi, g, pm, pl, pacc, out):
     """Combine the partial states of split items lo..hi-1 (rows laid out as in
-    `finish_rows`)."""
+    `finish_rows`). On one thread: a few rows x Dh per split item."""
     dh = pacc.shape[2]
     for i in range(lo, hi):
         tok0 = merges[i, M_TOK0]
@@ -172,21 +176,15 @@ def merge_range(merges, lo, hi, g, pm, pl, pacc, out):
                 out[tok, head, d] *= inv
 
 
-@kernel(parallel=True)
-def merge_parts(merges, g, pm, pl, pacc, out):
-    """merge_range over all merges, one prange iteration each."""
-    for i in prange(merges.shape[0]):
-        merge_range(merges, i, i + 1, g, pm, pl, pacc, out)
-
-
 @kernel
-def write_rows(k, v, kc, vc, slots, lo, hi):
-    """Tokens lo..hi-1 of k, v [T, Hk, Dh] into the caches at their slots (skip slot < 0)."""
+def write_kv_rows(k, v, kc, vc, slots):
+    """k, v [T, Hk, Dh] into the caches at their slots (skip slot < 0). One thread: a step
+    writes T x Hk x Dh values, microseconds next to its attention."""
     block_size = kc.shape[1]
     hk = kc.shape[2]
     dh = kc.shape[3]
     like = kc[0, 0, 0, 0]
-    for t in range(lo, hi):
+    for t in range(slots.shape[0]):
         slot = slots[t]
         if slot < 0:
             continue
@@ -196,16 +194,3 @@ def write_rows(k, v, kc, vc, slots, lo, hi):
             for d in range(dh):
                 kc[blk, off, h, d] = from_f32(k[t, h, d], like)
                 vc[blk, off, h, d] = from_f32(v[t, h, d], like)
-
-
-@kernel
-def write_kv_serial(k, v, kc, vc, slots):
-    write_rows(k, v, kc, vc, slots, 0, slots.shape[0])
-
-
-@kernel(parallel=True)
-def write_kv_parallel(k, v, kc, vc, slots, chunks):
-    n = slots.shape[0]
-    per = (n + chunks - 1) // chunks
-    for c in prange(chunks):
-        write_rows(k, v, kc, vc, slots, c * per, min(n, (c + 1) * per))
