@@ -1,0 +1,229 @@
+"""The compiled CPU backend's paged attention (kernels/cpu/attention) against the numpy backend,
+and its float16 <-> float32 conversions against numpy's `astype`, bit for bit.
+
+Tolerances: outputs are convex combinations of unit-normal values; float32 caches must match
+numpy within atol 2e-5 (rtol 1e-5). A float16 cache is compared against numpy attending over
+the same float16-rounded K/V, within atol 2e-3 (in practice both differ only by float32
+rounding, ~1e-6). Plans are built for 2 threads whatever the machine has, so the split-context
+(flash-decoding) path and the parallel entry points run everywhere.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_actors.kernels.cpu import attention as cpu
+from vllm_actors.kernels.cpu.attention_intrinsics import HARDWARE_HALF
+from vllm_actors.kernels.cpu.attention_math import f32_to_half, half_to_f32, read_half
+from vllm_actors.kernels.cpu.jit import kernel
+from vllm_actors.kernels.numpy_backend import NumpyBackend
+from vllm_actors.kernels.ops import AttentionMetadata
+
+ATOL = {"float32": 2e-5, "float16": 2e-3}
+
+
+@kernel
+def _halves_to_f32(bits, out, hardware):
+    for i in range(bits.shape[0]):
+        out[i] = read_half(bits[i]) if hardware else half_to_f32(bits[i])
+
+
+@kernel
+def _f32_to_halves(x, out):
+    for i in range(x.shape[0]):
+        out[i] = f32_to_half(x[i])
+
+
+ALL_HALVES = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+
+
+def test_half_to_f32_bit_exact_on_all_65536_values():
+    ref = ALL_HALVES.view(np.float16).astype(np.float32).view(np.uint32)
+    out = np.empty(1 << 16, np.float32)
+    _halves_to_f32(ALL_HALVES, out, False)
+    np.testing.assert_array_equal(out.view(np.uint32), ref)     # NaN payloads included
+
+
+def test_cache_reads_match_numpy_on_all_65536_values():
+    """What the kernels use to read a float16 cache (F16C where present): exact on every
+    value; a signaling NaN may come back quieted, still a NaN of the same sign."""
+    ref = ALL_HALVES.view(np.float16).astype(np.float32)
+    out = np.empty(1 << 16, np.float32)
+    _halves_to_f32(ALL_HALVES, out, True)
+    nan = np.isnan(ref)
+    np.testing.assert_array_equal(out.view(np.uint32)[~nan], ref.view(np.uint32)[~nan])
+    assert np.isnan(out[nan]).all()
+    np.testing.assert_array_equal(np.signbit(out[nan]), np.signbit(ref[nan]))
+    if not HARDWARE_HALF:
+        np.testing.assert_array_equal(out.view(np.uint32), ref.view(np.uint32))
+
+
+def _edge_floats() -> np.ndarray:
+    halves = ALL_HALVES.view(np.float16)
+    finite = np.sort(np.unique(halves[np.isfinite(halves)].astype(np.float64)))
+    mids = (finite[:-1] + finite[1:]) / 2            # exact ties: round half to even
+    near = np.concatenate([np.nextafter(mids.astype(np.float32), np.float32(np.inf)),
+                           np.nextafter(mids.astype(np.float32), np.float32(-np.inf))])
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, 65504.0, 65519.996, 65520.0, 65536.0,
+                         1e10, -1e10, 2.0 ** -24, 2.0 ** -25, 3 * 2.0 ** -26, 2.0 ** -26,
+                         2.0 ** -14, 2.0 ** -14 - 2.0 ** -25, 1e-30, -1e-30, 1e-45,
+                         np.finfo(np.float32).max], np.float64)
+    return np.concatenate([mids.astype(np.float32), near, specials.astype(np.float32),
+                           -specials.astype(np.float32), finite.astype(np.float32)])
+
+
+def test_f32_to_half_bit_exact_on_edges_and_random_bits():
+    rng = np.random.default_rng(0)
+    random_bits = rng.integers(0, 1 << 32, 1 << 20, dtype=np.uint64).astype(np.uint32)
+    x = np.concatenate([_edge_floats(), random_bits.view(np.float32)])
+    out = np.empty(len(x), np.uint16)
+    _f32_to_halves(x, out)
+    with np.errstate(over="ignore", invalid="ignore"):
+        ref = x.astype(np.float16).view(np.uint16)
+    nan = np.isnan(x)
+    np.testing.assert_array_equal(out[~nan], ref[~nan])
+    quiet = nan & ((x.view(np.uint32) & 0x400000) != 0)
+    assert quiet.sum() > 100
+    np.testing.assert_array_equal(out[quiet], ref[quiet])
+    assert np.isnan(out[nan].view(np.float16)).all()
+    np.testing.assert_array_equal(out[nan] >> 15, ref[nan] >> 15)
+
+
+def _step(q_lens, cached, block_size, num_kv_heads, head_dim, rng, spare_blocks=3):
+    """Metadata with shuffled (non-contiguous) block tables and the number of blocks."""
+    seq = np.array(cached) + np.array(q_lens)
+    nblocks = -(-seq // block_size)
+    total = int(nblocks.sum()) + 1 + spare_blocks
+    ids = rng.permutation(np.arange(1, total))
+    tables = np.zeros((len(seq), int(nblocks.max()) + 2), np.int32)    # padded with block 0
+    starts = np.cumsum(nblocks) - nblocks
+    for b in range(len(seq)):
+        tables[b, :nblocks[b]] = ids[starts[b]:starts[b] + nblocks[b]]
+    slots = np.concatenate([tables[b, pos // block_size] * block_size + pos % block_size
+                            for b, pos in enumerate(np.arange(c, c + n)
+                                                    for c, n in zip(cached, q_lens))])
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    return AttentionMetadata(qsl, seq.astype(np.int32), tables, slots.astype(np.int64),
+                             block_size), total
+
+
+def _poison_unread(cache, meta, dtype):
+    """NaN wherever attention must not read: the null block, spare blocks, and the slots past
+    each sequence's end in its last block."""
+    nan = np.array(np.nan, np.float32)
+    nan = nan.astype(np.float16).view(np.uint16) if dtype == "float16" else nan
+    block_size = meta.block_size
+    used = np.zeros(cache[0].shape[0], bool)
+    for b, length in enumerate(meta.seq_lens):
+        blocks = meta.block_tables[b, :-(-length // block_size)]
+        used[blocks] = True
+        for part in cache:
+            part[blocks[-1], length - (len(blocks) - 1) * block_size:] = nan
+    for part in cache:
+        part[~used] = nan
+
+
+def _compare(q_lens, cached, heads, kv_heads, head_dim, block_size, dtype, seed=0, threads=2):
+    rng = np.random.default_rng(seed)
+    meta, total = _step(q_lens, cached, block_size, kv_heads, head_dim, rng)
+    tokens = int(sum(q_lens))
+    # q, k, v as views of one fused projection, as models hand them over
+    qkv = rng.standard_normal((tokens, (heads + 2 * kv_heads) * head_dim), dtype=np.float32)
+    q = qkv[:, :heads * head_dim].reshape(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].reshape(tokens, kv_heads,
+                                                                        head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim:].reshape(tokens, kv_heads, head_dim)
+    # earlier context, already in the cache
+    shape = (total, block_size, kv_heads, head_dim)
+    prior_k = rng.standard_normal(shape, dtype=np.float32)
+    prior_v = rng.standard_normal(shape, dtype=np.float32)
+    cache = cpu.allocate_kv_cache(2, total, block_size, kv_heads, head_dim, dtype)[1]
+    ref_cache = NumpyBackend().allocate_kv_cache(1, total, block_size, kv_heads, head_dim)[0]
+    if dtype == "float16":
+        for mine, ref, prior in zip(cache, ref_cache, (prior_k, prior_v)):
+            mine[...] = prior.astype(np.float16).view(np.uint16)
+            ref[...] = prior.astype(np.float16).astype(np.float32)
+        k_ref = k.astype(np.float16).astype(np.float32)
+        v_ref = v.astype(np.float16).astype(np.float32)
+    else:
+        for mine, ref, prior in zip(cache, ref_cache, (prior_k, prior_v)):
+            mine[...] = prior
+            ref[...] = prior
+        k_ref, v_ref = k, v
+    backend = NumpyBackend()
+    ref_attn = backend.prepare_attention(meta)
+    backend.reshape_and_cache(k_ref, v_ref, ref_cache, ref_attn)
+    scale = head_dim ** -0.5
+    expected = backend.paged_attention(np.ascontiguousarray(q), ref_cache, ref_attn, scale)
+
+    attn = cpu.prepare(meta, threads=threads)
+    cpu.write_kv(k, v, cache, attn)
+    written = cache[0].reshape(-1, kv_heads, head_dim)[meta.slot_mapping]
+    if dtype == "float16":
+        np.testing.assert_array_equal(written, k.astype(np.float16).view(np.uint16))
+    else:
+        np.testing.assert_array_equal(written, k)
+    _poison_unread(cache, meta, dtype)
+    got = cpu.paged_attention(q, cache, attn, scale)
+    np.testing.assert_allclose(got, expected, atol=ATOL[dtype], rtol=1e-5)
+    return attn
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [
+    (9, 3, 64, 16),       # SmolLM2: g = 3
+    (4, 4, 80, 1),        # g = 1, odd head dim, one token per block
+    (8, 2, 128, 32),      # g = 4
+])
+def test_mixed_decode_and_prefill_chunks(dtype, heads, kv_heads, head_dim, block_size):
+    # decodes, a first prefill chunk, a later chunk after cached context, a 2-token chunk
+    _compare([1, 37, 1, 70, 2, 1], [40, 0, 300, 129, 7, 0], heads, kv_heads, head_dim,
+             block_size, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_decode_only_batch(dtype):
+    _compare([1] * 9, [3, 17, 64, 100, 255, 31, 1, 0, 500], 9, 3, 64, 16, dtype, seed=1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_prefill_only(dtype):
+    _compare([400, 33], [0, 0], 9, 3, 64, 16, dtype, seed=2)
+
+
+def test_head_dim_256_and_32k_context():
+    _compare([1, 9], [50, 20], 4, 2, 256, 16, "float32", seed=7)
+    attn = _compare([1], [32767], 2, 1, 64, 32, "float16", seed=8)
+    assert attn.plan(1, 2, 64).num_parts >= 8
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_long_context_and_split_decode(dtype):
+    """A sequence spanning ~190 blocks and a long single decode: its context is split across
+    threads and the partial softmax states merged."""
+    attn = _compare([1], [3001], 8, 2, 128, 16, dtype, seed=3)
+    assert attn.plan(2, 4, 128).num_parts > 1
+    _compare([40, 1], [2960, 2999], 9, 3, 64, 16, dtype, seed=4)
+
+
+def test_single_thread_plan_and_out_argument():
+    attn = _compare([1, 5], [700, 600], 9, 3, 64, 16, "float32", seed=5, threads=1)
+    assert attn.plan(3, 3, 64).num_parts == 0
+    rng = np.random.default_rng(6)
+    meta, total = _step([3], [4], 16, 1, 64, rng)
+    cache = cpu.allocate_kv_cache(1, total, 16, 1, 64)[0]
+    attn = cpu.prepare(meta, 2, 1, 64)
+    x = rng.standard_normal((3, 1, 64), dtype=np.float32)
+    cpu.write_kv(x, x, cache, attn)
+    out = np.full((3, 2, 64), np.nan, np.float32)
+    assert cpu.paged_attention(rng.standard_normal((3, 2, 64), dtype=np.float32), cache, attn,
+                               0.125, out=out) is out
+    assert np.isfinite(out).all()
+
+
+def test_rejects_bad_shapes():
+    with pytest.raises(ValueError):
+        cpu.allocate_kv_cache(1, 4, 12, 1, 64)
+    with pytest.raises(ValueError):
+        cpu.allocate_kv_cache(1, 4, 16, 1, 64, "bfloat16")

@@ -1,0 +1,164 @@
+"""Paged attention and KV-cache writes of the compiled CPU backend.
+
+The cache of a layer is a pair (K, V) of `[num_blocks, block_size, Hk, Dh]` arrays, float32,
+or float16 stored as its uint16 bits (numba has no float16 on the CPU; the kernels convert,
+see `attention_math`). Attention reads keys and values straight from the cache through each
+request's block table (no gathered copy of a context), with an online softmax, decode rows and
+chunked-prefill rows in one call, and grouped-query heads computed together
+(`attention_tiles`); the work partition over threads is `attention_plan`.
+
+    attn = prepare(meta)                          # once per step
+    write_kv(k, v, kv_cache[layer], attn)         # per layer
+    out = paged_attention(q, kv_cache[layer], attn, scale)
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import numba
+import numpy as np
+
+from vllm_actors.kernels.cpu.attention_kernels import (
+    merge_range, run_items, run_lane, write_kv_rows)
+from vllm_actors.kernels.cpu.attention_plan import Plan, build_plan
+from vllm_actors.kernels.ops import AttentionMetadata
+
+CACHE_DTYPES = {"float32": np.float32, "float16": np.uint16}
+_LOG2E = 1.4426950408889634
+
+
+def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                      head_dim: int, dtype: str = "float32"
+                      ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per layer a (K, V) pair of zeroed `[num_blocks, block_size, Hk, Dh]` arrays: float32,
+    or uint16 holding float16 bits for dtype "float16"."""
+    if dtype not in CACHE_DTYPES:
+        raise ValueError(f"KV cache dtype must be one of {sorted(CACHE_DTYPES)}, not {dtype!r}")
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, not {block_size}")
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    np_dtype = CACHE_DTYPES[dtype]
+    return [(np.zeros(shape, np_dtype), np.zeros(shape, np_dtype)) for _ in range(num_layers)]
+
+
+@dataclass(frozen=True)
+class CpuAttention:
+    """One step's attention layout, in the integer types the kernels take.
+
+    Attributes:
+        query_start_loc: [B + 1] int64 token offsets of each request.
+        seq_lens: [B] int64 context length of each request after this step.
+        block_tables: [B, max_blocks] int32 KV block ids (C-contiguous).
+        slot_mapping: [T] int64 flat KV slot of each token (negative: not written).
+        block_size: tokens per KV block.
+        threads: threads the work is partitioned for (numba's count at `prepare`).
+        plans: the work partition per (num_kv_heads, g, head_dim), built on the step's first attention
+            call (every layer of a model shares it).
+    """
+
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    block_tables: np.ndarray
+    slot_mapping: np.ndarray
+    block_size: int
+    threads: int
+    plans: dict = field(default_factory=dict, compare=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+    def plan(self, num_kv_heads: int, g: int, head_dim: int) -> Plan:
+        key = (num_kv_heads, g, head_dim)
+        found = self.plans.get(key)
+        if found is None:
+            with self._lock:
+                found = self.plans.get(key)
+                if found is None:
+                    found = build_plan(self.query_start_loc, self.seq_lens, num_kv_heads, g,
+                                       head_dim, self.threads)
+                    self.plans[key] = found
+        return found
+
+
+def prepare(meta: AttentionMetadata, num_heads: int | None = None,
+            num_kv_heads: int | None = None, head_dim: int | None = None,
+            threads: int | None = None) -> CpuAttention:
+    """The step's layout; given the head shape the work partition is built now, else on the
+    first `paged_attention` call. `threads` defaults to numba's thread count."""
+    attn = CpuAttention(
+        query_start_loc=np.ascontiguousarray(meta.query_start_loc, np.int64),
+        seq_lens=np.ascontiguousarray(meta.seq_lens, np.int64),
+        block_tables=np.ascontiguousarray(meta.block_tables, np.int32),
+        slot_mapping=np.ascontiguousarray(meta.slot_mapping, np.int64),
+        block_size=int(meta.block_size),
+        threads=int(threads or numba.get_num_threads()))
+    if num_heads and num_kv_heads and head_dim:
+        attn.plan(num_kv_heads, num_heads // num_kv_heads, head_dim)
+    return attn
+
+
+def _float32_view(x: np.ndarray, name: str) -> np.ndarray:
+    if x.dtype != np.float32:
+        raise TypeError(f"{name} must be float32, not {x.dtype}")
+    return x
+
+
+def write_kv(k: np.ndarray, v: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray],
+             attn: CpuAttention) -> None:
+    """Write k, v float32 [T, Hk, Dh] (any strides, e.g. views of a fused QKV output) into the
+    cache at the step's slot mapping, rounding to float16 for a float16 cache."""
+    k_cache, v_cache = kv_cache
+    k = _float32_view(k, "k")
+    v = _float32_view(v, "v")
+    if k.shape != v.shape or k.shape[1:] != k_cache.shape[2:] or k.shape[0] != attn.num_tokens:
+        raise ValueError(f"k {k.shape} / v {v.shape} do not fit the cache {k_cache.shape} "
+                         f"and {attn.num_tokens} tokens")
+    write_kv_rows(k, v, k_cache, v_cache, attn.slot_mapping)
+
+
+def paged_attention(q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray],
+                    attn: CpuAttention, scale: float, out: np.ndarray | None = None
+                    ) -> np.ndarray:
+    """Causal attention of q float32 [T, H, Dh] over each request's cached context -> [T, H, Dh]
+    float32 (into `out` when given, which must be C-contiguous). A strided q (a view of a fused
+    QKV output) is copied first: the kernels are compiled for C-contiguous queries only."""
+    k_cache, v_cache = kv_cache
+    q = np.ascontiguousarray(_float32_view(q, "q"))
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if num_heads % num_kv_heads or k_cache.shape[3] != head_dim or \
+            num_tokens != attn.num_tokens or k_cache.shape[1] != attn.block_size:
+        raise ValueError(f"q {q.shape} does not fit the cache {k_cache.shape} "
+                         f"(block size {attn.block_size}, {attn.num_tokens} tokens)")
+    if out is None:
+        out = np.empty((num_tokens, num_heads, head_dim), np.float32)
+    elif out.shape != q.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError("out must be a C-contiguous float32 array shaped like q")
+    if num_tokens == 0:
+        return out
+    g = num_heads // num_kv_heads
+    plan = attn.plan(num_kv_heads, g, head_dim)
+    parts = max(plan.num_parts, 1)
+    pm = np.empty((parts, plan.rows_max), np.float32)
+    pl = np.empty((parts, plan.rows_max), np.float32)
+    pacc = np.empty((parts, plan.rows_max, head_dim), np.float32)
+    shift = attn.block_size.bit_length() - 1
+    qscale = np.float32(scale * _LOG2E)
+    kc, vc = k_cache.reshape(-1), v_cache.reshape(-1)
+    if plan.lanes > 1:
+        run_items(q, kc, vc, attn.block_tables, shift, num_kv_heads, plan.items, plan.lanes, g,
+                  plan.rows_max, qscale, out, pm, pl, pacc)
+    else:   # one item (or one thread): no parallel region to start
+        run_lane(q, kc, vc, attn.block_tables, shift, num_kv_heads, plan.items,
+                 np.zeros(1, np.int64), g, plan.rows_max, qscale, out, pm, pl, pacc)
+    if len(plan.merges):
+        merge_range(plan.merges, 0, len(plan.merges), g, pm, pl, pacc, out)
+    return out
+
+
+__all__ = ["CACHE_DTYPES", "CpuAttention", "allocate_kv_cache", "paged_attention", "prepare",
+           "write_kv"]

@@ -1,0 +1,128 @@
+"""LLVM-level helpers numba does not offer on the CPU, as numba intrinsics (inlined into the
+kernels that call them): bit casts, the hardware float16 -> float32 conversion, an atomic
+counter for dynamic work distribution, a cache prefetch, and small stack arrays.
+
+`HARDWARE_HALF`: whether the CPU numba compiles for converts float16 in hardware (x86 F16C,
+present on every AVX2 CPU; aarch64 always). Without it LLVM would emit a call to a runtime
+helper the JIT does not provide, so kernels fall back to the bit conversion of
+`attention_math`. numba keys its on-disk cache by CPU name and features, so code compiled one
+way is never loaded on a CPU that needs the other.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import numba
+from llvmlite import binding as llvm
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+from numba.np.arrayobj import make_array, populate_array
+
+
+def _hardware_half() -> bool:
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        return True
+    if machine not in ("x86_64", "amd64"):
+        return False
+    features = numba.config.CPU_FEATURES
+    if features is None:
+        if numba.config.CPU_NAME not in (None, "host"):
+            return False          # a named target CPU without a feature list: do not assume
+        features = llvm.get_host_cpu_features().flatten()
+    return "+f16c" in features.split(",")
+
+
+HARDWARE_HALF = _hardware_half()
+
+
+@intrinsic
+def bits_to_f32(typingctx, x):   # noqa: ARG001 - numba passes the typing context
+    """The float32 whose bits are the 32-bit integer `x`."""
+    if isinstance(x, types.Integer) and x.bitwidth == 32:
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(args[0], ir.FloatType())
+        return types.float32(x), codegen
+    return None
+
+
+@intrinsic
+def f32_to_bits(typingctx, x):   # noqa: ARG001
+    """The bits of the float32 `x` as uint32."""
+    if isinstance(x, types.Float) and x.bitwidth == 32:
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(args[0], ir.IntType(32))
+        return types.uint32(x), codegen
+    return None
+
+
+@intrinsic
+def hardware_half_to_f32(typingctx, x):   # noqa: ARG001
+    """float16 bits (uint16) -> float32 by LLVM's fpext (only where HARDWARE_HALF)."""
+    if isinstance(x, types.Integer) and x.bitwidth == 16:
+        def codegen(context, builder, sig, args):
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+        return types.float32(x), codegen
+    return None
+
+
+@intrinsic
+def fetch_add(typingctx, counter, value):   # noqa: ARG001
+    """Atomically add `value` to counter[0] (an int64 array) and return the old value."""
+    if isinstance(counter, types.Array) and counter.dtype == types.int64 and \
+            isinstance(value, types.Integer):
+        def codegen(context, builder, sig, args):
+            aryty = sig.args[0]
+            ary = context.make_array(aryty)(context, builder, args[0])
+            ptr = cgutils.get_item_pointer(context, builder, aryty, ary,
+                                           [context.get_constant(types.intp, 0)])
+            val = context.cast(builder, args[1], sig.args[1], types.int64)
+            return builder.atomic_rmw("add", ptr, val, "monotonic")
+        return types.int64(counter, value), codegen
+    return None
+
+
+@intrinsic
+def prefetch(typingctx, arr, index):   # noqa: ARG001
+    """Hint the cache line holding arr[index] (a 1-D array) into the caches."""
+    if isinstance(arr, types.Array) and arr.ndim == 1 and isinstance(index, types.Integer):
+        def codegen(context, builder, sig, args):
+            aryty = sig.args[0]
+            ary = context.make_array(aryty)(context, builder, args[0])
+            idx = context.cast(builder, args[1], sig.args[1], types.intp)
+            ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [idx])
+            i32 = ir.IntType(32)
+            byte_ptr = ir.IntType(8).as_pointer()
+            fnty = ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32])
+            # (read, keep in all cache levels, data); the name is mangled for the pointer
+            # type: llvm.prefetch.p0 (opaque pointers) or .p0i8 (older LLVM)
+            fn = builder.module.declare_intrinsic("llvm.prefetch", [byte_ptr], fnty)
+            builder.call(fn, [builder.bitcast(ptr, byte_ptr), i32(0), i32(3), i32(1)])
+            return context.get_dummy_value()
+        return types.none(arr, index), codegen
+    return None
+
+
+@intrinsic
+def stack_f32(typingctx, n):   # noqa: ARG001
+    """A float32 array of `n` (a literal) elements on the calling function's stack.
+
+    For a micro-kernel's accumulators: indexed with constants only (after unrolling), LLVM
+    keeps them in vector registers, which numba arrays on the heap never are (LLVM cannot
+    prove that those do not alias the arrays the kernel reads). The array must not outlive
+    the function that made it (never return or store it)."""
+    if not isinstance(n, types.IntegerLiteral):
+        return None
+    size = n.literal_value
+    arrty = types.Array(types.float32, 1, "C")
+
+    def codegen(context, builder, sig, args):
+        ptr = cgutils.alloca_once(builder, ir.FloatType(), size=size)
+        ary = make_array(arrty)(context, builder)
+        itemsize = context.get_constant(types.intp, 4)
+        populate_array(ary, data=ptr, shape=[context.get_constant(types.intp, size)],
+                       strides=[itemsize], itemsize=itemsize, meminfo=None)
+        return ary._getvalue()
+    return arrty(n), codegen

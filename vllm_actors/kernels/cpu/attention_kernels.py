@@ -1,0 +1,196 @@
+"""The entry points of paged attention: run the step's work items (in parallel), merge
+split-context partial states, and write new keys and values into the paged cache.
+
+A work item (a row of `items`, see `attention_plan`) is the query tokens tok0..tok0+nq-1 of one
+request under KV heads kvh0..kvh1-1, over keys k0..k1-1. Its rows are head-major: row
+(h - kvh0) * nq * g + i * g + j is query token tok0 + i, query head h * g + j. Each thread
+(`prange` over lanes) keeps its own tiles and takes the next item from a shared atomic
+counter, so a thread slowed by anything (a long item, another process on its core) takes
+fewer items instead of holding the step up; items come sorted by decreasing cost.
+
+Items with many query rows of one KV head (prefill) run `attention_prefill.attend_prefill`
+(register-blocked, transposed); the others (decode: one token, all KV heads) `attend_item`
+(dot products over `attention_tiles`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import prange
+
+from vllm_actors.kernels.cpu.attention_intrinsics import fetch_add
+from vllm_actors.kernels.cpu.attention_math import exp2, from_f32, row_source, stage_rows
+from vllm_actors.kernels.cpu.attention_prefill import PK, attend_prefill, finish_prefill
+from vllm_actors.kernels.cpu.attention_tiles import (
+    NEG_INF, TK, ZERO, prefetch_rows, softmax_rows, tile_pv, tile_scores)
+from vllm_actors.kernels.cpu.jit import kernel
+
+# columns of a work item
+TOK0, NQ, POS0, KVH0, KVH1, K0, K1, PART, REQ = range(9)
+ITEM_COLS = 9
+# columns of a merge: (tok0, nq, kvh0, kvh1, first partial slot, partial slots)
+M_TOK0, M_NQ, M_KVH0, M_KVH1, M_PART0, M_PARTS = range(6)
+
+
+@kernel
+def attend_item(q, kc, vc, table, shift, hk, tok0, pos0, nq, g, kvh0, kvh1, k0, k1, qscale,
+                qt, kbuf, vbuf, offs, s, m, l, acc):
+    """The item's rows over keys k0..k1-1, causal (query token i sits at position pos0 + i);
+    leaves the unnormalized state in m, l, acc (rows head-major). kc, vc: flat caches."""
+    dh = acc.shape[1]
+    rows = nq * g
+    for h in range(kvh0, kvh1):
+        for i in range(nq):
+            for j in range(g):
+                r = (h - kvh0) * rows + i * g + j
+                for d in range(dh):
+                    qt[r, d] = q[tok0 + i, h * g + j, d] * qscale
+                    acc[r, d] = ZERO
+                m[r] = NEG_INF
+                l[r] = ZERO
+    ksrc = row_source(kc, kbuf)
+    vsrc = row_source(vc, vbuf)
+    end = min(k1, pos0 + nq)
+    for t0 in range(k0, end, TK):
+        n = min(TK, end - t0)
+        ahead = min(TK, end - t0 - n)
+        prefetch_rows(kc, table, shift, hk, dh, kvh0, kvh1, t0 + n, ahead)
+        prefetch_rows(vc, table, shift, hk, dh, kvh0, kvh1, t0 + n, ahead)
+        for h in range(kvh0, kvh1):
+            r0 = (h - kvh0) * rows
+            stage_rows(kc, table, shift, hk, h, t0, n, kbuf, offs)
+            tile_scores(qt, r0, rows, ksrc, offs, n, s)
+            softmax_rows(s, r0, nq, g, pos0, t0, n, m, l, acc)
+            stage_rows(vc, table, shift, hk, h, t0, n, vbuf, offs)
+            tile_pv(s, r0, rows, vsrc, offs, n, acc)
+
+
+@kernel
+def finish_rows(tok0, nq, g, kvh0, kvh1, m, l, acc, part, out, pm, pl, pacc):
+    """Normalized rows into `out`, or the raw state into partial slot `part`."""
+    dh = acc.shape[1]
+    rows = nq * g
+    for h in range(kvh0, kvh1):
+        for i in range(nq):
+            for j in range(g):
+                r = (h - kvh0) * rows + i * g + j
+                if part < 0:
+                    inv = np.float32(1.0) / l[r]
+                    for d in range(dh):
+                        out[tok0 + i, h * g + j, d] = acc[r, d] * inv
+                else:
+                    pm[part, r] = m[r]
+                    pl[part, r] = l[r]
+                    for d in range(dh):
+                        pacc[part, r, d] = acc[r, d]
+
+
+@kernel
+def run_lane(q, kc, vc, block_tables, shift, hk, items, counter, g, rows_max, qscale, out, pm,
+             pl, pacc):
+    """One thread's share: items taken in order from the shared `counter` until none is left.
+    kc, vc: the caches flattened; `shift` is log2 of the block size, hk the KV heads."""
+    dh = q.shape[2]
+    n_items = items.shape[0]
+    ldp = (rows_max + 15) // 16 * 16          # prefill rows, padded for the 16-row blocks
+    qt = np.empty((rows_max, dh), np.float32)
+    acc = np.empty((rows_max, dh), np.float32)
+    s = np.empty((rows_max, TK), np.float32)
+    m = np.empty(ldp, np.float32)
+    l = np.empty(ldp, np.float32)
+    tile = max(TK, PK)
+    kbuf = np.empty(tile * dh, np.float32)
+    vbuf = np.empty(tile * dh, np.float32)
+    offs = np.empty(tile, np.uint64)
+    blocked = dh % 4 == 0
+    if blocked:
+        qT = np.empty((dh, ldp), np.float32)
+        accT = np.empty((dh, ldp), np.float32)
+        sT = np.empty((PK, ldp), np.float32)
+    else:
+        qT = np.empty((0, 0), np.float32)
+        accT = np.empty((0, 0), np.float32)
+        sT = np.empty((0, 0), np.float32)
+    mref = np.empty(ldp, np.float32)
+    it = fetch_add(counter, 1)
+    while it < n_items:
+        tok0 = items[it, TOK0]
+        nq = items[it, NQ]
+        kvh0 = items[it, KVH0]
+        kvh1 = items[it, KVH1]
+        table = block_tables[items[it, REQ]]
+        if blocked and nq > 1 and kvh1 == kvh0 + 1:
+            attend_prefill(q, kc, vc, table, shift, hk, tok0, items[it, POS0], nq, g, kvh0,
+                           items[it, K0], items[it, K1], qscale, qT, accT, sT, m, l, mref,
+                           kbuf, vbuf, offs)
+            finish_prefill(tok0, nq, g, kvh0, m, l, accT, items[it, PART], out, pm, pl, pacc)
+        else:
+            attend_item(q, kc, vc, table, shift, hk, tok0, items[it, POS0], nq, g, kvh0, kvh1,
+                        items[it, K0], items[it, K1], qscale, qt, kbuf, vbuf, offs, s, m, l,
+                        acc)
+            finish_rows(tok0, nq, g, kvh0, kvh1, m, l, acc, items[it, PART], out, pm, pl,
+                        pacc)
+        it = fetch_add(counter, 1)
+
+
+@kernel(parallel=True)
+def run_items(q, kc, vc, block_tables, shift, hk, items, lanes, g, rows_max, qscale, out, pm,
+              pl, pacc):
+    """Every item, on `lanes` threads sharing one counter."""
+    counter = np.zeros(1, np.int64)
+    for _lane in prange(lanes):
+        run_lane(q, kc, vc, block_tables, shift, hk, items, counter, g, rows_max, qscale, out,
+                 pm, pl, pacc)
+
+
+@kernel
+def merge_range(merges, lo, hi, g, pm, pl, pacc, out):
+    """Combine the partial states of split items lo..hi-1 (rows laid out as in
+    `finish_rows`). On one thread: a few rows x Dh per split item."""
+    dh = pacc.shape[2]
+    for i in range(lo, hi):
+        tok0 = merges[i, M_TOK0]
+        nq = merges[i, M_NQ]
+        kvh0 = merges[i, M_KVH0]
+        p0 = merges[i, M_PART0]
+        p1 = p0 + merges[i, M_PARTS]
+        rows = nq * g
+        for r in range((merges[i, M_KVH1] - kvh0) * rows):
+            mx = NEG_INF
+            for p in range(p0, p1):
+                mx = max(mx, pm[p, r])
+            tok = tok0 + (r % rows) // g
+            head = (kvh0 + r // rows) * g + r % g
+            for d in range(dh):
+                out[tok, head, d] = ZERO
+            tot = ZERO
+            for p in range(p0, p1):
+                w = exp2(pm[p, r] - mx)
+                if w == 0.0:
+                    continue
+                tot += w * pl[p, r]
+                for d in range(dh):
+                    out[tok, head, d] += w * pacc[p, r, d]
+            inv = np.float32(1.0) / tot
+            for d in range(dh):
+                out[tok, head, d] *= inv
+
+
+@kernel
+def write_kv_rows(k, v, kc, vc, slots):
+    """k, v [T, Hk, Dh] into the caches at their slots (skip slot < 0). One thread: a step
+    writes T x Hk x Dh values, microseconds next to its attention."""
+    block_size = kc.shape[1]
+    hk = kc.shape[2]
+    dh = kc.shape[3]
+    like = kc[0, 0, 0, 0]
+    for t in range(slots.shape[0]):
+        slot = slots[t]
+        if slot < 0:
+            continue
+        blk = slot // block_size
+        off = slot - blk * block_size
+        for h in range(hk):
+            for d in range(dh):
+                kc[blk, off, h, d] = from_f32(k[t, h, d], like)
+                vc[blk, off, h, d] = from_f32(v[t, h, d], like)

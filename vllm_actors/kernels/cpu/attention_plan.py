@@ -1,0 +1,158 @@
+"""The work partition of one step's paged attention, computed once per step and head shape
+(a small serial kernel: a few microseconds, where the same in numpy calls costs ~0.2 ms).
+
+Units of work:
+- a decode request (one query token) is one unit over all its KV heads: the kernel walks the
+  context tile by tile and, per tile, every head, so each KV block is read front to back once
+  (the cache is [block, offset, head, dim]; a per-head pass would stride through every block
+  once per head, which costs about half the memory bandwidth);
+- a prefill chunk is cut into query tiles of about TILE_FLOATS / Dh rows (tile tokens x g
+  query heads), one unit per (tile, KV head): the g query heads sharing a KV head are computed
+  together, so each key/value row is read once for all of them.
+
+Balance: a unit whose cost is large next to the step's total over the threads is split along
+its keys (flash-decoding style: each split keeps its own softmax max/sum/accumulator and
+`merge_parts` combines them), down to MIN_SPLIT_KEYS keys a split. This keeps both cores busy
+at decode batch 1. Items are sorted by decreasing cost; threads take them from a shared
+counter (largest first, so the last ones to be taken are the small ones).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from vllm_actors.kernels.cpu.attention_kernels import (
+    ITEM_COLS, K0, K1, KVH0, KVH1, NQ, PART, POS0, REQ, TOK0)
+from vllm_actors.kernels.cpu.attention_tiles import TK
+from vllm_actors.kernels.cpu.jit import kernel
+
+TILE_FLOATS = 4096        # a prefill tile's query rows x head dim (its accumulator: 16 KiB)
+MIN_SPLIT_KEYS = 256      # a key split never has fewer keys than this (a multiple of TK)
+SPLITS_PER_THREAD = 4     # aim: no item costs more than total / (threads * this)
+LOAD_COST = 4.0           # cost of loading a key (and value) row, in row x key units
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Work items ([n, ITEM_COLS] int64, columns named in attention_kernels, largest first),
+    threads to run them on, the merges of split items ([m, 6]) and the partial-state slots
+    they need, and the most rows an item has."""
+
+    items: np.ndarray
+    lanes: int
+    merges: np.ndarray
+    num_parts: int
+    rows_max: int
+
+
+@kernel
+def _put(units, u, tok0, nq, pos0, kend, kvh0, kvh1, req):
+    units[u, 0] = tok0
+    units[u, 1] = nq
+    units[u, 2] = pos0
+    units[u, 3] = kend
+    units[u, 4] = kvh0
+    units[u, 5] = kvh1
+    units[u, 6] = req
+
+
+@kernel
+def _units(qsl, seq_lens, hk, g, tile_tokens):
+    """[U, 7] int64 (tok0, nq, pos0, key_end, kvh0, kvh1, req) and cost of each unit."""
+    count = 0
+    for b in range(seq_lens.shape[0]):
+        ql = qsl[b + 1] - qsl[b]
+        count += 1 if ql == 1 else (ql + tile_tokens - 1) // tile_tokens * hk
+    units = np.empty((count, 7), np.int64)
+    cost = np.empty(count, np.float64)
+    u = 0
+    for b in range(seq_lens.shape[0]):
+        ql = qsl[b + 1] - qsl[b]
+        start = seq_lens[b] - ql
+        if ql == 1:
+            _put(units, u, qsl[b], 1, start, start + 1, 0, hk, b)
+            cost[u] = hk * (g + LOAD_COST) * (start + 1)
+            u += 1
+            continue
+        for i0 in range(0, ql, tile_tokens):
+            nq = min(tile_tokens, ql - i0)
+            kend = start + i0 + nq
+            for h in range(hk):
+                _put(units, u, qsl[b] + i0, nq, start + i0, kend, h, h + 1, b)
+                cost[u] = nq * g * (kend - (nq - 1) / 2.0) + LOAD_COST * kend
+                u += 1
+    return units, cost
+
+
+@kernel
+def _plan(qsl, seq_lens, hk, g, tile_tokens, threads):
+    units, cost = _units(qsl, seq_lens, hk, g, tile_tokens)
+    n_units = units.shape[0]
+    target = max(cost.sum() / (threads * SPLITS_PER_THREAD), 1.0)
+    splits = np.ones(n_units, np.int64)
+    chunk = np.empty(n_units, np.int64)
+    for u in range(n_units):
+        kend = units[u, 3]
+        s = 1
+        if threads > 1:
+            s = min(max(int(np.ceil(cost[u] / target)), 1), max(kend // MIN_SPLIT_KEYS, 1))
+        c = max((((kend + s - 1) // s + TK - 1) // TK) * TK, TK)
+        chunk[u] = c
+        splits[u] = max((kend + c - 1) // c, 1)
+    n_items = splits.sum()
+    n_merges = 0
+    for u in range(n_units):
+        n_merges += 1 if splits[u] > 1 else 0
+    items = np.empty((n_items, ITEM_COLS), np.int64)
+    item_cost = np.empty(n_items, np.float64)
+    merges = np.empty((n_merges, 6), np.int64)
+    it = 0
+    part = 0
+    mi = 0
+    rows_max = 1
+    for u in range(n_units):
+        tok0 = units[u, 0]
+        nq = units[u, 1]
+        kend = units[u, 3]
+        kvh0 = units[u, 4]
+        kvh1 = units[u, 5]
+        rows_max = max(rows_max, nq * g * (kvh1 - kvh0))
+        s = splits[u]
+        if s > 1:
+            merges[mi, 0] = tok0
+            merges[mi, 1] = nq
+            merges[mi, 2] = kvh0
+            merges[mi, 3] = kvh1
+            merges[mi, 4] = part
+            merges[mi, 5] = s
+            mi += 1
+        for j in range(s):
+            k0 = j * chunk[u]
+            k1 = min(kend, k0 + chunk[u])
+            items[it, TOK0] = tok0
+            items[it, NQ] = nq
+            items[it, POS0] = units[u, 2]
+            items[it, KVH0] = kvh0
+            items[it, KVH1] = kvh1
+            items[it, K0] = k0
+            items[it, K1] = k1
+            items[it, REQ] = units[u, 6]
+            items[it, PART] = part if s > 1 else -1
+            part += 1 if s > 1 else 0
+            item_cost[it] = cost[u] * (k1 - k0) / max(kend, 1)
+            it += 1
+    return items, item_cost, merges, part, rows_max
+
+
+def build_plan(query_start_loc: np.ndarray, seq_lens: np.ndarray, num_kv_heads: int, g: int,
+               head_dim: int, threads: int) -> Plan:
+    """The items of a step for `num_kv_heads` KV heads of `g` query heads each
+    (query_start_loc and seq_lens as int64)."""
+    tile_tokens = max(1, max(16, TILE_FLOATS // head_dim) // g)
+    items, cost, merges, parts, rows_max = _plan(query_start_loc, seq_lens, num_kv_heads, g,
+                                                 tile_tokens, max(1, threads))
+    if len(items) > 1:
+        items = items[np.argsort(-cost, kind="stable")]
+    return Plan(items, max(1, min(threads, len(items))), merges, int(parts), int(rows_max))

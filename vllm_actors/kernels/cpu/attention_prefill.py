@@ -1,0 +1,196 @@
+"""Prefill work items (many query rows of one KV head): register-blocked micro-kernels over a
+transposed layout, so the arithmetic runs across query rows. Tiles of PK keys.
+
+The item's queries are held transposed, qT[d, r] (row r = i * g + j: query token i, query head
+j of the KV head's group; rows padded to a multiple of 16 with zeros), its accumulator too,
+accT[d, r]. Per tile of PK keys:
+
+- scores sT[i, r] = key i . q_r: blocks of 4 keys x 16 rows, whose 8 vector accumulators stay
+  in registers (`stack_f32`) across the head dim; each step broadcasts 4 key elements and
+  loads 16 query values: 8 FMAs for 6 loads, no horizontal sums;
+- softmax step across rows: key i is visible to rows r with r // g >= t0 + i - pos0, so the
+  causal mask is a prefix of each key's row; the tile max, rescale and exponentials are all
+  elementwise across r, and the accumulator is rescaled only when some row's max grew by more
+  than 2^LAZY (a reference point that lags the max is as exact; it saves a pass over accT);
+- accT[d, r] += sum_i v_i[d] p[i, r]: blocks of 4 dims x 16 rows, registers again, summed
+  over the tile's keys before touching accT.
+
+Key and value rows are read in place from the cache (offsets from `stage_rows`; a float16
+cache is converted into a per-thread tile first). Needs head_dim % 4 == 0 (else the item runs
+through `attend_item`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vllm_actors.kernels.cpu.attention_intrinsics import stack_f32
+from vllm_actors.kernels.cpu.attention_math import exp2, row_source, stage_rows
+from vllm_actors.kernels.cpu.attention_tiles import NEG_INF, ZERO, prefetch_rows
+from vllm_actors.kernels.cpu.jit import kernel
+
+U = np.uint64
+PK = 64                      # keys per prefill tile (a multiple of 4)
+LAZY = np.float32(8.0)       # log2 headroom before the softmax reference moves
+
+
+@kernel
+def block_scores(src, o0, o1, o2, o3, qf, ld, dh, r0, sf, i, cut0, g, n, tmax):
+    """sT[i + k, r0:r0 + 16] = key k . q rows r0..r0+15 (k < 4; key k at src[ok:ok + dh]),
+    -inf where masked (key i + k >= n, or row r < cut0 + g * (i + k): the key is in the row's
+    future); tmax[r] = max(tmax[r], the visible scores)."""
+    acc = stack_f32(64)
+    for x in range(64):
+        acc[x] = ZERO
+    for d in range(dh):
+        e = U(d)
+        k0 = src[o0 + e]
+        k1 = src[o1 + e]
+        k2 = src[o2 + e]
+        k3 = src[o3 + e]
+        qb = U(d * ld + r0)
+        for r in range(16):
+            y = qf[qb + U(r)]
+            acc[r] += k0 * y
+            acc[16 + r] += k1 * y
+            acc[32 + r] += k2 * y
+            acc[48 + r] += k3 * y
+    s0 = U(i * ld + r0)
+    for k in range(4):
+        cut = cut0 + g * (i + k) - r0 if i + k < n else 16
+        for r in range(16):
+            x = acc[16 * k + r] if r >= cut else NEG_INF
+            sf[s0 + U(k * ld + r)] = x
+            tmax[r0 + r] = max(tmax[r0 + r], x)
+
+
+@kernel
+def block_pv(src, offs, n, pf, ld, d0, r0, af):
+    """accT[d0:d0 + 4, r0:r0 + 16] += sum_i value_i[d0:d0 + 4] x p[i, r0:r0 + 16]."""
+    acc = stack_f32(64)
+    for x in range(64):
+        acc[x] = ZERO
+    for i in range(n):
+        o = offs[i] + U(d0)
+        v0 = src[o]
+        v1 = src[o + U(1)]
+        v2 = src[o + U(2)]
+        v3 = src[o + U(3)]
+        pb = U(i * ld + r0)
+        for r in range(16):
+            y = pf[pb + U(r)]
+            acc[r] += v0 * y
+            acc[16 + r] += v1 * y
+            acc[32 + r] += v2 * y
+            acc[48 + r] += v3 * y
+    a0 = U(d0 * ld + r0)
+    for k in range(4):
+        for r in range(16):
+            af[a0 + U(k * ld + r)] += acc[16 * k + r]
+
+
+@kernel
+def softmax_t(sT, rows_p, m, l, accT, tmax):
+    """Online-softmax step of a tile in the transposed layout (see the module doc), given the
+    masked scores and their max per row (tmax, reused as scratch): turns sT into probabilities,
+    updates m, l and rescales accT.
+
+    m is a reference point, not the exact running max: it moves only when a row's max passes
+    it by more than LAZY (so p <= 2^LAZY), which leaves accT alone on almost every tile."""
+    dh = accT.shape[0]
+    moved = False
+    for r in range(rows_p):
+        mx = tmax[r]
+        if mx > m[r] + LAZY:                  # also every row's first visible tile (m = -inf)
+            alpha = exp2(m[r] - mx)
+            l[r] *= alpha
+            tmax[r] = alpha                    # tmax now holds the row's rescale factor
+            m[r] = mx
+            moved = True
+        else:
+            tmax[r] = np.float32(1.0)
+    if moved:
+        for d in range(dh):
+            for r in range(rows_p):
+                accT[d, r] *= tmax[r]
+    for r in range(rows_p):
+        tmax[r] = m[r] if m[r] != NEG_INF else ZERO   # nothing visible yet: p = 0
+    for i in range(PK):
+        for r in range(rows_p):
+            p = exp2(sT[i, r] - tmax[r])
+            sT[i, r] = p
+            l[r] += p
+
+
+@kernel
+def attend_prefill(q, kc, vc, table, shift, hk, tok0, pos0, nq, g, kvh, k0, k1, qscale, qT,
+                   accT, sT, m, l, mref, kbuf, vbuf, offs):
+    """Rows of query tokens tok0..tok0+nq-1 (positions pos0..) under KV head kvh over keys
+    k0..k1-1, causal; leaves m, l and accT (transposed) for `finish_prefill`."""
+    dh = qT.shape[0]
+    ld = qT.shape[1]
+    rows = nq * g
+    rows_p = (rows + 15) // 16 * 16
+    for d in range(dh):
+        for r in range(rows_p):
+            qT[d, r] = ZERO
+            accT[d, r] = ZERO
+    for i in range(nq):
+        for j in range(g):
+            r = i * g + j
+            for d in range(dh):
+                qT[d, r] = q[tok0 + i, kvh * g + j, d] * qscale
+    for r in range(rows_p):
+        m[r] = NEG_INF
+        l[r] = ZERO
+    qf = qT.reshape(-1)
+    sf = sT.reshape(-1)
+    af = accT.reshape(-1)
+    ksrc = row_source(kc, kbuf)
+    vsrc = row_source(vc, vbuf)
+    end = min(k1, pos0 + nq)
+    for t0 in range(k0, end, PK):
+        n = min(PK, end - t0)
+        ahead = min(PK, end - t0 - n)
+        prefetch_rows(kc, table, shift, hk, dh, kvh, kvh + 1, t0 + n, ahead)
+        prefetch_rows(vc, table, shift, hk, dh, kvh, kvh + 1, t0 + n, ahead)
+        stage_rows(kc, table, shift, hk, kvh, t0, n, kbuf, offs)
+        last = n - 1
+        for r in range(rows_p):
+            mref[r] = NEG_INF
+        for i in range(0, PK, 4):
+            if i >= n:                         # keys past the tile's end: p = 0
+                for k in range(i, PK):
+                    for r in range(rows_p):
+                        sT[k, r] = NEG_INF
+                break
+            o0 = offs[i]
+            o1 = offs[min(i + 1, last)]
+            o2 = offs[min(i + 2, last)]
+            o3 = offs[min(i + 3, last)]
+            for r0 in range(0, rows_p, 16):
+                block_scores(ksrc, o0, o1, o2, o3, qf, ld, dh, r0, sf, i, g * (t0 - pos0), g,
+                             n, mref)
+        softmax_t(sT, rows_p, m, l, accT, mref)
+        stage_rows(vc, table, shift, hk, kvh, t0, n, vbuf, offs)
+        for d0 in range(0, dh, 4):
+            for r0 in range(0, rows_p, 16):
+                block_pv(vsrc, offs, n, sf, ld, d0, r0, af)
+
+
+@kernel
+def finish_prefill(tok0, nq, g, kvh, m, l, accT, part, out, pm, pl, pacc):
+    """Normalized rows into `out`, or the raw state into partial slot `part`."""
+    dh = accT.shape[0]
+    for i in range(nq):
+        for j in range(g):
+            r = i * g + j
+            if part < 0:
+                inv = np.float32(1.0) / l[r]
+                for d in range(dh):
+                    out[tok0 + i, kvh * g + j, d] = accT[d, r] * inv
+            else:
+                pm[part, r] = m[r]
+                pl[part, r] = l[r]
+                for d in range(dh):
+                    pacc[part, r, d] = accT[d, r]
