@@ -23,7 +23,7 @@ import argparse
 import os
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 # numba's OpenMP threads sleep when idle instead of spinning: on a machine shared with other
 # processes a spinning waiter delays the very thread it waits for (10-100x slower calls).
@@ -36,8 +36,8 @@ from vllm_actors.kernels.cpu import attention as cpu
 from vllm_actors.kernels.numpy_backend import NumpyBackend
 from vllm_actors.kernels.ops import AttentionMetadata
 
-SMOL = dict(heads=9, kv_heads=3, head_dim=64)
-BIG = dict(heads=32, kv_heads=8, head_dim=128)
+SMOL = {"heads": 9, "kv_heads": 3, "head_dim": 64}
+BIG = {"heads": 32, "kv_heads": 8, "head_dim": 128}
 BLOCK = 16
 
 # name, shape, query tokens per request, cached tokens per request

@@ -175,6 +175,7 @@ def _compare(q_lens, cached, heads, kv_heads, head_dim, block_size, dtype, seed=
     (9, 3, 64, 16),       # SmolLM2: g = 3
     (4, 4, 80, 1),        # g = 1, odd head dim, one token per block
     (8, 2, 128, 32),      # g = 4
+    (6, 2, 66, 4),        # head dim not a multiple of 4: prefill rows take the decode path
 ])
 def test_mixed_decode_and_prefill_chunks(dtype, heads, kv_heads, head_dim, block_size):
     # decodes, a first prefill chunk, a later chunk after cached context, a 2-token chunk

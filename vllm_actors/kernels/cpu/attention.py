@@ -4,8 +4,12 @@ The cache of a layer is a pair (K, V) of `[num_blocks, block_size, Hk, Dh]` arra
 or float16 stored as its uint16 bits (numba has no float16 on the CPU; the kernels convert,
 see `attention_math`). Attention reads keys and values straight from the cache through each
 request's block table (no gathered copy of a context), with an online softmax, decode rows and
-chunked-prefill rows in one call, and grouped-query heads computed together
-(`attention_tiles`); the work partition over threads is `attention_plan`.
+chunked-prefill rows in one call, and the g query heads of a KV head computed together.
+
+Modules: `attention_plan` (the step's work items and their balance over threads),
+`attention_kernels` (parallel entry points, decode items, merges, cache writes),
+`attention_tiles` (decode tile steps), `attention_prefill` (register-blocked prefill items),
+`attention_math` (float16 conversions, exp2, cache-dtype dispatch), `attention_intrinsics`.
 
     attn = prepare(meta)                          # once per step
     write_kv(k, v, kv_cache[layer], attn)         # per layer
@@ -54,8 +58,8 @@ class CpuAttention:
         slot_mapping: [T] int64 flat KV slot of each token (negative: not written).
         block_size: tokens per KV block.
         threads: threads the work is partitioned for (numba's count at `prepare`).
-        plans: the work partition per (num_kv_heads, g, head_dim), built on the step's first attention
-            call (every layer of a model shares it).
+        plans: the work partition per (num_kv_heads, g, head_dim), built on the step's first
+            attention call (every layer of a model shares it).
     """
 
     query_start_loc: np.ndarray
@@ -127,6 +131,8 @@ def paged_attention(q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray],
     float32 (into `out` when given, which must be C-contiguous). A strided q (a view of a fused
     QKV output) is copied first: the kernels are compiled for C-contiguous queries only."""
     k_cache, v_cache = kv_cache
+    if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
+        raise ValueError("the KV cache must be C-contiguous (as allocate_kv_cache makes it)")
     q = np.ascontiguousarray(_float32_view(q, "q"))
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]

@@ -39,7 +39,7 @@ HARDWARE_HALF = _hardware_half()
 
 
 @intrinsic
-def bits_to_f32(typingctx, x):   # noqa: ARG001 - numba passes the typing context
+def bits_to_f32(typingctx, x):
     """The float32 whose bits are the 32-bit integer `x`."""
     if isinstance(x, types.Integer) and x.bitwidth == 32:
         def codegen(context, builder, sig, args):
@@ -49,7 +49,7 @@ def bits_to_f32(typingctx, x):   # noqa: ARG001 - numba passes the typing contex
 
 
 @intrinsic
-def f32_to_bits(typingctx, x):   # noqa: ARG001
+def f32_to_bits(typingctx, x):
     """The bits of the float32 `x` as uint32."""
     if isinstance(x, types.Float) and x.bitwidth == 32:
         def codegen(context, builder, sig, args):
@@ -59,7 +59,7 @@ def f32_to_bits(typingctx, x):   # noqa: ARG001
 
 
 @intrinsic
-def hardware_half_to_f32(typingctx, x):   # noqa: ARG001
+def hardware_half_to_f32(typingctx, x):
     """float16 bits (uint16) -> float32 by LLVM's fpext (only where HARDWARE_HALF)."""
     if isinstance(x, types.Integer) and x.bitwidth == 16:
         def codegen(context, builder, sig, args):
@@ -69,7 +69,7 @@ def hardware_half_to_f32(typingctx, x):   # noqa: ARG001
 
 
 @intrinsic
-def fetch_add(typingctx, counter, value):   # noqa: ARG001
+def fetch_add(typingctx, counter, value):
     """Atomically add `value` to counter[0] (an int64 array) and return the old value."""
     if isinstance(counter, types.Array) and counter.dtype == types.int64 and \
             isinstance(value, types.Integer):
@@ -85,7 +85,7 @@ def fetch_add(typingctx, counter, value):   # noqa: ARG001
 
 
 @intrinsic
-def prefetch(typingctx, arr, index):   # noqa: ARG001
+def prefetch(typingctx, arr, index):
     """Hint the cache line holding arr[index] (a 1-D array) into the caches."""
     if isinstance(arr, types.Array) and arr.ndim == 1 and isinstance(index, types.Integer):
         def codegen(context, builder, sig, args):
@@ -106,7 +106,7 @@ def prefetch(typingctx, arr, index):   # noqa: ARG001
 
 
 @intrinsic
-def stack_f32(typingctx, n):   # noqa: ARG001
+def stack_f32(typingctx, n):
     """A float32 array of `n` (a literal) elements on the calling function's stack.
 
     For a micro-kernel's accumulators: indexed with constants only (after unrolling), LLVM

@@ -8,7 +8,7 @@ cache (`read_half`) uses the CPU's own conversion where it has one (F16C: 5x fas
 bit conversion, itself 2x faster than a 65,536-entry table); that agrees with numpy on every
 value except signaling NaNs, which it quiets.
 
-The cache-dtype dispatch (`to_f32`, `from_f32`, `stage_rows`, `row_source`) is done with numba
+The cache-dtype dispatch (`from_f32`, `stage_rows`, `row_source`) is done with numba
 overloads, resolved when a kernel compiles, so each kernel is written once and compiled per
 cache dtype: a float32 cache is read in place, a float16 one through a small float32 tile.
 Kernels take caches flattened to 1-D and address rows by offset: slicing a row out of an array
@@ -24,7 +24,6 @@ from numba.extending import overload
 from vllm_actors.kernels.cpu.attention_intrinsics import (
     HARDWARE_HALF, bits_to_f32, f32_to_bits, hardware_half_to_f32)
 from vllm_actors.kernels.cpu.jit import FASTMATH, kernel
-
 
 _TWO_M14 = np.float32(2.0 ** -14)
 _U = np.uint32
@@ -77,11 +76,6 @@ def f32_to_half(x):
     return np.uint16(out | sign)
 
 
-def to_f32(x):
-    """A cache element as float32 (only callable from a kernel: a numba overload)."""
-    raise NotImplementedError
-
-
 def from_f32(x, like):
     """float32 x as the element type of `like` (kernels only)."""
     raise NotImplementedError
@@ -113,15 +107,6 @@ if HARDWARE_HALF:
         return hardware_half_to_f32(h)
 else:
     read_half = half_to_f32
-
-
-@overload(to_f32, jit_options=_JIT)
-def _to_f32(x):
-    if _is_half(x):
-        return lambda x: read_half(x)
-    if isinstance(x, types.Float):
-        return lambda x: np.float32(x)
-    return None
 
 
 @overload(from_f32, jit_options=_JIT)

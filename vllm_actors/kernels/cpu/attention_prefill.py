@@ -35,58 +35,61 @@ LAZY = np.float32(8.0)       # log2 headroom before the softmax reference moves
 
 
 @kernel
-def block_scores(src, o0, o1, o2, o3, qf, ld, dh, r0, sf, i, cut0, g, n, tmax):
-    """sT[i + k, r0:r0 + 16] = key k . q rows r0..r0+15 (k < 4; key k at src[ok:ok + dh]),
-    -inf where masked (key i + k >= n, or row r < cut0 + g * (i + k): the key is in the row's
-    future); tmax[r] = max(tmax[r], the visible scores)."""
+def block_scores(src, o0, o1, o2, o3, qf, ld, dh, rows_p, sf, i, cut0, g, n, tmax):
+    """sT[i + k, :rows_p] = key k . q rows (k < 4; key k at src[ok:ok + dh]), in blocks of 16
+    rows; -inf where masked (key i + k >= n, or row r < cut0 + g * (i + k): the key is in the
+    row's future); tmax[r] = max(tmax[r], the visible scores)."""
     acc = stack_f32(64)
-    for x in range(64):
-        acc[x] = ZERO
-    for d in range(dh):
-        e = U(d)
-        k0 = src[o0 + e]
-        k1 = src[o1 + e]
-        k2 = src[o2 + e]
-        k3 = src[o3 + e]
-        qb = U(d * ld + r0)
-        for r in range(16):
-            y = qf[qb + U(r)]
-            acc[r] += k0 * y
-            acc[16 + r] += k1 * y
-            acc[32 + r] += k2 * y
-            acc[48 + r] += k3 * y
-    s0 = U(i * ld + r0)
-    for k in range(4):
-        cut = cut0 + g * (i + k) - r0 if i + k < n else 16
-        for r in range(16):
-            x = acc[16 * k + r] if r >= cut else NEG_INF
-            sf[s0 + U(k * ld + r)] = x
-            tmax[r0 + r] = max(tmax[r0 + r], x)
+    for r0 in range(0, rows_p, 16):
+        for x in range(64):
+            acc[x] = ZERO
+        for d in range(dh):
+            e = U(d)
+            k0 = src[o0 + e]
+            k1 = src[o1 + e]
+            k2 = src[o2 + e]
+            k3 = src[o3 + e]
+            qb = U(d * ld + r0)
+            for r in range(16):
+                y = qf[qb + U(r)]
+                acc[r] += k0 * y
+                acc[16 + r] += k1 * y
+                acc[32 + r] += k2 * y
+                acc[48 + r] += k3 * y
+        s0 = U(i * ld + r0)
+        for k in range(4):
+            cut = cut0 + g * (i + k) - r0 if i + k < n else 16
+            for r in range(16):
+                x = acc[16 * k + r] if r >= cut else NEG_INF
+                sf[s0 + U(k * ld + r)] = x
+                tmax[r0 + r] = max(tmax[r0 + r], x)
 
 
 @kernel
-def block_pv(src, offs, n, pf, ld, d0, r0, af):
-    """accT[d0:d0 + 4, r0:r0 + 16] += sum_i value_i[d0:d0 + 4] x p[i, r0:r0 + 16]."""
+def block_pv(src, offs, n, pf, ld, d0, rows_p, af):
+    """accT[d0:d0 + 4, :rows_p] += sum_i value_i[d0:d0 + 4] x p[i, :rows_p], in blocks of
+    16 rows."""
     acc = stack_f32(64)
-    for x in range(64):
-        acc[x] = ZERO
-    for i in range(n):
-        o = offs[i] + U(d0)
-        v0 = src[o]
-        v1 = src[o + U(1)]
-        v2 = src[o + U(2)]
-        v3 = src[o + U(3)]
-        pb = U(i * ld + r0)
-        for r in range(16):
-            y = pf[pb + U(r)]
-            acc[r] += v0 * y
-            acc[16 + r] += v1 * y
-            acc[32 + r] += v2 * y
-            acc[48 + r] += v3 * y
-    a0 = U(d0 * ld + r0)
-    for k in range(4):
-        for r in range(16):
-            af[a0 + U(k * ld + r)] += acc[16 * k + r]
+    for r0 in range(0, rows_p, 16):
+        for x in range(64):
+            acc[x] = ZERO
+        for i in range(n):
+            o = offs[i] + U(d0)
+            v0 = src[o]
+            v1 = src[o + U(1)]
+            v2 = src[o + U(2)]
+            v3 = src[o + U(3)]
+            pb = U(i * ld + r0)
+            for r in range(16):
+                y = pf[pb + U(r)]
+                acc[r] += v0 * y
+                acc[16 + r] += v1 * y
+                acc[32 + r] += v2 * y
+                acc[48 + r] += v3 * y
+        a0 = U(d0 * ld + r0)
+        for k in range(4):
+            for r in range(16):
+                af[a0 + U(k * ld + r)] += acc[16 * k + r]
 
 
 @kernel
@@ -168,14 +171,12 @@ def attend_prefill(q, kc, vc, table, shift, hk, tok0, pos0, nq, g, kvh, k0, k1, 
             o1 = offs[min(i + 1, last)]
             o2 = offs[min(i + 2, last)]
             o3 = offs[min(i + 3, last)]
-            for r0 in range(0, rows_p, 16):
-                block_scores(ksrc, o0, o1, o2, o3, qf, ld, dh, r0, sf, i, g * (t0 - pos0), g,
-                             n, mref)
+            block_scores(ksrc, o0, o1, o2, o3, qf, ld, dh, rows_p, sf, i, g * (t0 - pos0), g,
+                         n, mref)
         softmax_t(sT, rows_p, m, l, accT, mref)
         stage_rows(vc, table, shift, hk, kvh, t0, n, vbuf, offs)
         for d0 in range(0, dh, 4):
-            for r0 in range(0, rows_p, 16):
-                block_pv(vsrc, offs, n, sf, ld, d0, r0, af)
+            block_pv(vsrc, offs, n, sf, ld, d0, rows_p, af)
 
 
 @kernel
