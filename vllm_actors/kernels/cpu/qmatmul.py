@@ -1,6 +1,46 @@
-"""Matmul over weights kept in their GGUF formats: `x @ W.T` with W dequantized in registers.
+"""Matmul over weights kept in their GGUF formats: `x @ W.T`, W dequantized in registers.
 
-(Docstring completed with measurements below.)
+Layout (`qmatmul_layout`). A `QuantMatrix` keeps a weight `[N, K]` in its GGML type, split
+into planes: each field of the blocks (quants, fifth/high bits, scales, mins) one `[N, ...]`
+array, the same bytes moved; only Q3_K/Q4_K/Q5_K's 6-bit scales are widened to bytes. Memory
+is 1.0x the GGUF bytes (Q3_K 1.036x, Q4_K 1.028x, Q5_K 1.023x). Planar against raw blocks,
+measured on one core at M = 1 (min of runs): Q8_0 49152x576 6.07 vs 6.05 ms and 4096x4096
+1.689 vs 1.687 ms (an early scalar-sum kernel: no difference); Q4_0 0.097 vs 0.125 ns/weight
+at 3072x576, 0.119 vs 0.124 at 4096x4096, 0.098 vs 0.099 at 49152x576. Planar was never
+slower and keeps the kernels to plain 8-byte loads of one field, so every type is planar (raw
+K-quant kernels were not written). Float16 scales stay float16 bits, read through `HALF_LUT`;
+F16/BF16 weights stay 16-bit and are converted in registers (F16C / a shift).
+
+Types without kernels (IQ*, TQ*, MXFP4, Q8_K, ...) are converted once by `pack`: tensors up
+to `qmatmul_layout.CONVERT_F32_MAX` (2^20) weights are dequantized to F32 (no error), larger
+ones requantized to Q8_0 with `gguf.quants.quantize` from gguf-py's dequantization: every
+weight moves by less than max|w| / 226 over its block of 32 (half a Q8_0 step plus the float16
+rounding of the scale), and they take 8.5 bits per weight, so such a tensor exceeds the 1.15x
+memory bound (IQ4_NL, at 4.5 bits, takes 1.9x).
+
+`gemv` (M <= `GEMV_MAX_ROWS[type]`): one numba kernel per type, prange over pairs of weight
+rows, weights decoded in registers into 8-lane partial sums on the stack (`qmatmul_legacy`
+explains the scheme), the rows ahead prefetched (short rows: Q8_0 49152x576 0.18 -> 0.08
+ns/weight), offsets and mins through x's run sums. Below `SERIAL_MAX_WORK` it runs on the
+calling thread. `matmul` beyond that M: tiles of 1 MB (M <= 64) or 4 MB of W dequantized to
+float32 by the serial rows kernels and multiplied by BLAS, tiles split over the `TilePool`.
+The crossover (`GEMV_MAX_ROWS`) was measured per type: the GEMV kernels decode W again for
+every row of x, so types that are costly to decode cross early (Q5_x, Q3_K, Q5_K, Q6_K at 3;
+Q2_K, Q4_K at 4; Q4_x, F16, BF16 at 6; Q8_0, F32 at 8).
+
+Measured (bench/cpu_matmul.py --threads 1, medians, this 2-core AMD EPYC VM shared with
+other jobs; numpy is float32 `x @ W.T` on the pre-dequantized weight, one BLAS thread), ours
+vs numpy in ms at M = 1: Q8_0 49152x576 3.0 vs 5.6, 4096x4096 1.28 vs 3.68, 28672x4096 9.2
+vs 26.1; Q4_K 28672x4096 13.8 vs 26.1; Q4_0 49152x576 3.65 vs 5.6; F16 28672x4096 16.4 vs
+26.1. DRAM-bound shapes gain with the bytes saved. Where float32 W stays in cache
+(3072x576, 576x1536: 7 and 3.5 MB) numpy is faster (0.25-0.9x): decoding costs 0.06 (Q8_0)
+to 0.2 (Q6_K) ns per weight, more than BLAS reading cached floats. M = 512: 0.8-1.0x; M = 16
+and 32: 0.4-1.0x (the dequantize pass and BLAS's repacking of x per tile). With two threads
+numba's OpenMP layer here took 7.9 ms medians for a 1.4 ms kernel (thread wake-ups; the
+workqueue layer: 2.8 ms), so two-thread numbers from this machine are not meaningful.
+
+Compiled code is cached per kernel file by numba, which checks only that file: after editing
+`qmatmul_prims.py` clear `__pycache__/*.nbi, *.nbc` here, or kernels keep the old intrinsics.
 """
 
 from __future__ import annotations
@@ -178,9 +218,11 @@ def _scratch_buffer(name: str, size: int) -> np.ndarray:
 
 
 def _tile_rows(w: QuantMatrix, m: int, workers: int) -> int:
+    per_worker = -(-w.rows // workers)
+    if w.qtype == T.F32:            # nothing to dequantize: one BLAS call per worker
+        return per_worker
     budget = TILE_BYTES_LARGE_M if m > LARGE_M else TILE_BYTES_SMALL_M
     rows = max(16, budget // (4 * w.cols)) // 8 * 8
-    per_worker = -(-w.rows // workers)
     return max(1, min(rows, -(-per_worker // 8) * 8))
 
 
@@ -191,8 +233,8 @@ def matmul(w: QuantMatrix, x: np.ndarray, pool: TilePool | None = None) -> np.nd
     x = np.ascontiguousarray(x, dtype=np.float32)
     m = x.shape[0]
     out = np.empty((m, w.rows), dtype=np.float32)
-    if m <= GEMV_MAX_ROWS[w.qtype]:
-        gemv(w, x, out)
+    if m <= GEMV_MAX_ROWS[w.qtype] and not (m == 1 and w.qtype == T.F32):
+        gemv(w, x, out)     # (F32 at M = 1: BLAS's GEMV streams 1.6-2x faster than ours)
         return out
     _check_f32("x", x, (m, w.cols))
     workers = pool.size if pool is not None else 1
@@ -205,7 +247,7 @@ def matmul(w: QuantMatrix, x: np.ndarray, pool: TilePool | None = None) -> np.nd
 
     def run(lo: int, hi: int) -> None:
         buf = _scratch_buffer("tile", tile * w.cols) if dense is None else None
-        res = _scratch_buffer("result", tile * m)
+        res = _scratch_buffer("result", tile * m) if m <= LARGE_M else None
         for t in range(lo, hi):
             a, b = t * tile, min(w.rows, (t + 1) * tile)
             if dense is not None:
@@ -213,11 +255,12 @@ def matmul(w: QuantMatrix, x: np.ndarray, pool: TilePool | None = None) -> np.nd
             else:
                 weights = buf[:(b - a) * w.cols].reshape(b - a, w.cols)
                 rows_kernel(*args, HALF_LUT, ids[a:b], weights, ROW_RUN)
-            # into a contiguous block, then copied: BLAS writing the strided columns of `out`
-            # directly measured 25 % slower at M = 16
-            part = res[:m * (b - a)].reshape(m, b - a)
-            np.matmul(x, weights.T, out=part)
-            out[:, a:b] = part
+            if m > LARGE_M:
+                np.matmul(x, weights.T, out=out[:, a:b])
+            else:   # BLAS writing strided columns of `out` measured 25 % slower at M = 16
+                part = res[:m * (b - a)].reshape(m, b - a)
+                np.matmul(x, weights.T, out=part)
+                out[:, a:b] = part
 
     if pool is None:
         run(0, tiles)
