@@ -28,16 +28,17 @@ The crossover (`GEMV_MAX_ROWS`) was measured per type: the GEMV kernels decode W
 every row of x, so types that are costly to decode cross early (Q5_x, Q3_K, Q5_K, Q6_K at 3;
 Q2_K, Q4_K at 4; Q4_x, F16, BF16 at 6; Q8_0, F32 at 8).
 
-Measured (bench/cpu_matmul.py --threads 1, medians, this 2-core AMD EPYC VM shared with
-other jobs; numpy is float32 `x @ W.T` on the pre-dequantized weight, one BLAS thread), ours
-vs numpy in ms at M = 1: Q8_0 49152x576 3.0 vs 5.6, 4096x4096 1.28 vs 3.68, 28672x4096 9.2
-vs 26.1; Q4_K 28672x4096 13.8 vs 26.1; Q4_0 49152x576 3.65 vs 5.6; F16 28672x4096 16.4 vs
-26.1. DRAM-bound shapes gain with the bytes saved. Where float32 W stays in cache
-(3072x576, 576x1536: 7 and 3.5 MB) numpy is faster (0.25-0.9x): decoding costs 0.06 (Q8_0)
-to 0.2 (Q6_K) ns per weight, more than BLAS reading cached floats. M = 512: 0.8-1.0x; M = 16
-and 32: 0.4-1.0x (the dequantize pass and BLAS's repacking of x per tile). With two threads
-numba's OpenMP layer here took 7.9 ms medians for a 1.4 ms kernel (thread wake-ups; the
-workqueue layer: 2.8 ms), so two-thread numbers from this machine are not meaningful.
+Measured (bench/cpu_matmul.py --threads 1, medians of 9, two runs; a 2-core AMD EPYC VM
+shared with other jobs, so runs differ by up to 2x; numpy is float32 `x @ W.T` on the
+pre-dequantized weight, one BLAS thread), ours vs numpy in ms at M = 1: Q8_0 49152x576
+2.8-3.0 vs 5.6-6.2, 4096x4096 1.3 vs 3.0-3.7, 28672x4096 9.2-11.0 vs 22-26; Q4_K 28672x4096
+13.8-17.9 vs 22-26; Q4_0 49152x576 3.7-4.2 vs 5.6-6.2; F16 28672x4096 14.1-16.4 vs 22-26.
+DRAM-bound shapes gain with the bytes saved. Where float32 W stays in cache (3072x576,
+576x1536: 7 and 3.5 MB) numpy is faster (0.25-0.9x): decoding costs 0.06 (Q8_0) to 0.2
+(Q6_K) ns per weight, more than BLAS reading cached floats. M = 512: mostly 0.9-1.1x;
+M = 16 and 32: 0.45-1.0x (the dequantize pass, and BLAS repacking x per tile). With two
+threads numba's OpenMP layer here took 7.9 ms medians for a 1.4 ms kernel (thread wake-ups;
+the workqueue layer: 2.8 ms), so two-thread numbers from this machine are not meaningful.
 
 Compiled code is cached per kernel file by numba, which checks only that file: after editing
 `qmatmul_prims.py` clear `__pycache__/*.nbi, *.nbc` here, or kernels keep the old intrinsics.
