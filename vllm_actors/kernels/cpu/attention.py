@@ -25,7 +25,11 @@ import numba
 import numpy as np
 
 from vllm_actors.kernels.cpu.attention_kernels import (
-    merge_range, run_items, run_lane, write_kv_rows)
+    merge_range,
+    run_items,
+    run_lane,
+    write_kv_rows,
+)
 from vllm_actors.kernels.cpu.attention_plan import Plan, build_plan
 from vllm_actors.kernels.ops import AttentionMetadata
 

@@ -19,10 +19,22 @@ import numpy as np
 from numba import prange
 
 from vllm_actors.kernels.cpu.attention_intrinsics import fetch_add
-from vllm_actors.kernels.cpu.attention_math import exp2, from_f32, row_source, stage_rows
+from vllm_actors.kernels.cpu.attention_math import (
+    exp2,
+    from_f32,
+    row_source,
+    stage_rows,
+)
 from vllm_actors.kernels.cpu.attention_prefill import PK, attend_prefill, finish_prefill
 from vllm_actors.kernels.cpu.attention_tiles import (
-    NEG_INF, TK, ZERO, prefetch_rows, softmax_rows, tile_pv, tile_scores)
+    NEG_INF,
+    TK,
+    ZERO,
+    prefetch_rows,
+    softmax_rows,
+    tile_pv,
+    tile_scores,
+)
 from vllm_actors.kernels.cpu.jit import kernel
 
 # columns of a work item

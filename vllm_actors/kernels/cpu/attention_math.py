@@ -22,7 +22,11 @@ from numba.core import types
 from numba.extending import overload
 
 from vllm_actors.kernels.cpu.attention_intrinsics import (
-    HARDWARE_HALF, bits_to_f32, f32_to_bits, hardware_half_to_f32)
+    HARDWARE_HALF,
+    bits_to_f32,
+    f32_to_bits,
+    hardware_half_to_f32,
+)
 from vllm_actors.kernels.cpu.jit import FASTMATH, kernel
 
 _TWO_M14 = np.float32(2.0 ** -14)

@@ -24,7 +24,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from vllm_actors.kernels.cpu.attention_kernels import (
-    ITEM_COLS, K0, K1, KVH0, KVH1, NQ, PART, POS0, REQ, TOK0)
+    ITEM_COLS,
+    K0,
+    K1,
+    KVH0,
+    KVH1,
+    NQ,
+    PART,
+    POS0,
+    REQ,
+    TOK0,
+)
 from vllm_actors.kernels.cpu.attention_tiles import TK
 from vllm_actors.kernels.cpu.jit import kernel
 

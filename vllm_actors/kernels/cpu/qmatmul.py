@@ -48,19 +48,41 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType
 
 from vllm_actors.kernels.cpu import qmatmul_layout as layout
-from vllm_actors.kernels.cpu.qmatmul_float import gemv_f32, gemv_half, rows_f32, rows_half
-from vllm_actors.kernels.cpu.qmatmul_k23 import gemv_q2_k, gemv_q3_k, rows_q2_k, rows_q3_k
+from vllm_actors.kernels.cpu.qmatmul_float import (
+    gemv_f32,
+    gemv_half,
+    rows_f32,
+    rows_half,
+)
+from vllm_actors.kernels.cpu.qmatmul_k23 import (
+    gemv_q2_k,
+    gemv_q3_k,
+    rows_q2_k,
+    rows_q3_k,
+)
 from vllm_actors.kernels.cpu.qmatmul_k45 import (
-    gemv_q4_k, gemv_q5_k, gemv_q6_k, rows_q45_k, rows_q6_k)
+    gemv_q4_k,
+    gemv_q5_k,
+    gemv_q6_k,
+    rows_q6_k,
+    rows_q45_k,
+)
 from vllm_actors.kernels.cpu.qmatmul_legacy import (
-    gemv_q4, gemv_q5, gemv_q8_0, rows_q4, rows_q5, rows_q8_0)
+    gemv_q4,
+    gemv_q5,
+    gemv_q8_0,
+    rows_q4,
+    rows_q5,
+    rows_q8_0,
+)
 from vllm_actors.kernels.cpu.qmatmul_prims import HALF_LUT
 from vllm_actors.kernels.cpu.threads import TilePool
 

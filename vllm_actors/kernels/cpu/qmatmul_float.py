@@ -15,7 +15,13 @@ from numba import prange
 
 from vllm_actors.kernels.cpu.jit import kernel
 from vllm_actors.kernels.cpu.qmatmul_prims import (
-    bf16_to_float, half_to_float, limit_threads, prefetch, restore_threads, stack_f32)
+    bf16_to_float,
+    half_to_float,
+    limit_threads,
+    prefetch,
+    restore_threads,
+    stack_f32,
+)
 
 
 @kernel(parallel=True)

@@ -16,7 +16,15 @@ from numba import prange
 
 from vllm_actors.kernels.cpu.jit import kernel
 from vllm_actors.kernels.cpu.qmatmul_prims import (
-    SUM_RUN, block_sums, limit_threads, prefetch, restore_threads, shl32, shr32, stack_f32)
+    SUM_RUN,
+    block_sums,
+    limit_threads,
+    prefetch,
+    restore_threads,
+    shl32,
+    shr32,
+    stack_f32,
+)
 
 
 @kernel(parallel=True)

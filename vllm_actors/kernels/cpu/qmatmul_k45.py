@@ -20,7 +20,15 @@ from numba import prange
 
 from vllm_actors.kernels.cpu.jit import kernel
 from vllm_actors.kernels.cpu.qmatmul_prims import (
-    SUM_RUN, block_sums, limit_threads, prefetch, restore_threads, shl32, shr32, stack_f32)
+    SUM_RUN,
+    block_sums,
+    limit_threads,
+    prefetch,
+    restore_threads,
+    shl32,
+    shr32,
+    stack_f32,
+)
 
 
 @kernel(parallel=True)
@@ -76,14 +84,14 @@ def gemv_q4_k(qs, sc, mn, d, dmin, lut, x, out, dist, threads):  # type: ignore[
                         x1 = x[m, xo + 8 + i]
                         x2 = x[m, xo + 16 + i]
                         x3 = x[m, xo + 24 + i]
-                        acc[i] += a0 * (np.float32((q0 & 15)) * x0
-                                        + np.float32((q1 & 15)) * x1
-                                        + np.float32((q2 & 15)) * x2
-                                        + np.float32((q3 & 15)) * x3)
-                        acc[8 + i] += a1 * (np.float32((u0 & 15)) * x0
-                                            + np.float32((u1 & 15)) * x1
-                                            + np.float32((u2 & 15)) * x2
-                                            + np.float32((u3 & 15)) * x3)
+                        acc[i] += a0 * (np.float32(q0 & 15) * x0
+                                        + np.float32(q1 & 15) * x1
+                                        + np.float32(q2 & 15) * x2
+                                        + np.float32(q3 & 15) * x3)
+                        acc[8 + i] += a1 * (np.float32(u0 & 15) * x0
+                                            + np.float32(u1 & 15) * x1
+                                            + np.float32(u2 & 15) * x2
+                                            + np.float32(u3 & 15) * x3)
                         x0 = x[m, xo + 32 + i]
                         x1 = x[m, xo + 40 + i]
                         x2 = x[m, xo + 48 + i]

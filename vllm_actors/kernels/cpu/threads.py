@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
 
 
 def _cgroup_quota() -> float | None:
@@ -68,7 +68,8 @@ class TilePool:
         if parts == 1 or self._executor is None:
             fn(0, n)
             return
-        per = -(-(-(-n // align)) // parts) * align
+        units = -(-n // align)                   # align-sized units, rounded up
+        per = -(-units // parts) * align
         bounds = [(lo, min(n, lo + per)) for lo in range(0, n, per)]
         futures: list[Future[None]] = [self._executor.submit(fn, lo, hi)
                                        for lo, hi in bounds[:-1]]
