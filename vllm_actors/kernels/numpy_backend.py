@@ -22,6 +22,18 @@ def _float32(weight: WeightLike) -> np.ndarray:
     return quant.dequantize(weight.data, weight.qtype, weight.shape)
 
 
+def available_host_memory() -> int:
+    """Bytes of RAM the host can still give (MemAvailable; free pages where unknown)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 # Up to this many rows `linear` runs one GEMV per row (measured: docs/BENCHMARKS.md).
 SMALL_BATCH_ROWS = 4
 
@@ -80,14 +92,7 @@ class NumpyBackend:
         return x
 
     def free_memory(self) -> int:
-        try:
-            with open("/proc/meminfo", encoding="ascii") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return available_host_memory()
 
     # -- compute ------------------------------------------------------------------------
     def embedding(self, table: np.ndarray, token_ids: np.ndarray) -> np.ndarray:

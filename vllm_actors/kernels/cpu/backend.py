@@ -20,8 +20,10 @@ import numpy as np
 
 from vllm_actors.kernels import quant
 from vllm_actors.kernels.cpu import attention, elementwise, qmatmul, threads
-from vllm_actors.kernels.numpy_backend import NumpyBackend
+from vllm_actors.kernels.numpy_backend import NumpyBackend, available_host_memory
 from vllm_actors.kernels.ops import AttentionMetadata, RopeTables, WeightLike
+
+_NUMPY = NumpyBackend()   # its view-only ops (split_qkv) serve this backend as they are
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,7 @@ class CpuBackend:
         return x
 
     def free_memory(self) -> int:
-        return NumpyBackend.free_memory(self)   # type: ignore[arg-type]
+        return available_host_memory()
 
     # -- compute ------------------------------------------------------------------------
     def embedding(self, table: qmatmul.QuantMatrix, token_ids: np.ndarray) -> np.ndarray:
@@ -144,8 +146,7 @@ class CpuBackend:
 
     def split_qkv(self, qkv: np.ndarray, num_heads: int, num_kv_heads: int, head_dim: int
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return NumpyBackend.split_qkv(self, qkv, num_heads, num_kv_heads,  # type: ignore
-                                      head_dim)
+        return _NUMPY.split_qkv(qkv, num_heads, num_kv_heads, head_dim)   # views
 
     def silu_mul(self, gate_up: np.ndarray) -> np.ndarray:
         return elementwise.silu_mul(gate_up)
