@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from vllm_actors.kernels.cpu import attention as cpu
-from vllm_actors.kernels.cpu.attention_intrinsics import HARDWARE_HALF
+from vllm_actors.kernels.cpu.intrinsics import HARDWARE_HALF
 from vllm_actors.kernels.cpu.attention_math import f32_to_half, half_to_f32, read_half
 from vllm_actors.kernels.cpu.jit import kernel
 from vllm_actors.kernels.numpy_backend import NumpyBackend

@@ -18,7 +18,6 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from vllm_actors.kernels.cpu.attention_intrinsics import fetch_add
 from vllm_actors.kernels.cpu.attention_math import (
     exp2,
     from_f32,
@@ -35,6 +34,7 @@ from vllm_actors.kernels.cpu.attention_tiles import (
     tile_pv,
     tile_scores,
 )
+from vllm_actors.kernels.cpu.intrinsics import fetch_add
 from vllm_actors.kernels.cpu.jit import kernel
 
 # columns of a work item

@@ -21,7 +21,7 @@ import numpy as np
 from numba.core import types
 from numba.extending import overload
 
-from vllm_actors.kernels.cpu.attention_intrinsics import (
+from vllm_actors.kernels.cpu.intrinsics import (
     HARDWARE_HALF,
     bits_to_f32,
     f32_to_bits,

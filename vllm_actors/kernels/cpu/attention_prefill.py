@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_actors.kernels.cpu.attention_intrinsics import stack_f32
 from vllm_actors.kernels.cpu.attention_math import exp2, row_source, stage_rows
 from vllm_actors.kernels.cpu.attention_tiles import NEG_INF, ZERO, prefetch_rows
+from vllm_actors.kernels.cpu.intrinsics import stack_f32
 from vllm_actors.kernels.cpu.jit import kernel
 
 U = np.uint64

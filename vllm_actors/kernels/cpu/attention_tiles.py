@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_actors.kernels.cpu.attention_intrinsics import prefetch
 from vllm_actors.kernels.cpu.attention_math import exp2
+from vllm_actors.kernels.cpu.intrinsics import prefetch
 from vllm_actors.kernels.cpu.jit import kernel
 
 TK = 32                      # keys per tile (a multiple of 8)

@@ -1,7 +1,8 @@
 """Primitives shared by the quantized matmul kernels (`qmatmul_*.py`).
 
-numba exposes no stack arrays, prefetch or half-precision floats, so three small LLVM
-intrinsics supply them:
+numba exposes no stack arrays, prefetch or half-precision floats, so LLVM intrinsics supply
+them (`stack_f32`, `prefetch` and the F16C probe `HARDWARE_HALF` live in `intrinsics.py`,
+shared with attention, and are re-exported here for the kernels):
 
 - `stack_f32(n)`: a float32 scratch array of literal size `n` allocated on the stack. The
   GEMV kernels keep one 8-lane partial sum per weight row in it; with constant indices LLVM
@@ -21,7 +22,6 @@ faster than the conversion instruction (Q8_0: 0.062 vs 0.078 ns/weight).
 
 from __future__ import annotations
 
-import llvmlite.binding as llvm
 import numba
 import numpy as np
 from llvmlite import ir
@@ -29,7 +29,12 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from vllm_actors.kernels.cpu.intrinsics import HARDWARE_HALF, prefetch, stack_f32
 from vllm_actors.kernels.cpu.jit import kernel
+
+__all__ = ["HALF_LUT", "bf16_to_float", "bits_to_float", "block_sums", "half_to_float",
+           "limit_threads", "restore_threads",
+           "prefetch", "shl32", "shr32", "stack_f32"]
 
 HALF_LUT = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
 HALF_LUT.setflags(write=False)
@@ -38,16 +43,6 @@ HALF_LUT.setflags(write=False)
 # the quantized types become one multiply per (sub-)block.
 SUM_RUN = 16
 LANES = 8          # partial sums per weight row in the GEMV kernels (one AVX2 vector)
-
-
-def _native_half() -> bool:
-    triple = llvm.get_process_triple()
-    if triple.startswith(("x86_64", "i686", "i386")):
-        return bool(llvm.get_host_cpu_features().get("f16c"))
-    return triple.startswith(("aarch64", "arm64"))
-
-
-_NATIVE_HALF = _native_half()
 
 
 @intrinsic
@@ -91,7 +86,7 @@ def half_to_float(typingctx, bits):  # type: ignore[no-untyped-def]
     sig = types.float32(bits)
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        if not _NATIVE_HALF:
+        if not HARDWARE_HALF:
             return context.compile_internal(
                 builder, half_to_float_soft.py_func, signature, args)
         value = args[0]
@@ -200,46 +195,6 @@ def restore_threads(typingctx, count):  # type: ignore[no-untyped-def]
         put = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(ir.VoidType(), [i32]), "set_num_threads")
         builder.call(put, [context.cast(builder, args[0], count, types.int32)])
-        return context.get_dummy_value()
-    return sig, codegen
-
-
-@intrinsic
-def stack_f32(typingctx, n):  # type: ignore[no-untyped-def]
-    """A float32 array of literal size `n` on the stack (uninitialized)."""
-    if not isinstance(n, types.IntegerLiteral):
-        return None
-    size = n.literal_value
-    arrty = types.Array(types.float32, 1, "C")
-
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        ptr = cgutils.alloca_once(builder, ir.FloatType(), size=size)
-        ary = context.make_array(arrty)(context, builder)
-        itemsize = context.get_constant(types.intp, 4)
-        context.populate_array(
-            ary, data=ptr, itemsize=itemsize, meminfo=None,
-            shape=cgutils.pack_array(builder, [context.get_constant(types.intp, size)]),
-            strides=cgutils.pack_array(builder, [itemsize]))
-        return ary._getvalue()
-    return arrty(n), codegen
-
-
-@intrinsic
-def prefetch(typingctx, arr, index):  # type: ignore[no-untyped-def]
-    """Prefetch (for reading, into all cache levels) element `index` of C-contiguous `arr`."""
-    if not isinstance(arr, types.Array) or not isinstance(index, types.Integer):
-        return None
-    sig = types.none(arr, index)
-
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        ary = context.make_array(signature.args[0])(context, builder, args[0])
-        ptr = builder.gep(ary.data, [args[1]])
-        i8p = ir.IntType(8).as_pointer()
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
-        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0),
-                          ir.Constant(i32, 3), ir.Constant(i32, 1)])
         return context.get_dummy_value()
     return sig, codegen
 

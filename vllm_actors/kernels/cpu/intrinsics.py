@@ -1,6 +1,7 @@
 """LLVM-level helpers numba does not offer on the CPU, as numba intrinsics (inlined into the
 kernels that call them): bit casts, the hardware float16 -> float32 conversion, an atomic
-counter for dynamic work distribution, a cache prefetch, and small stack arrays.
+counter for dynamic work distribution, a cache prefetch, and small stack arrays. Shared by
+attention and the quantized matmuls (`qmatmul_prims` adds the matmuls' own).
 
 `HARDWARE_HALF`: whether the CPU numba compiles for converts float16 in hardware (x86 F16C,
 present on every AVX2 CPU; aarch64 always). Without it LLVM would emit a call to a runtime
@@ -86,13 +87,13 @@ def fetch_add(typingctx, counter, value):
 
 @intrinsic
 def prefetch(typingctx, arr, index):
-    """Hint the cache line holding arr[index] (a 1-D array) into the caches."""
-    if isinstance(arr, types.Array) and arr.ndim == 1 and isinstance(index, types.Integer):
+    """Hint the cache line holding element `index` (a flat index) of the C-contiguous `arr`
+    into the caches."""
+    if isinstance(arr, types.Array) and isinstance(index, types.Integer):
         def codegen(context, builder, sig, args):
-            aryty = sig.args[0]
-            ary = context.make_array(aryty)(context, builder, args[0])
+            ary = context.make_array(sig.args[0])(context, builder, args[0])
             idx = context.cast(builder, args[1], sig.args[1], types.intp)
-            ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [idx])
+            ptr = builder.gep(ary.data, [idx])
             i32 = ir.IntType(32)
             byte_ptr = ir.IntType(8).as_pointer()
             fnty = ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32])
