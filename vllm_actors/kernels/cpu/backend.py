@@ -32,8 +32,6 @@ class Linear:
     different formats, e.g. Q4_K q/k with a Q6_K v) whose outputs are laid side by side."""
 
     parts: tuple[qmatmul.QuantMatrix, ...]
-    out_features: int
-    in_features: int
 
     @property
     def nbytes(self) -> int:
@@ -76,7 +74,7 @@ class CpuBackend:
         mats = [_matrix(p) for p in parts]
         if len(mats) > 1 and qmatmul.supports_fused(mats):
             mats = [qmatmul.concat(mats)]
-        linear = Linear(tuple(mats), sum(m.rows for m in mats), mats[0].cols)
+        linear = Linear(tuple(mats))
         self.weight_bytes += linear.nbytes
         return linear
 
@@ -121,7 +119,6 @@ class CpuBackend:
         return out
 
     def _matmul(self, x: np.ndarray, parts: Sequence[qmatmul.QuantMatrix]) -> np.ndarray:
-        x = np.ascontiguousarray(x, dtype=np.float32)
         if len(parts) == 1:
             return qmatmul.matmul(parts[0], x, self.pool)
         return np.concatenate([qmatmul.matmul(p, x, self.pool) for p in parts], axis=1)
