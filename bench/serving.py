@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 class Result:
     ttft: float
     itl: list[float] = field(default_factory=list)
-    output_tokens: int = 0
+    chunks: int = 0
+    usage_tokens: int | None = None   # completion_tokens of the final usage chunk
     latency: float = 0.0
     error: str | None = None
 
@@ -53,7 +54,7 @@ def build_prompts(count: int, input_len: int, tokenizer_model: str | None) -> li
 async def one_request(client: httpx.AsyncClient, model: str | None, prompt: str,
                       output_len: int) -> Result:
     body = {"prompt": prompt, "max_tokens": output_len, "min_tokens": output_len,
-            "temperature": 0.0, "stream": True}
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
     if model:
         body["model"] = model
     start = time.perf_counter()
@@ -66,6 +67,8 @@ async def one_request(client: httpx.AsyncClient, model: str | None, prompt: str,
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                result.usage_tokens = chunk["usage"].get("completion_tokens")
             if not chunk.get("choices") or not chunk["choices"][0].get("text"):
                 continue
             now = time.perf_counter()
@@ -74,7 +77,7 @@ async def one_request(client: httpx.AsyncClient, model: str | None, prompt: str,
             else:
                 result.itl.append(now - last)
             last = now
-            result.output_tokens += 1
+            result.chunks += 1
     result.latency = time.perf_counter() - start
     return result
 
@@ -110,12 +113,17 @@ async def run_level(base_url: str, api_key: str | None, model: str | None, promp
         raise SystemExit(f"every request at concurrency {concurrency} failed")
     itl = [gap for r in results for gap in r.itl]
     ttft = [r.ttft for r in results]
-    # Servers may send several tokens in one chunk; count tokens by what was asked for.
-    tokens = len(results) * output_len
+    # Servers may send several tokens in one chunk (ours merges them when the client lags):
+    # count tokens by the usage the server reports, else by what was asked for.
+    counted = [r.usage_tokens for r in results]
+    reported = all(c is not None for c in counted)
+    tokens = sum(counted) if reported else len(results) * output_len
     return {"concurrency": concurrency, "requests": len(results), "failed": len(failed),
             "elapsed_s": elapsed,
             "req_per_s": len(results) / elapsed, "output_tok_per_s": tokens / elapsed,
-            "chunks_per_request": statistics.mean(r.output_tokens for r in results),
+            "chunks_per_request": statistics.mean(r.chunks for r in results),
+            # None when the server sent no usage (then throughput assumes --output-len each)
+            "tokens_per_request": tokens / len(results) if reported else None,
             "ttft_median_ms": 1000 * statistics.median(ttft), "ttft_p99_ms": 1000 * pct(ttft, .99),
             "itl_median_ms": 1000 * statistics.median(itl) if itl else float("nan"),
             "itl_p99_ms": 1000 * pct(itl, .99)}

@@ -17,6 +17,7 @@ import statistics
 import time
 
 from vllm_actors import LLM, SamplingParams
+from vllm_actors.sampling_params import RequestOutputKind
 
 PROMPT = [504, 3575, 282, 4649, 314] * 8
 
@@ -26,15 +27,26 @@ def _spin() -> None:
         pass
 
 
+async def _decode_rate(llm: LLM, tokens: int) -> float:
+    """Tokens per second from the first streamed token to the last (prefill excluded by
+    timing inside one request, so a slow prefill under load cannot skew it)."""
+    params = SamplingParams(temperature=0.0, max_tokens=tokens + 1, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+    first = last = 0.0
+    after_first = 0
+    async for out in llm.engine.generate({"prompt_token_ids": PROMPT}, params):
+        now = time.perf_counter()
+        n = len(out.outputs[0].token_ids)
+        if not first:
+            first, after_first = now, n - 1
+        else:
+            after_first += n
+        last = now
+    return after_first / (last - first)
+
+
 def decode_rate(llm: LLM, tokens: int) -> float:
-    one = SamplingParams(temperature=0.0, max_tokens=1)
-    many = SamplingParams(temperature=0.0, max_tokens=tokens + 1, ignore_eos=True)
-    start = time.perf_counter()
-    llm.generate({"prompt_token_ids": PROMPT}, one)
-    first = time.perf_counter() - start
-    start = time.perf_counter()
-    llm.generate({"prompt_token_ids": PROMPT}, many)
-    return tokens / (time.perf_counter() - start - first)
+    return llm._run(_decode_rate(llm, tokens))
 
 
 def main() -> None:
