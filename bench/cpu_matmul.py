@@ -7,8 +7,8 @@ over the same weight pre-dequantized; prints a Markdown table of medians.
 Shapes: SmolLM2-135M's linears (fused QKV 960x576, gate_up 3072x576, down 576x1536, LM head
 49152x576) at every --m, an 8B's (4096x4096, 28672x4096, 4096x14336) at M=1. K-quants need
 K % 256 == 0, so they skip the K=576 shapes. Weights are random blocks (sane float16 scales);
-speed does not depend on the values. Ours runs under `threads.configure()` (numba threads and
-the tile pool over the usable CPUs, BLAS single-threaded); numpy's BLAS gets the same CPUs.
+speed does not depend on the values. Ours runs under `threads.configure()` (numba threads over
+the usable CPUs, BLAS single-threaded); numpy's BLAS gets the same CPUs.
 numpy is timed as `x @ W.T` on W [N, K] and as `x @ Wt` on a [K, N] copy (the numpy backend's
 layout), and the faster of the two medians is the baseline. "speedup" = numpy / ours.
 """
@@ -82,8 +82,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
 
-    pool = threads.configure(args.threads)
-    cpus = pool.size
+    cpus = threads.configure(args.threads)
     rng = np.random.default_rng(0)
     types = [T[name] for name in args.types.split(",")]
     ms = [int(v) for v in args.m.split(",")]
@@ -101,7 +100,7 @@ def main() -> None:
                 if k % quant.block_layout(qt)[0] == 0:
                     w = qm.pack(random_weights(qt, n, k, rng), qt, (n, k))
                     for m in batch:
-                        ours = median_ms(functools.partial(qm.matmul, w, xs[m], pool),
+                        ours = median_ms(functools.partial(qm.matmul, w, xs[m]),
                                          args.runs)
                         print(f"| {T(qt).name} | {n}x{k} | {m} | {ours:.3f} | {base[m]:.3f} | "
                               f"{base[m] / ours:.2f}x |", flush=True)

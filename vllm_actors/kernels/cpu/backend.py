@@ -1,13 +1,12 @@
 """The compiled CPU backend: `kernels.ops.Backend` on numba kernels, weights kept quantized.
 
 - Weights stay in their GGUF formats in memory (`qmatmul.QuantMatrix`): decode steps run
-  GEMV kernels that dequantize in registers; larger steps dequantize L2-sized weight tiles
-  and hand them to single-threaded BLAS, tiles split over the backend's thread pool. The tied
-  embedding is the LM head (one copy).
+  GEMV kernels that dequantize in registers; larger steps run a blocked GEMM that decodes
+  each weight once per call (`qmatmul_gemm`). The tied embedding is the LM head (one copy).
 - Paged attention reads K/V through the block table (`attention.py`); the KV cache is
   float32 or float16.
-- One thread budget (`threads.configure`): numba's threads and the tile pool, sized to the
-  CPUs this process may use; BLAS single-threaded.
+- One thread budget (`threads.configure`): numba's threads, sized to the CPUs this process
+  may use; BLAS single-threaded.
 """
 
 from __future__ import annotations
@@ -64,7 +63,7 @@ class CpuBackend:
     def __init__(self, num_threads: int | None = None, kv_cache_dtype: str = "float32") -> None:
         if kv_cache_dtype not in ("float32", "float16"):
             raise ValueError(f"kv_cache_dtype must be float32 or float16, got {kv_cache_dtype!r}")
-        self.pool = threads.configure(num_threads)
+        self.threads = threads.configure(num_threads)
         self.kv_cache_dtype = kv_cache_dtype
         self._tables: dict[str, qmatmul.QuantMatrix] = {}
         self.weight_bytes = 0
@@ -120,8 +119,8 @@ class CpuBackend:
 
     def _matmul(self, x: np.ndarray, parts: Sequence[qmatmul.QuantMatrix]) -> np.ndarray:
         if len(parts) == 1:
-            return qmatmul.matmul(parts[0], x, self.pool)
-        return np.concatenate([qmatmul.matmul(p, x, self.pool) for p in parts], axis=1)
+            return qmatmul.matmul(parts[0], x)
+        return np.concatenate([qmatmul.matmul(p, x) for p in parts], axis=1)
 
     def linear(self, x: np.ndarray, weight: Linear, bias: np.ndarray | None = None
                ) -> np.ndarray:
@@ -168,4 +167,4 @@ class CpuBackend:
 
     def lm_head(self, hidden: np.ndarray, head: qmatmul.QuantMatrix, rows: np.ndarray,
                 on_device: bool = False) -> np.ndarray:
-        return qmatmul.matmul(head, np.ascontiguousarray(hidden[rows]), self.pool)
+        return qmatmul.matmul(head, np.ascontiguousarray(hidden[rows]))

@@ -22,12 +22,14 @@ memory bound (IQ4_NL, at 4.5 bits, takes 1.9x).
 rows, weights decoded in registers into 8-lane partial sums on the stack (`qmatmul_legacy`
 explains the scheme), the rows ahead prefetched (short rows: Q8_0 49152x576 0.18 -> 0.08
 ns/weight), offsets and mins through x's run sums. Below `SERIAL_MAX_WORK` it runs on the
-calling thread. `matmul` beyond that M: tiles of 1 MB (M <= 64) or 4 MB of W dequantized to
-float32 by the serial rows kernels and multiplied by BLAS, tiles split over the `TilePool`.
+calling thread. `matmul` beyond that M: the blocked GEMM of `qmatmul_gemm` (x packed into
+16-row panels, tiles of W dequantized to float32 by the rows kernels, a register-blocked
+micro-kernel near the FMA peak). It replaced tiles of W handed to single-threaded BLAS on a
+pool of Python threads: SmolLM2 at batch 16 went from 178.7 to 105.5 ms/step (linear 126.5
+-> 69.0 ms, LM head 22.1 -> 16.0; bench/profile_step.py --batch 16 --context 128).
 The crossover (`GEMV_MAX_ROWS`) was measured per type: the GEMV kernels decode W again for
 every row of x, so types that are costly to decode cross early (Q5_x, Q3_K, Q5_K, Q6_K at 3;
 Q2_K, Q4_K at 4; Q4_x, F16, BF16 at 6; Q8_0, F32 at 8).
-
 Measured (bench/cpu_matmul.py --threads 1, medians of 9, two runs; a 2-core AMD EPYC VM
 shared with other jobs, so runs differ by up to 2x; numpy is float32 `x @ W.T` on the
 pre-dequantized weight, one BLAS thread), ours vs numpy in ms at M = 1: Q8_0 49152x576
@@ -35,10 +37,11 @@ pre-dequantized weight, one BLAS thread), ours vs numpy in ms at M = 1: Q8_0 491
 13.8-17.9 vs 22-26; Q4_0 49152x576 3.7-4.2 vs 5.6-6.2; F16 28672x4096 14.1-16.4 vs 22-26.
 DRAM-bound shapes gain with the bytes saved. Where float32 W stays in cache (3072x576,
 576x1536: 7 and 3.5 MB) numpy is faster (0.25-0.9x): decoding costs 0.06 (Q8_0) to 0.2
-(Q6_K) ns per weight, more than BLAS reading cached floats. M = 512: mostly 0.9-1.1x;
-M = 16 and 32: 0.45-1.0x (the dequantize pass, and BLAS repacking x per tile). With two
-threads numba's OpenMP layer here took 7.9 ms medians for a 1.4 ms kernel (thread wake-ups;
-the workqueue layer: 2.8 ms), so two-thread numbers from this machine are not meaningful.
+(Q6_K) ns per weight, more than BLAS reading cached floats. The GEMM against numpy's
+two-thread BLAS (bench/cpu_matmul.py --types Q4_1,Q8_0 --shapes smol --m 16,32,512, two
+threads): 0.39-0.61x at M = 16 on the cached shapes, 0.94-1.12x on the 49152x576 head;
+0.59-0.86x at M = 512. Its micro-kernel alone runs at 85-90 % of the FMA peak; the rest is
+the dequantize pass (Q4_1 0.25 ns/weight).
 
 Compiled code is cached per kernel file by numba, which checks only that file: after editing
 `qmatmul_prims.py` clear `__pycache__/*.nbi, *.nbc` here, or kernels keep the old intrinsics.
@@ -47,14 +50,15 @@ Compiled code is cached per kernel file by numba, which checks only that file: a
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numba
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from vllm_actors.kernels.cpu import qmatmul_gemm as gemm
 from vllm_actors.kernels.cpu import qmatmul_layout as layout
 from vllm_actors.kernels.cpu.qmatmul_float import (
     gemv_f32,
@@ -84,7 +88,6 @@ from vllm_actors.kernels.cpu.qmatmul_legacy import (
     rows_q8_0,
 )
 from vllm_actors.kernels.cpu.qmatmul_prims import HALF_LUT
-from vllm_actors.kernels.cpu.threads import TilePool
 
 T = GGMLQuantizationType
 
@@ -133,6 +136,13 @@ _KERNELS: dict[int, tuple[Callable[..., None], Callable[..., None]]] = {
     T.Q6_K: (gemv_q6_k, rows_q6_k),
 }
 
+# type -> the GEMM driver (takes the rows kernel's planes)
+_GEMM: dict[int, Callable[..., None]] = {
+    T.F32: gemm.gemm_f32, T.F16: gemm.gemm_half, T.BF16: gemm.gemm_half,
+    T.Q4_0: gemm.gemm_q4, T.Q4_1: gemm.gemm_q4, T.Q5_0: gemm.gemm_q5, T.Q5_1: gemm.gemm_q5,
+    T.Q8_0: gemm.gemm_q8_0, T.Q2_K: gemm.gemm_q2_k, T.Q3_K: gemm.gemm_q3_k,
+    T.Q4_K: gemm.gemm_q45_k, T.Q5_K: gemm.gemm_q45_k, T.Q6_K: gemm.gemm_q6_k,
+}
 # Up to this many rows of x `matmul` runs the GEMV kernels; beyond, dequantized tiles + BLAS.
 # Measured (3072x1536 and 4096x4096, one thread): the GEMV kernels decode the weights again
 # for every row of x, so the cut falls where that costs more than the dequantize pass.
@@ -142,12 +152,10 @@ GEMV_MAX_ROWS: dict[int, int] = {
 # GEMVs over fewer weights x rows than this run on the calling thread: waking numba's
 # threads costs more than they save (Q8_0 256x576: 17 us on one thread or two).
 SERIAL_MAX_WORK = 1 << 18
-# Bytes of float32 weight per dequantized tile. BLAS repacks x for every tile, so tiles are
-# larger than L2 (measured, one thread, M = 16..512: 64 KB tiles 1.3-1.8x numpy's time,
-# 1-4 MB 0.9-1.2x).
-TILE_BYTES_SMALL_M = 1 << 20
-TILE_BYTES_LARGE_M = 4 << 20
-LARGE_M = 64
+# The GEMM's float32 weight tile per task, and the bytes of x panels `outer` runs over per
+# 4-row group (both meant to stay in L2, 512 KB per core here).
+GEMM_TILE_BYTES = 64 << 10
+PANEL_CHUNK_BYTES = 256 << 10
 PREFETCH_BYTES = 16 << 10       # the GEMV kernels prefetch about this far ahead
 # The rows kernels' inner trip count (weights per run), passed at run time: with a constant,
 # LLVM unrolls those loops and, unable to rule out `out` aliasing the planes, leaves them
@@ -228,65 +236,34 @@ def take_rows(w: QuantMatrix, ids: np.ndarray, out: np.ndarray) -> None:
     _KERNELS[w.qtype][1](*_kernel_args(w, rows=True), HALF_LUT, ids, out, ROW_RUN)
 
 
-_scratch = threading.local()
+def _gemm_tile(w: QuantMatrix, threads: int) -> int:
+    """Weight rows per GEMM task: a float32 tile of about `GEMM_TILE_BYTES` (L2-resident while
+    `outer` runs over it), a multiple of 4 rows, and a task count that is a multiple of the
+    thread count (576 rows in 9 tiles left one of two threads idle for a ninth)."""
+    rows = max(4, GEMM_TILE_BYTES // (4 * w.cols) // 4 * 4)
+    tasks = -(-w.rows // rows)
+    tasks = -(-tasks // threads) * threads
+    per_task = -(-w.rows // tasks)
+    return max(4, -(-per_task // 4) * 4)
 
 
-def _scratch_buffer(name: str, size: int) -> np.ndarray:
-    """This thread's float32 scratch `name` of at least `size` elements (kept between calls)."""
-    buf = getattr(_scratch, name, None)
-    if buf is None or buf.size < size:
-        buf = np.empty(size, dtype=np.float32)
-        setattr(_scratch, name, buf)
-    return buf
-
-
-def _tile_rows(w: QuantMatrix, m: int, workers: int) -> int:
-    per_worker = -(-w.rows // workers)
-    if w.qtype == T.F32:            # nothing to dequantize: one BLAS call per worker
-        return per_worker
-    budget = TILE_BYTES_LARGE_M if m > LARGE_M else TILE_BYTES_SMALL_M
-    rows = max(16, budget // (4 * w.cols)) // 8 * 8
-    return max(1, min(rows, -(-per_worker // 8) * 8))
-
-
-def matmul(w: QuantMatrix, x: np.ndarray, pool: TilePool | None = None) -> np.ndarray:
+def matmul(w: QuantMatrix, x: np.ndarray) -> np.ndarray:
     """x float32 [M, K] -> float32 [M, N] = x @ W.T. Up to `GEMV_MAX_ROWS` rows: `gemv`.
-    More: tiles of W dequantized to float32 and multiplied by BLAS (`np.matmul`), the tiles
-    split over `pool`'s threads (on the caller's thread alone without a pool)."""
+    More: the blocked GEMM of `qmatmul_gemm` (x packed into panels, tiles of W dequantized
+    once and multiplied by the register-blocked micro-kernel), parallel over tiles."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     m = x.shape[0]
     out = np.empty((m, w.rows), dtype=np.float32)
     if m <= GEMV_MAX_ROWS[w.qtype] and not (m == 1 and w.qtype == T.F32):
         gemv(w, x, out)     # (F32 at M = 1: BLAS's GEMV streams 1.6-2x faster than ours)
         return out
+    if m == 1:
+        np.matmul(x, w.planes[0].T, out=out)
+        return out
     _check_f32("x", x, (m, w.cols))
-    workers = pool.size if pool is not None else 1
-    tile = _tile_rows(w, m, workers)
-    tiles = -(-w.rows // tile)
-    rows_kernel = _KERNELS[w.qtype][1]
-    args = _kernel_args(w, rows=True)
-    ids = _row_ids(w.rows)
-    dense = w.planes[0] if w.qtype == T.F32 else None
-
-    def run(lo: int, hi: int) -> None:
-        buf = _scratch_buffer("tile", tile * w.cols) if dense is None else None
-        res = _scratch_buffer("result", tile * m) if m <= LARGE_M else None
-        for t in range(lo, hi):
-            a, b = t * tile, min(w.rows, (t + 1) * tile)
-            if dense is not None:
-                weights = dense[a:b]
-            else:
-                weights = buf[:(b - a) * w.cols].reshape(b - a, w.cols)
-                rows_kernel(*args, HALF_LUT, ids[a:b], weights, ROW_RUN)
-            if m > LARGE_M:
-                np.matmul(x, weights.T, out=out[:, a:b])
-            else:   # BLAS writing strided columns of `out` measured 25 % slower at M = 16
-                part = res[:m * (b - a)].reshape(m, b - a)
-                np.matmul(x, weights.T, out=part)
-                out[:, a:b] = part
-
-    if pool is None:
-        run(0, tiles)
-    else:
-        pool.run_split(run, tiles)
+    xp = np.empty((-(-m // gemm.PANEL), w.cols, gemm.PANEL), dtype=np.float32)
+    gemm.pack_panels(x, xp)
+    chunk = max(1, PANEL_CHUNK_BYTES // (4 * gemm.PANEL * w.cols))
+    tile = _gemm_tile(w, numba.get_num_threads())
+    _GEMM[w.qtype](*_kernel_args(w, rows=True), HALF_LUT, xp, out, tile, chunk)
     return out

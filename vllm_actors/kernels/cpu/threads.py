@@ -1,11 +1,10 @@
-"""The CPU backend's one thread budget: numba's kernel threads and the pool that runs
-dequantize-then-BLAS tiles are sized to the CPUs this process may really use, and BLAS itself
-runs single-threaded so the two never fight over cores.
+"""The CPU backend's one thread budget: numba's kernel threads are sized to the CPUs this
+process may really use, and BLAS (still called by a few host ops) runs single-threaded so the
+two never fight over cores.
 
 Usable CPUs = the affinity mask, capped by a cgroup CPU quota (`cpu.max` in cgroup v2,
 `cpu.cfs_quota_us / cpu.cfs_period_us` in v1), divided among tensor-parallel ranks by the
-caller. Idle threads block: the tile pool's on a queue, numba's OpenMP threads after
-libgomp's default short spin (GOMP_SPINCOUNT). Measured on 2 cores (docs/BENCHMARKS.md,
+caller. Idle threads block: numba's OpenMP threads after libgomp's default short spin (GOMP_SPINCOUNT). Measured on 2 cores (docs/BENCHMARKS.md,
 "Shared cores"): a passive policy (no spin) doubled decode time on an idle machine, because
 each of a step's ~150 kernels then pays a thread wake-up; the short spin costs 1.6x against
 one thread when another process keeps a core busy, and does not collapse.
@@ -15,9 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import threading
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 
 
 def _cgroup_quota() -> float | None:
@@ -52,50 +48,23 @@ def usable_cpus() -> int:
     return max(1, count)
 
 
-class TilePool:
-    """Runs `fn(lo, hi)` over contiguous parts of `range(n)` on `size` threads (the caller's
-    thread takes the last part). The kernels it runs release the GIL (numba `nogil`, BLAS)."""
-
-    def __init__(self, size: int) -> None:
-        self.size = max(1, size)
-        self._executor = (ThreadPoolExecutor(self.size - 1, thread_name_prefix="cpu-tiles")
-                          if self.size > 1 else None)
-        self._lock = threading.Lock()
-
-    def run_split(self, fn: Callable[[int, int], None], n: int, align: int = 1) -> None:
-        """Split range(n) into up to `size` parts whose bounds are multiples of `align`."""
-        parts = min(self.size, max(1, -(-n // align)))
-        if parts == 1 or self._executor is None:
-            fn(0, n)
-            return
-        units = -(-n // align)                   # align-sized units, rounded up
-        per = -(-units // parts) * align
-        bounds = [(lo, min(n, lo + per)) for lo in range(0, n, per)]
-        futures: list[Future[None]] = [self._executor.submit(fn, lo, hi)
-                                       for lo, hi in bounds[:-1]]
-        fn(*bounds[-1])
-        for future in futures:
-            future.result()
-
-
 _STATE: dict[str, object] = {}
 
 
-def configure(threads: int | None = None) -> TilePool:
-    """Size numba's threads and the tile pool to `threads` (default: the usable CPUs, capped
-    by NUMBA_NUM_THREADS, which a tensor-parallel launcher sets to each rank's share) and
-    make BLAS single-threaded; idempotent, returns the process's pool."""
+def configure(threads: int | None = None) -> int:
+    """Size numba's threads to `threads` (default: the usable CPUs, capped by
+    NUMBA_NUM_THREADS, which a tensor-parallel launcher sets to each rank's share) and make
+    BLAS single-threaded; idempotent, returns the thread count."""
     import numba
     count = max(1, min(threads or usable_cpus(), numba.config.NUMBA_NUM_THREADS))
-    pool = _STATE.get("pool")
-    if isinstance(pool, TilePool) and pool.size == count:
-        return pool
+    if _STATE.get("threads") == count:
+        return count
     numba.set_num_threads(count)
-    try:
-        from threadpoolctl import threadpool_limits
-        _STATE["blas_limit"] = threadpool_limits(1, user_api="blas")
-    except ImportError:   # pragma: no cover - threadpoolctl is a dependency
-        pass
-    pool = TilePool(count)
-    _STATE["pool"] = pool
-    return pool
+    if "blas_limit" not in _STATE:
+        try:
+            from threadpoolctl import threadpool_limits
+            _STATE["blas_limit"] = threadpool_limits(1, user_api="blas")
+        except ImportError:   # pragma: no cover - threadpoolctl is a dependency
+            pass
+    _STATE["threads"] = count
+    return count
