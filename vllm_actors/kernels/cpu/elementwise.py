@@ -14,6 +14,7 @@ import math
 import numpy as np
 from numba import prange
 
+from vllm_actors.kernels.cpu.attention_math import exp2
 from vllm_actors.kernels.cpu.jit import kernel
 
 # From this many rows a kernel runs over rows in parallel.
@@ -68,12 +69,18 @@ def _add_rms_norm_parallel(h, delta, weight, eps, out):
         _add_rms_row(h[r], delta[r], weight, eps, out[r])
 
 
+_LOG2E = np.float32(1.4426950408889634)
+
+
 @kernel
 def _silu_mul_row(gate_up, out):
+    """exp through the attention kernels' polynomial `exp2` (vectorizes; numba's `np.exp` is
+    a libm call per element: SmolLM2's 512-token prefill spent 70 ms of 1193 here)."""
     f = out.shape[0]
     for i in range(f):
         g = gate_up[i]
-        out[i] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[f + i]
+        e = exp2(min(-g * _LOG2E, np.float32(126.0)))
+        out[i] = g / (np.float32(1.0) + e) * gate_up[f + i]
 
 
 @kernel
