@@ -90,7 +90,7 @@ def test_matmul_against_float64_reference(qt):
         data = random_weights(qt, n, k, seed=n + k)
         w = qm.pack(data, qt, (n, k))
         w64 = reference(data, qt, n, k)
-        for m in (1, 2, 3, 7, 16, 33, 300):
+        for m in (1, 2, 3, 7, 16, 17, 32, 33, 300):   # GEMV, fused GEMM, blocked GEMM
             x = rng.standard_normal((m, k), dtype=np.float32)
             assert_product(qm.matmul(w, x), x, w64)
         for m in (1, 3, 8):      # the GEMV kernels at every M they may be given

@@ -7,6 +7,9 @@
 - Fast math without `nnan`/`ninf`: reductions may be reassociated (so LLVM vectorizes them)
   and multiply-adds contracted, but -inf masks and inf checks keep their meaning.
 - `error_model="numpy"`: no zero-division checks inside loops.
+- `inline=True` (helpers only): inlined into the caller at numba's IR level. A plain helper
+  call inside a kernel's hot loop is not inlined by LLVM (each njit function is its own
+  library): the fused GEMM's per-block helper cost 35 % at M = 16 as a call.
 """
 
 from __future__ import annotations
@@ -19,9 +22,12 @@ import numba
 FASTMATH = frozenset({"nsz", "arcp", "contract", "afn", "reassoc"})
 
 
-def kernel(fn: Callable[..., Any] | None = None, *, parallel: bool = False) -> Any:
-    """`@kernel` or `@kernel(parallel=True)`: numba's njit with the backend's flags."""
+def kernel(fn: Callable[..., Any] | None = None, *, parallel: bool = False,
+           inline: bool = False) -> Any:
+    """`@kernel`, `@kernel(parallel=True)` or `@kernel(inline=True)`: numba's njit with the
+    backend's flags."""
     def wrap(f: Callable[..., Any]) -> Any:
         return numba.njit(cache=True, nogil=True, fastmath=set(FASTMATH), parallel=parallel,
-                          error_model="numpy", boundscheck=False)(f)
+                          error_model="numpy", boundscheck=False,
+                          inline="always" if inline else "never")(f)
     return wrap if fn is None else wrap(fn)

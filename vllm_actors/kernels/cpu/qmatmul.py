@@ -58,6 +58,7 @@ import numba
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from vllm_actors.kernels.cpu import qmatmul_fused as fused
 from vllm_actors.kernels.cpu import qmatmul_gemm as gemm
 from vllm_actors.kernels.cpu import qmatmul_layout as layout
 from vllm_actors.kernels.cpu.qmatmul_float import (
@@ -143,6 +144,13 @@ _GEMM: dict[int, Callable[..., None]] = {
     T.Q8_0: gemm.gemm_q8_0, T.Q2_K: gemm.gemm_q2_k, T.Q3_K: gemm.gemm_q3_k,
     T.Q4_K: gemm.gemm_q45_k, T.Q5_K: gemm.gemm_q45_k, T.Q6_K: gemm.gemm_q6_k,
 }
+# type -> the fused small-M GEMM (takes the rows kernel's planes), used up to FUSED_MAX_M rows
+_FUSED: dict[int, Callable[..., None]] = {
+    T.Q4_0: fused.fused_q4, T.Q4_1: fused.fused_q4, T.Q5_0: fused.fused_q5,
+    T.Q5_1: fused.fused_q5, T.Q8_0: fused.fused_q8_0, T.Q4_K: fused.fused_q45_k,
+    T.Q5_K: fused.fused_q45_k, T.Q6_K: fused.fused_q6_k,
+}
+FUSED_MAX_M = 32
 # Up to this many rows of x `matmul` runs the GEMV kernels; beyond, dequantized tiles + BLAS.
 # Measured (3072x1536 and 4096x4096, one thread): the GEMV kernels decode the weights again
 # for every row of x, so the cut falls where that costs more than the dequantize pass.
@@ -263,7 +271,10 @@ def matmul(w: QuantMatrix, x: np.ndarray) -> np.ndarray:
     _check_f32("x", x, (m, w.cols))
     xp = np.empty((-(-m // gemm.PANEL), w.cols, gemm.PANEL), dtype=np.float32)
     gemm.pack_panels(x, xp)
-    chunk = max(1, PANEL_CHUNK_BYTES // (4 * gemm.PANEL * w.cols))
     tile = _gemm_tile(w, numba.get_num_threads())
+    if m <= FUSED_MAX_M and w.qtype in _FUSED:
+        _FUSED[w.qtype](*_kernel_args(w, rows=True), HALF_LUT, xp, out, tile, ROW_RUN)
+        return out
+    chunk = max(1, PANEL_CHUNK_BYTES // (4 * gemm.PANEL * w.cols))
     _GEMM[w.qtype](*_kernel_args(w, rows=True), HALF_LUT, xp, out, tile, chunk)
     return out
