@@ -26,6 +26,7 @@ from vllm_actors.workers.input_batch import InputBatch
 from vllm_actors.workers.kv_cache import num_kv_blocks
 from vllm_actors.workers.sampler import (Sampler, apply_token_bitmask, log_softmax,
                                         top_logprobs)
+from vllm_actors.workers.warm_up import warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +56,8 @@ class ModelRunner:
         self.backend = backend or get_backend(device.backend, device.opencl_platform,
                                               device.opencl_device)
         self.tp = tp or SingleRank()
-        self.model = model or load_model(resolve_model(config.model.model), self.backend,
-                                         self.tp)
+        self._model_source = None if model is not None else resolve_model(config.model.model)
+        self.model = model or load_model(self._model_source, self.backend, self.tp)
         args = self.model.args
         self.local_args = getattr(self.model, "local_args", args)
         limit = args.max_position_embeddings
@@ -88,21 +89,12 @@ class ModelRunner:
             self._warm_up()
 
     def _warm_up(self) -> None:
-        """Run the model on dummy tokens whose KV goes to the null block (never read), so a
-        backend that compiles kernels on first use (cpu) has them all before the engine says
-        it is ready: one decode row, a few rows, and a prefill-sized chunk."""
-        start = time.perf_counter()
-        logger.info("preparing %s kernels (compiled on the first start, then loaded from "
-                    "the cache)", self.backend.name)
-        bs = self.block_size
-        for n in sorted({1, min(3, self.max_model_len), min(64, self.max_model_len)}):
-            pos = np.arange(n)
-            meta = AttentionMetadata(np.array([0, n], np.int32), np.array([n], np.int32),
-                                     np.zeros((1, -(-n // bs)), np.int32),
-                                     (pos % bs).astype(np.int64), bs)
-            hidden = self.model.forward(np.zeros(n, np.int64), pos, meta, self.kv_caches)
-            self.model.compute_logits(hidden, np.arange(min(n, 2)))
-        logger.info("%s kernels ready in %.1f s", self.backend.name, time.perf_counter() - start)
+        """Compile-on-first-use backends (cpu) get every kernel before the engine reports
+        ready (`warm_up`); a model this runner loaded itself may be loaded again by the
+        cold-start compile helper."""
+        own = self._model_source if self.tp.world_size == 1 else None
+        warm_up(self.model, self.kv_caches, self.block_size, self.max_model_len,
+                self.backend.name, own.path if own is not None else None)
 
     @property
     def ready(self) -> EngineReady:

@@ -66,28 +66,41 @@ class CpuBackend:
         self.threads = threads.configure(num_threads)
         self.kv_cache_dtype = kv_cache_dtype
         self._tables: dict[str, qmatmul.QuantMatrix] = {}
+        self._smallest: dict[int, qmatmul.QuantMatrix] = {}   # one matrix per weight type
         self.weight_bytes = 0
+
+    def _keep(self, m: qmatmul.QuantMatrix) -> qmatmul.QuantMatrix:
+        old = self._smallest.get(m.qtype)
+        if old is None or m.rows * m.cols < old.rows * old.cols:
+            self._smallest[m.qtype] = m
+        self.weight_bytes += m.nbytes
+        return m
+
+    def compile_matmuls(self, rows: Sequence[int]) -> None:
+        """Compile (or load from the cache) the matmul kernels of every weight type uploaded
+        so far at each row count in `rows` (the cold-start compile helper of
+        `workers.warm_up` runs this beside the engine's own warm-up)."""
+        for m in self._smallest.values():
+            for n in rows:
+                qmatmul.matmul(m, np.zeros((n, m.cols), np.float32))
 
     # -- weights and buffers -------------------------------------------------------------
     def upload_linear(self, parts: Sequence[WeightLike]) -> Linear:
         mats = [_matrix(p) for p in parts]
         if len(mats) > 1 and qmatmul.supports_fused(mats):
             mats = [qmatmul.concat(mats)]
-        linear = Linear(tuple(mats))
-        self.weight_bytes += linear.nbytes
+        linear = Linear(tuple(self._keep(m) for m in mats))
         return linear
 
     def upload_table(self, weight: WeightLike) -> qmatmul.QuantMatrix:
-        table = _matrix(weight)
+        table = self._keep(_matrix(weight))
         self._tables[weight.name] = table
-        self.weight_bytes += table.nbytes
         return table
 
     def upload_lm_head(self, weight: WeightLike) -> qmatmul.QuantMatrix:
         table = self._tables.get(weight.name)   # the tied embedding, already uploaded
         if table is None:
-            table = _matrix(weight)
-            self.weight_bytes += table.nbytes
+            table = self._keep(_matrix(weight))
         return table
 
     def upload_vector(self, weight: WeightLike) -> np.ndarray:

@@ -1,0 +1,65 @@
+"""The cpu backend's warm-up: every step size runs before READY, and a cold first start hands
+the larger-step matmuls to a helper process exactly once per kernel-source state."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+
+from vllm_actors.workers import warm_up as wu
+
+
+class StubModel:
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+        self.logit_rows: list[int] = []
+
+    def forward(self, ids, positions, meta, kv_caches):
+        assert len(ids) == len(positions) == int(meta.query_start_loc[-1])
+        self.sizes.append(len(ids))
+        return np.zeros((len(ids), 4), np.float32)
+
+    def compute_logits(self, hidden, rows):
+        self.logit_rows.append(len(rows))
+
+
+def test_cold_start_starts_one_helper_then_the_marker_skips_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
+    started = []
+    monkeypatch.setattr(wu, "_helper_fits", lambda path: True)
+    monkeypatch.setattr(wu, "_start_helper", lambda path, sizes: started.append(sizes))
+    model = StubModel()
+    wu.warm_up(model, [], 16, 4096, "cpu", tmp_path / "model.gguf")
+    assert started == [(16, 64)]
+    assert model.sizes == [1, 3, 16, 64] and model.logit_rows == [1, 3, 16, 64]
+    assert wu.marker_path().parent == tmp_path and wu.marker_path().exists()
+    wu.warm_up(StubModel(), [], 16, 4096, "cpu", tmp_path / "model.gguf")
+    assert started == [(16, 64)]                 # warm: no second helper
+
+
+def test_no_helper_without_a_model_path_and_sizes_capped_by_the_context(tmp_path,
+                                                                         monkeypatch):
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
+    started = []
+    monkeypatch.setattr(wu, "_start_helper", lambda path, sizes: started.append(sizes))
+    model = StubModel()
+    wu.warm_up(model, [], 16, 10, "cpu", None)
+    assert started == [] and model.sizes == [1, 3, 10]
+
+
+def test_helper_compiles_each_weight_types_matmul_paths(smollm2_path):
+    """The helper process (as the engine starts it) leaves the fused and blocked GEMMs of
+    SmolLM2's Q4_1 and Q8_0 weights compiled."""
+    script = (
+        "import json, sys\n"
+        "from vllm_actors.workers import warm_up\n"
+        "warm_up.main(sys.argv[1:])\n"
+        "from vllm_actors.kernels.cpu import qmatmul_fused as f, qmatmul_gemm as g\n"
+        "print(json.dumps({k.__name__: len(k.signatures) for k in "
+        "(f.fused_q4, f.fused_q8_0, g.gemm_q4, g.gemm_q8_0)}))\n")
+    done = subprocess.run([sys.executable, "-c", script, str(smollm2_path), "16,64"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert all(n >= 1 for n in counts.values()), counts

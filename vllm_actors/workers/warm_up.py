@@ -1,0 +1,132 @@
+"""Warm-up of a backend that compiles kernels on first use (the cpu backend): before the engine
+reports ready, the model runs on dummy tokens whose KV goes to the null block (never read), at
+1 and 3 rows (the GEMV kernels, decode attention) and 16 and 64 rows (the fused small-M GEMM,
+the blocked GEMM, prefill attention), with logits for every row so the LM head takes each
+path too.
+
+The first start compiles every kernel: numba, one core, about 54 s for SmolLM2 on this 2-core
+machine. When the kernel cache is cold, a second CPU is free and memory allows a second copy
+of the weights, a helper process (`python -m vllm_actors.workers.warm_up`) loads the weights
+and compiles the 16/64-row matmul kernels of each weight type (`CpuBackend.compile_matmuls`)
+into the same on-disk cache while this process runs 1 and 3 rows (GEMV, attention,
+elementwise); this process then runs 16 and 64 rows, loading the matmuls the helper compiled.
+The helper runs no attention: both processes running the whole forward compiled attention's
+large entry points twice (measured: 42.4 s alone, 40.1 s with such a helper). A marker file
+per kernel-source state records a finished warm-up, so warm starts (3-4 s) start no helper.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vllm_actors.kernels.ops import AttentionMetadata
+from vllm_actors.version import __version__
+
+logger = logging.getLogger(__name__)
+
+DECODE_SIZES = (1, 3)
+STEP_SIZES = (16, 64)
+HELPER_TIMEOUT_S = 600
+
+
+def run_sizes(model: Any, kv_caches: list, block_size: int, sizes: tuple[int, ...]) -> None:
+    """One dummy step of each size (tokens of one sequence, all KV in the null block)."""
+    for n in sorted(set(sizes)):
+        pos = np.arange(n)
+        meta = AttentionMetadata(np.array([0, n], np.int32), np.array([n], np.int32),
+                                 np.zeros((1, -(-n // block_size)), np.int32),
+                                 (pos % block_size).astype(np.int64), block_size)
+        hidden = model.forward(np.zeros(n, np.int64), pos, meta, kv_caches)
+        model.compute_logits(hidden, np.arange(n))
+
+
+def marker_path() -> Path:
+    """Where a finished warm-up of the current kernel sources is recorded."""
+    import numba
+
+    kernels = Path(__file__).resolve().parents[1] / "kernels" / "cpu"
+    state = [__version__, numba.__version__, sys.version, os.uname().machine]
+    state += [f"{f.name}:{f.stat().st_mtime_ns}:{f.stat().st_size}"
+              for f in sorted(kernels.glob("*.py"))]
+    key = hashlib.sha256("\n".join(state).encode()).hexdigest()[:16]
+    root = os.environ.get("NUMBA_CACHE_DIR") or Path.home() / ".cache" / "vllm_actors"
+    return Path(root) / f"cpu-kernels-{key}.ready"
+
+
+def _start_helper(model_path: str, sizes: tuple[int, ...]) -> subprocess.Popen | None:
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "vllm_actors.workers.warm_up", model_path,
+             ",".join(map(str, sizes))],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except OSError as e:            # no helper: this process compiles everything itself
+        logger.warning("kernel compile helper did not start: %s", e)
+        return None
+
+
+def _helper_fits(model_path: Path) -> bool:
+    """A second CPU, and memory for a second copy of the weights with room to spare."""
+    from vllm_actors.kernels.cpu.threads import usable_cpus
+    from vllm_actors.kernels.numpy_backend import available_host_memory
+
+    files = [model_path] if model_path.is_file() else \
+        [f for f in model_path.rglob("*") if f.is_file()]
+    size = sum(f.stat().st_size for f in files)
+    return usable_cpus() >= 2 and 4 * size < available_host_memory()
+
+
+def warm_up(model: Any, kv_caches: list, block_size: int, max_model_len: int,
+            backend_name: str, model_path: Path | None) -> None:
+    """Warm the kernels up. `model_path`: the model's file or directory, when a helper
+    process may load it (None: this process compiles everything)."""
+    start = time.perf_counter()
+    logger.info("preparing %s kernels (compiled on the first start, then loaded from the "
+                "cache)", backend_name)
+    small = tuple(min(n, max_model_len) for n in DECODE_SIZES)
+    large = tuple(min(n, max_model_len) for n in STEP_SIZES)
+    marker = marker_path()
+    helper = None
+    if backend_name == "cpu" and model_path is not None and not marker.exists() \
+            and _helper_fits(Path(model_path)):
+        logger.info("first start: a helper process compiles the larger-step kernels")
+        helper = _start_helper(str(model_path), large)
+    run_sizes(model, kv_caches, block_size, small)
+    if helper is not None:
+        try:
+            helper.wait(timeout=HELPER_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            helper.kill()
+            helper.wait()
+    run_sizes(model, kv_caches, block_size, large)
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    except OSError:
+        pass
+    logger.info("%s kernels ready in %.1f s", backend_name, time.perf_counter() - start)
+
+
+def main(argv: list[str]) -> None:
+    """The helper: load the model's weights on the cpu backend and compile its matmuls at
+    `sizes` rows (argv: model path, comma-separated sizes)."""
+    from vllm_actors.kernels.cpu.backend import CpuBackend
+    from vllm_actors.loaders.model_files import resolve_model
+    from vllm_actors.models.registry import load_model
+
+    path, sizes = argv[0], tuple(int(s) for s in argv[1].split(","))
+    backend = CpuBackend()
+    load_model(resolve_model(path), backend)
+    backend.compile_matmuls(sizes)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
