@@ -9,7 +9,6 @@ and prompt logprobs for the requests that asked.
 from __future__ import annotations
 
 import logging
-import time
 
 import numpy as np
 

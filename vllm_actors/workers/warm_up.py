@@ -4,7 +4,7 @@ reports ready, the model runs on dummy tokens whose KV goes to the null block (n
 the blocked GEMM, prefill attention), with logits for every row so the LM head takes each
 path too.
 
-The first start compiles every kernel: numba, one core, about 54 s for SmolLM2 on this 2-core
+The first start compiles every kernel: numba, one core, about 50 s for SmolLM2 on this 2-core
 machine. When the kernel cache is cold, a second CPU is free and memory allows a second copy
 of the weights, a helper process (`python -m vllm_actors.workers.warm_up`) loads the weights
 and compiles the 16/64-row matmul kernels of each weight type (`CpuBackend.compile_matmuls`)
@@ -52,9 +52,11 @@ def run_sizes(model: Any, kv_caches: list, block_size: int, sizes: tuple[int, ..
 def marker_path() -> Path:
     """Where a finished warm-up of the current kernel sources is recorded."""
     import numba
+    from llvmlite import binding
 
     kernels = Path(__file__).resolve().parents[1] / "kernels" / "cpu"
-    state = [__version__, numba.__version__, sys.version, os.uname().machine]
+    state = [__version__, numba.__version__, sys.version, binding.get_host_cpu_name(),
+             binding.get_host_cpu_features().flatten()]
     state += [f"{f.name}:{f.stat().st_mtime_ns}:{f.stat().st_size}"
               for f in sorted(kernels.glob("*.py"))]
     key = hashlib.sha256("\n".join(state).encode()).hexdigest()[:16]
@@ -99,13 +101,15 @@ def warm_up(model: Any, kv_caches: list, block_size: int, max_model_len: int,
             and _helper_fits(Path(model_path)):
         logger.info("first start: a helper process compiles the larger-step kernels")
         helper = _start_helper(str(model_path), large)
-    run_sizes(model, kv_caches, block_size, small)
-    if helper is not None:
-        try:
-            helper.wait(timeout=HELPER_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            helper.kill()
-            helper.wait()
+    try:
+        run_sizes(model, kv_caches, block_size, small)
+    finally:
+        if helper is not None:
+            try:
+                helper.wait(timeout=HELPER_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                helper.kill()
+                helper.wait()
     run_sizes(model, kv_caches, block_size, large)
     try:
         marker.parent.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,8 @@ chunked-prefill rows in one call, and the g query heads of a KV head computed to
 Modules: `attention_plan` (the step's work items and their balance over threads),
 `attention_kernels` (parallel entry points, decode items, merges, cache writes),
 `attention_tiles` (decode tile steps), `attention_prefill` (register-blocked prefill items),
-`attention_math` (float16 conversions, exp2, cache-dtype dispatch), `intrinsics` (shared with the matmuls).
+`attention_math` (float16 conversions, exp2, cache-dtype dispatch), `intrinsics` (shared with
+the matmuls).
 
     attn = prepare(meta)                          # once per step
     write_kv(k, v, kv_cache[layer], attn)         # per layer

@@ -4,10 +4,11 @@ two never fight over cores.
 
 Usable CPUs = the affinity mask, capped by a cgroup CPU quota (`cpu.max` in cgroup v2,
 `cpu.cfs_quota_us / cpu.cfs_period_us` in v1), divided among tensor-parallel ranks by the
-caller. Idle threads block: numba's OpenMP threads after libgomp's default short spin (GOMP_SPINCOUNT). Measured on 2 cores (docs/BENCHMARKS.md,
-"Shared cores"): a passive policy (no spin) doubled decode time on an idle machine, because
-each of a step's ~150 kernels then pays a thread wake-up; the short spin costs 1.6x against
-one thread when another process keeps a core busy, and does not collapse.
+caller. Idle threads block: numba's OpenMP threads after libgomp's default short spin
+(GOMP_SPINCOUNT). Measured on 2 cores (docs/BENCHMARKS.md, "Shared cores"): a passive policy
+(no spin) doubled decode time on an idle machine, because each of a step's ~150 kernels then
+pays a thread wake-up; the short spin costs 1.6x against one thread when another process
+keeps a core busy, and does not collapse.
 """
 
 from __future__ import annotations
