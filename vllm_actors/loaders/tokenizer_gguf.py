@@ -28,6 +28,20 @@ _LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{
 _QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
           r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _FALCON = [r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"]
+# Qwen 3.5 is Qwen 2's expression with combining marks (\p{M}) counted as letters.
+_QWEN35 = _QWEN2.replace(r"\p{L}+", r"[\p{L}\p{M}]+").replace(r"[^\s\p{L}\p{N}]",
+                                                             r"[^\s\p{L}\p{M}\p{N}]")
+# DeepSeek's CJK runs: U+4E00-U+9FA5, U+0800-U+4E00 and U+AC00-U+D7FF, as its tokenizer.json
+# writes them.
+_DEEPSEEK_CJK = (f"[{chr(0x4E00)}-{chr(0x9FA5)}{chr(0x0800)}-{chr(0x4E00)}"
+                 f"{chr(0xAC00)}-{chr(0xD7FF)}]+")
+# DeepSeek LLM's letters are the cased letters (upper, lower, title case: \p{LC}); its
+# punctuation runs are ASCII's, the full-width forms, curly quotes and the CJK space, comma
+# and full stop.
+_DEEPSEEK_PUNCT = (f"\\s?[!-/:-~{chr(0xFF01)}-{chr(0xFF0F)}{chr(0xFF1A)}-{chr(0xFF5E)}"
+                   f"{chr(0x2018)}-{chr(0x201F)}{chr(0x3000)}-{chr(0x3002)}]+")
+_DEEPSEEK_LLM = [r"[\r\n]", r"\s?\p{LC}+", _DEEPSEEK_PUNCT, r"\s+$", _DEEPSEEK_CJK, r"\p{N}+"]
+_DEEPSEEK_CODER = [r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _DEEPSEEK_CJK, r"\p{N}"]
 _PRE_TOKENIZER_REGEXES: dict[str, list[str]] = {
     **{name: [_LLAMA3] for name in ("llama3", "llama-bpe", "llama-v3", "dbrx", "smaug-bpe",
                                      "falcon3", "pixtral", "chatglm-bpe", "gpt-4o")},
@@ -37,6 +51,9 @@ _PRE_TOKENIZER_REGEXES: dict[str, list[str]] = {
     **{name: [_QWEN2] for name in ("qwen2", "stablelm2", "deepseek-r1-qwen", "megrez",
                                    "hunyuan")},
     "falcon": _FALCON,
+    "qwen35": [_QWEN35],
+    "deepseek-llm": _DEEPSEEK_LLM,
+    "deepseek-coder": _DEEPSEEK_CODER,
 }
 _IGNORE_MERGES = {"llama3", "llama-bpe", "llama-v3", "falcon3", "pixtral", "gpt-4o"}
 
