@@ -3,27 +3,19 @@ texts and `.out` expected ids, shipped inside llama-cpp-python's source distribu
 our GGUF tokenizer must give llama.cpp's ids for every text, without special tokens, as
 llama.cpp's test-tokenizer-0 asks for them.
 
-The sdist (76 MB) is fetched once with pip into ~/.cache/vllm_actors and only the vocabulary
-files are kept. Offline, the module is skipped, except under CI (`CI=true`), where that fails.
+The sdist is fetched once (`tests/llama_cpp_vocabs.py`).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import tarfile
-import tempfile
 from pathlib import Path
 
 import pytest
+from llama_cpp_vocabs import fetch_vocabs, read_texts
 
 from vllm_actors.errors import UnsupportedModelError
 from vllm_actors.loaders.tokenizer import get_tokenizer
 
-SDIST = "llama-cpp-python==0.3.36"
-CACHE = Path.home() / ".cache" / "vllm_actors" / "llama-cpp-vocabs-0.3.36"
-SEPARATOR = "\n__ggml_vocab_test__\n"
 # vocabularies with test texts, by tokenizer kind; the last two need tokenizer models we do
 # not implement (WordPiece 'bert', 'gemma4') and must be refused with a clear error
 SUPPORTED = ["command-r", "deepseek-coder", "deepseek-llm", "falcon", "gpt-2", "llama-bpe",
@@ -32,42 +24,14 @@ UNSUPPORTED = {"bert-bge": "tokenizer.ggml.model='bert'",
                "gemma-4": "tokenizer.ggml.model='gemma4'"}
 
 
-def _fetch() -> Path:
-    if (CACHE / "done").exists():
-        return CACHE
-    with tempfile.TemporaryDirectory() as tmp:
-        done = subprocess.run([sys.executable, "-m", "pip", "download", "-q", SDIST,
-                               "--no-binary", ":all:", "--no-deps", "-d", tmp],
-                              capture_output=True, text=True, timeout=900)
-        if done.returncode != 0:
-            message = f"pip download {SDIST} failed: {done.stderr[-500:]}"
-            if os.environ.get("CI") == "true":
-                pytest.fail(message)
-            pytest.skip(message)
-        archive = next(Path(tmp).glob("*.tar.gz"))
-        CACHE.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(archive) as tar:
-            for member in tar.getmembers():
-                name = Path(member.name).name
-                if "/models/ggml-vocab-" in member.name and member.isfile():
-                    source = tar.extractfile(member)
-                    assert source is not None
-                    (CACHE / name).write_bytes(source.read())
-    (CACHE / "done").touch()
-    return CACHE
-
-
 @pytest.fixture(scope="module")
 def vocabs() -> Path:
-    return _fetch()
+    return fetch_vocabs()
 
 
 def cases(folder: Path, name: str) -> list[tuple[str, list[int]]]:
-    base = folder / f"ggml-vocab-{name}.gguf"
-    texts = (base.parent / (base.name + ".inp")).read_text(encoding="utf-8").split(SEPARATOR)
-    if texts and texts[-1] == "":
-        texts = texts[:-1]
-    lines = (base.parent / (base.name + ".out")).read_text(encoding="utf-8").split("\n")
+    texts = read_texts(folder / f"ggml-vocab-{name}.gguf.inp")
+    lines = (folder / f"ggml-vocab-{name}.gguf.out").read_text(encoding="utf-8").split("\n")
     assert len(lines) >= len(texts)
     return [(t, [int(i) for i in lines[n].split()]) for n, t in enumerate(texts)]
 

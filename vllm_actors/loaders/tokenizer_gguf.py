@@ -42,20 +42,55 @@ _DEEPSEEK_PUNCT = (f"\\s?[!-/:-~{chr(0xFF01)}-{chr(0xFF0F)}{chr(0xFF1A)}-{chr(0x
                    f"{chr(0x2018)}-{chr(0x201F)}{chr(0x3000)}-{chr(0x3002)}]+")
 _DEEPSEEK_LLM = [r"[\r\n]", r"\s?\p{LC}+", _DEEPSEEK_PUNCT, r"\s+$", _DEEPSEEK_CJK, r"\p{N}+"]
 _DEEPSEEK_CODER = [r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _DEEPSEEK_CJK, r"\p{N}"]
+# GPT-4o's (tiktoken o200k) split: case-aware letter runs (an upper-case run may start a
+# lower-case one, so "HTTPRequest" is "HTTP" + "Request"), contractions after any run, digits
+# in threes, and slashes kept with the punctuation run before them. llama.cpp emulates the
+# Unicode case classes with ASCII lookaheads; the classes themselves are used here, as the
+# model's tokenizer.json writes them (the two agree on ASCII text).
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_UPPERISH = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"
+_LOWERISH = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_GPT4O = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPERISH}*{_LOWERISH}+{_CONTRACTIONS}?"
+          rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPERISH}+{_LOWERISH}*{_CONTRACTIONS}?"
+          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# BLOOM-style: runs of anything but whitespace and a few sentence marks (Latin, CJK, Hindi,
+# Urdu, Arabic), a leading space kept; Viking adds single digits.
+_BLOOM = f" ?[^(\\s|.,!?{chr(0x2026)}{chr(0x3002)}{chr(0xFF0C)}{chr(0x3001)}" \
+         f"{chr(0x0964)}{chr(0x06D4)}{chr(0x060C)})]+"
+# DeepSeek V3: digits in threes, CJK and kana runs, then letter runs (an ASCII punctuation
+# mark may lead ASCII letters), punctuation and symbol runs, newlines and spaces.
+_DEEPSEEK_V3 = [
+    r"\p{N}{1,3}",
+    f"[{chr(0x4E00)}-{chr(0x9FA5)}{chr(0x3040)}-{chr(0x309F)}{chr(0x30A0)}-{chr(0x30FF)}]+",
+    r"[!-/:-@\[-`{-~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+]
+# `tokenizer.ggml.pre` names -> the expressions llama.cpp applies for them (one after another)
 _PRE_TOKENIZER_REGEXES: dict[str, list[str]] = {
     **{name: [_LLAMA3] for name in ("llama3", "llama-bpe", "llama-v3", "dbrx", "smaug-bpe",
-                                     "falcon3", "pixtral", "chatglm-bpe", "gpt-4o")},
+                                     "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                                     "jina-v5-nano", "chatglm-bpe", "glm4", "glm5")},
     **{name: [r"\p{N}", _GPT2] for name in ("smollm", "starcoder", "refact", "command-r",
                                             "codeshell", "exaone", "minerva-7b")},
-    **{name: [_GPT2] for name in ("gpt-2", "gpt2", "mpt", "olmo", "jais", "phi-2")},
+    **{name: [_GPT2] for name in ("gpt-2", "gpt2", "mpt", "olmo", "jais", "phi-2", "jina-es",
+                                  "jina-de", "gigachat", "jina-v2-es", "jina-v2-de",
+                                  "a.x-4.0", "mellum", "modern-bert", "jina-v1-en",
+                                  "jina-v2-code", "roberta-bpe", "exaone4", "trillion",
+                                  "granite-docling")},
     **{name: [_QWEN2] for name in ("qwen2", "stablelm2", "deepseek-r1-qwen", "megrez",
-                                   "hunyuan")},
+                                   "hunyuan", "kormo", "f2llmv2")},
+    **{name: [_GPT4O] for name in ("gpt-4o", "llama4", "kanana2", "talkie")},
+    **{name: [_BLOOM] for name in ("bloom", "poro-chat", "gpt3-finnish")},
+    **{name: _DEEPSEEK_V3 for name in ("deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4")},
+    "viking": [_BLOOM, r"\p{N}"],
     "falcon": _FALCON,
     "qwen35": [_QWEN35],
     "deepseek-llm": _DEEPSEEK_LLM,
     "deepseek-coder": _DEEPSEEK_CODER,
 }
-_IGNORE_MERGES = {"llama3", "llama-bpe", "llama-v3", "falcon3", "pixtral", "gpt-4o"}
+# names for which llama.cpp takes a pre-token that is itself in the vocabulary as one token
+_IGNORE_MERGES = {"llama3", "llama-bpe", "llama-v3", "falcon3", "falcon-h1", "pixtral",
+                  "midm-2.0", "lfm2", "jina-v5-nano", "glm4", "glm5"}
 
 
 def _added_tokens(tokens: list[str], token_types: np.ndarray | None) -> list[AddedToken]:
