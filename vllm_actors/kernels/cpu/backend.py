@@ -63,7 +63,7 @@ class CpuBackend:
     def __init__(self, num_threads: int | None = None, kv_cache_dtype: str = "float32") -> None:
         if kv_cache_dtype not in ("float32", "float16"):
             raise ValueError(f"kv_cache_dtype must be float32 or float16, got {kv_cache_dtype!r}")
-        self.threads = threads.configure(num_threads)
+        threads.configure(num_threads)
         self.kv_cache_dtype = kv_cache_dtype
         self._tables: dict[str, qmatmul.QuantMatrix] = {}
         self._smallest: dict[int, qmatmul.QuantMatrix] = {}   # one matrix per weight type

@@ -276,5 +276,5 @@ def matmul(w: QuantMatrix, x: np.ndarray) -> np.ndarray:
         _FUSED[w.qtype](*_kernel_args(w, rows=True), HALF_LUT, xp, out, tile, ROW_RUN)
         return out
     chunk = max(1, PANEL_CHUNK_BYTES // (4 * gemm.PANEL * w.cols))
-    _GEMM[w.qtype](*_kernel_args(w, rows=True), HALF_LUT, xp, out, tile, chunk)
+    _GEMM[w.qtype](*_kernel_args(w, rows=True), HALF_LUT, xp, out, tile, chunk, ROW_RUN)
     return out

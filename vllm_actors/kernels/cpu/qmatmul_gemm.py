@@ -13,7 +13,8 @@ prefill): `out[M, N] = x[M, K] @ W.T`, each weight decoded once per call.
 - `gemm_*`: one parallel driver per rows-kernel family (a kernel taking another kernel as an
   argument is not cached by numba, so each family names its own). `prange` over tiles of
   `tile` weight rows: the type's rows kernel dequantizes the tile to float32 (a scratch of
-  `tile * K` floats, sized by the caller to stay in L2), then `outer` multiplies it.
+  `tile * K` floats, sized by the caller to stay in L2; `run` is the rows kernels' run-time
+  trip count, `qmatmul.ROW_RUN`), then `outer` multiplies it.
   F32 needs no decode and runs `outer` on its rows directly.
 
 One threading runtime (numba's) runs every kernel of a step: the earlier tile pool of Python
@@ -33,7 +34,6 @@ from vllm_actors.kernels.cpu.qmatmul_legacy import rows_q4, rows_q5, rows_q8_0
 from vllm_actors.kernels.cpu.qmatmul_prims import stack_f32
 
 PANEL = 16
-RUN = 32          # the rows kernels' run length (`qmatmul.ROW_RUN`)
 
 
 @kernel
@@ -82,7 +82,7 @@ def outer(wt, xp, out, r0, chunk):  # type: ignore[no-untyped-def]
 
 
 @kernel(parallel=True)
-def gemm_f32(w, lut, xp, out, tile, chunk):  # type: ignore[no-untyped-def]
+def gemm_f32(w, lut, xp, out, tile, chunk, run):  # type: ignore[no-untyped-def]
     n = w.shape[0]
     for t in prange((n + tile - 1) // tile):
         a = t * tile
@@ -90,31 +90,31 @@ def gemm_f32(w, lut, xp, out, tile, chunk):  # type: ignore[no-untyped-def]
 
 
 @kernel(parallel=True)
-def gemm_half(w, bf16, lut, xp, out, tile, chunk):  # type: ignore[no-untyped-def]
+def gemm_half(w, bf16, lut, xp, out, tile, chunk, run):  # type: ignore[no-untyped-def]
     n, k = w.shape
     ids = np.arange(n)
     for t in prange((n + tile - 1) // tile):
         a = t * tile
         b = min(n, a + tile)
         buf = np.empty((b - a, k), dtype=np.float32)
-        rows_half(w, bf16, lut, ids[a:b], buf, RUN)
+        rows_half(w, bf16, lut, ids[a:b], buf, run)
         outer(buf, xp, out, a, chunk)
 
 
 @kernel(parallel=True)
-def gemm_q8_0(qs, d, lut, xp, out, tile, chunk):  # type: ignore[no-untyped-def]
+def gemm_q8_0(qs, d, lut, xp, out, tile, chunk, run):  # type: ignore[no-untyped-def]
     n, k = qs.shape
     ids = np.arange(n)
     for t in prange((n + tile - 1) // tile):
         a = t * tile
         b = min(n, a + tile)
         buf = np.empty((b - a, k), dtype=np.float32)
-        rows_q8_0(qs, d, lut, ids[a:b], buf, RUN)
+        rows_q8_0(qs, d, lut, ids[a:b], buf, run)
         outer(buf, xp, out, a, chunk)
 
 
 @kernel(parallel=True)
-def gemm_q4(qs, d, mn, lut, xp, out, tile, chunk):  # type: ignore[no-untyped-def]
+def gemm_q4(qs, d, mn, lut, xp, out, tile, chunk, run):  # type: ignore[no-untyped-def]
     n = qs.shape[0]
     k = xp.shape[1]
     ids = np.arange(n)
@@ -122,12 +122,12 @@ def gemm_q4(qs, d, mn, lut, xp, out, tile, chunk):  # type: ignore[no-untyped-de
         a = t * tile
         b = min(n, a + tile)
         buf = np.empty((b - a, k), dtype=np.float32)
-        rows_q4(qs, d, mn, lut, ids[a:b], buf, RUN)
+        rows_q4(qs, d, mn, lut, ids[a:b], buf, run)
         outer(buf, xp, out, a, chunk)
 
 
 @kernel(parallel=True)
-def gemm_q5(qs, qh, d, mn, lut, xp, out, tile, chunk):  # type: ignore[no-untyped-def]
+def gemm_q5(qs, qh, d, mn, lut, xp, out, tile, chunk, run):  # type: ignore[no-untyped-def]
     n = qs.shape[0]
     k = xp.shape[1]
     ids = np.arange(n)
@@ -135,12 +135,12 @@ def gemm_q5(qs, qh, d, mn, lut, xp, out, tile, chunk):  # type: ignore[no-untype
         a = t * tile
         b = min(n, a + tile)
         buf = np.empty((b - a, k), dtype=np.float32)
-        rows_q5(qs, qh, d, mn, lut, ids[a:b], buf, RUN)
+        rows_q5(qs, qh, d, mn, lut, ids[a:b], buf, run)
         outer(buf, xp, out, a, chunk)
 
 
 @kernel(parallel=True)
-def gemm_q2_k(qs, scales, d, dmin, lut, xp, out, tile, chunk):  # type: ignore[no-untyped-def]
+def gemm_q2_k(qs, scales, d, dmin, lut, xp, out, tile, chunk, run):  # type: ignore[no-untyped-def]
     n = qs.shape[0]
     k = xp.shape[1]
     ids = np.arange(n)
@@ -148,12 +148,12 @@ def gemm_q2_k(qs, scales, d, dmin, lut, xp, out, tile, chunk):  # type: ignore[n
         a = t * tile
         b = min(n, a + tile)
         buf = np.empty((b - a, k), dtype=np.float32)
-        rows_q2_k(qs, scales, d, dmin, lut, ids[a:b], buf, RUN)
+        rows_q2_k(qs, scales, d, dmin, lut, ids[a:b], buf, run)
         outer(buf, xp, out, a, chunk)
 
 
 @kernel(parallel=True)
-def gemm_q3_k(hmask, qs, scales, d, lut, xp, out, tile, chunk):  # type: ignore[no-untyped-def]
+def gemm_q3_k(hmask, qs, scales, d, lut, xp, out, tile, chunk, run):  # type: ignore[no-untyped-def]
     n = qs.shape[0]
     k = xp.shape[1]
     ids = np.arange(n)
@@ -161,12 +161,12 @@ def gemm_q3_k(hmask, qs, scales, d, lut, xp, out, tile, chunk):  # type: ignore[
         a = t * tile
         b = min(n, a + tile)
         buf = np.empty((b - a, k), dtype=np.float32)
-        rows_q3_k(hmask, qs, scales, d, lut, ids[a:b], buf, RUN)
+        rows_q3_k(hmask, qs, scales, d, lut, ids[a:b], buf, run)
         outer(buf, xp, out, a, chunk)
 
 
 @kernel(parallel=True)
-def gemm_q45_k(qh, qs, sc, mn, d, dmin, lut, xp, out, tile, chunk):  # type: ignore[no-untyped-def]
+def gemm_q45_k(qh, qs, sc, mn, d, dmin, lut, xp, out, tile, chunk, run):  # type: ignore[no-untyped-def]
     n = qs.shape[0]
     k = xp.shape[1]
     ids = np.arange(n)
@@ -174,12 +174,12 @@ def gemm_q45_k(qh, qs, sc, mn, d, dmin, lut, xp, out, tile, chunk):  # type: ign
         a = t * tile
         b = min(n, a + tile)
         buf = np.empty((b - a, k), dtype=np.float32)
-        rows_q45_k(qh, qs, sc, mn, d, dmin, lut, ids[a:b], buf, RUN)
+        rows_q45_k(qh, qs, sc, mn, d, dmin, lut, ids[a:b], buf, run)
         outer(buf, xp, out, a, chunk)
 
 
 @kernel(parallel=True)
-def gemm_q6_k(ql, qh, scales, d, lut, xp, out, tile, chunk):  # type: ignore[no-untyped-def]
+def gemm_q6_k(ql, qh, scales, d, lut, xp, out, tile, chunk, run):  # type: ignore[no-untyped-def]
     n = ql.shape[0]
     k = xp.shape[1]
     ids = np.arange(n)
@@ -187,5 +187,5 @@ def gemm_q6_k(ql, qh, scales, d, lut, xp, out, tile, chunk):  # type: ignore[no-
         a = t * tile
         b = min(n, a + tile)
         buf = np.empty((b - a, k), dtype=np.float32)
-        rows_q6_k(ql, qh, scales, d, lut, ids[a:b], buf, RUN)
+        rows_q6_k(ql, qh, scales, d, lut, ids[a:b], buf, run)
         outer(buf, xp, out, a, chunk)
