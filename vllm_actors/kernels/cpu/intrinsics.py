@@ -41,12 +41,19 @@ HARDWARE_HALF = _hardware_half()
 
 @intrinsic
 def bits_to_f32(typingctx, x):
-    """The float32 whose bits are the 32-bit integer `x`."""
-    if isinstance(x, types.Integer) and x.bitwidth == 32:
-        def codegen(context, builder, sig, args):
-            return builder.bitcast(args[0], ir.FloatType())
-        return types.float32(x), codegen
-    return None
+    """The float32 whose bits are the low 32 bits of the integer `x` (narrower integers are
+    zero-extended)."""
+    if not isinstance(x, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        value = args[0]
+        if x.bitwidth > 32:
+            value = builder.trunc(value, ir.IntType(32))
+        elif x.bitwidth < 32:
+            value = builder.zext(value, ir.IntType(32))
+        return builder.bitcast(value, ir.FloatType())
+    return types.float32(x), codegen
 
 
 @intrinsic

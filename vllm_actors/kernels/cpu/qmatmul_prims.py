@@ -29,10 +29,10 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from vllm_actors.kernels.cpu.intrinsics import HARDWARE_HALF, prefetch, stack_f32
+from vllm_actors.kernels.cpu.intrinsics import HARDWARE_HALF, bits_to_f32, prefetch, stack_f32
 from vllm_actors.kernels.cpu.jit import kernel
 
-__all__ = ["HALF_LUT", "bf16_to_float", "bits_to_float", "block_sums", "half_to_float",
+__all__ = ["HALF_LUT", "bf16_to_float", "block_sums", "half_to_float",
            "limit_threads", "restore_threads",
            "prefetch", "shl32", "shr32", "stack_f32"]
 
@@ -45,24 +45,6 @@ SUM_RUN = 16
 LANES = 8          # partial sums per weight row in the GEMV kernels (one AVX2 vector)
 
 
-@intrinsic
-def bits_to_float(typingctx, bits):  # type: ignore[no-untyped-def]
-    """The float32 whose bit pattern is the low 32 bits of an integer."""
-    if not isinstance(bits, types.Integer):
-        return None
-    sig = types.float32(bits)
-
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        i32 = ir.IntType(32)
-        value = args[0]
-        if bits.bitwidth > 32:
-            value = builder.trunc(value, i32)
-        elif bits.bitwidth < 32:
-            value = builder.zext(value, i32)
-        return builder.bitcast(value, ir.FloatType())
-    return sig, codegen
-
-
 @kernel
 def half_to_float_soft(bits: int) -> float:
     """float16 bits -> float32 with integer arithmetic: exact for every input (subnormals,
@@ -71,9 +53,9 @@ def half_to_float_soft(bits: int) -> float:
     sign = (h & np.uint32(0x8000)) << np.uint32(16)
     mag = h & np.uint32(0x7FFF)
     if mag >= np.uint32(0x7C00):     # inf / nan: float32 exponent all ones, payload kept
-        return bits_to_float(sign | np.uint32(0x7F800000) | ((mag & np.uint32(0x3FF)) << 13))
+        return bits_to_f32(sign | np.uint32(0x7F800000) | ((mag & np.uint32(0x3FF)) << 13))
     if mag >= np.uint32(0x0400):     # normal: rebias the exponent by 127 - 15
-        return bits_to_float(sign | ((mag << np.uint32(13)) + np.uint32(0x38000000)))
+        return bits_to_f32(sign | ((mag << np.uint32(13)) + np.uint32(0x38000000)))
     value = np.float32(mag) * np.float32(2.0 ** -24)     # zero / subnormal: m * 2^-24
     return -value if sign else value
 
