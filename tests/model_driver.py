@@ -31,3 +31,35 @@ def prompt_logits(model, backend, token_ids: list[int], chunks: list[int] | None
         rows.append(model.compute_logits(hidden, np.arange(n)))
         start += n
     return None if rows[0] is None else np.concatenate(rows)   # None: tensor-parallel rank > 0
+
+
+def greedy_tokens(model, backend, prompt: list[int], steps: int, block_size: int = 8
+                  ) -> list[int] | None:
+    """Greedy continuation of `prompt` for `steps` tokens: one prefill step, then one decode
+    step per token over the same paged KV cache (None on tensor-parallel ranks other than 0)."""
+    args = getattr(model, "local_args", model.args)
+    total = len(prompt) + steps
+    num_blocks = -(-total // block_size)
+    kv = backend.allocate_kv_cache(args.num_layers, num_blocks + 1, block_size,
+                                   args.num_kv_heads, args.head_dim)
+    table = (np.arange(num_blocks, dtype=np.int32)[::-1] + 1)[None, :]
+    tokens, start, step_ids = [], 0, list(prompt)
+    for _ in range(steps):
+        n = len(step_ids)
+        pos = np.arange(start, start + n)
+        meta = AttentionMetadata(
+            query_start_loc=np.array([0, n], np.int32), seq_lens=np.array([start + n], np.int32),
+            block_tables=table, slot_mapping=(table[0][pos // block_size].astype(np.int64)
+                                              * block_size + pos % block_size),
+            block_size=block_size)
+        hidden = model.forward(np.asarray(step_ids), pos, meta, kv)
+        logits = model.compute_logits(hidden, np.array([n - 1]))
+        ids = None if logits is None else np.array([int(logits[0].argmax())])
+        tp = getattr(model, "tp", None)
+        if tp is not None and tp.world_size > 1:
+            ids = tp.broadcast_ids(ids, 1)
+        tokens.append(int(ids[0]))
+        start += n
+        step_ids = [tokens[-1]]
+    rank = getattr(getattr(model, "tp", None), "rank", 0)
+    return tokens if rank == 0 else None

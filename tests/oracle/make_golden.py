@@ -25,6 +25,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+from family_models import (FAMILY_CONFIGS, FAMILY_PROMPT, GOLDEN_ROWS,  # noqa: E402
+                           GREEDY_PROMPT_LEN, GREEDY_STEPS, write_family_dir)
 from oracle.prompts import (CHAT_CONVERSATIONS, PROMPTS, TOKENIZER_STRINGS)  # noqa: E402
 from tiny_models import (TINY_CONFIGS, TINY_PROMPT, write_hf_dir,  # noqa: E402
                          write_spm_vocab_gguf)
@@ -124,11 +126,39 @@ def make_tiny_model_goldens(workdir: Path) -> None:
     np.savez_compressed(GOLDEN / "tiny_models.npz", **arrays)
 
 
+def make_family_goldens(workdir: Path) -> None:
+    """Per family: logits of GOLDEN_ROWS of the 300-token prompt, and greedy tokens (with
+    their top-2 margins) after its first GREEDY_PROMPT_LEN tokens, through the KV cache."""
+    arrays = {}
+    for name in FAMILY_CONFIGS:
+        model_dir = workdir / f"family-{name}"
+        write_family_dir(model_dir, name)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                     attn_implementation="eager")
+        model.eval()
+        with torch.no_grad():
+            logits = model(torch.tensor([FAMILY_PROMPT])).logits[0].numpy()
+            tokens, margins = [], []
+            out = model(torch.tensor([FAMILY_PROMPT[:GREEDY_PROMPT_LEN]]), use_cache=True)
+            for _ in range(GREEDY_STEPS):
+                top2 = torch.topk(out.logits[0, -1].float(), 2)
+                margins.append(float(top2.values[0] - top2.values[1]))
+                tokens.append(int(top2.indices[0]))
+                out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values,
+                            use_cache=True)
+        arrays[f"{name}/logits"] = logits[GOLDEN_ROWS].astype(np.float32)
+        arrays[f"{name}/greedy"] = np.array(tokens, np.int64)
+        arrays[f"{name}/margins"] = np.array(margins, np.float32)
+        print(f"family {name}: greedy {tokens[:8]}..., min margin {min(margins):.3g}")
+    np.savez_compressed(GOLDEN / "family_models.npz", **arrays)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("tiny", "tokenizer", "smollm2"), action="append",
+    parser.add_argument("--only", choices=("tiny", "family", "tokenizer", "smollm2"),
+                        action="append",
                         help="regenerate only these golden sets (default: all)")
-    parts = set(parser.parse_args().only or ("tiny", "tokenizer", "smollm2"))
+    parts = set(parser.parse_args().only or ("tiny", "family", "tokenizer", "smollm2"))
     gguf_path = default_model_path()
     if gguf_path is None:
         sys.exit("the default model is not installed: run `python -m vllm_actors pull`")
@@ -136,6 +166,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if "tiny" in parts:
             make_tiny_model_goldens(Path(tmp))
+        if "family" in parts:
+            make_family_goldens(Path(tmp))
         if "tokenizer" in parts:
             make_tokenizer_goldens(gguf_path, Path(tmp))
     if "smollm2" in parts:

@@ -46,6 +46,7 @@ class AttentionGroup:
         block_tables: [b, num_blocks] only the blocks the longest context needs.
         rows / cols: [n] place of each query token in the padded [b, max_q] layout.
         max_q: query rows of the longest request in the group.
+        q_pos: [b, max_q] position of each padded query row (for sliding windows).
         chunks: the query axis cut into `AttentionChunk`s.
     """
 
@@ -55,6 +56,7 @@ class AttentionGroup:
     rows: np.ndarray
     cols: np.ndarray
     max_q: int
+    q_pos: np.ndarray
     chunks: tuple[AttentionChunk, ...]
 
 
@@ -78,7 +80,7 @@ def _group(meta: AttentionMetadata, q_lens: np.ndarray, members: np.ndarray,
         mask = np.where(visible, np.float32(0), np.float32(-np.inf))[:, None, :, None, :]
         chunks.append(AttentionChunk(q0, q1, lo, ctx, mask))
     return AttentionGroup(token_index, len(token_index) == num_tokens,
-                          meta.block_tables[members, :num_blocks], rows, cols, max_q,
+                          meta.block_tables[members, :num_blocks], rows, cols, max_q, q_pos,
                           tuple(chunks))
 
 
@@ -109,9 +111,18 @@ class NumpyAttention:
         return cls(meta.slot_mapping, [_group(meta, q_lens, m, num_tokens) for m in member_sets])
 
 
+def _window_mask(group: AttentionGroup, chunk: AttentionChunk, window: int) -> np.ndarray:
+    """[b, 1, rows, 1, ctx] additive mask hiding keys at or before q_pos - window (padded
+    rows are clamped to the chunk's last key so that none is left with no visible key)."""
+    q_pos = np.minimum(group.q_pos[:, chunk.q0:chunk.q1], chunk.ctx - 1)
+    visible = np.arange(chunk.ctx)[None, None, :] > q_pos[:, :, None] - window
+    return np.where(visible, np.float32(0), np.float32(-np.inf))[:, None, :, None, :]
+
+
 def attend(q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray], group: AttentionGroup,
-           scale: float) -> np.ndarray:
-    """q [n, H, Dh] of the group's tokens -> attention output [n, H, Dh]."""
+           scale: float, window: int = 0, softcap: float = 0.0) -> np.ndarray:
+    """q [n, H, Dh] of the group's tokens -> attention output [n, H, Dh] (see
+    `ops.Backend.paged_attention` for `window` and `softcap`)."""
     k_cache, v_cache = kv_cache
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     num_heads = q.shape[1]
@@ -135,7 +146,13 @@ def attend(q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray], group: Attent
         qc = qh[:, :, chunk.q0:chunk.q1].reshape(b, num_kv_heads, rows, head_dim)
         scores = (qc @ keys[..., :chunk.ctx]).reshape(b, num_kv_heads, chunk.q1 - chunk.q0, g,
                                                       chunk.ctx)
+        if softcap > 0:
+            scores *= np.float32(1.0 / softcap)
+            np.tanh(scores, out=scores)
+            scores *= np.float32(softcap)
         scores[..., chunk.lo:] += chunk.mask
+        if window > 0:
+            scores += _window_mask(group, chunk, window)
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)
         denom = scores.sum(axis=-1).reshape(b, num_kv_heads, rows, 1)

@@ -7,6 +7,7 @@ so a step's `x @ W` reads them contiguously.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Sequence
@@ -32,6 +33,13 @@ def available_host_memory() -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    """float32 erf, computed in float64 (numpy has no erf ufunc; math.erf per element)."""
+    flat = x.astype(np.float64).reshape(-1)
+    return np.fromiter(map(math.erf, flat), np.float64, len(flat)).astype(np.float32) \
+        .reshape(x.shape)
 
 
 # Up to this many rows `linear` runs one GEMV per row (measured: docs/BENCHMARKS.md).
@@ -146,6 +154,44 @@ class NumpyBackend:
         out *= up
         return out
 
+    def gelu_mul(self, gate_up: np.ndarray, approximate: bool = True) -> np.ndarray:
+        gate, up = np.split(gate_up, 2, axis=-1)
+        out = self.gelu(np.array(gate), approximate)
+        out *= up
+        return out
+
+    def gelu(self, x: np.ndarray, approximate: bool = True) -> np.ndarray:
+        if approximate:   # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+            inner = x * x
+            inner *= np.float32(0.044715)
+            inner += np.float32(1.0)
+            inner *= x
+            inner *= np.float32(math.sqrt(2.0 / math.pi))
+            np.tanh(inner, out=inner)
+        else:             # 0.5 x (1 + erf(x / sqrt(2)))
+            inner = _erf(x * np.float32(1.0 / math.sqrt(2.0)))
+        inner += np.float32(1.0)
+        inner *= x
+        inner *= np.float32(0.5)
+        return inner
+
+    def layer_norm(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None,
+                   eps: float) -> np.ndarray:
+        centered = x - x.mean(axis=-1, keepdims=True, dtype=np.float32)
+        var = np.einsum("...i,...i->...", centered, centered) / np.float32(x.shape[-1])
+        var += np.float32(eps)
+        inv = np.sqrt(var, out=var)
+        np.divide(np.float32(1.0), inv, out=inv)
+        centered *= inv[..., None]
+        centered *= weight
+        if bias is not None:
+            centered += bias
+        return centered
+
+    def scale(self, x: np.ndarray, factor: float) -> np.ndarray:
+        x *= np.float32(factor)
+        return x
+
     def prepare_rope(self, positions: np.ndarray, tables: RopeTables
                      ) -> tuple[np.ndarray, np.ndarray, int, bool]:
         return (tables.cos[positions][:, None, :], tables.sin[positions][:, None, :],
@@ -178,12 +224,14 @@ class NumpyBackend:
         v_cache.reshape(-1, num_kv_heads, head_dim)[attn.slot_mapping] = v
 
     def paged_attention(self, q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray],
-                        attn: "NumpyAttention", scale: float) -> np.ndarray:
+                        attn: "NumpyAttention", scale: float, window: int = 0,
+                        softcap: float = 0.0) -> np.ndarray:
         if len(attn.groups) == 1 and attn.groups[0].covers_all:
-            return _attend(q, kv_cache, attn.groups[0], scale)
+            return _attend(q, kv_cache, attn.groups[0], scale, window, softcap)
         out = np.empty_like(q)
         for group in attn.groups:
-            out[group.token_index] = _attend(q[group.token_index], kv_cache, group, scale)
+            out[group.token_index] = _attend(q[group.token_index], kv_cache, group, scale,
+                                             window, softcap)
         return out
 
     def lm_head(self, hidden: np.ndarray, head: LMHead, rows: np.ndarray,

@@ -116,6 +116,20 @@ class Backend(Protocol):
     def silu_mul(self, gate_up: Array) -> Array:
         """gate_up [T, 2F] -> silu(gate) * up: [T, F]."""
 
+    def gelu_mul(self, gate_up: Array, approximate: bool = True) -> Array:
+        """gate_up [T, 2F] -> gelu(gate) * up: [T, F] (GeGLU). approximate: the tanh form
+        (`gelu_pytorch_tanh`), else the exact erf form."""
+
+    def gelu(self, x: Array, approximate: bool = True) -> Array:
+        """Elementwise gelu of x [T, n] (an ungated MLP); may reuse x's storage."""
+
+    def layer_norm(self, x: Array, weight: Array, bias: Array | None, eps: float) -> Array:
+        """LayerNorm over the last axis of x [..., n]: (x - mean) / sqrt(var + eps) * weight
+        (+ bias)."""
+
+    def scale(self, x: Array, factor: float) -> Array:
+        """x * factor (embedding and residual multipliers); may reuse x's storage."""
+
     def prepare_rope(self, positions: np.ndarray, tables: RopeTables) -> Any:
         """Once per step: the cos/sin rows of the step's positions [T]."""
 
@@ -130,10 +144,14 @@ class Backend(Protocol):
     def reshape_and_cache(self, k: Array, v: Array, kv_cache: Any, attn: Any) -> None:
         """Write k, v [T, Hk, Dh] into the paged cache at the step's slot mapping."""
 
-    def paged_attention(self, q: Array, kv_cache: Any, attn: Any, scale: float) -> Array:
+    def paged_attention(self, q: Array, kv_cache: Any, attn: Any, scale: float,
+                        window: int = 0, softcap: float = 0.0) -> Array:
         """Causal attention of q [T, H, Dh] over each request's cached context -> [T, H, Dh].
 
         Prefill chunks and decodes mix freely; GQA maps query head h to KV head h // (H / Hk).
+        `window` > 0: sliding-window attention, a query at position p sees only keys at
+        positions p - window < k <= p (transformers' `sliding_window`). `softcap` > 0: scores
+        s = scale * q.k become softcap * tanh(s / softcap) before the softmax (Gemma 2).
         """
 
     def lm_head(self, hidden: Array, head: Any, rows: np.ndarray, on_device: bool = False

@@ -118,6 +118,11 @@ def _model_arch(gguf_arch: str) -> MODEL_ARCH:
     raise UnsupportedModelError(gguf_arch, "no GGUF tensor-name map for this architecture")
 
 
+# HF names some architectures' gguf-py maps lack because llama.cpp always ties them
+# (gemma's LM head); an untied checkpoint of such a family still has them.
+_UNMAPPED = {"lm_head.weight": "output.weight"}
+
+
 def safetensors_weights(model_dir: Path, gguf_arch: str, num_layers: int) -> WeightSet:
     """A safetensors checkpoint with its tensors renamed to GGUF names.
 
@@ -127,6 +132,7 @@ def safetensors_weights(model_dir: Path, gguf_arch: str, num_layers: int) -> Wei
     tensors = {}
     for hf_name, entry in load_safetensors(model_dir).items():
         name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        name = name or _UNMAPPED.get(hf_name)
         if name is None:
             continue
         if entry.dtype not in ("F32", "F16", "BF16"):

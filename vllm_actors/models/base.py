@@ -34,7 +34,28 @@ class ModelArgs:
     rope_scaling: dict[str, Any] = field(default_factory=dict)
     tie_word_embeddings: bool = False
     attention_bias: bool = False
-    qk_norm: bool = False
+    qk_norm: bool = False                # q/k RMSNorm per head (qwen3, gemma3)
+    # -- what other families vary (defaults: llama) -------------------------------------
+    hidden_act: str = "silu"             # silu | gelu_tanh | gelu (erf)
+    gated_mlp: bool = True               # act(gate) * up; False: act(up) (starcoder2)
+    mlp_bias: bool = False               # biases on the MLP projections
+    attn_out_bias: bool = False          # a bias on the attention output projection
+    norm_type: str = "rms"               # rms | layer (LayerNorm, with bias when norm_bias)
+    norm_bias: bool = False
+    norm_placement: str = "pre"          # pre | sandwich (pre and post, gemma2/3) | post (olmo2)
+    qk_norm_full: bool = False           # q/k norm over all heads at once (olmo2)
+    embed_scale: float = 1.0             # embeddings multiplied by (gemma: sqrt(D))
+    attn_scale: float = 0.0              # softmax scale; 0: 1 / sqrt(head_dim)
+    residual_scale: float = 1.0          # attention/MLP outputs multiplied by (granite)
+    logit_scale: float = 1.0             # logits multiplied by (granite: 1 / logits_scaling)
+    final_logit_softcap: float = 0.0     # logits -> cap * tanh(logits / cap) (gemma2)
+    attn_logit_softcap: float = 0.0      # attention scores soft-capped (gemma2)
+    layer_windows: tuple[int, ...] = ()  # sliding window per layer, 0 = full; () = all full
+    rope_local_theta: float = 0.0        # RoPE base of sliding layers (gemma3); 0: rope_theta
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window (0: full attention)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     @property
     def q_size(self) -> int:
@@ -80,6 +101,37 @@ class SingleRank:
     def broadcast_ids(self, ids: np.ndarray | None, count: int) -> np.ndarray:
         assert ids is not None
         return ids
+
+
+def layer_windows(config: dict[str, Any], num_layers: int, default_sliding: bool = False
+                  ) -> tuple[int, ...]:
+    """Per-layer sliding windows from an HF config: its `layer_types` ("sliding_attention" /
+    "full_attention") where given, else every layer windowed when `default_sliding` and a
+    `sliding_window` is set; () when no layer is windowed."""
+    window = int(config.get("sliding_window") or 0)
+    types = config.get("layer_types")
+    if window <= 0:
+        return ()
+    if types:
+        windows = tuple(window if t == "sliding_attention" else 0 for t in types[:num_layers])
+    elif default_sliding:
+        windows = (window,) * num_layers
+    else:
+        return ()
+    return windows if any(windows) else ()
+
+
+def rope_params(config: dict[str, Any], layer_type: str = "full_attention"
+                ) -> tuple[float, dict[str, Any]]:
+    """(rope_theta, scaling dict) from transformers 5's `rope_parameters` (flat, or per layer
+    type as gemma3 writes it) or the older `rope_theta` + `rope_scaling` keys."""
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get(layer_type), dict):
+        params = params[layer_type]
+    if isinstance(params, dict) and "rope_theta" in params:
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        return float(params["rope_theta"]), scaling
+    return float(config.get("rope_theta", 10000.0)), dict(config.get("rope_scaling") or {})
 
 
 class CausalLM(Protocol):

@@ -1,24 +1,25 @@
-"""Architecture registry: HF `architectures` and GGUF `general.architecture` -> model module,
-and `load_model`, which opens the files, reads the hyper-parameters and uploads the weights."""
+"""Architecture registry: one table of model families (`models/family.py`), looked up by HF
+`architectures` or GGUF `general.architecture`, and `load_model`, which opens the files, reads
+the hyper-parameters, applies the family's weight fix-ups and uploads the weights."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from types import ModuleType
 
 from vllm_actors.errors import ModelFormatError, UnsupportedModelError
 from vllm_actors.kernels.ops import Backend
 from vllm_actors.loaders.gguf import GGUFFile
 from vllm_actors.loaders.model_files import ModelSource
 from vllm_actors.loaders.weights import gguf_weights, safetensors_weights
-from vllm_actors.models import llama
+from vllm_actors.models import gemma, granite, llama, olmo2, phi3, stablelm, starcoder2
 from vllm_actors.models.base import CausalLM, ModelArgs, ParallelGroup
+from vllm_actors.models.family import Family
 
-_FAMILIES: tuple[ModuleType, ...] = (llama,)
-_BY_HF_NAME = {name: m for m in _FAMILIES for name in m.HF_ARCHITECTURES}
-_BY_GGUF_NAME = {name: m for m in _FAMILIES for name in m.GGUF_ARCHITECTURES}
-_MODEL_CLASSES = {llama: llama.LlamaForCausalLM}
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, gemma.FAMILY, granite.FAMILY, olmo2.FAMILY,
+                                phi3.FAMILY, stablelm.FAMILY, starcoder2.FAMILY)
+_BY_HF_NAME = {name: f for f in FAMILIES for name in f.hf_architectures}
+_BY_GGUF_NAME = {name: f for f in FAMILIES for name in f.gguf_architectures}
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class ModelInfo:
     """Facts about a model found without uploading its weights."""
 
     args: ModelArgs
-    family: ModuleType
+    family: Family
 
 
 def supported_architectures() -> list[str]:
@@ -79,7 +80,9 @@ def load_model(source: ModelSource, backend: Backend, tp: ParallelGroup | None =
     tensor-parallel group is given; each rank reads the file through its own mmap)."""
     info, gguf = inspect_model(source)
     if gguf is not None:
-        weights = gguf_weights(gguf)
+        weights, kind = gguf_weights(gguf), "gguf"
     else:
         weights = safetensors_weights(source.path, info.args.architecture, info.args.num_layers)
-    return _MODEL_CLASSES[info.family](info.args, weights, backend, tp)
+        kind = "safetensors"
+    weights = info.family.sanitize(weights, info.args, kind)
+    return info.family.model_class(info.args, weights, backend, tp)

@@ -1,0 +1,145 @@
+"""Tiny random-weight checkpoints of the model families beyond llama (gemma, gemma2, gemma3,
+granite, phi3, olmo2, starcoder2, stablelm), in HF layout, for comparison against transformers
+(goldens from tests/oracle/make_golden.py). Weights come from `tiny_models.det_uniform`, so
+they are identical on every machine. Sliding windows, soft-caps and multipliers are set small
+or large enough that a model ignoring them fails its golden."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tiny_models import det_uniform, write_safetensors
+
+_BASE = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "intermediate_size": 96, "vocab_size": 256, "max_position_embeddings": 512,
+         "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+
+FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
+    "gemma": {**_BASE, "architectures": ["GemmaForCausalLM"], "model_type": "gemma",
+              "num_hidden_layers": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+              "hidden_activation": "gelu_pytorch_tanh", "rope_theta": 10000.0},
+    "gemma2": {**_BASE, "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
+               "num_hidden_layers": 4, "head_dim": 16, "rms_norm_eps": 1e-6,
+               "hidden_activation": "gelu_pytorch_tanh", "rope_theta": 10000.0,
+               "query_pre_attn_scalar": 24, "sliding_window": 8, "tie_word_embeddings": False,
+               "attn_logit_softcapping": 3.0, "final_logit_softcapping": 5.0},
+    "gemma3": {**_BASE, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+               "num_hidden_layers": 3, "head_dim": 32, "rms_norm_eps": 1e-6,
+               "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 20,
+               "sliding_window": 8, "tie_word_embeddings": False,
+               "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+               "rope_parameters": {
+                   "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                      "rope_theta": 1000000.0},
+                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+               "attn_logit_softcapping": None, "final_logit_softcapping": None},
+    "granite": {**_BASE, "architectures": ["GraniteForCausalLM"], "model_type": "granite",
+                "num_hidden_layers": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                "tie_word_embeddings": False, "embedding_multiplier": 12.0,
+                "residual_multiplier": 0.22, "attention_multiplier": 0.1,
+                "logits_scaling": 4.0, "hidden_act": "silu"},
+    "phi3": {**_BASE, "architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
+             "num_hidden_layers": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+             "partial_rotary_factor": 0.5, "sliding_window": 12, "tie_word_embeddings": False,
+             "hidden_act": "silu", "original_max_position_embeddings": 512},
+    "olmo2": {**_BASE, "architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2",
+              "num_hidden_layers": 2, "rms_norm_eps": 1e-6, "rope_theta": 500000.0,
+              "tie_word_embeddings": False, "hidden_act": "silu"},
+    "starcoder2": {**_BASE, "architectures": ["Starcoder2ForCausalLM"],
+                   "model_type": "starcoder2", "num_hidden_layers": 2, "norm_epsilon": 1e-5,
+                   "rope_theta": 10000.0, "sliding_window": 10, "use_bias": True,
+                   "hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True},
+    "stablelm": {**_BASE, "architectures": ["StableLmForCausalLM"], "model_type": "stablelm",
+                 "num_hidden_layers": 2, "layer_norm_eps": 1e-5, "rope_theta": 10000.0,
+                 "partial_rotary_factor": 0.25, "use_qkv_bias": True,
+                 "tie_word_embeddings": False, "hidden_act": "silu"},
+}
+
+# 300 token ids; its first 1 and 17 are the short prompts (causal: their logits are rows of
+# the long one's), golden logits are kept for GOLDEN_ROWS only.
+FAMILY_PROMPT = [(i * 53 + 7) % 251 + 3 for i in range(300)]
+GOLDEN_ROWS = np.array(sorted({*range(24), *range(24, 300, 9), 299}))
+GREEDY_PROMPT_LEN = 17
+GREEDY_STEPS = 32
+
+
+def family_weights(config: dict[str, Any]) -> dict[str, np.ndarray]:
+    """HF-named float32 weights for a FAMILY_CONFIGS entry."""
+    d, f, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    h, hk = config["num_attention_heads"], config["num_key_value_heads"]
+    dh = config.get("head_dim") or d // h
+    kind = config["model_type"]
+    seed = iter(range(101, 100_000))
+
+    def linear(out: int, inp: int) -> np.ndarray:
+        return det_uniform((out, inp), next(seed)) * np.float32(1.5 / math.sqrt(inp))
+
+    def norm(n: int) -> np.ndarray:   # gemma stores w - 1: values near 0 there
+        base = 0.0 if kind.startswith("gemma") else 1.0
+        return np.float32(base) + np.float32(0.2) * det_uniform((n,), next(seed))
+
+    def bias(n: int) -> np.ndarray:
+        return np.float32(0.3) * det_uniform((n,), next(seed))
+
+    layer_norm = kind in ("starcoder2", "stablelm")
+    w = {"model.embed_tokens.weight": det_uniform((v, d), next(seed)),
+         "model.norm.weight": norm(d)}
+    if layer_norm:
+        w["model.norm.bias"] = bias(d)
+    if not config.get("tie_word_embeddings", kind.startswith("gemma")):
+        w["lm_head.weight"] = linear(v, d)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        norms = {"olmo2": ["post_attention_layernorm", "post_feedforward_layernorm"],
+                 "gemma2": ["input_layernorm", "post_attention_layernorm",
+                            "pre_feedforward_layernorm", "post_feedforward_layernorm"]}
+        norms["gemma3_text"] = norms["gemma2"]
+        for name in norms.get(kind, ["input_layernorm", "post_attention_layernorm"]):
+            w[p + name + ".weight"] = norm(d)
+            if layer_norm:
+                w[p + name + ".bias"] = bias(d)
+        a = p + "self_attn."
+        if kind == "phi3":
+            w[a + "qkv_proj.weight"] = linear((h + 2 * hk) * dh, d)
+        else:
+            w[a + "q_proj.weight"] = linear(h * dh, d)
+            w[a + "k_proj.weight"] = linear(hk * dh, d)
+            w[a + "v_proj.weight"] = linear(hk * dh, d)
+        w[a + "o_proj.weight"] = linear(d, h * dh)
+        if kind in ("starcoder2", "stablelm"):
+            for name, n in (("q_proj", h * dh), ("k_proj", hk * dh), ("v_proj", hk * dh)):
+                w[a + name + ".bias"] = bias(n)
+        if kind == "starcoder2":
+            w[a + "o_proj.bias"] = bias(d)
+        if kind == "gemma3_text":
+            w[a + "q_norm.weight"] = norm(dh)
+            w[a + "k_norm.weight"] = norm(dh)
+        if kind == "olmo2":
+            w[a + "q_norm.weight"] = norm(h * dh)
+            w[a + "k_norm.weight"] = norm(hk * dh)
+        m = p + "mlp."
+        if kind == "starcoder2":
+            w[m + "c_fc.weight"], w[m + "c_fc.bias"] = linear(f, d), bias(f)
+            w[m + "c_proj.weight"], w[m + "c_proj.bias"] = linear(d, f), bias(d)
+        elif kind == "phi3":
+            w[m + "gate_up_proj.weight"] = linear(2 * f, d)
+            w[m + "down_proj.weight"] = linear(d, f)
+        else:
+            w[m + "gate_proj.weight"] = linear(f, d)
+            w[m + "up_proj.weight"] = linear(f, d)
+            w[m + "down_proj.weight"] = linear(d, f)
+    return w
+
+
+def write_family_dir(path: Path, name: str) -> dict[str, np.ndarray]:
+    """config.json + model.safetensors for FAMILY_CONFIGS[name]; returns the weights."""
+    path.mkdir(parents=True, exist_ok=True)
+    config = FAMILY_CONFIGS[name]
+    weights = family_weights(config)
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    write_safetensors(path / "model.safetensors", weights)
+    return weights

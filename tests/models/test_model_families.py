@@ -1,0 +1,99 @@
+"""Every model family beyond llama on tiny random-weight checkpoints against transformers
+(fp32 goldens from tests/oracle/make_golden.py): logits of prompts of 1, 17 and 300 tokens, in
+one step and in chunks, on the numpy backend; greedy tokens over 32 decode steps; tensor
+parallel at TP=2 where the shapes divide."""
+
+import numpy as np
+import pytest
+from family_models import (FAMILY_CONFIGS, FAMILY_PROMPT, GOLDEN_ROWS, GREEDY_PROMPT_LEN,
+                           GREEDY_STEPS, write_family_dir)
+from golden_files import GOLDEN
+from model_driver import greedy_tokens, prompt_logits
+from tp_ranks import run_ranks
+
+from vllm_actors.errors import ValidationError
+from vllm_actors.kernels.numpy_backend import NumpyBackend
+from vllm_actors.loaders.model_files import resolve_model
+from vllm_actors.models.registry import inspect_model, load_model
+
+GOLDEN_FAMILIES = np.load(GOLDEN / "family_models.npz")
+TOLERANCE = 1e-4      # absolute, on logits of magnitude ~1-10
+NEAR_TIE = 1e-3       # golden top-2 margins below this may flip under float32 rounding
+NAMES = list(FAMILY_CONFIGS)
+
+
+@pytest.fixture(scope="module")
+def family_sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {name: resolve_model(root / name) for name in NAMES
+            if write_family_dir(root / name, name) is not None}
+
+
+def check_rows(logits: np.ndarray, name: str, rows: np.ndarray) -> float:
+    expected = GOLDEN_FAMILIES[f"{name}/logits"]
+    keep = np.isin(GOLDEN_ROWS, rows)
+    got = logits[GOLDEN_ROWS[keep]]
+    diff = float(np.abs(got - expected[keep]).max())
+    assert diff <= TOLERANCE, f"{name}: max |logits - transformers| = {diff:.2e}"
+    assert (got.argmax(-1) == expected[keep].argmax(-1)).all()
+    return diff
+
+
+def check_greedy(tokens: list[int], name: str) -> None:
+    expected = GOLDEN_FAMILIES[f"{name}/greedy"].tolist()
+    margins = GOLDEN_FAMILIES[f"{name}/margins"]
+    for step, (got, want) in enumerate(zip(tokens, expected)):
+        if got != want:
+            assert margins[step] < NEAR_TIE, (f"{name}: step {step} gave {got}, transformers "
+                                              f"{want} (margin {margins[step]:.3g})")
+            return
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("length, chunks", [(1, None), (17, None), (17, [5, 1, 11]),
+                                            (300, None), (300, [1, 16, 83, 200])],
+                         ids=["1", "17", "17-chunked", "300", "300-chunked"])
+def test_family_logits_match_transformers(family_sources, name, length, chunks):
+    backend = NumpyBackend()
+    model = load_model(family_sources[name], backend)
+    logits = prompt_logits(model, backend, FAMILY_PROMPT[:length], chunks, block_size=8)
+    check_rows(logits, name, np.arange(length))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_family_greedy_matches_transformers(family_sources, name):
+    backend = NumpyBackend()
+    model = load_model(family_sources[name], backend)
+    tokens = greedy_tokens(model, backend, FAMILY_PROMPT[:GREEDY_PROMPT_LEN], GREEDY_STEPS)
+    check_greedy(tokens, name)
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "olmo2"])
+def test_family_tensor_parallel(family_sources, name):
+    source = family_sources[name]
+    logits = run_ranks(2, lambda group, b: prompt_logits(
+        load_model(source, b, group), b, FAMILY_PROMPT[:40], [17, 1, 22], block_size=8))
+    check_rows(logits, name, np.arange(40))
+    tokens = run_ranks(2, lambda group, b: greedy_tokens(
+        load_model(source, b, group), b, FAMILY_PROMPT[:GREEDY_PROMPT_LEN], 8))
+    check_greedy(tokens, name)
+
+
+def test_olmo2_refuses_tensor_parallel(family_sources):
+    with pytest.raises(ValidationError, match="q/k norms over all heads do not shard"):
+        run_ranks(2, lambda group, b: load_model(family_sources["olmo2"], b, group))
+
+
+def test_family_hyper_parameters(family_sources):
+    """What each family reads from its config (the goldens test that it is used right)."""
+    gemma2 = inspect_model(family_sources["gemma2"])[0].args
+    assert gemma2.layer_windows == (8, 0, 8, 0) and gemma2.norm_placement == "sandwich"
+    assert (gemma2.attn_logit_softcap, gemma2.final_logit_softcap) == (3.0, 5.0)
+    assert gemma2.attn_scale == pytest.approx(24 ** -0.5)
+    gemma3 = inspect_model(family_sources["gemma3"])[0].args
+    assert gemma3.layer_windows == (8, 8, 0) and gemma3.qk_norm
+    assert (gemma3.rope_theta, gemma3.rope_local_theta) == (1e6, 1e4)
+    assert gemma3.rope_scaling["rope_type"] == "linear"
+    phi3 = inspect_model(family_sources["phi3"])[0].args
+    assert phi3.rotary_dim == 8 and phi3.layer_windows == (12, 12)
+    assert inspect_model(family_sources["stablelm"])[0].args.rotary_dim == 4

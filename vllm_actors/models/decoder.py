@@ -1,0 +1,304 @@
+"""The decoder-only transformer every family builds on, its block layout chosen by `ModelArgs`.
+
+Per layer: [norm] -> fused QKV (+ biases) -> [q/k norm] -> RoPE -> paged attention (GQA,
+per-layer sliding window, optional soft-capping) -> output projection -> [post-norm] ->
+residual; then [norm] -> MLP (gated SiLU/GELU, or ungated) -> [post-norm] -> residual.
+`norm_placement` picks the norms: "pre" (llama), "sandwich" (pre and post, gemma2/3), "post"
+(olmo2); `norm_type` RMSNorm or LayerNorm. Embedding, residual and logit multipliers and the
+final soft-cap cover gemma and granite.
+
+RoPE pairing follows the weights: llama.cpp stores llama Q/K rows permuted for adjacent-pair
+rotation (HF checkpoints and most GGUF families use NeoX halves). At load we put such rows
+back in NeoX order within each head: q.k is unchanged by a permutation applied to both, and
+every step then rotates contiguous halves instead of strided pairs.
+
+With a tensor-parallel group of several ranks this is one rank's shard (`models/sharding.py`):
+its heads and MLP slice, one all-reduce after attention and one after the MLP (row-parallel
+biases are added on rank 0 only), a vocab-split embedding (all-reduced) and LM head
+(gathered to rank 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from vllm_actors.errors import ModelFormatError, ValidationError
+from vllm_actors.kernels.ops import AttentionMetadata, Backend, RopeTables
+from vllm_actors.loaders.weights import RawTensor, WeightSet
+from vllm_actors.models.base import (ModelArgs, ParallelGroup, SingleRank, rope_cos_sin,
+                                     rope_inv_freq)
+from vllm_actors.models.sharding import ShardPlan
+
+
+@dataclass
+class Norm:
+    weight: Any
+    bias: Any = None
+
+
+@dataclass
+class Layer:
+    attn_norm: Norm | None
+    qkv: Any
+    qkv_bias: Any
+    q_norm: Any
+    k_norm: Any
+    attn_out: Any
+    attn_out_bias: Any
+    post_attn_norm: Norm | None
+    ffn_norm: Norm | None
+    gate_up: Any
+    gate_up_bias: Any
+    down: Any
+    down_bias: Any
+    post_ffn_norm: Norm | None
+    window: int
+    local_rope: bool
+
+
+class DecoderLM:
+    """Implements `models.base.CausalLM` for every decoder family on any backend.
+
+    Raises:
+        ValidationError: the model does not divide among `tp.world_size` ranks, or a feature
+            does not shard (full-width q/k norm).
+        ModelFormatError: a tensor is missing or shaped unlike the config.
+    """
+
+    def __init__(self, args: ModelArgs, weights: WeightSet, backend: Backend,
+                 tp: ParallelGroup | None = None) -> None:
+        self.args = args
+        self.backend = backend
+        self.tp = tp or SingleRank()
+        self.plan = ShardPlan.build(args, self.tp.rank, self.tp.world_size)
+        if self.plan.sharded and args.qk_norm_full:
+            raise ValidationError(f"{args.architecture}: q/k norms over all heads do not "
+                                  "shard; use --tensor-parallel-size 1", "tensor_parallel_size")
+        self.local_args = self.plan.local_args
+        self.scale = args.attn_scale or 1.0 / float(np.sqrt(args.head_dim))
+        self.first_rank = self.tp.rank == 0
+        embed = weights.require("token_embd.weight")
+        head = weights.get("output.weight")
+        if self.plan.sharded:
+            embed = self.plan.vocab_table(embed)
+            head = None if head is None else head.row_slice(*self.plan.vocab)
+        self.embed = backend.upload_table(embed)
+        self.head = backend.upload_lm_head(embed if head is None else head)
+        # Within-head row order that turns adjacent-pair RoPE rows into NeoX halves.
+        rot = args.rotary_dim
+        self._neox_order = (np.concatenate([np.arange(0, rot, 2), np.arange(1, rot, 2),
+                                            np.arange(rot, args.head_dim)])
+                            if args.rope_interleaved else None)
+        self.final_norm = self._norm(weights, "output_norm")
+        self.layers = [self._load_layer(weights, i) for i in range(args.num_layers)]
+        freq_factors = weights.get("rope_freqs.weight")
+        factors = None if freq_factors is None else freq_factors.to_float32()
+        self.rope = self._rope_tables(args, factors, weights)
+        self.rope_local = (self._rope_tables(replace(args, rope_theta=args.rope_local_theta,
+                                                     rope_scaling={}), None, weights)
+                           if args.rope_local_theta else None)
+
+    def _rope_tables(self, args: ModelArgs, factors: np.ndarray | None,
+                     weights: WeightSet) -> RopeTables:
+        b = self.backend
+        cos, sin = rope_cos_sin(rope_inv_freq(args, factors, weights.path),
+                                args.max_position_embeddings)
+        return RopeTables(b.upload_array(cos), b.upload_array(sin), args.rotary_dim,
+                          interleaved=False)
+
+    # -- loading -------------------------------------------------------------------------
+    def _norm(self, weights: WeightSet, name: str, neox: bool = False) -> Norm:
+        b = self.backend
+        weight = weights.require(name + ".weight")
+        if neox:
+            weight = self._neox(weight, 0)
+        bias = weights.require(name + ".bias") if self.args.norm_bias else None
+        return Norm(b.upload_vector(weight), None if bias is None else b.upload_vector(bias))
+
+    def _neox(self, tensor: RawTensor, num_heads: int) -> RawTensor:
+        """Q/K rows (or a per-dim norm weight when num_heads is 0) in NeoX order."""
+        if self._neox_order is None:
+            return tensor
+        dh = self.args.head_dim
+        order = (self._neox_order if num_heads == 0 else
+                 (np.arange(num_heads)[:, None] * dh + self._neox_order[None, :]).reshape(-1))
+        return replace(tensor, data=np.ascontiguousarray(tensor.data[order]))
+
+    def _qkv_shard(self, q: RawTensor, k: RawTensor, v: RawTensor) -> list[RawTensor]:
+        """Q/K rows in NeoX order, then this rank's heads of q, k and v (weights or biases)."""
+        a, plan, dh = self.args, self.plan, self.args.head_dim
+        q, k = self._neox(q, a.num_heads), self._neox(k, a.num_kv_heads)
+        if not plan.sharded:
+            return [q, k, v]
+        return [plan.q_rows(q, dh), plan.kv_rows(k, dh), plan.kv_rows(v, dh)]
+
+    def _row_bias(self, weights: WeightSet, name: str, wanted: bool) -> Any:
+        """A row-parallel layer's bias: on rank 0 only (added once before the all-reduce)."""
+        if not wanted:
+            return None
+        bias = weights.require(name)
+        return self.backend.upload_vector(bias) if self.first_rank else None
+
+    def _load_layer(self, weights: WeightSet, i: int) -> Layer:
+        b, p = self.backend, f"blk.{i}."
+        a, plan = self.args, self.plan
+        qkv = [weights.require(p + n) for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight")]
+        if qkv[0].shape[0] != a.q_size or qkv[1].shape[0] != a.kv_size:
+            raise ModelFormatError(weights.path, f"{p}attn_q/attn_k shapes {qkv[0].shape}, "
+                                                 f"{qkv[1].shape} do not match the config")
+        qkv = self._qkv_shard(*qkv)
+        qkv_bias = None
+        if a.attention_bias:
+            biases = self._qkv_shard(*(weights.require(p + n) for n in (
+                "attn_q.bias", "attn_k.bias", "attn_v.bias")))
+            qkv_bias = b.upload_array(np.concatenate([t.to_float32() for t in biases]))
+        q_norm = k_norm = None
+        if a.qk_norm or a.qk_norm_full:
+            heads = (a.num_heads, a.num_kv_heads) if a.qk_norm_full else (0, 0)
+            q_norm = b.upload_vector(self._neox(weights.require(p + "attn_q_norm.weight"),
+                                                heads[0]))
+            k_norm = b.upload_vector(self._neox(weights.require(p + "attn_k_norm.weight"),
+                                                heads[1]))
+        attn_out = weights.require(p + "attn_output.weight")
+        names = ("ffn_gate", "ffn_up") if a.gated_mlp else ("ffn_up",)
+        gate_up = [weights.require(p + n + ".weight") for n in names]
+        gate_up_bias = ([weights.require(p + n + ".bias") for n in names]
+                        if a.mlp_bias else [])
+        down = weights.require(p + "ffn_down.weight")
+        if plan.sharded:
+            attn_out = plan.o_cols(attn_out, a.head_dim)
+            gate_up = [plan.ffn_rows(t) for t in gate_up]
+            gate_up_bias = [plan.ffn_rows(t) for t in gate_up_bias]
+            down = plan.ffn_cols(down)
+        pre = a.norm_placement != "post"
+        post = a.norm_placement != "pre"
+        window = a.window(i)
+        return Layer(
+            attn_norm=self._norm(weights, p + "attn_norm") if pre else None,
+            qkv=b.upload_linear(qkv), qkv_bias=qkv_bias, q_norm=q_norm, k_norm=k_norm,
+            attn_out=b.upload_linear([attn_out]),
+            attn_out_bias=self._row_bias(weights, p + "attn_output.bias", a.attn_out_bias),
+            post_attn_norm=self._norm(weights, p + "post_attention_norm") if post else None,
+            ffn_norm=self._norm(weights, p + "ffn_norm") if pre else None,
+            gate_up=b.upload_linear(gate_up),
+            gate_up_bias=(b.upload_array(np.concatenate([t.to_float32() for t in gate_up_bias]))
+                          if gate_up_bias else None),
+            down=b.upload_linear([down]),
+            down_bias=self._row_bias(weights, p + "ffn_down.bias", a.mlp_bias),
+            post_ffn_norm=self._norm(weights, p + "post_ffw_norm") if post else None,
+            window=window, local_rope=bool(window and a.rope_local_theta),
+        )
+
+    # -- compute -------------------------------------------------------------------------
+    def _apply_norm(self, x: Any, norm: Norm) -> Any:
+        b, eps = self.backend, self.args.rms_norm_eps
+        if self.args.norm_type == "layer":
+            return b.layer_norm(x, norm.weight, norm.bias, eps)
+        return b.rms_norm(x, norm.weight, eps)
+
+    def _add_norm(self, h: Any, delta: Any, norm: Norm | None) -> tuple[Any, Any]:
+        """h + delta (the residual), and the next sublayer's input: norm(h), or h itself
+        where the family has no pre-norm."""
+        b = self.backend
+        if self.args.residual_scale != 1.0:
+            delta = b.scale(delta, self.args.residual_scale)
+        if norm is None:
+            h = b.add(h, delta)
+            return h, h
+        if self.args.norm_type == "rms":
+            return b.add_rms_norm(h, delta, norm.weight, self.args.rms_norm_eps)
+        h = b.add(h, delta)
+        return h, self._apply_norm(h, norm)
+
+    def _qk_norm(self, x: Any, weight: Any) -> Any:
+        b, eps = self.backend, self.args.rms_norm_eps
+        if not self.args.qk_norm_full:
+            return b.rms_norm(x, weight, eps)
+        t, heads, dh = x.shape
+        return b.rms_norm(x.reshape(t, heads * dh), weight, eps).reshape(t, heads, dh)
+
+    def _attention(self, layer: Layer, x: Any, ropes: tuple[Any, Any], attn: Any,
+                   kv_cache: Any) -> Any:
+        b, a = self.backend, self.local_args
+        num_tokens = len(x)
+        qkv = b.linear(x, layer.qkv, layer.qkv_bias)
+        q, k, v = b.split_qkv(qkv, a.num_heads, a.num_kv_heads, a.head_dim)
+        if layer.q_norm is not None:
+            q = self._qk_norm(q, layer.q_norm)
+            k = self._qk_norm(k, layer.k_norm)
+        rope = ropes[1] if layer.local_rope else ropes[0]
+        q = b.rope(q, rope)
+        k = b.rope(k, rope)
+        b.reshape_and_cache(k, v, kv_cache, attn)
+        if layer.window or self.args.attn_logit_softcap:
+            out = b.paged_attention(q, kv_cache, attn, self.scale, layer.window,
+                                    self.args.attn_logit_softcap)
+        else:
+            out = b.paged_attention(q, kv_cache, attn, self.scale)
+        out = b.linear(out.reshape(num_tokens, a.q_size), layer.attn_out, layer.attn_out_bias)
+        out = self.tp.all_reduce(out)
+        return out if layer.post_attn_norm is None else self._apply_norm(out,
+                                                                         layer.post_attn_norm)
+
+    def _mlp(self, layer: Layer, x: Any) -> Any:
+        b, act = self.backend, self.args.hidden_act
+        up = b.linear(x, layer.gate_up, layer.gate_up_bias)
+        if not self.args.gated_mlp:
+            hidden = b.gelu(up, act == "gelu_tanh")
+        elif act == "silu":
+            hidden = b.silu_mul(up)
+        else:
+            hidden = b.gelu_mul(up, act == "gelu_tanh")
+        out = self.tp.all_reduce(b.linear(hidden, layer.down, layer.down_bias))
+        return out if layer.post_ffn_norm is None else self._apply_norm(out, layer.post_ffn_norm)
+
+    def _embed(self, token_ids: np.ndarray) -> Any:
+        b = self.backend
+        if not self.plan.sharded:
+            h = b.embedding(self.embed, token_ids)
+        else:
+            h = self.tp.all_reduce(b.embedding(self.embed, self.plan.local_ids(token_ids)))
+        return h if self.args.embed_scale == 1.0 else b.scale(h, self.args.embed_scale)
+
+    def forward(self, token_ids: np.ndarray, positions: np.ndarray, meta: AttentionMetadata,
+                kv_caches: list[Any]) -> Any:
+        b = self.backend
+        attn = b.prepare_attention(meta)
+        ropes = (b.prepare_rope(positions, self.rope),
+                 None if self.rope_local is None else b.prepare_rope(positions, self.rope_local))
+        h = self._embed(token_ids)
+        first = self.layers[0].attn_norm
+        x = h if first is None else self._apply_norm(h, first)
+        next_norms = [layer.attn_norm for layer in self.layers[1:]] + [self.final_norm]
+        for layer, kv_cache, next_norm in zip(self.layers, kv_caches, next_norms):
+            # each residual add is fused with the norm that follows it
+            h, x = self._add_norm(h, self._attention(layer, x, ropes, attn, kv_cache),
+                                  layer.ffn_norm)
+            h, x = self._add_norm(h, self._mlp(layer, x), next_norm)
+        return x
+
+    def _finish_logits(self, logits: np.ndarray) -> np.ndarray:
+        """The family's logit multiplier and soft-cap, on host float32 logits."""
+        a = self.args
+        if a.logit_scale != 1.0:
+            logits *= np.float32(a.logit_scale)
+        if a.final_logit_softcap:
+            cap = np.float32(a.final_logit_softcap)
+            logits /= cap
+            np.tanh(logits, out=logits)
+            logits *= cap
+        return logits
+
+    def compute_logits(self, hidden: Any, rows: np.ndarray, on_device: bool = False) -> Any:
+        """On-device logits are for argmax only (`ops.Backend.lm_head`), which the positive
+        multiplier and the monotone soft-cap leave unchanged, so they skip both."""
+        if not self.plan.sharded:
+            logits = self.backend.lm_head(hidden, self.head, rows, on_device)
+            return logits if on_device else self._finish_logits(logits)
+        width = self.plan.vocab_widths[self.tp.rank]   # drops the tied table's zero row
+        local = self.backend.lm_head(hidden, self.head, rows)[:, :width]
+        gathered = self.tp.gather_columns(np.ascontiguousarray(local), self.plan.vocab_widths)
+        return None if gathered is None else self._finish_logits(gathered)
