@@ -57,7 +57,29 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
                  "num_hidden_layers": 2, "layer_norm_eps": 1e-5, "rope_theta": 10000.0,
                  "partial_rotary_factor": 0.25, "use_qkv_bias": True,
                  "tie_word_embeddings": False, "hidden_act": "silu"},
+    "mixtral": {**_BASE, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                "num_hidden_layers": 2, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
+                "num_local_experts": 4, "num_experts_per_tok": 2, "hidden_act": "silu",
+                "tie_word_embeddings": False, "sliding_window": None},
+    "qwen2_moe": {**_BASE, "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+                  "num_hidden_layers": 3, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                  "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 48, "norm_topk_prob": False,
+                  "decoder_sparse_step": 1, "mlp_only_layers": [1], "qkv_bias": True,
+                  "hidden_act": "silu", "tie_word_embeddings": False,
+                  "use_sliding_window": False},
+    "qwen3_moe": {**_BASE, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                  "num_hidden_layers": 2, "head_dim": 32, "rms_norm_eps": 1e-6,
+                  "rope_theta": 1000000.0, "num_experts": 8, "num_experts_per_tok": 3,
+                  "moe_intermediate_size": 32, "norm_topk_prob": True,
+                  "decoder_sparse_step": 1, "mlp_only_layers": [], "hidden_act": "silu",
+                  "tie_word_embeddings": False, "use_sliding_window": False},
+    "olmoe": {**_BASE, "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe",
+              "num_hidden_layers": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+              "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": False,
+              "hidden_act": "silu", "tie_word_embeddings": False},
 }
+MOE_NAMES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 # 300 token ids; its first 1 and 17 are the short prompts (causal: their logits are rows of
 # the long one's), golden logits are kept for GOLDEN_ROWS only.
@@ -118,11 +140,19 @@ def family_weights(config: dict[str, Any]) -> dict[str, np.ndarray]:
         if kind == "gemma3_text":
             w[a + "q_norm.weight"] = norm(dh)
             w[a + "k_norm.weight"] = norm(dh)
-        if kind == "olmo2":
+        if kind in ("olmo2", "olmoe"):
             w[a + "q_norm.weight"] = norm(h * dh)
             w[a + "k_norm.weight"] = norm(hk * dh)
+        if kind == "qwen3_moe":
+            w[a + "q_norm.weight"] = norm(dh)
+            w[a + "k_norm.weight"] = norm(dh)
+        if kind == "qwen2_moe":
+            for name, n in (("q_proj", h * dh), ("k_proj", hk * dh), ("v_proj", hk * dh)):
+                w[a + name + ".bias"] = bias(n)
         m = p + "mlp."
-        if kind == "starcoder2":
+        if kind in MOE_NAMES and i not in config.get("mlp_only_layers", ()):
+            w.update(_experts(config, p, d, linear))
+        elif kind == "starcoder2":
             w[m + "c_fc.weight"], w[m + "c_fc.bias"] = linear(f, d), bias(f)
             w[m + "c_proj.weight"], w[m + "c_proj.bias"] = linear(d, f), bias(d)
         elif kind == "phi3":
@@ -132,6 +162,28 @@ def family_weights(config: dict[str, Any]) -> dict[str, np.ndarray]:
             w[m + "gate_proj.weight"] = linear(f, d)
             w[m + "up_proj.weight"] = linear(f, d)
             w[m + "down_proj.weight"] = linear(d, f)
+    return w
+
+
+def _experts(config: dict[str, Any], p: str, d: int, linear: Any) -> dict[str, np.ndarray]:
+    """A sparse layer's router and experts under their HF checkpoint names (per expert, as
+    the hub ships them; transformers 5 fuses them on load)."""
+    kind, w = config["model_type"], {}
+    num = config.get("num_local_experts") or config["num_experts"]
+    f = config.get("moe_intermediate_size") or config["intermediate_size"]
+    block = p + ("block_sparse_moe." if kind == "mixtral" else "mlp.")
+    names = ("w1", "w3", "w2") if kind == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    w[block + "gate.weight"] = linear(num, d) * np.float32(4.0)   # decisive routing
+    for e in range(num):
+        w[f"{block}experts.{e}.{names[0]}.weight"] = linear(f, d)
+        w[f"{block}experts.{e}.{names[1]}.weight"] = linear(f, d)
+        w[f"{block}experts.{e}.{names[2]}.weight"] = linear(d, f)
+    if config.get("shared_expert_intermediate_size"):
+        s = config["shared_expert_intermediate_size"]
+        w[block + "shared_expert.gate_proj.weight"] = linear(s, d)
+        w[block + "shared_expert.up_proj.weight"] = linear(s, d)
+        w[block + "shared_expert.down_proj.weight"] = linear(d, s)
+        w[block + "shared_expert_gate.weight"] = linear(1, d)
     return w
 
 

@@ -27,3 +27,32 @@ def test_tiny_llama_matches_numpy(dev, qtype, tmp_path):
     assert got.shape == want.shape
     assert np.abs(got - want).max() <= 1e-4     # logits of magnitude ~1-10
     assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    from family_models import FAMILY_CONFIGS, write_family_dir
+    root = tmp_path_factory.mktemp("device-families")
+    for name in FAMILY_CONFIGS:
+        write_family_dir(root / name, name)
+    return root
+
+
+def _family_names():
+    from family_models import FAMILY_CONFIGS
+    return list(FAMILY_CONFIGS)
+
+
+@pytest.mark.parametrize("name", _family_names())
+def test_model_families_match_numpy(dev, family_dirs, name):
+    """Every family (GeGLU, LayerNorm, sliding windows, soft-caps, sandwich and post norms,
+    routed experts) on the device against the numpy backend, prompt in chunks."""
+    from family_models import FAMILY_PROMPT
+    source = resolve_model(family_dirs / name)
+    ref = NumpyBackend()
+    want = prompt_logits(load_model(source, ref), ref, FAMILY_PROMPT[:60], [17, 1, 42],
+                         block_size=8)
+    got = prompt_logits(load_model(source, dev), dev, FAMILY_PROMPT[:60], [17, 1, 42],
+                        block_size=8)
+    assert np.abs(got - want).max() <= 1e-4
+    assert (got.argmax(-1) == want.argmax(-1)).all()

@@ -61,6 +61,34 @@ def test_rms_norm(dev, shape):
     close(dev.to_host(got), REF.rms_norm(x, w, 1e-5), 2e-5)
 
 
+@pytest.mark.parametrize("shape", [(7, 577), (5, 3, 33), (4, 3)])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
+def test_layer_norm(dev, shape, with_bias):
+    x = rand(*shape) * 2 + 5     # rows far from mean 0: the kernel has to center them
+    w, b = rand(shape[-1]), rand(shape[-1]) if with_bias else None
+    got = dev.layer_norm(dev.upload_array(x), dev.upload_array(w),
+                         None if b is None else dev.upload_array(b), 1e-5)
+    close(dev.to_host(got), REF.layer_norm(x, w, b, 1e-5), 2e-5)
+
+
+@pytest.mark.parametrize("approximate", [True, False], ids=["tanh", "erf"])
+def test_gelu(dev, approximate):
+    gate_up = rand(5, 2 * 37) * 3
+    want = REF.gelu_mul(gate_up, approximate)
+    close(dev.to_host(dev.gelu_mul(dev.upload_array(gate_up), approximate)), want, 1e-6)
+    # the two forms differ by more than 10x the tolerance, so each is checked for itself
+    assert np.abs(want - REF.gelu_mul(gate_up, not approximate)).max() > 1e-5 * np.abs(want).max()
+    x = rand(6, 129) * 3
+    close(dev.to_host(dev.gelu(dev.upload_array(x), approximate)), REF.gelu(x, approximate),
+          1e-6)
+
+
+def test_scale(dev):
+    x = rand(5, 67)
+    got = dev.to_host(dev.scale(dev.upload_array(x), 33.941125))
+    assert np.array_equal(got, REF.scale(x.copy(), 33.941125))
+
+
 @pytest.mark.parametrize("interleaved, rotary_dim", [(False, 16), (True, 16), (False, 8)])
 def test_rope(dev, interleaved, rotary_dim):
     inv_freq = (1.0 / 10000.0 ** (np.arange(0, rotary_dim, 2) / rotary_dim)).astype(np.float32)
@@ -113,35 +141,64 @@ def test_linear_k_quants(dev, qtype, block_bytes, scale_offsets):
     assert handle.kernel == f"linear_{qtype.name.lower()}"
     close(dev.to_host(dev.linear(dev.upload_array(x), handle)), want, 2e-5)
 
-def test_paged_attention_mixed_step(dev):
-    """A decode row (context 37), a 9-token prompt chunk after 20 cached tokens and a fresh
-    5-token prompt, GQA 6 query heads over 2 KV heads, blocks handed out scrambled."""
-    bs, kv_heads, heads, dh = 4, 2, 6, 16
-    num_blocks = 40
-    k_cache, v_cache = rand(num_blocks, bs, kv_heads, dh), rand(num_blocks, bs, kv_heads, dh)
-    q_lens, seq_lens = np.array([1, 9, 5]), np.array([37, 29, 5], np.int32)
+
+# (query tokens, context after the step) of each request, blocks of 4 tokens: contexts up to
+# 230, so that every window tried hides over half the keys of some rows; prompt chunks start
+# after cached tokens (20, 200) or at 0.
+STEPS = {"decode": ([1, 1, 1], [230, 37, 3]),
+         "prefill": ([9, 5, 24], [29, 5, 224]),
+         "mixed": ([1, 9, 5, 1], [230, 29, 5, 3])}
+
+
+def attention_step(q_lens: np.ndarray, seq_lens: np.ndarray, bs: int, num_blocks: int
+                   ) -> AttentionMetadata:
+    """Each request's blocks drawn at random from blocks 1.. (0 is the null block)."""
+    need = -(-seq_lens // bs)
     perm = RNG.permutation(np.arange(1, num_blocks))
-    tables = np.zeros((3, 10), np.int32)
-    tables[0, :10], tables[1, :8], tables[2, :2] = perm[:10], perm[10:18], perm[18:20]
+    tables = np.zeros((len(q_lens), int(need.max()) + 1), np.int32)
+    for r, offset in enumerate(np.cumsum(need) - need):
+        tables[r, :need[r]] = perm[offset:offset + need[r]]
     positions = np.concatenate([np.arange(s - n, s) for s, n in zip(seq_lens, q_lens)])
-    rows = np.repeat(np.arange(3), q_lens)
+    rows = np.repeat(np.arange(len(q_lens)), q_lens)
     slots = tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
-    meta = AttentionMetadata(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
+    return AttentionMetadata(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
                              seq_lens, tables, slots, bs)
+
+
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+@pytest.mark.parametrize("window", [0, 1, 5, 16, 100])
+@pytest.mark.parametrize("step", list(STEPS))
+def test_paged_attention(dev, step, window, softcap):
+    """GQA 6 query heads over 2 KV heads, blocks handed out scrambled; scores of up to ~50
+    (q scaled up), so that a soft cap of 30 changes them. The device starts from a cache whose
+    keys and values before every query's window are NaN: a windowed query must not read them."""
+    bs, kv_heads, heads, dh, scale = 4, 2, 6, 16, 0.25
+    q_lens, seq_lens = np.array(STEPS[step][0]), np.array(STEPS[step][1], np.int32)
+    meta = attention_step(q_lens, seq_lens, bs, num_blocks=80)
+    k_cache, v_cache = rand(80, bs, kv_heads, dh), rand(80, bs, kv_heads, dh)
     t = int(q_lens.sum())
-    q, k, v = rand(t, heads, dh), rand(t, kv_heads, dh), rand(t, kv_heads, dh)
+    q, k, v = rand(t, heads, dh) * 12, rand(t, kv_heads, dh), rand(t, kv_heads, dh)
 
     ref_cache = (k_cache.copy(), v_cache.copy())
     ref_attn = REF.prepare_attention(meta)
     REF.reshape_and_cache(k, v, ref_cache, ref_attn)
-    want = REF.paged_attention(q, ref_cache, ref_attn, 0.25)
+    want = REF.paged_attention(q, ref_cache, ref_attn, scale, window, softcap)
+    if window or softcap:   # the case tests something: plain attention would fail the check
+        plain = REF.paged_attention(q, ref_cache, ref_attn, scale)
+        assert np.abs(want - plain).max() > 100 * 2e-5 * np.abs(want).max()
 
-    cache = (dev.upload_array(k_cache), dev.upload_array(v_cache))
+    stale = (k_cache.copy(), v_cache.copy())
+    for r, first_seen in enumerate(seq_lens - q_lens - window + 1 if window else ()):
+        for j in range(max(0, first_seen)):
+            for c in stale:
+                c[meta.block_tables[r, j // bs], j % bs] = np.nan
+    cache = (dev.upload_array(stale[0]), dev.upload_array(stale[1]))
     attn = dev.prepare_attention(meta)
     dev.reshape_and_cache(dev.upload_array(k), dev.upload_array(v), cache, attn)
-    assert np.array_equal(dev.to_host(cache[0]), ref_cache[0])
-    assert np.array_equal(dev.to_host(cache[1]), ref_cache[1])
-    got = dev.paged_attention(dev.upload_array(q), cache, attn, 0.25)
+    REF.reshape_and_cache(k, v, stale, ref_attn)
+    assert np.array_equal(dev.to_host(cache[0]), stale[0], equal_nan=True)
+    assert np.array_equal(dev.to_host(cache[1]), stale[1], equal_nan=True)
+    got = dev.paged_attention(dev.upload_array(q), cache, attn, scale, window, softcap)
     close(dev.to_host(got), want, 2e-5)
 
 

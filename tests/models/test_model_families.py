@@ -1,7 +1,7 @@
-"""Every model family beyond llama on tiny random-weight checkpoints against transformers
-(fp32 goldens from tests/oracle/make_golden.py): logits of prompts of 1, 17 and 300 tokens, in
-one step and in chunks, on the numpy backend; greedy tokens over 32 decode steps; tensor
-parallel at TP=2 where the shapes divide."""
+"""Every model family beyond llama (dense and mixture-of-experts) on tiny random-weight
+checkpoints against transformers (fp32 goldens from tests/oracle/make_golden.py): logits of
+prompts of 1, 17 and 300 tokens, in one step and in chunks, on the numpy backend; greedy
+tokens over 32 decode steps; tensor parallel at TP=2 where the model shards."""
 
 import numpy as np
 import pytest
@@ -68,7 +68,10 @@ def test_family_greedy_matches_transformers(family_sources, name):
     check_greedy(tokens, name)
 
 
-@pytest.mark.parametrize("name", [n for n in NAMES if n != "olmo2"])
+FULL_QK_NORM = ("olmo2", "olmoe")   # q/k norms over all heads: tensor parallelism refused
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n not in FULL_QK_NORM])
 def test_family_tensor_parallel(family_sources, name):
     source = family_sources[name]
     logits = run_ranks(2, lambda group, b: prompt_logits(
@@ -79,9 +82,10 @@ def test_family_tensor_parallel(family_sources, name):
     check_greedy(tokens, name)
 
 
-def test_olmo2_refuses_tensor_parallel(family_sources):
+@pytest.mark.parametrize("name", FULL_QK_NORM)
+def test_full_qk_norm_refuses_tensor_parallel(family_sources, name):
     with pytest.raises(ValidationError, match="q/k norms over all heads do not shard"):
-        run_ranks(2, lambda group, b: load_model(family_sources["olmo2"], b, group))
+        run_ranks(2, lambda group, b: load_model(family_sources[name], b, group))
 
 
 def test_family_hyper_parameters(family_sources):
@@ -97,3 +101,9 @@ def test_family_hyper_parameters(family_sources):
     phi3 = inspect_model(family_sources["phi3"])[0].args
     assert phi3.rotary_dim == 8 and phi3.layer_windows == (12, 12)
     assert inspect_model(family_sources["stablelm"])[0].args.rotary_dim == 4
+    qwen2_moe = inspect_model(family_sources["qwen2_moe"])[0].args
+    assert (qwen2_moe.num_experts, qwen2_moe.num_experts_per_tok) == (6, 2)
+    assert qwen2_moe.dense_layers == (1,) and qwen2_moe.shared_expert_size == 48
+    assert not qwen2_moe.norm_topk_prob and qwen2_moe.attention_bias
+    mixtral = inspect_model(family_sources["mixtral"])[0].args
+    assert mixtral.norm_topk_prob and mixtral.moe_intermediate_size == 96

@@ -28,10 +28,11 @@ from vllm_actors.kernels.ops import AttentionMetadata, RopeTables, WeightLike
 QUANT_KERNELS = {int(qt): (f"linear_{quant.T(qt).name.lower()}", quant.block_layout(qt)[0])
                  for qt in quant.BLOCK_FIELDS}
 # Every kernel both ops.cl and ops.cu define, by the name launches use.
-KERNEL_NAMES = ("embedding", "rms_norm", "add_inplace", "silu_mul", "split_qkv", "rope",
-                "reshape_and_cache", "paged_attention", "gather_rows", "linear_f32",
-                "linear_f16", "linear_bf16", *(name for name, _ in QUANT_KERNELS.values()),
-                "argmax_rows", "apply_temperature", "mask_below")
+KERNEL_NAMES = ("embedding", "rms_norm", "layer_norm", "add_inplace", "silu_mul", "gelu_mul",
+                "gelu_inplace", "scale_inplace", "split_qkv", "rope", "reshape_and_cache",
+                "paged_attention", "gather_rows", "linear_f32", "linear_f16", "linear_bf16",
+                *(name for name, _ in QUANT_KERNELS.values()), "argmax_rows",
+                "apply_temperature", "mask_below")
 # Kernel source files of each device package, built as one program in this order.
 SOURCE_FILES = {"cl": ("ops.cl", "linear_quant.cl"), "cu": ("ops.cu", "linear_quant.cu")}
 # 16-bit float storage (GGML F16 = 1, BF16 = 30): kept as stored, widened in the kernel
@@ -171,6 +172,13 @@ class DeviceBackend:
         self._launch("rms_norm", (x.size // n,), x, weight, out, np.int32(n), np.float32(eps))
         return out
 
+    def layer_norm(self, x: Any, weight: Any, bias: Any | None, eps: float) -> Any:
+        n = x.shape[-1]
+        out = self._empty(x.shape)
+        self._launch("layer_norm", (x.size // n,), x, weight, out if bias is None else bias,
+                     out, np.int32(n), np.float32(eps), np.int32(bias is not None))
+        return out
+
     def add(self, x: Any, y: Any) -> Any:
         self._launch("add_inplace", (x.size,), x, y, np.int64(x.size))
         return x
@@ -194,6 +202,20 @@ class DeviceBackend:
         out = self._empty((t, f))
         self._launch("silu_mul", (f, t), gate_up, out, np.int32(f))
         return out
+
+    def gelu_mul(self, gate_up: Any, approximate: bool = True) -> Any:
+        t, f = gate_up.shape[0], gate_up.shape[1] // 2
+        out = self._empty((t, f))
+        self._launch("gelu_mul", (f, t), gate_up, out, np.int32(f), np.int32(approximate))
+        return out
+
+    def gelu(self, x: Any, approximate: bool = True) -> Any:
+        self._launch("gelu_inplace", (x.size,), x, np.int64(x.size), np.int32(approximate))
+        return x
+
+    def scale(self, x: Any, factor: float) -> Any:
+        self._launch("scale_inplace", (x.size,), x, np.int64(x.size), np.float32(factor))
+        return x
 
     def prepare_rope(self, positions: np.ndarray, tables: RopeTables) -> tuple[Any, ...]:
         return (self._put(np.asarray(positions, np.int32)), tables, len(positions))
@@ -223,7 +245,7 @@ class DeviceBackend:
                      attn.slots, np.int32(width))
 
     def paged_attention(self, q: Any, kv_cache: tuple[Any, Any], attn: StepAttention,
-                        scale: float) -> Any:
+                        scale: float, window: int = 0, softcap: float = 0.0) -> Any:
         t, heads, head_dim = q.shape
         if head_dim > MAX_HEAD_DIM:
             raise ValueError(f"head_dim {head_dim} is larger than {MAX_HEAD_DIM}, the most the "
@@ -232,7 +254,8 @@ class DeviceBackend:
         self._launch("paged_attention", (heads, t), q, kv_cache[0], kv_cache[1],
                      attn.token_req, attn.token_pos, attn.block_tables, out, np.int32(heads),
                      np.int32(kv_cache[0].shape[2]), np.int32(head_dim),
-                     np.int32(attn.block_size), np.int32(attn.max_blocks), np.float32(scale))
+                     np.int32(attn.block_size), np.int32(attn.max_blocks), np.float32(scale),
+                     np.int32(window), np.float32(softcap))
         return out
 
     def lm_head(self, hidden: Any, head: Linear, rows: np.ndarray, on_device: bool = False

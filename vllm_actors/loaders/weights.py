@@ -7,6 +7,7 @@ form (maybe block-quantized) until a backend uploads them; `to_float32()` dequan
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,8 +124,10 @@ def _model_arch(gguf_arch: str) -> MODEL_ARCH:
 _UNMAPPED = {"lm_head.weight": "output.weight"}
 
 
-def safetensors_weights(model_dir: Path, gguf_arch: str, num_layers: int) -> WeightSet:
-    """A safetensors checkpoint with its tensors renamed to GGUF names.
+def safetensors_weights(model_dir: Path, gguf_arch: str, num_layers: int,
+                        extra_names: Callable[[str], str | None] | None = None) -> WeightSet:
+    """A safetensors checkpoint with its tensors renamed to GGUF names (gguf-py's map, then
+    `extra_names` for what it lacks).
 
     Tensors that have no GGUF name (e.g. `rotary_emb.inv_freq`) are left out.
     """
@@ -132,7 +135,7 @@ def safetensors_weights(model_dir: Path, gguf_arch: str, num_layers: int) -> Wei
     tensors = {}
     for hf_name, entry in load_safetensors(model_dir).items():
         name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        name = name or _UNMAPPED.get(hf_name)
+        name = name or _UNMAPPED.get(hf_name) or (extra_names and extra_names(hf_name))
         if name is None:
             continue
         if entry.dtype not in ("F32", "F16", "BF16"):

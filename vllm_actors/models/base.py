@@ -52,6 +52,17 @@ class ModelArgs:
     attn_logit_softcap: float = 0.0      # attention scores soft-capped (gemma2)
     layer_windows: tuple[int, ...] = ()  # sliding window per layer, 0 = full; () = all full
     rope_local_theta: float = 0.0        # RoPE base of sliding layers (gemma3); 0: rope_theta
+    # -- mixture of experts (models/experts.py) ------------------------------------------
+    num_experts: int = 0                 # 0: every layer's MLP is dense
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0       # each expert's MLP width
+    norm_topk_prob: bool = True          # top-k routing weights renormalized to sum 1
+    shared_expert_size: int = 0          # qwen2_moe's always-on, sigmoid-gated expert
+    dense_layers: tuple[int, ...] = ()   # layers with a dense MLP in a sparse model
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     def window(self, layer: int) -> int:
         """Layer `layer`'s sliding window (0: full attention)."""

@@ -30,6 +30,7 @@ from vllm_actors.kernels.ops import AttentionMetadata, Backend, RopeTables
 from vllm_actors.loaders.weights import RawTensor, WeightSet
 from vllm_actors.models.base import (ModelArgs, ParallelGroup, SingleRank, rope_cos_sin,
                                      rope_inv_freq)
+from vllm_actors.models.experts import Experts, load_experts, run_experts
 from vllm_actors.models.sharding import ShardPlan
 
 
@@ -37,6 +38,14 @@ from vllm_actors.models.sharding import ShardPlan
 class Norm:
     weight: Any
     bias: Any = None
+
+
+@dataclass
+class DenseMlp:
+    gate_up: Any           # gate and up fused (gated), or up alone
+    gate_up_bias: Any
+    down: Any
+    down_bias: Any         # on rank 0 only
 
 
 @dataclass
@@ -50,10 +59,7 @@ class Layer:
     attn_out_bias: Any
     post_attn_norm: Norm | None
     ffn_norm: Norm | None
-    gate_up: Any
-    gate_up_bias: Any
-    down: Any
-    down_bias: Any
+    mlp: DenseMlp | Experts
     post_ffn_norm: Norm | None
     window: int
     local_rope: bool
@@ -163,16 +169,8 @@ class DecoderLM:
             k_norm = b.upload_vector(self._neox(weights.require(p + "attn_k_norm.weight"),
                                                 heads[1]))
         attn_out = weights.require(p + "attn_output.weight")
-        names = ("ffn_gate", "ffn_up") if a.gated_mlp else ("ffn_up",)
-        gate_up = [weights.require(p + n + ".weight") for n in names]
-        gate_up_bias = ([weights.require(p + n + ".bias") for n in names]
-                        if a.mlp_bias else [])
-        down = weights.require(p + "ffn_down.weight")
         if plan.sharded:
             attn_out = plan.o_cols(attn_out, a.head_dim)
-            gate_up = [plan.ffn_rows(t) for t in gate_up]
-            gate_up_bias = [plan.ffn_rows(t) for t in gate_up_bias]
-            down = plan.ffn_cols(down)
         pre = a.norm_placement != "post"
         post = a.norm_placement != "pre"
         window = a.window(i)
@@ -183,14 +181,29 @@ class DecoderLM:
             attn_out_bias=self._row_bias(weights, p + "attn_output.bias", a.attn_out_bias),
             post_attn_norm=self._norm(weights, p + "post_attention_norm") if post else None,
             ffn_norm=self._norm(weights, p + "ffn_norm") if pre else None,
+            mlp=(load_experts(weights, i, a, self.plan, b) if a.is_sparse(i)
+                 else self._load_dense_mlp(weights, i)),
+            post_ffn_norm=self._norm(weights, p + "post_ffw_norm") if post else None,
+            window=window, local_rope=bool(window and a.rope_local_theta),
+        )
+
+    def _load_dense_mlp(self, weights: WeightSet, i: int) -> DenseMlp:
+        b, p, a, plan = self.backend, f"blk.{i}.", self.args, self.plan
+        names = ("ffn_gate", "ffn_up") if a.gated_mlp else ("ffn_up",)
+        gate_up = [weights.require(p + n + ".weight") for n in names]
+        gate_up_bias = ([weights.require(p + n + ".bias") for n in names]
+                        if a.mlp_bias else [])
+        down = weights.require(p + "ffn_down.weight")
+        if plan.sharded:
+            gate_up = [plan.ffn_rows(t) for t in gate_up]
+            gate_up_bias = [plan.ffn_rows(t) for t in gate_up_bias]
+            down = plan.ffn_cols(down)
+        return DenseMlp(
             gate_up=b.upload_linear(gate_up),
             gate_up_bias=(b.upload_array(np.concatenate([t.to_float32() for t in gate_up_bias]))
                           if gate_up_bias else None),
             down=b.upload_linear([down]),
-            down_bias=self._row_bias(weights, p + "ffn_down.bias", a.mlp_bias),
-            post_ffn_norm=self._norm(weights, p + "post_ffw_norm") if post else None,
-            window=window, local_rope=bool(window and a.rope_local_theta),
-        )
+            down_bias=self._row_bias(weights, p + "ffn_down.bias", a.mlp_bias))
 
     # -- compute -------------------------------------------------------------------------
     def _apply_norm(self, x: Any, norm: Norm) -> Any:
@@ -244,15 +257,19 @@ class DecoderLM:
                                                                          layer.post_attn_norm)
 
     def _mlp(self, layer: Layer, x: Any) -> Any:
-        b, act = self.backend, self.args.hidden_act
-        up = b.linear(x, layer.gate_up, layer.gate_up_bias)
-        if not self.args.gated_mlp:
-            hidden = b.gelu(up, act == "gelu_tanh")
-        elif act == "silu":
-            hidden = b.silu_mul(up)
+        b, act, mlp = self.backend, self.args.hidden_act, layer.mlp
+        if isinstance(mlp, Experts):
+            out = run_experts(mlp, x, self.args, b)
         else:
-            hidden = b.gelu_mul(up, act == "gelu_tanh")
-        out = self.tp.all_reduce(b.linear(hidden, layer.down, layer.down_bias))
+            up = b.linear(x, mlp.gate_up, mlp.gate_up_bias)
+            if not self.args.gated_mlp:
+                hidden = b.gelu(up, act == "gelu_tanh")
+            elif act == "silu":
+                hidden = b.silu_mul(up)
+            else:
+                hidden = b.gelu_mul(up, act == "gelu_tanh")
+            out = b.linear(hidden, mlp.down, mlp.down_bias)
+        out = self.tp.all_reduce(out)
         return out if layer.post_ffn_norm is None else self._apply_norm(out, layer.post_ffn_norm)
 
     def _embed(self, token_ids: np.ndarray) -> Any:

@@ -37,6 +37,8 @@ class Family:
         model_class: called as model_class(args, weights, backend, tp).
         sanitize: (weights with GGUF names, args, "gguf" | "safetensors") -> the weights the
             model class expects.
+        hf_name: GGUF-style names for HF tensors gguf-py's name map does not know (e.g.
+            per-expert weights), or None.
     """
 
     name: str
@@ -46,3 +48,4 @@ class Family:
     args_from_gguf: Callable[[GGUFFile], ModelArgs]
     model_class: Callable[..., Any]
     sanitize: Callable[[WeightSet, ModelArgs, str], WeightSet] = keep_weights
+    hf_name: Callable[[str], str | None] | None = None

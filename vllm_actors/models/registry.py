@@ -12,12 +12,12 @@ from vllm_actors.kernels.ops import Backend
 from vllm_actors.loaders.gguf import GGUFFile
 from vllm_actors.loaders.model_files import ModelSource
 from vllm_actors.loaders.weights import gguf_weights, safetensors_weights
-from vllm_actors.models import gemma, granite, llama, olmo2, phi3, stablelm, starcoder2
+from vllm_actors.models import gemma, granite, llama, moe, olmo2, phi3, stablelm, starcoder2
 from vllm_actors.models.base import CausalLM, ModelArgs, ParallelGroup
 from vllm_actors.models.family import Family
 
-FAMILIES: tuple[Family, ...] = (llama.FAMILY, gemma.FAMILY, granite.FAMILY, olmo2.FAMILY,
-                                phi3.FAMILY, stablelm.FAMILY, starcoder2.FAMILY)
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, gemma.FAMILY, granite.FAMILY, moe.FAMILY,
+                                olmo2.FAMILY, phi3.FAMILY, stablelm.FAMILY, starcoder2.FAMILY)
 _BY_HF_NAME = {name: f for f in FAMILIES for name in f.hf_architectures}
 _BY_GGUF_NAME = {name: f for f in FAMILIES for name in f.gguf_architectures}
 
@@ -82,7 +82,8 @@ def load_model(source: ModelSource, backend: Backend, tp: ParallelGroup | None =
     if gguf is not None:
         weights, kind = gguf_weights(gguf), "gguf"
     else:
-        weights = safetensors_weights(source.path, info.args.architecture, info.args.num_layers)
+        weights = safetensors_weights(source.path, info.args.architecture, info.args.num_layers,
+                                      info.family.hf_name)
         kind = "safetensors"
     weights = info.family.sanitize(weights, info.args, kind)
     return info.family.model_class(info.args, weights, backend, tp)

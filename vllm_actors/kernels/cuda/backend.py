@@ -37,7 +37,8 @@ class CudaBackend(DeviceBackend):
     """Implements `kernels.ops.Backend` on one CUDA device (the current one)."""
 
     name = "cuda"
-    GROUPS = {"rms_norm": THREADS, "argmax_rows": THREADS, "paged_attention": 32}
+    GROUPS = {"rms_norm": THREADS, "layer_norm": THREADS, "argmax_rows": THREADS,
+              "paged_attention": 32}
 
     def __init__(self, device: int = 0) -> None:
         cp = _cupy()

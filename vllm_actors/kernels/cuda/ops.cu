@@ -22,6 +22,21 @@ extern "C" __global__ void embedding(const float *table, const int *ids, float *
     if (d < dim) out[(size_t)t * dim + d] = table[(size_t)ids[t] * dim + d];
 }
 
+// The sum of every thread's `v` over a block of THREADS, given to all of them; `partial` is
+// THREADS floats of shared memory, free again on return.
+__device__ float block_sum(float v, float *partial) {
+    const int lid = threadIdx.x;
+    partial[lid] = v;
+    __syncthreads();
+    for (int s = THREADS / 2; s > 0; s >>= 1) {
+        if (lid < s) partial[lid] += partial[lid + s];
+        __syncthreads();
+    }
+    const float total = partial[0];
+    __syncthreads();
+    return total;
+}
+
 // One block of THREADS per row.
 extern "C" __global__ void rms_norm(const float *x, const float *w, float *out, int n,
                                     float eps) {
@@ -30,14 +45,25 @@ extern "C" __global__ void rms_norm(const float *x, const float *w, float *out, 
     const float *xr = x + (size_t)row * n;
     float acc = 0.0f;
     for (int i = lid; i < n; i += THREADS) acc += xr[i] * xr[i];
-    partial[lid] = acc;
-    __syncthreads();
-    for (int s = THREADS / 2; s > 0; s >>= 1) {
-        if (lid < s) partial[lid] += partial[lid + s];
-        __syncthreads();
-    }
-    const float inv = rsqrtf(partial[0] / (float)n + eps);
+    const float inv = rsqrtf(block_sum(acc, partial) / (float)n + eps);
     for (int i = lid; i < n; i += THREADS) out[(size_t)row * n + i] = xr[i] * inv * w[i];
+}
+
+// One block of THREADS per row: (x - mean) / sqrt(var + eps) * w (+ b), the variance taken of
+// the centered values (two passes over the row, as numpy's reference does).
+extern "C" __global__ void layer_norm(const float *x, const float *w, const float *b,
+                                      float *out, int n, float eps, int has_bias) {
+    __shared__ float partial[THREADS];
+    const int row = blockIdx.x, lid = threadIdx.x;
+    const float *xr = x + (size_t)row * n;
+    float acc = 0.0f;
+    for (int i = lid; i < n; i += THREADS) acc += xr[i];
+    const float mean = block_sum(acc, partial) / (float)n;
+    acc = 0.0f;
+    for (int i = lid; i < n; i += THREADS) acc += (xr[i] - mean) * (xr[i] - mean);
+    const float inv = rsqrtf(block_sum(acc, partial) / (float)n + eps);
+    for (int i = lid; i < n; i += THREADS)
+        out[(size_t)row * n + i] = (xr[i] - mean) * inv * w[i] + (has_bias ? b[i] : 0.0f);
 }
 
 extern "C" __global__ void add_inplace(float *x, const float *y, long long size) {
@@ -50,6 +76,31 @@ extern "C" __global__ void silu_mul(const float *gate_up, float *out, int f) {
     if (i >= f) return;
     const float g = gate_up[(size_t)t * 2 * f + i], u = gate_up[(size_t)t * 2 * f + f + i];
     out[(size_t)t * f + i] = g / (1.0f + expf(-g)) * u;
+}
+
+// gelu: the tanh form 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) when `approximate`,
+// else the exact 0.5 x (1 + erf(x / sqrt(2)))
+__device__ __forceinline__ float gelu_f(float x, int approximate) {
+    const float inner = approximate ? tanhf(0.7978845608f * x * (1.0f + 0.044715f * x * x))
+                                    : erff(x * 0.7071067812f);
+    return 0.5f * x * (1.0f + inner);
+}
+
+extern "C" __global__ void gelu_mul(const float *gate_up, float *out, int f, int approximate) {
+    const int t = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= f) return;
+    const float g = gate_up[(size_t)t * 2 * f + i], u = gate_up[(size_t)t * 2 * f + f + i];
+    out[(size_t)t * f + i] = gelu_f(g, approximate) * u;
+}
+
+extern "C" __global__ void gelu_inplace(float *x, long long size, int approximate) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < size) x[i] = gelu_f(x[i], approximate);
+}
+
+extern "C" __global__ void scale_inplace(float *x, long long size, float factor) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < size) x[i] *= factor;
 }
 
 extern "C" __global__ void split_qkv(const float *qkv, float *q, float *k, float *v,
@@ -91,11 +142,14 @@ extern "C" __global__ void reshape_and_cache(const float *k, const float *v, flo
 
 // One warp per (token, query head): lanes split the head dimension; online softmax over the
 // token's visible context through its request's block table. grid (heads, T), block 32.
+// window > 0: a query at position p sees keys p - window < j <= p only; softcap > 0: scores
+// s become softcap * tanh(s / softcap) before the softmax.
 extern "C" __global__ void paged_attention(const float *q, const float *k_cache,
                                            const float *v_cache, const int *token_req,
                                            const int *token_pos, const int *block_tables,
                                            float *out, int heads, int kv_heads, int head_dim,
-                                           int block_size, int max_blocks, float scale) {
+                                           int block_size, int max_blocks, float scale,
+                                           int window, float softcap) {
     const int h = blockIdx.x, t = blockIdx.y, lane = threadIdx.x;
     const int kvh = h / (heads / kv_heads);
     const float *qr = q + ((size_t)t * heads + h) * head_dim;
@@ -109,7 +163,8 @@ extern "C" __global__ void paged_attention(const float *q, const float *k_cache,
     }
     float m = NEG_INF, l = 0.0f;
     const int last = token_pos[t];
-    for (int j = 0; j <= last; ++j) {
+    const int first = window > 0 ? max(0, last - window + 1) : 0;
+    for (int j = first; j <= last; ++j) {
         const size_t slot = (size_t)table[j / block_size] * block_size + j % block_size;
         const float *kr = k_cache + (slot * kv_heads + kvh) * head_dim;
         float s = 0.0f;
@@ -119,6 +174,7 @@ extern "C" __global__ void paged_attention(const float *q, const float *k_cache,
         }
         for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
         s *= scale;
+        if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
         const float m_new = fmaxf(m, s);
         const float correction = expf(m - m_new), p = expf(s - m_new);
         const float *vr = v_cache + (slot * kv_heads + kvh) * head_dim;

@@ -41,7 +41,7 @@ class OpenCLBackend(DeviceBackend):
     """Implements `kernels.ops.Backend` on one OpenCL device."""
 
     name = "opencl"
-    GROUPS = {"rms_norm": GROUP, "argmax_rows": GROUP}
+    GROUPS = {"rms_norm": GROUP, "layer_norm": GROUP, "argmax_rows": GROUP}
 
     def __init__(self, platform: int | None = None, device: int = 0) -> None:
         """platform None: the first platform whose device `device` can build programs

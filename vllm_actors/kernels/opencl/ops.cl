@@ -10,22 +10,49 @@ __kernel void embedding(__global const float *table, __global const int *ids,
 
 #define GROUP 64
 
+// The sum of every work-item's `v` over a work-group of GROUP, given to all of them;
+// `partial` is GROUP floats of local memory, free again on return.
+float group_sum(float v, __local float *partial) {
+    const int lid = get_local_id(0);
+    partial[lid] = v;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int s = GROUP / 2; s > 0; s >>= 1) {
+        if (lid < s) partial[lid] += partial[lid + s];
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    const float total = partial[0];
+    barrier(CLK_LOCAL_MEM_FENCE);
+    return total;
+}
+
 // One work-group of GROUP per row; `n` elements per row.
 __kernel void rms_norm(__global const float *x, __global const float *w, __global float *out,
                        const int n, const float eps) {
     __local float partial[GROUP];
-    const int row = get_group_id(0), lid = get_local_id(0), lsz = GROUP;
+    const int row = get_group_id(0), lid = get_local_id(0);
     __global const float *xr = x + (size_t)row * n;
     float acc = 0.0f;
-    for (int i = lid; i < n; i += lsz) acc += xr[i] * xr[i];
-    partial[lid] = acc;
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (int s = lsz / 2; s > 0; s >>= 1) {
-        if (lid < s) partial[lid] += partial[lid + s];
-        barrier(CLK_LOCAL_MEM_FENCE);
-    }
-    const float inv = 1.0f / sqrt(partial[0] / (float)n + eps);
-    for (int i = lid; i < n; i += lsz) out[(size_t)row * n + i] = xr[i] * inv * w[i];
+    for (int i = lid; i < n; i += GROUP) acc += xr[i] * xr[i];
+    const float inv = 1.0f / sqrt(group_sum(acc, partial) / (float)n + eps);
+    for (int i = lid; i < n; i += GROUP) out[(size_t)row * n + i] = xr[i] * inv * w[i];
+}
+
+// One work-group of GROUP per row: (x - mean) / sqrt(var + eps) * w (+ b), the variance taken
+// of the centered values (two passes over the row, as numpy's reference does).
+__kernel void layer_norm(__global const float *x, __global const float *w,
+                         __global const float *b, __global float *out, const int n,
+                         const float eps, const int has_bias) {
+    __local float partial[GROUP];
+    const int row = get_group_id(0), lid = get_local_id(0);
+    __global const float *xr = x + (size_t)row * n;
+    float acc = 0.0f;
+    for (int i = lid; i < n; i += GROUP) acc += xr[i];
+    const float mean = group_sum(acc, partial) / (float)n;
+    acc = 0.0f;
+    for (int i = lid; i < n; i += GROUP) acc += (xr[i] - mean) * (xr[i] - mean);
+    const float inv = 1.0f / sqrt(group_sum(acc, partial) / (float)n + eps);
+    for (int i = lid; i < n; i += GROUP)
+        out[(size_t)row * n + i] = (xr[i] - mean) * inv * w[i] + (has_bias ? b[i] : 0.0f);
 }
 
 __kernel void add_inplace(__global float *x, __global const float *y, const long size) {
@@ -38,6 +65,32 @@ __kernel void silu_mul(__global const float *gate_up, __global float *out, const
     const int t = get_global_id(1), i = get_global_id(0);
     const float g = gate_up[(size_t)t * 2 * f + i], u = gate_up[(size_t)t * 2 * f + f + i];
     out[(size_t)t * f + i] = g / (1.0f + exp(-g)) * u;
+}
+
+// gelu: the tanh form 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) when `approximate`,
+// else the exact 0.5 x (1 + erf(x / sqrt(2)))
+float gelu_f(const float x, const int approximate) {
+    const float inner = approximate ? tanh(0.7978845608f * x * (1.0f + 0.044715f * x * x))
+                                    : erf(x * 0.7071067812f);
+    return 0.5f * x * (1.0f + inner);
+}
+
+// gate_up [T, 2F] -> gelu(gate) * up [T, F]
+__kernel void gelu_mul(__global const float *gate_up, __global float *out, const int f,
+                       const int approximate) {
+    const int t = get_global_id(1), i = get_global_id(0);
+    const float g = gate_up[(size_t)t * 2 * f + i], u = gate_up[(size_t)t * 2 * f + f + i];
+    out[(size_t)t * f + i] = gelu_f(g, approximate) * u;
+}
+
+__kernel void gelu_inplace(__global float *x, const long size, const int approximate) {
+    const size_t i = get_global_id(0);
+    if (i < size) x[i] = gelu_f(x[i], approximate);
+}
+
+__kernel void scale_inplace(__global float *x, const long size, const float factor) {
+    const size_t i = get_global_id(0);
+    if (i < size) x[i] *= factor;
 }
 
 // qkv [T, (H + 2 Hk) * Dh] -> q [T, H, Dh], k and v [T, Hk, Dh]
@@ -78,12 +131,14 @@ __kernel void reshape_and_cache(__global const float *k, __global const float *v
 
 // One work-item per (token, query head): online softmax over the token's visible context,
 // read through its request's block table. MAX_HEAD_DIM is set when the program is built.
+// window > 0: a query at position p sees keys p - window < j <= p only; softcap > 0: scores
+// s become softcap * tanh(s / softcap) before the softmax.
 __kernel void paged_attention(__global const float *q, __global const float *k_cache,
                               __global const float *v_cache, __global const int *token_req,
                               __global const int *token_pos, __global const int *block_tables,
                               __global float *out, const int heads, const int kv_heads,
                               const int head_dim, const int block_size, const int max_blocks,
-                              const float scale) {
+                              const float scale, const int window, const float softcap) {
     const int t = get_global_id(1), h = get_global_id(0);
     const int kvh = h / (heads / kv_heads);
     __global const float *qr = q + ((size_t)t * heads + h) * head_dim;
@@ -92,12 +147,14 @@ __kernel void paged_attention(__global const float *q, __global const float *k_c
     for (int d = 0; d < head_dim; ++d) acc[d] = 0.0f;
     float m = -INFINITY, l = 0.0f;
     const int last = token_pos[t];
-    for (int j = 0; j <= last; ++j) {
+    const int first = window > 0 ? max(0, last - window + 1) : 0;
+    for (int j = first; j <= last; ++j) {
         const size_t slot = (size_t)table[j / block_size] * block_size + j % block_size;
         __global const float *kr = k_cache + (slot * kv_heads + kvh) * head_dim;
         float s = 0.0f;
         for (int d = 0; d < head_dim; ++d) s += qr[d] * kr[d];
         s *= scale;
+        if (softcap > 0.0f) s = softcap * tanh(s / softcap);
         const float m_new = fmax(m, s);
         const float correction = exp(m - m_new), p = exp(s - m_new);
         __global const float *vr = v_cache + (slot * kv_heads + kvh) * head_dim;
