@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 from family_models import (FAMILY_CONFIGS, FAMILY_PROMPT, GOLDEN_ROWS, GREEDY_PROMPT_LEN,
                            GREEDY_STEPS, write_family_dir)
+from family_gguf import GGUF_ARCH, write_family_gguf
+from gguf import GGMLQuantizationType
 from golden_files import GOLDEN
 from model_driver import greedy_tokens, prompt_logits
 from tp_ranks import run_ranks
@@ -107,3 +109,27 @@ def test_family_hyper_parameters(family_sources):
     assert not qwen2_moe.norm_topk_prob and qwen2_moe.attention_bias
     mixtral = inspect_model(family_sources["mixtral"])[0].args
     assert mixtral.norm_topk_prob and mixtral.moe_intermediate_size == 96
+
+
+@pytest.mark.parametrize("name", sorted(GGUF_ARCH))
+def test_family_gguf_matches_transformers(tmp_path, name):
+    """The same weights as llama.cpp's converter lays them out in GGUF."""
+    path = tmp_path / f"{name}.gguf"
+    write_family_gguf(path, name)
+    backend = NumpyBackend()
+    model = load_model(resolve_model(path), backend)
+    logits = prompt_logits(model, backend, FAMILY_PROMPT[:40], [17, 23], block_size=8)
+    check_rows(logits, name, np.arange(40))
+
+
+def test_quantized_experts_stay_close(tmp_path):
+    """Q8_0 experts split out of their stacked GGUF tensor keep their rows (a wrong split
+    would scramble the experts)."""
+    path = tmp_path / "qwen3_moe-q8.gguf"
+    write_family_gguf(path, "qwen3_moe", qtype=GGMLQuantizationType.Q8_0)
+    backend = NumpyBackend()
+    logits = prompt_logits(load_model(resolve_model(path), backend), backend,
+                           FAMILY_PROMPT[:40], block_size=8)
+    expected = GOLDEN_FAMILIES["qwen3_moe/logits"][GOLDEN_ROWS < 40]
+    diff = float(np.abs(logits[GOLDEN_ROWS[GOLDEN_ROWS < 40]] - expected).max())
+    assert 0 < diff < 0.05

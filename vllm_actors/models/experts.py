@@ -65,7 +65,10 @@ def load_experts(weights: WeightSet, layer: int, args: ModelArgs, plan: Any,
             "ffn_gate", "ffn_up", "ffn_down")), args.shared_expert_size, plan)
         experts.shared_gate_up = b.upload_linear(parts)
         experts.shared_down = b.upload_linear([d])
-        experts.shared_gate = b.upload_linear([weights.require(p + "ffn_gate_inp_shexp.weight")])
+        gate = weights.require(p + "ffn_gate_inp_shexp.weight")
+        if len(gate.shape) == 1:     # llama.cpp stores the shared expert's gate as a vector
+            gate = RawTensor(gate.name, (1, gate.shape[0]), gate.qtype, gate.data.reshape(1, -1))
+        experts.shared_gate = b.upload_linear([gate])
     return experts
 
 

@@ -2,7 +2,8 @@
 
 RMSNorm -> fused QKV -> RoPE -> paged attention (GQA) -> output projection, then RMSNorm ->
 fused gate/up -> SwiGLU -> down projection; tied or separate LM head (`models/decoder.py`).
-Sliding windows where the config asks for them: mistral's `sliding_window` on every layer,
+A llama GGUF with experts (mixtral) reads as `models/moe.py` does. Sliding windows where
+the config asks for them: mistral's `sliding_window` on every layer,
 qwen2/qwen3's `layer_types` when `use_sliding_window`.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_actors.loaders.gguf import GGUFFile
+from vllm_actors.models import moe
 from vllm_actors.models.base import ModelArgs, layer_windows
 from vllm_actors.models.decoder import DecoderLM
 from vllm_actors.models.family import Family
@@ -45,6 +47,8 @@ def args_from_hf(config: dict[str, Any]) -> ModelArgs:
 
 
 def args_from_gguf(gguf: GGUFFile) -> ModelArgs:
+    if gguf.arch_get("expert_count"):     # mixtral: a llama GGUF with experts
+        return moe.args_from_gguf(gguf)
     common = gguf_common(gguf)
     common["rope_interleaved"] = gguf.architecture in GGUF_INTERLEAVED_ROPE
     window = int(gguf.arch_get("attention.sliding_window", 0) or 0)
@@ -56,4 +60,5 @@ FAMILY = Family(
     hf_architectures=tuple(_HF_TO_GGUF_ARCH),
     gguf_architectures=("llama", "mistral", "qwen2", "qwen3"),
     args_from_hf=args_from_hf, args_from_gguf=args_from_gguf, model_class=DecoderLM,
+    sanitize=moe.sanitize,     # splits a mixtral GGUF's stacked experts; else a no-op
 )

@@ -85,7 +85,9 @@ def args_from_gguf(gguf: GGUFFile) -> ModelArgs:
                                       common["intermediate_size"])),
         # llama.cpp renormalizes for mixtral and qwen3moe, not for qwen2moe and olmoe
         norm_topk_prob=bool(get("expert_weights_norm", arch in ("llama", "qwen3moe"))),
-        shared_expert_size=0 if shared is None else int(shared.shape[0]))
+        shared_expert_size=0 if shared is None else int(shared.shape[0]),
+        dense_layers=tuple(i for i in range(common["num_layers"])
+                           if f"blk.{i}.ffn_gate_inp.weight" not in gguf.tensors))
 
 
 def _expert_rows(tensor: RawTensor, expert: int, name: str) -> RawTensor:
