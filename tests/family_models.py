@@ -74,6 +74,12 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
                   "moe_intermediate_size": 32, "norm_topk_prob": True,
                   "decoder_sparse_step": 1, "mlp_only_layers": [], "hidden_act": "silu",
                   "tie_word_embeddings": False, "use_sliding_window": False},
+    # qwen3 with YaRN over an original context of 64 (the 300-token prompt runs past it)
+    "qwen3_yarn": {**_BASE, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+                   "num_hidden_layers": 2, "head_dim": 32, "rms_norm_eps": 1e-6,
+                   "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                       "original_max_position_embeddings": 64},
+                   "hidden_act": "silu", "tie_word_embeddings": False},
     "olmoe": {**_BASE, "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe",
               "num_hidden_layers": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
               "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": False,
@@ -143,7 +149,7 @@ def family_weights(config: dict[str, Any]) -> dict[str, np.ndarray]:
         if kind in ("olmo2", "olmoe"):
             w[a + "q_norm.weight"] = norm(h * dh)
             w[a + "k_norm.weight"] = norm(hk * dh)
-        if kind == "qwen3_moe":
+        if kind in ("qwen3_moe", "qwen3"):
             w[a + "q_norm.weight"] = norm(dh)
             w[a + "k_norm.weight"] = norm(dh)
         if kind == "qwen2_moe":

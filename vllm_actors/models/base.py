@@ -177,10 +177,58 @@ def _llama3_inv_freq(inv_freq: np.ndarray, scaling: dict[str, Any]) -> np.ndarra
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_inv_freq(args: ModelArgs, scaling: dict[str, Any]) -> np.ndarray:
+    """YaRN (Peng et al., 2023) as transformers computes it: per frequency, a linear ramp
+    between the interpolated (divided by `factor`) and the original inverse frequency, the
+    ramp's ends set by beta_fast / beta_slow rotations over the original context."""
+    dim, base = args.rotary_dim, args.rope_theta
+    factor = float(scaling.get("factor") or args.max_position_embeddings
+                   / scaling["original_max_position_embeddings"])
+    original = float(scaling["original_max_position_embeddings"])
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low))
+                   / np.float32(high - low), 0, 1).astype(np.float32)
+    pos_freqs = np.float32(base) ** (np.arange(0, dim, 2).astype(np.float32) / np.float32(dim))
+    extrapolation = (np.float32(1.0) / pos_freqs).astype(np.float32)
+    interpolation = (np.float32(1.0) / (np.float32(factor) * pos_freqs)).astype(np.float32)
+    keep = np.float32(1.0) - ramp
+    return (interpolation * (np.float32(1.0) - keep) + extrapolation * keep).astype(np.float32)
+
+
+def rope_attention_factor(args: ModelArgs) -> float:
+    """The factor cos/sin are multiplied by (YaRN's attention scaling; 1 for other types)."""
+    scaling = args.rope_scaling
+    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling.get("factor") or args.max_position_embeddings
+                   / scaling["original_max_position_embeddings"])
+    mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all:
+        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+    return _yarn_mscale(factor)
+
+
 def rope_inv_freq(args: ModelArgs, freq_factors: np.ndarray | None = None,
                   path: str | Path = "") -> np.ndarray:
-    """inv_freq [rotary_dim / 2] with the model's scaling (none, linear, llama3, or the GGUF
-    `rope_freqs` factors), computed in float32 as transformers does.
+    """inv_freq [rotary_dim / 2] with the model's scaling (none, linear, llama3, yarn, or the
+    GGUF `rope_freqs` factors), computed in float32 as transformers does.
 
     Raises:
         UnsupportedModelError: a rope scaling type we do not implement.
@@ -193,10 +241,12 @@ def rope_inv_freq(args: ModelArgs, freq_factors: np.ndarray | None = None,
         inv_freq = inv_freq / np.float32(args.rope_scaling["factor"])
     elif kind == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, args.rope_scaling)
+    elif kind == "yarn":
+        inv_freq = _yarn_inv_freq(args, args.rope_scaling)
     elif kind not in ("default", "none", None):
         raise UnsupportedModelError(path or args.architecture,
                                     f"rope scaling type {kind!r} is not supported "
-                                    "(supported: default, linear, llama3)")
+                                    "(supported: default, linear, llama3, yarn)")
     if freq_factors is not None:
         inv_freq = inv_freq / freq_factors.astype(np.float32)
     return inv_freq

@@ -28,8 +28,8 @@ import numpy as np
 from vllm_actors.errors import ModelFormatError, ValidationError
 from vllm_actors.kernels.ops import AttentionMetadata, Backend, RopeTables
 from vllm_actors.loaders.weights import RawTensor, WeightSet
-from vllm_actors.models.base import (ModelArgs, ParallelGroup, SingleRank, rope_cos_sin,
-                                     rope_inv_freq)
+from vllm_actors.models.base import (ModelArgs, ParallelGroup, SingleRank,
+                                     rope_attention_factor, rope_cos_sin, rope_inv_freq)
 from vllm_actors.models.experts import Experts, load_experts, run_experts
 from vllm_actors.models.sharding import ShardPlan
 
@@ -112,6 +112,10 @@ class DecoderLM:
         b = self.backend
         cos, sin = rope_cos_sin(rope_inv_freq(args, factors, weights.path),
                                 args.max_position_embeddings)
+        attention_factor = rope_attention_factor(args)
+        if attention_factor != 1.0:
+            cos *= np.float32(attention_factor)
+            sin *= np.float32(attention_factor)
         return RopeTables(b.upload_array(cos), b.upload_array(sin), args.rotary_dim,
                           interleaved=False)
 

@@ -43,6 +43,10 @@ def gguf_common(gguf: GGUFFile) -> dict[str, Any]:
     if scaling_type not in (None, "none"):
         scaling = {"rope_type": scaling_type, "factor": float(get("rope.scaling.factor", 1.0)),
                    "original_max_position_embeddings": get("rope.scaling.original_context_length")}
+        for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                          ("attn_factor", "attention_factor")):
+            if get(f"rope.scaling.{key}") is not None:
+                scaling[name] = float(get(f"rope.scaling.{key}"))
     vocab = get("vocab_size") or len(gguf.get("tokenizer.ggml.tokens", ()))
     if not vocab:
         vocab = gguf.tensors["token_embd.weight"].shape[0]
