@@ -6,6 +6,10 @@ numpy within atol 2e-5 (rtol 1e-5). A float16 cache is compared against numpy at
 the same float16-rounded K/V, within atol 2e-3 (in practice both differ only by float32
 rounding, ~1e-6). Plans are built for 2 threads whatever the machine has, so the split-context
 (flash-decoding) path and the parallel entry points run everywhere.
+
+Sliding windows and soft-capping (Gemma 2/3) run the same comparisons; the cache is poisoned
+(NaN) before each request's first window too, so a kernel that reads a key no row can see
+fails, and the reference is checked to differ from plain attention (the option mattered).
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ import numpy as np
 import pytest
 
 from vllm_actors.kernels.cpu import attention as cpu
-from vllm_actors.kernels.cpu.intrinsics import HARDWARE_HALF
+from vllm_actors.kernels.cpu.attention_kernels import K0, K1, POS0
 from vllm_actors.kernels.cpu.attention_math import f32_to_half, half_to_f32, read_half
+from vllm_actors.kernels.cpu.attention_plan import MIN_SPLIT_KEYS
+from vllm_actors.kernels.cpu.intrinsics import HARDWARE_HALF
 from vllm_actors.kernels.cpu.jit import kernel
 from vllm_actors.kernels.numpy_backend import NumpyBackend
 from vllm_actors.kernels.ops import AttentionMetadata
@@ -108,9 +114,10 @@ def _step(q_lens, cached, block_size, num_kv_heads, head_dim, rng, spare_blocks=
                              block_size), total
 
 
-def _poison_unread(cache, meta, dtype):
-    """NaN wherever attention must not read: the null block, spare blocks, and the slots past
-    each sequence's end in its last block."""
+def _poison_unread(cache, meta, dtype, window=0):
+    """NaN wherever attention must not read: the null block, spare blocks, the slots past
+    each sequence's end in its last block and, under a sliding window, the keys before the
+    window of the request's first query token."""
     nan = np.array(np.nan, np.float32)
     nan = nan.astype(np.float16).view(np.uint16) if dtype == "float16" else nan
     block_size = meta.block_size
@@ -120,11 +127,18 @@ def _poison_unread(cache, meta, dtype):
         used[blocks] = True
         for part in cache:
             part[blocks[-1], length - (len(blocks) - 1) * block_size:] = nan
+        first = length - (meta.query_start_loc[b + 1] - meta.query_start_loc[b])
+        for pos in range(max(first - window + 1, 0) if window else 0):
+            for part in cache:
+                part[blocks[pos // block_size], pos % block_size] = nan
     for part in cache:
         part[~used] = nan
 
 
-def _compare(q_lens, cached, heads, kv_heads, head_dim, block_size, dtype, seed=0, threads=2):
+def _compare(q_lens, cached, heads, kv_heads, head_dim, block_size, dtype, seed=0, threads=2,
+             window=0, softcap=0.0, q_gain=1.0, window_plan=True):
+    """window_plan=False: the kernels run under a window on the plan built for none, whose
+    split items may lie wholly before the window (empty partial states)."""
     rng = np.random.default_rng(seed)
     meta, total = _step(q_lens, cached, block_size, kv_heads, head_dim, rng)
     tokens = int(sum(q_lens))
@@ -134,6 +148,7 @@ def _compare(q_lens, cached, heads, kv_heads, head_dim, block_size, dtype, seed=
     k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].reshape(tokens, kv_heads,
                                                                         head_dim)
     v = qkv[:, (heads + kv_heads) * head_dim:].reshape(tokens, kv_heads, head_dim)
+    q *= np.float32(q_gain)        # large scores, for soft-capping to matter
     # earlier context, already in the cache
     shape = (total, block_size, kv_heads, head_dim)
     prior_k = rng.standard_normal(shape, dtype=np.float32)
@@ -155,17 +170,24 @@ def _compare(q_lens, cached, heads, kv_heads, head_dim, block_size, dtype, seed=
     ref_attn = backend.prepare_attention(meta)
     backend.reshape_and_cache(k_ref, v_ref, ref_cache, ref_attn)
     scale = head_dim ** -0.5
-    expected = backend.paged_attention(np.ascontiguousarray(q), ref_cache, ref_attn, scale)
+    expected = backend.paged_attention(np.ascontiguousarray(q), ref_cache, ref_attn, scale,
+                                       window, softcap)
+    if window or softcap:
+        plain = backend.paged_attention(np.ascontiguousarray(q), ref_cache, ref_attn, scale)
+        assert np.abs(plain - expected).max() > 1e-2
 
     attn = cpu.prepare(meta, threads=threads)
+    if not window_plan:
+        attn.plans[(kv_heads, heads // kv_heads, head_dim, window)] = \
+            attn.plan(kv_heads, heads // kv_heads, head_dim)
     cpu.write_kv(k, v, cache, attn)
     written = cache[0].reshape(-1, kv_heads, head_dim)[meta.slot_mapping]
     if dtype == "float16":
         np.testing.assert_array_equal(written, k.astype(np.float16).view(np.uint16))
     else:
         np.testing.assert_array_equal(written, k)
-    _poison_unread(cache, meta, dtype)
-    got = cpu.paged_attention(q, cache, attn, scale)
+    _poison_unread(cache, meta, dtype, window)
+    got = cpu.paged_attention(q, cache, attn, scale, window=window, softcap=softcap)
     np.testing.assert_allclose(got, expected, atol=ATOL[dtype], rtol=1e-5)
     return attn
 
@@ -221,6 +243,78 @@ def test_single_thread_plan_and_out_argument():
     assert cpu.paged_attention(rng.standard_normal((3, 2, 64), dtype=np.float32), cache, attn,
                                0.125, out=out) is out
     assert np.isfinite(out).all()
+
+
+WINDOWS = [0, 1, 5, 16, 100]
+SOFTCAPS = [0.0, 30.0]
+
+
+def _gain(softcap):
+    """q scaled up under a soft cap: scores of ~10 (std), which a cap of 30 bends (plain
+    attention keeps unit scores: large ones only magnify float32 rounding)."""
+    return 10.0 if softcap else 1.0
+
+
+@pytest.mark.parametrize("softcap", SOFTCAPS)
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [
+    (9, 3, 64, 16),       # g = 3
+    (4, 4, 80, 1),        # g = 1, one token per block
+    (6, 2, 66, 4),        # head dim not a multiple of 4: prefill rows take the decode path
+])
+def test_window_and_softcap_mixed_steps(dtype, window, softcap, heads, kv_heads, head_dim,
+                                        block_size):
+    _compare([1, 37, 1, 70, 2, 1], [40, 0, 300, 129, 7, 0], heads, kv_heads, head_dim,
+             block_size, dtype, seed=10, window=window, softcap=softcap, q_gain=_gain(softcap))
+
+
+@pytest.mark.parametrize("softcap", SOFTCAPS)
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_window_and_softcap_decode_and_prefill(dtype, window, softcap):
+    _compare([1] * 9, [3, 17, 64, 100, 255, 31, 1, 0, 500], 8, 2, 128, 16, dtype, seed=11,
+             window=window, softcap=softcap, q_gain=_gain(softcap))
+    _compare([400, 33], [0, 0], 9, 3, 64, 16, dtype, seed=12, window=window, softcap=softcap,
+             q_gain=_gain(softcap))
+
+
+@pytest.mark.parametrize("window_plan", [True, False])
+@pytest.mark.parametrize("softcap", SOFTCAPS)
+@pytest.mark.parametrize("window", [5, 100, 1000])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_window_and_softcap_split_contexts(dtype, window, softcap, window_plan):
+    """Long contexts split across threads; on the window-less plan (window_plan=False) most
+    parts lie before the window and must come out empty for the merge to skip."""
+    attn = _compare([1], [3001], 8, 2, 128, 16, dtype, seed=13, window=window,
+                    softcap=softcap, q_gain=_gain(softcap), window_plan=window_plan)
+    parts = attn.plan(2, 4, 128, window if window_plan else 0).num_parts
+    if not window_plan:
+        assert parts > 1              # most of them wholly before the window
+    elif window < 2 * MIN_SPLIT_KEYS:
+        assert parts == 0             # only the window's keys are planned: no split
+    _compare([40, 1, 300], [2960, 2999, 1800], 9, 3, 64, 16, dtype, seed=14, window=window,
+             softcap=softcap, q_gain=_gain(softcap), window_plan=window_plan)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_softcap_far_past_the_cap(dtype):
+    """Scores in the hundreds under a cap of 30: the softmax's running max must be taken
+    after the cap (the uncapped one would underflow every probability)."""
+    _compare([400, 33, 1], [0, 0, 700], 9, 3, 64, 16, dtype, seed=16, softcap=30.0,
+             q_gain=300.0)
+
+
+def test_window_plan_splits_only_the_window():
+    rng = np.random.default_rng(15)
+    attn = cpu.prepare(_step([1], [8000], 16, 2, 128, rng)[0], threads=2)
+    plain, windowed = attn.plan(2, 4, 128), attn.plan(2, 4, 128, 1024)
+    assert plain.num_parts > windowed.num_parts > 1
+    assert (windowed.items[:, K0] >= 8000 - 1024 + 1).all()
+    attn = cpu.prepare(_step([1, 64], [8000, 6000], 16, 2, 128, rng)[0], threads=2)
+    items = attn.plan(2, 4, 128, 1024).items
+    assert (items[:, K0] >= items[:, POS0] - 1024 + 1).all()   # from the first row's window
+    assert (items[:, K1] - items[:, K0] <= 1024 + 64).all()
 
 
 def test_rejects_bad_shapes():

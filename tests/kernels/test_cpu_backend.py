@@ -21,7 +21,7 @@ from vllm_actors.kernels import get_backend, quant
 from vllm_actors.kernels.cpu import elementwise
 from vllm_actors.kernels.cpu.backend import CpuBackend
 from vllm_actors.kernels.numpy_backend import NumpyBackend
-from vllm_actors.kernels.ops import RopeTables
+from vllm_actors.kernels.ops import AttentionMetadata, RopeTables
 from vllm_actors.loaders.model_files import resolve_model
 from vllm_actors.loaders.weights import RawTensor
 from vllm_actors.models.base import rope_cos_sin
@@ -63,7 +63,7 @@ def test_rms_norm_and_fused_add(cpu, rows):
 
 def test_rms_norm_over_heads_of_a_strided_view(cpu):
     qkv = rand(5, (4 + 2 * 2) * 16)
-    q, k, _ = cpu.split_qkv(qkv, 4, 2, 16)
+    _, k, _ = cpu.split_qkv(qkv, 4, 2, 16)
     w = rand(16)
     close(cpu.rms_norm(k, w, 1e-6), REF.rms_norm(np.ascontiguousarray(k), w, 1e-6), 2e-5)
 
@@ -75,6 +75,81 @@ def test_silu_mul(cpu, rows):
     with np.errstate(over="ignore"):
         want = REF.silu_mul(gate_up)
     close(cpu.silu_mul(gate_up), want, 1e-6)
+
+
+EXTREMES = [-200.0, 200.0, 0.0, -9.0, 9.0, -1e-4, 3e-5, 0.7]   # exp overflow, tanh -> +-1
+
+
+@pytest.mark.parametrize("approximate", [True, False], ids=["tanh", "erf"])
+@pytest.mark.parametrize("rows, width", [(1, 96), (7, 97), (elementwise.PARALLEL_ROWS + 3, 33)])
+def test_gelu_mul(cpu, rows, width, approximate):
+    gate_up = rand(rows, 2 * width) * 4
+    gate_up[0, :len(EXTREMES)] = EXTREMES
+    want = REF.gelu_mul(gate_up, approximate)
+    got = cpu.gelu_mul(gate_up, approximate)
+    close(got, want, 1e-6)
+    assert np.isfinite(got).all()
+    other = REF.gelu_mul(gate_up, not approximate)    # the forms differ: each is the one asked
+    assert np.abs(other - want).max() > 1e-4
+
+
+@pytest.mark.parametrize("approximate", [True, False], ids=["tanh", "erf"])
+@pytest.mark.parametrize("rows, width", [(1, 64), (5, 101), (elementwise.PARALLEL_ROWS + 3, 9)])
+def test_gelu(cpu, rows, width, approximate):
+    x = rand(rows, width) * 4
+    x[0, :len(EXTREMES)] = EXTREMES
+    want = REF.gelu(x.copy(), approximate)
+    close(cpu.gelu(x.copy(), approximate), want, 1e-6)
+    wide = rand(rows, 2 * width) * 4
+    view = wide[:, ::2]                                # strided: into a new array
+    close(cpu.gelu(view, approximate), REF.gelu(np.ascontiguousarray(view), approximate), 1e-6)
+
+
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("shape", [(1, 576), (7, 97), (elementwise.PARALLEL_ROWS + 3, 64),
+                                   (3, 4, 33)])
+def test_layer_norm(cpu, shape, with_bias):
+    x = rand(*shape) * 3 + 5                           # off-centre: the mean matters
+    w, bias = rand(shape[-1]), rand(shape[-1]) if with_bias else None
+    want = REF.layer_norm(x, w, bias, 1e-5)
+    got = cpu.layer_norm(x, w, bias, 1e-5)
+    close(got, want, 2e-5)
+    if with_bias:
+        assert np.abs(REF.layer_norm(x, w, None, 1e-5) - want).max() > 1e-2
+
+
+def test_scale(cpu):
+    for x in (rand(3, 97), rand(elementwise.PARALLEL_ROWS + 3, 64)):
+        want = x * np.float32(0.125)
+        got = cpu.scale(x, 0.125)
+        close(got, want, 1e-6)
+        close(np.asarray(got), REF.scale(np.array(x / np.float32(0.125)), 0.125), 1e-6)
+
+
+def test_paged_attention_passes_window_and_softcap(cpu):
+    """The backend method hands both options to the kernels (their own tests are in
+    test_cpu_attention.py): a decode and a 20-token chunk, one sequence each."""
+    meta = AttentionMetadata(np.array([0, 1, 21], np.int32), np.array([30, 20], np.int32),
+                             np.array([[1, 2], [3, 4]], np.int32),
+                             np.array([45] + list(range(48, 68)), np.int64), 16)
+    q, k, v = rand(21, 4, 8) * 4, rand(21, 2, 8), rand(21, 2, 8)
+    caches = []
+    for backend in (cpu, REF):
+        cache = backend.allocate_kv_cache(1, 5, 16, 2, 8)[0]
+        for part in cache:
+            part[...] = rand(*part.shape)
+        caches.append(cache)
+    caches[1][0][...], caches[1][1][...] = caches[0]
+    outs = []
+    for backend, cache in zip((cpu, REF), caches):
+        attn = backend.prepare_attention(meta)
+        backend.reshape_and_cache(k, v, cache, attn)
+        outs.append([backend.paged_attention(q.copy(), cache, attn, 0.35, window, softcap)
+                     for window, softcap in ((0, 0.0), (5, 0.0), (0, 2.0), (5, 2.0))])
+    for got, want in zip(*outs):
+        close(got, want, 2e-5)
+    plain = outs[1][0]
+    assert all(np.abs(other - plain).max() > 1e-2 for other in outs[1][1:])
 
 
 @pytest.mark.parametrize("rows", ROW_COUNTS)

@@ -62,12 +62,26 @@ def test_family_logits_match_transformers(family_sources, name, length, chunks):
     check_rows(logits, name, np.arange(length))
 
 
+@pytest.fixture(scope="module")
+def cpu_backend():
+    from vllm_actors.kernels.cpu.backend import CpuBackend
+    return CpuBackend()
+
+
 @pytest.mark.parametrize("name", NAMES)
-def test_family_greedy_matches_transformers(family_sources, name):
-    backend = NumpyBackend()
+@pytest.mark.parametrize("device", ["numpy", "cpu"])
+def test_family_greedy_matches_transformers(family_sources, name, device, cpu_backend):
+    backend = NumpyBackend() if device == "numpy" else cpu_backend
     model = load_model(family_sources[name], backend)
     tokens = greedy_tokens(model, backend, FAMILY_PROMPT[:GREEDY_PROMPT_LEN], GREEDY_STEPS)
     check_greedy(tokens, name)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_family_logits_on_the_compiled_cpu_backend(family_sources, name, cpu_backend):
+    model = load_model(family_sources[name], cpu_backend)
+    logits = prompt_logits(model, cpu_backend, FAMILY_PROMPT, [1, 16, 83, 200], block_size=8)
+    check_rows(logits, name, np.arange(300))
 
 
 FULL_QK_NORM = ("olmo2", "olmoe")   # q/k norms over all heads: tensor parallelism refused

@@ -14,7 +14,12 @@ the matmuls).
 
     attn = prepare(meta)                          # once per step
     write_kv(k, v, kv_cache[layer], attn)         # per layer
-    out = paged_attention(q, kv_cache[layer], attn, scale)
+    out = paged_attention(q, kv_cache[layer], attn, scale)   # window=, softcap= (Gemma 2/3)
+
+Sliding windows: an item starts at its first row's window start (a decode reads only its last
+`window` keys) and the plan, built per window, splits only the keys in the windows; rows of a
+tile are masked by position. Soft-capping applies tanh to a tile's scores before its softmax
+step, in the kernels' base-2 domain (cap = softcap * log2 e); without it no tanh runs.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ from vllm_actors.kernels.ops import AttentionMetadata
 
 CACHE_DTYPES = {"float32": np.float32, "float16": np.uint16}
 _LOG2E = 1.4426950408889634
+NO_WINDOW = 1 << 40       # the window the kernels get for "none": past any context
+_NO_CAP = np.float32(0.0)
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
@@ -63,8 +70,9 @@ class CpuAttention:
         slot_mapping: [T] int64 flat KV slot of each token (negative: not written).
         block_size: tokens per KV block.
         threads: threads the work is partitioned for (numba's count at `prepare`).
-        plans: the work partition per (num_kv_heads, g, head_dim), built on the step's first
-            attention call (every layer of a model shares it).
+        plans: the work partition per (num_kv_heads, g, head_dim, window), built on the
+            step's first attention call (every layer of a model, or of a window size, shares
+            it).
     """
 
     query_start_loc: np.ndarray
@@ -80,15 +88,15 @@ class CpuAttention:
     def num_tokens(self) -> int:
         return int(self.slot_mapping.shape[0])
 
-    def plan(self, num_kv_heads: int, g: int, head_dim: int) -> Plan:
-        key = (num_kv_heads, g, head_dim)
+    def plan(self, num_kv_heads: int, g: int, head_dim: int, window: int = 0) -> Plan:
+        key = (num_kv_heads, g, head_dim, window)
         found = self.plans.get(key)
         if found is None:
             with self._lock:
                 found = self.plans.get(key)
                 if found is None:
                     found = build_plan(self.query_start_loc, self.seq_lens, num_kv_heads, g,
-                                       head_dim, self.threads)
+                                       head_dim, self.threads, window)
                     self.plans[key] = found
         return found
 
@@ -130,11 +138,13 @@ def write_kv(k: np.ndarray, v: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarra
 
 
 def paged_attention(q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray],
-                    attn: CpuAttention, scale: float, out: np.ndarray | None = None
-                    ) -> np.ndarray:
+                    attn: CpuAttention, scale: float, out: np.ndarray | None = None,
+                    window: int = 0, softcap: float = 0.0) -> np.ndarray:
     """Causal attention of q float32 [T, H, Dh] over each request's cached context -> [T, H, Dh]
     float32 (into `out` when given, which must be C-contiguous). A strided q (a view of a fused
-    QKV output) is copied first: the kernels are compiled for C-contiguous queries only."""
+    QKV output) is copied first: the kernels are compiled for C-contiguous queries only.
+    `window` > 0: a query at position p sees keys p - window < k <= p; `softcap` > 0: scores
+    s become softcap * tanh(s / softcap) (see `ops.Backend.paged_attention`)."""
     k_cache, v_cache = kv_cache
     if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
         raise ValueError("the KV cache must be C-contiguous (as allocate_kv_cache makes it)")
@@ -152,20 +162,23 @@ def paged_attention(q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray],
     if num_tokens == 0:
         return out
     g = num_heads // num_kv_heads
-    plan = attn.plan(num_kv_heads, g, head_dim)
+    window = max(0, window)
+    plan = attn.plan(num_kv_heads, g, head_dim, window)
     parts = max(plan.num_parts, 1)
     pm = np.empty((parts, plan.rows_max), np.float32)
     pl = np.empty((parts, plan.rows_max), np.float32)
     pacc = np.empty((parts, plan.rows_max, head_dim), np.float32)
     shift = attn.block_size.bit_length() - 1
     qscale = np.float32(scale * _LOG2E)
+    cap = np.float32(softcap * _LOG2E) if softcap > 0 else _NO_CAP
+    wnd = int(window) if window else NO_WINDOW
     kc, vc = k_cache.reshape(-1), v_cache.reshape(-1)
     if plan.lanes > 1:
         run_items(q, kc, vc, attn.block_tables, shift, num_kv_heads, plan.items, plan.lanes, g,
-                  plan.rows_max, qscale, out, pm, pl, pacc)
+                  plan.rows_max, qscale, wnd, cap, out, pm, pl, pacc)
     else:   # one item (or one thread): no parallel region to start
         run_lane(q, kc, vc, attn.block_tables, shift, num_kv_heads, plan.items,
-                 np.zeros(1, np.int64), g, plan.rows_max, qscale, out, pm, pl, pacc)
+                 np.zeros(1, np.int64), g, plan.rows_max, qscale, wnd, cap, out, pm, pl, pacc)
     if len(plan.merges):
         merge_range(plan.merges, 0, len(plan.merges), g, pm, pl, pacc, out)
     return out

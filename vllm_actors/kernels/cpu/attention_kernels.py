@@ -30,6 +30,7 @@ from vllm_actors.kernels.cpu.attention_tiles import (
     TK,
     ZERO,
     prefetch_rows,
+    softcap_rows,
     softmax_rows,
     tile_pv,
     tile_scores,
@@ -46,9 +47,11 @@ M_TOK0, M_NQ, M_KVH0, M_KVH1, M_PART0, M_PARTS = range(6)
 
 @kernel
 def attend_item(q, kc, vc, table, shift, hk, tok0, pos0, nq, g, kvh0, kvh1, k0, k1, qscale,
-                qt, kbuf, vbuf, offs, s, m, l, acc):
-    """The item's rows over keys k0..k1-1, causal (query token i sits at position pos0 + i);
-    leaves the unnormalized state in m, l, acc (rows head-major). kc, vc: flat caches."""
+                window, cap, qt, kbuf, vbuf, offs, s, m, l, acc):
+    """The item's rows over keys k0..k1-1, causal (query token i sits at position pos0 + i)
+    within the sliding `window`, scores soft-capped at `cap` (base 2; 0: none); leaves the
+    unnormalized state in m, l, acc (rows head-major; m = -inf, l = 0 for a row that saw no
+    key). kc, vc: flat caches."""
     dh = acc.shape[1]
     rows = nq * g
     for h in range(kvh0, kvh1):
@@ -63,7 +66,7 @@ def attend_item(q, kc, vc, table, shift, hk, tok0, pos0, nq, g, kvh0, kvh1, k0, 
     ksrc = row_source(kc, kbuf)
     vsrc = row_source(vc, vbuf)
     end = min(k1, pos0 + nq)
-    for t0 in range(k0, end, TK):
+    for t0 in range(max(k0, pos0 - window + 1), end, TK):   # from the first row's window
         n = min(TK, end - t0)
         ahead = min(TK, end - t0 - n)
         prefetch_rows(kc, table, shift, hk, dh, kvh0, kvh1, t0 + n, ahead)
@@ -72,7 +75,9 @@ def attend_item(q, kc, vc, table, shift, hk, tok0, pos0, nq, g, kvh0, kvh1, k0, 
             r0 = (h - kvh0) * rows
             stage_rows(kc, table, shift, hk, h, t0, n, kbuf, offs)
             tile_scores(qt, r0, rows, ksrc, offs, n, s)
-            softmax_rows(s, r0, nq, g, pos0, t0, n, m, l, acc)
+            if cap > ZERO:
+                softcap_rows(s, r0, rows, n, cap)
+            softmax_rows(s, r0, nq, g, pos0, t0, n, window, m, l, acc)
             stage_rows(vc, table, shift, hk, h, t0, n, vbuf, offs)
             tile_pv(s, r0, rows, vsrc, offs, n, acc)
 
@@ -98,10 +103,11 @@ def finish_rows(tok0, nq, g, kvh0, kvh1, m, l, acc, part, out, pm, pl, pacc):
 
 
 @kernel
-def run_lane(q, kc, vc, block_tables, shift, hk, items, counter, g, rows_max, qscale, out, pm,
-             pl, pacc):
+def run_lane(q, kc, vc, block_tables, shift, hk, items, counter, g, rows_max, qscale, window,
+             cap, out, pm, pl, pacc):
     """One thread's share: items taken in order from the shared `counter` until none is left.
-    kc, vc: the caches flattened; `shift` is log2 of the block size, hk the KV heads."""
+    kc, vc: the caches flattened; `shift` is log2 of the block size, hk the KV heads; window
+    and cap as in `attend_item`."""
     dh = q.shape[2]
     n_items = items.shape[0]
     ldp = (rows_max + 15) // 16 * 16          # prefill rows, padded for the 16-row blocks
@@ -133,32 +139,33 @@ def run_lane(q, kc, vc, block_tables, shift, hk, items, counter, g, rows_max, qs
         table = block_tables[items[it, REQ]]
         if blocked and nq > 1 and kvh1 == kvh0 + 1:
             attend_prefill(q, kc, vc, table, shift, hk, tok0, items[it, POS0], nq, g, kvh0,
-                           items[it, K0], items[it, K1], qscale, qT, accT, sT, m, l, mref,
-                           kbuf, vbuf, offs)
+                           items[it, K0], items[it, K1], qscale, window, cap, qT, accT, sT, m,
+                           l, mref, kbuf, vbuf, offs)
             finish_prefill(tok0, nq, g, kvh0, m, l, accT, items[it, PART], out, pm, pl, pacc)
         else:
             attend_item(q, kc, vc, table, shift, hk, tok0, items[it, POS0], nq, g, kvh0, kvh1,
-                        items[it, K0], items[it, K1], qscale, qt, kbuf, vbuf, offs, s, m, l,
-                        acc)
+                        items[it, K0], items[it, K1], qscale, window, cap, qt, kbuf, vbuf, offs,
+                        s, m, l, acc)
             finish_rows(tok0, nq, g, kvh0, kvh1, m, l, acc, items[it, PART], out, pm, pl,
                         pacc)
         it = fetch_add(counter, 1)
 
 
 @kernel(parallel=True)
-def run_items(q, kc, vc, block_tables, shift, hk, items, lanes, g, rows_max, qscale, out, pm,
-              pl, pacc):
+def run_items(q, kc, vc, block_tables, shift, hk, items, lanes, g, rows_max, qscale, window,
+              cap, out, pm, pl, pacc):
     """Every item, on `lanes` threads sharing one counter."""
     counter = np.zeros(1, np.int64)
     for _lane in prange(lanes):
-        run_lane(q, kc, vc, block_tables, shift, hk, items, counter, g, rows_max, qscale, out,
-                 pm, pl, pacc)
+        run_lane(q, kc, vc, block_tables, shift, hk, items, counter, g, rows_max, qscale,
+                 window, cap, out, pm, pl, pacc)
 
 
 @kernel
 def merge_range(merges, lo, hi, g, pm, pl, pacc, out):
     """Combine the partial states of split items lo..hi-1 (rows laid out as in
-    `finish_rows`). On one thread: a few rows x Dh per split item."""
+    `finish_rows`; a part where a row saw no key, m = -inf, counts for nothing). On one
+    thread: a few rows x Dh per split item."""
     dh = pacc.shape[2]
     for i in range(lo, hi):
         tok0 = merges[i, M_TOK0]

@@ -1,4 +1,4 @@
-"""Scalar helpers the attention kernels inline: float16 <-> float32 on raw bits and exp2.
+"""Scalar helpers the attention kernels inline: float16 <-> float32 on raw bits, exp2 and tanh.
 
 numba has no float16 type on the CPU, so a float16 KV cache is stored as uint16 bits. The
 conversions here are branch-free (selects only), so loops over a row vectorize; they match
@@ -185,3 +185,30 @@ def exp2(x):
     p = p * f + _C0
     scale = bits_to_f32(_U(_U(np.int32(n) + np.int32(127)) << _U(23)))
     return p * scale if x >= np.float32(-126.0) else np.float32(0.0)
+
+
+# tanh(a) / a on [0, TANH_SMALL] as a polynomial in a^2 (least squares, degree 5: relative
+# error ~1e-7, float32 rounding); above it tanh(a) = 1 - 2 / (e^(2a) + 1) through exp2.
+TANH_SMALL = np.float32(0.625)
+_T = [np.float32(c) for c in (1.0, -0.33333277702331543, 0.13331417739391327,
+                              -0.053739793598651886, 0.020642109215259552,
+                              -0.005709814373403788)]
+_T0, _T1, _T2, _T3, _T4, _T5 = _T
+_TWO_LOG2E = np.float32(2.0 / _LN2)
+
+
+@kernel
+def tanh(x):
+    """tanh of float32 x, branch-free (relative error ~3e-7; +-1 from |x| ~ 9 on)."""
+    a = abs(x)
+    t = a * a
+    p = _T5
+    p = p * t + _T4
+    p = p * t + _T3
+    p = p * t + _T2
+    p = p * t + _T1
+    p = p * t + _T0
+    e = exp2(min(a * _TWO_LOG2E, np.float32(126.0)))
+    big = np.float32(1.0) - np.float32(2.0) / (e + np.float32(1.0))
+    y = a * p if a < TANH_SMALL else big
+    return y if x >= np.float32(0.0) else -y

@@ -15,6 +15,10 @@ its keys (flash-decoding style: each split keeps its own softmax max/sum/accumul
 `merge_parts` combines them), down to MIN_SPLIT_KEYS keys a split. This keeps both cores busy
 at decode batch 1. Items are sorted by decreasing cost; threads take them from a shared
 counter (largest first, so the last ones to be taken are the small ones).
+
+Sliding window: a unit's keys start at its first row's window start (p - window + 1), and
+costs and splits count only the keys from there (a decode over a long context with a short
+window is not split into parts that would each find nothing to read).
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ class Plan:
 
 
 @kernel
-def _put(units, u, tok0, nq, pos0, kend, kvh0, kvh1, req):
+def _put(units, u, tok0, nq, pos0, kend, kvh0, kvh1, req, window):
     units[u, 0] = tok0
     units[u, 1] = nq
     units[u, 2] = pos0
@@ -66,51 +70,56 @@ def _put(units, u, tok0, nq, pos0, kend, kvh0, kvh1, req):
     units[u, 4] = kvh0
     units[u, 5] = kvh1
     units[u, 6] = req
+    units[u, 7] = max(pos0 - window + 1, 0) if window > 0 else 0
 
 
 @kernel
-def _units(qsl, seq_lens, hk, g, tile_tokens):
-    """[U, 7] int64 (tok0, nq, pos0, key_end, kvh0, kvh1, req) and cost of each unit."""
+def _units(qsl, seq_lens, hk, g, tile_tokens, window):
+    """[U, 8] int64 (tok0, nq, pos0, key_end, kvh0, kvh1, req, key_start) and cost of each
+    unit (window 0: none)."""
     count = 0
     for b in range(seq_lens.shape[0]):
         ql = qsl[b + 1] - qsl[b]
         count += 1 if ql == 1 else (ql + tile_tokens - 1) // tile_tokens * hk
-    units = np.empty((count, 7), np.int64)
+    units = np.empty((count, 8), np.int64)
     cost = np.empty(count, np.float64)
     u = 0
     for b in range(seq_lens.shape[0]):
         ql = qsl[b + 1] - qsl[b]
         start = seq_lens[b] - ql
         if ql == 1:
-            _put(units, u, qsl[b], 1, start, start + 1, 0, hk, b)
-            cost[u] = hk * (g + LOAD_COST) * (start + 1)
+            _put(units, u, qsl[b], 1, start, start + 1, 0, hk, b, window)
+            cost[u] = hk * (g + LOAD_COST) * (start + 1 - units[u, 7])
             u += 1
             continue
         for i0 in range(0, ql, tile_tokens):
             nq = min(tile_tokens, ql - i0)
             kend = start + i0 + nq
             for h in range(hk):
-                _put(units, u, qsl[b] + i0, nq, start + i0, kend, h, h + 1, b)
-                cost[u] = nq * g * (kend - (nq - 1) / 2.0) + LOAD_COST * kend
+                _put(units, u, qsl[b] + i0, nq, start + i0, kend, h, h + 1, b, window)
+                seen = kend - (nq - 1) / 2.0          # keys a row sees, on average
+                if window > 0:
+                    seen = min(seen, float(window))
+                cost[u] = nq * g * seen + LOAD_COST * (kend - units[u, 7])
                 u += 1
     return units, cost
 
 
 @kernel
-def _plan(qsl, seq_lens, hk, g, tile_tokens, threads):
-    units, cost = _units(qsl, seq_lens, hk, g, tile_tokens)
+def _plan(qsl, seq_lens, hk, g, tile_tokens, threads, window):
+    units, cost = _units(qsl, seq_lens, hk, g, tile_tokens, window)
     n_units = units.shape[0]
     target = max(cost.sum() / (threads * SPLITS_PER_THREAD), 1.0)
     splits = np.ones(n_units, np.int64)
     chunk = np.empty(n_units, np.int64)
     for u in range(n_units):
-        kend = units[u, 3]
+        keys = units[u, 3] - units[u, 7]
         s = 1
         if threads > 1:
-            s = min(max(int(np.ceil(cost[u] / target)), 1), max(kend // MIN_SPLIT_KEYS, 1))
-        c = max((((kend + s - 1) // s + TK - 1) // TK) * TK, TK)
+            s = min(max(int(np.ceil(cost[u] / target)), 1), max(keys // MIN_SPLIT_KEYS, 1))
+        c = max((((keys + s - 1) // s + TK - 1) // TK) * TK, TK)
         chunk[u] = c
-        splits[u] = max((kend + c - 1) // c, 1)
+        splits[u] = max((keys + c - 1) // c, 1)
     n_items = splits.sum()
     n_merges = 0
     for u in range(n_units):
@@ -126,6 +135,7 @@ def _plan(qsl, seq_lens, hk, g, tile_tokens, threads):
         tok0 = units[u, 0]
         nq = units[u, 1]
         kend = units[u, 3]
+        kstart = units[u, 7]
         kvh0 = units[u, 4]
         kvh1 = units[u, 5]
         rows_max = max(rows_max, nq * g * (kvh1 - kvh0))
@@ -139,7 +149,7 @@ def _plan(qsl, seq_lens, hk, g, tile_tokens, threads):
             merges[mi, 5] = s
             mi += 1
         for j in range(s):
-            k0 = j * chunk[u]
+            k0 = kstart + j * chunk[u]
             k1 = min(kend, k0 + chunk[u])
             items[it, TOK0] = tok0
             items[it, NQ] = nq
@@ -151,18 +161,18 @@ def _plan(qsl, seq_lens, hk, g, tile_tokens, threads):
             items[it, REQ] = units[u, 6]
             items[it, PART] = part if s > 1 else -1
             part += 1 if s > 1 else 0
-            item_cost[it] = cost[u] * (k1 - k0) / max(kend, 1)
+            item_cost[it] = cost[u] * (k1 - k0) / max(kend - kstart, 1)
             it += 1
     return items, item_cost, merges, part, rows_max
 
 
 def build_plan(query_start_loc: np.ndarray, seq_lens: np.ndarray, num_kv_heads: int, g: int,
-               head_dim: int, threads: int) -> Plan:
+               head_dim: int, threads: int, window: int = 0) -> Plan:
     """The items of a step for `num_kv_heads` KV heads of `g` query heads each
-    (query_start_loc and seq_lens as int64)."""
+    (query_start_loc and seq_lens as int64), for a sliding window (0: none)."""
     tile_tokens = max(1, max(16, TILE_FLOATS // head_dim) // g)
     items, cost, merges, parts, rows_max = _plan(query_start_loc, seq_lens, num_kv_heads, g,
-                                                 tile_tokens, max(1, threads))
+                                                 tile_tokens, max(1, threads), int(window))
     if len(items) > 1:
         items = items[np.argsort(-cost, kind="stable")]
     return Plan(items, max(1, min(threads, len(items))), merges, int(parts), int(rows_max))

@@ -8,10 +8,13 @@ accT[d, r]. Per tile of PK keys:
 - scores sT[i, r] = key i . q_r: blocks of 4 keys x 16 rows, whose 8 vector accumulators stay
   in registers (`stack_f32`) across the head dim; each step broadcasts 4 key elements and
   loads 16 query values: 8 FMAs for 6 loads, no horizontal sums;
-- softmax step across rows: key i is visible to rows r with r // g >= t0 + i - pos0, so the
-  causal mask is a prefix of each key's row; the tile max, rescale and exponentials are all
-  elementwise across r, and the accumulator is rescaled only when some row's max grew by more
-  than 2^LAZY (a reference point that lags the max is as exact; it saves a pass over accT);
+- softmax step across rows: key kk = t0 + i is visible to rows r with r // g >= kk - pos0
+  and, under a sliding window, r // g < kk - pos0 + window, so the mask leaves a range
+  [cut, cutw) of each key's row (a block of rows wholly inside its window takes the one-sided
+  test); soft-capping, where asked, is a pass over the masked tile (-inf stays); the tile
+  max, rescale and exponentials are all elementwise across r, and the accumulator is
+  rescaled only when some row's max grew by more than 2^LAZY (a reference point that lags
+  the max is as exact; it saves a pass over accT);
 - accT[d, r] += sum_i v_i[d] p[i, r]: blocks of 4 dims x 16 rows, registers again, summed
   over the tile's keys before touching accT.
 
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_actors.kernels.cpu.attention_math import exp2, row_source, stage_rows
+from vllm_actors.kernels.cpu.attention_math import exp2, row_source, stage_rows, tanh
 from vllm_actors.kernels.cpu.attention_tiles import NEG_INF, ZERO, prefetch_rows
 from vllm_actors.kernels.cpu.intrinsics import stack_f32
 from vllm_actors.kernels.cpu.jit import kernel
@@ -35,10 +38,11 @@ LAZY = np.float32(8.0)       # log2 headroom before the softmax reference moves
 
 
 @kernel
-def block_scores(src, o0, o1, o2, o3, qf, ld, dh, rows_p, sf, i, cut0, g, n, tmax):
+def block_scores(src, o0, o1, o2, o3, qf, ld, dh, rows_p, sf, i, cut0, cutw0, g, n, tmax):
     """sT[i + k, :rows_p] = key k . q rows (k < 4; key k at src[ok:ok + dh]), in blocks of 16
-    rows; -inf where masked (key i + k >= n, or row r < cut0 + g * (i + k): the key is in the
-    row's future); tmax[r] = max(tmax[r], the visible scores)."""
+    rows; -inf where masked (key i + k >= n, row r < cut0 + g * (i + k): the key is in the
+    row's future, or r >= cutw0 + g * (i + k): it is before the row's window);
+    tmax[r] = max(tmax[r], the visible scores)."""
     acc = stack_f32(64)
     for r0 in range(0, rows_p, 16):
         for x in range(64):
@@ -59,10 +63,17 @@ def block_scores(src, o0, o1, o2, o3, qf, ld, dh, rows_p, sf, i, cut0, g, n, tma
         s0 = U(i * ld + r0)
         for k in range(4):
             cut = cut0 + g * (i + k) - r0 if i + k < n else 16
-            for r in range(16):
-                x = acc[16 * k + r] if r >= cut else NEG_INF
-                sf[s0 + U(k * ld + r)] = x
-                tmax[r0 + r] = max(tmax[r0 + r], x)
+            cutw = cutw0 + g * (i + k) - r0
+            if cutw >= 16:                     # no row of the block is past its window
+                for r in range(16):
+                    x = acc[16 * k + r] if r >= cut else NEG_INF
+                    sf[s0 + U(k * ld + r)] = x
+                    tmax[r0 + r] = max(tmax[r0 + r], x)
+            else:
+                for r in range(16):
+                    x = acc[16 * k + r] if (r >= cut) & (r < cutw) else NEG_INF
+                    sf[s0 + U(k * ld + r)] = x
+                    tmax[r0 + r] = max(tmax[r0 + r], x)
 
 
 @kernel
@@ -90,6 +101,20 @@ def block_pv(src, offs, n, pf, ld, d0, rows_p, af):
         for k in range(4):
             for r in range(16):
                 af[a0 + U(k * ld + r)] += acc[16 * k + r]
+
+
+@kernel
+def softcap_t(sT, rows_p, cap, tmax):
+    """Soft-cap a tile's masked scores in place, sT = cap * tanh(sT / cap) (-inf stays), and
+    their max per row likewise (tanh is increasing: the max of the capped is the capped max)."""
+    inv = np.float32(1.0) / cap
+    for i in range(PK):
+        for r in range(rows_p):
+            x = sT[i, r]
+            sT[i, r] = cap * tanh(x * inv) if x != NEG_INF else NEG_INF
+    for r in range(rows_p):
+        x = tmax[r]
+        tmax[r] = cap * tanh(x * inv) if x != NEG_INF else NEG_INF
 
 
 @kernel
@@ -126,10 +151,12 @@ def softmax_t(sT, rows_p, m, l, accT, tmax):
 
 
 @kernel
-def attend_prefill(q, kc, vc, table, shift, hk, tok0, pos0, nq, g, kvh, k0, k1, qscale, qT,
-                   accT, sT, m, l, mref, kbuf, vbuf, offs):
+def attend_prefill(q, kc, vc, table, shift, hk, tok0, pos0, nq, g, kvh, k0, k1, qscale, window,
+                   cap, qT, accT, sT, m, l, mref, kbuf, vbuf, offs):
     """Rows of query tokens tok0..tok0+nq-1 (positions pos0..) under KV head kvh over keys
-    k0..k1-1, causal; leaves m, l and accT (transposed) for `finish_prefill`."""
+    k0..k1-1, causal within the sliding `window`, scores soft-capped at `cap` (as in
+    `attention_kernels.attend_item`); leaves m, l and accT (transposed) for `finish_prefill`
+    (m = -inf, l = 0 for a row that saw no key)."""
     dh = qT.shape[0]
     ld = qT.shape[1]
     rows = nq * g
@@ -152,7 +179,7 @@ def attend_prefill(q, kc, vc, table, shift, hk, tok0, pos0, nq, g, kvh, k0, k1, 
     ksrc = row_source(kc, kbuf)
     vsrc = row_source(vc, vbuf)
     end = min(k1, pos0 + nq)
-    for t0 in range(k0, end, PK):
+    for t0 in range(max(k0, pos0 - window + 1), end, PK):   # from the first row's window
         n = min(PK, end - t0)
         ahead = min(PK, end - t0 - n)
         prefetch_rows(kc, table, shift, hk, dh, kvh, kvh + 1, t0 + n, ahead)
@@ -171,8 +198,10 @@ def attend_prefill(q, kc, vc, table, shift, hk, tok0, pos0, nq, g, kvh, k0, k1, 
             o1 = offs[min(i + 1, last)]
             o2 = offs[min(i + 2, last)]
             o3 = offs[min(i + 3, last)]
-            block_scores(ksrc, o0, o1, o2, o3, qf, ld, dh, rows_p, sf, i, g * (t0 - pos0), g,
-                         n, mref)
+            block_scores(ksrc, o0, o1, o2, o3, qf, ld, dh, rows_p, sf, i, g * (t0 - pos0),
+                         g * (t0 - pos0 + window), g, n, mref)
+        if cap > ZERO:
+            softcap_t(sT, rows_p, cap, mref)
         softmax_t(sT, rows_p, m, l, accT, mref)
         stage_rows(vc, table, shift, hk, kvh, t0, n, vbuf, offs)
         for d0 in range(0, dh, 4):

@@ -10,7 +10,9 @@ into a small per-thread float32 tile), then:
 - scores: four key rows at a time against two query rows at a time, eight dot products in one
   pass over the head dim (eight vector accumulators; each loaded vector feeds two or four
   FMAs), so every key row is read once per pass for all g heads of its group;
-- softmax step: per row, mask keys past the row's position, tile max, rescale;
+- soft-capping, only where asked: cap * tanh(s / cap) on the tile's scores;
+- softmax step: per row, mask keys past the row's position or before its sliding window,
+  tile max, rescale;
 - P @ V: four value rows at a time into two accumulator rows, across the head dim.
 
 Everything is indexed in place (no row slices: numba reference-counts each slice it makes,
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_actors.kernels.cpu.attention_math import exp2
+from vllm_actors.kernels.cpu.attention_math import exp2, tanh
 from vllm_actors.kernels.cpu.intrinsics import prefetch
 from vllm_actors.kernels.cpu.jit import kernel
 
@@ -101,21 +103,31 @@ def tile_scores(qt, r0, rows, src, offs, n, s):
 
 
 @kernel
-def softmax_rows(s, r0, nq, g, pos0, t0, n, m, l, acc):
+def softcap_rows(s, r0, rows, n, cap):
+    """s[r0 + r, :n] = cap * tanh(s / cap) for r < rows (scores soft-capped)."""
+    inv = np.float32(1.0) / cap
+    for r in range(r0, r0 + rows):
+        for t in range(n):
+            s[r, t] = cap * tanh(s[r, t] * inv)
+
+
+@kernel
+def softmax_rows(s, r0, nq, g, pos0, t0, n, window, m, l, acc):
     """Online-softmax step over keys t0..t0+n-1 for rows r0 + i * g + j (query token i, at
-    position pos0 + i, sees keys <= its position). Turns s[r] into probabilities (0 where
-    masked), updates m, l and rescales acc[r]."""
+    position p = pos0 + i, sees keys p - window < k <= p). Turns s[r] into probabilities (0
+    where masked), updates m, l and rescales acc[r]."""
     dh = acc.shape[1]
     for i in range(nq):
-        nvis = min(n, pos0 + i + 1 - t0)
+        hi = min(n, pos0 + i + 1 - t0)                  # visible: lo <= t < hi
+        lo = max(pos0 + i - window + 1 - t0, 0)
         for r in range(r0 + i * g, r0 + i * g + g):
-            if nvis <= 0:
+            if hi <= lo:
                 for t in range(TK):
                     s[r, t] = ZERO
                 continue
-            if nvis < TK:
+            if hi < TK or lo > 0:
                 for t in range(TK):
-                    s[r, t] = s[r, t] if t < nvis else NEG_INF
+                    s[r, t] = s[r, t] if (t < hi) & (t >= lo) else NEG_INF
             m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = NEG_INF   # eight running maxima
             for t in range(0, TK, 8):
                 m0 = max(m0, s[r, t])

@@ -160,6 +160,20 @@ class CpuBackend:
     def silu_mul(self, gate_up: np.ndarray) -> np.ndarray:
         return elementwise.silu_mul(gate_up)
 
+    def gelu_mul(self, gate_up: np.ndarray, approximate: bool = True) -> np.ndarray:
+        return elementwise.gelu_mul(gate_up, approximate)
+
+    def gelu(self, x: np.ndarray, approximate: bool = True) -> np.ndarray:
+        return elementwise.gelu(x, approximate)
+
+    def layer_norm(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None,
+                   eps: float) -> np.ndarray:
+        return elementwise.layer_norm(x, weight, bias, eps)
+
+    def scale(self, x: np.ndarray, factor: float) -> np.ndarray:
+        x *= np.float32(factor)     # in place; numpy's loop is as fast as a kernel's
+        return x
+
     def prepare_rope(self, positions: np.ndarray, tables: RopeTables) -> StepRope:
         return StepRope(np.ascontiguousarray(positions, dtype=np.int64), tables.cos,
                         tables.sin, tables.rotary_dim, tables.interleaved)
@@ -174,9 +188,10 @@ class CpuBackend:
     def reshape_and_cache(self, k: np.ndarray, v: np.ndarray, kv_cache: Any, attn: Any) -> None:
         attention.write_kv(k, v, kv_cache, attn)
 
-    def paged_attention(self, q: np.ndarray, kv_cache: Any, attn: Any, scale: float
-                        ) -> np.ndarray:
-        return attention.paged_attention(q, kv_cache, attn, scale)
+    def paged_attention(self, q: np.ndarray, kv_cache: Any, attn: Any, scale: float,
+                        window: int = 0, softcap: float = 0.0) -> np.ndarray:
+        return attention.paged_attention(q, kv_cache, attn, scale, window=window,
+                                         softcap=softcap)
 
     def lm_head(self, hidden: np.ndarray, head: qmatmul.QuantMatrix, rows: np.ndarray,
                 on_device: bool = False) -> np.ndarray:

@@ -1,5 +1,5 @@
 """Row-wise kernels of the CPU backend: RMSNorm (alone and fused with the residual add),
-SiLU-and-multiply and RoPE in place.
+LayerNorm, SiLU- and GELU-and-multiply, GELU and RoPE in place.
 
 Each comes as a serial kernel (few rows: decode steps, where a parallel region's ~3 us launch
 would cost more than the work) and a `prange` kernel over rows (prefill), picked by
@@ -95,6 +95,107 @@ def _silu_mul_parallel(gate_up, out):
         _silu_mul_row(gate_up[r], out[r])
 
 
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_GELU_A = np.float32(_SQRT_2_OVER_PI)
+_GELU_B = np.float32(_SQRT_2_OVER_PI * 0.044715)
+_INV_SQRT2_64 = 1.0 / math.sqrt(2.0)
+
+
+@kernel
+def gelu_tanh(x):
+    """0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), as x / (1 + e^(-2u)): the same
+    value (0.5 (1 + tanh u) is the logistic of 2u) with no cancellation for x < 0, through the
+    `exp2` polynomial like SiLU."""
+    u = x * (_GELU_A + _GELU_B * x * x)
+    e = exp2(min(u * np.float32(-2.0) * _LOG2E, np.float32(126.0)))
+    return x / (np.float32(1.0) + e)
+
+
+@kernel
+def gelu_erf(x):
+    """0.5 x (1 + erf(x / sqrt 2)) as 0.5 x erfc(-x / sqrt 2), in float64 (no cancellation
+    for x < 0; a libm call per element, like the numpy backend's erf)."""
+    return np.float32(0.5 * np.float64(x) * math.erfc(np.float64(x) * -_INV_SQRT2_64))
+
+
+@kernel
+def _gelu_mul_row(gate_up, out, approximate):
+    f = out.shape[0]
+    if approximate:
+        for i in range(f):
+            out[i] = gelu_tanh(gate_up[i]) * gate_up[f + i]
+    else:
+        for i in range(f):
+            out[i] = gelu_erf(gate_up[i]) * gate_up[f + i]
+
+
+@kernel
+def _gelu_mul_serial(gate_up, out, approximate):
+    for r in range(out.shape[0]):
+        _gelu_mul_row(gate_up[r], out[r], approximate)
+
+
+@kernel(parallel=True)
+def _gelu_mul_parallel(gate_up, out, approximate):
+    for r in prange(out.shape[0]):
+        _gelu_mul_row(gate_up[r], out[r], approximate)
+
+
+@kernel
+def _gelu_row(x, out, approximate):
+    if approximate:
+        for i in range(x.shape[0]):
+            out[i] = gelu_tanh(x[i])
+    else:
+        for i in range(x.shape[0]):
+            out[i] = gelu_erf(x[i])
+
+
+@kernel
+def _gelu_serial(x, out, approximate):
+    for r in range(x.shape[0]):
+        _gelu_row(x[r], out[r], approximate)
+
+
+@kernel(parallel=True)
+def _gelu_parallel(x, out, approximate):
+    for r in prange(x.shape[0]):
+        _gelu_row(x[r], out[r], approximate)
+
+
+@kernel
+def _layer_norm_row(x, weight, bias, has_bias, eps, out):
+    """Mean, then the variance of the centered row, both summed in float32 (as numpy does)."""
+    n = x.shape[0]
+    acc = np.float32(0.0)
+    for i in range(n):
+        acc += x[i]
+    mean = acc / np.float32(n)
+    var = np.float32(0.0)
+    for i in range(n):
+        c = x[i] - mean
+        var += c * c
+    inv = np.float32(1.0) / np.float32(math.sqrt(var / np.float32(n) + np.float32(eps)))
+    if has_bias:
+        for i in range(n):
+            out[i] = (x[i] - mean) * inv * weight[i] + bias[i]
+    else:
+        for i in range(n):
+            out[i] = (x[i] - mean) * inv * weight[i]
+
+
+@kernel
+def _layer_norm_serial(x, weight, bias, has_bias, eps, out):
+    for r in range(x.shape[0]):
+        _layer_norm_row(x[r], weight, bias, has_bias, eps, out[r])
+
+
+@kernel(parallel=True)
+def _layer_norm_parallel(x, weight, bias, has_bias, eps, out):
+    for r in prange(x.shape[0]):
+        _layer_norm_row(x[r], weight, bias, has_bias, eps, out[r])
+
+
 @kernel
 def _rope_row(x, cos, sin, rotary_dim, interleaved):
     """x [H, Dh] of one token rotated in place by its position's cos/sin [rotary_dim / 2]."""
@@ -152,6 +253,36 @@ def silu_mul(gate_up: np.ndarray) -> np.ndarray:
     out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
     fn = _silu_mul_parallel if len(out) >= PARALLEL_ROWS else _silu_mul_serial
     fn(gate_up, out)
+    return out
+
+
+def gelu_mul(gate_up: np.ndarray, approximate: bool = True) -> np.ndarray:
+    """gate_up [T, 2F] -> gelu(gate) * up [T, F]; approximate: the tanh form, else erf."""
+    out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
+    fn = _gelu_mul_parallel if len(out) >= PARALLEL_ROWS else _gelu_mul_serial
+    fn(gate_up, out, bool(approximate))
+    return out
+
+
+def gelu(x: np.ndarray, approximate: bool = True) -> np.ndarray:
+    """Elementwise GELU of x [..., n]; in place when x is a writable C-contiguous float32
+    array, else into a new one."""
+    inplace = x.dtype == np.float32 and x.flags.c_contiguous and x.flags.writeable
+    out = x if inplace else np.empty(x.shape, np.float32)
+    rows = _rows(x)
+    fn = _gelu_parallel if len(rows) >= PARALLEL_ROWS else _gelu_serial
+    fn(rows, out.reshape(rows.shape), bool(approximate))
+    return out
+
+
+def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, eps: float
+               ) -> np.ndarray:
+    """LayerNorm over the last axis (bias optional): a new float32 array of x's shape."""
+    out = np.empty(x.shape, np.float32)
+    rows = _rows(x)
+    fn = _layer_norm_parallel if len(rows) >= PARALLEL_ROWS else _layer_norm_serial
+    fn(rows, weight, weight if bias is None else bias, bias is not None, eps,
+       out.reshape(rows.shape))
     return out
 
 
