@@ -16,7 +16,7 @@ import numpy as np
 
 from vllm_actors.loaders.gguf import GGUFFile
 from vllm_actors.loaders.weights import RawTensor, WeightSet
-from vllm_actors.models.base import ModelArgs
+from vllm_actors.models.base import ModelArgs, layer_windows
 from vllm_actors.models.decoder import DecoderLM
 from vllm_actors.models.family import Family
 from vllm_actors.models.hparams import gguf_common, hf_common
@@ -50,6 +50,14 @@ def hf_name(name: str) -> str | None:
     return None
 
 
+def _windows(config: dict[str, Any], arch: str, num_layers: int) -> tuple[int, ...]:
+    """mixtral slides every layer when its config sets a window (as transformers does); the
+    qwen MoE models only with use_sliding_window."""
+    if arch == "MixtralForCausalLM":
+        return layer_windows(config, num_layers, default_sliding=True)
+    return layer_windows(config, num_layers) if config.get("use_sliding_window") else ()
+
+
 def args_from_hf(config: dict[str, Any]) -> ModelArgs:
     arch = config["architectures"][0]
     common = hf_common(config, _HF_TO_GGUF_ARCH[arch])
@@ -67,7 +75,8 @@ def args_from_hf(config: dict[str, Any]) -> ModelArgs:
                                   or config["intermediate_size"]),
         norm_topk_prob=bool(config.get("norm_topk_prob", arch == "MixtralForCausalLM")),
         shared_expert_size=int(config.get("shared_expert_intermediate_size") or 0),
-        dense_layers=tuple(sorted(dense)))
+        dense_layers=tuple(sorted(dense)),
+        layer_windows=_windows(config, arch, num_layers))
 
 
 def args_from_gguf(gguf: GGUFFile) -> ModelArgs:

@@ -101,6 +101,9 @@ def _check_divisible(args: ModelArgs, size: int) -> None:
         raise ValidationError(f"{kv} KV heads and {flag} do not divide one another (each rank "
                               "needs whole KV heads, or one replicated KV head)",
                               "tensor_parallel_size")
-    if args.intermediate_size % size:
-        raise ValidationError(f"MLP width {args.intermediate_size} is not divisible by {flag}",
-                              "tensor_parallel_size")
+    for what, width in (("MLP width", args.intermediate_size),
+                        ("expert MLP width", args.moe_intermediate_size),
+                        ("shared expert MLP width", args.shared_expert_size)):
+        if width % size:
+            raise ValidationError(f"{what} {width} is not divisible by {flag}",
+                                  "tensor_parallel_size")
