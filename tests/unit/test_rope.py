@@ -79,5 +79,11 @@ def test_linear_scaling_divides_frequencies():
 
 def test_unknown_scaling_is_rejected():
     from vllm_actors.errors import UnsupportedModelError
-    with pytest.raises(UnsupportedModelError, match="rope scaling type 'yarn'"):
+    with pytest.raises(UnsupportedModelError, match="rope scaling type 'longrope'.*yarn"):
+        rope_inv_freq(_args(rope_type="longrope", factor=4.0))
+
+
+def test_yarn_without_its_original_context_is_explained():
+    from vllm_actors.errors import ModelFormatError
+    with pytest.raises(ModelFormatError, match="original_max_position_embeddings"):
         rope_inv_freq(_args(rope_type="yarn", factor=4.0))

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from vllm_actors.errors import UnsupportedModelError
+from vllm_actors.errors import ModelFormatError, UnsupportedModelError
 from vllm_actors.kernels.ops import AttentionMetadata
 
 
@@ -242,6 +242,9 @@ def rope_inv_freq(args: ModelArgs, freq_factors: np.ndarray | None = None,
     elif kind == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, args.rope_scaling)
     elif kind == "yarn":
+        if not args.rope_scaling.get("original_max_position_embeddings"):
+            raise ModelFormatError(path or args.architecture, "yarn rope scaling needs "
+                                   "original_max_position_embeddings")
         inv_freq = _yarn_inv_freq(args, args.rope_scaling)
     elif kind not in ("default", "none", None):
         raise UnsupportedModelError(path or args.architecture,
