@@ -26,8 +26,9 @@ from vllm_actors.kernels.ops import AttentionMetadata
 from vllm_actors.loaders.model_files import ModelSource, default_model_path
 from vllm_actors.models.registry import load_model
 
-OPS = ("embedding", "linear", "rms_norm", "add", "add_rms_norm", "silu_mul", "prepare_rope", "rope",
-       "prepare_attention", "reshape_and_cache", "paged_attention", "lm_head")
+OPS = ("embedding", "linear", "rms_norm", "layer_norm", "add", "add_rms_norm", "scale",
+       "silu_mul", "gelu_mul", "gelu", "prepare_rope", "rope", "prepare_attention",
+       "reshape_and_cache", "paged_attention", "lm_head")
 
 
 def main() -> None:

@@ -6,13 +6,12 @@ or large enough that a model ignoring them fails its golden."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tiny_models import det_uniform, write_safetensors
+from tiny_models import det_uniform, write_checkpoint
 
 _BASE = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
          "intermediate_size": 96, "vocab_size": 256, "max_position_embeddings": 512,
@@ -195,9 +194,4 @@ def _experts(config: dict[str, Any], p: str, d: int, linear: Any) -> dict[str, n
 
 def write_family_dir(path: Path, name: str) -> dict[str, np.ndarray]:
     """config.json + model.safetensors for FAMILY_CONFIGS[name]; returns the weights."""
-    path.mkdir(parents=True, exist_ok=True)
-    config = FAMILY_CONFIGS[name]
-    weights = family_weights(config)
-    (path / "config.json").write_text(json.dumps(config, indent=1))
-    write_safetensors(path / "model.safetensors", weights)
-    return weights
+    return write_checkpoint(path, FAMILY_CONFIGS[name], family_weights(FAMILY_CONFIGS[name]))

@@ -125,14 +125,18 @@ def write_safetensors(path: Path, tensors: dict[str, np.ndarray], dtype: str = "
             f.write(blob)
 
 
-def write_hf_dir(path: Path, name: str) -> dict[str, np.ndarray]:
-    """config.json + model.safetensors for TINY_CONFIGS[name]; returns the weights."""
+def write_checkpoint(path: Path, config: dict[str, Any], weights: dict[str, np.ndarray]
+                     ) -> dict[str, np.ndarray]:
+    """An HF directory: config.json + model.safetensors; returns the weights."""
     path.mkdir(parents=True, exist_ok=True)
-    config = TINY_CONFIGS[name]
-    weights = tiny_weights(config)
     (path / "config.json").write_text(json.dumps(config, indent=1))
     write_safetensors(path / "model.safetensors", weights)
     return weights
+
+
+def write_hf_dir(path: Path, name: str) -> dict[str, np.ndarray]:
+    """config.json + model.safetensors for TINY_CONFIGS[name]; returns the weights."""
+    return write_checkpoint(path, TINY_CONFIGS[name], tiny_weights(TINY_CONFIGS[name]))
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -43,9 +43,9 @@ TURN_END_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|end|>", "<|eo
 
 def builtin_template(tokens: Sequence[str]) -> str | None:
     """The built-in template for a vocabulary holding its turn markers, else None."""
-    present = set(tokens[:1024]) | {t for t in tokens if t.startswith("<")}
+    vocab = set(tokens)
     for markers, template in _BY_MARKERS:
-        if all(m in present for m in markers):
+        if all(m in vocab for m in markers):
             return template
     return None
 

@@ -250,11 +250,8 @@ class DecoderLM:
         q = b.rope(q, rope)
         k = b.rope(k, rope)
         b.reshape_and_cache(k, v, kv_cache, attn)
-        if layer.window or self.args.attn_logit_softcap:
-            out = b.paged_attention(q, kv_cache, attn, self.scale, layer.window,
-                                    self.args.attn_logit_softcap)
-        else:
-            out = b.paged_attention(q, kv_cache, attn, self.scale)
+        out = b.paged_attention(q, kv_cache, attn, self.scale, layer.window,
+                                self.args.attn_logit_softcap)
         out = b.linear(out.reshape(num_tokens, a.q_size), layer.attn_out, layer.attn_out_bias)
         out = self.tp.all_reduce(out)
         return out if layer.post_attn_norm is None else self._apply_norm(out,
