@@ -15,7 +15,8 @@ from tiny_models import llama_cpp_permute
 from vllm_actors.models import moe
 
 # family -> GGUF architecture (the converter's choice)
-GGUF_ARCH = {"phi3": "phi3", "olmo2": "olmo2", "granite": "granite", "starcoder2": "starcoder2",
+GGUF_ARCH = {"phi3": "phi3", "phi3_longrope": "phi3",
+             "olmo2": "olmo2", "granite": "granite", "starcoder2": "starcoder2",
              "stablelm": "stablelm", "mixtral": "llama", "qwen2_moe": "qwen2moe",
              "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
 _LAYER_NORM = ("starcoder2", "stablelm")
@@ -42,6 +43,12 @@ def _metadata(w: gguf.GGUFWriter, name: str, config: dict[str, Any]) -> None:
         w.add_layer_norm_rms_eps(config["rms_norm_eps"])
     if config.get("sliding_window"):
         w.add_sliding_window(config["sliding_window"])
+    rope = config.get("rope_parameters") or {}
+    if rope.get("rope_type") == "longrope":       # the converter's keys for Phi-3's LongRoPE
+        original = rope["original_max_position_embeddings"]
+        w.add_rope_scaling_orig_ctx_len(original)
+        factor = config["max_position_embeddings"] / original
+        w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(factor) / np.log(original))))
     if name == "granite":
         w.add_embedding_scale(config["embedding_multiplier"])
         w.add_residual_scale(config["residual_multiplier"])
@@ -85,6 +92,11 @@ def write_family_gguf(path: Path, name: str, qtype: Any = None) -> None:
     name_map = gguf.get_tensor_name_map(model_arch, config["num_hidden_layers"])
     writer = gguf.GGUFWriter(str(path), arch)
     _metadata(writer, name, config)
+    rope = config.get("rope_parameters") or {}
+    if rope.get("rope_type") == "longrope":
+        for kind in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{kind}.weight",
+                              np.asarray(rope[f"{kind}_factor"], np.float32))
     for hf_name, w in weights.items():
         gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None and hf_name == "lm_head.weight":

@@ -79,12 +79,33 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
                    "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                                        "original_max_position_embeddings": 64},
                    "hidden_act": "silu", "tie_word_embeddings": False},
+    # Phi-3-128k's LongRoPE over an original context of 16: every prompt and every decode
+    # step runs past it, so transformers uses the long factors throughout, as our static
+    # rule does for a 512-token context (short factors differ enough to fail the goldens)
+    "phi3_longrope": {**_BASE, "architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
+                      "num_hidden_layers": 2, "rms_norm_eps": 1e-5, "partial_rotary_factor": 0.5,
+                      "tie_word_embeddings": False, "hidden_act": "silu", "rope_theta": 10000.0,
+                      "original_max_position_embeddings": 16,
+                      "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                                          "long_factor": [1.0, 1.7, 4.5, 11.0],
+                                          "short_factor": [1.0, 1.05, 1.2, 1.4],
+                                          "original_max_position_embeddings": 16}},
+    # dynamic NTK over an original context of 128: transformers rescales per forward pass by
+    # the sequence's length, our rule once for the serving context (CONTEXT_DEPENDENT)
+    "llama_dynamic": {**_BASE, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                      "num_hidden_layers": 2, "rms_norm_eps": 1e-5, "max_position_embeddings": 128,
+                      "rope_parameters": {"rope_type": "dynamic", "factor": 4.0,
+                                          "rope_theta": 10000.0},
+                      "hidden_act": "silu", "tie_word_embeddings": False},
     "olmoe": {**_BASE, "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe",
               "num_hidden_layers": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
               "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": False,
               "hidden_act": "silu", "tie_word_embeddings": False},
 }
 MOE_NAMES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+# families whose logits depend on the serving context (loaded with context_len; the goldens'
+# 300-token forward and the 49-token greedy run need different contexts)
+CONTEXT_DEPENDENT = ("llama_dynamic",)
 
 # 300 token ids; its first 1 and 17 are the short prompts (causal: their logits are rows of
 # the long one's), golden logits are kept for GOLDEN_ROWS only.
@@ -92,6 +113,23 @@ FAMILY_PROMPT = [(i * 53 + 7) % 251 + 3 for i in range(300)]
 GOLDEN_ROWS = np.array(sorted({*range(24), *range(24, 300, 9), 299}))
 GREEDY_PROMPT_LEN = 17
 GREEDY_STEPS = 32
+NEAR_TIE = 1e-3       # golden top-2 margins below this may flip under float32 rounding
+
+
+def check_greedy(tokens: list[int], name: str) -> None:
+    """Greedy tokens of FAMILY_PROMPT[:GREEDY_PROMPT_LEN] (the first len(tokens) steps)
+    against transformers' golden ones; the first difference must be at a golden near-tie
+    (after it the runs diverge)."""
+    from golden_files import GOLDEN
+    goldens = np.load(GOLDEN / "family_models.npz")
+    expected = goldens[f"{name}/greedy"].tolist()
+    margins = goldens[f"{name}/margins"]
+    assert 0 < len(tokens) <= len(expected), f"{name}: {len(tokens)} tokens"
+    for step, (got, want) in enumerate(zip(tokens, expected)):
+        if got != want:
+            assert margins[step] < NEAR_TIE, (f"{name}: step {step} gave {got}, transformers "
+                                              f"{want} (margin {margins[step]:.3g})")
+            return
 
 
 def family_weights(config: dict[str, Any]) -> dict[str, np.ndarray]:

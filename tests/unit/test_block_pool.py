@@ -21,6 +21,12 @@ def ids(blocks) -> list[int]:
     return [b.block_id for b in blocks]
 
 
+def one(groups):
+    """The only group's blocks of a model with one attention type."""
+    assert len(groups) == 1
+    return groups[0]
+
+
 def test_null_block_and_free_order():
     pool = BlockPool(6)
     assert pool.null_block.block_id == 0 and pool.num_free_blocks == 5
@@ -58,15 +64,15 @@ def test_block_hashes_chain_and_salt():
 def test_prefix_hit_lengths_leave_the_last_token():
     kv = KVCacheManager(num_blocks=16, block_size=4)
     a = req("a", list(range(12)))                 # 3 full blocks
-    assert ids(kv.allocate_slots(a, 12)) == [1, 2, 3]
+    assert ids(one(kv.allocate_slots(a, 12))) == [1, 2, 3]
     a.num_computed_tokens = 12
     kv.free(a)
     same = req("b", list(range(12)))              # all 12 cached, but the last token is recomputed
     hits, n = kv.get_computed_blocks(same)
-    assert ids(hits) == [1, 2] and n == 8
+    assert ids(one(hits)) == [1, 2] and n == 8
     longer = req("c", list(range(14)))
     hits, n = kv.get_computed_blocks(longer)
-    assert ids(hits) == [1, 2, 3] and n == 12
+    assert ids(one(hits)) == [1, 2, 3] and n == 12
     diverging = req("d", list(range(6)) + [99] * 6)
     assert kv.get_computed_blocks(diverging)[1] == 4
     salted = req("e", list(range(14)), salt="x")
@@ -85,11 +91,11 @@ def test_allocation_with_hits_and_lru_eviction_order():
     assert ids(kv.pool.free_queue) == [5, 6, 2, 1, 4, 3]
     c = req("c", list(range(8)) + [7, 7, 7])      # hits a's first two blocks
     hits, n = kv.get_computed_blocks(c)
-    assert ids(hits) == [1, 2] and n == 8
+    assert ids(one(hits)) == [1, 2] and n == 8
     new = kv.allocate_slots(c, 3, hits)
-    assert ids(new) == [1, 2, 5] and kv.get_block_ids("c") == [1, 2, 5]
+    assert ids(one(new)) == [1, 2, 5] and kv.get_block_ids("c") == [[1, 2, 5]]
     d = req("d", [200 + i for i in range(12)])    # 3 blocks: 6, then evicts 4, 3 (b's, LRU)
-    assert ids(kv.allocate_slots(d, 12)) == [6, 4, 3]
+    assert ids(one(kv.allocate_slots(d, 12))) == [6, 4, 3]
     assert kv.get_computed_blocks(req("x", [50 + i for i in range(9)]))[1] == 0
     assert kv.allocate_slots(req("e", list(range(300, 304))), 4) is None  # none free
     assert "e" not in kv.req_blocks
@@ -143,7 +149,8 @@ def test_pool_invariants(ops):
         for block in kv.pool.blocks[1:]:
             assert block.ref_cnt >= 0
             assert (block.ref_cnt == 0) == (block.block_id in free)
-        held = {b.block_id for r in live.values() for b in kv.req_blocks.get(r.request_id, [])}
+        held = {b.block_id for r in live.values()
+                for b in one(kv.req_blocks.get(r.request_id, [[]]))}
         assert held == {b.block_id for b in kv.pool.blocks[1:] if b.ref_cnt > 0}
         for h, node in kv.pool.index.nodes.items():
             assert node.block.block_hash == h

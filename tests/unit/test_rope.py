@@ -1,12 +1,16 @@
 """RoPE pairings at several positions (at position 0 every pairing is the identity)."""
 
+import math
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from tiny_models import det_uniform, llama_cpp_permute
 
 from vllm_actors.kernels.numpy_backend import NumpyBackend
 from vllm_actors.kernels.ops import RopeTables
-from vllm_actors.models.base import ModelArgs, rope_cos_sin, rope_inv_freq
+from vllm_actors.models.base import (ModelArgs, rope_attention_factor, rope_cos_sin,
+                                     rope_inv_freq)
 
 HEAD_DIM = 16
 POSITIONS = np.array([0, 1, 5, 37, 200, 1023])
@@ -79,8 +83,29 @@ def test_linear_scaling_divides_frequencies():
 
 def test_unknown_scaling_is_rejected():
     from vllm_actors.errors import UnsupportedModelError
-    with pytest.raises(UnsupportedModelError, match="rope scaling type 'longrope'.*yarn"):
-        rope_inv_freq(_args(rope_type="longrope", factor=4.0))
+    with pytest.raises(UnsupportedModelError, match="rope scaling type 'mrope'.*dynamic"):
+        rope_inv_freq(_args(rope_type="mrope", factor=4.0))
+
+
+def test_longrope_picks_its_factors_by_the_serving_context():
+    """128 positions, original 32: long factors unless the context fits the original."""
+    short, long = [1.0, 1.1, 1.2, 1.3] * 2, [1.0, 2.0, 4.0, 8.0] * 2
+    args = _args(rope_type="longrope", short_factor=short, long_factor=long,
+                 original_max_position_embeddings=32)
+    base = rope_inv_freq(_args())
+    assert np.allclose(rope_inv_freq(args), base / np.float32(long), rtol=1e-6)
+    within = replace(args, context_len=32)
+    assert np.allclose(rope_inv_freq(within), base / np.float32(short), rtol=1e-6)
+    assert rope_attention_factor(args) == pytest.approx(math.sqrt(1 + math.log(4) / math.log(32)))
+
+
+def test_dynamic_ntk_is_plain_rope_within_the_original_context():
+    args = _args(rope_type="dynamic", factor=2.0, original_max_position_embeddings=64)
+    base = rope_inv_freq(_args())
+    assert np.array_equal(rope_inv_freq(replace(args, context_len=64)), base)
+    theta = 10000.0 * ((2.0 * 128 / 64) - 1) ** (16 / 14)      # context 128 = max positions
+    expected = 1.0 / (np.float32(theta) ** (np.arange(0, 16, 2, dtype=np.float32) / 16))
+    assert np.allclose(rope_inv_freq(args), expected, rtol=1e-6)
 
 
 def test_yarn_without_its_original_context_is_explained():

@@ -59,13 +59,13 @@ def test_budget_chunked_prefill_and_decode_together():
     s.add_request(make_request("b", 13, first=100))
     step, outs = run_step(s)
     assert step.num_scheduled_tokens == {"a": 6, "b": 4}           # b's prompt is chunked
-    assert [n.block_ids for n in step.new_requests] == [[1, 2], [3]]
+    assert [n.block_ids for n in step.new_requests] == [[[1, 2]], [[3]]]   # one KV group
     assert [o.request_id for o in outs] == ["a"]                    # no output for a chunk
     step, outs = run_step(s)
     assert step.num_scheduled_tokens == {"a": 1, "b": 9}
     assert step.cached_requests.req_ids == ["a", "b"]
     assert step.cached_requests.num_computed_tokens == [6, 4]
-    assert step.cached_requests.new_block_ids == [[], [4, 5, 6]]
+    assert step.cached_requests.new_block_ids == [[[]], [[4, 5, 6]]]
     assert [o.request_id for o in outs] == ["a", "b"]
     step, _ = run_step(s)
     assert step.num_scheduled_tokens == {"a": 1, "b": 1}
@@ -123,7 +123,7 @@ def test_preempted_request_resumes_with_all_its_tokens():
     resumed = step.new_requests[0]
     assert resumed.token_ids == [90, 91, 92, 93, 7] and resumed.num_prompt_tokens == 4
     assert resumed.num_computed_tokens == 4             # its first block came back from cache
-    assert resumed.block_ids[0] == 3
+    assert resumed.block_ids[0][0] == 3
     assert step.num_scheduled_tokens == {"c": 1}
     assert sorted(step.finished_req_ids) == ["a", "b"]
 
@@ -135,7 +135,7 @@ def test_preemption_can_evict_the_victims_cached_blocks():
     s.add_request(make_request("c", 4, first=90))
     run_step(s)
     run_step(s)                       # a takes block 4; b needs one: c preempted, b reuses 3
-    assert s.kv.get_block_ids("b") == [2, 3]
+    assert s.kv.get_block_ids("b") == [[2, 3]]
     s.finish_requests(["a", "b"], FinishReason.ABORT)
     step, _ = run_step(s)
     assert step.new_requests[0].num_computed_tokens == 0   # c recomputes from scratch

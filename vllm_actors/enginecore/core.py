@@ -29,7 +29,7 @@ class EngineCore:
         self.ready: EngineReady = self.executor.ready
         self.block_size = self.ready.block_size
         kv = KVCacheManager(self.ready.num_kv_blocks, self.block_size,
-                            config.cache.enable_prefix_caching)
+                            config.cache.enable_prefix_caching, self.ready.kv_group_windows)
         self.scheduler = Scheduler(config.scheduler, kv, self.ready.max_model_len)
         self.structured = StructuredOutputManager(config.model.model, self.ready.vocab_size)
 

@@ -80,8 +80,51 @@ class RadixIndex:
         """Number of leading blocks of `block_hashes` that are cached."""
         return len(self.match(block_hashes))
 
+    def get(self, block_hash: BlockHash) -> Any:
+        """The cached block of one hash, or None."""
+        node = self.nodes.get(block_hash)
+        return None if node is None else node.block
+
     def clear(self) -> None:
         for node in self.nodes.values():
             node.block.block_hash = None
         self.root.children.clear()
         self.nodes.clear()
+
+
+class FlatIndex:
+    """Cached blocks by hash alone, for sliding-window KV groups. A window's hit needs only
+    the blocks at its end, and those blocks' hashes chain over the whole prefix, so a block
+    stays reachable when blocks before it are evicted (a trie would drop it with them)."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[BlockHash, Any] = {}
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __contains__(self, block_hash: BlockHash) -> bool:
+        return block_hash in self.blocks
+
+    def insert(self, parent_hash: BlockHash | None, block_hash: BlockHash, block: Any) -> bool:
+        """Index `block`; False when the hash is already cached."""
+        if block_hash in self.blocks:
+            return False
+        self.blocks[block_hash] = block
+        block.block_hash = block_hash
+        return True
+
+    def remove(self, block_hash: BlockHash) -> list[Any]:
+        block = self.blocks.pop(block_hash, None)
+        if block is None:
+            return []
+        block.block_hash = None
+        return [block]
+
+    def get(self, block_hash: BlockHash) -> Any:
+        return self.blocks.get(block_hash)
+
+    def clear(self) -> None:
+        for block in self.blocks.values():
+            block.block_hash = None
+        self.blocks.clear()

@@ -109,7 +109,7 @@ class Scheduler:
                 continue
             cached = step.cached_requests
             cached.req_ids.append(request.request_id)
-            cached.new_block_ids.append([b.block_id for b in new_blocks])
+            cached.new_block_ids.append([[b.block_id for b in group] for group in new_blocks])
             cached.num_computed_tokens.append(request.num_computed_tokens)
             step.num_scheduled_tokens[request.request_id] = num_new
             request.num_computed_tokens += num_new
@@ -121,7 +121,7 @@ class Scheduler:
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             # prompt logprobs need every prompt position computed: no prefix-cache reads
-            hits, num_hit = ([], 0) if request.params.prompt_logprobs is not None else \
+            hits, num_hit = (None, 0) if request.params.prompt_logprobs is not None else \
                 self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
             if self.kv.allocate_slots(request, num_new, hits) is None:

@@ -52,6 +52,8 @@ class ModelArgs:
     attn_logit_softcap: float = 0.0      # attention scores soft-capped (gemma2)
     layer_windows: tuple[int, ...] = ()  # sliding window per layer, 0 = full; () = all full
     rope_local_theta: float = 0.0        # RoPE base of sliding layers (gemma3); 0: rope_theta
+    context_len: int = 0                 # the serving context (max_model_len), for the static
+    #                                      choices of longrope and dynamic; 0: max positions
     # -- mixture of experts (models/experts.py) ------------------------------------------
     num_experts: int = 0                 # 0: every layer's MLP is dense
     num_experts_per_tok: int = 0
@@ -140,9 +142,15 @@ def rope_params(config: dict[str, Any], layer_type: str = "full_attention"
     if isinstance(params, dict) and isinstance(params.get(layer_type), dict):
         params = params[layer_type]
     if isinstance(params, dict) and "rope_theta" in params:
+        theta = float(params["rope_theta"])
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-        return float(params["rope_theta"]), scaling
-    return float(config.get("rope_theta", 10000.0)), dict(config.get("rope_scaling") or {})
+    else:
+        theta = float(config.get("rope_theta", 10000.0))
+        scaling = dict(config.get("rope_scaling") or {})
+    if scaling and config.get("original_max_position_embeddings") and \
+            not scaling.get("original_max_position_embeddings"):   # phi3 keeps it at the top
+        scaling["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+    return theta, scaling
 
 
 class CausalLM(Protocol):
@@ -210,13 +218,36 @@ def _yarn_inv_freq(args: ModelArgs, scaling: dict[str, Any]) -> np.ndarray:
     return (interpolation * (np.float32(1.0) - keep) + extrapolation * keep).astype(np.float32)
 
 
+def rope_kind(args: ModelArgs) -> str:
+    return args.rope_scaling.get("rope_type", args.rope_scaling.get("type")) or "default"
+
+
+def _original_context(args: ModelArgs) -> int:
+    return int(args.rope_scaling.get("original_max_position_embeddings")
+               or args.max_position_embeddings)
+
+
+def uses_long_factors(args: ModelArgs) -> bool:
+    """longrope's static choice, llama.cpp's rule: the long factors when the serving
+    context is longer than the original one. transformers chooses per forward pass by the
+    sequence's length, so the two agree for every sequence when the context is within the
+    original, and for sequences longer than the original otherwise."""
+    return (args.context_len or args.max_position_embeddings) > _original_context(args)
+
+
 def rope_attention_factor(args: ModelArgs) -> float:
-    """The factor cos/sin are multiplied by (YaRN's attention scaling; 1 for other types)."""
+    """The factor cos/sin are multiplied by (YaRN's and longrope's attention scaling; 1 for
+    other types)."""
     scaling = args.rope_scaling
-    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+    kind = rope_kind(args)
+    if kind not in ("yarn", "longrope", "su"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
+    if kind != "yarn":
+        original = _original_context(args)
+        factor = float(scaling.get("factor") or args.max_position_embeddings / original)
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
     factor = float(scaling.get("factor") or args.max_position_embeddings
                    / scaling["original_max_position_embeddings"])
     mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
@@ -225,34 +256,60 @@ def rope_attention_factor(args: ModelArgs) -> float:
     return _yarn_mscale(factor)
 
 
+def _dynamic_theta(args: ModelArgs) -> float:
+    """Dynamic NTK's base, static as vLLM computes it: for the serving context when that is
+    longer than the original context (transformers recomputes it per forward pass for the
+    sequence's length, so the two agree on sequences of exactly the serving context and on
+    every sequence when the context is within the original)."""
+    context, original = args.context_len or args.max_position_embeddings, _original_context(args)
+    if context <= original:
+        return args.rope_theta
+    factor, dim = float(args.rope_scaling["factor"]), args.rotary_dim
+    return args.rope_theta * ((factor * context / original) - (factor - 1)) ** (dim / (dim - 2))
+
+
 def rope_inv_freq(args: ModelArgs, freq_factors: np.ndarray | None = None,
                   path: str | Path = "") -> np.ndarray:
-    """inv_freq [rotary_dim / 2] with the model's scaling (none, linear, llama3, yarn, or the
-    GGUF `rope_freqs` factors), computed in float32 as transformers does.
+    """inv_freq [rotary_dim / 2] with the model's scaling (none, linear, llama3, yarn,
+    longrope, dynamic, or the GGUF `rope_freqs` factors), computed in float32 as transformers
+    does.
 
     Raises:
         UnsupportedModelError: a rope scaling type we do not implement.
+        ModelFormatError: a scaling that lacks a key it needs.
     """
+    kind = rope_kind(args)
+    theta = _dynamic_theta(args) if kind == "dynamic" else args.rope_theta
     exponents = np.arange(0, args.rotary_dim, 2, dtype=np.int64).astype(np.float32)
-    inv_freq = (1.0 / (np.float32(args.rope_theta) ** (exponents / np.float32(args.rotary_dim))))
+    inv_freq = (1.0 / (np.float32(theta) ** (exponents / np.float32(args.rotary_dim))))
     inv_freq = inv_freq.astype(np.float32)
-    kind = args.rope_scaling.get("rope_type", args.rope_scaling.get("type", "default"))
+    if kind in ("yarn", "longrope", "su") and \
+            not args.rope_scaling.get("original_max_position_embeddings"):
+        raise ModelFormatError(path or args.architecture, f"{kind} rope scaling needs "
+                               "original_max_position_embeddings")
     if kind == "linear":
         inv_freq = inv_freq / np.float32(args.rope_scaling["factor"])
     elif kind == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, args.rope_scaling)
     elif kind == "yarn":
-        if not args.rope_scaling.get("original_max_position_embeddings"):
-            raise ModelFormatError(path or args.architecture, "yarn rope scaling needs "
-                                   "original_max_position_embeddings")
         inv_freq = _yarn_inv_freq(args, args.rope_scaling)
-    elif kind not in ("default", "none", None):
+    elif kind in ("longrope", "su") and freq_factors is None:   # GGUF files carry them
+        key = "long_factor" if uses_long_factors(args) else "short_factor"
+        ext = np.asarray(args.rope_scaling[key], np.float32)
+        if ext.shape != inv_freq.shape:
+            raise ModelFormatError(path or args.architecture, f"rope {key} has {ext.size} "
+                                   f"values, want {inv_freq.size}")
+        inv_freq = (np.float32(1.0) / (ext * (np.float32(args.rope_theta)
+                                              ** (exponents / np.float32(args.rotary_dim)))))
+    elif kind == "dynamic" and not args.rope_scaling.get("factor"):
+        raise ModelFormatError(path or args.architecture, "dynamic rope scaling needs a factor")
+    elif kind not in ("default", "none", "longrope", "su", "dynamic"):
         raise UnsupportedModelError(path or args.architecture,
-                                    f"rope scaling type {kind!r} is not supported "
-                                    "(supported: default, linear, llama3, yarn)")
+                                    f"rope scaling type {kind!r} is not supported (supported: "
+                                    "default, linear, llama3, yarn, longrope, su, dynamic)")
     if freq_factors is not None:
         inv_freq = inv_freq / freq_factors.astype(np.float32)
-    return inv_freq
+    return inv_freq.astype(np.float32)
 
 
 def rope_cos_sin(inv_freq: np.ndarray, max_positions: int) -> tuple[np.ndarray, np.ndarray]:

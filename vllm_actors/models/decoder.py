@@ -21,7 +21,7 @@ biases are added on rank 0 only), a vocab-split embedding (all-reduced) and LM h
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -31,6 +31,7 @@ from vllm_actors.loaders.weights import RawTensor, WeightSet
 from vllm_actors.models.base import (ModelArgs, ParallelGroup, SingleRank,
                                      rope_attention_factor, rope_cos_sin, rope_inv_freq)
 from vllm_actors.models.experts import Experts, load_experts, run_experts
+from vllm_actors.models.kv_layout import kv_cache_groups, layer_slots
 from vllm_actors.models.sharding import ShardPlan
 
 
@@ -100,6 +101,7 @@ class DecoderLM:
                             if args.rope_interleaved else None)
         self.final_norm = self._norm(weights, "output_norm")
         self.layers = [self._load_layer(weights, i) for i in range(args.num_layers)]
+        self.layer_group = layer_slots(kv_cache_groups(args))[0]   # KV cache group per layer
         freq_factors = weights.get("rope_freqs.weight")
         factors = None if freq_factors is None else freq_factors.to_float32()
         self.rope = self._rope_tables(args, factors, weights)
@@ -281,17 +283,25 @@ class DecoderLM:
             h = self.tp.all_reduce(b.embedding(self.embed, self.plan.local_ids(token_ids)))
         return h if self.args.embed_scale == 1.0 else b.scale(h, self.args.embed_scale)
 
-    def forward(self, token_ids: np.ndarray, positions: np.ndarray, meta: AttentionMetadata,
+    def forward(self, token_ids: np.ndarray, positions: np.ndarray,
+                meta: AttentionMetadata | Sequence[AttentionMetadata],
                 kv_caches: list[Any]) -> Any:
+        """`meta`: one layout for every layer, or one per KV cache group of
+        `kv_cache_groups(args)` (the runner's hybrid layout)."""
         b = self.backend
-        attn = b.prepare_attention(meta)
+        if isinstance(meta, AttentionMetadata):
+            layer_attn = [b.prepare_attention(meta)] * len(self.layers)
+        else:
+            group_attn = [b.prepare_attention(m) for m in meta]
+            layer_attn = [group_attn[g] for g in self.layer_group]
         ropes = (b.prepare_rope(positions, self.rope),
                  None if self.rope_local is None else b.prepare_rope(positions, self.rope_local))
         h = self._embed(token_ids)
         first = self.layers[0].attn_norm
         x = h if first is None else self._apply_norm(h, first)
         next_norms = [layer.attn_norm for layer in self.layers[1:]] + [self.final_norm]
-        for layer, kv_cache, next_norm in zip(self.layers, kv_caches, next_norms):
+        for layer, attn, kv_cache, next_norm in zip(self.layers, layer_attn, kv_caches,
+                                                    next_norms):
             # each residual add is fused with the norm that follows it
             h, x = self._add_norm(h, self._attention(layer, x, ropes, attn, kv_cache),
                                   layer.ffn_norm)

@@ -19,13 +19,18 @@ def hf_common(config: dict[str, Any], architecture: str) -> dict[str, Any]:
     if partial is None and isinstance(config.get("rope_parameters"), dict):
         partial = config["rope_parameters"].get("partial_rotary_factor")
     eps = config.get("rms_norm_eps", config.get("layer_norm_eps", config.get("norm_eps", 1e-6)))
+    max_positions = int(config.get("max_position_embeddings", 4096))
+    if scaling.get("rope_type", scaling.get("type")) == "dynamic" and scaling.get("factor"):
+        # the context dynamic NTK extends to, as vLLM derives it
+        scaling.setdefault("original_max_position_embeddings", max_positions)
+        max_positions = int(max_positions * float(scaling["factor"]))
     return dict(
         architecture=architecture,
         hidden_size=hidden, num_layers=int(config["num_hidden_layers"]), num_heads=heads,
         num_kv_heads=int(config.get("num_key_value_heads") or heads), head_dim=head_dim,
         intermediate_size=int(config["intermediate_size"]), vocab_size=int(config["vocab_size"]),
         rms_norm_eps=float(eps), rope_theta=theta,
-        max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+        max_position_embeddings=max_positions,
         rotary_dim=int(head_dim * float(partial or 1.0)),
         rope_interleaved=False, rope_scaling=scaling,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),

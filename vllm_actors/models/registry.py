@@ -5,7 +5,7 @@ the hyper-parameters, applies the family's weight fix-ups and uploads the weight
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from vllm_actors.errors import ModelFormatError, UnsupportedModelError
 from vllm_actors.kernels.ops import Backend
@@ -74,11 +74,15 @@ def inspect_model(source: ModelSource) -> tuple[ModelInfo, GGUFFile | None]:
         raise ModelFormatError(source.path / "config.json", f"missing key {e}") from None
 
 
-def load_model(source: ModelSource, backend: Backend, tp: ParallelGroup | None = None
-               ) -> CausalLM:
+def load_model(source: ModelSource, backend: Backend, tp: ParallelGroup | None = None,
+               context_len: int = 0) -> CausalLM:
     """Open, check and upload a model onto `backend` (only rank `tp.rank`'s shard when a
-    tensor-parallel group is given; each rank reads the file through its own mmap)."""
+    tensor-parallel group is given; each rank reads the file through its own mmap).
+    `context_len`: the serving context (max_model_len) when set, which the static rope
+    choices of longrope and dynamic scaling depend on (`ModelArgs.context_len`)."""
     info, gguf = inspect_model(source)
+    if context_len:
+        info = replace(info, args=replace(info.args, context_len=context_len))
     if gguf is not None:
         weights, kind = gguf_weights(gguf), "gguf"
     else:

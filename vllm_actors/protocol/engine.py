@@ -124,12 +124,15 @@ class EngineReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
         num_kv_blocks: KV cache blocks allocated (excluding the null block).
         max_model_len: longest prompt + output the engine accepts.
         vocab_size: rows of the LM head (token ids must be below it).
+        kv_group_windows: the sliding window of each KV cache group (0: full attention);
+            block lists travel per group in this order.
     """
 
     num_kv_blocks: int
     block_size: int
     max_model_len: int
     vocab_size: int
+    kv_group_windows: list[int] = msgspec.field(default_factory=lambda: [0])
 
 
 class AbortRequests(msgspec.Struct, array_like=True, gc=False, tag=2):

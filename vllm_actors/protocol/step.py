@@ -15,7 +15,9 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 
     Attributes:
         token_ids: every token known so far (prompt, plus outputs when resumed).
-        block_ids: KV blocks in order; block i holds positions [i * block_size, (i+1) * block_size).
+        block_ids: KV blocks per KV cache group, each in order: block i holds positions
+            [i * block_size, (i+1) * block_size) (0, the null block, for blocks a sliding
+            window no longer sees).
         num_computed_tokens: tokens whose KV is already in those blocks (prefix-cache hits).
         num_prompt_tokens: how many of token_ids are prompt (the rest are earlier outputs).
         eos_token_ids: masked with stop_token_ids until min_tokens (unless ignore_eos).
@@ -24,17 +26,18 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     req_id: str
     token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[list[int]]
     num_computed_tokens: int
     num_prompt_tokens: int
     eos_token_ids: list[int] = []
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Diffs for requests the worker already holds (parallel lists)."""
+    """Diffs for requests the worker already holds (parallel lists; new blocks per request
+    per KV cache group)."""
 
     req_ids: list[str] = []
-    new_block_ids: list[list[int]] = []
+    new_block_ids: list[list[list[int]]] = []
     num_computed_tokens: list[int] = []
 
 

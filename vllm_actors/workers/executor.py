@@ -99,7 +99,7 @@ class MultiprocExecutor:
         self._call(InitKVCache(num_blocks))
         first = readies[0].ready
         self.ready = EngineReady(num_blocks, first.block_size, first.max_model_len,
-                                 first.vocab_size)
+                                 first.vocab_size, first.kv_group_windows)
         logger.info("%d workers ready (pids %s); %d KV blocks per rank", n,
                     [h.process.pid for h in self.handles], num_blocks)
 

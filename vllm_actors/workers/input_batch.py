@@ -17,14 +17,16 @@ class InputBatch:
     Attributes:
         token_ids: [max_num_reqs, max_model_len] int32, prompt then outputs.
         num_tokens / num_prompt_tokens / num_computed_tokens: [max_num_reqs] int32.
-        block_table: [max_num_reqs, max_blocks_per_req] int32 (0 = the null block).
-        num_blocks: [max_num_reqs] int32, filled entries of each block_table row.
+        block_table: [num_kv_groups, max_num_reqs, max_blocks_per_req] int32, block ids per
+            KV cache group (0 = the null block).
+        num_blocks: [num_kv_groups, max_num_reqs] int32, filled entries of each row.
         params: the SamplingParams of each row (None for a free row).
         sampling: the rows' sampling controls as arrays.
         prompt_logprobs: per row, prompt logprobs of the chunks computed so far.
     """
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int,
+                 num_kv_groups: int = 1) -> None:
         self.max_model_len = max_model_len
         self.block_size = block_size
         max_blocks = -(-max_model_len // block_size)
@@ -32,8 +34,8 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, np.int32)
         self.num_prompt_tokens = np.zeros(max_num_reqs, np.int32)
         self.num_computed_tokens = np.zeros(max_num_reqs, np.int32)
-        self.block_table = np.zeros((max_num_reqs, max_blocks), np.int32)
-        self.num_blocks = np.zeros(max_num_reqs, np.int32)
+        self.block_table = np.zeros((num_kv_groups, max_num_reqs, max_blocks), np.int32)
+        self.num_blocks = np.zeros((num_kv_groups, max_num_reqs), np.int32)
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self.sampling = SamplingState(max_num_reqs)
         self.prompt_logprobs: dict[int, list[TokenLogprobs]] = {}
@@ -54,7 +56,7 @@ class InputBatch:
         self.num_tokens[row] = n
         self.num_prompt_tokens[row] = new.num_prompt_tokens
         self.num_computed_tokens[row] = new.num_computed_tokens
-        self.num_blocks[row] = 0
+        self.num_blocks[:, row] = 0
         self.append_blocks(row, new.block_ids)
         self.params[row] = new.sampling_params
         self.sampling.set_row(row, new.sampling_params, new.eos_token_ids)
@@ -68,10 +70,12 @@ class InputBatch:
             self.prompt_logprobs.pop(row, None)
             self.free_rows.append(row)
 
-    def append_blocks(self, row: int, block_ids: list[int]) -> None:
-        start = self.num_blocks[row]
-        self.block_table[row, start:start + len(block_ids)] = block_ids
-        self.num_blocks[row] = start + len(block_ids)
+    def append_blocks(self, row: int, block_ids: list[list[int]]) -> None:
+        """New block ids per KV cache group."""
+        for group, ids in enumerate(block_ids):
+            start = self.num_blocks[group, row]
+            self.block_table[group, row, start:start + len(ids)] = ids
+            self.num_blocks[group, row] = start + len(ids)
 
     def rows_of(self, req_ids: list[str]) -> np.ndarray:
         return np.fromiter((self.req_id_to_row[r] for r in req_ids), np.int64, len(req_ids))

@@ -7,6 +7,8 @@ import logging
 from vllm_actors.config import CacheConfig
 from vllm_actors.errors import ValidationError
 from vllm_actors.models.base import ModelArgs
+from vllm_actors.models.kv_layout import (KVCacheGroup, blocks_per_request, kv_cache_groups,
+                                          num_slots)
 
 logger = logging.getLogger(__name__)
 
@@ -15,21 +17,27 @@ DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
 DEFAULT_MEMORY_FRACTION = 0.9
 
 
-def kv_bytes_per_block(args: ModelArgs, block_size: int) -> int:
-    """K and V of every layer for one block, float32."""
-    return 2 * args.num_layers * block_size * args.num_kv_heads * args.head_dim * 4
+def kv_bytes_per_block(args: ModelArgs, block_size: int,
+                       groups: list[KVCacheGroup] | None = None) -> int:
+    """K and V of one block id, float32: one page in every slot of the KV cache groups
+    (every layer when the model has one attention type)."""
+    slots = num_slots(groups or kv_cache_groups(args))
+    return 2 * slots * block_size * args.num_kv_heads * args.head_dim * 4
 
 
 def num_kv_blocks(cache: CacheConfig, args: ModelArgs, max_model_len: int,
-                  free_memory: int) -> int:
-    """Usable blocks (the null block comes on top).
+                  free_memory: int, max_num_batched_tokens: int | None = None) -> int:
+    """Usable blocks (the null block comes on top). A block is a page of one KV cache
+    group's layers (`models/kv_layout.py`); a request holds blocks in every group, and a
+    sliding-window group only a window's worth.
 
     From the first setting given: --num-gpu-blocks-override, --kv-cache-memory,
     --gpu-memory-utilization (x free memory after the weights), else the default budget.
     Raises:
         ValidationError: the cache cannot hold one request of max_model_len.
     """
-    per_block = kv_bytes_per_block(args, cache.block_size)
+    groups = kv_cache_groups(args)
+    per_block = kv_bytes_per_block(args, cache.block_size, groups)
     if cache.num_gpu_blocks_override is not None:
         blocks, source = cache.num_gpu_blocks_override, "--num-gpu-blocks-override"
     elif cache.kv_cache_memory is not None:
@@ -40,16 +48,17 @@ def num_kv_blocks(cache: CacheConfig, args: ModelArgs, max_model_len: int,
     else:
         budget = min(DEFAULT_CPU_KV_CACHE_BYTES, int(free_memory * DEFAULT_MEMORY_FRACTION))
         blocks, source = budget // per_block, "the default budget"
-    needed = -(-max_model_len // cache.block_size)
+    needed = blocks_per_request(groups, max_model_len, cache.block_size,
+                                max_num_batched_tokens or max_model_len)
     if blocks < needed:
         raise ValidationError(
-            f"{blocks} KV blocks of {cache.block_size} tokens ({source}) hold "
-            f"{blocks * cache.block_size} tokens, fewer than one request of "
-            f"max_model_len={max_model_len}; give the KV cache more memory (--kv-cache-memory, "
+            f"{blocks} KV blocks of {cache.block_size} tokens ({source}) are fewer than one "
+            f"request of max_model_len={max_model_len} holds ({needed}); "
+            "give the KV cache more memory (--kv-cache-memory, "
             "--gpu-memory-utilization, --num-gpu-blocks-override) or lower --max-model-len",
             "kv_cache_memory")
-    tokens = blocks * cache.block_size
-    logger.info("KV cache: %d blocks, %d tokens, %.1f MiB (%s); maximum concurrency for "
-                "%d-token requests: %.2fx", blocks, tokens, blocks * per_block / 2**20, source,
-                max_model_len, tokens / max_model_len)
+    logger.info("KV cache: %d blocks of %d tokens in %d group(s) (windows %s), %.1f MiB (%s); "
+                "maximum concurrency for %d-token requests: %.2fx", blocks, cache.block_size,
+                len(groups), sorted({g.window for g in groups}), blocks * per_block / 2**20,
+                source, max_model_len, blocks / needed)
     return blocks

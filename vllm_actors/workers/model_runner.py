@@ -18,6 +18,7 @@ from vllm_actors.kernels import get_backend
 from vllm_actors.kernels.ops import AttentionMetadata, Backend
 from vllm_actors.loaders.model_files import resolve_model
 from vllm_actors.models.base import CausalLM, ParallelGroup, SingleRank
+from vllm_actors.models.kv_layout import kv_cache_groups, layer_slots, num_slots
 from vllm_actors.models.registry import load_model
 from vllm_actors.protocol.engine import EngineReady, TokenLogprobs
 from vllm_actors.protocol.step import StepInput, StepOutput
@@ -56,7 +57,8 @@ class ModelRunner:
                                               device.opencl_device)
         self.tp = tp or SingleRank()
         self._model_source = None if model is not None else resolve_model(config.model.model)
-        self.model = model or load_model(self._model_source, self.backend, self.tp)
+        self.model = model or load_model(self._model_source, self.backend, self.tp,
+                                         config.model.max_model_len or 0)
         args = self.model.args
         self.local_args = getattr(self.model, "local_args", args)
         limit = args.max_position_embeddings
@@ -65,25 +67,29 @@ class ModelRunner:
             raise ValidationError(f"max_model_len={self.max_model_len} is larger than the "
                                   f"model's context length ({limit})", "max_model_len")
         self.block_size = config.cache.block_size
+        self.kv_groups = kv_cache_groups(self.local_args)
         self.num_blocks = num_kv_blocks(config.cache, self.local_args, self.max_model_len,
-                                        self.backend.free_memory())
+                                        self.backend.free_memory(),
+                                        config.scheduler.max_num_batched_tokens)
         self.kv_caches: list = []
         if allocate_kv:
             self.initialize_kv_cache(self.num_blocks)
         self.batch = InputBatch(config.scheduler.max_num_seqs, self.max_model_len,
-                                self.block_size)
+                                self.block_size, len(self.kv_groups))
         self.sampler = Sampler(config.model.seed)
         # device backends sample plain-greedy steps themselves (see _sample); under tensor
         # parallelism the logits are gathered on the host of rank 0
         self.device_greedy = hasattr(self.backend, "argmax") and self.tp.world_size == 1
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate `num_blocks` usable blocks (plus the null block) of this rank's KV heads."""
+        """Allocate `num_blocks` usable blocks (plus the null block) of this rank's KV heads:
+        one tensor per slot of the KV cache groups, each layer handed its group's slot."""
         local = self.local_args
         self.num_blocks = num_blocks
-        self.kv_caches = self.backend.allocate_kv_cache(
-            local.num_layers, num_blocks + 1, self.block_size, local.num_kv_heads,
+        slots = self.backend.allocate_kv_cache(
+            num_slots(self.kv_groups), num_blocks + 1, self.block_size, local.num_kv_heads,
             local.head_dim)
+        self.kv_caches = [slots[slot] for slot in layer_slots(self.kv_groups)[1]]
         if getattr(self.backend, "compiles_lazily", False):
             self._warm_up()
 
@@ -98,7 +104,7 @@ class ModelRunner:
     @property
     def ready(self) -> EngineReady:
         return EngineReady(self.num_blocks, self.block_size, self.max_model_len,
-                           self.model.args.vocab_size)
+                           self.model.args.vocab_size, [g.window for g in self.kv_groups])
 
     def _apply_diffs(self, step: StepInput) -> None:
         batch = self.batch
@@ -114,8 +120,9 @@ class ModelRunner:
             batch.num_computed_tokens[row] = computed
 
     def _prepare(self, rows: np.ndarray, counts: np.ndarray
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, AttentionMetadata]:
-        """Flat step layout: token ids, positions, the row of each token, attention layout."""
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[AttentionMetadata]]:
+        """Flat step layout: token ids, positions, the row of each token, and the attention
+        layout of each KV cache group."""
         batch, bs = self.batch, self.block_size
         query_start_loc = np.zeros(len(rows) + 1, np.int32)
         np.cumsum(counts, out=query_start_loc[1:])
@@ -124,13 +131,19 @@ class ModelRunner:
         starts = batch.num_computed_tokens[rows]
         positions = np.repeat(starts, counts) + offsets
         token_ids = batch.token_ids[token_rows, positions]
-        slots = (batch.block_table[token_rows, positions // bs].astype(np.int64) * bs
-                 + positions % bs)
         seq_lens = starts + counts
         num_blocks = -(-int(seq_lens.max()) // bs)
-        meta = AttentionMetadata(query_start_loc, seq_lens,
-                                 batch.block_table[rows, :num_blocks], slots, bs)
-        return token_ids, positions, token_rows, meta
+        metas = []
+        for group, table in zip(self.kv_groups, batch.block_table):
+            slots = table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+            tables = table[rows, :num_blocks]
+            if group.window:
+                # blocks behind the window went back to the pool (and maybe to another
+                # request): point them at the null block, which the window mask hides
+                first = np.maximum(starts - group.window + 1, 0) // bs
+                tables[np.arange(num_blocks)[None, :] < first[:, None]] = 0
+            metas.append(AttentionMetadata(query_start_loc, seq_lens, tables, slots, bs))
+        return token_ids, positions, token_rows, metas
 
     def _collect_prompt_logprobs(self, hidden: object, positions: np.ndarray,
                                  token_rows: np.ndarray) -> None:
@@ -242,10 +255,11 @@ class ModelRunner:
         req_ids = list(step.num_scheduled_tokens)
         rows = self.batch.rows_of(req_ids)
         counts = np.fromiter(step.num_scheduled_tokens.values(), np.int32, len(rows))
-        token_ids, positions, token_rows, meta = self._prepare(rows, counts)
-        hidden = self.model.forward(token_ids, positions, meta, self.kv_caches)
+        token_ids, positions, token_rows, metas = self._prepare(rows, counts)
+        hidden = self.model.forward(token_ids, positions, metas[0] if len(metas) == 1 else metas,
+                                    self.kv_caches)
         self._collect_prompt_logprobs(hidden, positions, token_rows)
         self.batch.num_computed_tokens[rows] += counts
         out = StepOutput(req_ids, [[] for _ in req_ids])
-        self._sample(hidden, meta, rows, req_ids, step, out)
+        self._sample(hidden, metas[0], rows, req_ids, step, out)
         return out
