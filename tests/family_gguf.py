@@ -16,7 +16,8 @@ from vllm_actors.models import moe
 
 # family -> GGUF architecture (the converter's choice)
 GGUF_ARCH = {"phi3": "phi3", "phi3_longrope": "phi3",
-             "olmo2": "olmo2", "granite": "granite", "starcoder2": "starcoder2",
+             "olmo2": "olmo2", "gpt_oss": "gpt-oss", "granite": "granite",
+             "starcoder2": "starcoder2",
              "stablelm": "stablelm", "mixtral": "llama", "qwen2_moe": "qwen2moe",
              "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
 _LAYER_NORM = ("starcoder2", "stablelm")
@@ -34,7 +35,7 @@ def _metadata(w: gguf.GGUFWriter, name: str, config: dict[str, Any]) -> None:
     w.add_head_count_kv(config["num_key_value_heads"])
     w.add_key_length(dh)
     w.add_value_length(dh)
-    w.add_rope_freq_base(config["rope_theta"])
+    w.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
     w.add_rope_dimension_count(int(dh * config.get("partial_rotary_factor", 1.0)))
     w.add_vocab_size(config["vocab_size"])
     if name in _LAYER_NORM:
@@ -58,8 +59,13 @@ def _metadata(w: gguf.GGUFWriter, name: str, config: dict[str, Any]) -> None:
     if experts:
         w.add_expert_count(experts)
         w.add_expert_used_count(config["num_experts_per_tok"])
-        if config.get("moe_intermediate_size"):
-            w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if config.get("moe_intermediate_size") or name == "gpt_oss":
+            w.add_expert_feed_forward_length(config.get("moe_intermediate_size")
+                                             or config["intermediate_size"])
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
 
 
 def _stack_experts(weights: dict[str, np.ndarray], config: dict[str, Any]
@@ -83,11 +89,40 @@ def _stack_experts(weights: dict[str, np.ndarray], config: dict[str, Any]
     return out
 
 
-def write_family_gguf(path: Path, name: str, qtype: Any = None) -> None:
-    """FAMILY_CONFIGS[name] as a GGUF file; `qtype` quantizes the 2-D and 3-D weights."""
+def _gpt_oss_layout(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """gpt-oss's stacked x @ W experts as the converter writes them: gate and up split out of
+    their interleaved columns, [E, out, in] each, biases [E, out]; sinks named `.weight`."""
+    out = {}
+    for key, value in weights.items():
+        parts = key.split(".")
+        if parts[-1] == "sinks":
+            out[f"blk.{parts[2]}.attn_sinks.weight"] = value
+        elif "experts" in parts:
+            p, kind = f"blk.{parts[2]}.", parts[-1]
+            if kind == "gate_up_proj":
+                out[p + "ffn_gate_exps.weight"] = value[:, :, 0::2].transpose(0, 2, 1)
+                out[p + "ffn_up_exps.weight"] = value[:, :, 1::2].transpose(0, 2, 1)
+            elif kind == "gate_up_proj_bias":
+                out[p + "ffn_gate_exps.bias"] = value[:, 0::2]
+                out[p + "ffn_up_exps.bias"] = value[:, 1::2]
+            elif kind == "down_proj":
+                out[p + "ffn_down_exps.weight"] = value.transpose(0, 2, 1)
+            else:
+                out[p + "ffn_down_exps.bias"] = value
+        else:
+            out[key] = value
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def write_family_gguf(path: Path, name: str, qtype: Any = None, dequantized: Any = None
+                      ) -> None:
+    """FAMILY_CONFIGS[name] as a GGUF file; `qtype` quantizes the 2-D and 3-D weights (MXFP4:
+    the experts only, as gpt-oss ships); `dequantized` stores them in float32 after a round
+    trip through that type instead."""
     config = FAMILY_CONFIGS[name]
     arch = GGUF_ARCH[name]
-    weights = _stack_experts(family_weights(config), config)
+    weights = family_weights(config)
+    weights = _gpt_oss_layout(weights) if name == "gpt_oss" else _stack_experts(weights, config)
     model_arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
     name_map = gguf.get_tensor_name_map(model_arch, config["num_hidden_layers"])
     writer = gguf.GGUFWriter(str(path), arch)
@@ -99,6 +134,8 @@ def write_family_gguf(path: Path, name: str, qtype: Any = None) -> None:
                               np.asarray(rope[f"{kind}_factor"], np.float32))
     for hf_name, w in weights.items():
         gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None and hf_name.startswith("blk."):
+            gguf_name = hf_name      # already named as the converter names it
         if gguf_name is None and hf_name == "lm_head.weight":
             gguf_name = "output.weight"
         gguf_name = gguf_name or moe.hf_name(hf_name)   # a sparse model's dense layers
@@ -109,8 +146,15 @@ def write_family_gguf(path: Path, name: str, qtype: Any = None) -> None:
             w = llama_cpp_permute(w, config["num_key_value_heads"])
         if name == "qwen2_moe" and gguf_name.endswith("ffn_gate_inp_shexp.weight"):
             w = w.reshape(-1)      # the converter stores the shared gate as a vector
-        if qtype is not None and w.ndim >= 2 and "gate_inp" not in gguf_name:
-            writer.add_tensor(gguf_name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        kind = qtype or dequantized
+        if kind is not None and w.ndim >= 2 and "gate_inp" not in gguf_name and \
+                (kind != gguf.GGMLQuantizationType.MXFP4 or "_exps" in gguf_name):
+            packed = gguf.quants.quantize(w, kind)
+            if qtype is not None:
+                writer.add_tensor(gguf_name, packed, raw_dtype=qtype)
+            else:
+                writer.add_tensor(gguf_name, gguf.quants.dequantize(packed, kind)
+                                  .astype(np.float32).reshape(w.shape))
         else:
             writer.add_tensor(gguf_name, np.ascontiguousarray(w, np.float32))
     writer.write_header_to_file()

@@ -97,12 +97,24 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
                       "rope_parameters": {"rope_type": "dynamic", "factor": 4.0,
                                           "rope_theta": 10000.0},
                       "hidden_act": "silu", "tie_word_embeddings": False},
+    # gpt-oss: sinks, windows of 8 on even layers, YaRN, biased top-k-softmax experts whose
+    # clamped SwiGLU limit (7, llama.cpp's constant) bites on most activations (gate/up
+    # weights scaled up in `_experts`)
+    "gpt_oss": {**_BASE, "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+                "num_hidden_layers": 2, "head_dim": 16, "intermediate_size": 32,
+                "rms_norm_eps": 1e-5, "num_local_experts": 4, "num_experts_per_tok": 2,
+                "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+                "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                    "beta_slow": 1.0, "truncate": False, "rope_theta": 10000.0,
+                                    "original_max_position_embeddings": 128},
+                "attention_bias": True, "swiglu_limit": 7.0, "swiglu_alpha": 1.702,
+                "tie_word_embeddings": False, "hidden_act": "silu"},
     "olmoe": {**_BASE, "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe",
               "num_hidden_layers": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
               "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": False,
               "hidden_act": "silu", "tie_word_embeddings": False},
 }
-MOE_NAMES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+MOE_NAMES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
 # families whose logits depend on the serving context (loaded with context_len; the goldens'
 # 300-token forward and the 49-token greedy run need different contexts)
 CONTEXT_DEPENDENT = ("llama_dynamic",)
@@ -189,12 +201,15 @@ def family_weights(config: dict[str, Any]) -> dict[str, np.ndarray]:
         if kind in ("qwen3_moe", "qwen3"):
             w[a + "q_norm.weight"] = norm(dh)
             w[a + "k_norm.weight"] = norm(dh)
-        if kind == "qwen2_moe":
+        if kind in ("qwen2_moe", "gpt_oss"):
             for name, n in (("q_proj", h * dh), ("k_proj", hk * dh), ("v_proj", hk * dh)):
                 w[a + name + ".bias"] = bias(n)
+        if kind == "gpt_oss":
+            w[a + "o_proj.bias"] = bias(d)
+            w[a + "sinks"] = np.float32(2.0) * det_uniform((h,), next(seed))
         m = p + "mlp."
         if kind in MOE_NAMES and i not in config.get("mlp_only_layers", ()):
-            w.update(_experts(config, p, d, linear))
+            w.update(_experts(config, p, d, linear, bias))
         elif kind == "starcoder2":
             w[m + "c_fc.weight"], w[m + "c_fc.bias"] = linear(f, d), bias(f)
             w[m + "c_proj.weight"], w[m + "c_proj.bias"] = linear(d, f), bias(d)
@@ -208,12 +223,23 @@ def family_weights(config: dict[str, Any]) -> dict[str, np.ndarray]:
     return w
 
 
-def _experts(config: dict[str, Any], p: str, d: int, linear: Any) -> dict[str, np.ndarray]:
+def _experts(config: dict[str, Any], p: str, d: int, linear: Any, bias: Any
+             ) -> dict[str, np.ndarray]:
     """A sparse layer's router and experts under their HF checkpoint names (per expert, as
-    the hub ships them; transformers 5 fuses them on load)."""
+    the hub ships them; transformers 5 fuses them on load; gpt-oss ships them stacked)."""
     kind, w = config["model_type"], {}
     num = config.get("num_local_experts") or config["num_experts"]
     f = config.get("moe_intermediate_size") or config["intermediate_size"]
+    if kind == "gpt_oss":    # x @ W layouts, gate and up interleaved by column
+        m = p + "mlp."
+        w[m + "router.weight"] = linear(num, d) * np.float32(4.0)
+        w[m + "router.bias"] = bias(num)
+        w[m + "experts.gate_up_proj"] = np.stack([linear(2 * f, d).T * np.float32(12.0)
+                                                  for _ in range(num)])
+        w[m + "experts.gate_up_proj_bias"] = np.stack([bias(2 * f) for _ in range(num)])
+        w[m + "experts.down_proj"] = np.stack([linear(d, f).T for _ in range(num)])
+        w[m + "experts.down_proj_bias"] = np.stack([bias(d) for _ in range(num)])
+        return {k: np.ascontiguousarray(v) for k, v in w.items()}
     block = p + ("block_sparse_moe." if kind == "mixtral" else "mlp.")
     names = ("w1", "w3", "w2") if kind == "mixtral" else ("gate_proj", "up_proj", "down_proj")
     w[block + "gate.weight"] = linear(num, d) * np.float32(4.0)   # decisive routing

@@ -1,6 +1,7 @@
 """KV cache groups through the engine core (numpy workers; the compiled CPU backend and
 OpenCL on one family each): tiny gemma2 (alternating
-windows), gemma3 (two sliding layers per global one) and phi3 (every layer windowed)
+windows), gemma3 (two sliding layers per global one), phi3 (every layer windowed) and
+gpt_oss (alternating windows, attention sinks, on the compiled CPU backend)
 checkpoints with a window of 8-12 tokens, block size 4, prompts prefilled in chunks of 32 and
 a KV cache too small for every request's full context at once. Window blocks are freed while
 requests run and handed to other requests; the tokens must not change:
@@ -67,7 +68,7 @@ def engine(model_dir, num_blocks: int, device: str = "numpy") -> EngineCore:
 
 @pytest.mark.parametrize("name, device", [("gemma2", "numpy"), ("gemma3", "numpy"),
                                           ("phi3", "numpy"), ("gemma3", "cpu"),
-                                          ("gemma2", "opencl")])
+                                          ("gemma2", "opencl"), ("gpt_oss", "cpu")])
 def test_grouped_kv_keeps_tokens_exact(tmp_path, name, device):
     if device == "opencl":
         require_opencl()
@@ -79,7 +80,8 @@ def test_grouped_kv_keeps_tokens_exact(tmp_path, name, device):
     core = engine(tmp_path / name, 120, device)
     try:
         windows = core.ready.kv_group_windows
-        assert len(windows) == {"gemma2": 2, "gemma3": 3, "phi3": 1}[name] and any(windows)
+        assert len(windows) == {"gemma2": 2, "gemma3": 3, "phi3": 1, "gpt_oss": 2}[name]
+        assert any(windows)
         full_contexts = sum(-(-(len(p) + GREEDY_STEPS) // 4) for p in prompts.values())
         assert full_contexts * len(windows) > 120      # freed window blocks must be reused
         tokens, _ = run(core, prompts, GREEDY_STEPS)

@@ -3,11 +3,14 @@ checkpoints against transformers (fp32 goldens from tests/oracle/make_golden.py)
 prompts of 1, 17 and 300 tokens, in one step and in chunks, on the numpy backend; greedy
 tokens over 32 decode steps; tensor parallel at TP=2 where the model shards."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from family_models import (CONTEXT_DEPENDENT, FAMILY_CONFIGS, FAMILY_PROMPT, GOLDEN_ROWS,
                            GREEDY_PROMPT_LEN, GREEDY_STEPS, check_greedy, write_family_dir)
 from family_gguf import GGUF_ARCH, write_family_gguf
+import gguf
 from gguf import GGMLQuantizationType
 from golden_files import GOLDEN
 from model_driver import greedy_tokens, prompt_logits
@@ -16,6 +19,7 @@ from tp_ranks import run_ranks
 from vllm_actors.errors import ValidationError
 from vllm_actors.kernels.numpy_backend import NumpyBackend
 from vllm_actors.loaders.model_files import resolve_model
+from vllm_actors.models import registry
 from vllm_actors.models.registry import inspect_model, load_model
 
 GOLDEN_FAMILIES = np.load(GOLDEN / "family_models.npz")
@@ -140,6 +144,40 @@ def test_family_gguf_matches_transformers(tmp_path, name):
     model = load_model(resolve_model(path), backend)
     logits = prompt_logits(model, backend, FAMILY_PROMPT[:40], [17, 23], block_size=8)
     check_rows(logits, name, np.arange(40))
+
+
+@pytest.mark.parametrize("change", [{"attn_sinks": False}, {"swiglu_limit": 0.0},
+                                    {"moe_routing": "softmax_topk"}, {"layer_windows": ()}],
+                         ids=["no-sinks", "plain-swiglu", "softmax-then-topk", "no-window"])
+def test_gpt_oss_needs_each_of_its_features(family_sources, monkeypatch, change):
+    """The tiny gpt_oss checkpoint is built so that leaving out any one of its features
+    fails the transformers golden (so the golden test checks each of them)."""
+    family = registry._BY_HF_NAME["GptOssForCausalLM"]
+    monkeypatch.setitem(registry._BY_HF_NAME, "GptOssForCausalLM", dataclasses.replace(
+        family, args_from_hf=lambda config: dataclasses.replace(family.args_from_hf(config),
+                                                                **change)))
+    backend = NumpyBackend()
+    logits = prompt_logits(load_model(family_sources["gpt_oss"], backend), backend,
+                           FAMILY_PROMPT, block_size=8)
+    golden = GOLDEN_FAMILIES["gpt_oss/logits"]
+    assert np.abs(logits[GOLDEN_ROWS] - golden).max() > 1e-2
+
+
+def test_gpt_oss_mxfp4_experts_are_dequantized_exactly(tmp_path):
+    """MXFP4 experts (as gpt-oss ships them) give the logits of the same model whose experts
+    hold the MXFP4 values dequantized by gguf-py, in float32."""
+    write_family_gguf(tmp_path / "mxfp4.gguf", "gpt_oss", qtype=GGMLQuantizationType.MXFP4)
+    reader = gguf.GGUFReader(tmp_path / "mxfp4.gguf")
+    assert {t.tensor_type.name for t in reader.tensors if "_exps.weight" in t.name} == {"MXFP4"}
+    backend = NumpyBackend()
+    logits = prompt_logits(load_model(resolve_model(tmp_path / "mxfp4.gguf"), backend), backend,
+                           FAMILY_PROMPT[:40], block_size=8)
+    write_family_gguf(tmp_path / "f32.gguf", "gpt_oss", dequantized=GGMLQuantizationType.MXFP4)
+    plain = prompt_logits(load_model(resolve_model(tmp_path / "f32.gguf"), backend), backend,
+                          FAMILY_PROMPT[:40], block_size=8)
+    assert np.abs(logits - plain).max() < 1e-5
+    golden = GOLDEN_FAMILIES["gpt_oss/logits"][GOLDEN_ROWS < 40]
+    assert np.abs(logits[GOLDEN_ROWS[GOLDEN_ROWS < 40]] - golden).max() > 1e-3   # it is lossy
 
 
 def test_quantized_experts_stay_close(tmp_path):

@@ -245,7 +245,8 @@ class DeviceBackend:
                      attn.slots, np.int32(width))
 
     def paged_attention(self, q: Any, kv_cache: tuple[Any, Any], attn: StepAttention,
-                        scale: float, window: int = 0, softcap: float = 0.0) -> Any:
+                        scale: float, window: int = 0, softcap: float = 0.0,
+                        sinks: Any = None) -> Any:
         t, heads, head_dim = q.shape
         if head_dim > MAX_HEAD_DIM:
             raise ValueError(f"head_dim {head_dim} is larger than {MAX_HEAD_DIM}, the most the "
@@ -255,7 +256,9 @@ class DeviceBackend:
                      attn.token_req, attn.token_pos, attn.block_tables, out, np.int32(heads),
                      np.int32(kv_cache[0].shape[2]), np.int32(head_dim),
                      np.int32(attn.block_size), np.int32(attn.max_blocks), np.float32(scale),
-                     np.int32(window), np.float32(softcap))
+                     np.int32(window), np.float32(softcap),
+                     attn.slots if sinks is None else sinks,   # any buffer: unread
+                     np.int32(sinks is not None))
         return out
 
     def lm_head(self, hidden: Any, head: Linear, rows: np.ndarray, on_device: bool = False

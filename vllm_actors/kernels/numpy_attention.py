@@ -120,9 +120,10 @@ def _window_mask(group: AttentionGroup, chunk: AttentionChunk, window: int) -> n
 
 
 def attend(q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray], group: AttentionGroup,
-           scale: float, window: int = 0, softcap: float = 0.0) -> np.ndarray:
+           scale: float, window: int = 0, softcap: float = 0.0,
+           sinks: np.ndarray | None = None) -> np.ndarray:
     """q [n, H, Dh] of the group's tokens -> attention output [n, H, Dh] (see
-    `ops.Backend.paged_attention` for `window` and `softcap`)."""
+    `ops.Backend.paged_attention` for `window`, `softcap` and `sinks`)."""
     k_cache, v_cache = kv_cache
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     num_heads = q.shape[1]
@@ -153,9 +154,16 @@ def attend(q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray], group: Attent
         scores[..., chunk.lo:] += chunk.mask
         if window > 0:
             scores += _window_mask(group, chunk, window)
-        scores -= scores.max(axis=-1, keepdims=True)
+        top = scores.max(axis=-1)                                  # [b, Hk, q, g]
+        if sinks is not None:   # one more softmax column per head, with no value
+            sink = sinks.reshape(1, num_kv_heads, 1, g)
+            top = np.maximum(top, sink)
+        scores -= top[..., None]
         np.exp(scores, out=scores)
-        denom = scores.sum(axis=-1).reshape(b, num_kv_heads, rows, 1)
+        denom = scores.sum(axis=-1)
+        if sinks is not None:
+            denom += np.exp(sink - top)
+        denom = denom.reshape(b, num_kv_heads, rows, 1)
         part = scores.reshape(b, num_kv_heads, rows, chunk.ctx) @ values[:, :, :chunk.ctx]
         part /= denom
         out[:, :, chunk.q0:chunk.q1] = part.reshape(b, num_kv_heads, chunk.q1 - chunk.q0, g,

@@ -225,13 +225,13 @@ class NumpyBackend:
 
     def paged_attention(self, q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray],
                         attn: "NumpyAttention", scale: float, window: int = 0,
-                        softcap: float = 0.0) -> np.ndarray:
+                        softcap: float = 0.0, sinks: np.ndarray | None = None) -> np.ndarray:
         if len(attn.groups) == 1 and attn.groups[0].covers_all:
-            return _attend(q, kv_cache, attn.groups[0], scale, window, softcap)
+            return _attend(q, kv_cache, attn.groups[0], scale, window, softcap, sinks)
         out = np.empty_like(q)
         for group in attn.groups:
             out[group.token_index] = _attend(q[group.token_index], kv_cache, group, scale,
-                                             window, softcap)
+                                             window, softcap, sinks)
         return out
 
     def lm_head(self, hidden: np.ndarray, head: LMHead, rows: np.ndarray,

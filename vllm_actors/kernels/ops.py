@@ -145,13 +145,15 @@ class Backend(Protocol):
         """Write k, v [T, Hk, Dh] into the paged cache at the step's slot mapping."""
 
     def paged_attention(self, q: Array, kv_cache: Any, attn: Any, scale: float,
-                        window: int = 0, softcap: float = 0.0) -> Array:
+                        window: int = 0, softcap: float = 0.0, sinks: Any = None) -> Array:
         """Causal attention of q [T, H, Dh] over each request's cached context -> [T, H, Dh].
 
         Prefill chunks and decodes mix freely; GQA maps query head h to KV head h // (H / Hk).
         `window` > 0: sliding-window attention, a query at position p sees only keys at
         positions p - window < k <= p (transformers' `sliding_window`). `softcap` > 0: scores
         s = scale * q.k become softcap * tanh(s / softcap) before the softmax (Gemma 2).
+        `sinks` (an `upload_vector` of H logits): attention sinks, one more softmax column per
+        head whose value is zero, so each head may attend to nothing (gpt-oss).
         """
 
     def lm_head(self, hidden: Array, head: Any, rows: np.ndarray, on_device: bool = False

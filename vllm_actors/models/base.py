@@ -61,6 +61,12 @@ class ModelArgs:
     norm_topk_prob: bool = True          # top-k routing weights renormalized to sum 1
     shared_expert_size: int = 0          # qwen2_moe's always-on, sigmoid-gated expert
     dense_layers: tuple[int, ...] = ()   # layers with a dense MLP in a sparse model
+    moe_routing: str = "softmax_topk"    # softmax_topk | topk_softmax (gpt_oss: softmax of
+    #                                      the k largest logits)
+    moe_bias: bool = False               # router and expert biases (gpt_oss)
+    swiglu_limit: float = 0.0            # gpt_oss's clamped SwiGLU (0: plain SiLU gating),
+    swiglu_alpha: float = 1.702          #   `experts.clamped_swiglu`
+    attn_sinks: bool = False             # per-head attention sink logits (gpt_oss)
 
     def is_sparse(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is a mixture of experts."""

@@ -64,6 +64,7 @@ class Layer:
     post_ffn_norm: Norm | None
     window: int
     local_rope: bool
+    sinks: Any = None          # this rank's heads' attention sink logits (gpt_oss)
 
 
 class DecoderLM:
@@ -191,7 +192,16 @@ class DecoderLM:
                  else self._load_dense_mlp(weights, i)),
             post_ffn_norm=self._norm(weights, p + "post_ffw_norm") if post else None,
             window=window, local_rope=bool(window and a.rope_local_theta),
+            sinks=self._sinks(weights, p) if a.attn_sinks else None,
         )
+
+    def _sinks(self, weights: WeightSet, p: str) -> Any:
+        sinks = weights.require(p + "attn_sinks.weight")
+        if sinks.shape != (self.args.num_heads,):
+            raise ModelFormatError(weights.path, f"{p}attn_sinks has shape {sinks.shape}, "
+                                                 f"want ({self.args.num_heads},)")
+        return self.backend.upload_vector(self.plan.q_rows(sinks, 1) if self.plan.sharded
+                                          else sinks)
 
     def _load_dense_mlp(self, weights: WeightSet, i: int) -> DenseMlp:
         b, p, a, plan = self.backend, f"blk.{i}.", self.args, self.plan
@@ -253,7 +263,7 @@ class DecoderLM:
         k = b.rope(k, rope)
         b.reshape_and_cache(k, v, kv_cache, attn)
         out = b.paged_attention(q, kv_cache, attn, self.scale, layer.window,
-                                self.args.attn_logit_softcap)
+                                self.args.attn_logit_softcap, layer.sinks)
         out = b.linear(out.reshape(num_tokens, a.q_size), layer.attn_out, layer.attn_out_bias)
         out = self.tp.all_reduce(out)
         return out if layer.post_attn_norm is None else self._apply_norm(out,

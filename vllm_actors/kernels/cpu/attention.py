@@ -43,6 +43,7 @@ CACHE_DTYPES = {"float32": np.float32, "float16": np.uint16}
 _LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 40       # the window the kernels get for "none": past any context
 _NO_CAP = np.float32(0.0)
+_NO_SINKS = np.zeros(0, np.float32)
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
@@ -139,12 +140,14 @@ def write_kv(k: np.ndarray, v: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarra
 
 def paged_attention(q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray],
                     attn: CpuAttention, scale: float, out: np.ndarray | None = None,
-                    window: int = 0, softcap: float = 0.0) -> np.ndarray:
+                    window: int = 0, softcap: float = 0.0,
+                    sinks: np.ndarray | None = None) -> np.ndarray:
     """Causal attention of q float32 [T, H, Dh] over each request's cached context -> [T, H, Dh]
     float32 (into `out` when given, which must be C-contiguous). A strided q (a view of a fused
     QKV output) is copied first: the kernels are compiled for C-contiguous queries only.
     `window` > 0: a query at position p sees keys p - window < k <= p; `softcap` > 0: scores
-    s become softcap * tanh(s / softcap) (see `ops.Backend.paged_attention`)."""
+    s become softcap * tanh(s / softcap); `sinks` [H]: per-head sink logits (see
+    `ops.Backend.paged_attention`)."""
     k_cache, v_cache = kv_cache
     if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
         raise ValueError("the KV cache must be C-contiguous (as allocate_kv_cache makes it)")
@@ -172,15 +175,20 @@ def paged_attention(q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray],
     qscale = np.float32(scale * _LOG2E)
     cap = np.float32(softcap * _LOG2E) if softcap > 0 else _NO_CAP
     wnd = int(window) if window else NO_WINDOW
+    sk = (np.ascontiguousarray(sinks, np.float32) * np.float32(_LOG2E) if sinks is not None
+          else _NO_SINKS)
+    if len(sk) not in (0, num_heads):
+        raise ValueError(f"{len(sk)} sink logits for {num_heads} heads")
     kc, vc = k_cache.reshape(-1), v_cache.reshape(-1)
     if plan.lanes > 1:
         run_items(q, kc, vc, attn.block_tables, shift, num_kv_heads, plan.items, plan.lanes, g,
-                  plan.rows_max, qscale, wnd, cap, out, pm, pl, pacc)
+                  plan.rows_max, qscale, wnd, cap, sk, out, pm, pl, pacc)
     else:   # one item (or one thread): no parallel region to start
         run_lane(q, kc, vc, attn.block_tables, shift, num_kv_heads, plan.items,
-                 np.zeros(1, np.int64), g, plan.rows_max, qscale, wnd, cap, out, pm, pl, pacc)
+                 np.zeros(1, np.int64), g, plan.rows_max, qscale, wnd, cap, sk, out, pm, pl,
+                 pacc)
     if len(plan.merges):
-        merge_range(plan.merges, 0, len(plan.merges), g, pm, pl, pacc, out)
+        merge_range(plan.merges, 0, len(plan.merges), g, pm, pl, pacc, out, sk)
     return out
 
 

@@ -20,6 +20,7 @@ from numba import prange
 
 from vllm_actors.kernels.cpu.attention_math import (
     exp2,
+    sink_scale,
     from_f32,
     row_source,
     stage_rows,
@@ -83,8 +84,9 @@ def attend_item(q, kc, vc, table, shift, hk, tok0, pos0, nq, g, kvh0, kvh1, k0, 
 
 
 @kernel
-def finish_rows(tok0, nq, g, kvh0, kvh1, m, l, acc, part, out, pm, pl, pacc):
-    """Normalized rows into `out`, or the raw state into partial slot `part`."""
+def finish_rows(tok0, nq, g, kvh0, kvh1, m, l, acc, part, out, pm, pl, pacc, sinks):
+    """Normalized rows into `out` (sinks as in `sink_scale`), or the raw state into partial
+    slot `part` (the merge adds the sinks)."""
     dh = acc.shape[1]
     rows = nq * g
     for h in range(kvh0, kvh1):
@@ -92,7 +94,7 @@ def finish_rows(tok0, nq, g, kvh0, kvh1, m, l, acc, part, out, pm, pl, pacc):
             for j in range(g):
                 r = (h - kvh0) * rows + i * g + j
                 if part < 0:
-                    inv = np.float32(1.0) / l[r]
+                    inv = sink_scale(sinks, h * g + j, m[r], l[r])
                     for d in range(dh):
                         out[tok0 + i, h * g + j, d] = acc[r, d] * inv
                 else:
@@ -104,10 +106,10 @@ def finish_rows(tok0, nq, g, kvh0, kvh1, m, l, acc, part, out, pm, pl, pacc):
 
 @kernel
 def run_lane(q, kc, vc, block_tables, shift, hk, items, counter, g, rows_max, qscale, window,
-             cap, out, pm, pl, pacc):
+             cap, sinks, out, pm, pl, pacc):
     """One thread's share: items taken in order from the shared `counter` until none is left.
     kc, vc: the caches flattened; `shift` is log2 of the block size, hk the KV heads; window
-    and cap as in `attend_item`."""
+    and cap as in `attend_item`; sinks: per-head logits, base 2 (empty: none)."""
     dh = q.shape[2]
     n_items = items.shape[0]
     ldp = (rows_max + 15) // 16 * 16          # prefill rows, padded for the 16-row blocks
@@ -141,28 +143,29 @@ def run_lane(q, kc, vc, block_tables, shift, hk, items, counter, g, rows_max, qs
             attend_prefill(q, kc, vc, table, shift, hk, tok0, items[it, POS0], nq, g, kvh0,
                            items[it, K0], items[it, K1], qscale, window, cap, qT, accT, sT, m,
                            l, mref, kbuf, vbuf, offs)
-            finish_prefill(tok0, nq, g, kvh0, m, l, accT, items[it, PART], out, pm, pl, pacc)
+            finish_prefill(tok0, nq, g, kvh0, m, l, accT, items[it, PART], out, pm, pl, pacc,
+                           sinks)
         else:
             attend_item(q, kc, vc, table, shift, hk, tok0, items[it, POS0], nq, g, kvh0, kvh1,
                         items[it, K0], items[it, K1], qscale, window, cap, qt, kbuf, vbuf, offs,
                         s, m, l, acc)
             finish_rows(tok0, nq, g, kvh0, kvh1, m, l, acc, items[it, PART], out, pm, pl,
-                        pacc)
+                        pacc, sinks)
         it = fetch_add(counter, 1)
 
 
 @kernel(parallel=True)
 def run_items(q, kc, vc, block_tables, shift, hk, items, lanes, g, rows_max, qscale, window,
-              cap, out, pm, pl, pacc):
+              cap, sinks, out, pm, pl, pacc):
     """Every item, on `lanes` threads sharing one counter."""
     counter = np.zeros(1, np.int64)
     for _lane in prange(lanes):
         run_lane(q, kc, vc, block_tables, shift, hk, items, counter, g, rows_max, qscale,
-                 window, cap, out, pm, pl, pacc)
+                 window, cap, sinks, out, pm, pl, pacc)
 
 
 @kernel
-def merge_range(merges, lo, hi, g, pm, pl, pacc, out):
+def merge_range(merges, lo, hi, g, pm, pl, pacc, out, sinks):
     """Combine the partial states of split items lo..hi-1 (rows laid out as in
     `finish_rows`; a part where a row saw no key, m = -inf, counts for nothing). On one
     thread: a few rows x Dh per split item."""
@@ -190,7 +193,7 @@ def merge_range(merges, lo, hi, g, pm, pl, pacc, out):
                 tot += w * pl[p, r]
                 for d in range(dh):
                     out[tok, head, d] += w * pacc[p, r, d]
-            inv = np.float32(1.0) / tot
+            inv = sink_scale(sinks, head, mx, tot)
             for d in range(dh):
                 out[tok, head, d] *= inv
 

@@ -212,3 +212,14 @@ def tanh(x):
     big = np.float32(1.0) - np.float32(2.0) / (e + np.float32(1.0))
     y = a * p if a < TANH_SMALL else big
     return y if x >= np.float32(0.0) else -y
+
+
+@kernel(inline=True)
+def sink_scale(sinks, head, m, l):
+    """1 / the softmax denominator with head `head`'s sink logit (base 2) as one more column
+    of no value (gpt-oss), or 1 / l without sinks; the scale for the unnormalized acc."""
+    if sinks.shape[0] == 0:
+        return np.float32(1.0) / l
+    top = max(m, sinks[head])
+    correction = exp2(m - top)
+    return correction / (l * correction + exp2(sinks[head] - top))

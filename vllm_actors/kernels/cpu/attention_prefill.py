@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_actors.kernels.cpu.attention_math import exp2, row_source, stage_rows, tanh
+from vllm_actors.kernels.cpu.attention_math import (exp2, row_source, sink_scale, stage_rows,
+                                                    tanh)
 from vllm_actors.kernels.cpu.attention_tiles import NEG_INF, ZERO, prefetch_rows
 from vllm_actors.kernels.cpu.intrinsics import stack_f32
 from vllm_actors.kernels.cpu.jit import kernel
@@ -209,14 +210,15 @@ def attend_prefill(q, kc, vc, table, shift, hk, tok0, pos0, nq, g, kvh, k0, k1, 
 
 
 @kernel
-def finish_prefill(tok0, nq, g, kvh, m, l, accT, part, out, pm, pl, pacc):
-    """Normalized rows into `out`, or the raw state into partial slot `part`."""
+def finish_prefill(tok0, nq, g, kvh, m, l, accT, part, out, pm, pl, pacc, sinks):
+    """Normalized rows into `out` (sinks as in `sink_scale`), or the raw state into partial
+    slot `part`."""
     dh = accT.shape[0]
     for i in range(nq):
         for j in range(g):
             r = i * g + j
             if part < 0:
-                inv = np.float32(1.0) / l[r]
+                inv = sink_scale(sinks, kvh * g + j, m[r], l[r])
                 for d in range(dh):
                     out[tok0 + i, kvh * g + j, d] = accT[d, r] * inv
             else:

@@ -189,9 +189,10 @@ class CpuBackend:
         attention.write_kv(k, v, kv_cache, attn)
 
     def paged_attention(self, q: np.ndarray, kv_cache: Any, attn: Any, scale: float,
-                        window: int = 0, softcap: float = 0.0) -> np.ndarray:
+                        window: int = 0, softcap: float = 0.0,
+                        sinks: np.ndarray | None = None) -> np.ndarray:
         return attention.paged_attention(q, kv_cache, attn, scale, window=window,
-                                         softcap=softcap)
+                                         softcap=softcap, sinks=sinks)
 
     def lm_head(self, hidden: np.ndarray, head: qmatmul.QuantMatrix, rows: np.ndarray,
                 on_device: bool = False) -> np.ndarray:

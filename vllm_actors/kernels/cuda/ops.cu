@@ -149,7 +149,8 @@ extern "C" __global__ void paged_attention(const float *q, const float *k_cache,
                                            const int *token_pos, const int *block_tables,
                                            float *out, int heads, int kv_heads, int head_dim,
                                            int block_size, int max_blocks, float scale,
-                                           int window, float softcap) {
+                                           int window, float softcap, const float *sinks,
+                                           int has_sinks) {
     const int h = blockIdx.x, t = blockIdx.y, lane = threadIdx.x;
     const int kvh = h / (heads / kv_heads);
     const float *qr = q + ((size_t)t * heads + h) * head_dim;
@@ -184,6 +185,11 @@ extern "C" __global__ void paged_attention(const float *q, const float *k_cache,
         }
         l = l * correction + p;
         m = m_new;
+    }
+    if (has_sinks) {   // one more softmax column with no value (gpt-oss)
+        const float m_new = fmaxf(m, sinks[h]), correction = expf(m - m_new);
+        for (int r = 0; r < 8; ++r) acc[r] *= correction;
+        l = l * correction + expf(sinks[h] - m_new);
     }
     float *o = out + ((size_t)t * heads + h) * head_dim;
     for (int r = 0; r < 8; ++r) {

@@ -138,7 +138,8 @@ __kernel void paged_attention(__global const float *q, __global const float *k_c
                               __global const int *token_pos, __global const int *block_tables,
                               __global float *out, const int heads, const int kv_heads,
                               const int head_dim, const int block_size, const int max_blocks,
-                              const float scale, const int window, const float softcap) {
+                              const float scale, const int window, const float softcap,
+                              __global const float *sinks, const int has_sinks) {
     const int t = get_global_id(1), h = get_global_id(0);
     const int kvh = h / (heads / kv_heads);
     __global const float *qr = q + ((size_t)t * heads + h) * head_dim;
@@ -161,6 +162,11 @@ __kernel void paged_attention(__global const float *q, __global const float *k_c
         for (int d = 0; d < head_dim; ++d) acc[d] = acc[d] * correction + p * vr[d];
         l = l * correction + p;
         m = m_new;
+    }
+    if (has_sinks) {   // one more softmax column with no value (gpt-oss)
+        const float m_new = fmax(m, sinks[h]), correction = exp(m - m_new);
+        for (int d = 0; d < head_dim; ++d) acc[d] *= correction;
+        l = l * correction + exp(sinks[h] - m_new);
     }
     __global float *o = out + ((size_t)t * heads + h) * head_dim;
     for (int d = 0; d < head_dim; ++d) o[d] = acc[d] / l;
