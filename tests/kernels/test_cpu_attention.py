@@ -322,3 +322,18 @@ def test_rejects_bad_shapes():
         cpu.allocate_kv_cache(1, 4, 12, 1, 64)
     with pytest.raises(ValueError):
         cpu.allocate_kv_cache(1, 4, 16, 1, 64, "bfloat16")
+
+
+def test_kv_cache_groups_of_a_step_share_work_partitions():
+    """Metas with equal query_start_loc and seq_lens (one step's KV cache groups, which
+    differ only in block tables) share their partitions; another layout gets its own."""
+    qsl, seq_lens = np.array([0, 1, 4], np.int32), np.array([40, 9], np.int32)
+    tables = [np.arange(20, dtype=np.int32).reshape(2, 10) + offset for offset in (1, 30)]
+    metas = [AttentionMetadata(qsl.copy(), seq_lens.copy(), t, np.arange(4, dtype=np.int64), 4)
+             for t in tables]
+    first, second = cpu.prepare(metas[0]), cpu.prepare(metas[1])
+    assert first.plans is second.plans and second.block_tables[0, 0] == 30
+    assert first.plan(2, 2, 16, 8) is second.plan(2, 2, 16, 8)
+    other = cpu.prepare(AttentionMetadata(qsl, np.array([41, 9], np.int32), tables[0],
+                                          np.arange(4, dtype=np.int64), 4))
+    assert other.plans is not first.plans

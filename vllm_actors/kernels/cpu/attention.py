@@ -102,18 +102,33 @@ class CpuAttention:
         return found
 
 
+# The last layout prepared: (threads, its CpuAttention). A step's KV cache groups
+# (models/kv_layout.py) hand in metas with equal query_start_loc and seq_lens that differ only
+# in block tables; the work partitions depend on nothing else, so they are built once.
+_last: list = [None]
+
+
 def prepare(meta: AttentionMetadata, num_heads: int | None = None,
             num_kv_heads: int | None = None, head_dim: int | None = None,
             threads: int | None = None) -> CpuAttention:
     """The step's layout; given the head shape the work partition is built now, else on the
-    first `paged_attention` call. `threads` defaults to numba's thread count."""
+    first `paged_attention` call. `threads` defaults to numba's thread count. A meta with the
+    previous one's query_start_loc and seq_lens shares its partitions."""
+    threads = int(threads or numba.get_num_threads())
+    query_start_loc = np.array(meta.query_start_loc, np.int64)     # copies: kept in _last
+    seq_lens = np.array(meta.seq_lens, np.int64)
+    last = _last[0]
+    same = (last is not None and last[0] == threads
+            and np.array_equal(last[1].query_start_loc, query_start_loc)
+            and np.array_equal(last[1].seq_lens, seq_lens))
     attn = CpuAttention(
-        query_start_loc=np.ascontiguousarray(meta.query_start_loc, np.int64),
-        seq_lens=np.ascontiguousarray(meta.seq_lens, np.int64),
+        query_start_loc=query_start_loc, seq_lens=seq_lens,
         block_tables=np.ascontiguousarray(meta.block_tables, np.int32),
         slot_mapping=np.ascontiguousarray(meta.slot_mapping, np.int64),
-        block_size=int(meta.block_size),
-        threads=int(threads or numba.get_num_threads()))
+        block_size=int(meta.block_size), threads=threads,
+        plans=last[1].plans if same else {}, _lock=last[1]._lock if same else threading.Lock())
+    if not same:
+        _last[0] = (threads, attn)
     if num_heads and num_kv_heads and head_dim:
         attn.plan(num_kv_heads, num_heads // num_kv_heads, head_dim)
     return attn
