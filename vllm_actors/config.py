@@ -44,6 +44,9 @@ class CacheConfig:
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 DEVICES = ("auto", "cpu", "numpy", "opencl", "cuda")
+# the Python package a device needs and the pip extra that installs it (workers/platform.py)
+DEVICE_EXTRAS = {"opencl": ("pyopencl", "opencl] (or [pocl] for the CPU"),
+                 "cuda": ("cupy", "cuda12] (or [cuda13]")}
 
 
 @dataclass(frozen=True)
@@ -306,8 +309,7 @@ class EngineArgs:
         if self.device not in DEVICES:
             raise ValidationError(f"--device {self.device} is not implemented yet; available: "
                                   f"{', '.join(DEVICES)}", "device")
-        needs = {"opencl": ("pyopencl", "opencl] (or [pocl] for the CPU"),
-                 "cuda": ("cupy", "cuda12] (or [cuda13]")}.get(self.device)
+        needs = DEVICE_EXTRAS.get(self.device)
         if needs and importlib.util.find_spec(needs[0]) is None:
             raise ValidationError(f"--device {self.device} needs {needs[0]}: pip install "
                                   f"'vllm-actors[{needs[1]}]'", "device")

@@ -148,3 +148,13 @@ def test_seeds_beyond_int64_generate(smollm2_llm):
     assert first.outputs[1].token_ids == wrapped.outputs[0].token_ids
     assert smollm2_llm.generate("Once", GREEDY)[0].outputs[0].finish_reason in ("stop",
                                                                                  "length")
+
+
+def test_collective_rpc_through_the_frontend(smollm2_llm):
+    """LLM.collective_rpc goes through the core's utility path to the worker ranks."""
+    from vllm_actors.errors import VllmActorsError
+    (rank,) = smollm2_llm.collective_rpc("describe")
+    assert rank["rank"] == 0 and rank["world_size"] == 1 and rank["num_kv_blocks"] > 0
+    with pytest.raises(VllmActorsError, match="unknown method 'nope'"):
+        smollm2_llm.collective_rpc("nope")
+    assert smollm2_llm.generate(["Hi"], GREEDY)[0].outputs[0].token_ids   # still serving

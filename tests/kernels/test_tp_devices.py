@@ -60,3 +60,34 @@ def test_tp2_cpu_workers_with_every_message_over_the_fallback(tmp_path, monkeypa
     reference = greedy_tokens(tmp_path / "llama", device="cpu")
     monkeypatch.setattr(executor, "RING_SLOT_BYTES", 16)    # smaller than any StepInput
     assert greedy_tokens(tmp_path / "llama", device="cpu", tensor_parallel_size=2) == reference
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_collective_rpc_reaches_every_rank(tmp_path, tp):
+    """Executor.collective_rpc: each rank answers from its own process (the in-process
+    executor from this one); an unknown method is refused with the list of methods."""
+    import os
+
+    from vllm_actors.errors import ValidationError
+    write_hf_dir(tmp_path / "llama", "llama")
+    config = EngineArgs(model=str(tmp_path / "llama"), device="cpu", kv_cache_memory=16 << 20,
+                        tensor_parallel_size=tp).create_engine_config()
+    core = EngineCore(config)
+    try:
+        ranks = core.collective_rpc("describe", [])
+        assert [r["rank"] for r in ranks] == list(range(tp))
+        assert all(r["world_size"] == tp and r["backend"] == "cpu" for r in ranks)
+        pids = {r["pid"] for r in ranks}
+        if tp == 1:
+            assert pids == {os.getpid()}
+        else:
+            assert len(pids) == tp and os.getpid() not in pids
+        sizes = core.collective_rpc("kv_cache_bytes", [])
+        assert len(set(sizes)) == 1 and sizes[0] > 0
+        with pytest.raises(ValidationError, match="unknown method 'shutdown'.*describe"):
+            core.collective_rpc("shutdown", [])
+        core.add_request(EngineCoreRequest("after", PROMPTS[0], GREEDY_8, [2], 0.0))
+        while core.has_unfinished_requests():   # the ranks still serve steps afterwards
+            core.step()
+    finally:
+        core.shutdown()

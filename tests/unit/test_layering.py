@@ -91,3 +91,25 @@ def test_rules_catch_a_violation():
     assert not violations("vllm_actors.enginecore.core", "vllm_actors.workers.executor")
     assert violations("vllm_actors.kernels.ops", "vllm_actors.loaders.gguf")
     assert not violations("vllm_actors.protocol.engine", "vllm_actors.sampling_params")
+
+
+def _module_edges(path: Path, known: set[str]) -> set[str]:
+    """The package modules a file imports (`from pkg import submodule` counts as the
+    submodule, not the package)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            subs = {f"{node.module}.{a.name}" for a in node.names} & known
+            found |= subs or {node.module}
+    return {name for name in found if name in known}
+
+
+def test_no_two_modules_import_each_other():
+    """Not even lazily, inside a function (nccl and parallel_state once did)."""
+    paths = dict(modules())
+    graph = {name: _module_edges(path, set(paths)) for name, path in paths.items()}
+    mutual = sorted({tuple(sorted((a, b))) for a, deps in graph.items() for b in deps
+                     if b != a and a in graph[b]})
+    assert not mutual, f"modules importing each other: {mutual}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from vllm_actors.config import EngineConfig
 from vllm_actors.errors import ValidationError
@@ -26,12 +27,16 @@ class EngineCore:
     def __init__(self, config: EngineConfig, ipc_dir: str | None = None) -> None:
         """ipc_dir: where worker processes' sockets go (multi-process executor)."""
         self.executor = executor_for(config, ipc_dir)
-        self.ready: EngineReady = self.executor.ready
+        self.ready: EngineReady = self.executor.start()
         self.block_size = self.ready.block_size
         kv = KVCacheManager(self.ready.num_kv_blocks, self.block_size,
                             config.cache.enable_prefix_caching, self.ready.kv_group_windows)
         self.scheduler = Scheduler(config.scheduler, kv, self.ready.max_model_len)
         self.structured = StructuredOutputManager(config.model.model, self.ready.vocab_size)
+
+    def collective_rpc(self, method: str, args: list[Any]) -> list[Any]:
+        """`RankHost.call(method, args)` on every worker rank (`Executor.collective_rpc`)."""
+        return self.executor.collective_rpc(method, args)
 
     def check_health(self) -> None:
         """Raises WorkerDiedError when a worker process is gone (called while idle)."""

@@ -152,6 +152,9 @@ class EngineCoreProc:
                     return UtilityResult(call.call_id, self.core.get_stats())
                 case UtilityKind.PING:
                     return UtilityResult(call.call_id, "pong")
+                case UtilityKind.COLLECTIVE_RPC:
+                    return UtilityResult(call.call_id, results=self.core.collective_rpc(
+                        str(call.args[0]), call.args[1:]))
         except Exception as e:
             return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
         return UtilityResult(call.call_id, error=f"unknown utility {call.kind}")

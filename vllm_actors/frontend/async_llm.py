@@ -15,7 +15,7 @@ import asyncio
 import itertools
 import signal
 import uuid
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from vllm_actors.config import EngineArgs
 from vllm_actors.errors import EngineDeadError, VllmActorsError
@@ -230,7 +230,7 @@ class AsyncLLM:
         if result.error is not None:
             future.set_exception(VllmActorsError(result.error))
         else:
-            future.set_result(result.value)
+            future.set_result(result.value if result.results is None else result.results)
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType | ProcessedRequest,
@@ -290,12 +290,12 @@ class AsyncLLM:
         self.abort_requests([request_id] if isinstance(request_id, str) else list(request_id))
 
     # -- utilities -------------------------------------------------------------------------
-    async def _call(self, kind: UtilityKind) -> Any:
+    async def _call(self, kind: UtilityKind, args: list[Any] | None = None) -> Any:
         self._ensure_running()
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
-        self.client.send(UtilityCall(call_id, kind))
+        self.client.send(UtilityCall(call_id, kind, args or []))
         return await future
 
     async def check_health(self) -> None:
@@ -307,6 +307,12 @@ class AsyncLLM:
 
     async def get_scheduler_stats(self) -> SchedulerStats:
         return await self._call(UtilityKind.GET_STATS)
+
+    async def collective_rpc(self, method: str, args: Sequence[Any] = ()) -> list[Any]:
+        """Call `method` on every worker rank (vLLM's collective_rpc; the methods are
+        `workers.rank_host.RPC_METHODS`, e.g. "describe"); the results in rank order.
+        Raises VllmActorsError naming the available methods for an unknown one."""
+        return await self._call(UtilityKind.COLLECTIVE_RPC, [method, *args])
 
 
 def _exit_status(code: int | None) -> str:

@@ -100,6 +100,11 @@ class LLM:
         """Forget cached prefixes; False while requests still hold KV blocks."""
         return self._run(self.engine.reset_prefix_cache())
 
+    def collective_rpc(self, method: str, args: Sequence[Any] = ()) -> list[Any]:
+        """Call `method` on every worker rank; the results in rank order (see
+        `AsyncLLM.collective_rpc`)."""
+        return self._run(self.engine.collective_rpc(method, args))
+
     # -- generation ----------------------------------------------------------------------
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

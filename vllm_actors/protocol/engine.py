@@ -7,6 +7,7 @@ one frame and dispatch with `match` on the Struct type.
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import msgspec
 
@@ -145,6 +146,7 @@ class UtilityKind(enum.IntEnum):
     RESET_PREFIX_CACHE = 0   # -> bool: False while requests hold KV blocks
     GET_STATS = 1            # -> SchedulerStats of the current state
     PING = 2                 # -> "pong"; a round trip through the core's input and output
+    COLLECTIVE_RPC = 3       # args [method, *method_args] -> every rank's result (`results`)
 
 
 class UtilityCall(msgspec.Struct, array_like=True, gc=False, tag=3):
@@ -152,6 +154,7 @@ class UtilityCall(msgspec.Struct, array_like=True, gc=False, tag=3):
 
     call_id: int
     kind: UtilityKind
+    args: list[Any] = []
 
 
 class Shutdown(msgspec.Struct, array_like=True, gc=False, tag=4):
@@ -164,6 +167,7 @@ class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     call_id: int
     value: SchedulerStats | bool | str | None = None
     error: str | None = None
+    results: list[Any] | None = None    # COLLECTIVE_RPC: one per rank
 
 
 class EngineDead(msgspec.Struct, array_like=True, gc=False, tag=13):

@@ -2,11 +2,14 @@
 
 Startup, on each worker's own PAIR socket: WorkerInit ->, <- WorkerReady (or the protocol's
 EngineStartupError). Then the core broadcasts `WorkerCall`s to every rank through the
-shared-memory ring; rank 0 answers each ExecuteStep with the StepOutput on its socket. A
-worker that fails sends WorkerFailed on its socket and exits.
+shared-memory ring; rank 0 answers each ExecuteStep with the StepOutput on its socket, and
+every rank answers a CallMethod with its RpcDone. A worker that fails sends WorkerFailed on
+its socket and exits.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import msgspec
 
@@ -67,6 +70,21 @@ class WorkerFailed(msgspec.Struct, array_like=True, gc=False, tag=35):
     reason: str
 
 
-WorkerCall = InitKVCache | ExecuteStep | WorkerShutdown
+class CallMethod(msgspec.Struct, array_like=True, gc=False, tag=37):
+    """collective_rpc: every rank runs `RankHost.call(method, args)` and answers RpcDone."""
+
+    method: str
+    args: list[Any] = []
+
+
+class RpcDone(msgspec.Struct, array_like=True, gc=False, tag=38):
+    """One rank's answer to a CallMethod: the result, or the error it raised."""
+
+    rank: int
+    result: Any = None
+    error: str | None = None
+
+
+WorkerCall = InitKVCache | ExecuteStep | WorkerShutdown | CallMethod
 WorkerStartupReply = WorkerReady | EngineStartupError
-WorkerReply = StepDone | WorkerFailed
+WorkerReply = StepDone | WorkerFailed | RpcDone

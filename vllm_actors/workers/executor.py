@@ -1,28 +1,29 @@
 """Executors: how the engine core reaches its workers (the only workers/ module it imports).
 
-`executor_for(config)` is the seam. "uni" (tensor parallel size 1, the default) is the
-in-process executor: one ModelRunner called directly (vLLM's UniProcExecutor), no copies, no
-IPC. "mp" starts one worker process per rank on this machine, broadcasts each StepInput
-through the shared-memory ring and reads rank 0's StepOutput. A Ray executor for several
-machines would be one more class with the same four members (`ready`, `execute`,
-`check_health`, `shutdown`), chosen here for "ray": it would start workers as actors and
-broadcast over the network instead of shared memory, with NCCL between the ranks' GPUs.
+`Executor` is the seam every way of running ranks implements, and `executor_for(config)`
+picks one. "uni" (tensor parallel size 1, the default) is the in-process executor: one
+RankHost called directly (vLLM's UniProcExecutor), no copies, no IPC. "mp" starts one worker
+process per rank on this machine, broadcasts each call through the shared-memory ring and
+reads the answers on each rank's socket. A Ray executor is one more implementation: ranks as
+actors holding a RankHost each (`workers/rank_host.py`), addressed over the network.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any, Protocol, Sequence
 
 import msgspec
 import zmq
 
 from vllm_actors.config import EngineConfig
-from vllm_actors.errors import WorkerDiedError
+from vllm_actors.errors import ValidationError, WorkerDiedError
 from vllm_actors.protocol.engine import EngineReady
 from vllm_actors.protocol.step import StepInput, StepOutput
 from vllm_actors.protocol.wire import Decoder, IpcAddresses
-from vllm_actors.protocol.worker import (ExecuteStep, InitKVCache, StepDone, WorkerCall,
-                                         WorkerFailed, WorkerInit, WorkerReply, WorkerShutdown)
+from vllm_actors.protocol.worker import (CallMethod, ExecuteStep, InitKVCache, RpcDone,
+                                         StepDone, WorkerCall, WorkerFailed, WorkerInit,
+                                         WorkerReply, WorkerShutdown)
 from vllm_actors.workers import launcher
 from vllm_actors.workers.parallel_state import DEFAULT_SLOT_BYTES, communicator_bytes
 from vllm_actors.workers.shm import SharedBuffer
@@ -36,19 +37,54 @@ RING_SLOT_BYTES = 1 << 20  # larger StepInputs (many new long prompts) go over t
 SHUTDOWN_WAIT_S = 5.0
 
 
-class InprocExecutor:
-    """Loads the model in this process. `ready` reports KV blocks and limits."""
+class Executor(Protocol):
+    """The ranks of one engine core, however they run."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        from vllm_actors.workers.model_runner import ModelRunner
-        self.runner = ModelRunner(config)
-        self.ready: EngineReady = self.runner.ready
+    ready: EngineReady
+
+    def start(self) -> EngineReady:
+        """Start every rank, load the model, size and allocate the KV cache (the smallest
+        block count any rank allows). Raises the first failing rank's typed error."""
 
     def execute(self, step: StepInput) -> StepOutput:
-        return self.runner.execute(step)
+        """Run one step on every rank; rank 0's output. Raises WorkerDiedError."""
+
+    def collective_rpc(self, method: str, args: Sequence[Any] = ()) -> list[Any]:
+        """`RankHost.call(method, args)` on every rank; the results in rank order.
+
+        Raises:
+            ValidationError: an unknown method or arguments it refuses (from any rank).
+            WorkerDiedError: a rank died meanwhile.
+        """
 
     def check_health(self) -> None:
-        """Nothing to watch: the worker is this process."""
+        """Raises WorkerDiedError when a rank is gone."""
+
+    def shutdown(self) -> None:
+        """Stop every rank; safe to call more than once, and before `start`."""
+
+
+class InprocExecutor:
+    """One RankHost in this process."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.host: Any = None
+
+    def start(self) -> EngineReady:
+        from vllm_actors.workers.rank_host import RankHost
+        self.host = RankHost(self.config)
+        self.ready: EngineReady = self.host.ready
+        return self.ready
+
+    def execute(self, step: StepInput) -> StepOutput:
+        return self.host.execute_step(step)
+
+    def collective_rpc(self, method: str, args: Sequence[Any] = ()) -> list[Any]:
+        return [self.host.call(method, list(args))]
+
+    def check_health(self) -> None:
+        """Nothing to watch: the rank is this process."""
 
     def shutdown(self) -> None:
         pass
@@ -61,17 +97,24 @@ class MultiprocExecutor:
         config: the engine configuration (`config.parallel.tensor_parallel_size` ranks).
         ipc_dir: directory for the workers' sockets (the engine core's own ipc directory,
             which its frontend removes whatever happens); a private one when None.
-    Raises:
-        the first failing worker's typed startup error, or EngineDeadError.
     """
 
     def __init__(self, config: EngineConfig, ipc_dir: str | None = None) -> None:
-        n = config.parallel.tensor_parallel_size
-        self._own_dir = IpcAddresses.create() if ipc_dir is None else None
-        ipc_dir = ipc_dir or self._own_dir.directory
-        self.ctx = zmq.Context()
+        self.config, self.ipc_dir = config, ipc_dir
+        self._own_dir = None
+        self.ctx: zmq.Context | None = None
         self.handles: list = []
         self.closed = False
+        self.ring_buffer = self.comm_buffer = None
+
+    def start(self) -> EngineReady:
+        """Raises the first failing worker's typed startup error, or EngineDeadError."""
+        config = self.config
+        n = config.parallel.tensor_parallel_size
+        if self.ipc_dir is None:
+            self._own_dir = IpcAddresses.create()
+        ipc_dir = self.ipc_dir or self._own_dir.directory
+        self.ctx = zmq.Context()
         self.ring_buffer = SharedBuffer.create(ring_bytes(n, RING_SLOTS, RING_SLOT_BYTES))
         self.comm_buffer = SharedBuffer.create(communicator_bytes(n, DEFAULT_SLOT_BYTES))
         ring = RingWriter(self.ring_buffer, n, [], RING_SLOTS, RING_SLOT_BYTES, self._all_alive)
@@ -79,8 +122,7 @@ class MultiprocExecutor:
                             ring.num_slots, ring.slot_bytes, self.comm_buffer.name,
                             DEFAULT_SLOT_BYTES) for r in range(n)]
         try:
-            self.handles = launcher.launch_workers(self.ctx, ipc_dir, inits,
-                                                   config.device.backend)
+            self.handles = launcher.launch_workers(self.ctx, ipc_dir, inits, config.device)
             readies = launcher.await_ready(self.handles)
         except BaseException:
             self.shutdown()
@@ -102,6 +144,7 @@ class MultiprocExecutor:
                                  first.vocab_size, first.kv_group_windows)
         logger.info("%d workers ready (pids %s); %d KV blocks per rank", n,
                     [h.process.pid for h in self.handles], num_blocks)
+        return self.ready
 
     def _call(self, call: WorkerCall) -> None:
         self.ring.enqueue(self.encoder.encode(call))
@@ -121,6 +164,22 @@ class MultiprocExecutor:
                     case WorkerFailed(rank=rank, reason=reason):
                         raise WorkerDiedError(f"worker rank {rank} failed: {reason}")
             self.check_health()
+
+    def collective_rpc(self, method: str, args: Sequence[Any] = ()) -> list[Any]:
+        self._call(CallMethod(method, list(args)))
+        results: dict[int, RpcDone] = {}
+        while len(results) < len(self.handles):
+            for socket, _ in self.poller.poll(POLL_MS):
+                match self.decoder.decode(socket.recv_multipart(copy=False)):
+                    case RpcDone() as done:
+                        results[done.rank] = done
+                    case WorkerFailed(rank=rank, reason=reason):
+                        raise WorkerDiedError(f"worker rank {rank} failed: {reason}")
+            self.check_health()
+        errors = [r.error for r in results.values() if r.error is not None]
+        if errors:
+            raise ValidationError(errors[0], "method")
+        return [results[rank].result for rank in range(len(self.handles))]
 
     def _all_alive(self) -> bool:
         return all(h.process.poll() is None for h in self.handles)
@@ -148,16 +207,18 @@ class MultiprocExecutor:
             except Exception:   # a worker died meanwhile: stop them all below
                 logger.warning("could not ask the workers to shut down", exc_info=True)
         launcher.stop_workers(self.handles, wait_s)
-        self.ring_buffer.unlink()
-        self.comm_buffer.unlink()
-        self.ctx.term()
+        for buffer in (self.ring_buffer, self.comm_buffer):
+            if buffer is not None:
+                buffer.unlink()
+        if self.ctx is not None:
+            self.ctx.term()
         if self._own_dir is not None:
             self._own_dir.remove()
 
 
-def executor_for(config: EngineConfig, ipc_dir: str | None = None
-                 ) -> InprocExecutor | MultiprocExecutor:
-    """The executor `config.parallel` asks for ("uni" or "mp"; a Ray executor plugs in here).
+def executor_for(config: EngineConfig, ipc_dir: str | None = None) -> Executor:
+    """The executor `config.parallel` asks for ("uni" or "mp"; a Ray executor plugs in
+    here), not started yet.
 
     Args:
         ipc_dir: where worker processes' sockets go (see MultiprocExecutor).

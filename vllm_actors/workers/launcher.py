@@ -1,9 +1,9 @@
 """Start worker processes, one per tensor-parallel rank, and wait for them to be ready.
 
 Each worker is `python -m vllm_actors.workers.worker` (a fresh interpreter, like the engine
-core: no `__main__` guard needed, nothing inherited by fork) with an environment of its own:
-its device (CUDA_VISIBLE_DEVICES for CUDA; OpenCL ranks pick their device in worker.py)
-and its share of the CPU cores for BLAS threads, set before numpy is imported.
+core: no `__main__` guard needed, nothing inherited by fork) with an environment of its own
+(`Platform.rank_env`: its device's visibility and its share of the CPU cores for BLAS
+threads), set before numpy is imported.
 """
 
 from __future__ import annotations
@@ -19,19 +19,17 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from vllm_actors.config import EngineConfig
-from vllm_actors.errors import EngineDeadError, ValidationError, error_from_wire
+from vllm_actors.config import DeviceConfig, EngineConfig
+from vllm_actors.errors import EngineDeadError, error_from_wire
 from vllm_actors.protocol.engine import EngineStartupError
 from vllm_actors.protocol.worker import WorkerInit, WorkerReady, WorkerStartupReply
 from vllm_actors.protocol.wire import Decoder, Encoder
-from vllm_actors.workers.shm import usable_cpus
+from vllm_actors.workers.platform import Platform
 
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
-_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
-                "NUMBA_NUM_THREADS")
 
 
 def worker_address(ipc_dir: str, rank: int) -> str:
@@ -46,33 +44,16 @@ class WorkerHandle:
     socket: zmq.Socket
 
 
-def worker_env(rank: int, world_size: int, device: str, cpu_count: int | None = None
+def worker_env(rank: int, world_size: int, device: DeviceConfig, cpu_count: int | None = None
                ) -> dict[str, str]:
-    """The environment of worker `rank`.
-
-    CPU (numpy) and OpenCL-on-CPU workers share the machine's cores: each gets
-    max(1, cores // world_size) BLAS threads unless the user set the variables. CUDA workers
-    see one GPU each: the rank-th of the parent's CUDA_VISIBLE_DEVICES (or GPU `rank`).
-    """
-    env = dict(os.environ)
+    """The environment of worker `rank` (`Platform.rank_env`), with this package importable."""
+    env = Platform(device).rank_env(rank, world_size, cpu_count=cpu_count)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
-    threads = str(max(1, (cpu_count or usable_cpus()) // world_size))
-    for var in _THREAD_VARS:
-        env.setdefault(var, threads)
-    if device in ("cuda", "auto"):
-        visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-        if visible and len(visible) < world_size:
-            if device == "cuda":
-                raise ValidationError(f"--tensor-parallel-size {world_size} needs {world_size} "
-                                      f"GPUs; CUDA_VISIBLE_DEVICES lists {len(visible)}",
-                                      "tensor_parallel_size")
-            return env       # auto on a machine that will run on the CPU anyway
-        env["CUDA_VISIBLE_DEVICES"] = visible[rank] if visible else str(rank)
     return env
 
 
-def launch_workers(ctx: zmq.Context, ipc_dir: str, inits: list[WorkerInit], device: str
-                   ) -> list[WorkerHandle]:
+def launch_workers(ctx: zmq.Context, ipc_dir: str, inits: list[WorkerInit],
+                   device: DeviceConfig) -> list[WorkerHandle]:
     """Start one process per WorkerInit and send it; the caller awaits readiness."""
     encoder, handles = Encoder(), []
     envs = [worker_env(init.rank, init.world_size, device) for init in inits]

@@ -126,11 +126,3 @@ class HostGroup:
 
     def broadcast_ids(self, ids: np.ndarray | None, count: int) -> np.ndarray:
         return self.comm.broadcast_ids(ids, count)
-
-
-def make_group(comm: ShmCommunicator, backend: Backend) -> HostGroup:
-    """The group for `backend`: NCCL all-reduce on CUDA (`workers/nccl.py`), else the host."""
-    if backend.name == "cuda":
-        from vllm_actors.workers.nccl import NcclGroup
-        return NcclGroup(comm, backend)
-    return HostGroup(comm, backend)

@@ -1,13 +1,14 @@
-"""A worker process: one tensor-parallel rank on one device.
+"""A worker process: one tensor-parallel rank on one device, reached over shared memory.
 
     python -m vllm_actors.workers.worker IPC_DIR RANK PARENT_PID
 
-Startup: connect the PAIR socket `IPC_DIR/w<RANK>`, receive WorkerInit, build the backend,
-the tensor-parallel group and this rank's model shard, answer WorkerReady (or the startup
-error). Then loop: read the next WorkerCall from the shared-memory ring; on ExecuteStep run
-the ModelRunner (rank 0 sends the StepOutput back); InitKVCache allocates; WorkerShutdown
-exits. Any exception is sent as WorkerFailed before exiting. The worker dies with its parent
-(PR_SET_PDEATHSIG, and the parent is checked while waiting in shared memory).
+Startup: connect the PAIR socket `IPC_DIR/w<RANK>`, receive WorkerInit, attach the ring and
+the communicator, build this rank's RankHost (backend, group, model shard), answer
+WorkerReady (or the startup error). Then loop: read the next WorkerCall from the ring; on
+ExecuteStep run the step (rank 0 sends the StepOutput back); InitKVCache allocates;
+CallMethod answers RpcDone from every rank; WorkerShutdown exits. Any exception is sent as
+WorkerFailed before exiting. The worker dies with its parent (PR_SET_PDEATHSIG, and the
+parent is checked while waiting in shared memory).
 """
 
 from __future__ import annotations
@@ -22,19 +23,17 @@ import traceback
 import msgspec
 import zmq
 
-from vllm_actors.config import DeviceConfig, EngineConfig
+from vllm_actors.config import EngineConfig
 from vllm_actors.errors import VllmActorsError
-from vllm_actors.kernels import get_backend
 from vllm_actors.protocol.engine import EngineStartupError
-from vllm_actors.protocol.worker import (ExecuteStep, InitKVCache, StepDone, WorkerCall,
-                                         WorkerFailed, WorkerInit, WorkerReady, WorkerShutdown)
+from vllm_actors.protocol.worker import (CallMethod, ExecuteStep, InitKVCache, RpcDone,
+                                         StepDone, WorkerCall, WorkerFailed, WorkerInit,
+                                         WorkerReady, WorkerShutdown)
 from vllm_actors.protocol.wire import Decoder, Encoder
-from vllm_actors.workers.model_runner import ModelRunner
-from vllm_actors.workers.parallel_state import (ShmCommunicator, communicator_bytes,
-                                                make_group)
-from vllm_actors.workers.shm import (SharedBuffer, parent_alive, set_oversubscribed,
-                                     usable_cpus)
 from vllm_actors.workers.launcher import worker_address
+from vllm_actors.workers.parallel_state import ShmCommunicator, communicator_bytes
+from vllm_actors.workers.rank_host import RankHost
+from vllm_actors.workers.shm import SharedBuffer, parent_alive
 from vllm_actors.workers.shm_broadcast import RingReader, SocketChannel, ring_bytes
 
 logger = logging.getLogger(__name__)
@@ -42,7 +41,8 @@ _PR_SET_PDEATHSIG = 1
 
 
 class Worker:
-    """One rank: its ring reader, communicator, and ModelRunner over its shard."""
+    """One rank's transport: the ring it reads calls from, the socket it answers on, and the
+    communicator it shares with the other ranks; the work is its RankHost's."""
 
     def __init__(self, init: WorkerInit, socket: zmq.Socket, parent_pid: int | None) -> None:
         self.rank, self.socket = init.rank, socket
@@ -56,12 +56,7 @@ class Worker:
         self.comm_buffer = SharedBuffer.attach(init.comm_name,
                                                communicator_bytes(n, init.comm_slot_bytes))
         comm = ShmCommunicator(self.comm_buffer, init.rank, n, init.comm_slot_bytes, alive)
-        device = config.device
-        backend = get_backend(device.backend, *_opencl_choice(device, init.rank))
-        # CPU ranks (numpy, or OpenCL on PoCL) outnumbering the cores: sleep, do not spin
-        set_oversubscribed(backend.name != "cuda" and n > usable_cpus())
-        self.runner = ModelRunner(config, backend=backend, tp=make_group(comm, backend),
-                                  allocate_kv=False)
+        self.host = RankHost(config, init.rank, n, comm, allocate_kv=False)
 
     def run(self) -> None:
         """Serve WorkerCalls until WorkerShutdown."""
@@ -70,26 +65,19 @@ class Worker:
         while True:
             match decoder.decode(self.ring.dequeue()):
                 case ExecuteStep(step=step):
-                    output = self.runner.execute(step)
+                    output = self.host.execute_step(step)
                     if self.rank == 0:
                         self.socket.send_multipart(encoder.encode(StepDone(output)), copy=False)
                 case InitKVCache(num_blocks=num_blocks):
-                    self.runner.initialize_kv_cache(num_blocks)
+                    self.host.init_kv_cache(num_blocks)
+                case CallMethod(method=method, args=args):
+                    try:
+                        reply = RpcDone(self.rank, self.host.call(method, args))
+                    except Exception as e:   # the caller's error, not the worker's
+                        reply = RpcDone(self.rank, error=f"{type(e).__name__}: {e}")
+                    self.socket.send_multipart(encoder.encode(reply))
                 case WorkerShutdown():
                     return
-
-
-def _opencl_choice(device: DeviceConfig, rank: int) -> tuple[int | None, int]:
-    """(platform, device) of this rank: every rank takes the same platform (the one named,
-    else the first that can build programs) and rank r the r-th device after
-    --opencl-device, wrapping around when the platform has fewer (PoCL has one CPU device:
-    the ranks share it)."""
-    if device.backend != "opencl" or rank == 0:
-        return device.opencl_platform, device.opencl_device
-    from vllm_actors.kernels.opencl.platforms import list_platforms, select_platform
-    platform = select_platform(device.opencl_platform, device.opencl_device)
-    count = len(list_platforms()[platform][1])
-    return platform, (device.opencl_device + rank) % max(count, 1)
 
 
 def _die_with_parent() -> None:
@@ -116,7 +104,7 @@ def serve(ipc_dir: str, rank: int, parent_pid: int) -> int:
             socket.send_multipart(encoder.encode(EngineStartupError(
                 type(e).__name__, str(e), getattr(e, "param", None))))
             return 1
-        socket.send_multipart(encoder.encode(WorkerReady(rank, worker.runner.ready)))
+        socket.send_multipart(encoder.encode(WorkerReady(rank, worker.host.ready)))
         try:
             worker.run()
         except Exception as e:
