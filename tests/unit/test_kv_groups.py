@@ -220,3 +220,19 @@ def test_gemma3_shaped_8k_request_holds_window_blocks_on_local_layers():
     with_groups = 3 * sum(held)                    # layer-blocks: 3 layers per group
     without = 18 * held[0]
     assert with_groups < without / 4
+
+
+def test_lpm_ranking_uses_the_full_groups_prefix():
+    """cached_prefix_tokens (lpm's ranking) is the full group's radix match, an upper bound
+    of the admitted hit; a model with sliding groups only gets the exact hit."""
+    kv = prefilled_and_freed(64, PROMPT)
+    for h in make_request("x", PROMPT).block_hashes[18:20]:
+        kv.pool.indexes[1].remove(h)
+    request = make_request("e", PROMPT + [5])
+    assert kv.cached_prefix_tokens(request) == 80
+    assert kv.get_computed_blocks(request)[1] == 72
+    sliding_only = KVCacheManager(num_blocks=64, block_size=4, group_windows=(8,))
+    a = make_request("a", PROMPT)
+    run_prefill(sliding_only, a, chunk=8)
+    sliding_only.free(a)
+    assert sliding_only.cached_prefix_tokens(make_request("b", PROMPT + [5])) == 80

@@ -104,9 +104,16 @@ class KVCacheManager:
         return hits, length
 
     def cached_prefix_tokens(self, request: Request) -> int:
-        """Tokens of the request's longest cached prefix (no stats, no references taken)."""
+        """Tokens of the request's longest cached prefix (no stats, no references taken),
+        for ranking waiting requests (lpm). With a full-attention group this is its radix
+        match, an upper bound that sliding groups may shorten at admission: ranking up to
+        64 waiting requests per admission must not scan every sliding group of each."""
         if not self.enable_caching:
             return 0
+        if 0 in self.windows:
+            hashes = self._hittable_hashes(request)
+            return self.pool.indexes[self.windows.index(0)].match_length(hashes) \
+                * self.block_size
         return self._find_hit(request)[1] * self.block_size
 
     def get_computed_blocks(self, request: Request) -> tuple[GroupBlocks, int]:
