@@ -186,6 +186,8 @@ class EngineArgs:
     opencl_device: int = 0
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    pipeline_parallel_size: int = 1      # vLLM's flags, accepted at 1 (more: not built yet)
+    data_parallel_size: int = 1
     generation_config: str = "auto"
     served_model_name: str | None = None
     max_logprobs: int = 20
@@ -259,6 +261,10 @@ class EngineArgs:
                             help="mp (default when --tensor-parallel-size > 1): one worker "
                                  "process per device; uni: the worker in the engine core's "
                                  "process (size 1 only); ray: not supported yet")
+        parser.add_argument("--pipeline-parallel-size", type=int, default=1,
+                            help="pipeline stages (1 only for now)")
+        parser.add_argument("--data-parallel-size", type=int, default=1,
+                            help="engine replicas behind one API (1 only for now)")
         parser.add_argument("--multiprocessing", action=argparse.BooleanOptionalAction,
                             default=True, help="run the engine core in its own process (off: "
                                                "in a thread, for debugging and profiling)")
@@ -319,6 +325,13 @@ class EngineArgs:
         if size < 1:
             raise ValidationError(f"tensor_parallel_size must be positive, got {size}",
                                   "tensor_parallel_size")
+        for name, what in (("pipeline_parallel_size", "pipeline parallelism"),
+                           ("data_parallel_size", "data parallelism")):
+            value = getattr(self, name)
+            if value != 1:
+                raise ValidationError(f"--{name.replace('_', '-')} {value}: {what} is not "
+                                      "implemented yet; only 1 (use --tensor-parallel-size to "
+                                      "split a model over the devices of this machine)", name)
         if backend is None:
             backend = "mp" if size > 1 else "uni"
         if backend == "ray":

@@ -171,6 +171,10 @@ def test_sigterm_aborts_what_outlives_the_drain(smollm2_path):
     (["--tensor-parallel-size", "2", "--distributed-executor-backend", "uni"],
      "--distributed-executor-backend uni runs one worker"),
     (["--device", "tpu"], "--device tpu is not implemented yet"),
+    (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2: pipeline parallelism is "
+                                        "not implemented yet"),
+    (["--data-parallel-size", "4"], "--data-parallel-size 4: data parallelism is not "
+                                    "implemented yet"),
     (["--allowed-origins", "*"], "--allowed-origins must be a JSON list"),
 ])
 def test_bad_flags_fail_clearly(flags, message):

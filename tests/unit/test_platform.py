@@ -68,3 +68,19 @@ def test_every_executor_implements_the_protocol():
             ours = inspect.signature(getattr(cls, name))
             theirs = inspect.signature(getattr(executor.Executor, name))
             assert list(ours.parameters) == list(theirs.parameters), (cls.__name__, name)
+
+
+def test_vllm_parallel_flags_at_one_are_accepted():
+    """Scripts written for vLLM pass --pipeline-parallel-size 1 / --data-parallel-size 1."""
+    import argparse
+
+    from vllm_actors import EngineArgs
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = parser.parse_args(["--model", "m", "--pipeline-parallel-size", "1",
+                              "--data-parallel-size", "1"])
+    engine = EngineArgs.from_cli_args(args)
+    assert engine.pipeline_parallel_size == engine.data_parallel_size == 1
+    assert engine.create_engine_config().parallel.tensor_parallel_size == 1
+    with pytest.raises(ValidationError, match="data parallelism is not implemented yet"):
+        EngineArgs(model="m", data_parallel_size=2).create_engine_config()
