@@ -260,7 +260,8 @@ class EngineArgs:
                             choices=DISTRIBUTED_EXECUTOR_BACKENDS,
                             help="mp (default when --tensor-parallel-size > 1): one worker "
                                  "process per device; uni: the worker in the engine core's "
-                                 "process (size 1 only); ray: not supported yet")
+                                 "process (size 1 only); ray: ranks as Ray actors on one node "
+                                 "of the cluster in RAY_ADDRESS, else a local one")
         parser.add_argument("--pipeline-parallel-size", type=int, default=1,
                             help="pipeline stages (1 only for now)")
         parser.add_argument("--data-parallel-size", type=int, default=1,
@@ -334,13 +335,13 @@ class EngineArgs:
                                       "split a model over the devices of this machine)", name)
         if backend is None:
             backend = "mp" if size > 1 else "uni"
-        if backend == "ray":
-            raise ValidationError("--distributed-executor-backend ray is not supported yet; "
-                                  "use mp (worker processes on this machine)",
+        if backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValidationError(f"--distributed-executor-backend must be one of "
+                                  f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, got {backend!r}",
                                   "distributed_executor_backend")
-        if backend not in ("mp", "uni"):
-            raise ValidationError(f"--distributed-executor-backend must be mp or uni, got "
-                                  f"{backend!r}", "distributed_executor_backend")
+        if backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValidationError("--distributed-executor-backend ray needs Ray: pip install "
+                                  "'vllm-actors[ray]'", "distributed_executor_backend")
         if backend == "uni" and size > 1:
             raise ValidationError(f"--distributed-executor-backend uni runs one worker; "
                                   f"--tensor-parallel-size {size} needs mp",

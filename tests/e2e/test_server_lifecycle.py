@@ -166,8 +166,8 @@ def test_sigterm_aborts_what_outlives_the_drain(smollm2_path):
 @pytest.mark.parametrize("flags, message", [
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 is not implemented yet"),
-    (["--tensor-parallel-size", "2", "--distributed-executor-backend", "ray"],
-     "--distributed-executor-backend ray is not supported yet"),
+    (["--tensor-parallel-size", "2", "--distributed-executor-backend", "slurm"],
+     "argument --distributed-executor-backend: invalid choice: 'slurm'"),
     (["--tensor-parallel-size", "2", "--distributed-executor-backend", "uni"],
      "--distributed-executor-backend uni runs one worker"),
     (["--device", "tpu"], "--device tpu is not implemented yet"),

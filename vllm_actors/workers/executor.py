@@ -217,12 +217,14 @@ class MultiprocExecutor:
 
 
 def executor_for(config: EngineConfig, ipc_dir: str | None = None) -> Executor:
-    """The executor `config.parallel` asks for ("uni" or "mp"; a Ray executor plugs in
-    here), not started yet.
+    """The executor `config.parallel` asks for ("uni", "mp" or "ray"), not started yet.
 
     Args:
         ipc_dir: where worker processes' sockets go (see MultiprocExecutor).
     """
     if config.parallel.executor_backend == "mp":
         return MultiprocExecutor(config, ipc_dir)
+    if config.parallel.executor_backend == "ray":
+        from vllm_actors.workers.ray_executor import RayExecutor
+        return RayExecutor(config)
     return InprocExecutor(config)
