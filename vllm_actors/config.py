@@ -13,6 +13,9 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_actors.config_parallel import (DISTRIBUTED_EXECUTOR_BACKENDS,  # noqa: F401
+                                         ParallelConfig, add_parallel_args,
+                                         parallel_config)
 from vllm_actors.errors import ValidationError
 
 
@@ -69,19 +72,6 @@ class DeviceConfig:
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_coder")
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
-DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "uni", "ray")
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """tensor_parallel_size: worker processes (one per device) the model is split over;
-    executor_backend: "uni" (one worker, in the engine core's process) or "mp" (one process per
-    rank on this machine). A Ray backend for several machines would plug in beside "mp"."""
-
-    tensor_parallel_size: int = 1
-    executor_backend: str = "uni"
-
-
 @dataclass(frozen=True)
 class ServerConfig:
     """The OpenAI-compatible server's own settings (vLLM's `serve` flag names).
@@ -186,8 +176,12 @@ class EngineArgs:
     opencl_device: int = 0
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
-    pipeline_parallel_size: int = 1      # vLLM's flags, accepted at 1 (more: not built yet)
+    pipeline_parallel_size: int = 1      # accepted at 1 (more: not built yet)
     data_parallel_size: int = 1
+    data_parallel_size_local: int | None = None
+    data_parallel_backend: str = "mp"
+    data_parallel_address: str | None = None
+    data_parallel_rpc_port: int | None = None
     generation_config: str = "auto"
     served_model_name: str | None = None
     max_logprobs: int = 20
@@ -254,18 +248,7 @@ class EngineArgs:
                                  "the first platform that can build programs")
         parser.add_argument("--opencl-device", type=int, default=0,
                             help="--device opencl: device index within the platform")
-        parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                            help="devices (worker processes) to split the model over")
-        parser.add_argument("--distributed-executor-backend", default=None,
-                            choices=DISTRIBUTED_EXECUTOR_BACKENDS,
-                            help="mp (default when --tensor-parallel-size > 1): one worker "
-                                 "process per device; uni: the worker in the engine core's "
-                                 "process (size 1 only); ray: ranks as Ray actors on one node "
-                                 "of the cluster in RAY_ADDRESS, else a local one")
-        parser.add_argument("--pipeline-parallel-size", type=int, default=1,
-                            help="pipeline stages (1 only for now)")
-        parser.add_argument("--data-parallel-size", type=int, default=1,
-                            help="engine replicas behind one API (1 only for now)")
+        add_parallel_args(parser)
         parser.add_argument("--multiprocessing", action=argparse.BooleanOptionalAction,
                             default=True, help="run the engine core in its own process (off: "
                                                "in a thread, for debugging and profiling)")
@@ -294,7 +277,7 @@ class EngineArgs:
                                   f"got {self.scheduling_policy!r}", "scheduling_policy")
         self._check_not_yet_implemented()
         return EngineConfig(
-            parallel=self._parallel_config(),
+            parallel=parallel_config(self),
             model=ModelConfig(self.model, self.chat_template, self.max_model_len, self.seed,
                               self.generation_config, self.served_model_name,
                               self.max_logprobs),
@@ -320,33 +303,6 @@ class EngineArgs:
         if needs and importlib.util.find_spec(needs[0]) is None:
             raise ValidationError(f"--device {self.device} needs {needs[0]}: pip install "
                                   f"'vllm-actors[{needs[1]}]'", "device")
-
-    def _parallel_config(self) -> ParallelConfig:
-        size, backend = self.tensor_parallel_size, self.distributed_executor_backend
-        if size < 1:
-            raise ValidationError(f"tensor_parallel_size must be positive, got {size}",
-                                  "tensor_parallel_size")
-        for name, what in (("pipeline_parallel_size", "pipeline parallelism"),
-                           ("data_parallel_size", "data parallelism")):
-            value = getattr(self, name)
-            if value != 1:
-                raise ValidationError(f"--{name.replace('_', '-')} {value}: {what} is not "
-                                      "implemented yet; only 1 (use --tensor-parallel-size to "
-                                      "split a model over the devices of this machine)", name)
-        if backend is None:
-            backend = "mp" if size > 1 else "uni"
-        if backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
-            raise ValidationError(f"--distributed-executor-backend must be one of "
-                                  f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, got {backend!r}",
-                                  "distributed_executor_backend")
-        if backend == "ray" and importlib.util.find_spec("ray") is None:
-            raise ValidationError("--distributed-executor-backend ray needs Ray: pip install "
-                                  "'vllm-actors[ray]'", "distributed_executor_backend")
-        if backend == "uni" and size > 1:
-            raise ValidationError(f"--distributed-executor-backend uni runs one worker; "
-                                  f"--tensor-parallel-size {size} needs mp",
-                                  "distributed_executor_backend")
-        return ParallelConfig(size, backend)
 
     def _check_positive(self, *names: str) -> None:
         for name in names:

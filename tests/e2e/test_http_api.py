@@ -211,7 +211,7 @@ def test_metrics_names(server, auth):
                  "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries",
                  "vllm:prefix_cache_hits", "vllm:prompt_tokens_total",
                  "vllm:generation_tokens_total", "vllm:num_preemptions_total",
-                 'vllm:request_success_total{finished_reason="length",model_name="smol"}',
+                 'vllm:request_success_total{engine="0",finished_reason="length",model_name="smol"}',
                  "vllm:time_to_first_token_seconds_bucket",
                  "vllm:inter_token_latency_seconds_bucket",
                  "vllm:e2e_request_latency_seconds_bucket",

@@ -173,8 +173,8 @@ def test_sigterm_aborts_what_outlives_the_drain(smollm2_path):
     (["--device", "tpu"], "--device tpu is not implemented yet"),
     (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2: pipeline parallelism is "
                                         "not implemented yet"),
-    (["--data-parallel-size", "4"], "--data-parallel-size 4: data parallelism is not "
-                                    "implemented yet"),
+    (["-dp", "2", "--data-parallel-address", "10.0.0.2"],
+     "--data-parallel-address: data parallel across machines is not supported yet"),
     (["--allowed-origins", "*"], "--allowed-origins must be a JSON list"),
 ])
 def test_bad_flags_fail_clearly(flags, message):

@@ -132,16 +132,17 @@ def test_metrics_render_with_vllm_names():
     metrics.observe_tokens(2, None, 0.1)
     metrics.observe_finished("stop", 10, 1.5, 0.05)
     text = metrics.render().decode()
-    for line in ('vllm:num_requests_running{model_name="smol"} 3.0',
-                 'vllm:kv_cache_usage_perc{model_name="smol"} 0.5',
-                 'vllm:prefix_cache_hits_total{model_name="smol"} 64.0',
-                 'vllm:num_preemptions_total{model_name="smol"} 2.0',
-                 'vllm:generation_tokens_total{model_name="smol"} 3.0',
-                 'vllm:prompt_tokens_total{model_name="smol"} 10.0',
-                 'vllm:request_success_total{finished_reason="stop",model_name="smol"} 1.0',
-                 'vllm:time_to_first_token_seconds_count{model_name="smol"} 1.0',
-                 'vllm:inter_token_latency_seconds_sum{model_name="smol"} 0.05',
-                 'vllm:request_queue_time_seconds_count{model_name="smol"} 1.0'):
+    for line in ('vllm:num_requests_running{engine="0",model_name="smol"} 3.0',
+                 'vllm:kv_cache_usage_perc{engine="0",model_name="smol"} 0.5',
+                 'vllm:prefix_cache_hits_total{engine="0",model_name="smol"} 64.0',
+                 'vllm:num_preemptions_total{engine="0",model_name="smol"} 2.0',
+                 'vllm:generation_tokens_total{engine="0",model_name="smol"} 3.0',
+                 'vllm:prompt_tokens_total{engine="0",model_name="smol"} 10.0',
+                 'vllm:request_success_total{engine="0",finished_reason="stop",'
+                 'model_name="smol"} 1.0',
+                 'vllm:time_to_first_token_seconds_count{engine="0",model_name="smol"} 1.0',
+                 'vllm:inter_token_latency_seconds_sum{engine="0",model_name="smol"} 0.05',
+                 'vllm:request_queue_time_seconds_count{engine="0",model_name="smol"} 1.0'):
         assert line in text, line
     assert metrics.snapshot()["vllm:prefix_cache_queries"] == 100
 

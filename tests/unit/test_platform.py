@@ -70,17 +70,54 @@ def test_every_executor_implements_the_protocol():
             assert list(ours.parameters) == list(theirs.parameters), (cls.__name__, name)
 
 
-def test_vllm_parallel_flags_at_one_are_accepted():
-    """Scripts written for vLLM pass --pipeline-parallel-size 1 / --data-parallel-size 1."""
+def test_vllm_parallel_flags():
+    """vLLM's parallel flags, long and short: data parallel is built (one machine, mp);
+    pipeline parallel and multi-node data parallel are refused naming the flag."""
     import argparse
 
     from vllm_actors import EngineArgs
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
-    args = parser.parse_args(["--model", "m", "--pipeline-parallel-size", "1",
-                              "--data-parallel-size", "1"])
+    args = parser.parse_args(["--model", "m", "--pipeline-parallel-size", "1", "-dp", "2",
+                              "--data-parallel-size-local", "2", "-dpb", "mp"])
     engine = EngineArgs.from_cli_args(args)
-    assert engine.pipeline_parallel_size == engine.data_parallel_size == 1
-    assert engine.create_engine_config().parallel.tensor_parallel_size == 1
-    with pytest.raises(ValidationError, match="data parallelism is not implemented yet"):
-        EngineArgs(model="m", data_parallel_size=2).create_engine_config()
+    assert engine.pipeline_parallel_size == 1 and engine.data_parallel_size == 2
+    parallel = engine.create_engine_config().parallel
+    assert (parallel.tensor_parallel_size, parallel.data_parallel_size,
+            parallel.data_parallel_backend) == (1, 2, "mp")
+    refused = [(dict(pipeline_parallel_size=2), "pipeline_parallel_size"),
+               (dict(data_parallel_size=0), "data_parallel_size"),
+               (dict(data_parallel_size=2, data_parallel_size_local=1),
+                "data_parallel_size_local"),
+               (dict(data_parallel_size=2, data_parallel_address="10.0.0.1"),
+                "data_parallel_address"),
+               (dict(data_parallel_size=2, data_parallel_rpc_port=13345),
+                "data_parallel_rpc_port"),
+               (dict(data_parallel_size=2, data_parallel_backend="slurm"),
+                "data_parallel_backend"),
+               (dict(data_parallel_size=2, multiprocessing=False), "data_parallel_size")]
+    for kwargs, param in refused:
+        with pytest.raises(ValidationError) as info:
+            EngineArgs(model="m", **kwargs).create_engine_config()
+        assert info.value.param == param, kwargs
+
+
+def test_data_parallel_device_shares():
+    """CPU cores split into contiguous parts (shared only when fewer CPUs than cores); GPUs
+    sliced by tensor parallel size from CUDA_VISIBLE_DEVICES."""
+    from vllm_actors import EngineArgs
+    from vllm_actors.frontend.engine_group import device_shares
+    cpu = EngineArgs(model="m", device="cpu", data_parallel_size=2).create_engine_config()
+    assert device_shares(cpu, 1) == [({}, None)]
+    assert [c for _, c in device_shares(cpu, 2, {}, [0, 1, 2, 3, 4])] == \
+        [frozenset({0, 1}), frozenset({2, 3, 4})]
+    assert [c for _, c in device_shares(cpu, 3, {}, [4, 5])] == \
+        [frozenset({4}), frozenset({5}), frozenset({4})]
+    from vllm_actors.config import EngineConfig, ParallelConfig
+    gpu = EngineConfig(device=DeviceConfig("cuda"), parallel=ParallelConfig(2, "mp", 2))
+    shares = device_shares(gpu, 2, {"CUDA_VISIBLE_DEVICES": "3,4,5,6"})
+    assert shares == [({"CUDA_VISIBLE_DEVICES": "3,4"}, None),
+                      ({"CUDA_VISIBLE_DEVICES": "5,6"}, None)]
+    assert device_shares(gpu, 2, {})[1][0] == {"CUDA_VISIBLE_DEVICES": "2,3"}
+    with pytest.raises(ValidationError, match="needs 4 GPUs"):
+        device_shares(gpu, 2, {"CUDA_VISIBLE_DEVICES": "0,1,2"})

@@ -111,11 +111,19 @@ def build_app(state: ServerState) -> Starlette:
 
     async def health(raw: Request) -> Response:
         """As vLLM's: 200 unless the engine is dead (its death is noticed by itself: the
-        core's exit or its EngineDead message). No round trip to the core, so a core busy
-        with a long step is not reported unhealthy."""
+        core's exit or its EngineDead message); with data parallel cores down but some left,
+        200 with a body saying "degraded" and how many serve. No round trip to the core, so
+        a core busy with a long step is not reported unhealthy."""
         if engine.errored:
             return _error(APIError(503, f"the engine is dead: {engine.dead_error}",
                                    code="engine_dead", type_="service_unavailable_error"))
+        alive, size = engine.engines_alive, engine.group.size
+        if alive == 0:
+            return _error(APIError(503, "no engine core is alive; a replacement is starting",
+                                   code="engine_dead", type_="service_unavailable_error"))
+        if alive < size:   # data parallel with a core down: still serving, on the others
+            return JSONBody({"status": "degraded", "engines_alive": alive,
+                             "data_parallel_size": size})
         return Response(status_code=200)
 
     async def models(raw: Request) -> Response:

@@ -4,16 +4,19 @@
         async for out in llm.generate("Hello", SamplingParams(max_tokens=8), "req-1"):
             print(out.outputs[0].text)
 
-One background task reads the core's output socket and feeds each request's collector;
-cancelling a consumer aborts its request in the core. When the core dies (an EngineDead
-message, or its process exits) every pending and every new request raises EngineDeadError.
+One background task per engine core reads its output socket and feeds each request's
+collector; cancelling a consumer aborts its request in the core. When the core dies (an
+EngineDead message, or its process exits) every pending and every new request raises
+EngineDeadError. With data parallel cores (`EngineGroup`) a dead core fails only its own
+requests: new ones route around it while a replacement starts, and the engine is dead only
+when no core is left.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import signal
+import logging
 import uuid
 from typing import Any, AsyncIterator, Callable, Sequence
 
@@ -21,6 +24,8 @@ from vllm_actors.config import EngineArgs
 from vllm_actors.errors import EngineDeadError, VllmActorsError
 from vllm_actors.frontend.collector import RequestOutputCollector
 from vllm_actors.frontend.core_client import CoreClient
+from vllm_actors.frontend.engine_group import EngineGroup
+from vllm_actors.frontend.engine_watch import EngineWatch, running_loop
 from vllm_actors.frontend.input_processor import InputProcessor, ProcessedRequest, PromptType
 from vllm_actors.frontend.metrics import FrontendMetrics
 from vllm_actors.frontend.output_processor import OutputProcessor, ParentRequest
@@ -34,12 +39,13 @@ from vllm_actors.protocol.engine import (AbortRequests, EngineCoreOutputs, Engin
                                          UtilityResult)
 from vllm_actors.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
+
 OUTPUT_CHUNK = 128      # outputs handled between yields to the event loop
 LARGE_PROMPT_LOGPROBS = 512   # prompt logprobs of more positions are built off the loop
-LIVENESS_POLL_S = 0.5   # core liveness polling where no pidfd exists
 
 
-class AsyncLLM:
+class AsyncLLM(EngineWatch):
     """Args: as `LLM` (model path or None for the default model, plus EngineArgs fields).
 
     Construction blocks until the core has loaded the model.
@@ -50,28 +56,37 @@ class AsyncLLM:
         config = args.create_engine_config()
         source = resolve_model(config.model.model)
         self.tokenizer = load_tokenizer(source, read_chat_template(config.model.chat_template))
-        self.client = CoreClient(config, use_process=args.multiprocessing)
-        self.ready = self.client.ready
+        self.group = EngineGroup(config, use_process=args.multiprocessing)
+        self.ready = self.group.ready
         self.model_name = config.model.served_model_name or source.name
         self.model_root = str(source.path)
         self.input_processor = InputProcessor(self.tokenizer, self.ready,
                                               config.model.max_logprobs)
-        self.metrics = FrontendMetrics(self.model_name)
+        self.metrics = FrontendMetrics(self.model_name, self.group.size)
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
         self.generation_defaults = generation_defaults(source, config.model.generation_config)
         self._dead: EngineDeadError | None = None
-        self._output_task: asyncio.Task | None = None
-        self._watch_task: asyncio.Task | None = None
+        self._tasks: dict[int, list[asyncio.Task]] = {}   # engine -> output (and watch) task
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._calls: dict[int, asyncio.Future] = {}
+        self._calls: dict[int, tuple[int, asyncio.Future]] = {}   # call id -> engine, future
         self._call_ids = itertools.count()
         self._stopping = False
         self._death_callbacks: list[Callable[[EngineDeadError], None]] = []
 
     # -- lifecycle -------------------------------------------------------------------------
     @property
+    def client(self) -> CoreClient:
+        """Engine core 0's client (the only one without data parallel)."""
+        return self.group.clients[0]
+
+    @property
     def errored(self) -> bool:
         return self._dead is not None
+
+    @property
+    def engines_alive(self) -> int:
+        """Engine cores serving now (`--data-parallel-size` when all are)."""
+        return 0 if self._dead is not None else self.group.num_alive
 
     @property
     def dead_error(self) -> EngineDeadError | None:
@@ -103,32 +118,15 @@ class AsyncLLM:
         if self._loop is not None and self._loop.is_running():
             raise VllmActorsError("this AsyncLLM is in use by another running event loop")
         self._loop = loop
-        self._output_task = loop.create_task(self._output_handler())
-        if self.client.exit_fd is not None:
-            loop.add_reader(self.client.exit_fd, self._on_core_exit)
-        else:
-            self._watch_task = loop.create_task(self._watch_core())
-
-    async def _watch_core(self) -> None:
-        """Liveness by polling, where no exit file descriptor exists."""
-        while self.client.is_alive():
-            await asyncio.sleep(LIVENESS_POLL_S)
-        self._on_core_exit()
-
-    def _on_core_exit(self) -> None:
-        assert self._loop is not None
-        if self.client.exit_fd is not None:
-            self._loop.remove_reader(self.client.exit_fd)
-        if not self._stopping:
-            status = _exit_status(self.client.exitcode)
-            self._fail(EngineDeadError(f"the engine core process exited unexpectedly ({status})"))
+        for engine in self.group.live():
+            self._watch(engine)
 
     def _fail(self, error: EngineDeadError) -> None:
         first = self._dead is None
         if first:
             self._dead = error
         self.output_processor.fail_all(self._dead)
-        for future in self._calls.values():
+        for _, future in self._calls.values():
             if not future.done():
                 future.set_exception(self._dead)
         self._calls.clear()
@@ -146,24 +144,21 @@ class AsyncLLM:
             self._dead = EngineDeadError("the engine was shut down")
         loop = self._loop
         if loop is not None and not loop.is_closed():
-            if _running_loop() is loop:
+            if running_loop() is loop:
                 self._stop_in_loop()
             elif loop.is_running():
                 loop.call_soon_threadsafe(self._stop_in_loop)
             else:   # an idle loop: let the cancelled tasks finish on it
+                tasks = [t for ts in self._tasks.values() for t in ts]
                 self._stop_in_loop()
-                tasks = [t for t in (self._output_task, self._watch_task) if t is not None]
                 loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-        self.client.shutdown()
+        self.group.shutdown()
 
     def _stop_in_loop(self) -> None:
         assert self._loop is not None and self._dead is not None
-        if self.client.exit_fd is not None:
-            self._loop.remove_reader(self.client.exit_fd)
         self._fail(self._dead)
-        for task in (self._output_task, self._watch_task):
-            if task is not None:
-                task.cancel()
+        for engine in list(self._tasks):
+            self._unwatch(engine, self.group.clients[engine])
 
     async def __aenter__(self) -> "AsyncLLM":
         return self
@@ -178,25 +173,26 @@ class AsyncLLM:
         self.shutdown()
 
     # -- the output handler ----------------------------------------------------------------
-    async def _output_handler(self) -> None:
+    async def _output_handler(self, engine: int, client: CoreClient) -> None:
         try:
             while True:
-                message = await self.client.recv()
+                message = await client.recv()
                 match message:
                     case EngineCoreOutputs(outputs=outputs):
-                        self.metrics.observe_step(message.scheduler_stats)
-                        await self._process(outputs)
+                        self.metrics.observe_step(message.scheduler_stats, engine)
+                        await self._process(outputs, engine)
                     case UtilityResult():
                         self._resolve(message)
                     case EngineDead(reason=reason):
-                        self._fail(EngineDeadError(f"the engine core failed: {reason}"))
+                        self._engine_died(engine, client, EngineDeadError(
+                            f"the engine core{self._name(engine)} failed: {reason}"))
                         return
         except asyncio.CancelledError:
             raise
         except Exception as e:
             self._fail(EngineDeadError(f"the output handler failed: {type(e).__name__}: {e}"))
 
-    async def _process(self, outputs: list) -> None:
+    async def _process(self, outputs: list, engine: int = 0) -> None:
         for start in range(0, len(outputs), OUTPUT_CHUNK):
             if start:
                 await asyncio.sleep(0)
@@ -204,7 +200,9 @@ class AsyncLLM:
             to_abort = self.output_processor.process_outputs(
                 chunk, await self._large_prompt_logprobs(chunk))
             if to_abort:
-                self.client.send(AbortRequests(to_abort))
+                self.group.send(engine, AbortRequests(to_abort))
+            self.group.release([o.request_id for o in chunk if o.finish_reason is not None]
+                               + to_abort)
 
     async def _large_prompt_logprobs(self, outputs: list) -> dict[str, Any] | None:
         """Prompt logprobs of many positions (an echo request's, lm-eval's) as dicts, built in
@@ -224,7 +222,7 @@ class AsyncLLM:
         return built
 
     def _resolve(self, result: UtilityResult) -> None:
-        future = self._calls.pop(result.call_id, None)
+        _, future = self._calls.pop(result.call_id, (None, None))
         if future is None or future.done():
             return
         if result.error is not None:
@@ -244,6 +242,10 @@ class AsyncLLM:
             raise VllmActorsError(f"request id {request_id!r} is already in use")
         processed = prompt if isinstance(prompt, ProcessedRequest) else \
             self.input_processor.process(request_id, prompt, params, priority)
+        if self.group.num_alive == 0:
+            raise EngineDeadError("no engine core is alive (a replacement is starting)")
+        engine = self.group.route(processed.request.prompt_token_ids,
+                                  processed.request.cache_salt)
         params = processed.request.sampling_params
         collector = RequestOutputCollector(params.output_kind)
         parent = ParentRequest(request_id, processed.prompt, processed.request.prompt_token_ids,
@@ -251,10 +253,12 @@ class AsyncLLM:
         children = [processed.child(i, request_id if params.n == 1 else f"{i}_{request_id}")
                     for i in range(params.n)]
         for index, child in enumerate(children):
-            self.output_processor.add_request(parent, index, child, child.sampling_params)
+            self.output_processor.add_request(parent, index, child, child.sampling_params,
+                                              engine)
+        self.group.assign(engine, [child.request_id for child in children])
         try:
             for child in children:
-                self.client.send(child)
+                self.group.send(engine, child)
         except BaseException:
             self.abort_requests([request_id])
             raise
@@ -282,53 +286,62 @@ class AsyncLLM:
     def abort_requests(self, request_ids: list[str]) -> None:
         """Abort now (call from the event loop); see `abort`."""
         engine_ids = self.output_processor.abort_requests(request_ids)
-        if engine_ids and self._dead is None:
-            self.client.send(AbortRequests(engine_ids))
+        by_engine: dict[int, list[str]] = {}
+        for engine_id in engine_ids:
+            engine = self.group.engine_of(engine_id)
+            if engine is not None:
+                by_engine.setdefault(engine, []).append(engine_id)
+        self.group.release(engine_ids)
+        if self._dead is None:
+            for engine, ids in by_engine.items():
+                self.group.send(engine, AbortRequests(ids))
 
     async def abort(self, request_id: str | list[str]) -> None:
         """Stop requests; their consumers receive a final output with finish_reason "abort"."""
         self.abort_requests([request_id] if isinstance(request_id, str) else list(request_id))
 
     # -- utilities -------------------------------------------------------------------------
-    async def _call(self, kind: UtilityKind, args: list[Any] | None = None) -> Any:
+    async def _call(self, kind: UtilityKind, args: list[Any] | None = None) -> list[Any]:
+        """The call on every live engine core; their results in engine order."""
         self._ensure_running()
-        call_id = next(self._call_ids)
-        future = asyncio.get_running_loop().create_future()
-        self._calls[call_id] = future
-        self.client.send(UtilityCall(call_id, kind, args or []))
-        return await future
+        futures = []
+        for engine in self.group.live():
+            call_id = next(self._call_ids)
+            future = asyncio.get_running_loop().create_future()
+            self._calls[call_id] = (engine, future)
+            self.group.send(engine, UtilityCall(call_id, kind, args or []))
+            futures.append(future)
+        if not futures:
+            raise EngineDeadError("no engine core is alive (a replacement is starting)")
+        return list(await asyncio.gather(*futures))
 
     async def check_health(self) -> None:
-        """Raises EngineDeadError when the core is gone; otherwise a round trip to it."""
+        """Raises EngineDeadError when the core is gone; otherwise a round trip to it (to
+        every live one with data parallel)."""
         await self._call(UtilityKind.PING)
 
     async def reset_prefix_cache(self) -> bool:
-        return await self._call(UtilityKind.RESET_PREFIX_CACHE)
+        """Every core forgets its cached prefixes; False when one refused (requests hold
+        KV blocks there)."""
+        done = all(await self._call(UtilityKind.RESET_PREFIX_CACHE))
+        if done:
+            self.group.router.forget()
+        return done
 
     async def get_scheduler_stats(self) -> SchedulerStats:
-        return await self._call(UtilityKind.GET_STATS)
+        """The cores' scheduler state summed (KV usage: their mean)."""
+        return _sum_stats(await self._call(UtilityKind.GET_STATS))
 
     async def collective_rpc(self, method: str, args: Sequence[Any] = ()) -> list[Any]:
         """Call `method` on every worker rank (vLLM's collective_rpc; the methods are
-        `workers.rank_host.RPC_METHODS`, e.g. "describe"); the results in rank order.
+        `workers.rank_host.RPC_METHODS`, e.g. "describe"); the results in rank order, engine
+        core after engine core with data parallel.
         Raises VllmActorsError naming the available methods for an unknown one."""
-        return await self._call(UtilityKind.COLLECTIVE_RPC, [method, *args])
+        results = await self._call(UtilityKind.COLLECTIVE_RPC, [method, *args])
+        return [r for per_engine in results for r in per_engine]
 
 
-def _exit_status(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
-
+def _sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
+    return SchedulerStats(sum(s.num_running_reqs for s in stats),
+                          sum(s.num_waiting_reqs for s in stats),
+                          sum(s.kv_cache_usage for s in stats) / len(stats))

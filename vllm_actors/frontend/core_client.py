@@ -72,11 +72,15 @@ class _Resources:
         self.addresses.remove()
 
 
-def _launch(addresses: IpcAddresses) -> subprocess.Popen:
-    env = dict(os.environ)
+def _launch(addresses: IpcAddresses, env_overrides: dict[str, str] | None,
+            cpus: frozenset[int] | None) -> subprocess.Popen:
+    env = {**os.environ, **(env_overrides or {})}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+    # The affinity is set before exec, so BLAS and the kernels' thread pools size themselves
+    # to it from the start.
+    pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
     return subprocess.Popen([sys.executable, "-m", "vllm_actors.enginecore.proc",
-                             addresses.directory, str(os.getpid())], env=env)
+                             addresses.directory, str(os.getpid())], env=env, preexec_fn=pin)
 
 
 class CoreClient:
@@ -85,12 +89,17 @@ class CoreClient:
     Args:
         config: the engine configuration (sent to the core).
         use_process: run the core in its own process (True) or in a thread.
+        env: variables set in the core process's environment (a data parallel core's share
+            of the devices).
+        cpus: the CPUs the core process (and its workers) may run on; None: all.
     Raises (from the core's startup):
         the core's own typed error (ValidationError, ModelLoadError, ...), or
         EngineDeadError when the core died without saying why.
     """
 
-    def __init__(self, config: EngineConfig, use_process: bool = True) -> None:
+    def __init__(self, config: EngineConfig, use_process: bool = True,
+                 env: dict[str, str] | None = None, cpus: frozenset[int] | None = None
+                 ) -> None:
         self.addresses = IpcAddresses.create()
         self._res = res = _Resources(self.addresses)
         self._finalizer = weakref.finalize(self, res.release, 0.0)
@@ -106,17 +115,18 @@ class CoreClient:
         self.decoder = Decoder(CoreMessage)
         self.closed = False
         try:
-            self.ready = self._start(config, use_process)
+            self.ready = self._start(config, use_process, env, cpus)
         except BaseException:
             self.shutdown()
             raise
 
-    def _start(self, config: EngineConfig, use_process: bool) -> EngineReady:
+    def _start(self, config: EngineConfig, use_process: bool, env: dict[str, str] | None,
+               cpus: frozenset[int] | None) -> EngineReady:
         handshake = self._res.sync_ctx.socket(zmq.PAIR)
         handshake.bind(self.addresses.handshake)
         try:
             if use_process:
-                self._res.process = _launch(self.addresses)
+                self._res.process = _launch(self.addresses, env, cpus)
                 if hasattr(os, "pidfd_open"):
                     self._res.pidfd = os.pidfd_open(self._res.process.pid)
                 handshake.send(msgspec.msgpack.encode(config))

@@ -1,6 +1,8 @@
 """Frontend metrics under vLLM's names, in a private Prometheus registry: scheduler gauges and
 counters from each step's SchedulerStats, request counters and latency histograms observed
-as outputs arrive. `snapshot()` gives the same numbers as a dict (LLM.get_metrics)."""
+as outputs arrive. Every series carries vLLM's labels `model_name` and `engine` (the data
+parallel engine core's index; "0" with one core). `snapshot()` gives the same numbers summed
+over the engine cores as a dict (LLM.get_metrics)."""
 
 from __future__ import annotations
 
@@ -10,34 +12,34 @@ from vllm_actors.protocol.engine import SchedulerStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_COUNTED = ("vllm:num_preemptions", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
+            "vllm:prompt_tokens", "vllm:generation_tokens")
 
 
 class FrontendMetrics:
-    def __init__(self, model_name: str) -> None:
+    """Args: model_name; num_engines: the data parallel engine cores (labels "0".."N-1")."""
+
+    def __init__(self, model_name: str, num_engines: int = 1) -> None:
         self.registry = reg = CollectorRegistry()
-        self.labels = {"model_name": model_name}
-        names = ["model_name"]
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, names, registry=reg).labels(**self.labels)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, names, registry=reg).labels(**self.labels)
+        self.model_name = model_name
+        names = ["model_name", "engine"]
 
         def histogram(name: str, doc: str) -> Histogram:
-            return Histogram(name, doc, names, buckets=_LATENCY_BUCKETS,
-                             registry=reg).labels(**self.labels)
+            return Histogram(name, doc, names, buckets=_LATENCY_BUCKETS, registry=reg)
 
-        self.running = gauge("vllm:num_requests_running", "Requests in model execution batches.")
-        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be processed.")
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent.")
-        self.prefix_queries = counter("vllm:prefix_cache_queries",
-                                      "Prefix cache queries, in tokens.")
-        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.")
-        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
-        self.generation_tokens = counter("vllm:generation_tokens",
-                                         "Number of generation tokens processed.")
+        self.running = Gauge("vllm:num_requests_running", "Requests in model execution batches.",
+                             names, registry=reg)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be processed.",
+                             names, registry=reg)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent.",
+                              names, registry=reg)
+        docs = {"vllm:num_preemptions": "Cumulative number of preemptions.",
+                "vllm:prefix_cache_queries": "Prefix cache queries, in tokens.",
+                "vllm:prefix_cache_hits": "Prefix cache hits, in tokens.",
+                "vllm:prompt_tokens": "Number of prefill tokens processed.",
+                "vllm:generation_tokens": "Number of generation tokens processed."}
+        self.counters = {name: Counter(name, docs[name], names, registry=reg)
+                         for name in _COUNTED}
         self.success = Counter("vllm:request_success", "Count of finished requests.",
                                names + ["finished_reason"], registry=reg)
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.")
@@ -45,48 +47,77 @@ class FrontendMetrics:
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.")
         self.queue = histogram("vllm:request_queue_time_seconds",
                                "Time requests spent waiting for their first schedule.")
-        self._last = SchedulerStats()
-        self._totals = {"vllm:num_preemptions": 0, "vllm:prefix_cache_queries": 0,
-                        "vllm:prefix_cache_hits": 0, "vllm:prompt_tokens": 0,
-                        "vllm:generation_tokens": 0}
+        self.engines_alive = Gauge("vllm_actors:engines_alive", "Data parallel engine cores "
+                                   "serving (fewer than configured: degraded).", ["model_name"],
+                                   registry=reg).labels(model_name)
+        self.engine_deaths = Counter("vllm_actors:engine_deaths", "Engine cores that died.",
+                                     ["model_name"], registry=reg).labels(model_name)
+        self.engine_restarts = Counter("vllm_actors:engine_restarts", "Engine cores restarted "
+                                       "after a death.", ["model_name"],
+                                       registry=reg).labels(model_name)
+        self.engines_alive.set(num_engines)
+        self._last = [SchedulerStats() for _ in range(num_engines)]
+        self._totals = dict.fromkeys(_COUNTED, 0)
+        for engine in range(num_engines):   # every series exists from the start, at zero
+            labels = self._labels(engine)
+            for family in (self.running, self.waiting, self.kv_usage, *self.counters.values(),
+                           self.ttft, self.itl, self.e2e, self.queue):
+                family.labels(**labels)
 
-    def observe_step(self, stats: SchedulerStats | None) -> None:
+    def _labels(self, engine: int) -> dict[str, str]:
+        return {"model_name": self.model_name, "engine": str(engine)}
+
+    def _count(self, name: str, engine: int, value: int) -> None:
+        self.counters[name].labels(**self._labels(engine)).inc(value)
+        self._totals[name] += value
+
+    def observe_step(self, stats: SchedulerStats | None, engine: int = 0) -> None:
         if stats is None:
             return
-        self._last = stats
-        self.running.set(stats.num_running_reqs)
-        self.waiting.set(stats.num_waiting_reqs)
-        self.kv_usage.set(stats.kv_cache_usage)
-        for name, counter, value in (
-                ("vllm:num_preemptions", self.preemptions, stats.num_preemptions),
-                ("vllm:prefix_cache_queries", self.prefix_queries, stats.prefix_cache_queries),
-                ("vllm:prefix_cache_hits", self.prefix_hits, stats.prefix_cache_hits)):
-            counter.inc(value)
-            self._totals[name] += value
+        self._last[engine] = stats
+        labels = self._labels(engine)
+        self.running.labels(**labels).set(stats.num_running_reqs)
+        self.waiting.labels(**labels).set(stats.num_waiting_reqs)
+        self.kv_usage.labels(**labels).set(stats.kv_cache_usage)
+        self._count("vllm:num_preemptions", engine, stats.num_preemptions)
+        self._count("vllm:prefix_cache_queries", engine, stats.prefix_cache_queries)
+        self._count("vllm:prefix_cache_hits", engine, stats.prefix_cache_hits)
 
     def observe_tokens(self, num_new: int, first_token_s: float | None,
-                       since_last_s: float | None) -> None:
+                       since_last_s: float | None, engine: int = 0) -> None:
         """New output tokens of one request: time to its first token, or since its last."""
-        self.generation_tokens.inc(num_new)
-        self._totals["vllm:generation_tokens"] += num_new
+        self._count("vllm:generation_tokens", engine, num_new)
+        labels = self._labels(engine)
         if first_token_s is not None:
-            self.ttft.observe(first_token_s)
+            self.ttft.labels(**labels).observe(first_token_s)
         elif since_last_s is not None and num_new:
-            self.itl.observe(since_last_s / num_new)
+            self.itl.labels(**labels).observe(since_last_s / num_new)
 
     def observe_finished(self, finish_reason: str, num_prompt_tokens: int, e2e_s: float,
-                         queue_s: float | None) -> None:
-        self.success.labels(finished_reason=finish_reason, **self.labels).inc()
-        self.prompt_tokens.inc(num_prompt_tokens)
-        self._totals["vllm:prompt_tokens"] += num_prompt_tokens
-        self.e2e.observe(e2e_s)
+                         queue_s: float | None, engine: int = 0) -> None:
+        labels = self._labels(engine)
+        self.success.labels(finished_reason=finish_reason, **labels).inc()
+        self._count("vllm:prompt_tokens", engine, num_prompt_tokens)
+        self.e2e.labels(**labels).observe(e2e_s)
         if queue_s is not None:
-            self.queue.observe(max(queue_s, 0.0))
+            self.queue.labels(**labels).observe(max(queue_s, 0.0))
+
+    def observe_engine_death(self, engine: int, alive: int) -> None:
+        """Engine `engine` died; `alive` cores are left. Its gauges drop to zero."""
+        self.engine_deaths.inc()
+        self.engines_alive.set(alive)
+        self.observe_step(SchedulerStats(), engine)
+
+    def observe_engine_restart(self, alive: int) -> None:
+        self.engine_restarts.inc()
+        self.engines_alive.set(alive)
 
     def snapshot(self) -> dict[str, float]:
-        return {"vllm:num_requests_running": self._last.num_running_reqs,
-                "vllm:num_requests_waiting": self._last.num_waiting_reqs,
-                "vllm:kv_cache_usage_perc": self._last.kv_cache_usage, **self._totals}
+        """The gauges and counters summed over the engine cores (KV usage: their mean)."""
+        return {"vllm:num_requests_running": sum(s.num_running_reqs for s in self._last),
+                "vllm:num_requests_waiting": sum(s.num_waiting_reqs for s in self._last),
+                "vllm:kv_cache_usage_perc": sum(s.kv_cache_usage for s in self._last)
+                / len(self._last), **self._totals}
 
     def render(self) -> bytes:
         """Prometheus text exposition."""

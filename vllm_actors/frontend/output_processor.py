@@ -77,6 +77,7 @@ class RequestState:
     cumulative_logprob: float = 0.0
     sent_logprobs: int = 0
     stop_token_ids: frozenset[int] = frozenset()   # EOS (unless ignored) and stop_token_ids
+    engine: int = 0                # the data parallel engine core serving it
 
     def record_timing(self, out: EngineCoreOutput, metrics: FrontendMetrics) -> None:
         now = time.time()
@@ -85,7 +86,7 @@ class RequestState:
         if out.new_token_ids:
             first = now - self.arrival_time if self.last_token_time is None else None
             since = None if self.last_token_time is None else now - self.last_token_time
-            metrics.observe_tokens(len(out.new_token_ids), first, since)
+            metrics.observe_tokens(len(out.new_token_ids), first, since, self.engine)
             self.last_token_time = now
 
     def completion(self, finish_reason: str | None, stop_reason: int | str | None
@@ -135,13 +136,15 @@ class OutputProcessor:
         self.children: dict[str, list[str]] = {}   # user request id -> engine request ids
 
     def add_request(self, parent: ParentRequest, index: int, request: EngineCoreRequest,
-                    params: SamplingParams) -> None:
+                    params: SamplingParams, engine: int = 0) -> None:
+        """Track engine request `request`, completion `index` of `parent`, served by engine
+        core `engine`."""
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
         state = RequestState(parent, index, detok, request.arrival_time,
                              len(request.prompt_token_ids), num_logprobs=params.logprobs,
                              num_prompt_logprobs=params.prompt_logprobs or 0,
                              stop_token_ids=frozenset(request.eos_token_ids)
-                             | frozenset(params.stop_token_ids))
+                             | frozenset(params.stop_token_ids), engine=engine)
         self.states[request.request_id] = state
         self.children.setdefault(parent.request_id, []).append(request.request_id)
 
@@ -210,7 +213,8 @@ class OutputProcessor:
         if finish_reason is not None:
             self._finish(engine_id)
             self.metrics.observe_finished(finish_reason, state.num_prompt_tokens,
-                                          time.time() - state.arrival_time, state.queue_s)
+                                          time.time() - state.arrival_time, state.queue_s,
+                                          state.engine)
         if completion is not None:
             output = state.parent.output_for(completion, num_cached_tokens, error, error_param)
             if output is not None:
@@ -229,6 +233,16 @@ class OutputProcessor:
             if state is not None:
                 self._emit(engine_id, state, "abort", None, 0, None)
         return engine_ids
+
+    def fail_engine(self, engine: int, error: BaseException) -> list[str]:
+        """Engine core `engine` died: the consumers of its requests (all children of a
+        parent go to one core) get `error`; returns the engine ids dropped."""
+        dropped = [i for i, state in self.states.items() if state.engine == engine]
+        for engine_id in dropped:
+            state = self.states[engine_id]
+            self._finish(engine_id)
+            state.parent.collector.put(error)
+        return dropped
 
     def fail_all(self, error: BaseException) -> None:
         """The engine died: every consumer's next read raises `error`."""

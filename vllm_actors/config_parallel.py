@@ -1,0 +1,114 @@
+"""The parallel part of the configuration: vLLM's flags for tensor, pipeline and data
+parallelism and the executor backends, their validation, and the frozen `ParallelConfig`.
+
+Like `config`, this module imports nothing else from the package but `errors`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_actors.errors import ValidationError
+
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "uni", "ray")
+DATA_PARALLEL_BACKENDS = ("mp",)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """tensor_parallel_size: worker processes (one per device) the model is split over;
+    executor_backend: "uni" (one worker, in the engine core's process), "mp" (one process per
+    rank on this machine) or "ray" (ranks as Ray actors).
+    data_parallel_size: engine cores (each with its own workers and KV cache) behind one
+    frontend, which routes every request to one of them (`frontend/engine_group.py`);
+    data_parallel_backend: how those cores are started ("mp": processes on this machine)."""
+
+    tensor_parallel_size: int = 1
+    executor_backend: str = "uni"
+    data_parallel_size: int = 1
+    data_parallel_backend: str = "mp"
+
+
+def add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="devices (worker processes) to split the model over")
+    parser.add_argument("--distributed-executor-backend", default=None,
+                        choices=DISTRIBUTED_EXECUTOR_BACKENDS,
+                        help="mp (default when --tensor-parallel-size > 1): one worker "
+                             "process per device; uni: the worker in the engine core's "
+                             "process (size 1 only); ray: ranks as Ray actors on one node "
+                             "of the cluster in RAY_ADDRESS, else a local one")
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                        help="pipeline stages (1 only for now)")
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                        help="engine cores behind one API, each with its own workers "
+                             "(--tensor-parallel-size each) and KV cache; requests are routed "
+                             "by load and by the prefix each core has cached")
+    parser.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None,
+                        help="engine cores started on this machine (default: all of them; "
+                             "fewer is not supported yet)")
+    parser.add_argument("--data-parallel-backend", "-dpb", default="mp",
+                        help="mp: the engine cores are processes on this machine")
+    parser.add_argument("--data-parallel-address", "-dpa", default=None,
+                        help="the frontend's address for remote engine cores (multi-node "
+                             "data parallel; not supported yet)")
+    parser.add_argument("--data-parallel-rpc-port", "-dpp", type=int, default=None,
+                        help="the frontend's port for remote engine cores (multi-node data "
+                             "parallel; not supported yet)")
+
+
+def parallel_config(args: Any) -> ParallelConfig:
+    """Validate the parallel fields of `args` (an EngineArgs). Raises ValidationError naming
+    the flag."""
+    size, backend = args.tensor_parallel_size, args.distributed_executor_backend
+    if size < 1:
+        raise ValidationError(f"tensor_parallel_size must be positive, got {size}",
+                              "tensor_parallel_size")
+    if args.pipeline_parallel_size != 1:
+        raise ValidationError(f"--pipeline-parallel-size {args.pipeline_parallel_size}: "
+                              "pipeline parallelism is not implemented yet; only 1 (use "
+                              "--tensor-parallel-size to split a model over the devices of "
+                              "this machine)", "pipeline_parallel_size")
+    if backend is None:
+        backend = "mp" if size > 1 else "uni"
+    if backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+        raise ValidationError(f"--distributed-executor-backend must be one of "
+                              f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, got {backend!r}",
+                              "distributed_executor_backend")
+    if backend == "ray" and importlib.util.find_spec("ray") is None:
+        raise ValidationError("--distributed-executor-backend ray needs Ray: pip install "
+                              "'vllm-actors[ray]'", "distributed_executor_backend")
+    if backend == "uni" and size > 1:
+        raise ValidationError(f"--distributed-executor-backend uni runs one worker; "
+                              f"--tensor-parallel-size {size} needs mp",
+                              "distributed_executor_backend")
+    return ParallelConfig(size, backend, *_data_parallel(args))
+
+
+def _data_parallel(args: Any) -> tuple[int, str]:
+    dp, dp_backend = args.data_parallel_size, args.data_parallel_backend
+    if dp < 1:
+        raise ValidationError(f"data_parallel_size must be positive, got {dp}",
+                              "data_parallel_size")
+    if dp_backend not in DATA_PARALLEL_BACKENDS:
+        raise ValidationError(f"--data-parallel-backend must be one of "
+                              f"{', '.join(DATA_PARALLEL_BACKENDS)}, got {dp_backend!r}",
+                              "data_parallel_backend")
+    local = args.data_parallel_size_local
+    if local is not None and local != dp:
+        raise ValidationError(f"--data-parallel-size-local {local}: every engine core runs on "
+                              f"this machine (data parallel across machines is not supported "
+                              f"yet), so it must equal --data-parallel-size {dp}",
+                              "data_parallel_size_local")
+    for name in ("data_parallel_address", "data_parallel_rpc_port"):
+        if getattr(args, name) is not None:
+            raise ValidationError(f"--{name.replace('_', '-')}: data parallel across machines "
+                                  "is not supported yet; leave it unset (the engine cores of "
+                                  "this machine talk to the frontend over ipc sockets)", name)
+    if dp > 1 and not args.multiprocessing:
+        raise ValidationError("--data-parallel-size > 1 runs one engine core process each; "
+                              "it needs --multiprocessing", "data_parallel_size")
+    return dp, dp_backend
