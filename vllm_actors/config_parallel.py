@@ -14,7 +14,7 @@ from typing import Any
 from vllm_actors.errors import ValidationError
 
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "uni", "ray")
-DATA_PARALLEL_BACKENDS = ("mp",)
+DATA_PARALLEL_BACKENDS = ("mp", "ray")
 
 
 @dataclass(frozen=True)
@@ -24,12 +24,19 @@ class ParallelConfig:
     rank on this machine) or "ray" (ranks as Ray actors).
     data_parallel_size: engine cores (each with its own workers and KV cache) behind one
     frontend, which routes every request to one of them (`frontend/engine_group.py`);
-    data_parallel_backend: how those cores are started ("mp": processes on this machine)."""
+    data_parallel_backend: how those cores are started ("mp": processes on this machine;
+    "ray": Ray actors spread over the cluster's nodes, reaching the frontend over tcp at
+    data_parallel_address / data_parallel_rpc_port, default this node's address, any port).
+    pipeline_parallel_size: stages the layers are split over (each with
+    tensor_parallel_size ranks, executor "mp"); the core keeps that many steps in flight."""
 
     tensor_parallel_size: int = 1
     executor_backend: str = "uni"
     data_parallel_size: int = 1
     data_parallel_backend: str = "mp"
+    pipeline_parallel_size: int = 1
+    data_parallel_address: str | None = None
+    data_parallel_rpc_port: int | None = None
 
 
 def add_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -42,38 +49,46 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
                              "process (size 1 only); ray: ranks as Ray actors on one node "
                              "of the cluster in RAY_ADDRESS, else a local one")
     parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                        help="pipeline stages (1 only for now)")
+                        help="pipeline stages: the layers split over this many groups of "
+                             "--tensor-parallel-size worker processes, that many steps in "
+                             "flight")
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                         help="engine cores behind one API, each with its own workers "
                              "(--tensor-parallel-size each) and KV cache; requests are routed "
                              "by load and by the prefix each core has cached")
     parser.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None,
-                        help="engine cores started on this machine (default: all of them; "
-                             "fewer is not supported yet)")
+                        help="engine cores started on this machine (mp: all of them; ray: "
+                             "Ray places them)")
     parser.add_argument("--data-parallel-backend", "-dpb", default="mp",
-                        help="mp: the engine cores are processes on this machine")
+                        help="mp: the engine cores are processes on this machine; ray: Ray "
+                             "actors spread over the nodes of the cluster in RAY_ADDRESS "
+                             "(else a local one)")
     parser.add_argument("--data-parallel-address", "-dpa", default=None,
-                        help="the frontend's address for remote engine cores (multi-node "
-                             "data parallel; not supported yet)")
+                        help="ray: the address of this machine the engine cores connect "
+                             "back to (default: its Ray node address)")
     parser.add_argument("--data-parallel-rpc-port", "-dpp", type=int, default=None,
-                        help="the frontend's port for remote engine cores (multi-node data "
-                             "parallel; not supported yet)")
+                        help="ray: the first port the frontend binds for the engine cores "
+                             "(default: any free ports)")
 
 
 def parallel_config(args: Any) -> ParallelConfig:
     """Validate the parallel fields of `args` (an EngineArgs). Raises ValidationError naming
     the flag."""
     size, backend = args.tensor_parallel_size, args.distributed_executor_backend
+    pp = args.pipeline_parallel_size
     if size < 1:
         raise ValidationError(f"tensor_parallel_size must be positive, got {size}",
                               "tensor_parallel_size")
-    if args.pipeline_parallel_size != 1:
-        raise ValidationError(f"--pipeline-parallel-size {args.pipeline_parallel_size}: "
-                              "pipeline parallelism is not implemented yet; only 1 (use "
-                              "--tensor-parallel-size to split a model over the devices of "
-                              "this machine)", "pipeline_parallel_size")
+    if pp < 1:
+        raise ValidationError(f"pipeline_parallel_size must be positive, got {pp}",
+                              "pipeline_parallel_size")
     if backend is None:
-        backend = "mp" if size > 1 else "uni"
+        backend = "mp" if size * pp > 1 else "uni"
+    if pp > 1 and backend != "mp":
+        raise ValidationError(f"--pipeline-parallel-size {pp} runs its stages as worker "
+                              f"processes (--distributed-executor-backend mp); pipeline "
+                              f"stages on {backend} are not supported yet",
+                              "distributed_executor_backend")
     if backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
         raise ValidationError(f"--distributed-executor-backend must be one of "
                               f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, got {backend!r}",
@@ -85,7 +100,9 @@ def parallel_config(args: Any) -> ParallelConfig:
         raise ValidationError(f"--distributed-executor-backend uni runs one worker; "
                               f"--tensor-parallel-size {size} needs mp",
                               "distributed_executor_backend")
-    return ParallelConfig(size, backend, *_data_parallel(args))
+    dp, dp_backend = _data_parallel(args)
+    return ParallelConfig(size, backend, dp, dp_backend, pp, args.data_parallel_address,
+                          args.data_parallel_rpc_port)
 
 
 def _data_parallel(args: Any) -> tuple[int, str]:
@@ -98,16 +115,26 @@ def _data_parallel(args: Any) -> tuple[int, str]:
                               f"{', '.join(DATA_PARALLEL_BACKENDS)}, got {dp_backend!r}",
                               "data_parallel_backend")
     local = args.data_parallel_size_local
+    if dp_backend == "ray":
+        if importlib.util.find_spec("ray") is None:
+            raise ValidationError("--data-parallel-backend ray needs Ray: pip install "
+                                  "'vllm-actors[ray]'", "data_parallel_backend")
+        if local is not None:
+            raise ValidationError("--data-parallel-size-local: with --data-parallel-backend "
+                                  "ray, Ray places the engine cores on the cluster's nodes; "
+                                  "leave it unset", "data_parallel_size_local")
+        return dp, dp_backend
     if local is not None and local != dp:
-        raise ValidationError(f"--data-parallel-size-local {local}: every engine core runs on "
-                              f"this machine (data parallel across machines is not supported "
-                              f"yet), so it must equal --data-parallel-size {dp}",
+        raise ValidationError(f"--data-parallel-size-local {local}: with "
+                              f"--data-parallel-backend mp every engine core runs on this "
+                              f"machine, so it must equal --data-parallel-size {dp} (use "
+                              f"--data-parallel-backend ray for several machines)",
                               "data_parallel_size_local")
     for name in ("data_parallel_address", "data_parallel_rpc_port"):
         if getattr(args, name) is not None:
-            raise ValidationError(f"--{name.replace('_', '-')}: data parallel across machines "
-                                  "is not supported yet; leave it unset (the engine cores of "
-                                  "this machine talk to the frontend over ipc sockets)", name)
+            raise ValidationError(f"--{name.replace('_', '-')}: only with "
+                                  "--data-parallel-backend ray (the engine cores of this "
+                                  "machine talk to the frontend over ipc sockets)", name)
     if dp > 1 and not args.multiprocessing:
         raise ValidationError("--data-parallel-size > 1 runs one engine core process each; "
                               "it needs --multiprocessing", "data_parallel_size")

@@ -101,3 +101,17 @@ def test_hostile_load_bench_leaves_nothing_behind(tmp_path):
     assert round_["hostile"]["seed 2^63"] == 200 and round_["hostile"]["deep JSON"] == 400
     assert result["running_after"] == result["waiting_after"] == 0
     assert result["greedy_unchanged"] and result["healthy"]
+
+
+def test_parallel_benches_report_every_row():
+    """The data parallel and pipeline parallel benches at a tiny size: both engines start
+    and every row has a positive rate."""
+    done = run_bench(str(BENCH / "data_parallel.py"), "--streams", "1", "2", "--max-tokens",
+                     "2", "--runs", "1")
+    rows = [line.split("|") for line in done.stdout.splitlines() if line[:4] in ("| 1 ", "| 2 ")]
+    assert len(rows) == 2 and all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows)
+    done = run_bench(str(BENCH / "pipeline_parallel.py"), "--streams", "2", "--max-tokens",
+                     "2", "--runs", "1")
+    rows = [line.split("|") for line in done.stdout.splitlines()
+            if line.startswith("| 2 ") or line.startswith("| | ")]
+    assert len(rows) == 2 and all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows)

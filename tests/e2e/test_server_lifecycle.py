@@ -171,10 +171,10 @@ def test_sigterm_aborts_what_outlives_the_drain(smollm2_path):
     (["--tensor-parallel-size", "2", "--distributed-executor-backend", "uni"],
      "--distributed-executor-backend uni runs one worker"),
     (["--device", "tpu"], "--device tpu is not implemented yet"),
-    (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2: pipeline parallelism is "
-                                        "not implemented yet"),
+    (["-pp", "2", "--distributed-executor-backend", "uni"],
+     "--pipeline-parallel-size 2 runs its stages as worker processes"),
     (["-dp", "2", "--data-parallel-address", "10.0.0.2"],
-     "--data-parallel-address: data parallel across machines is not supported yet"),
+     "--data-parallel-address: only with --data-parallel-backend ray"),
     (["--allowed-origins", "*"], "--allowed-origins must be a JSON list"),
 ])
 def test_bad_flags_fail_clearly(flags, message):

@@ -60,10 +60,11 @@ def assert_same_or_near_tie(model, backend, prompt, want, got) -> None:
             return
 
 
-def engine(model_dir, num_blocks: int, device: str = "numpy") -> EngineCore:
+def engine(model_dir, num_blocks: int, device: str = "numpy", pp: int = 1) -> EngineCore:
     return EngineCore(EngineArgs(model=str(model_dir), device=device, block_size=4,
                                  num_gpu_blocks_override=num_blocks, max_num_batched_tokens=32,
-                                 max_num_seqs=4, max_model_len=352).create_engine_config())
+                                 max_num_seqs=4, max_model_len=352,
+                                 pipeline_parallel_size=pp).create_engine_config())
 
 
 @pytest.mark.parametrize("name, device", [("gemma2", "numpy"), ("gemma3", "numpy"),
@@ -103,6 +104,26 @@ def test_grouped_kv_keeps_tokens_exact(tmp_path, name, device):
         core.shutdown()
     assert cached["again"] == 288, "the repeated prompt should come from the prefix cache"
     assert again["again"] == first["first"] == tokens["long2"]
+
+
+def test_pipeline_stages_hold_their_groups_slots(tmp_path):
+    """gemma3 (two sliding layers, one global) over 2 pipeline stages, a KV cache too small
+    for every context at once: window blocks are still freed and reused, and the tokens
+    equal one process's."""
+    write_family_dir(tmp_path / "gemma3", "gemma3")
+    prompts = {f"long{i}": SEQUENCE[o:o + n] for i, (o, n) in enumerate(LONG)}
+    results = []
+    for pp in (1, 2):
+        core = engine(tmp_path / "gemma3", 120, pp=pp)
+        try:
+            if pp == 2:
+                ranks = core.collective_rpc("describe", [])
+                assert [r["layers"] for r in ranks] == [[0, 1], [1, 3]]
+            results.append(run(core, prompts, GREEDY_STEPS)[0])
+            assert core.scheduler.kv.pool.num_free_blocks == 120
+        finally:
+            core.shutdown()
+    assert results[0] == results[1]
 
 
 def test_gemma3_shaped_8k_request_holds_window_blocks_on_local_layers(tmp_path):

@@ -31,6 +31,8 @@ ALLOWED = {
     "vllm_actors.kernels": ["vllm_actors.kernels"],
     # Multiprocessing off: the core's entry point runs in a thread of the frontend process.
     "vllm_actors.frontend.core_client": ["vllm_actors.enginecore.proc"],
+    # Data parallel on Ray: the core's entry point as a Ray actor class.
+    "vllm_actors.frontend.ray_core_client": ["vllm_actors.enginecore.ray_actor"],
     # The core reaches workers only through the executor.
     "vllm_actors.enginecore": ["vllm_actors.workers.executor"],
     # Grammar matchers map bytes to token ids: the core loads the tokenizer (as vLLM's does).

@@ -71,8 +71,9 @@ def test_every_executor_implements_the_protocol():
 
 
 def test_vllm_parallel_flags():
-    """vLLM's parallel flags, long and short: data parallel is built (one machine, mp);
-    pipeline parallel and multi-node data parallel are refused naming the flag."""
+    """vLLM's parallel flags, long and short: data parallel (one machine, mp) and pipeline
+    parallel (mp) are built; multi-node data parallel and pipeline stages on another
+    executor are refused naming the flag."""
     import argparse
 
     from vllm_actors import EngineArgs
@@ -85,7 +86,12 @@ def test_vllm_parallel_flags():
     parallel = engine.create_engine_config().parallel
     assert (parallel.tensor_parallel_size, parallel.data_parallel_size,
             parallel.data_parallel_backend) == (1, 2, "mp")
-    refused = [(dict(pipeline_parallel_size=2), "pipeline_parallel_size"),
+    pipelined = EngineArgs(model="m", pipeline_parallel_size=2).create_engine_config()
+    assert (pipelined.parallel.pipeline_parallel_size, pipelined.parallel.executor_backend) \
+        == (2, "mp")
+    refused = [(dict(pipeline_parallel_size=0), "pipeline_parallel_size"),
+               (dict(pipeline_parallel_size=2, distributed_executor_backend="uni"),
+                "distributed_executor_backend"),
                (dict(data_parallel_size=0), "data_parallel_size"),
                (dict(data_parallel_size=2, data_parallel_size_local=1),
                 "data_parallel_size_local"),
@@ -95,6 +101,8 @@ def test_vllm_parallel_flags():
                 "data_parallel_rpc_port"),
                (dict(data_parallel_size=2, data_parallel_backend="slurm"),
                 "data_parallel_backend"),
+               (dict(data_parallel_size=2, data_parallel_backend="ray",
+                     data_parallel_size_local=1), "data_parallel_size_local"),
                (dict(data_parallel_size=2, multiprocessing=False), "data_parallel_size")]
     for kwargs, param in refused:
         with pytest.raises(ValidationError) as info:

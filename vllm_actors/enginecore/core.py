@@ -1,7 +1,13 @@
-"""EngineCore: owns the scheduler and the executor; `step()` = schedule -> execute -> update."""
+"""EngineCore: owns the scheduler and the executor; `step()` = schedule -> execute -> update.
+
+With `--pipeline-parallel-size P` up to P steps are in flight (vLLM's batch queue): a step is
+submitted and, while there is room and something left to schedule, the next one is scheduled
+instead of waiting, so the stages work on different batches at once; a step's output is
+applied in submission order."""
 
 from __future__ import annotations
 
+import collections
 import time
 from typing import Any
 
@@ -31,7 +37,10 @@ class EngineCore:
         self.block_size = self.ready.block_size
         kv = KVCacheManager(self.ready.num_kv_blocks, self.block_size,
                             config.cache.enable_prefix_caching, self.ready.kv_group_windows)
-        self.scheduler = Scheduler(config.scheduler, kv, self.ready.max_model_len)
+        self.max_in_flight = config.parallel.pipeline_parallel_size
+        self.in_flight: collections.deque[StepInput] = collections.deque()
+        self.scheduler = Scheduler(config.scheduler, kv, self.ready.max_model_len,
+                                   pipeline_depth=self.max_in_flight)
         self.structured = StructuredOutputManager(config.model.model, self.ready.vocab_size)
 
     def collective_rpc(self, method: str, args: list[Any]) -> list[Any]:
@@ -74,7 +83,7 @@ class EngineCore:
         """Requests to run, or finished ones the worker has not been told about yet (one
         more step frees their rows and reports the new counts)."""
         return (self.scheduler.has_requests() or bool(self.scheduler.finished_req_ids)
-                or self.structured.has_pending())
+                or self.structured.has_pending() or bool(self.in_flight))
 
     def get_stats(self) -> SchedulerStats:
         """The scheduler's current state (prefix-cache counters are left for the next step)."""
@@ -89,6 +98,8 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         if not self.has_work():
             return EngineCoreOutputs(timestamp=time.time())
+        if self.max_in_flight > 1:
+            return self._step_pipelined()
         failed = self._admit_compiled_grammars()
         step_input = self.scheduler.schedule()
         self._add_grammar_bitmask(step_input)
@@ -97,6 +108,26 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(step_input, step_output)
         stats = self.scheduler.make_stats()
         stats.num_waiting_reqs += len(self.structured.pending)   # waiting for their grammar
+        return EngineCoreOutputs(failed + outputs, time.time(), stats)
+
+    def _step_pipelined(self) -> EngineCoreOutputs:
+        """Submit a new step while fewer than P are in flight and it has tokens to run;
+        otherwise (full, or nothing new to run) wait for the oldest and apply its output."""
+        failed = self._admit_compiled_grammars()
+        submitted = False
+        if len(self.in_flight) < self.max_in_flight:
+            step_input = self.scheduler.schedule()
+            if step_input.num_scheduled_tokens or step_input.finished_req_ids:
+                self._add_grammar_bitmask(step_input)
+                self.executor.submit(step_input)
+                self.in_flight.append(step_input)
+                submitted = bool(step_input.num_scheduled_tokens)
+        outputs = []
+        if self.in_flight and (not submitted or len(self.in_flight) >= self.max_in_flight):
+            step_input = self.in_flight.popleft()
+            outputs = self.scheduler.update_from_output(step_input, self.executor.collect())
+        stats = self.scheduler.make_stats()
+        stats.num_waiting_reqs += len(self.structured.pending)
         return EngineCoreOutputs(failed + outputs, time.time(), stats)
 
     def _admit_compiled_grammars(self) -> list[EngineCoreOutput]:

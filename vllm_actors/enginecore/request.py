@@ -41,6 +41,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1   # set at first admission
         self.num_preemptions = 0
+        self.num_tokens_sent = 0       # tokens the workers hold (pipeline parallel only)
         self.scheduled_time: float | None = None   # first admission, reported once
         self.num_times_skipped = 0    # lpm admission passed it over for a later request
         self.finish_reason: FinishReason | None = None

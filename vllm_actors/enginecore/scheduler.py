@@ -6,6 +6,14 @@ budget, `max_num_seqs` and free KV blocks allow; long prompts are chunked. When 
 out, the last admitted running request (fcfs/lpm) or the lowest-priority one (priority) is
 preempted: its KV is freed and it is recomputed later, cheaply when its blocks are still
 prefix-cached.
+
+With pipeline parallelism the core keeps P steps in flight (`EngineCore`): a request in one
+of them is never chosen to be preempted (its KV is being written), and a decode waits for its
+sampled token anyway (its computed count already reached its token count). A step takes at
+most 1/P of the running requests, so the running set splits into P batches that follow each
+other through the stages (otherwise every decode would ride in one batch and the stages
+would take turns instead of working at once). The stages are told the tokens sampled since a
+request's last step (`CachedRequestData.new_token_ids`).
 """
 
 from __future__ import annotations
@@ -27,8 +35,13 @@ class Scheduler:
         max_model_len: longest prompt + output of any request.
     """
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 pipeline_depth: int = 1) -> None:
+        """pipeline_depth: steps in flight at most (pipeline parallel size)."""
         self.config = config
+        self.pipeline_depth = pipeline_depth
+        self.send_new_tokens = pipeline_depth > 1
+        self.in_flight: dict[str, int] = {}     # request id -> its steps not yet updated
         self.kv = kv
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
@@ -65,10 +78,14 @@ class Scheduler:
         self.kv.free(request)
         del self.requests[request.request_id]
 
-    def _pick_victim(self) -> Request:
+    def _pick_victim(self) -> Request | None:
+        """The request to preempt, never one with a step in flight (None: no candidate)."""
+        candidates = [r for r in self.running if r.request_id not in self.in_flight]
+        if not candidates:
+            return None
         if self.config.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        return candidates[-1]
 
     def _preempt(self, victim: Request, step: StepInput) -> None:
         self.running.remove(victim)
@@ -77,8 +94,10 @@ class Scheduler:
             # already scheduled earlier in this step: take it out again
             cached = step.cached_requests
             i = cached.req_ids.index(victim.request_id)
-            for column in (cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
-                del column[i]
+            for column in (cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
+                           cached.new_token_ids):
+                if column:
+                    del column[i]
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
@@ -87,8 +106,8 @@ class Scheduler:
         self.waiting.prepend(victim)
 
     def _schedule_running(self, step: StepInput, budget: int) -> int:
-        i = 0
-        while i < len(self.running) and budget > 0:
+        i, left = 0, -(-len(self.running) // self.pipeline_depth)   # this step's share
+        while i < len(self.running) and budget > 0 and left > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget,
                           self.max_model_len - 1 - request.num_computed_tokens)
@@ -98,6 +117,8 @@ class Scheduler:
             new_blocks = self.kv.allocate_slots(request, num_new)
             while new_blocks is None:
                 victim = self._pick_victim()
+                if victim is None:     # every candidate is in flight: wait for them
+                    return 0
                 budget += step.num_scheduled_tokens.get(victim.request_id, 0)
                 if self.running.index(victim) < i:
                     i -= 1
@@ -111,9 +132,13 @@ class Scheduler:
             cached.req_ids.append(request.request_id)
             cached.new_block_ids.append([[b.block_id for b in group] for group in new_blocks])
             cached.num_computed_tokens.append(request.num_computed_tokens)
+            if self.send_new_tokens:
+                cached.new_token_ids.append(request.all_token_ids[request.num_tokens_sent:])
+                request.num_tokens_sent = request.num_tokens
             step.num_scheduled_tokens[request.request_id] = num_new
             request.num_computed_tokens += num_new
             budget -= num_new
+            left -= 1
             i += 1
         return budget
 
@@ -137,6 +162,7 @@ class Scheduler:
                 self.kv.get_block_ids(request.request_id), num_hit, request.num_prompt_tokens,
                 sorted(request.eos_token_ids)))
             step.num_scheduled_tokens[request.request_id] = num_new
+            request.num_tokens_sent = request.num_tokens
             request.num_computed_tokens = num_hit + num_new
             budget -= num_new
 
@@ -149,11 +175,17 @@ class Scheduler:
             self._schedule_waiting(step, budget)
         step.finished_req_ids = self.finished_req_ids
         self.finished_req_ids = []
+        for req_id in step.num_scheduled_tokens:
+            self.in_flight[req_id] = self.in_flight.get(req_id, 0) + 1
         return step
 
     def update_from_output(self, step: StepInput, output: StepOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop rules, free finished requests. Partial prompt
         chunks (no sampled token) produce no output."""
+        for req_id in step.num_scheduled_tokens:
+            left = self.in_flight.pop(req_id) - 1
+            if left:
+                self.in_flight[req_id] = left
         outputs = []
         for req_id, reason in output.failed.items():
             request = self.requests.get(req_id)

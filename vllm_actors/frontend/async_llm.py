@@ -67,6 +67,7 @@ class AsyncLLM(EngineWatch):
         self.generation_defaults = generation_defaults(source, config.model.generation_config)
         self._dead: EngineDeadError | None = None
         self._tasks: dict[int, list[asyncio.Task]] = {}   # engine -> output (and watch) task
+        self._restarting: set[asyncio.Task] = set()      # replacements of dead cores
         self._loop: asyncio.AbstractEventLoop | None = None
         self._calls: dict[int, tuple[int, asyncio.Future]] = {}   # call id -> engine, future
         self._call_ids = itertools.count()
@@ -149,7 +150,7 @@ class AsyncLLM(EngineWatch):
             elif loop.is_running():
                 loop.call_soon_threadsafe(self._stop_in_loop)
             else:   # an idle loop: let the cancelled tasks finish on it
-                tasks = [t for ts in self._tasks.values() for t in ts]
+                tasks = [t for ts in self._tasks.values() for t in ts] + list(self._restarting)
                 self._stop_in_loop()
                 loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
         self.group.shutdown()
@@ -159,6 +160,8 @@ class AsyncLLM(EngineWatch):
         self._fail(self._dead)
         for engine in list(self._tasks):
             self._unwatch(engine, self.group.clients[engine])
+        for task in list(self._restarting):
+            task.cancel()
 
     async def __aenter__(self) -> "AsyncLLM":
         return self

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 import zmq
@@ -141,18 +142,7 @@ class CoreClient:
             handshake.close(linger=0)
 
     def _await_ready(self, handshake: zmq.Socket) -> EngineReady:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if handshake.poll(100):
-                message = self.decoder.decode(handshake.recv_multipart())
-                if isinstance(message, EngineStartupError):
-                    raise error_from_wire(message.error_type, message.message, message.param)
-                assert isinstance(message, EngineReady)
-                return message
-            if not self.is_alive():
-                raise EngineDeadError("the engine core exited during startup "
-                                      f"(exit code {self.exitcode})")
-        raise EngineDeadError(f"the engine core did not start within {STARTUP_TIMEOUT_S:.0f}s")
+        return await_ready(handshake, self.decoder, self.is_alive, self.describe_exit)
 
     def is_alive(self) -> bool:
         if self._res.process is not None:
@@ -162,6 +152,10 @@ class CoreClient:
     @property
     def exitcode(self) -> int | None:
         return None if self._res.process is None else self._res.process.poll()
+
+    def describe_exit(self) -> str:
+        """How the core ended, for error messages ("killed by signal SIGKILL", ...)."""
+        return exit_status(self.exitcode)
 
     @property
     def pid(self) -> int | None:
@@ -196,3 +190,31 @@ class CoreClient:
                 pass
         self._finalizer.detach()
         self._res.release(SHUTDOWN_TIMEOUT_S)
+
+
+def exit_status(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def await_ready(handshake: zmq.Socket, decoder: Decoder, is_alive: Callable[[], bool],
+                describe_exit: Callable[[], str]) -> EngineReady:
+    """The core's READY from the handshake socket; its startup error raised as itself, or
+    EngineDeadError when it ends without one (or takes over STARTUP_TIMEOUT_S)."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if handshake.poll(100):
+            message = decoder.decode(handshake.recv_multipart())
+            if isinstance(message, EngineStartupError):
+                raise error_from_wire(message.error_type, message.message, message.param)
+            assert isinstance(message, EngineReady)
+            return message
+        if not is_alive():
+            raise EngineDeadError(f"the engine core exited during startup ({describe_exit()})")
+    raise EngineDeadError(f"the engine core did not start within {STARTUP_TIMEOUT_S:.0f}s")

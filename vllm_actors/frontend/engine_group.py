@@ -6,6 +6,10 @@ pinned to it, so BLAS and kernel thread pools size themselves to it); on GPUs it
 `CUDA_VISIBLE_DEVICES` slice. The group keeps which core serves which engine request, each
 core's load (its unfinished requests) and the prefix router (`router.py`), and replaces a
 core that died. The asyncio side (reading outputs, noticing deaths) stays in AsyncLLM.
+
+With `--data-parallel-backend ray` the cores are Ray actors spread over the cluster's nodes
+(`RayCoreClient`): the group connects to the cluster in RAY_ADDRESS, or starts a local one
+and stops it at shutdown; Ray decides each core's node and CPUs.
 """
 
 from __future__ import annotations
@@ -13,9 +17,10 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+from typing import Any
 
 from vllm_actors.config import EngineConfig
-from vllm_actors.errors import ValidationError
+from vllm_actors.errors import EngineDeadError, ValidationError
 from vllm_actors.frontend.core_client import CoreClient
 from vllm_actors.frontend.router import PrefixRouter, prompt_block_hashes
 from vllm_actors.protocol.engine import FrontendMessage
@@ -69,8 +74,19 @@ class EngineGroup:
         self.config = config
         self.use_process = use_process
         self.size = config.parallel.data_parallel_size
-        self.shares = device_shares(config, self.size)
-        self.clients = self._start_all()
+        self.ray: Any = None
+        self.started_ray = False
+        self.closed = False
+        if config.parallel.data_parallel_backend == "ray":
+            self.shares = [({}, None)] * self.size
+            self._connect_ray()
+        else:
+            self.shares = device_shares(config, self.size)
+        try:
+            self.clients = self._start_all()
+        except BaseException:
+            self._disconnect_ray()
+            raise
         self.ready = self.clients[0].ready
         self.alive = [True] * self.size
         self.loads = [0] * self.size
@@ -78,10 +94,29 @@ class EngineGroup:
         self.placement: dict[str, int] = {}     # engine request id -> engine core
         self.router = PrefixRouter(self.size, self.ready.num_kv_blocks)
 
-    def start_client(self, engine: int) -> CoreClient:
+    def start_client(self, engine: int) -> Any:
         """A new core for slot `engine` (blocks until it has loaded the model)."""
+        if self.ray is not None:
+            from vllm_actors.frontend.ray_core_client import RayCoreClient
+            parallel = self.config.parallel
+            return RayCoreClient(self.config, self.ray, parallel.data_parallel_address,
+                                 parallel.data_parallel_rpc_port)
         env, cpus = self.shares[engine]
         return CoreClient(self.config, self.use_process, env, cpus)
+
+    def _connect_ray(self) -> None:
+        import ray
+        self.ray = ray
+        if not ray.is_initialized():
+            address = os.environ.get("RAY_ADDRESS")
+            ray.init(address=address, include_dashboard=False, log_to_driver=False,
+                     **({} if address else {"num_cpus": max(self.size, os.cpu_count() or 1)}))
+            self.started_ray = address is None
+
+    def _disconnect_ray(self) -> None:
+        if self.started_ray:
+            self.ray.shutdown()
+            self.started_ray = False
 
     def _start_all(self) -> list[CoreClient]:
         if self.size == 1:
@@ -144,19 +179,26 @@ class EngineGroup:
     def can_restart(self, engine: int) -> bool:
         return self.size > 1 and self.restarts[engine] < MAX_RESTARTS
 
-    def restart(self, engine: int) -> CoreClient:
+    def restart(self, engine: int) -> Any:
         """Release the dead core's sockets and start a new one in its slot (blocking: run it
-        off the event loop); `rejoin` puts it in service."""
+        off the event loop); `rejoin` puts it in service. A group shut down meanwhile stops
+        the new core at once (EngineDeadError)."""
         self.restarts[engine] += 1
         self.clients[engine].shutdown()
         logger.warning("restarting engine core %d (restart %d of %d)", engine,
                        self.restarts[engine], MAX_RESTARTS)
-        return self.start_client(engine)
+        client = self.start_client(engine)
+        if self.closed:
+            client.shutdown()
+            raise EngineDeadError("the engine was shut down while a core restarted")
+        self.clients[engine] = client      # shut down with the group from now on
+        return client
 
-    def rejoin(self, engine: int, client: CoreClient) -> None:
-        self.clients[engine] = client
+    def rejoin(self, engine: int) -> None:
         self.alive[engine] = True
 
     def shutdown(self) -> None:
+        self.closed = True
         for client in self.clients:
             client.shutdown()
+        self._disconnect_ray()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from typing import TYPE_CHECKING
 
 from vllm_actors.errors import EngineDeadError
@@ -32,6 +31,7 @@ class EngineWatch:
     output_processor: "OutputProcessor"
     _loop: asyncio.AbstractEventLoop | None
     _tasks: dict[int, list[asyncio.Task]]
+    _restarting: set[asyncio.Task]
     _calls: dict[int, tuple[int, asyncio.Future]]
     _dead: EngineDeadError | None
     _stopping: bool
@@ -71,9 +71,9 @@ class EngineWatch:
         if client.exit_fd is not None and self._loop is not None:
             self._loop.remove_reader(client.exit_fd)
         if not self._stopping and self.group.clients[engine] is client:
-            status = exit_status(client.exitcode)
             self._engine_died(engine, client, EngineDeadError(
-                f"the engine core{self._name(engine)} process exited unexpectedly ({status})"))
+                f"the engine core{self._name(engine)} process exited unexpectedly "
+                f"({client.describe_exit()})"))
 
     def _name(self, engine: int) -> str:
         return f" {engine}" if self.group.size > 1 else ""
@@ -98,14 +98,16 @@ class EngineWatch:
         self.metrics.observe_engine_death(engine, self.group.num_alive)
         if self.group.can_restart(engine):
             assert self._loop is not None
-            self._loop.create_task(self._restart(engine))
+            restart = self._loop.create_task(self._restart(engine))
+            self._restarting.add(restart)            # cancelled at shutdown
+            restart.add_done_callback(self._restarting.discard)
         elif self.group.num_alive == 0:
             self._fail(EngineDeadError(f"every engine core died; the last: {error}"))
 
     async def _restart(self, engine: int) -> None:
         assert self._loop is not None
         try:
-            client = await self._loop.run_in_executor(None, self.group.restart, engine)
+            await self._loop.run_in_executor(None, self.group.restart, engine)
         except Exception as e:
             logger.error("engine core %d could not be restarted: %s", engine, e)
             if self.group.num_alive == 0:
@@ -113,23 +115,11 @@ class EngineWatch:
                                            f"failed: {e}"))
             return
         if self._stopping or self._dead is not None:
-            client.shutdown()
-            return
-        self.group.rejoin(engine, client)
+            return                       # the group shuts it down with the others
+        self.group.rejoin(engine)
         self._watch(engine)
         self.metrics.observe_engine_restart(self.group.num_alive)
         logger.warning("engine core %d restarted and serving", engine)
-
-
-def exit_status(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
 
 
 def running_loop() -> asyncio.AbstractEventLoop | None:

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from vllm_actors.errors import ModelFormatError, UnsupportedModelError
+from vllm_actors.errors import ModelFormatError, UnsupportedModelError, ValidationError
 from vllm_actors.kernels.ops import AttentionMetadata
 
 
@@ -103,6 +103,33 @@ class ParallelGroup(Protocol):
 
     def broadcast_ids(self, ids: np.ndarray | None, count: int) -> np.ndarray:
         """int64 [count] from rank 0 (others pass None) -> the same array on every rank."""
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """Which contiguous slice of the layers a pipeline stage holds: stage `index` of `size`
+    gets layers [index * L // size, (index + 1) * L // size); the first stage also holds
+    the embedding, the last the final norm and the LM head."""
+
+    index: int = 0
+    size: int = 1
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.size - 1
+
+    def layers(self, num_layers: int) -> range:
+        """Raises ValidationError when a stage would get no layer."""
+        if num_layers < self.size:
+            raise ValidationError(f"{num_layers} layers cannot be split into "
+                                  f"--pipeline-parallel-size {self.size} stages",
+                                  "pipeline_parallel_size")
+        return range(self.index * num_layers // self.size,
+                     (self.index + 1) * num_layers // self.size)
 
 
 class SingleRank:

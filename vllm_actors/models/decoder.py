@@ -16,6 +16,10 @@ With a tensor-parallel group of several ranks this is one rank's shard (`models/
 its heads and MLP slice, one all-reduce after attention and one after the MLP (row-parallel
 biases are added on rank 0 only), a vocab-split embedding (all-reduced) and LM head
 (gathered to rank 0).
+
+As a pipeline stage (`PipelineStage`) it holds only its slice of the layers: the first stage
+embeds, a later one starts from the previous stage's residual stream (`hidden_in`), and only
+the last applies the final norm and has an LM head.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import numpy as np
 from vllm_actors.errors import ModelFormatError, ValidationError
 from vllm_actors.kernels.ops import AttentionMetadata, Backend, RopeTables
 from vllm_actors.loaders.weights import RawTensor, WeightSet
-from vllm_actors.models.base import (ModelArgs, ParallelGroup, SingleRank,
+from vllm_actors.models.base import (ModelArgs, ParallelGroup, PipelineStage, SingleRank,
                                      rope_attention_factor, rope_cos_sin, rope_inv_freq)
 from vllm_actors.models.experts import Experts, load_experts, run_experts
 from vllm_actors.models.kv_layout import kv_cache_groups, layer_slots
@@ -77,10 +81,12 @@ class DecoderLM:
     """
 
     def __init__(self, args: ModelArgs, weights: WeightSet, backend: Backend,
-                 tp: ParallelGroup | None = None) -> None:
+                 tp: ParallelGroup | None = None, stage: PipelineStage | None = None) -> None:
         self.args = args
         self.backend = backend
         self.tp = tp or SingleRank()
+        self.stage = stage or PipelineStage()
+        self.layer_ids = self.stage.layers(args.num_layers)
         self.plan = ShardPlan.build(args, self.tp.rank, self.tp.world_size)
         if self.plan.sharded and args.qk_norm_full:
             raise ValidationError(f"{args.architecture}: q/k norms over all heads do not "
@@ -89,20 +95,22 @@ class DecoderLM:
         self.scale = args.attn_scale or 1.0 / float(np.sqrt(args.head_dim))
         self.first_rank = self.tp.rank == 0
         embed = weights.require("token_embd.weight")
-        head = weights.get("output.weight")
+        head = weights.get("output.weight") if self.stage.last else None
         if self.plan.sharded:
             embed = self.plan.vocab_table(embed)
             head = None if head is None else head.row_slice(*self.plan.vocab)
-        self.embed = backend.upload_table(embed)
-        self.head = backend.upload_lm_head(embed if head is None else head)
+        self.embed = backend.upload_table(embed) if self.stage.first else None
+        self.head = (backend.upload_lm_head(embed if head is None else head)
+                     if self.stage.last else None)
         # Within-head row order that turns adjacent-pair RoPE rows into NeoX halves.
         rot = args.rotary_dim
         self._neox_order = (np.concatenate([np.arange(0, rot, 2), np.arange(1, rot, 2),
                                             np.arange(rot, args.head_dim)])
                             if args.rope_interleaved else None)
-        self.final_norm = self._norm(weights, "output_norm")
-        self.layers = [self._load_layer(weights, i) for i in range(args.num_layers)]
-        self.layer_group = layer_slots(kv_cache_groups(args))[0]   # KV cache group per layer
+        self.final_norm = self._norm(weights, "output_norm") if self.stage.last else None
+        self.layers = [self._load_layer(weights, i) for i in self.layer_ids]
+        group_of = layer_slots(kv_cache_groups(args))[0]   # KV cache group per layer
+        self.layer_group = [group_of[i] for i in self.layer_ids]
         freq_factors = weights.get("rope_freqs.weight")
         factors = None if freq_factors is None else freq_factors.to_float32()
         self.rope = self._rope_tables(args, factors, weights)
@@ -295,9 +303,11 @@ class DecoderLM:
 
     def forward(self, token_ids: np.ndarray, positions: np.ndarray,
                 meta: AttentionMetadata | Sequence[AttentionMetadata],
-                kv_caches: list[Any]) -> Any:
+                kv_caches: list[Any], hidden_in: Any = None) -> Any:
         """`meta`: one layout for every layer, or one per KV cache group of
-        `kv_cache_groups(args)` (the runner's hybrid layout)."""
+        `kv_cache_groups(args)` (the runner's hybrid layout); `kv_caches`: one per layer of
+        this stage. The last stage returns the final-normed hidden states, an earlier one
+        the residual stream for the next (`hidden_in` there)."""
         b = self.backend
         if isinstance(meta, AttentionMetadata):
             layer_attn = [b.prepare_attention(meta)] * len(self.layers)
@@ -306,9 +316,16 @@ class DecoderLM:
             layer_attn = [group_attn[g] for g in self.layer_group]
         ropes = (b.prepare_rope(positions, self.rope),
                  None if self.rope_local is None else b.prepare_rope(positions, self.rope_local))
-        h = self._embed(token_ids)
+        if self.stage.first:
+            h = self._embed(token_ids)
+        elif hidden_in is None:
+            raise ValueError("a pipeline stage after the first needs the previous stage's "
+                             "hidden states")
+        else:
+            h = hidden_in
         first = self.layers[0].attn_norm
         x = h if first is None else self._apply_norm(h, first)
+        # the last layer of an earlier stage adds its residual and stops (norm None)
         next_norms = [layer.attn_norm for layer in self.layers[1:]] + [self.final_norm]
         for layer, attn, kv_cache, next_norm in zip(self.layers, layer_attn, kv_caches,
                                                     next_norms):
@@ -316,7 +333,7 @@ class DecoderLM:
             h, x = self._add_norm(h, self._attention(layer, x, ropes, attn, kv_cache),
                                   layer.ffn_norm)
             h, x = self._add_norm(h, self._mlp(layer, x), next_norm)
-        return x
+        return x if self.stage.last else h
 
     def _finish_logits(self, logits: np.ndarray) -> np.ndarray:
         """The family's logit multiplier and soft-cap, on host float32 logits."""

@@ -14,7 +14,7 @@ from vllm_actors.loaders.model_files import ModelSource
 from vllm_actors.loaders.weights import gguf_weights, safetensors_weights
 from vllm_actors.models import (gemma, gpt_oss, granite, llama, moe, olmo2, phi3, stablelm,
                                  starcoder2)
-from vllm_actors.models.base import CausalLM, ModelArgs, ParallelGroup
+from vllm_actors.models.base import CausalLM, ModelArgs, ParallelGroup, PipelineStage
 from vllm_actors.models.family import Family
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, gemma.FAMILY, granite.FAMILY, moe.FAMILY,
@@ -77,11 +77,12 @@ def inspect_model(source: ModelSource) -> tuple[ModelInfo, GGUFFile | None]:
 
 
 def load_model(source: ModelSource, backend: Backend, tp: ParallelGroup | None = None,
-               context_len: int = 0) -> CausalLM:
+               context_len: int = 0, stage: PipelineStage | None = None) -> CausalLM:
     """Open, check and upload a model onto `backend` (only rank `tp.rank`'s shard when a
     tensor-parallel group is given; each rank reads the file through its own mmap).
     `context_len`: the serving context (max_model_len) when set, which the static rope
-    choices of longrope and dynamic scaling depend on (`ModelArgs.context_len`)."""
+    choices of longrope and dynamic scaling depend on (`ModelArgs.context_len`).
+    `stage`: the pipeline stage whose layers to load (all of them when None)."""
     info, gguf = inspect_model(source)
     if context_len:
         info = replace(info, args=replace(info.args, context_len=context_len))
@@ -92,4 +93,6 @@ def load_model(source: ModelSource, backend: Backend, tp: ParallelGroup | None =
                                       info.family.hf_name)
         kind = "safetensors"
     weights = info.family.sanitize(weights, info.args, kind)
+    if stage is not None and stage.size > 1:
+        return info.family.model_class(info.args, weights, backend, tp, stage)
     return info.family.model_class(info.args, weights, backend, tp)

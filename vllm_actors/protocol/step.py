@@ -1,6 +1,7 @@
 """Engine core <-> worker messages. A request's full data travels once (NewRequestData); after
 that only diffs: new blocks and the computed-token count. Workers append their own sampled
-tokens, so the core never sends back what a worker produced."""
+tokens, so the core never sends back what a worker produced (except to the stages of a
+pipeline, which do not sample: `CachedRequestData.new_token_ids`)."""
 
 from __future__ import annotations
 
@@ -34,11 +35,16 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Diffs for requests the worker already holds (parallel lists; new blocks per request
-    per KV cache group)."""
+    per KV cache group).
+
+    new_token_ids: with pipeline parallelism only (empty otherwise), the tokens sampled for
+    each request since it was last scheduled: the stages before the last never see the
+    sampled ids, so every stage appends them from here (vLLM's PP does the same)."""
 
     req_ids: list[str] = []
     new_block_ids: list[list[list[int]]] = []
     num_computed_tokens: list[int] = []
+    new_token_ids: list[list[int]] = []
 
 
 class StepInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -106,3 +106,23 @@ class IpcAddresses:
 
     def exists(self) -> bool:
         return os.path.isdir(self.directory)
+
+
+@dataclass(frozen=True)
+class TcpAddresses:
+    """tcp:// endpoints the frontend bound for an engine core on another machine (a data
+    parallel core on Ray), and that core's own local directory for its workers' ipc sockets
+    (empty until the core's side makes one: `with_local_directory`)."""
+
+    inputs: str
+    outputs: str
+    handshake: str
+    directory: str = ""
+
+    def with_local_directory(self) -> "TcpAddresses":
+        return TcpAddresses(self.inputs, self.outputs, self.handshake,
+                            IpcAddresses.create().directory)
+
+    def remove(self) -> None:
+        if self.directory:
+            shutil.rmtree(self.directory, ignore_errors=True)

@@ -23,7 +23,10 @@ class WorkerInit(msgspec.Struct, array_like=True, gc=False, tag=30):
     Attributes:
         config: the msgpack-encoded EngineConfig (protocol/ imports no config).
         ring_name / ring_bytes: the broadcast ring's shared-memory segment.
-        comm_name / comm_slot_bytes: the tensor-parallel communicator's segment.
+        comm_name / comm_slot_bytes: the tensor-parallel communicator's segment (of this
+            rank's pipeline stage).
+        pipeline_parallel_size: stages; rank r is stage r // (world_size / stages), rank
+            r % (world_size / stages) within its stage's tensor-parallel group.
     """
 
     rank: int
@@ -34,6 +37,7 @@ class WorkerInit(msgspec.Struct, array_like=True, gc=False, tag=30):
     ring_slot_bytes: int
     comm_name: str
     comm_slot_bytes: int
+    pipeline_parallel_size: int = 1
 
 
 class WorkerReady(msgspec.Struct, array_like=True, gc=False, tag=31):

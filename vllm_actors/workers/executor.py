@@ -10,6 +10,7 @@ actors holding a RankHost each (`workers/rank_host.py`), addressed over the netw
 
 from __future__ import annotations
 
+import collections
 import logging
 from typing import Any, Protocol, Sequence
 
@@ -28,6 +29,7 @@ from vllm_actors.workers import launcher
 from vllm_actors.workers.parallel_state import DEFAULT_SLOT_BYTES, communicator_bytes
 from vllm_actors.workers.shm import SharedBuffer
 from vllm_actors.workers.shm_broadcast import RingWriter, SocketChannel, ring_bytes
+from vllm_actors.workers.submit import SequentialSubmit
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +49,15 @@ class Executor(Protocol):
         block count any rank allows). Raises the first failing rank's typed error."""
 
     def execute(self, step: StepInput) -> StepOutput:
-        """Run one step on every rank; rank 0's output. Raises WorkerDiedError."""
+        """Run one step on every rank; the output rank's output (rank 0, or the last
+        pipeline stage's first rank). Raises WorkerDiedError."""
+
+    def submit(self, step: StepInput) -> None:
+        """Start a step without waiting for it (pipeline parallel keeps several in
+        flight); `collect` returns the outputs in submission order."""
+
+    def collect(self) -> StepOutput:
+        """The output of the oldest submitted step not collected yet (waits for it)."""
 
     def collective_rpc(self, method: str, args: Sequence[Any] = ()) -> list[Any]:
         """`RankHost.call(method, args)` on every rank; the results in rank order.
@@ -64,12 +74,13 @@ class Executor(Protocol):
         """Stop every rank; safe to call more than once, and before `start`."""
 
 
-class InprocExecutor:
+class InprocExecutor(SequentialSubmit):
     """One RankHost in this process."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.host: Any = None
+        self._submitted = collections.deque()
 
     def start(self) -> EngineReady:
         from vllm_actors.workers.rank_host import RankHost
@@ -91,10 +102,14 @@ class InprocExecutor:
 
 
 class MultiprocExecutor:
-    """One worker process per tensor-parallel rank (see workers/launcher.py, worker.py).
+    """One worker process per rank (see workers/launcher.py, worker.py): tensor-parallel
+    size x pipeline-parallel size of them. Every rank reads every call from one ring; the
+    ranks of a pipeline stage share a communicator, and the stages pass hidden states on
+    (`workers/stage_channel.py`). Steps may be submitted before earlier ones finished
+    (`submit`/`collect`); the last stage's first rank answers each in order.
 
     Args:
-        config: the engine configuration (`config.parallel.tensor_parallel_size` ranks).
+        config: the engine configuration.
         ipc_dir: directory for the workers' sockets (the engine core's own ipc directory,
             which its frontend removes whatever happens); a private one when None.
     """
@@ -105,22 +120,26 @@ class MultiprocExecutor:
         self.ctx: zmq.Context | None = None
         self.handles: list = []
         self.closed = False
-        self.ring_buffer = self.comm_buffer = None
+        self.ring_buffer = None
+        self.comm_buffers: list[SharedBuffer] = []
 
     def start(self) -> EngineReady:
         """Raises the first failing worker's typed startup error, or EngineDeadError."""
         config = self.config
-        n = config.parallel.tensor_parallel_size
+        tp, pp = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
+        n = tp * pp
         if self.ipc_dir is None:
             self._own_dir = IpcAddresses.create()
         ipc_dir = self.ipc_dir or self._own_dir.directory
         self.ctx = zmq.Context()
-        self.ring_buffer = SharedBuffer.create(ring_bytes(n, RING_SLOTS, RING_SLOT_BYTES))
-        self.comm_buffer = SharedBuffer.create(communicator_bytes(n, DEFAULT_SLOT_BYTES))
-        ring = RingWriter(self.ring_buffer, n, [], RING_SLOTS, RING_SLOT_BYTES, self._all_alive)
+        slots = max(RING_SLOTS, pp + 1)
+        self.ring_buffer = SharedBuffer.create(ring_bytes(n, slots, RING_SLOT_BYTES))
+        self.comm_buffers = [SharedBuffer.create(communicator_bytes(tp, DEFAULT_SLOT_BYTES))
+                             for _ in range(pp)]
+        ring = RingWriter(self.ring_buffer, n, [], slots, RING_SLOT_BYTES, self._all_alive)
         inits = [WorkerInit(r, n, launcher.encode_config(config), self.ring_buffer.name,
-                            ring.num_slots, ring.slot_bytes, self.comm_buffer.name,
-                            DEFAULT_SLOT_BYTES) for r in range(n)]
+                            ring.num_slots, ring.slot_bytes, self.comm_buffers[r // tp].name,
+                            DEFAULT_SLOT_BYTES, pp) for r in range(n)]
         try:
             self.handles = launcher.launch_workers(self.ctx, ipc_dir, inits, config.device)
             readies = launcher.await_ready(self.handles)
@@ -128,8 +147,8 @@ class MultiprocExecutor:
             self.shutdown()
             raise
         finally:   # mapped by every worker now (or never needed again): drop the names
-            self.ring_buffer.unlink()
-            self.comm_buffer.unlink()
+            for buffer in (self.ring_buffer, *self.comm_buffers):
+                buffer.unlink()
         ring.fallbacks = [SocketChannel(h.socket) for h in self.handles]
         self.ring = ring
         self.encoder = msgspec.msgpack.Encoder()
@@ -150,12 +169,23 @@ class MultiprocExecutor:
         self.ring.enqueue(self.encoder.encode(call))
 
     def execute(self, step: StepInput) -> StepOutput:
-        """Broadcast the step, then wait for rank 0's output while watching every worker.
+        """Broadcast the step, then wait for its output while watching every worker.
 
         Raises:
             WorkerDiedError: a worker exited or reported a failure.
         """
+        self.submit(step)
+        return self.collect()
+
+    def submit(self, step: StepInput) -> None:
         self._call(ExecuteStep(step))
+
+    def collect(self) -> StepOutput:
+        """The oldest submitted step's output (the output rank answers in order).
+
+        Raises:
+            WorkerDiedError: a worker exited or reported a failure.
+        """
         while True:
             for socket, _ in self.poller.poll(POLL_MS):
                 match self.decoder.decode(socket.recv_multipart(copy=False)):
@@ -207,7 +237,7 @@ class MultiprocExecutor:
             except Exception:   # a worker died meanwhile: stop them all below
                 logger.warning("could not ask the workers to shut down", exc_info=True)
         launcher.stop_workers(self.handles, wait_s)
-        for buffer in (self.ring_buffer, self.comm_buffer):
+        for buffer in (self.ring_buffer, *self.comm_buffers):
             if buffer is not None:
                 buffer.unlink()
         if self.ctx is not None:

@@ -18,26 +18,29 @@ DEFAULT_MEMORY_FRACTION = 0.9
 
 
 def kv_bytes_per_block(args: ModelArgs, block_size: int,
-                       groups: list[KVCacheGroup] | None = None) -> int:
+                       groups: list[KVCacheGroup] | None = None, slots: int | None = None) -> int:
     """K and V of one block id, float32: one page in every slot of the KV cache groups
-    (every layer when the model has one attention type)."""
-    slots = num_slots(groups or kv_cache_groups(args))
+    (every layer when the model has one attention type); `slots`: only that many (a
+    pipeline stage holds its own layers' slots)."""
+    slots = slots or num_slots(groups or kv_cache_groups(args))
     return 2 * slots * block_size * args.num_kv_heads * args.head_dim * 4
 
 
 def num_kv_blocks(cache: CacheConfig, args: ModelArgs, max_model_len: int,
-                  free_memory: int, max_num_batched_tokens: int | None = None) -> int:
+                  free_memory: int, max_num_batched_tokens: int | None = None,
+                  slots: int | None = None) -> int:
     """Usable blocks (the null block comes on top). A block is a page of one KV cache
     group's layers (`models/kv_layout.py`); a request holds blocks in every group, and a
     sliding-window group only a window's worth.
 
     From the first setting given: --num-gpu-blocks-override, --kv-cache-memory,
-    --gpu-memory-utilization (x free memory after the weights), else the default budget.
+    --gpu-memory-utilization (x free memory after the weights), else the default budget;
+    `slots`: the KV slots this rank holds (a pipeline stage's), all of them when None.
     Raises:
         ValidationError: the cache cannot hold one request of max_model_len.
     """
     groups = kv_cache_groups(args)
-    per_block = kv_bytes_per_block(args, cache.block_size, groups)
+    per_block = kv_bytes_per_block(args, cache.block_size, groups, slots)
     if cache.num_gpu_blocks_override is not None:
         blocks, source = cache.num_gpu_blocks_override, "--num-gpu-blocks-override"
     elif cache.kv_cache_memory is not None:

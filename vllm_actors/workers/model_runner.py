@@ -9,6 +9,7 @@ and prompt logprobs for the requests that asked.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import numpy as np
 
@@ -17,8 +18,8 @@ from vllm_actors.errors import ValidationError
 from vllm_actors.kernels import get_backend
 from vllm_actors.kernels.ops import AttentionMetadata, Backend
 from vllm_actors.loaders.model_files import resolve_model
-from vllm_actors.models.base import CausalLM, ParallelGroup, SingleRank
-from vllm_actors.models.kv_layout import kv_cache_groups, layer_slots, num_slots
+from vllm_actors.models.base import CausalLM, ParallelGroup, PipelineStage, SingleRank
+from vllm_actors.models.kv_layout import kv_cache_groups, layer_slots
 from vllm_actors.models.registry import load_model
 from vllm_actors.protocol.engine import EngineReady, TokenLogprobs
 from vllm_actors.protocol.step import StepInput, StepOutput
@@ -47,18 +48,24 @@ class ModelRunner:
             rank's persistent batch stays the same.
         allocate_kv: False leaves the KV cache to `initialize_kv_cache` (a worker allocates
             the block count agreed by all ranks).
+        stage / channel: with pipeline parallelism, this rank's stage (its layers, their KV)
+            and the channel its hidden states arrive on and leave by. A stage before the last
+            returns an empty StepOutput; every stage appends the sampled tokens the core
+            sends (`CachedRequestData.new_token_ids`) instead of its own.
     """
 
     def __init__(self, config: EngineConfig, model: CausalLM | None = None,
                  backend: Backend | None = None, tp: ParallelGroup | None = None,
-                 allocate_kv: bool = True) -> None:
+                 allocate_kv: bool = True, stage: PipelineStage | None = None,
+                 channel: Any = None) -> None:
         device = config.device
         self.backend = backend or get_backend(device.backend, device.opencl_platform,
                                               device.opencl_device)
         self.tp = tp or SingleRank()
+        self.stage, self.channel = stage or PipelineStage(), channel
         self._model_source = None if model is not None else resolve_model(config.model.model)
         self.model = model or load_model(self._model_source, self.backend, self.tp,
-                                         config.model.max_model_len or 0)
+                                         config.model.max_model_len or 0, self.stage)
         args = self.model.args
         self.local_args = getattr(self.model, "local_args", args)
         limit = args.max_position_embeddings
@@ -68,9 +75,13 @@ class ModelRunner:
                                   f"model's context length ({limit})", "max_model_len")
         self.block_size = config.cache.block_size
         self.kv_groups = kv_cache_groups(self.local_args)
+        self.layer_ids = list(getattr(self.model, "layer_ids", range(args.num_layers)))
+        slot_of = layer_slots(self.kv_groups)[1]
+        self.kv_slots = sorted({slot_of[i] for i in self.layer_ids})   # this stage's slots
         self.num_blocks = num_kv_blocks(config.cache, self.local_args, self.max_model_len,
                                         self.backend.free_memory(),
-                                        config.scheduler.max_num_batched_tokens)
+                                        config.scheduler.max_num_batched_tokens,
+                                        len(self.kv_slots))
         self.kv_caches: list = []
         if allocate_kv:
             self.initialize_kv_cache(self.num_blocks)
@@ -80,6 +91,7 @@ class ModelRunner:
         # device backends sample plain-greedy steps themselves (see _sample); under tensor
         # parallelism the logits are gathered on the host of rank 0
         self.device_greedy = hasattr(self.backend, "argmax") and self.tp.world_size == 1
+        self.follow_tokens = self.stage.size > 1   # sampled ids come in the StepInput
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate `num_blocks` usable blocks (plus the null block) of this rank's KV heads:
@@ -87,9 +99,11 @@ class ModelRunner:
         local = self.local_args
         self.num_blocks = num_blocks
         slots = self.backend.allocate_kv_cache(
-            num_slots(self.kv_groups), num_blocks + 1, self.block_size, local.num_kv_heads,
+            len(self.kv_slots), num_blocks + 1, self.block_size, local.num_kv_heads,
             local.head_dim)
-        self.kv_caches = [slots[slot] for slot in layer_slots(self.kv_groups)[1]]
+        index = {slot: i for i, slot in enumerate(self.kv_slots)}
+        slot_of = layer_slots(self.kv_groups)[1]
+        self.kv_caches = [slots[index[slot_of[layer]]] for layer in self.layer_ids]
         if getattr(self.backend, "compiles_lazily", False):
             self._warm_up()
 
@@ -97,7 +111,7 @@ class ModelRunner:
         """Compile-on-first-use backends (cpu) get every kernel before the engine reports
         ready (`warm_up`); a model this runner loaded itself may be loaded again by the
         cold-start compile helper."""
-        own = self._model_source if self.tp.world_size == 1 else None
+        own = self._model_source if self.tp.world_size == self.stage.size == 1 else None
         warm_up(self.model, self.kv_caches, self.block_size, self.max_model_len,
                 self.backend.name, own.path if own is not None else None)
 
@@ -118,6 +132,10 @@ class ModelRunner:
             row = batch.req_id_to_row[req_id]
             batch.append_blocks(row, blocks)
             batch.num_computed_tokens[row] = computed
+        for req_id, tokens in zip(cached.req_ids, cached.new_token_ids):
+            row = np.array([batch.req_id_to_row[req_id]])
+            for token in tokens:                  # one at a time: append_tokens is per row
+                batch.append_tokens(row, np.array([token], np.int64))
 
     def _prepare(self, rows: np.ndarray, counts: np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[AttentionMetadata]]:
@@ -200,7 +218,7 @@ class ModelRunner:
                 out.failed.setdefault(req_ids[done[j]], reason)
                 if param is not None:
                     out.failed_params[req_ids[done[j]]] = param
-        if self.tp.world_size > 1:
+        if self.tp.world_size > 1 and not self.follow_tokens:
             shared = np.full(len(all_done), -1, np.int64)   # -1: no token (failed row)
             if len(done):
                 shared[finite] = tokens
@@ -209,7 +227,8 @@ class ModelRunner:
             return
         sampled = tokens >= 0                              # -1: the sampler failed the row
         done_rows = rows[done]
-        batch.append_tokens(done_rows[sampled], tokens[sampled])
+        if not self.follow_tokens:
+            batch.append_tokens(done_rows[sampled], tokens[sampled])
         for i, token in zip(done[sampled].tolist(), tokens[sampled].tolist()):
             out.sampled_token_ids[i] = [token]
         if lp is not None:
@@ -242,8 +261,11 @@ class ModelRunner:
         return ok
 
     def _follow_sampling(self, hidden: object, last: np.ndarray, done_rows: np.ndarray) -> None:
-        """A rank other than 0: its share of the logits, then rank 0's sampled ids."""
+        """A rank other than 0: its share of the logits, then rank 0's sampled ids (which a
+        pipeline stage gets from the next StepInput instead)."""
         self.model.compute_logits(hidden, last)
+        if self.follow_tokens:
+            return
         tokens = self.tp.broadcast_ids(None, len(done_rows))
         sampled = tokens >= 0
         self.batch.append_tokens(done_rows[sampled], tokens[sampled])
@@ -256,10 +278,17 @@ class ModelRunner:
         rows = self.batch.rows_of(req_ids)
         counts = np.fromiter(step.num_scheduled_tokens.values(), np.int32, len(rows))
         token_ids, positions, token_rows, metas = self._prepare(rows, counts)
-        hidden = self.model.forward(token_ids, positions, metas[0] if len(metas) == 1 else metas,
-                                    self.kv_caches)
-        self._collect_prompt_logprobs(hidden, positions, token_rows)
+        meta = metas[0] if len(metas) == 1 else metas
+        if self.stage.first:
+            hidden = self.model.forward(token_ids, positions, meta, self.kv_caches)
+        else:
+            hidden = self.model.forward(token_ids, positions, meta, self.kv_caches,
+                                        hidden_in=self.backend.from_host(self.channel.recv()))
         self.batch.num_computed_tokens[rows] += counts
+        if not self.stage.last:
+            self.channel.send(self.backend.to_host(hidden))
+            return StepOutput()
+        self._collect_prompt_logprobs(hidden, positions, token_rows)
         out = StepOutput(req_ids, [[] for _ in req_ids])
         self._sample(hidden, metas[0], rows, req_ids, step, out)
         return out

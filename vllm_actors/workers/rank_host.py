@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from vllm_actors.config import EngineConfig
 from vllm_actors.errors import ValidationError
-from vllm_actors.models.base import SingleRank
+from vllm_actors.models.base import PipelineStage, SingleRank
 from vllm_actors.protocol.engine import EngineReady
 from vllm_actors.protocol.step import StepInput, StepOutput
 from vllm_actors.workers.kv_cache import kv_bytes_per_block
@@ -30,23 +30,30 @@ RPC_METHODS = ("describe", "kv_cache_bytes")
 class RankHost:
     """Args:
         config: the engine configuration.
-        rank / world_size: this rank among the tensor-parallel ranks.
+        rank / world_size: this rank among the tensor-parallel ranks (of its stage).
         comm: the ranks' shared-memory communicator (None: a single rank, no group).
         allocate_kv: False leaves the KV cache to `init_kv_cache` (the block count every
             rank agrees on).
+        stage / channel: this rank's pipeline stage and its link to the neighbouring
+            stages (`workers/stage_channel.py`); None without pipeline parallelism.
     """
 
     def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1,
-                 comm: ShmCommunicator | None = None, allocate_kv: bool = True) -> None:
+                 comm: ShmCommunicator | None = None, allocate_kv: bool = True,
+                 stage: PipelineStage | None = None, channel: Any = None) -> None:
         self.rank, self.world_size = rank, world_size
+        self.stage = stage or PipelineStage()
         self.platform = Platform(config.device)
-        backend = self.platform.backend(rank)
+        global_rank = self.stage.index * world_size + rank
+        backend = self.platform.backend(global_rank)
         group = SingleRank()
         if comm is not None:
             group = self.platform.group(comm, backend)
             # CPU ranks (numpy, cpu, OpenCL on PoCL) outnumbering the cores sleep, not spin
-            set_oversubscribed(self.platform.shares_cores(backend, world_size))
-        self.runner = ModelRunner(config, backend=backend, tp=group, allocate_kv=allocate_kv)
+            set_oversubscribed(self.stage.size > 1 or self.platform.shares_cores(backend,
+                                                          world_size * self.stage.size))
+        self.runner = ModelRunner(config, backend=backend, tp=group, allocate_kv=allocate_kv,
+                                  stage=self.stage, channel=channel)
 
     @property
     def ready(self) -> EngineReady:
@@ -62,14 +69,16 @@ class RankHost:
     def describe(self) -> dict[str, Any]:
         """Where this rank runs and what it holds."""
         return {"rank": self.rank, "world_size": self.world_size, "pid": os.getpid(),
+                "pipeline_stage": self.stage.index,
+                "layers": [self.runner.layer_ids[0], self.runner.layer_ids[-1] + 1],
                 "device": self.platform.name, "backend": self.runner.backend.name,
                 "num_kv_blocks": self.runner.num_blocks}
 
     def kv_cache_bytes(self) -> int:
         """Bytes of this rank's float32 KV cache (its KV heads; the null block included)."""
         runner = self.runner
-        return (runner.num_blocks + 1) * kv_bytes_per_block(runner.local_args,
-                                                            runner.block_size, runner.kv_groups)
+        return (runner.num_blocks + 1) * kv_bytes_per_block(
+            runner.local_args, runner.block_size, runner.kv_groups, len(runner.kv_slots))
 
     def call(self, method: str, args: Sequence[Any] = ()) -> Any:
         """`collective_rpc`'s entry: one of RPC_METHODS with `args`.

@@ -12,6 +12,7 @@ on the cluster.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 from typing import Any, Sequence
@@ -25,6 +26,7 @@ from vllm_actors.protocol.step import StepInput, StepOutput
 from vllm_actors.workers.parallel_state import DEFAULT_SLOT_BYTES, communicator_bytes
 from vllm_actors.workers.platform import Platform
 from vllm_actors.workers.shm import SharedBuffer
+from vllm_actors.workers.submit import SequentialSubmit
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +77,7 @@ class RankActor:
         return os.getpid()
 
 
-class RayExecutor:
+class RayExecutor(SequentialSubmit):
     """Args:
         config: the engine configuration (`config.parallel.tensor_parallel_size` actors).
     """
@@ -88,6 +90,7 @@ class RayExecutor:
         self.comm_buffer: SharedBuffer | None = None
         self.started_cluster = False
         self.closed = False
+        self._submitted = collections.deque()
 
     def start(self) -> EngineReady:
         ray = self.ray = import_ray()

@@ -45,8 +45,15 @@ def run_sizes(model: Any, kv_caches: list, block_size: int, sizes: tuple[int, ..
         meta = AttentionMetadata(np.array([0, n], np.int32), np.array([n], np.int32),
                                  np.zeros((1, -(-n // block_size)), np.int32),
                                  (pos % block_size).astype(np.int64), block_size)
-        hidden = model.forward(np.zeros(n, np.int64), pos, meta, kv_caches)
-        model.compute_logits(hidden, np.arange(n))
+        stage = getattr(model, "stage", None)     # a pipeline stage: its own part only
+        if stage is None or stage.first:
+            hidden = model.forward(np.zeros(n, np.int64), pos, meta, kv_caches)
+        else:
+            zeros = np.zeros((n, model.args.hidden_size), np.float32)
+            hidden = model.forward(None, pos, meta, kv_caches,
+                                   hidden_in=model.backend.from_host(zeros))
+        if stage is None or stage.last:
+            model.compute_logits(hidden, np.arange(n))
 
 
 def marker_path() -> Path:

@@ -25,6 +25,7 @@ import zmq
 
 from vllm_actors.config import EngineConfig
 from vllm_actors.errors import VllmActorsError
+from vllm_actors.models.base import PipelineStage
 from vllm_actors.protocol.engine import EngineStartupError
 from vllm_actors.protocol.worker import (CallMethod, ExecuteStep, InitKVCache, RpcDone,
                                          StepDone, WorkerCall, WorkerFailed, WorkerInit,
@@ -35,6 +36,7 @@ from vllm_actors.workers.parallel_state import ShmCommunicator, communicator_byt
 from vllm_actors.workers.rank_host import RankHost
 from vllm_actors.workers.shm import SharedBuffer, parent_alive
 from vllm_actors.workers.shm_broadcast import RingReader, SocketChannel, ring_bytes
+from vllm_actors.workers.stage_channel import StageChannel
 
 logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
@@ -44,19 +46,30 @@ class Worker:
     """One rank's transport: the ring it reads calls from, the socket it answers on, and the
     communicator it shares with the other ranks; the work is its RankHost's."""
 
-    def __init__(self, init: WorkerInit, socket: zmq.Socket, parent_pid: int | None) -> None:
+    def __init__(self, init: WorkerInit, socket: zmq.Socket, parent_pid: int | None,
+                 ctx: zmq.Context | None = None, ipc_dir: str = "") -> None:
         self.rank, self.socket = init.rank, socket
         alive = parent_alive(parent_pid)
         config = msgspec.msgpack.decode(init.config, type=EngineConfig)
         n = init.world_size
+        tp = n // init.pipeline_parallel_size
+        stage = PipelineStage(init.rank // tp, init.pipeline_parallel_size)
+        tp_rank = init.rank % tp
         self.ring_buffer = SharedBuffer.attach(
             init.ring_name, ring_bytes(n, init.ring_slots, init.ring_slot_bytes))
         self.ring = RingReader(self.ring_buffer, n, init.rank, SocketChannel(socket),
                                init.ring_slots, init.ring_slot_bytes, alive)
         self.comm_buffer = SharedBuffer.attach(init.comm_name,
-                                               communicator_bytes(n, init.comm_slot_bytes))
-        comm = ShmCommunicator(self.comm_buffer, init.rank, n, init.comm_slot_bytes, alive)
-        self.host = RankHost(config, init.rank, n, comm, allocate_kv=False)
+                                               communicator_bytes(tp, init.comm_slot_bytes))
+        comm = ShmCommunicator(self.comm_buffer, tp_rank, tp, init.comm_slot_bytes, alive)
+        self.channel = None
+        if stage.size > 1:
+            assert ctx is not None
+            self.channel = StageChannel(ctx, ipc_dir, stage, tp_rank, alive)
+        # the rank that answers each step: the last stage's first
+        self.answers = stage.last and tp_rank == 0
+        self.host = RankHost(config, tp_rank, tp, comm, allocate_kv=False, stage=stage,
+                             channel=self.channel)
 
     def run(self) -> None:
         """Serve WorkerCalls until WorkerShutdown."""
@@ -66,7 +79,7 @@ class Worker:
             match decoder.decode(self.ring.dequeue()):
                 case ExecuteStep(step=step):
                     output = self.host.execute_step(step)
-                    if self.rank == 0:
+                    if self.answers:
                         self.socket.send_multipart(encoder.encode(StepDone(output)), copy=False)
                 case InitKVCache(num_blocks=num_blocks):
                     self.host.init_kv_cache(num_blocks)
@@ -97,7 +110,7 @@ def serve(ipc_dir: str, rank: int, parent_pid: int) -> int:
     try:
         init = Decoder(WorkerInit).decode([socket.recv()])
         try:
-            worker = Worker(init, socket, parent_pid)
+            worker = Worker(init, socket, parent_pid, ctx, ipc_dir)
         except Exception as e:
             if not isinstance(e, VllmActorsError):
                 logger.error("worker %d startup failed:\n%s", rank, traceback.format_exc())
@@ -118,7 +131,7 @@ def serve(ipc_dir: str, rank: int, parent_pid: int) -> int:
         return 0
     finally:
         socket.close(linger=1000)
-        ctx.term()
+        ctx.destroy(linger=0)    # and the pipeline stage sockets, whatever state they are in
 
 
 def main() -> None:
