@@ -28,7 +28,8 @@ class ParallelConfig:
     "ray": Ray actors spread over the cluster's nodes, reaching the frontend over tcp at
     data_parallel_address / data_parallel_rpc_port, default this node's address, any port).
     pipeline_parallel_size: stages the layers are split over (each with
-    tensor_parallel_size ranks, executor "mp"); the core keeps that many steps in flight."""
+    tensor_parallel_size ranks, executor "mp" or "ray"); the core keeps that many steps in
+    flight."""
 
     tensor_parallel_size: int = 1
     executor_backend: str = "uni"
@@ -84,11 +85,10 @@ def parallel_config(args: Any) -> ParallelConfig:
                               "pipeline_parallel_size")
     if backend is None:
         backend = "mp" if size * pp > 1 else "uni"
-    if pp > 1 and backend != "mp":
+    if pp > 1 and backend == "uni":
         raise ValidationError(f"--pipeline-parallel-size {pp} runs its stages as worker "
-                              f"processes (--distributed-executor-backend mp); pipeline "
-                              f"stages on {backend} are not supported yet",
-                              "distributed_executor_backend")
+                              f"processes (--distributed-executor-backend mp, or ray); not "
+                              f"inside the engine core (uni)", "distributed_executor_backend")
     if backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
         raise ValidationError(f"--distributed-executor-backend must be one of "
                               f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, got {backend!r}",

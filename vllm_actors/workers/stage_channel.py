@@ -5,8 +5,9 @@ stage the tensor-parallel ranks hold the same all-reduced rows, so each passes i
 on). One frame of header (shape, dtype) and one of raw bytes, sent without a copy. On one
 machine the sockets are ipc files in the engine core's directory; a stage on another machine
 would use tcp addresses instead (the socket code is the same). Steps reach every stage in
-order over the broadcast ring, so the messages need no step id: a stage receives exactly one
-message per step that has tokens, in the order the steps were sent.
+order (the broadcast ring, or each Ray actor's call order), so the messages need no step id:
+a stage receives exactly one message per step that has tokens, in the order the steps were
+sent.
 """
 
 from __future__ import annotations
@@ -31,24 +32,42 @@ def stage_address(ipc_dir: str, stage: int, tp_rank: int) -> str:
 
 class StageChannel:
     """Args:
-        ctx: the worker's ZeroMQ context.
-        ipc_dir: the engine core's ipc directory.
-        stage / tp_rank: this rank's stage and its rank within the stage.
+        ctx: the rank's ZeroMQ context.
         alive: False once the engine core is gone (a receive then gives up).
+    Then `bind_sender` (every stage but the last) and `connect_receiver` (every stage but
+    the first); `on_this_machine` does both for ranks that share an ipc directory.
     """
 
-    def __init__(self, ctx: zmq.Context, ipc_dir: str, stage: PipelineStage, tp_rank: int,
-                 alive: Callable[[], bool] = lambda: True) -> None:
-        self.alive = alive
+    def __init__(self, ctx: zmq.Context, alive: Callable[[], bool] = lambda: True) -> None:
+        self.ctx, self.alive = ctx, alive
         self.sender = self.receiver = None
+
+    @classmethod
+    def on_this_machine(cls, ctx: zmq.Context, ipc_dir: str, stage: PipelineStage,
+                        tp_rank: int, alive: Callable[[], bool] = lambda: True
+                        ) -> "StageChannel":
+        channel = cls(ctx, alive)
         if not stage.last:
-            self.sender = ctx.socket(zmq.PUSH)
-            self.sender.setsockopt(zmq.SNDHWM, 0)
-            self.sender.bind(stage_address(ipc_dir, stage.index, tp_rank))
+            channel.bind_sender(stage_address(ipc_dir, stage.index, tp_rank))
         if not stage.first:
-            self.receiver = ctx.socket(zmq.PULL)
-            self.receiver.setsockopt(zmq.RCVHWM, 0)
-            self.receiver.connect(stage_address(ipc_dir, stage.index - 1, tp_rank))
+            channel.connect_receiver(stage_address(ipc_dir, stage.index - 1, tp_rank))
+        return channel
+
+    def bind_sender(self, address: str) -> str:
+        """Bind where the next stage connects; "tcp://HOST" alone takes a free port. Returns
+        the address bound."""
+        self.sender = self.ctx.socket(zmq.PUSH)
+        self.sender.setsockopt(zmq.SNDHWM, 0)
+        if address.startswith("tcp://") and address.count(":") == 1:
+            return f"{address}:{self.sender.bind_to_random_port(address)}"
+        self.sender.bind(address)
+        return address
+
+    def connect_receiver(self, address: str) -> None:
+        """Connect to the previous stage's sender."""
+        self.receiver = self.ctx.socket(zmq.PULL)
+        self.receiver.setsockopt(zmq.RCVHWM, 0)
+        self.receiver.connect(address)
 
     def send(self, hidden: np.ndarray) -> None:
         assert self.sender is not None, "the last stage sends nothing on"

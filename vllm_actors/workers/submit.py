@@ -1,4 +1,4 @@
-"""Step submission for executors that run a step when asked (in process, Ray)."""
+"""Step submission for executors that run a step when asked (the in-process one)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from vllm_actors.protocol.step import StepInput, StepOutput
 
 class SequentialSubmit:
     """`submit`/`collect` for executors that run a step when asked: the step runs at
-    `collect` (no overlap; the pipelined executor is MultiprocExecutor)."""
+    `collect` (no overlap; the pipelining executors are MultiprocExecutor and RayExecutor)."""
 
     _submitted: collections.deque
 

@@ -65,7 +65,7 @@ class Worker:
         self.channel = None
         if stage.size > 1:
             assert ctx is not None
-            self.channel = StageChannel(ctx, ipc_dir, stage, tp_rank, alive)
+            self.channel = StageChannel.on_this_machine(ctx, ipc_dir, stage, tp_rank, alive)
         # the rank that answers each step: the last stage's first
         self.answers = stage.last and tp_rank == 0
         self.host = RankHost(config, tp_rank, tp, comm, allocate_kv=False, stage=stage,

@@ -1,8 +1,12 @@
-"""Data parallel on a Ray cluster of two simulated nodes (Ray's own multi-node test cluster:
-two raylets on this machine, loopback only): one SmolLM2 engine core per node, the single
-core's greedy tokens; removing one node fails only its requests (fast: its tcp connection
-drops), the other core keeps serving, a replacement starts on the remaining node and
-rejoins; nothing is left after shutdown."""
+"""A Ray cluster of simulated nodes (Ray's own multi-node test cluster: raylets on this
+machine, loopback only).
+
+Data parallel: one SmolLM2 engine core per node, the single core's greedy and seeded
+tokens; removing one node fails only its requests (fast: its tcp connection drops), the
+other core keeps serving, a replacement starts on the remaining node and rejoins; nothing
+is left after shutdown. Pipeline parallel: two stages as Ray actors on two nodes, hidden
+states over tcp, the single process's greedy and seeded tokens; removing the second stage's
+node fails the engine's requests within 2 s and no actor is left."""
 
 import asyncio
 import os
@@ -17,20 +21,27 @@ from vllm_actors import AsyncLLM, EngineDeadError, SamplingParams
 ray = pytest.importorskip("ray", reason="ray is in the ray (and test) extra")
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=8, ignore_eos=True)
 LONG = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
 PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time",
            "Count: 1, 2, 3,"]
 
 
 @pytest.fixture(scope="module")
-def two_nodes():
+def cluster():
+    """A head node with 2 CPUs; each test adds the node it takes away."""
     from ray.cluster_utils import Cluster
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    second = cluster.add_node(num_cpus=1)
     ray.init(address=cluster.address, log_to_driver=False)
-    yield cluster, second
+    yield cluster
     ray.shutdown()
     cluster.shutdown()
+
+
+def reference_tokens(llm) -> list[list[list[int]]]:
+    """The single in-process engine's greedy and seeded tokens for PROMPTS."""
+    return [[o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+            for params in (GREEDY, SEEDED)]
 
 
 async def generate_all(llm: AsyncLLM, params: SamplingParams) -> list[list[int]]:
@@ -41,16 +52,17 @@ async def generate_all(llm: AsyncLLM, params: SamplingParams) -> list[list[int]]
     return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS))))
 
 
-def test_cores_on_two_nodes_survive_a_node_loss(two_nodes, smollm2_path, smollm2_llm):
-    cluster, second = two_nodes
-    reference = [o.outputs[0].token_ids for o in smollm2_llm.generate(PROMPTS, GREEDY,
-                                                                      use_tqdm=False)]
+def test_cores_on_two_nodes_survive_a_node_loss(cluster, smollm2_path, smollm2_llm):
+    second = cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    reference, seeded = reference_tokens(smollm2_llm)
     llm = AsyncLLM(str(smollm2_path), data_parallel_size=2, data_parallel_backend="ray")
     try:
         places = [c.where() for c in llm.group.clients]
         nodes, pids = [p["node_id"] for p in places], [p["pid"] for p in places]
         assert len(set(nodes)) == 2 and second.node_id in nodes
         assert asyncio.run(generate_all(llm, GREEDY)) == reference
+        assert asyncio.run(generate_all(llm, SEEDED)) == seeded
         on_second = nodes.index(second.node_id)
 
         async def lose_a_node() -> tuple[list, float]:
@@ -107,3 +119,53 @@ def test_cores_on_two_nodes_survive_a_node_loss(two_nodes, smollm2_path, smollm2
         time.sleep(0.1)
     assert not [p for p in pids if psutil.pid_exists(p)
                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_pipeline_stages_on_two_nodes(cluster, smollm2_path, smollm2_llm, monkeypatch):
+    node = cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)   # the engine core process joins it
+    reference, seeded = reference_tokens(smollm2_llm)
+    llm = AsyncLLM(str(smollm2_path), pipeline_parallel_size=2,
+                   distributed_executor_backend="ray")
+    try:
+        ranks = asyncio.run(llm.collective_rpc("describe"))
+        assert [(r["pipeline_stage"], r["layers"]) for r in ranks] == [(0, [0, 15]),
+                                                                      (1, [15, 30])]
+        assert ranks[0]["ray_node_id"] != ranks[1]["ray_node_id"]
+        assert asyncio.run(generate_all(llm, GREEDY)) == reference
+        assert asyncio.run(generate_all(llm, SEEDED)) == seeded
+        lost = next(n for n in [node, *cluster.worker_nodes]
+                    if n.node_id == ranks[1]["ray_node_id"]) \
+            if ranks[1]["ray_node_id"] != cluster.head_node.node_id else None
+        assert lost is not None, "the second stage should not share the head node"
+
+        async def lose_the_node() -> tuple[float, list]:
+            results: dict = {}
+
+            async def stream(name: str) -> None:
+                try:
+                    async for _ in llm.generate("Count:", LONG, name):
+                        results.setdefault(name, "streaming")
+                except EngineDeadError as e:
+                    results[name] = (time.monotonic(), str(e))
+            tasks = [asyncio.create_task(stream(f"p{i}")) for i in range(2)]
+            while len(results) < 2:
+                await asyncio.sleep(0.01)
+            killed_at = time.monotonic()
+            cluster.remove_node(lost)
+            await asyncio.gather(*tasks)
+            return killed_at, list(results.values())
+
+        killed_at, results = asyncio.run(lose_the_node())
+        for when, message in results:
+            print(f"EngineDeadError {when - killed_at:.2f}s after the node loss: {message}")
+            assert when - killed_at < 2.0
+    finally:
+        llm.shutdown()
+    survivor = ranks[0]["pid"]                 # stage 0's actor, on the head node
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(survivor) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not psutil.pid_exists(survivor) or \
+        psutil.Process(survivor).status() == psutil.STATUS_ZOMBIE
