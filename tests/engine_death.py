@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import time
+from typing import Callable
 
 from vllm_actors import AsyncLLM, EngineDeadError, RequestOutputKind, SamplingParams
 
@@ -13,10 +14,11 @@ LONG = SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True,
                       output_kind=RequestOutputKind.DELTA)
 
 
-async def kill_while_streaming(llm: AsyncLLM, pid: int, num_requests: int
-                               ) -> tuple[float, dict[str, tuple[float, str]]]:
-    """Start `num_requests` long streams, SIGKILL `pid` once all are streaming, and return
-    (kill time, {request id: (time of its EngineDeadError, message)}) on time.monotonic()."""
+async def kill_while_streaming(llm: AsyncLLM, pid: int | Callable[[], None],
+                               num_requests: int) -> tuple[float, dict[str, tuple[float, str]]]:
+    """Start `num_requests` long streams, SIGKILL `pid` (or call it: take a node away) once
+    all are streaming, and return (kill time, {request id: (time of its EngineDeadError,
+    message)}) on time.monotonic()."""
     results: dict = {}
 
     async def consume(name: str) -> None:
@@ -30,6 +32,9 @@ async def kill_while_streaming(llm: AsyncLLM, pid: int, num_requests: int
     while len(results) < num_requests:
         await asyncio.sleep(0.01)
     killed_at = time.monotonic()
-    os.kill(pid, signal.SIGKILL)
+    if callable(pid):
+        pid()
+    else:
+        os.kill(pid, signal.SIGKILL)
     await asyncio.gather(*tasks)
     return killed_at, results

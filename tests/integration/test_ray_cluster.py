@@ -15,6 +15,7 @@ import time
 
 import psutil
 import pytest
+from engine_death import kill_while_streaming
 
 from vllm_actors import AsyncLLM, EngineDeadError, SamplingParams
 
@@ -140,25 +141,9 @@ def test_pipeline_stages_on_two_nodes(cluster, smollm2_path, smollm2_llm, monkey
             if ranks[1]["ray_node_id"] != cluster.head_node.node_id else None
         assert lost is not None, "the second stage should not share the head node"
 
-        async def lose_the_node() -> tuple[float, list]:
-            results: dict = {}
-
-            async def stream(name: str) -> None:
-                try:
-                    async for _ in llm.generate("Count:", LONG, name):
-                        results.setdefault(name, "streaming")
-                except EngineDeadError as e:
-                    results[name] = (time.monotonic(), str(e))
-            tasks = [asyncio.create_task(stream(f"p{i}")) for i in range(2)]
-            while len(results) < 2:
-                await asyncio.sleep(0.01)
-            killed_at = time.monotonic()
-            cluster.remove_node(lost)
-            await asyncio.gather(*tasks)
-            return killed_at, list(results.values())
-
-        killed_at, results = asyncio.run(lose_the_node())
-        for when, message in results:
+        killed_at, results = asyncio.run(kill_while_streaming(
+            llm, lambda: cluster.remove_node(lost), 2))
+        for when, message in results.values():
             print(f"EngineDeadError {when - killed_at:.2f}s after the node loss: {message}")
             assert when - killed_at < 2.0
     finally:

@@ -84,7 +84,27 @@ def _launch(addresses: IpcAddresses, env_overrides: dict[str, str] | None,
                              addresses.directory, str(os.getpid())], env=env, preexec_fn=pin)
 
 
-class CoreClient:
+class CoreChannel:
+    """Messages to and from a core over the client's two sockets (shared by the local and
+    the Ray core clients)."""
+
+    input_socket: zmq.Socket
+    output_socket: zmq.asyncio.Socket
+    encoder: Encoder
+    decoder: Decoder
+    _send_lock: threading.Lock
+
+    def send(self, message: FrontendMessage) -> None:
+        """Queue a message for the core; never blocks, callable from any thread."""
+        with self._send_lock:
+            self.input_socket.send_multipart(self.encoder.encode(message), copy=False)
+
+    async def recv(self) -> Any:
+        """The next CoreMessage (call from one task at a time)."""
+        return self.decoder.decode(await self.output_socket.recv_multipart(copy=False))
+
+
+class CoreClient(CoreChannel):
     """Starts the engine core and talks to it.
 
     Args:
@@ -166,15 +186,6 @@ class CoreClient:
         """A file descriptor that becomes readable when the core process ends (Linux pidfd),
         or None (thread mode, or no pidfd: then watch `is_alive`)."""
         return self._res.pidfd
-
-    def send(self, message: FrontendMessage) -> None:
-        """Queue a message for the core; never blocks, callable from any thread."""
-        with self._send_lock:
-            self.input_socket.send_multipart(self.encoder.encode(message), copy=False)
-
-    async def recv(self) -> Any:
-        """The next CoreMessage (call from one task at a time)."""
-        return self.decoder.decode(await self.output_socket.recv_multipart(copy=False))
 
     def shutdown(self) -> None:
         """Ask the core to stop, wait for it (terminate it if it hangs), close sockets and

@@ -23,14 +23,14 @@ import zmq.asyncio
 from vllm_actors.config import EngineConfig
 from vllm_actors.enginecore.ray_actor import EngineCoreActor
 from vllm_actors.errors import EngineDeadError
-from vllm_actors.frontend.core_client import await_ready
-from vllm_actors.protocol.engine import CoreMessage, FrontendMessage, Shutdown
+from vllm_actors.frontend.core_client import CoreChannel, await_ready
+from vllm_actors.protocol.engine import CoreMessage, Shutdown
 from vllm_actors.protocol.wire import Decoder, Encoder, TcpAddresses
 
 SHUTDOWN_TIMEOUT_S = 5.0
 
 
-class RayCoreClient:
+class RayCoreClient(CoreChannel):
     """Args:
         config: the engine configuration.
         ray: the imported, initialized `ray` module.
@@ -96,13 +96,6 @@ class RayCoreClient:
     def where(self) -> dict[str, object]:
         """The actor's pid and Ray node id."""
         return self.ray.get(self.actor.where.remote(), timeout=10)
-
-    def send(self, message: FrontendMessage) -> None:
-        with self._send_lock:
-            self.input_socket.send_multipart(self.encoder.encode(message), copy=False)
-
-    async def recv(self) -> Any:
-        return self.decoder.decode(await self.output_socket.recv_multipart(copy=False))
 
     def shutdown(self) -> None:
         """Ask the core to stop, wait for its actor (kill it if it hangs), close the
