@@ -45,10 +45,11 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
                         help="devices (worker processes) to split the model over")
     parser.add_argument("--distributed-executor-backend", default=None,
                         choices=DISTRIBUTED_EXECUTOR_BACKENDS,
-                        help="mp (default when --tensor-parallel-size > 1): one worker "
-                             "process per device; uni: the worker in the engine core's "
-                             "process (size 1 only); ray: ranks as Ray actors on one node "
-                             "of the cluster in RAY_ADDRESS, else a local one")
+                        help="mp (default when tensor x pipeline parallel size > 1): one "
+                             "worker process per device; uni: the worker in the engine "
+                             "core's process (size 1 only); ray: ranks as Ray actors of the "
+                             "cluster in RAY_ADDRESS, else a local one (a stage's ranks on "
+                             "one node, the stages spread over the nodes)")
     parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                         help="pipeline stages: the layers split over this many groups of "
                              "--tensor-parallel-size worker processes, that many steps in "

@@ -106,9 +106,7 @@ class EngineCore:
         has_work = step_input.num_scheduled_tokens or step_input.finished_req_ids
         step_output = self.executor.execute(step_input) if has_work else StepOutput()
         outputs = self.scheduler.update_from_output(step_input, step_output)
-        stats = self.scheduler.make_stats()
-        stats.num_waiting_reqs += len(self.structured.pending)   # waiting for their grammar
-        return EngineCoreOutputs(failed + outputs, time.time(), stats)
+        return self._outputs(failed + outputs)
 
     def _step_pipelined(self) -> EngineCoreOutputs:
         """Submit a new step while fewer than P are in flight and it has tokens to run;
@@ -126,9 +124,12 @@ class EngineCore:
         if self.in_flight and (not submitted or len(self.in_flight) >= self.max_in_flight):
             step_input = self.in_flight.popleft()
             outputs = self.scheduler.update_from_output(step_input, self.executor.collect())
+        return self._outputs(failed + outputs)
+
+    def _outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
         stats = self.scheduler.make_stats()
-        stats.num_waiting_reqs += len(self.structured.pending)
-        return EngineCoreOutputs(failed + outputs, time.time(), stats)
+        stats.num_waiting_reqs += len(self.structured.pending)   # waiting for their grammar
+        return EngineCoreOutputs(outputs, time.time(), stats)
 
     def _admit_compiled_grammars(self) -> list[EngineCoreOutput]:
         """Requests whose grammar is ready join the scheduler; failed ones finish with an

@@ -40,8 +40,9 @@ class Scheduler:
         """pipeline_depth: steps in flight at most (pipeline parallel size)."""
         self.config = config
         self.pipeline_depth = pipeline_depth
-        self.send_new_tokens = pipeline_depth > 1
-        self.in_flight: dict[str, int] = {}     # request id -> its steps not yet updated
+        # request id -> its steps not yet updated (kept with pipeline parallelism only:
+        # otherwise every step is updated before the next is scheduled)
+        self.in_flight: dict[str, int] = {}
         self.kv = kv
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
@@ -132,7 +133,7 @@ class Scheduler:
             cached.req_ids.append(request.request_id)
             cached.new_block_ids.append([[b.block_id for b in group] for group in new_blocks])
             cached.num_computed_tokens.append(request.num_computed_tokens)
-            if self.send_new_tokens:
+            if self.pipeline_depth > 1:
                 cached.new_token_ids.append(request.all_token_ids[request.num_tokens_sent:])
                 request.num_tokens_sent = request.num_tokens
             step.num_scheduled_tokens[request.request_id] = num_new
@@ -175,17 +176,19 @@ class Scheduler:
             self._schedule_waiting(step, budget)
         step.finished_req_ids = self.finished_req_ids
         self.finished_req_ids = []
-        for req_id in step.num_scheduled_tokens:
-            self.in_flight[req_id] = self.in_flight.get(req_id, 0) + 1
+        if self.pipeline_depth > 1:
+            for req_id in step.num_scheduled_tokens:
+                self.in_flight[req_id] = self.in_flight.get(req_id, 0) + 1
         return step
 
     def update_from_output(self, step: StepInput, output: StepOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop rules, free finished requests. Partial prompt
         chunks (no sampled token) produce no output."""
-        for req_id in step.num_scheduled_tokens:
-            left = self.in_flight.pop(req_id) - 1
-            if left:
-                self.in_flight[req_id] = left
+        if self.pipeline_depth > 1:
+            for req_id in step.num_scheduled_tokens:
+                left = self.in_flight.pop(req_id) - 1
+                if left:
+                    self.in_flight[req_id] = left
         outputs = []
         for req_id, reason in output.failed.items():
             request = self.requests.get(req_id)

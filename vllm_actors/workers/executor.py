@@ -29,7 +29,6 @@ from vllm_actors.workers import launcher
 from vllm_actors.workers.parallel_state import DEFAULT_SLOT_BYTES, communicator_bytes
 from vllm_actors.workers.shm import SharedBuffer
 from vllm_actors.workers.shm_broadcast import RingWriter, SocketChannel, ring_bytes
-from vllm_actors.workers.submit import SequentialSubmit
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +73,8 @@ class Executor(Protocol):
         """Stop every rank; safe to call more than once, and before `start`."""
 
 
-class InprocExecutor(SequentialSubmit):
-    """One RankHost in this process."""
+class InprocExecutor:
+    """One RankHost in this process; a submitted step runs when collected (no overlap)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -90,6 +89,12 @@ class InprocExecutor(SequentialSubmit):
 
     def execute(self, step: StepInput) -> StepOutput:
         return self.host.execute_step(step)
+
+    def submit(self, step: StepInput) -> None:
+        self._submitted.append(step)
+
+    def collect(self) -> StepOutput:
+        return self.execute(self._submitted.popleft())
 
     def collective_rpc(self, method: str, args: Sequence[Any] = ()) -> list[Any]:
         return [self.host.call(method, list(args))]

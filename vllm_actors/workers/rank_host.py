@@ -50,8 +50,9 @@ class RankHost:
         if comm is not None:
             group = self.platform.group(comm, backend)
             # CPU ranks (numpy, cpu, OpenCL on PoCL) outnumbering the cores sleep, not spin
-            set_oversubscribed(self.stage.size > 1 or self.platform.shares_cores(backend,
-                                                          world_size * self.stage.size))
+            # (pipeline stages too: a stage idles while the others work)
+            set_oversubscribed(self.stage.size > 1 or
+                               self.platform.shares_cores(backend, world_size))
         self.runner = ModelRunner(config, backend=backend, tp=group, allocate_kv=allocate_kv,
                                   stage=self.stage, channel=channel)
 

@@ -90,8 +90,3 @@ class StageChannel:
         shape, dtype = msgspec.msgpack.decode(header.buffer)
         # a copy: the receiving model adds into its residual stream in place
         return np.frombuffer(payload.buffer, np.dtype(dtype)).reshape(shape).copy()
-
-    def close(self) -> None:
-        for socket in (self.sender, self.receiver):
-            if socket is not None:
-                socket.close(linger=0)
