@@ -16,6 +16,8 @@ from typing import Any
 from vllm_actors.config_parallel import (DISTRIBUTED_EXECUTOR_BACKENDS,  # noqa: F401
                                          ParallelConfig, add_parallel_args,
                                          parallel_config)
+from vllm_actors.config_speculative import (SpeculativeConfig, add_speculative_args,
+                                            speculative_config)
 from vllm_actors.errors import ValidationError
 
 
@@ -150,6 +152,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig | None = None
 
 
 @dataclass
@@ -185,6 +188,7 @@ class EngineArgs:
     generation_config: str = "auto"
     served_model_name: str | None = None
     max_logprobs: int = 20
+    speculative_config: str | dict[str, Any] | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -249,6 +253,7 @@ class EngineArgs:
         parser.add_argument("--opencl-device", type=int, default=0,
                             help="--device opencl: device index within the platform")
         add_parallel_args(parser)
+        add_speculative_args(parser)
         parser.add_argument("--multiprocessing", action=argparse.BooleanOptionalAction,
                             default=True, help="run the engine core in its own process (off: "
                                                "in a thread, for debugging and profiling)")
@@ -276,8 +281,13 @@ class EngineArgs:
             raise ValidationError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                                   f"got {self.scheduling_policy!r}", "scheduling_policy")
         self._check_not_yet_implemented()
+        parallel = parallel_config(self)
+        speculative = speculative_config(self.speculative_config)
+        if speculative is not None and parallel.pipeline_parallel_size > 1:
+            raise ValidationError("--speculative-config does not work with "
+                                  "--pipeline-parallel-size > 1 yet", "speculative_config")
         return EngineConfig(
-            parallel=parallel_config(self),
+            parallel=parallel, speculative=speculative,
             model=ModelConfig(self.model, self.chat_template, self.max_model_len, self.seed,
                               self.generation_config, self.served_model_name,
                               self.max_logprobs),

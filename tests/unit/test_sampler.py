@@ -124,8 +124,24 @@ def test_logprobs_are_raw_and_ranked():
 
 def test_output_counts():
     token_ids = np.array([[1, 2, 2, 3, 0], [4, 4, 4, 4, 4]])
-    counts = output_counts(token_ids, np.array([1, 2]), np.array([4, 5]), 6)
+    counts = output_counts(token_ids, np.array([0, 1]), np.array([1, 2]), np.array([4, 5]), 6)
     assert counts.tolist() == [[0, 0, 2, 1, 0, 0], [0, 0, 0, 0, 3, 0]]
+    # rows are batch rows: a penalized request need not sit in row 0
+    counts = output_counts(token_ids, np.array([1]), np.array([1]), np.array([3]), 6)
+    assert counts.tolist() == [[0, 0, 0, 0, 2, 0]]
+
+
+def test_penalties_read_the_penalized_rows_own_tokens():
+    """Regression: the penalties counted row 0's tokens for a request in another row."""
+    state = SamplingState(4)
+    state.set_row(0, SamplingParams(temperature=0), [])
+    state.set_row(1, SamplingParams(temperature=0, frequency_penalty=2.0), [])
+    token_ids = np.zeros((4, 8), np.int32)
+    token_ids[0, :4] = [1, 1, 1, 1]
+    token_ids[1, :4] = [2, 3, 3, 3]
+    out = Sampler(0).processed_logits(np.zeros((1, 5), np.float32), np.array([1]), state,
+                                      token_ids, np.array([1, 1, 0, 0]), np.array([4, 4, 0, 0]))
+    assert out.tolist() == [[0.0, 0.0, 0.0, -6.0, 0.0]]
 
 
 def reference_top_p(probs: np.ndarray, top_p: float) -> np.ndarray:

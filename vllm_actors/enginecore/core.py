@@ -16,6 +16,7 @@ from vllm_actors.errors import ValidationError
 from vllm_actors.enginecore.kv_cache_manager import KVCacheManager
 from vllm_actors.enginecore.request import Request
 from vllm_actors.enginecore.scheduler import Scheduler
+from vllm_actors.enginecore.spec_decode import DraftPolicy
 from vllm_actors.enginecore.structured_output import StructuredOutputManager
 from vllm_actors.protocol.engine import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
                                          EngineReady, FinishReason, SchedulerStats)
@@ -39,8 +40,9 @@ class EngineCore:
                             config.cache.enable_prefix_caching, self.ready.kv_group_windows)
         self.max_in_flight = config.parallel.pipeline_parallel_size
         self.in_flight: collections.deque[StepInput] = collections.deque()
+        drafts = DraftPolicy(config.speculative) if config.speculative else None
         self.scheduler = Scheduler(config.scheduler, kv, self.ready.max_model_len,
-                                   pipeline_depth=self.max_in_flight)
+                                   pipeline_depth=self.max_in_flight, drafts=drafts)
         self.structured = StructuredOutputManager(config.model.model, self.ready.vocab_size)
 
     def collective_rpc(self, method: str, args: list[Any]) -> list[Any]:
@@ -152,4 +154,6 @@ class EngineCore:
                     if r.grammar is not None and r.num_computed_tokens >= r.num_tokens]
         if sampling:
             step.grammar_req_ids = [r.request_id for r in sampling]
-            step.grammar_bitmask = self.structured.bitmask(sampling)
+            drafts = [step.spec_token_ids.get(r.request_id, []) for r in sampling] \
+                if step.spec_token_ids else None
+            step.grammar_bitmask = self.structured.bitmask(sampling, drafts)

@@ -142,9 +142,11 @@ class KVCacheManager:
             self.pool.free_blocks(reversed(removed))
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: GroupBlocks | None = None) -> GroupBlocks | None:
+                       new_computed_blocks: GroupBlocks | None = None,
+                       num_lookahead_tokens: int = 0) -> GroupBlocks | None:
         """Reserve blocks for `num_new_tokens` more tokens after the computed ones (and after
-        `new_computed_blocks`, prefix hits being added now, per group).
+        `new_computed_blocks`, prefix hits being added now, per group), and for
+        `num_lookahead_tokens` after those (a draft model's own drafts; never cached).
 
         Returns the blocks appended to the request's lists (hits first), per group, or None
         when the free list cannot cover them; only blocks behind a window are given back in
@@ -157,7 +159,7 @@ class KVCacheManager:
         current = blocks or [[] for _ in self.windows]
         num_computed = request.num_computed_tokens + len(hits[0]) * self.block_size
         total = num_computed + num_new_tokens
-        num_full = -(-total // self.block_size)
+        num_full = -(-(total + num_lookahead_tokens) // self.block_size)
         num_needed = [max(num_full - len(b) - len(h), 0) for b, h in zip(current, hits)]
         num_evictable_hits = sum(1 for h in hits for b in h
                                  if b.ref_cnt == 0 and b is not self.null_block)

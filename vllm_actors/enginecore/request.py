@@ -50,6 +50,8 @@ class Request:
         self.cache_salt = req.cache_salt
         self.block_hashes: list[BlockHash] = []
         self.grammar = None   # an llguidance matcher, for structured outputs
+        self.spec_token_ids: list[int] = []   # drafts to verify next (speculative decoding)
+        self.spec_acceptance = 1.0   # recent fraction of drafts accepted (spec_decode.py)
         self.error: str | None = None   # why the request failed (finish_reason ERROR)
         self.error_param: str | None = None   # the request field at fault, if it was
         extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, self.cache_salt)

@@ -24,7 +24,9 @@ from vllm_actors.config import SchedulerConfig
 from vllm_actors.enginecore.admission import make_waiting_queue
 from vllm_actors.enginecore.kv_cache_manager import KVCacheManager
 from vllm_actors.enginecore.request import Request, RequestStatus
-from vllm_actors.protocol.engine import EngineCoreOutput, FinishReason, SchedulerStats
+from vllm_actors.enginecore.spec_decode import DraftPolicy
+from vllm_actors.protocol.engine import (EngineCoreOutput, FinishReason, SchedulerStats,
+                                         SpecDecodingStats, TokenLogprobs)
 from vllm_actors.protocol.step import CachedRequestData, NewRequestData, StepInput, StepOutput
 
 
@@ -36,9 +38,13 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 pipeline_depth: int = 1) -> None:
-        """pipeline_depth: steps in flight at most (pipeline parallel size)."""
+                 pipeline_depth: int = 1, drafts: DraftPolicy | None = None) -> None:
+        """pipeline_depth: steps in flight at most (pipeline parallel size).
+        drafts: speculative decoding's rules for the workers' drafts (None: no drafts)."""
         self.config = config
+        self.drafts = drafts
+        self.num_lookahead_tokens = drafts.num_lookahead_tokens if drafts else 0
+        self.spec_stats: SpecDecodingStats | None = None   # this step's verifications
         self.pipeline_depth = pipeline_depth
         # request id -> its steps not yet updated (kept with pipeline parallelism only:
         # otherwise every step is updated before the next is scheduled)
@@ -91,6 +97,8 @@ class Scheduler:
     def _preempt(self, victim: Request, step: StepInput) -> None:
         self.running.remove(victim)
         self.kv.free(victim)
+        victim.spec_token_ids = []
+        step.spec_token_ids.pop(victim.request_id, None)
         if step.num_scheduled_tokens.pop(victim.request_id, None) is not None:
             # already scheduled earlier in this step: take it out again
             cached = step.cached_requests
@@ -110,12 +118,15 @@ class Scheduler:
         i, left = 0, -(-len(self.running) // self.pipeline_depth)   # this step's share
         while i < len(self.running) and budget > 0 and left > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget,
+            num_new = min(request.num_tokens + len(request.spec_token_ids)
+                          - request.num_computed_tokens, budget,
                           self.max_model_len - 1 - request.num_computed_tokens)
             if num_new <= 0:
                 i += 1
                 continue
-            new_blocks = self.kv.allocate_slots(request, num_new)
+            lookahead = min(self.num_lookahead_tokens,
+                            self.max_model_len - request.num_computed_tokens - num_new)
+            new_blocks = self.kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
             while new_blocks is None:
                 victim = self._pick_victim()
                 if victim is None:     # every candidate is in flight: wait for them
@@ -126,7 +137,8 @@ class Scheduler:
                 self._preempt(victim, step)
                 if victim is request:
                     break
-                new_blocks = self.kv.allocate_slots(request, num_new)
+                new_blocks = self.kv.allocate_slots(request, num_new,
+                                                    num_lookahead_tokens=lookahead)
             if new_blocks is None:
                 continue
             cached = step.cached_requests
@@ -137,6 +149,9 @@ class Scheduler:
                 cached.new_token_ids.append(request.all_token_ids[request.num_tokens_sent:])
                 request.num_tokens_sent = request.num_tokens
             step.num_scheduled_tokens[request.request_id] = num_new
+            num_drafts = request.num_computed_tokens + num_new - request.num_tokens
+            if num_drafts > 0:
+                step.spec_token_ids[request.request_id] = request.spec_token_ids[:num_drafts]
             request.num_computed_tokens += num_new
             budget -= num_new
             left -= 1
@@ -150,7 +165,9 @@ class Scheduler:
             hits, num_hit = (None, 0) if request.params.prompt_logprobs is not None else \
                 self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
-            if self.kv.allocate_slots(request, num_new, hits) is None:
+            lookahead = min(self.num_lookahead_tokens,
+                            self.max_model_len - num_hit - num_new)
+            if self.kv.allocate_slots(request, num_new, hits, lookahead) is None:
                 break
             self.waiting.pop(request)
             self.running.append(request)
@@ -170,7 +187,7 @@ class Scheduler:
     def schedule(self) -> StepInput:
         """Choose this step's work; computed counts advance as if the step will succeed."""
         self.num_preemptions = 0
-        step = StepInput(cached_requests=CachedRequestData())
+        step = StepInput(cached_requests=CachedRequestData(), spec_token_ids={})
         budget = self._schedule_running(step, self.config.max_num_batched_tokens)
         if self.num_preemptions == 0:
             self._schedule_waiting(step, budget)
@@ -202,14 +219,27 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or not token_ids:   # aborted meanwhile, or mid-prompt
                 continue
+            drafts = step.spec_token_ids.get(req_id)
+            if drafts:   # the rejected drafts' KV is stale: compute from the first again
+                request.num_computed_tokens -= len(drafts) + 1 - len(token_ids)
+                self._observe_drafts(request, len(drafts), len(token_ids) - 1)
+            num_appended = 0
             for token_id in token_ids:
                 request.append_output_token(token_id)
+                num_appended += 1
                 if request.check_stop():
                     break
+            logprobs = output.logprobs.get(req_id)
+            if num_appended < len(token_ids):   # stopped before the last accepted token
+                token_ids = token_ids[:num_appended]
+                logprobs = logprobs and _first_positions(logprobs, num_appended)
+            elif self.drafts is not None:
+                request.spec_token_ids = self.drafts.accept(
+                    request, output.draft_token_ids.get(req_id, ()), len(self.running))
             outputs.append(EngineCoreOutput(
                 req_id, list(token_ids), request.finish_reason, request.stop_reason,
                 request.num_cached_tokens, request.error, scheduled_time=request.scheduled_time,
-                logprobs=output.logprobs.get(req_id),
+                logprobs=logprobs,
                 prompt_logprobs=output.prompt_logprobs.get(req_id),
                 error_param=request.error_param))
             request.scheduled_time = None
@@ -218,7 +248,19 @@ class Scheduler:
                 self._free(request)
         return outputs
 
+    def _observe_drafts(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        if self.spec_stats is None:
+            self.spec_stats = SpecDecodingStats()
+        self.spec_stats.observe(num_drafts, num_accepted)
+        if self.drafts is not None:
+            self.drafts.observe(request, num_drafts, num_accepted)
+
     def make_stats(self) -> SchedulerStats:
         queries, hits = self.kv.take_prefix_stats()
+        spec, self.spec_stats = self.spec_stats, None
         return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, queries, hits,
-                              self.num_preemptions)
+                              self.num_preemptions, spec)
+
+
+def _first_positions(logprobs: TokenLogprobs, n: int) -> TokenLogprobs:
+    return TokenLogprobs(logprobs.token_ids[:n], logprobs.logprobs[:n], logprobs.ranks[:n])

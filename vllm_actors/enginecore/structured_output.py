@@ -7,8 +7,9 @@ queue with its matcher attached (`Request.grammar`). A grammar that fails to com
 its request with an error. Each step, `bitmask()` writes one row of allowed-token bits per
 sampling request (bit t of word t // 32 set = token t allowed) and the worker masks the
 logits with it; `Request.append_output_token` advances the matcher and `check_stop` ends the
-request when the grammar is complete. Matchers can be rolled back (llguidance keeps the
-history), which speculative decoding will need.
+request when the grammar is complete. With speculative decoding a request's drafts are
+checked against its grammar before they are scheduled (`DraftPolicy`) and it gets one mask
+per sampled position.
 
 The tokenizer (needed to map grammar bytes to token ids) is loaded on the first structured
 request, on the same worker thread.
@@ -92,13 +93,22 @@ class StructuredOutputManager:
             self.pending.pop(req_id)[1].cancel()
         return found
 
-    def bitmask(self, requests: list[Request]) -> bytes:
-        """Allowed-token bits [len(requests), num_words] int32 for requests about to sample,
-        as bytes (the worker reads them with np.frombuffer)."""
-        mask = np.full((len(requests), self.num_words), -1, np.int32)
+    def bitmask(self, requests: list[Request], drafts: list[list[int]] | None = None) -> bytes:
+        """Allowed-token bits [rows, num_words] int32 for requests about to sample, as bytes
+        (the worker reads them with np.frombuffer): one row per request, or with `drafts`
+        (per request, speculative decoding) 1 + len(drafts) consecutive rows, the mask
+        after each draft (the matcher is advanced through the drafts and rolled back)."""
+        sizes = [1] * len(requests) if drafts is None else [1 + len(d) for d in drafts]
+        mask = np.full((sum(sizes), self.num_words), -1, np.int32)
         if self.executor is None:
             self.executor = llguidance.LLExecutor()   # threads: 80 % of the cores, <= 32
-        matchers = [(r.grammar, i) for i, r in enumerate(requests)]
-        self.executor.unsafe_compute_mask_ptr(matchers, mask.ctypes.data, self.num_words * 4,
-                                              len(requests))
+        starts = np.cumsum([0] + sizes[:-1]).tolist()
+        if drafts is None or not any(drafts):
+            self.executor.unsafe_compute_mask_ptr(
+                [(r.grammar, k) for r, k in zip(requests, starts)], mask.ctypes.data,
+                self.num_words * 4, len(mask))
+        else:
+            self.executor.unsafe_compute_mask_ptr_with_draft_token(
+                [(r.grammar, k, d) for r, k, d in zip(requests, starts, drafts)],
+                mask.ctypes.data, self.num_words * 4, len(mask))
         return mask.tobytes()

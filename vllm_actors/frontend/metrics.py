@@ -6,14 +6,21 @@ over the engine cores as a dict (LLM.get_metrics)."""
 
 from __future__ import annotations
 
+import logging
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from vllm_actors.protocol.engine import SchedulerStats
+from vllm_actors.protocol.engine import SchedulerStats, SpecDecodingStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _COUNTED = ("vllm:num_preemptions", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
-            "vllm:prompt_tokens", "vllm:generation_tokens")
+            "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:spec_decode_num_drafts",
+            "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
+SPEC_LOG_INTERVAL_S = 10.0   # vLLM's stat-log interval
+
+logger = logging.getLogger("vllm_actors.metrics")
 
 
 class FrontendMetrics:
@@ -37,9 +44,16 @@ class FrontendMetrics:
                 "vllm:prefix_cache_queries": "Prefix cache queries, in tokens.",
                 "vllm:prefix_cache_hits": "Prefix cache hits, in tokens.",
                 "vllm:prompt_tokens": "Number of prefill tokens processed.",
-                "vllm:generation_tokens": "Number of generation tokens processed."}
+                "vllm:generation_tokens": "Number of generation tokens processed.",
+                "vllm:spec_decode_num_drafts": "Number of spec decoding drafts.",
+                "vllm:spec_decode_num_draft_tokens": "Number of draft tokens.",
+                "vllm:spec_decode_num_accepted_tokens": "Number of accepted tokens."}
         self.counters = {name: Counter(name, docs[name], names, registry=reg)
                          for name in _COUNTED}
+        self.accepted_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft "
+            "position.", names + ["position"], registry=reg)
+        self.spec_log = SpecDecodingLog()
         self.success = Counter("vllm:request_success", "Count of finished requests.",
                                names + ["finished_reason"], registry=reg)
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.")
@@ -82,6 +96,14 @@ class FrontendMetrics:
         self._count("vllm:num_preemptions", engine, stats.num_preemptions)
         self._count("vllm:prefix_cache_queries", engine, stats.prefix_cache_queries)
         self._count("vllm:prefix_cache_hits", engine, stats.prefix_cache_hits)
+        spec = stats.spec_decoding
+        if spec is not None:
+            self._count("vllm:spec_decode_num_drafts", engine, spec.num_drafts)
+            self._count("vllm:spec_decode_num_draft_tokens", engine, spec.num_draft_tokens)
+            self._count("vllm:spec_decode_num_accepted_tokens", engine, spec.num_accepted_tokens)
+            for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
+                self.accepted_per_pos.labels(position=str(pos), **labels).inc(n)
+            self.spec_log.observe(spec)
 
     def observe_tokens(self, num_new: int, first_token_s: float | None,
                        since_last_s: float | None, engine: int = 0) -> None:
@@ -122,3 +144,38 @@ class FrontendMetrics:
     def render(self) -> bytes:
         """Prometheus text exposition."""
         return generate_latest(self.registry)
+
+
+class SpecDecodingLog:
+    """vLLM's periodic spec-decoding log line: acceptance since the last line, at most one
+    line per `SPEC_LOG_INTERVAL_S`, only when drafts were verified."""
+
+    def __init__(self) -> None:
+        self.since = time.monotonic()
+        self.window = SpecDecodingStats()
+
+    def observe(self, stats: SpecDecodingStats) -> None:
+        w = self.window
+        w.num_drafts += stats.num_drafts
+        w.num_draft_tokens += stats.num_draft_tokens
+        w.num_accepted_tokens += stats.num_accepted_tokens
+        per_pos = w.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (len(stats.num_accepted_tokens_per_pos) - len(per_pos)))
+        for i, n in enumerate(stats.num_accepted_tokens_per_pos):
+            per_pos[i] += n
+        now = time.monotonic()
+        if now - self.since >= SPEC_LOG_INTERVAL_S and w.num_drafts:
+            logger.info(self.line(now - self.since))
+            self.since, self.window = now, SpecDecodingStats()
+
+    def line(self, seconds: float) -> str:
+        w = self.window
+        rate = w.num_accepted_tokens / max(w.num_draft_tokens, 1)
+        per_pos = ", ".join(f"{n / w.num_drafts:.3f}" for n in w.num_accepted_tokens_per_pos)
+        return (f"SpecDecoding metrics: Mean acceptance length: "
+                f"{1 + w.num_accepted_tokens / w.num_drafts:.2f}, Accepted throughput: "
+                f"{w.num_accepted_tokens / seconds:.2f} tokens/s, Drafted throughput: "
+                f"{w.num_draft_tokens / seconds:.2f} tokens/s, Accepted: "
+                f"{w.num_accepted_tokens} tokens, Drafted: {w.num_draft_tokens} tokens, "
+                f"Per-position acceptance rate: {per_pos}, Avg Draft acceptance rate: "
+                f"{100 * rate:.1f}%")

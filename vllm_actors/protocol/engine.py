@@ -92,6 +92,30 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
         return self.finish_reason is not None
 
 
+class SpecDecodingStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Drafts verified in one step (vLLM's spec-decode counters).
+
+    Attributes:
+        num_drafts: requests whose drafts were verified.
+        num_draft_tokens / num_accepted_tokens: drafted / accepted tokens over them.
+        num_accepted_tokens_per_pos: accepted drafts by position (index 0: first draft).
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = []
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (num_accepted - len(per_pos)))
+        for i in range(num_accepted):
+            per_pos[i] += 1
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """The scheduler's state after a step.
 
@@ -100,6 +124,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         prefix_cache_queries / prefix_cache_hits: prompt tokens looked up / found in the
             prefix cache by this step's admissions.
         num_preemptions: requests preempted (KV freed, to be recomputed) in this step.
+        spec_decoding: this step's verified drafts (speculative decoding only).
     """
 
     num_running_reqs: int = 0
@@ -108,6 +133,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    spec_decoding: SpecDecodingStats | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=11):

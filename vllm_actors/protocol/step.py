@@ -55,9 +55,13 @@ class StepInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
             worker lays them out (running requests first, then newly admitted ones).
         finished_req_ids: requests to forget (finished, aborted or preempted) before the step;
             a preempted request comes back later as a NewRequestData with all its tokens.
+        spec_token_ids: draft tokens to verify, per request (speculative decoding): they
+            follow the request's last known token and are counted in its scheduled tokens;
+            the worker samples at the last known token and at every draft.
         grammar_req_ids / grammar_bitmask: structured-output requests that sample this step
-            and their allowed tokens, int32 [len(grammar_req_ids), ceil(vocab / 32)] as bytes
-            (bit t % 32 of word t // 32 set = token t allowed).
+            and their allowed tokens, int32 [rows, ceil(vocab / 32)] as bytes (bit t % 32 of
+            word t // 32 set = token t allowed); a request with drafts has one row per
+            sampled position (1 + its drafts), consecutive, in grammar_req_ids order.
     """
 
     new_requests: list[NewRequestData] = []
@@ -66,6 +70,7 @@ class StepInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     finished_req_ids: list[str] = []
     grammar_req_ids: list[str] = []
     grammar_bitmask: bytes = b""
+    spec_token_ids: dict[str, list[int]] = {}
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -82,7 +87,12 @@ class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
         failed_params: for failed requests at fault themselves (a grammar that allows no
             token, masks that leave none), the request field to blame.
         logprobs / prompt_logprobs: for requests that asked, keyed by request id (prompt
-            logprobs arrive once, with the request's first sampled token).
+            logprobs arrive once, with the request's first sampled token); with drafts, one
+            entry per sampled token.
+        draft_token_ids: speculative decoding: drafts proposed for the next step, per
+            request that sampled (the core may shorten or drop them).
+
+    With drafts, sampled_token_ids holds the accepted drafts and one token after them.
     """
 
     req_ids: list[str] = []
@@ -91,3 +101,4 @@ class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     logprobs: dict[str, TokenLogprobs] = {}
     prompt_logprobs: dict[str, TokenLogprobs] = {}
     failed_params: dict[str, str] = {}
+    draft_token_ids: dict[str, list[int]] = {}

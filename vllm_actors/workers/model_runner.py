@@ -24,9 +24,12 @@ from vllm_actors.models.registry import load_model
 from vllm_actors.protocol.engine import EngineReady, TokenLogprobs
 from vllm_actors.protocol.step import StepInput, StepOutput
 from vllm_actors.workers.input_batch import InputBatch
-from vllm_actors.workers.kv_cache import num_kv_blocks
-from vllm_actors.workers.sampler import (Sampler, apply_token_bitmask, log_softmax,
-                                        top_logprobs)
+from vllm_actors.workers.kv_cache import kv_bytes_per_block, num_kv_blocks
+from vllm_actors.workers.sampler import (SampledLogprobs, Sampler, apply_token_bitmask,
+                                        log_softmax, top_logprobs)
+from vllm_actors.workers.spec_decode.proposers import make_proposer
+from vllm_actors.workers.spec_decode.verify import (SampleLayout, accepted_tokens,
+                                                    sample_layout)
 from vllm_actors.workers.warm_up import warm_up
 
 logger = logging.getLogger(__name__)
@@ -78,10 +81,19 @@ class ModelRunner:
         self.layer_ids = list(getattr(self.model, "layer_ids", range(args.num_layers)))
         slot_of = layer_slots(self.kv_groups)[1]
         self.kv_slots = sorted({slot_of[i] for i in self.layer_ids})   # this stage's slots
+        # drafts for speculative decoding come from rank 0
+        self.proposer = make_proposer(config, self.backend, args) \
+            if config.speculative is not None and self.tp.rank == 0 else None
         self.num_blocks = num_kv_blocks(config.cache, self.local_args, self.max_model_len,
                                         self.backend.free_memory(),
                                         config.scheduler.max_num_batched_tokens,
                                         len(self.kv_slots))
+        draft_bytes = self.proposer.kv_bytes_per_block() if self.proposer else 0
+        if draft_bytes and config.cache.num_gpu_blocks_override is None:
+            # the draft's cache shares the KV budget, block for block
+            target_bytes = kv_bytes_per_block(self.local_args, self.block_size, self.kv_groups,
+                                              len(self.kv_slots))
+            self.num_blocks = self.num_blocks * target_bytes // (target_bytes + draft_bytes)
         self.kv_caches: list = []
         if allocate_kv:
             self.initialize_kv_cache(self.num_blocks)
@@ -104,6 +116,8 @@ class ModelRunner:
         index = {slot: i for i, slot in enumerate(self.kv_slots)}
         slot_of = layer_slots(self.kv_groups)[1]
         self.kv_caches = [slots[index[slot_of[layer]]] for layer in self.layer_ids]
+        if self.proposer is not None:
+            self.proposer.initialize_kv_cache(num_blocks)
         if getattr(self.backend, "compiles_lazily", False):
             self._warm_up()
 
@@ -124,6 +138,8 @@ class ModelRunner:
         batch = self.batch
         for req_id in step.finished_req_ids:
             batch.remove_request(req_id)
+            if self.proposer is not None:
+                self.proposer.finish(req_id)
         for new in step.new_requests:
             batch.add_request(new)
         cached = step.cached_requests
@@ -136,6 +152,10 @@ class ModelRunner:
             row = np.array([batch.req_id_to_row[req_id]])
             for token in tokens:                  # one at a time: append_tokens is per row
                 batch.append_tokens(row, np.array([token], np.int64))
+        for req_id, drafts in step.spec_token_ids.items():   # after the known tokens
+            row = batch.req_id_to_row[req_id]
+            batch.token_ids[row, batch.num_tokens[row]:batch.num_tokens[row] + len(drafts)] = \
+                drafts
 
     def _prepare(self, rows: np.ndarray, counts: np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[AttentionMetadata]]:
@@ -185,90 +205,132 @@ class ModelRunner:
 
     def _sample(self, hidden: object, meta: AttentionMetadata, rows: np.ndarray,
                 req_ids: list[str], step: StepInput, out: StepOutput) -> None:
+        """Sample for the requests whose scheduled tokens reach their last known token, at
+        that token and at each of their drafts (`spec_decode/verify.py`)."""
         batch = self.batch
         done = np.flatnonzero(batch.num_computed_tokens[rows] >= batch.num_tokens[rows])
         if not len(done):
             return
-        last = meta.query_start_loc[1:][done] - 1
+        drafts = [step.spec_token_ids.get(req_ids[i], []) for i in done.tolist()] \
+            if step.spec_token_ids else [[] for _ in range(len(done))]
+        layout = sample_layout(meta.query_start_loc[1:][done],
+                               np.fromiter(map(len, drafts), np.int64, len(done)))
+        entry_rows = rows[done][layout.owner]
         if self.tp.rank != 0:
-            self._follow_sampling(hidden, last, rows[done])
+            self._follow_sampling(hidden, layout, entry_rows, drafts)
             return
-        tokens = lp = None
-        if self.device_greedy and not step.grammar_req_ids and \
-                batch.sampling.plain_greedy(rows[done]):
-            # only the sampled ids come back from the device (-1: non-finite logits)
-            tokens = self.backend.argmax(self.model.compute_logits(hidden, last, on_device=True))
-            finite = tokens >= 0
-            tokens = tokens[finite].astype(np.int64)
-        else:
-            logits = self.model.compute_logits(hidden, last)
-            finite = np.isfinite(logits).all(axis=1)
-            if step.grammar_req_ids:
-                finite &= self._apply_grammar(logits, done, req_ids, step, out)
-            logits = logits[finite]
-        for i in done[~finite].tolist():
-            out.failed.setdefault(req_ids[i],
-                                  "the model produced non-finite logits for this request")
-        all_done, done = done, done[finite]
-        if len(done) and tokens is None:
-            tokens, lp, failed = self.sampler.sample(
-                logits, rows[done], batch.sampling, batch.token_ids, batch.num_prompt_tokens,
-                batch.num_tokens)
-            for j, (reason, param) in failed.items():
-                out.failed.setdefault(req_ids[done[j]], reason)
-                if param is not None:
-                    out.failed_params[req_ids[done[j]]] = param
+        tokens, lp = self._sample_entries(hidden, layout, entry_rows, done, req_ids, step, out)
         if self.tp.world_size > 1 and not self.follow_tokens:
-            shared = np.full(len(all_done), -1, np.int64)   # -1: no token (failed row)
-            if len(done):
-                shared[finite] = tokens
-            self.tp.broadcast_ids(shared, len(shared))
-        if not len(done):
-            return
-        sampled = tokens >= 0                              # -1: the sampler failed the row
-        done_rows = rows[done]
-        if not self.follow_tokens:
-            batch.append_tokens(done_rows[sampled], tokens[sampled])
-        for i, token in zip(done[sampled].tolist(), tokens[sampled].tolist()):
-            out.sampled_token_ids[i] = [token]
+            self.tp.broadcast_ids(tokens, len(tokens))
+        accepted = accepted_tokens(tokens, layout, drafts)
+        self._append_accepted(rows[done], accepted, drafts)
+        for i, kept in zip(done.tolist(), accepted):
+            if kept:
+                out.sampled_token_ids[i] = kept
         if lp is not None:
-            for j, i in enumerate(lp.rows.tolist()):
-                if sampled[i]:
-                    out.logprobs[req_ids[done[i]]] = _token_logprobs(
-                        lp.token_ids[j:j + 1], lp.logprobs[j:j + 1], lp.ranks[j:j + 1])
-        for i, row in zip(done.tolist(), done_rows.tolist()):
+            self._add_logprobs(lp, layout, done, accepted, req_ids, out)
+        for i, row in zip(done.tolist(), rows[done].tolist()):
             pieces = batch.prompt_logprobs.pop(row, None)
             if pieces:
                 out.prompt_logprobs[req_ids[i]] = TokenLogprobs(
                     [t for p in pieces for t in p.token_ids],
                     [v for p in pieces for v in p.logprobs], [r for p in pieces for r in p.ranks])
+        if self.proposer is not None:
+            self.proposer.propose_for(batch, rows[done], [req_ids[i] for i in done.tolist()],
+                                      accepted, out)
 
-    def _apply_grammar(self, logits: np.ndarray, done: np.ndarray, req_ids: list[str],
-                       step: StepInput, out: StepOutput) -> np.ndarray:
-        """Mask the structured-output rows of logits [len(done), V] with the step's bitmask.
-        Returns a boolean [len(done)]: False for rows whose grammar allows no token (they
-        are reported failed)."""
-        position = {req_id: i for i, req_id in enumerate(req_ids)}
-        scheduled = np.array([position[r] for r in step.grammar_req_ids], np.int64)
-        masked = np.searchsorted(done, scheduled)
-        assert (done[masked] == scheduled).all(), "grammar rows must sample this step"
-        bitmask = np.frombuffer(step.grammar_bitmask, np.int32).reshape(len(scheduled), -1)
-        ok = np.ones(len(done), bool)
-        for j in apply_token_bitmask(logits, masked, bitmask).tolist():
-            ok[masked[j]] = False
-            out.failed[step.grammar_req_ids[j]] = "the request's grammar allows no next token"
-            out.failed_params[step.grammar_req_ids[j]] = "structured_outputs"
-        return ok
+    def _sample_entries(self, hidden: object, layout: SampleLayout, entry_rows: np.ndarray,
+                        done: np.ndarray, req_ids: list[str], step: StepInput,
+                        out: StepOutput) -> tuple[np.ndarray, SampledLogprobs | None]:
+        """The token at every entry (-1: it could not be sampled; the first entry's failure
+        is reported), with logprobs for the entries that asked."""
+        batch, n = self.batch, layout.num_entries
+        tokens, lp = np.full(n, -1, np.int64), None
+        if self.device_greedy and not step.grammar_req_ids and \
+                batch.sampling.plain_greedy(entry_rows):
+            # only the sampled ids come back from the device (-1: non-finite logits)
+            tokens[:] = self.backend.argmax(
+                self.model.compute_logits(hidden, layout.index, on_device=True))
+            finite = tokens >= 0
+        else:
+            logits = self.model.compute_logits(hidden, layout.index)
+            finite = np.isfinite(logits).all(axis=1)
+            if step.grammar_req_ids:
+                finite &= self._apply_grammar(logits, layout, done, req_ids, step, out)
+            ok = np.flatnonzero(finite)
+            if len(ok):
+                sampled, lp, failed = self.sampler.sample(
+                    logits[ok], entry_rows[ok], batch.sampling, batch.token_ids,
+                    batch.num_prompt_tokens, batch.num_tokens, layout.offset[ok])
+                tokens[ok] = sampled
+                for j, (reason, param) in failed.items():
+                    if layout.offset[ok[j]] == 0:
+                        req_id = req_ids[done[layout.owner[ok[j]]]]
+                        out.failed.setdefault(req_id, reason)
+                        if param is not None:
+                            out.failed_params[req_id] = param
+                if lp is not None:
+                    lp.rows = ok[lp.rows]
+        for e in np.flatnonzero(~finite & (layout.offset == 0)).tolist():
+            out.failed.setdefault(req_ids[done[layout.owner[e]]],
+                                  "the model produced non-finite logits for this request")
+        return tokens, lp
 
-    def _follow_sampling(self, hidden: object, last: np.ndarray, done_rows: np.ndarray) -> None:
-        """A rank other than 0: its share of the logits, then rank 0's sampled ids (which a
-        pipeline stage gets from the next StepInput instead)."""
-        self.model.compute_logits(hidden, last)
+    def _append_accepted(self, done_rows: np.ndarray, accepted: list[list[int]],
+                         drafts: list[list[int]]) -> None:
+        """Every rank's batch takes the accepted tokens; rejected drafts are not computed."""
         if self.follow_tokens:
             return
-        tokens = self.tp.broadcast_ids(None, len(done_rows))
-        sampled = tokens >= 0
-        self.batch.append_tokens(done_rows[sampled], tokens[sampled])
+        batch = self.batch
+        for row, kept, draft in zip(done_rows.tolist(), accepted, drafts):
+            if kept:
+                n = batch.num_tokens[row]
+                batch.token_ids[row, n:n + len(kept)] = kept
+                batch.num_tokens[row] = n + len(kept)
+            batch.num_computed_tokens[row] -= len(draft) + 1 - max(len(kept), 1)
+
+    def _add_logprobs(self, lp: SampledLogprobs, layout: SampleLayout, done: np.ndarray,
+                      accepted: list[list[int]], req_ids: list[str], out: StepOutput) -> None:
+        """Each request's logprobs at its accepted positions (the entries are in order)."""
+        entries = {e: j for j, e in enumerate(lp.rows.tolist())}
+        starts = layout.starts.tolist()
+        for i, kept in enumerate(accepted):
+            picked = [entries[e] for e in range(starts[i], starts[i] + len(kept))
+                      if e in entries]
+            if kept and len(picked) == len(kept):
+                out.logprobs[req_ids[done[i]]] = _token_logprobs(
+                    lp.token_ids[picked], lp.logprobs[picked], lp.ranks[picked])
+
+    def _apply_grammar(self, logits: np.ndarray, layout: SampleLayout, done: np.ndarray,
+                       req_ids: list[str], step: StepInput, out: StepOutput) -> np.ndarray:
+        """Mask the structured-output entries of logits [E, V] with the step's bitmask (rows
+        in grammar_req_ids order, one per entry). Returns a boolean [E]: False for entries
+        whose grammar allows no token (a first entry's request is reported failed)."""
+        position = {req_ids[i]: j for j, i in enumerate(done.tolist())}
+        owners = [position[r] for r in step.grammar_req_ids]
+        assert len(owners) == len(step.grammar_req_ids), "grammar rows must sample this step"
+        starts = layout.starts
+        masked = np.concatenate([np.arange(starts[j], starts[j + 1]) for j in owners])
+        bitmask = np.frombuffer(step.grammar_bitmask, np.int32).reshape(len(masked), -1)
+        ok = np.ones(layout.num_entries, bool)
+        for j in apply_token_bitmask(logits, masked, bitmask).tolist():
+            ok[masked[j]] = False
+            if layout.offset[masked[j]] == 0:
+                req_id = req_ids[done[layout.owner[masked[j]]]]
+                out.failed[req_id] = "the request's grammar allows no next token"
+                out.failed_params[req_id] = "structured_outputs"
+        return ok
+
+    def _follow_sampling(self, hidden: object, layout: SampleLayout, entry_rows: np.ndarray,
+                         drafts: list[list[int]]) -> None:
+        """A rank other than 0: its share of the logits, then rank 0's sampled ids (which a
+        pipeline stage gets from the next StepInput instead)."""
+        self.model.compute_logits(hidden, layout.index)
+        if self.follow_tokens:
+            return
+        tokens = self.tp.broadcast_ids(None, layout.num_entries)
+        done_rows = entry_rows[layout.starts[:-1]]
+        self._append_accepted(done_rows, accepted_tokens(tokens, layout, drafts), drafts)
 
     def execute(self, step: StepInput) -> StepOutput:
         self._apply_diffs(step)

@@ -61,14 +61,15 @@ def top_logprobs(lp: np.ndarray, chosen: np.ndarray, k: int) -> tuple[np.ndarray
     return ids, np.take_along_axis(lp, ids, axis=1), ranks
 
 
-def output_counts(token_ids: np.ndarray, starts: np.ndarray, ends: np.ndarray,
-                  vocab: int) -> np.ndarray:
-    """[n, vocab] counts of token_ids[i, starts[i]:ends[i]] per row i (one bincount)."""
+def output_counts(token_ids: np.ndarray, rows: np.ndarray, starts: np.ndarray,
+                  ends: np.ndarray, vocab: int) -> np.ndarray:
+    """[n, vocab] counts of token_ids[rows[i], starts[i]:ends[i]] per entry i (one
+    bincount)."""
     lengths = ends - starts
-    rows = np.repeat(np.arange(len(starts)), lengths)
-    cols = np.repeat(starts, lengths) + (np.arange(len(rows)) - np.repeat(
+    entry = np.repeat(np.arange(len(starts)), lengths)
+    cols = np.repeat(starts, lengths) + (np.arange(len(entry)) - np.repeat(
         np.cumsum(lengths) - lengths, lengths))
-    flat = rows * vocab + token_ids[rows, cols]
+    flat = entry * vocab + token_ids[rows[entry], cols]
     return np.bincount(flat, minlength=len(starts) * vocab).reshape(len(starts), vocab)
 
 
@@ -94,17 +95,23 @@ class Sampler:
         self.shared_generator = np.random.default_rng(seed)
 
     def sample(self, logits: np.ndarray, batch_rows: np.ndarray, state: SamplingState,
-               token_ids: np.ndarray, num_prompt: np.ndarray, num_tokens: np.ndarray
+               token_ids: np.ndarray, num_prompt: np.ndarray, num_tokens: np.ndarray,
+               num_drafted: np.ndarray | None = None
                ) -> tuple[np.ndarray, SampledLogprobs | None, Failures]:
         """logits [n, V] float32 for persistent-batch rows `batch_rows` [n]; token_ids is the
         batch's [rows, max_len] token matrix with each row's prompt / total lengths.
+        num_drafted [n] (speculative decoding): entry i samples after that many of its row's
+        drafts, which token_ids holds after the row's tokens; they count as outputs (for
+        penalties, min_tokens, bad words and a seeded row's output index). Rows may repeat.
         Returns the sampled ids [n], their logprobs when asked, and the rows (indices into
         logits) that could not be sampled (their ids are -1), with the reason and the
         request field at fault (None when the sampler itself failed).
 
         One row's controls cannot fail the others: if sampling the batch raises, each row is
         sampled on its own and only the rows that still raise fail."""
-        args = (state, token_ids, num_prompt, num_tokens)
+        ends = num_tokens[batch_rows] if num_drafted is None else \
+            num_tokens[batch_rows] + num_drafted
+        args = (state, token_ids, num_prompt, ends)
         try:
             return self._sample(logits, batch_rows, *args)
         except Exception:
@@ -115,7 +122,8 @@ class Sampler:
         pieces = []
         for i in range(len(batch_rows)):
             try:
-                ids, lp, bad = self._sample(logits[i:i + 1], batch_rows[i:i + 1], *args)
+                ids, lp, bad = self._sample(logits[i:i + 1], batch_rows[i:i + 1], state,
+                                           token_ids, num_prompt, ends[i:i + 1])
             except Exception as e:
                 failed[i] = (f"sampling failed for this request: {type(e).__name__}: {e}",
                              None)
@@ -128,13 +136,13 @@ class Sampler:
         return sampled, _stack_logprobs(pieces), failed
 
     def _sample(self, logits: np.ndarray, rows: np.ndarray, state: SamplingState,
-                token_ids: np.ndarray, num_prompt: np.ndarray, num_tokens: np.ndarray
+                token_ids: np.ndarray, num_prompt: np.ndarray, ends: np.ndarray
                 ) -> tuple[np.ndarray, SampledLogprobs | None, Failures]:
-        num_out = num_tokens[rows] - num_prompt[rows]
+        """ends [n]: each entry's context length (its row's tokens and drafts before it)."""
+        num_out = ends - num_prompt[rows]
         want_lp = np.flatnonzero(state.num_logprobs[rows] >= 0)
         raw_lp = log_softmax(logits[want_lp]) if len(want_lp) else None
-        processed = self.processed_logits(logits, rows, state, token_ids, num_prompt,
-                                          num_tokens)
+        processed = self._processed(logits, rows, state, token_ids, num_prompt, ends)
         failed: Failures = {}
         if processed is not logits:   # masks ran: a row may have no token left
             for i in np.flatnonzero(np.isneginf(processed.max(axis=1))).tolist():
@@ -161,30 +169,35 @@ class Sampler:
                          ) -> np.ndarray:
         """Steps 2-3 (masks, bias, penalties) on a copy of logits; what greedy rows argmax.
         With nothing to apply, the logits themselves (no copy)."""
+        return self._processed(logits, rows, state, token_ids, num_prompt, num_tokens[rows])
+
+    def _processed(self, logits: np.ndarray, rows: np.ndarray, state: SamplingState,
+                   token_ids: np.ndarray, num_prompt: np.ndarray, ends: np.ndarray
+                   ) -> np.ndarray:
         if not state.needs_processing(rows):
             return logits
         logits = logits.copy()
-        self._apply_masks_and_bias(logits, rows, state, token_ids, num_prompt, num_tokens)
-        self._apply_penalties(logits, rows, state, token_ids, num_prompt, num_tokens)
+        self._apply_masks_and_bias(logits, rows, state, token_ids, num_prompt, ends)
+        self._apply_penalties(logits, rows, state, token_ids, num_prompt, ends)
         np.minimum(logits, _F32_MAX, out=logits)   # extreme penalties overflow to +inf
         return logits
 
     def _apply_masks_and_bias(self, logits: np.ndarray, rows: np.ndarray, state: SamplingState,
                               token_ids: np.ndarray, num_prompt: np.ndarray,
-                              num_tokens: np.ndarray) -> None:
+                              ends: np.ndarray) -> None:
         for i, row in state.rows_with_extras(rows):
             if row in state.allowed:
                 keep = logits[i, state.allowed[row]]
                 logits[i] = -np.inf
                 logits[i, state.allowed[row]] = keep
             if row in state.bad_words:
-                out = token_ids[row, num_prompt[row]:num_tokens[row]].tolist()
+                out = token_ids[row, num_prompt[row]:ends[i]].tolist()
                 for word in state.bad_words[row]:
                     prefix = word[:-1]
                     if not prefix or out[len(out) - len(prefix):] == prefix:
                         logits[i, word[-1]] = -np.inf
             if row in state.min_tokens_stop_ids and \
-                    num_tokens[row] - num_prompt[row] < state.min_tokens[row]:
+                    ends[i] - num_prompt[row] < state.min_tokens[row]:
                 logits[i, state.min_tokens_stop_ids[row]] = -np.inf
             if row in state.logit_bias:
                 ids, values = state.logit_bias[row]
@@ -192,17 +205,17 @@ class Sampler:
 
     def _apply_penalties(self, logits: np.ndarray, rows: np.ndarray, state: SamplingState,
                          token_ids: np.ndarray, num_prompt: np.ndarray,
-                         num_tokens: np.ndarray) -> None:
+                         ends: np.ndarray) -> None:
         which = np.flatnonzero(state.needs_penalties(rows))
         if not len(which):
             return
         r = rows[which]
         vocab = logits.shape[1]
-        counts = output_counts(token_ids, num_prompt[r], num_tokens[r], vocab).astype(np.float32)
+        counts = output_counts(token_ids, r, num_prompt[r], ends[which], vocab).astype(np.float32)
         sub = logits[which]
         rep = state.repetition[r]
         if (rep != 1).any():
-            in_prompt = output_counts(token_ids, np.zeros_like(r), num_prompt[r], vocab) > 0
+            in_prompt = output_counts(token_ids, r, np.zeros_like(r), num_prompt[r], vocab) > 0
             seen = in_prompt | (counts > 0)
             factor = np.where(sub > 0, 1.0 / rep[:, None], rep[:, None]).astype(np.float32)
             with np.errstate(over="ignore"):   # capped at float32's max afterwards
