@@ -152,6 +152,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False)
             self.stop = [self.stop]
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
+        if isinstance(self.structured_outputs, dict):   # as the JSON body would give it
+            try:
+                self.structured_outputs = msgspec.convert(self.structured_outputs,
+                                                          StructuredOutputsParams)
+            except msgspec.ValidationError as e:
+                raise ValidationError(f"structured_outputs: {e}", "structured_outputs") from None
         if self.logit_bias and isinstance(self.logit_bias, dict):
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}

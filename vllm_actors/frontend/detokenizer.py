@@ -76,6 +76,7 @@ class IncrementalDetokenizer:
         self.output_text = ""
         self.num_output_tokens = 0
         self.stop_search_start = 0   # stop strings may not match text made before min_tokens
+        self.num_used_tokens = 0     # of the last update's tokens (see update)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, self.skip_special_tokens,
@@ -94,8 +95,11 @@ class IncrementalDetokenizer:
                stop_terminated: bool = False) -> str | None:
         """Add tokens. `stop_terminated`: the engine stopped on EOS or a stop token, whose text
         is left out unless include_stop_str_in_output. Returns the stop string that matched,
-        after cutting the text at it, or None."""
+        after cutting the text at it, or None. Several tokens at once (speculative decoding)
+        are searched one by one: `num_used_tokens` tells how many of them came before the
+        stop (the rest are dropped, as if the request had stopped there)."""
         start_len = len(self.output_text)
+        self.num_used_tokens = len(new_token_ids)
         for i, token_id in enumerate(new_token_ids):
             last = i == len(new_token_ids) - 1
             self.num_output_tokens += 1
@@ -104,8 +108,17 @@ class IncrementalDetokenizer:
             self.output_text += self._decode_next(token_id, flush=finished and last)
             if self.num_output_tokens <= self.min_tokens:
                 self.stop_search_start = len(self.output_text)
+            elif self.stop and not last:
+                stop_str = self._cut_at_stop(start_len)
+                if stop_str is not None:
+                    self.num_used_tokens = i + 1
+                    self.num_output_tokens -= len(new_token_ids) - i - 1
+                    return stop_str
         if not self.stop or self.num_output_tokens <= self.min_tokens:
             return None
+        return self._cut_at_stop(start_len)
+
+    def _cut_at_stop(self, start_len: int) -> str | None:
         num_new = len(self.output_text) - max(start_len, self.stop_search_start)
         match = find_stop_string(self.output_text, num_new, self.stop, self.include_stop)
         if match is None:

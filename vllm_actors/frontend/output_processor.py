@@ -11,13 +11,16 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import msgspec
+
 from vllm_actors.frontend.collector import RequestOutputCollector
 from vllm_actors.frontend.detokenizer import IncrementalDetokenizer
 from vllm_actors.frontend.logprobs import LogprobsBuilder
 from vllm_actors.frontend.metrics import FrontendMetrics
 from vllm_actors.loaders.tokenizer import Tokenizer
 from vllm_actors.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from vllm_actors.protocol.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
+from vllm_actors.protocol.engine import (EngineCoreOutput, EngineCoreRequest, FinishReason,
+                                         TokenLogprobs)
 from vllm_actors.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -192,9 +195,6 @@ class OutputProcessor:
                         to_abort: list[str],
                         prompt_positions: list[PositionLogprobs] | None) -> None:
         reason, stop_reason = out.finish_reason, out.stop_reason
-        state.record_timing(out, self.metrics)
-        state.record_logprobs(out, self.logprobs_builder, prompt_positions)
-        state.token_ids.extend(out.new_token_ids)
         # a STOP on a token other than EOS / stop ids ended a complete grammar: keep it
         by_token = reason == FinishReason.STOP and bool(out.new_token_ids) and \
             out.new_token_ids[-1] in state.stop_token_ids
@@ -203,6 +203,16 @@ class OutputProcessor:
             if reason is None:
                 to_abort.append(out.request_id)
             reason, stop_reason = FinishReason.STOP, stop_str
+            used = state.detokenizer.num_used_tokens
+            if used < len(out.new_token_ids):   # a stop inside several tokens: drop the rest
+                out = msgspec.structs.replace(out, new_token_ids=out.new_token_ids[:used],
+                                              logprobs=out.logprobs and TokenLogprobs(
+                                                  out.logprobs.token_ids[:used],
+                                                  out.logprobs.logprobs[:used],
+                                                  out.logprobs.ranks[:used]))
+        state.record_timing(out, self.metrics)
+        state.record_logprobs(out, self.logprobs_builder, prompt_positions)
+        state.token_ids.extend(out.new_token_ids)
         self._emit(out.request_id, state, None if reason is None else str(reason),
                    stop_reason, out.num_cached_tokens, out.error, out.error_param)
 
