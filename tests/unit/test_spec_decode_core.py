@@ -62,6 +62,8 @@ def test_pipeline_parallel_is_refused():
 
 
 def spec_scheduler(k=3, num_blocks=64, budget=64, lookahead_model=False, **policy):
+    """Every draft verified (draft_cost 0) unless the test says otherwise."""
+    policy.setdefault("draft_cost", 0.0)
     config = SpeculativeConfig("draft_model" if lookahead_model else "ngram", k,
                                model="m" if lookahead_model else None, **policy)
     return Scheduler(SchedulerConfig(16, budget), KVCacheManager(num_blocks, BS, True),
@@ -140,18 +142,28 @@ def test_policy_limits_drafts():
     assert busy.requests["a"].spec_token_ids == [] == busy.requests["b"].spec_token_ids
 
 
-def test_low_acceptance_turns_a_request_down_to_one_draft():
-    policy = DraftPolicy(SpeculativeConfig("ngram", 4, min_acceptance=0.25))
-    r = make_request("a", 6, max_tokens=50)
+def test_acceptance_sets_how_many_drafts_are_worth_verifying():
+    """alpha^i > draft_cost: with cost 0.3 a new request (alpha 2/3) verifies 2 drafts; full
+    acceptances raise it to k; rejections drop it to none, with a probe every 8 steps."""
+    policy = DraftPolicy(SpeculativeConfig("ngram", 8, draft_cost=0.3))
+    r = make_request("a", 6, max_tokens=500)
     r.append_output_token(7)
-    assert policy.accept(r, [1, 2, 3, 4], 1) == [1, 2, 3, 4]
-    for _ in range(6):
-        policy.observe(r, 4, 0)
-    assert r.spec_acceptance < 0.25
-    assert policy.accept(r, [1, 2, 3, 4], 1) == [1]
-    for _ in range(6):
-        policy.observe(r, 1, 1)
-    assert policy.accept(r, [1, 2, 3, 4], 1) == [1, 2, 3, 4]
+    drafts = list(range(10, 20))
+    assert policy.accept(r, drafts, 1) == [10, 11]
+    policy.observe(r, 2, 2)
+    assert len(policy.accept(r, drafts, 1)) == 5      # alpha = 3.6 / 4.4: 0.818^6 < 0.3
+    for _ in range(3):
+        policy.observe(r, 6, 6)
+    assert len(policy.accept(r, drafts, 1)) == 8
+    for _ in range(8):
+        policy.observe(r, 1, 0)
+    assert len(policy.accept(r, drafts, 1)) == 1      # alpha 0.39: one draft
+    for _ in range(8):
+        policy.observe(r, 1, 0)
+    got = [len(policy.accept(r, drafts, 1)) for _ in range(16)]
+    assert got == [0] * 7 + [1] + [0] * 7 + [1]
+    assert DraftPolicy(SpeculativeConfig("ngram", 8, draft_cost=0.0)).accept(r, drafts, 1) \
+        == drafts[:8]
 
 
 def test_preemption_drops_drafts():

@@ -51,7 +51,9 @@ class Request:
         self.block_hashes: list[BlockHash] = []
         self.grammar = None   # an llguidance matcher, for structured outputs
         self.spec_token_ids: list[int] = []   # drafts to verify next (speculative decoding)
-        self.spec_acceptance = 1.0   # recent fraction of drafts accepted (spec_decode.py)
+        # decayed (accepted, rejected) drafts and steps without drafts (spec_decode.py)
+        self.spec_evidence = (2.0, 1.0)
+        self.spec_idle_steps = 0
         self.error: str | None = None   # why the request failed (finish_reason ERROR)
         self.error_param: str | None = None   # the request field at fault, if it was
         extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, self.cache_salt)

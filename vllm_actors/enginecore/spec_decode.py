@@ -5,10 +5,15 @@ The workers propose drafts after each step (`StepOutput.draft_token_ids`); `Draf
 shortens them to what the request may still produce (max_tokens, max_model_len), to what its
 grammar accepts (structured outputs: drafts after the first token the grammar rejects are
 dropped), and to nothing in a step with more running requests than `disable_by_batch_size`.
-A request whose recent drafts are mostly rejected (an exponential average of its acceptance
-rate below `min_acceptance`) verifies one draft per step until drafts are accepted again: a
-rejected draft costs a position of compute, and on a CPU a verification of k drafts costs
-about k decode positions of matmul work.
+
+Acceptance rule: each request keeps a decaying count of its drafts' acceptances and
+rejections (a verification of n drafts with a accepted is a successes and, when a < n, one
+rejection; a new request starts at (2, 1)), whose ratio estimates the chance `alpha` that its
+next draft is accepted when the one before it was. The i-th draft is then accepted with probability alpha^i and costs
+`draft_cost` decode steps to verify, so the request verifies the drafts with
+alpha^i > draft_cost: n = floor(log(draft_cost) / log(alpha)). A request whose drafts are
+rejected drops to none, and tries one draft every PROBE_INTERVAL steps to notice when drafts
+pay again (e.g. when it starts quoting its prompt).
 
 The scheduler counts the drafts as scheduled tokens; after the step, the rejected ones are
 taken back from `num_computed_tokens` (their KV slots are written again next step) and never
@@ -17,12 +22,14 @@ reach block hashes or the prefix cache (only known tokens are hashed).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from vllm_actors.config_speculative import SpeculativeConfig
 from vllm_actors.enginecore.request import Request
 
-ACCEPTANCE_WEIGHT = 0.25   # weight of the latest verification in a request's average
+DECAY = 0.8          # weight of the older evidence at each verification
+PROBE_INTERVAL = 8   # steps without drafts before a turned-down request tries one
 
 
 class DraftPolicy:
@@ -42,17 +49,30 @@ class DraftPolicy:
         limit = self.config.disable_by_batch_size
         if not drafts or (limit is not None and num_running > limit):
             return []
-        num = min(len(drafts), self.num_speculative_tokens,
+        num = min(len(drafts), self.num_drafts_worth_verifying(request),
                   request.max_tokens - request.num_output_tokens - 1,
                   request.max_model_len - request.num_tokens - 1)
-        if request.spec_acceptance < self.config.min_acceptance:
-            num = min(num, 1)
         kept = list(drafts[:max(num, 0)])
         if kept and request.grammar is not None:
             kept = kept[:request.grammar.validate_tokens(kept)]
         return kept
 
+    def num_drafts_worth_verifying(self, request: Request) -> int:
+        cost = self.config.draft_cost
+        accepted, rejected = request.spec_evidence
+        alpha = accepted / (accepted + rejected)
+        if cost <= 0 or alpha >= 1:
+            return self.num_speculative_tokens
+        num = int(math.log(cost) / math.log(alpha)) if 0 < alpha and cost < 1 else 0
+        if num == 0:
+            request.spec_idle_steps += 1
+            if request.spec_idle_steps >= PROBE_INTERVAL:
+                request.spec_idle_steps = 0
+                return 1
+        return min(num, self.num_speculative_tokens)
+
     def observe(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """A verification of `num_drafts` drafts accepted `num_accepted`."""
-        request.spec_acceptance += ACCEPTANCE_WEIGHT * (num_accepted / num_drafts
-                                                        - request.spec_acceptance)
+        accepted, rejected = request.spec_evidence
+        request.spec_evidence = (DECAY * accepted + num_accepted,
+                                 DECAY * rejected + (num_accepted < num_drafts))
