@@ -100,6 +100,29 @@ def test_matmul_against_float64_reference(qt):
             assert_product(out, x, w64)
 
 
+@pytest.mark.parametrize("qt", sorted(qm.MULTI_MAX_ROWS), ids=lambda t: T(t).name)
+def test_multi_row_gemv_against_float64_reference(qt):
+    """The multi-row GEMV (`qmatmul_multi`) at every group size (M 1-9: two weight rows per
+    pass up to 5, one beyond), M split into groups (10-19), K in several slices (1536
+    columns: three at 9 rows), odd row counts (a task's last pass clamps its second row), x
+    on a 32-byte boundary and 4 or 16 bytes past one (copied by the kernel)."""
+    rng = np.random.default_rng(5)
+    for n, k in [(1, shapes_for(qt)[0][1]), (13, shapes_for(qt)[1][1]), (67, 1536)]:
+        data = random_weights(qt, n, k, seed=n + k)
+        w = qm.pack(data, qt, (n, k))
+        w64 = reference(data, qt, n, k)
+        for m in range(1, 20):
+            buf = np.empty(m * k + 16, dtype=np.float32)
+            start = (-buf.ctypes.data % 32) // 4 + (0, 1, 4)[m % 3]
+            x = buf[start:start + m * k].reshape(m, k)
+            x[...] = rng.standard_normal((m, k), dtype=np.float32)
+            out = np.full((m, n), np.nan, dtype=np.float32)
+            qm.multi_gemv(w, x, out)
+            assert_product(out, x, w64)
+        x = rng.standard_normal((qm.MULTI_MAX_ROWS[qt], k), dtype=np.float32)
+        assert_product(qm.matmul(w, x), x, w64)      # and through matmul's dispatch
+
+
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: T(t).name)
 def test_planes_are_a_compact_copy(qt):
     n, k = 4, shapes_for(qt)[1][1]

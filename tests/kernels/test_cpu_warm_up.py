@@ -49,15 +49,16 @@ def test_no_helper_without_a_model_path_and_sizes_capped_by_the_context(tmp_path
 
 
 def test_helper_compiles_each_weight_types_matmul_paths(smollm2_path):
-    """The helper process (as the engine starts it) leaves the fused and blocked GEMMs of
-    SmolLM2's Q4_1 and Q8_0 weights compiled."""
+    """The helper process (as the engine starts it) leaves the multi-row GEMVs and the fused
+    and blocked GEMMs of SmolLM2's Q4_1 and Q8_0 weights compiled."""
     script = (
         "import json, sys\n"
         "from vllm_actors.workers import warm_up\n"
         "warm_up.main(sys.argv[1:])\n"
         "from vllm_actors.kernels.cpu import qmatmul_fused as f, qmatmul_gemm as g\n"
+        "from vllm_actors.kernels.cpu import qmatmul_multi as m\n"
         "print(json.dumps({k.__name__: len(k.signatures) for k in "
-        "(f.fused_q4, f.fused_q8_0, g.gemm_q4, g.gemm_q8_0)}))\n")
+        "(m.mgemv_q4, m.mgemv_q8_0, f.fused_q4, f.fused_q8_0, g.gemm_q4, g.gemm_q8_0)}))\n")
     done = subprocess.run([sys.executable, "-c", script, str(smollm2_path), "16,64"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]

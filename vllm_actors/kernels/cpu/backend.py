@@ -1,8 +1,10 @@
 """The compiled CPU backend: `kernels.ops.Backend` on numba kernels, weights kept quantized.
 
 - Weights stay in their GGUF formats in memory (`qmatmul.QuantMatrix`): decode steps run
-  GEMV kernels that dequantize in registers; larger steps run a blocked GEMM that decodes
-  each weight once per call (`qmatmul_gemm`). The tied embedding is the LM head (one copy).
+  GEMV kernels that dequantize in registers (a few rows, e.g. speculative decoding's k+1: a
+  multi-row GEMV decoding each block once for all rows, `qmatmul_multi`); larger steps run
+  a GEMM that decodes each weight once per call (`qmatmul_fused`, `qmatmul_gemm`). The tied
+  embedding is the LM head (one copy).
 - Paged attention reads K/V through the block table (`attention.py`); the KV cache is
   float32 or float16.
 - One thread budget (`threads.configure`): numba's threads, sized to the CPUs this process
@@ -79,7 +81,13 @@ class CpuBackend:
     def compile_matmuls(self, rows: Sequence[int]) -> None:
         """Compile (or load from the cache) the matmul kernels of every weight type uploaded
         so far at each row count in `rows` (the cold-start compile helper of
-        `workers.warm_up` runs this beside the engine's own warm-up)."""
+        `workers.warm_up` runs this beside the engine's own warm-up), the multi-row GEMVs
+        (`qmatmul.multi_gemv`) first: the engine reaches them at 3 rows, after its 1-row
+        step, and then loads them from the cache instead of compiling them itself."""
+        for m in self._smallest.values():
+            if m.qtype in qmatmul.MULTI_MAX_ROWS:
+                qmatmul.multi_gemv(m, np.zeros((2, m.cols), np.float32),
+                                   np.empty((2, m.rows), np.float32))
         for m in self._smallest.values():
             for n in rows:
                 qmatmul.matmul(m, np.zeros((n, m.cols), np.float32))

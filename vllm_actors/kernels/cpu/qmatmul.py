@@ -18,15 +18,16 @@ weight moves by less than max|w| / 226 over its block of 32 (half a Q8_0 step pl
 rounding of the scale), and they take 8.5 bits per weight, so such a tensor exceeds the 1.15x
 memory bound (IQ4_NL, at 4.5 bits, takes 1.9x).
 
-`gemv` (M <= `GEMV_MAX_ROWS[type]`): one numba kernel per type, prange over pairs of weight
-rows, weights decoded in registers into 8-lane partial sums on the stack (`qmatmul_legacy`
-explains the scheme), the rows ahead prefetched (short rows: Q8_0 49152x576 0.18 -> 0.08
-ns/weight), offsets and mins through x's run sums. Below `SERIAL_MAX_WORK` it runs on the
-calling thread. `matmul` beyond that M: the blocked GEMM of `qmatmul_gemm` (x packed into
-16-row panels, tiles of W dequantized to float32 by the rows kernels, a register-blocked
-micro-kernel near the FMA peak). It replaced tiles of W handed to single-threaded BLAS on a
-pool of Python threads: SmolLM2 at batch 16 went from 178.7 to 105.5 ms/step (linear 126.5
--> 69.0 ms, LM head 22.1 -> 16.0; bench/profile_step.py --batch 16 --context 128).
+`gemv` (M <= `GEMV_MAX_ROWS[type]`; M = 1 for the types of `multi_gemv` below): one numba
+kernel per type, prange over pairs of weight rows, weights decoded in registers into 8-lane
+partial sums on the stack (`qmatmul_legacy` explains the scheme), the rows ahead prefetched
+(short rows: Q8_0 49152x576 0.18 -> 0.08 ns/weight), offsets and mins through x's run sums.
+Below `SERIAL_MAX_WORK` it runs on the calling thread. `matmul` beyond that M: the blocked GEMM
+of `qmatmul_gemm` (x packed into 16-row panels, tiles of W dequantized to float32 by the rows
+kernels, a register-blocked micro-kernel near the FMA peak). It replaced tiles of W handed to
+single-threaded BLAS on a pool of Python threads: SmolLM2 at batch 16 went from 178.7 to 105.5
+ms/step (linear 126.5 -> 69.0 ms, LM head 22.1 -> 16.0; bench/profile_step.py --batch 16
+--context 128).
 The crossover (`GEMV_MAX_ROWS`) was measured per type: the GEMV kernels decode W again for
 every row of x, so types that are costly to decode cross early (Q5_x, Q3_K, Q5_K, Q6_K at 3;
 Q2_K, Q4_K at 4; Q4_x, F16, BF16 at 6; Q8_0, F32 at 8).
@@ -43,8 +44,29 @@ threads): 0.39-0.61x at M = 16 on the cached shapes, 0.94-1.12x on the 49152x576
 0.59-0.86x at M = 512. Its micro-kernel alone runs at 85-90 % of the FMA peak; the rest is
 the dequantize pass (Q4_1 0.25 ns/weight).
 
+`multi_gemv` (2 <= M <= `MULTI_MAX_ROWS[type]`; Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q6_K): the
+multi-row GEMV of `qmatmul_multi`, which decodes each block of W once for up to 9 rows of x
+(speculative decoding verifies k drafts as k+1 rows). Against what `matmul` ran before (the
+GEMV up to `GEMV_MAX_ROWS`, the fused GEMM beyond), two threads, ms, 20th percentiles of
+interleaved runs (the one-row GEMV at M = 1 in brackets): Q4_1 3072x576 (0.15) M = 2 0.40 ->
+0.21, 3 0.59 -> 0.27, 5 0.60 -> 0.23, 9 0.65 -> 0.43; 576x1536 (0.07) 0.14 -> 0.09, 0.15 ->
+0.08, 0.29 -> 0.14, 0.35 -> 0.23; 960x576 (0.05) 0.13 -> 0.08, 0.19 -> 0.10, 0.31 -> 0.11,
+0.27 -> 0.18; Q8_0 49152x576 (1.36-1.49) 2.41 -> 1.94, 3.53 -> 2.29, 4.98 -> 2.57, 8.60 ->
+4.27. SmolLM2 step (forward and LM head over every row, context 200, medians of 7, old and
+new interleaved, three runs; the host's load moves the ratios): M = 1 13.5-16.9 ms, M = 2
+1.09-1.24x that (old 1.37-1.64x), 3 1.25-1.62x (old 1.91-2.39x), 5 1.48-1.78x (old
+2.86-3.82x), 9 2.47-2.70x (old 3.12-3.99x); four runs of the new dispatch alone: 1.40-1.69x
+at 5, 2.03-2.37x at 9. Gemma 3 270M (Q5_0, Q4_K, Q6_K, a 262144-row Q8_0 head), two runs:
+M = 5 1.69-1.78x of M = 1 (old 3.2-3.5x), M = 9 2.55-2.86x (old 4.3-4.7x).
+The crossover to the fused GEMM, per type: Q4_x 12 (multi 1.08-1.18x faster at 12, 1.02-1.20x
+at 14), Q5_x 14 (1.09-1.23x at 14, 0.98-1.13x at 16), Q8_0 15 (1.11-1.29x at 15), Q4_K and
+Q6_K 9 (1.16-1.32x at 9, 0.87-0.95x at 12); all below 16, the warm-up's step size for the
+fused kernels. At M = 1 the one-row GEMVs stay: the multi-row kernel measured 0.68-0.81x of
+them on Q8_0, Q4_K and Q6_K, 0.86-1.06x on Q4_1.
+
 Compiled code is cached per kernel file by numba, which checks only that file: after editing
-`qmatmul_prims.py` clear `__pycache__/*.nbi, *.nbc` here, or kernels keep the old intrinsics.
+`qmatmul_prims.py` or `qmatmul_simd.py` clear `__pycache__/*.nbi, *.nbc` here, or kernels
+keep the old intrinsics.
 """
 
 from __future__ import annotations
@@ -61,6 +83,8 @@ from gguf import GGMLQuantizationType
 from vllm_actors.kernels.cpu import qmatmul_fused as fused
 from vllm_actors.kernels.cpu import qmatmul_gemm as gemm
 from vllm_actors.kernels.cpu import qmatmul_layout as layout
+from vllm_actors.kernels.cpu import qmatmul_multi as multi
+from vllm_actors.kernels.cpu import qmatmul_multi_k as multi_k
 from vllm_actors.kernels.cpu.qmatmul_float import (
     gemv_f32,
     gemv_half,
@@ -151,9 +175,20 @@ _FUSED: dict[int, Callable[..., None]] = {
     T.Q5_K: fused.fused_q45_k, T.Q6_K: fused.fused_q6_k,
 }
 FUSED_MAX_M = 32
+# type -> the multi-row GEMV (`qmatmul_multi`: each weight block decoded once for all rows of
+# x), used for 2 <= M <= MULTI_MAX_ROWS[type] (measured crossovers to the fused GEMM; keep them
+# below 16: the warm-up compiles the fused kernels with a 16-row step)
+_MULTI: dict[int, Callable[..., None]] = {
+    T.Q4_0: multi.mgemv_q4, T.Q4_1: multi.mgemv_q4, T.Q5_0: multi.mgemv_q5,
+    T.Q5_1: multi.mgemv_q5, T.Q8_0: multi.mgemv_q8_0, T.Q4_K: multi_k.mgemv_q4_k,
+    T.Q6_K: multi_k.mgemv_q6_k,
+}
+MULTI_MAX_ROWS: dict[int, int] = {T.Q4_0: 12, T.Q4_1: 12, T.Q5_0: 14, T.Q5_1: 14, T.Q8_0: 15,
+                                  T.Q4_K: 9, T.Q6_K: 9}
 # Up to this many rows of x `matmul` runs the GEMV kernels; beyond, dequantized tiles + BLAS.
 # Measured (3072x1536 and 4096x4096, one thread): the GEMV kernels decode the weights again
-# for every row of x, so the cut falls where that costs more than the dequantize pass.
+# for every row of x, so the cut falls where that costs more than the dequantize pass. Types
+# in `_MULTI` reach them only at M = 1 (2 rows and more: the multi-row GEMV).
 GEMV_MAX_ROWS: dict[int, int] = {
     T.F32: 8, T.F16: 6, T.BF16: 6, T.Q8_0: 8, T.Q4_0: 6, T.Q4_1: 6, T.Q5_0: 3, T.Q5_1: 3,
     T.Q2_K: 4, T.Q3_K: 3, T.Q4_K: 4, T.Q5_K: 3, T.Q6_K: 3}
@@ -221,6 +256,23 @@ def gemv(w: QuantMatrix, x: np.ndarray, out: np.ndarray) -> None:
     _KERNELS[w.qtype][0](*_kernel_args(w), HALF_LUT, x, out, _prefetch_rows(w), threads)
 
 
+def multi_gemv(w: QuantMatrix, x: np.ndarray, out: np.ndarray) -> None:
+    """out[M, N] = x[M, K] @ W.T with the multi-row GEMV (types in `_MULTI`); parallel over
+    tasks of `_multi_chunk` weight rows."""
+    _check_f32("x", x, (x.shape[0], w.cols))
+    _check_f32("out", out, (x.shape[0], w.rows))
+    threads = 1 if w.rows * w.cols * x.shape[0] <= SERIAL_MAX_WORK else 0
+    chunk = _multi_chunk(w.rows, numba.get_num_threads() if threads == 0 else 1)
+    _MULTI[w.qtype](*_kernel_args(w), HALF_LUT, x, out, _prefetch_rows(w), chunk, threads)
+
+
+def _multi_chunk(rows: int, threads: int) -> int:
+    """Weight rows per task of the multi-row GEMV: about 8 tasks per thread, 2 to 64 rows
+    (the kernel is called once per task), even (tasks take rows in pairs)."""
+    chunk = max(2, min(64, rows // (8 * threads)))
+    return chunk + (chunk & 1)
+
+
 @functools.lru_cache(maxsize=16)
 def _row_ids(n: int) -> np.ndarray:
     return np.arange(n, dtype=np.int64)   # writable: one numba signature with take_rows'
@@ -256,12 +308,17 @@ def _gemm_tile(w: QuantMatrix, threads: int) -> int:
 
 
 def matmul(w: QuantMatrix, x: np.ndarray) -> np.ndarray:
-    """x float32 [M, K] -> float32 [M, N] = x @ W.T. Up to `GEMV_MAX_ROWS` rows: `gemv`.
-    More: the blocked GEMM of `qmatmul_gemm` (x packed into panels, tiles of W dequantized
-    once and multiplied by the register-blocked micro-kernel), parallel over tiles."""
+    """x float32 [M, K] -> float32 [M, N] = x @ W.T. 2 to `MULTI_MAX_ROWS` rows (types that
+    have one): `multi_gemv`. Else up to `GEMV_MAX_ROWS` rows: `gemv`. More: the fused small-M
+    GEMM (`qmatmul_fused`, up to `FUSED_MAX_M` rows) or the blocked GEMM of `qmatmul_gemm` (x
+    packed into panels, tiles of W dequantized once and multiplied by the register-blocked
+    micro-kernel), parallel over tiles."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     m = x.shape[0]
     out = np.empty((m, w.rows), dtype=np.float32)
+    if 2 <= m <= MULTI_MAX_ROWS.get(w.qtype, 0):
+        multi_gemv(w, x, out)
+        return out
     if m <= GEMV_MAX_ROWS[w.qtype] and not (m == 1 and w.qtype == T.F32):
         gemv(w, x, out)     # (F32 at M = 1: BLAS's GEMV streams 1.6-2x faster than ours)
         return out
