@@ -11,7 +11,8 @@ rejections (a verification of n drafts with a accepted is a successes and, when 
 rejection; a new request starts at (2, 1)), whose ratio estimates the chance `alpha` that its
 next draft is accepted when the one before it was. The i-th draft is then accepted with
 probability alpha^i and costs `draft_cost` decode steps to verify, so the request verifies
-the drafts with alpha^i > draft_cost: n = floor(log(draft_cost) / log(alpha)). A request whose drafts are
+the drafts with alpha^i > draft_cost: n = floor(log(draft_cost) / log(alpha)). A request
+whose drafts are
 rejected drops to none, and tries one draft every PROBE_INTERVAL steps to notice when drafts
 pay again (e.g. when it starts quoting its prompt).
 

@@ -9,7 +9,8 @@ machine. When the kernel cache is cold, a second CPU is free and memory allows a
 of the weights, a helper process (`python -m vllm_actors.workers.warm_up`) loads the weights
 and compiles the multi-row (2..15 rows) and 16/64-row matmul kernels of each weight type
 (`CpuBackend.compile_matmuls`) into the same on-disk cache while this process runs 1 and 3
-rows (GEMV, attention, elementwise); this process then runs 16 and 64 rows, loading the matmuls the helper compiled.
+rows (GEMV, attention, elementwise); this process then runs 16 and 64 rows, loading the
+matmuls the helper compiled.
 The helper runs no attention: both processes running the whole forward compiled attention's
 large entry points twice (measured: 42.4 s alone, 40.1 s with such a helper). A marker file
 per kernel-source state records a finished warm-up, so warm starts (3-4 s) start no helper.
