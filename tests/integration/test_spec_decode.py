@@ -24,9 +24,10 @@ import draft_gguf  # noqa: E402
 
 GREEDY = load_golden("smollm2_greedy.json")
 NEAR_TIE = 1e-4
+# drafts at any batch size here (the default stops them above 8 running requests)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
-         "prompt_lookup_max": 4}
-SUFFIX = {"method": "suffix", "num_speculative_tokens": 8}
+         "prompt_lookup_max": 4, "disable_by_batch_size": None}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 8, "disable_by_batch_size": None}
 # drafts for text that quotes its prompt
 QUOTING = [f"Copy this text exactly.\n\n{LONG_ESSAY[i:i + 400]}\n\nCopy:\n{LONG_ESSAY[i:i + 60]}"
            for i in (0, 700, 1500)] + [f"Repeat the code.\n{LONG_CODE[:300]}\nAgain:\n"]
@@ -69,7 +70,8 @@ def test_greedy_tokens_match_transformers(method, smollm2_path, ngram_llm, draft
     params = SamplingParams(temperature=0.0, max_tokens=GREEDY["num_generated"], ignore_eos=True)
     config = {"ngram": NGRAM, "suffix": SUFFIX,
               "draft_model": {"method": "draft_model", "model": draft_path,
-                              "num_speculative_tokens": 3}}[method]
+                              "num_speculative_tokens": 3, "disable_by_batch_size": None}
+              }[method]
     if method == "ngram":
         llm, before = ngram_llm, accepted(ngram_llm)
         outputs = llm.generate(golden_prompts(), params, use_tqdm=False)
