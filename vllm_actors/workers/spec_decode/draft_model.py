@@ -56,7 +56,6 @@ class DraftModelProposer:
             raise ValidationError("draft_model needs a target and a draft with one attention "
                                   "type (no sliding-window layers)", "speculative_config")
         self.kv_caches: list = []
-        self.num_valid: dict[str, int] = {}           # request -> positions of valid KV
         self.proposed: dict[str, tuple[int, list[int]]] = {}   # request -> (at, drafts)
 
     def kv_bytes_per_block(self) -> int:
@@ -74,7 +73,6 @@ class DraftModelProposer:
             run_sizes(self.model, self.kv_caches, self.block_size, DECODE_SIZES + STEP_SIZES)
 
     def finish(self, req_id: str) -> None:
-        self.num_valid.pop(req_id, None)
         self.proposed.pop(req_id, None)
 
     def propose_for(self, batch: InputBatch, rows: np.ndarray, req_ids: list[str],
@@ -100,7 +98,6 @@ class DraftModelProposer:
             drafts[:, j] = self._run(tables, rows, ends + j - 1, ones,
                                      lambda t_rows, pos, j=j: drafts[:, j - 1])
         for i, req_id in enumerate(req_ids):
-            self.num_valid[req_id] = int(ends[i]) + self.k - 1
             self.proposed[req_id] = (int(ends[i]), drafts[i].tolist())
             out.draft_token_ids[req_id] = drafts[i].tolist()
 
@@ -115,7 +112,7 @@ class DraftModelProposer:
         while same < len(drafts) - 1 and at + same < num_tokens - 1 and \
                 batch.token_ids[row, at + same] == drafts[same]:
             same += 1
-        return min(self.num_valid[req_id], at + same, num_tokens - 1)
+        return min(at + same, num_tokens - 1)   # drafts fed: the first k - 1
 
     def _run(self, tables: np.ndarray, rows: np.ndarray, starts: np.ndarray,
              counts: np.ndarray, tokens_at: Any) -> np.ndarray:
