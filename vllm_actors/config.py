@@ -45,6 +45,24 @@ class CacheConfig:
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "float32"     # canonical (`kv_cache_dtype`): auto is float32
+
+
+# --kv-cache-dtype: vLLM's names, and ours for TurboQuant (kernels/kv_quant.py stores them)
+KV_CACHE_DTYPES = {"auto": "float32", "float32": "float32", "float16": "float16",
+                   "bfloat16": "bfloat16", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3",
+                   "fp8_e5m2": "fp8_e5m2", "turboquant": "turboquant_3.5"}
+TURBOQUANT_BITS = ("2", "2.5", "3", "3.5", "4")
+KV_CACHE_DTYPES.update({f"turboquant_{b}": f"turboquant_{b}" for b in TURBOQUANT_BITS})
+
+
+def kv_cache_dtype(name: str) -> str:
+    """The canonical name of a --kv-cache-dtype value. Raises ValidationError."""
+    found = KV_CACHE_DTYPES.get(str(name).strip().lower())
+    if found is None:
+        raise ValidationError(f"--kv-cache-dtype {name!r} is not one of "
+                              f"{', '.join(KV_CACHE_DTYPES)}", "kv_cache_dtype")
+    return found
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
@@ -241,7 +259,9 @@ class EngineArgs:
         parser.add_argument("--lpm-max-skips", type=int, default=8,
                             help="lpm: how often a waiting request may be passed over")
         parser.add_argument("--kv-cache-dtype", default="auto",
-                            help="KV cache element type; only auto (float32 on numpy) for now")
+                            help="KV cache storage: auto (float32), float16, bfloat16, fp8 "
+                                 "(= fp8_e4m3), fp8_e5m2, turboquant (3.5 bits per value; "
+                                 "turboquant_2, _2.5, _3, _3.5, _4)")
         parser.add_argument("--device", default="auto",
                             help="auto (cuda if CuPy sees a GPU, else cpu), cpu (compiled "
                                  "kernels, weights kept quantized), numpy (the float32 "
@@ -292,7 +312,8 @@ class EngineArgs:
                               self.generation_config, self.served_model_name,
                               self.max_logprobs),
             cache=CacheConfig(self.block_size, self.num_gpu_blocks_override,
-                              self.kv_cache_memory, util, self.enable_prefix_caching),
+                              self.kv_cache_memory, util, self.enable_prefix_caching,
+                              kv_cache_dtype(self.kv_cache_dtype)),
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens,
                                       self.scheduling_policy, self.lpm_max_skips),
             device=DeviceConfig(self.device,
@@ -302,10 +323,6 @@ class EngineArgs:
     def _check_not_yet_implemented(self) -> None:
         """Flags accepted for vLLM compatibility whose other values are not built yet fail
         here, loudly, instead of being ignored."""
-        if self.kv_cache_dtype != "auto":
-            raise ValidationError(f"--kv-cache-dtype {self.kv_cache_dtype} is not implemented "
-                                  "yet; only 'auto' (float32 KV on the numpy backend)",
-                                  "kv_cache_dtype")
         if self.device not in DEVICES:
             raise ValidationError(f"--device {self.device} is not implemented yet; available: "
                                   f"{', '.join(DEVICES)}", "device")

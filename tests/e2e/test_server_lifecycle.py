@@ -165,7 +165,7 @@ def test_sigterm_aborts_what_outlives_the_drain(smollm2_path):
 
 @pytest.mark.parametrize("flags, message", [
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
-    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 is not implemented yet"),
+    (["--kv-cache-dtype", "int3"], "--kv-cache-dtype 'int3' is not one of auto"),
     (["--tensor-parallel-size", "2", "--distributed-executor-backend", "slurm"],
      "argument --distributed-executor-backend: invalid choice: 'slurm'"),
     (["--tensor-parallel-size", "2", "--distributed-executor-backend", "uni"],

@@ -10,10 +10,11 @@ query runs are cut into chunks of QUERY_CHUNK rows, each reading only the keys i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from vllm_actors.kernels.kv_quant import QuantizedKV
 from vllm_actors.kernels.ops import AttentionMetadata
 
 
@@ -117,6 +118,17 @@ def _window_mask(group: AttentionGroup, chunk: AttentionChunk, window: int) -> n
     q_pos = np.minimum(group.q_pos[:, chunk.q0:chunk.q1], chunk.ctx - 1)
     visible = np.arange(chunk.ctx)[None, None, :] > q_pos[:, :, None] - window
     return np.where(visible, np.float32(0), np.float32(-np.inf))[:, None, :, None, :]
+
+
+def decoded_group(kv_cache, group: AttentionGroup) -> tuple[tuple, AttentionGroup]:
+    """(K, V) the group reads, and the group: a float32 cache as it is; a quantized one
+    (`kv_quant.QuantizedKV`) as float32 copies of only the group's blocks, the group's block
+    tables renumbered into them."""
+    if not isinstance(kv_cache, QuantizedKV):
+        return kv_cache, group
+    blocks, tables = np.unique(group.block_tables, return_inverse=True)
+    return kv_cache.read(blocks), replace(group,
+                                          block_tables=tables.reshape(group.block_tables.shape))
 
 
 def attend(q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray], group: AttentionGroup,

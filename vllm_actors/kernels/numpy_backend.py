@@ -14,8 +14,9 @@ from typing import Sequence
 
 import numpy as np
 
-from vllm_actors.kernels import quant
-from vllm_actors.kernels.numpy_attention import NumpyAttention, attend as _attend
+from vllm_actors.kernels import kv_quant, quant
+from vllm_actors.kernels.numpy_attention import NumpyAttention, attend as _attend, \
+    decoded_group
 from vllm_actors.kernels.ops import AttentionMetadata, RopeTables, WeightLike
 
 
@@ -88,7 +89,12 @@ class NumpyBackend:
         return np.ascontiguousarray(array, dtype=np.float32)
 
     def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int,
-                          num_kv_heads: int, head_dim: int) -> list[tuple[np.ndarray, np.ndarray]]:
+                          num_kv_heads: int, head_dim: int,
+                          kv_format: kv_quant.KVFormat | None = None) -> list:
+        quantized = kv_quant.allocate_kv_cache(kv_format, num_layers, num_blocks, block_size,
+                                               num_kv_heads, head_dim)
+        if quantized is not None:
+            return quantized
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         return [(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
                 for _ in range(num_layers)]
@@ -218,6 +224,9 @@ class NumpyBackend:
     def reshape_and_cache(self, k: np.ndarray, v: np.ndarray,
                           kv_cache: tuple[np.ndarray, np.ndarray],
                           attn: "NumpyAttention") -> None:
+        if isinstance(kv_cache, kv_quant.QuantizedKV):
+            kv_cache.write(k, v, attn.slot_mapping)
+            return
         k_cache, v_cache = kv_cache
         num_kv_heads, head_dim = k_cache.shape[2:]
         k_cache.reshape(-1, num_kv_heads, head_dim)[attn.slot_mapping] = k
@@ -226,13 +235,22 @@ class NumpyBackend:
     def paged_attention(self, q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray],
                         attn: "NumpyAttention", scale: float, window: int = 0,
                         softcap: float = 0.0, sinks: np.ndarray | None = None) -> np.ndarray:
+        """A quantized cache (`kv_quant`) is read by decoding each group's blocks to float32
+        (this is the reference; the compiled backends decode inside their loops); turboquant
+        attends in its rotated space."""
+        quantized = isinstance(kv_cache, kv_quant.QuantizedKV)
+        if quantized:
+            q = kv_cache.rotate(q)
         if len(attn.groups) == 1 and attn.groups[0].covers_all:
-            return _attend(q, kv_cache, attn.groups[0], scale, window, softcap, sinks)
-        out = np.empty_like(q)
-        for group in attn.groups:
-            out[group.token_index] = _attend(q[group.token_index], kv_cache, group, scale,
-                                             window, softcap, sinks)
-        return out
+            out = _attend(q, *decoded_group(kv_cache, attn.groups[0]), scale, window, softcap,
+                          sinks)
+        else:
+            out = np.empty_like(q)
+            for group in attn.groups:
+                out[group.token_index] = _attend(q[group.token_index],
+                                                 *decoded_group(kv_cache, group), scale,
+                                                 window, softcap, sinks)
+        return kv_cache.unrotate(out) if quantized else out
 
     def lm_head(self, hidden: np.ndarray, head: LMHead, rows: np.ndarray,
                 on_device: bool = False) -> np.ndarray:

@@ -78,8 +78,9 @@ class Backend(Protocol):
         """Any float32 host array -> device array (e.g. RoPE tables)."""
 
     def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int,
-                          num_kv_heads: int, head_dim: int) -> list[Any]:
-        """One paged cache per layer: K and V of `[num_blocks, block_size, Hk, Dh]`."""
+                          num_kv_heads: int, head_dim: int, kv_format: Any = None) -> list[Any]:
+        """One paged cache per layer: K and V of `[num_blocks, block_size, Hk, Dh]` rows, in
+        `kv_format` (a `kv_quant.KVFormat`; None: float32)."""
 
     def to_host(self, x: Array) -> np.ndarray: ...
 

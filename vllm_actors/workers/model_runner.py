@@ -16,6 +16,7 @@ import numpy as np
 from vllm_actors.config import EngineConfig
 from vllm_actors.errors import ValidationError
 from vllm_actors.kernels import get_backend
+from vllm_actors.kernels.kv_quant import kv_format
 from vllm_actors.kernels.ops import AttentionMetadata, Backend
 from vllm_actors.loaders.model_files import resolve_model
 from vllm_actors.models.base import CausalLM, ParallelGroup, PipelineStage, SingleRank
@@ -77,6 +78,7 @@ class ModelRunner:
             raise ValidationError(f"max_model_len={self.max_model_len} is larger than the "
                                   f"model's context length ({limit})", "max_model_len")
         self.block_size = config.cache.block_size
+        self.kv_format = kv_format(config.cache.kv_cache_dtype)
         self.kv_groups = kv_cache_groups(self.local_args)
         self.layer_ids = list(getattr(self.model, "layer_ids", range(args.num_layers)))
         slot_of = layer_slots(self.kv_groups)[1]
@@ -92,7 +94,7 @@ class ModelRunner:
         if draft_bytes and config.cache.num_gpu_blocks_override is None:
             # the draft's cache shares the KV budget, block for block
             target_bytes = kv_bytes_per_block(self.local_args, self.block_size, self.kv_groups,
-                                              len(self.kv_slots))
+                                              len(self.kv_slots), config.cache.kv_cache_dtype)
             self.num_blocks = self.num_blocks * target_bytes // (target_bytes + draft_bytes)
         self.kv_caches: list = []
         if allocate_kv:
@@ -112,7 +114,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         slots = self.backend.allocate_kv_cache(
             len(self.kv_slots), num_blocks + 1, self.block_size, local.num_kv_heads,
-            local.head_dim)
+            local.head_dim, self.kv_format)
         index = {slot: i for i, slot in enumerate(self.kv_slots)}
         slot_of = layer_slots(self.kv_groups)[1]
         self.kv_caches = [slots[index[slot_of[layer]]] for layer in self.layer_ids]

@@ -76,10 +76,11 @@ class RankHost:
                 "num_kv_blocks": self.runner.num_blocks}
 
     def kv_cache_bytes(self) -> int:
-        """Bytes of this rank's float32 KV cache (its KV heads; the null block included)."""
+        """Bytes of this rank's KV cache (its KV heads; the null block included)."""
         runner = self.runner
         return (runner.num_blocks + 1) * kv_bytes_per_block(
-            runner.local_args, runner.block_size, runner.kv_groups, len(runner.kv_slots))
+            runner.local_args, runner.block_size, runner.kv_groups, len(runner.kv_slots),
+            runner.kv_format.name)
 
     def call(self, method: str, args: Sequence[Any] = ()) -> Any:
         """`collective_rpc`'s entry: one of RPC_METHODS with `args`.
