@@ -231,7 +231,7 @@ class KVFormat:
                              bitorder="little")
         out = np.zeros((len(y), self.row_len(d)), np.uint8)
         out[:, :packed.shape[1]] = packed
-        out[:, -2:] = scale.astype(np.float16).view(np.uint8).reshape(-1, 2)
+        out[:, -2:] = scale.astype(np.float32).astype(np.float16).view(np.uint8).reshape(-1, 2)
         return out.reshape(*lead, -1)
 
     def _tq_decode(self, rows: np.ndarray, d: int) -> np.ndarray:

@@ -30,12 +30,14 @@ from dataclasses import dataclass, field
 import numba
 import numpy as np
 
+from vllm_actors.kernels import kv_quant
 from vllm_actors.kernels.cpu.attention_kernels import (
     merge_range,
     run_items,
     run_lane,
     write_kv_rows,
 )
+from vllm_actors.kernels.cpu.attention_kv import encode_rows
 from vllm_actors.kernels.cpu.attention_plan import Plan, build_plan
 from vllm_actors.kernels.ops import AttentionMetadata
 
@@ -47,10 +49,19 @@ _NO_SINKS = np.zeros(0, np.float32)
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                      head_dim: int, dtype: str = "float32"
-                      ) -> list[tuple[np.ndarray, np.ndarray]]:
+                      head_dim: int, dtype: str = "float32",
+                      kv_format: kv_quant.KVFormat | None = None) -> list:
     """Per layer a (K, V) pair of zeroed `[num_blocks, block_size, Hk, Dh]` arrays: float32,
-    or uint16 holding float16 bits for dtype "float16"."""
+    or uint16 holding float16 bits for dtype "float16"; a `kv_format` other than those: a
+    `kv_quant.QuantizedKV` per layer."""
+    if kv_format is not None:
+        if kv_format.kind in (kv_quant.FLOAT32, kv_quant.FLOAT16):
+            dtype = kv_format.name
+        else:
+            if block_size < 1 or block_size & (block_size - 1):
+                raise ValueError(f"block_size must be a power of two, not {block_size}")
+            return kv_quant.allocate_kv_cache(kv_format, num_layers, num_blocks, block_size,
+                                              num_kv_heads, head_dim)
     if dtype not in CACHE_DTYPES:
         raise ValueError(f"KV cache dtype must be one of {sorted(CACHE_DTYPES)}, not {dtype!r}")
     if block_size < 1 or block_size & (block_size - 1):
@@ -144,6 +155,9 @@ def write_kv(k: np.ndarray, v: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarra
              attn: CpuAttention) -> None:
     """Write k, v float32 [T, Hk, Dh] (any strides, e.g. views of a fused QKV output) into the
     cache at the step's slot mapping, rounding to float16 for a float16 cache."""
+    if isinstance(kv_cache, kv_quant.QuantizedKV):
+        _write_quantized(_float32_view(k, "k"), _float32_view(v, "v"), kv_cache, attn)
+        return
     k_cache, v_cache = kv_cache
     k = _float32_view(k, "k")
     v = _float32_view(v, "v")
@@ -151,6 +165,46 @@ def write_kv(k: np.ndarray, v: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarra
         raise ValueError(f"k {k.shape} / v {v.shape} do not fit the cache {k_cache.shape} "
                          f"and {attn.num_tokens} tokens")
     write_kv_rows(k, v, k_cache, v_cache, attn.slot_mapping)
+
+
+_NONE_F32 = np.zeros(0, np.float32)
+_NONE_F64 = np.zeros(0, np.float64)
+
+
+def _encoder_tables(cache: kv_quant.QuantizedKV) -> tuple:
+    """(fp8 values table float64, high midpoints, low midpoints, codebooks float64) for
+    `encode_rows`, built once per format and head dim."""
+    fmt, d = cache.fmt, cache.head_dim
+    key = ("encode", d)
+    found = fmt._cache.get(key)
+    if found is None:
+        table, mids_high, mids_low, books = _NONE_F64, _NONE_F32, _NONE_F32, _NONE_F64
+        if fmt.kind == kv_quant.FP8:
+            values = fmt.lut(d) / np.float32(fmt.k_scale)      # unscaled positive values
+            finite = values[:128][np.isfinite(values[:128])]
+            table = finite.astype(np.float64)
+        elif fmt.kind == kv_quant.TURBOQUANT:
+            _, high, low = fmt.split(d)
+            hb, lb = kv_quant.codebook(high, d), kv_quant.codebook(low, d)
+            mids_high, mids_low = (hb[1:] + hb[:-1]) / 2, (lb[1:] + lb[:-1]) / 2
+            books = np.concatenate([hb, lb]).astype(np.float64)
+        found = (table, mids_high, mids_low, books)
+        fmt._cache[key] = found
+    return found
+
+
+def _write_quantized(k: np.ndarray, v: np.ndarray, cache: kv_quant.QuantizedKV,
+                     attn: CpuAttention) -> None:
+    if k.shape != v.shape or k.shape[0] != attn.num_tokens or \
+            k.shape[1:] != (cache.k.shape[2], cache.head_dim):
+        raise ValueError(f"k {k.shape} / v {v.shape} do not fit the cache {cache.k.shape} "
+                         f"and {attn.num_tokens} tokens")
+    fmt, layout = cache.fmt, cache.layout
+    table, mids_high, mids_low, books = _encoder_tables(cache)
+    for x, data, scale in ((k, cache.k, fmt.k_scale), (v, cache.v, fmt.v_scale)):
+        x = np.ascontiguousarray(cache.rotate(x), np.float32)
+        encode_rows(x, attn.slot_mapping, data.reshape(-1), int(layout[1]), int(layout[0]),
+                    np.float32(1.0 / scale), table, mids_high, mids_low, books, layout)
 
 
 def paged_attention(q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray],
@@ -163,13 +217,20 @@ def paged_attention(q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray],
     `window` > 0: a query at position p sees keys p - window < k <= p; `softcap` > 0: scores
     s become softcap * tanh(s / softcap); `sinks` [H]: per-head sink logits (see
     `ops.Backend.paged_attention`)."""
-    k_cache, v_cache = kv_cache
+    quantized = isinstance(kv_cache, kv_quant.QuantizedKV)
+    if quantized:   # turboquant: attend in the rotated space, rotate the output back
+        k_cache, v_cache = kv_cache.k, kv_cache.v
+        q = kv_cache.rotate(_float32_view(q, "q"))
+        row_dim = kv_cache.head_dim
+    else:
+        k_cache, v_cache = kv_cache
+        row_dim = k_cache.shape[3]
     if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
         raise ValueError("the KV cache must be C-contiguous (as allocate_kv_cache makes it)")
     q = np.ascontiguousarray(_float32_view(q, "q"))
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    if num_heads % num_kv_heads or k_cache.shape[3] != head_dim or \
+    if num_heads % num_kv_heads or row_dim != head_dim or \
             num_tokens != attn.num_tokens or k_cache.shape[1] != attn.block_size:
         raise ValueError(f"q {q.shape} does not fit the cache {k_cache.shape} "
                          f"(block size {attn.block_size}, {attn.num_tokens} tokens)")
@@ -195,6 +256,9 @@ def paged_attention(q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray],
     if len(sk) not in (0, num_heads):
         raise ValueError(f"{len(sk)} sink logits for {num_heads} heads")
     kc, vc = k_cache.reshape(-1), v_cache.reshape(-1)
+    if quantized:
+        kc = (kc, kv_cache.k_lut, kv_cache.layout)
+        vc = (vc, kv_cache.v_lut, kv_cache.layout)
     if plan.lanes > 1:
         run_items(q, kc, vc, attn.block_tables, shift, num_kv_heads, plan.items, plan.lanes, g,
                   plan.rows_max, qscale, wnd, cap, sk, out, pm, pl, pacc)
@@ -204,6 +268,8 @@ def paged_attention(q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray],
                  pacc)
     if len(plan.merges):
         merge_range(plan.merges, 0, len(plan.merges), g, pm, pl, pacc, out, sk)
+    if quantized and kv_cache.rotation is not None:
+        out[...] = kv_cache.unrotate(out)
     return out
 
 

@@ -148,8 +148,13 @@ def convert_rows(cache, table, shift, hk, kvh, t0, n, buf, offs):
 
 @overload(stage_rows, jit_options=_JIT)
 def _stage_rows(cache, table, shift, hk, kvh, t0, n, buf, offs):
-    """float16 cache: convert the tile's rows into buf; float32: only the row offsets (the
-    rows are read in place)."""
+    """float16 cache: convert the tile's rows into buf; a quantized one (a tuple, see
+    `attention_kv`): decode them into buf; float32: only the row offsets (the rows are read
+    in place)."""
+    if isinstance(cache, types.BaseTuple):
+        from vllm_actors.kernels.cpu.attention_kv import decode_rows
+        return lambda cache, table, shift, hk, kvh, t0, n, buf, offs: decode_rows(
+            cache, table, shift, hk, kvh, t0, n, buf, offs)
     if _is_half(cache):
         return lambda cache, table, shift, hk, kvh, t0, n, buf, offs: convert_rows(
             cache, table, shift, hk, kvh, t0, n, buf, offs)
@@ -159,7 +164,7 @@ def _stage_rows(cache, table, shift, hk, kvh, t0, n, buf, offs):
 
 @overload(row_source, jit_options=_JIT)
 def _row_source(cache, buf):
-    if _is_half(cache):
+    if _is_half(cache) or isinstance(cache, types.BaseTuple):
         return lambda cache, buf: buf
     return lambda cache, buf: cache
 

@@ -25,20 +25,38 @@ The item loop around these (heads, tiles, output) is `attention_kernels.attend_i
 from __future__ import annotations
 
 import numpy as np
+from numba.core import types
+from numba.extending import overload
 
 from vllm_actors.kernels.cpu.attention_math import exp2, tanh
 from vllm_actors.kernels.cpu.intrinsics import prefetch
-from vllm_actors.kernels.cpu.jit import kernel
+from vllm_actors.kernels.cpu.jit import FASTMATH, kernel
 
 TK = 32                      # keys per tile (a multiple of 8)
 NEG_INF = np.float32(-np.inf)
 ZERO = np.float32(0.0)
 
 
-@kernel
 def prefetch_rows(cache, table, shift, hk, dh, kvh0, kvh1, t0, n):
     """Ask for the cache lines of rows t0..t0+n-1, heads kvh0..kvh1-1 (contiguous in a row of
-    the flat cache), ahead of use."""
+    the flat cache), ahead of use (kernels only)."""
+    raise NotImplementedError
+
+
+@overload(prefetch_rows, jit_options={"fastmath": set(FASTMATH), "error_model": "numpy",
+                                      "boundscheck": False})
+def _prefetch_rows(cache, table, shift, hk, dh, kvh0, kvh1, t0, n):
+    if isinstance(cache, types.BaseTuple):     # a quantized cache (attention_kv)
+        from vllm_actors.kernels.cpu.attention_kv import prefetch_quantized
+        return lambda cache, table, shift, hk, dh, kvh0, kvh1, t0, n: prefetch_quantized(
+            cache, table, shift, hk, kvh0, kvh1, t0, n)
+    return lambda cache, table, shift, hk, dh, kvh0, kvh1, t0, n: prefetch_plain(
+        cache, table, shift, hk, dh, kvh0, kvh1, t0, n)
+
+
+@kernel
+def prefetch_plain(cache, table, shift, hk, dh, kvh0, kvh1, t0, n):
+    """prefetch_rows of a float32 or float16 cache."""
     mask = (1 << shift) - 1
     step = max(1, 64 // cache.itemsize)
     span = (kvh1 - kvh0) * dh

@@ -6,7 +6,8 @@
   a GEMM that decodes each weight once per call (`qmatmul_fused`, `qmatmul_gemm`). The tied
   embedding is the LM head (one copy).
 - Paged attention reads K/V through the block table (`attention.py`); the KV cache is
-  float32 or float16.
+  float32, float16, or a quantized format of `kv_quant` decoded inside the attention loop
+  (`attention_kv`).
 - One thread budget (`threads.configure`): numba's threads, sized to the CPUs this process
   may use; BLAS single-threaded.
 """
@@ -119,9 +120,9 @@ class CpuBackend:
         return np.ascontiguousarray(array, dtype=np.float32)
 
     def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int,
-                          num_kv_heads: int, head_dim: int) -> list[Any]:
+                          num_kv_heads: int, head_dim: int, kv_format: Any = None) -> list[Any]:
         return attention.allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads,
-                                           head_dim, self.kv_cache_dtype)
+                                           head_dim, self.kv_cache_dtype, kv_format)
 
     def to_host(self, x: np.ndarray) -> np.ndarray:
         return x
