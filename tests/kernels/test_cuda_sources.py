@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 import vllm_actors.kernels.cuda as cuda_pkg
-from vllm_actors.kernels import quant
+from vllm_actors.kernels import kv_quant, quant
 from vllm_actors.kernels.device_backend import (KERNEL_NAMES, QUANT_KERNELS, SOURCE_FILES,
                                                 kernel_source, quant_defines)
+from vllm_actors.kernels.device_kv import kv_defines
 
 SOURCES = sorted(p.name for p in Path(cuda_pkg.__file__).parent.glob("*.cu"))
 
@@ -135,3 +136,122 @@ def test_quant_kernels_run_on_the_host(tmp_path):
         getattr(host, "host_" + name)(*ptr, k, rows, 1, t)
         want = x @ quant.dequantize(raw, qtype, (rows, k)).T + bias
         assert np.abs(y - want).max() <= 2e-5 * np.abs(want).max(), name
+
+
+# kv_quant.cu as host C++: the KV cache stores and the decode of one value run on the host
+# against kv_quant's numpy reference (the attention kernel, warp shuffles and all, is only
+# compiled here; it runs in test_device_kv_formats.py where a GPU exists). ops.cu's float16
+# conversions (PTX there) become _Float16 casts, which round to nearest even.
+KV_HOST_PRELUDE = """
+#include <math.h>
+#include <stddef.h>
+#include <string.h>
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+#define __syncthreads()
+#define NEG_INF (-INFINITY)
+static struct { int x, y; } blockIdx, blockDim = {1, 1}, threadIdx;
+static unsigned int __float_as_uint(float f) { unsigned int u; memcpy(&u, &f, 4); return u; }
+static float __uint_as_float(unsigned int u) { float f; memcpy(&f, &u, 4); return f; }
+static float __shfl_xor_sync(unsigned int, float v, int) { return v; }
+static int max(int a, int b) { return a > b ? a : b; }
+static float half_to_float(unsigned short h) { _Float16 x; memcpy(&x, &h, 2); return (float)x; }
+static float load_half(const unsigned char *p) { return half_to_float(p[0] | (p[1] << 8)); }
+static unsigned short float_to_half(float f) {
+    const _Float16 x = (_Float16)f; unsigned short h; memcpy(&h, &x, 2); return h;
+}
+static unsigned short double_to_half(double d) {
+    const _Float16 x = (_Float16)d; unsigned short h; memcpy(&h, &x, 2); return h;
+}
+"""
+KV_HOST_DRIVER = """
+extern "C" void host_store_kv(const float *k, const float *v, unsigned char *kc,
+                              unsigned char *vc, const long long *slots, int width, int kind,
+                              int man_bits, float k_scale, float v_scale, int t) {
+    for (blockIdx.y = 0; blockIdx.y < t; ++blockIdx.y)
+        for (blockIdx.x = 0; blockIdx.x < width; ++blockIdx.x)
+            reshape_and_cache_kv(k, v, kc, vc, slots, width, kind, man_bits, k_scale, v_scale);
+}
+extern "C" void host_store_tq(const float *k, const float *v, unsigned char *kc,
+                              unsigned char *vc, const long long *slots, const float *lut,
+                              int kv_heads, int d, int row_bytes, int n_high, int high, int low,
+                              int rows) {
+    blockIdx.y = 0;
+    for (blockIdx.x = 0; blockIdx.x < 2 * rows; ++blockIdx.x)
+        reshape_and_cache_tq(k, v, kc, vc, slots, lut, kv_heads, d, row_bytes, n_high, high,
+                             low, rows);
+}
+extern "C" void host_decode(const unsigned char *rows, int n, int d, int kind, int row_bytes,
+                            int n_high, int high, int low, const float *lut, float *out) {
+    for (int r = 0; r < n; ++r)
+        for (int i = 0; i < d; ++i)
+            out[r * d + i] = kv_value(rows + r * row_bytes, i, kind, lut, n_high, high, low)
+                             * kv_row_scale(rows + r * row_bytes, kind, row_bytes);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def kv_host(tmp_path_factory):
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("g++ is not installed here")
+    tmp = tmp_path_factory.mktemp("kv_host")
+    source = tmp / "kv_quant_host.cpp"
+    source.write_text(KV_HOST_PRELUDE + kv_defines()
+                      + (Path(cuda_pkg.__file__).parent / "kv_quant.cu").read_text()
+                      + KV_HOST_DRIVER)
+    lib = tmp / "kv_quant_host.so"
+    done = subprocess.run([gxx, "-O1", "-shared", "-fPIC", "-Wall", "-Werror", str(source),
+                           "-o", str(lib)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return ctypes.CDLL(str(lib))
+
+
+def _ptrs(*arrays: np.ndarray) -> list:
+    return [a.ctypes.data_as(ctypes.c_void_p) for a in arrays]
+
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16", "fp8_e4m3", "fp8_e5m2",
+                                  "turboquant_2", "turboquant_2.5", "turboquant_3",
+                                  "turboquant_3.5", "turboquant_4"])
+@pytest.mark.parametrize("d", [64, 44])
+def test_kv_kernels_run_on_the_host(kv_host, name, d):
+    """kv_quant.cu's stores give kv_quant's bytes (fp8: K unscaled, so that the ties between
+    codes are exact; V scaled by 0.05), and its per-value decode gives kv_quant's decode."""
+    fmt = kv_quant.kv_format(name, 1.0, 0.05)
+    rng = np.random.default_rng(11)
+    t, hk = 40, 2
+    x = [(rng.standard_normal((t, hk, d)) * 2.0 ** rng.integers(-30, 17, (t, hk, 1)))
+         .astype(np.float32) for _ in "kv"]
+    if fmt.kind == kv_quant.FP8:        # every tie between two codes, signed
+        mids = np.nan_to_num((fmt.lut(d)[1:127] + fmt.lut(d)[:126]) / 2)
+        x[0].reshape(-1)[:252] = np.concatenate([mids, -mids])
+    if fmt.kind != kv_quant.TURBOQUANT:
+        x[0].reshape(-1)[-6:] = [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-42]
+    slots = rng.permutation(t).astype(np.int64)
+    slots[5] = -1                        # skipped
+    row = fmt.row_len(d)
+    got = [np.zeros((t, hk, row), fmt.storage) for _ in "kv"]
+    lut = np.concatenate([fmt.lut(d, "k"), np.zeros(1, np.float32)])
+    n_high, high, low = fmt.split(d) if fmt.kind == kv_quant.TURBOQUANT else (0, 0, 0)
+    if fmt.kind == kv_quant.TURBOQUANT:
+        x[0][3, 1] = 0.0                 # a zero row: scale 0
+        kv_host.host_store_tq(*_ptrs(*x, *got, slots, lut), hk, d, fmt.row_bytes(d), n_high,
+                              high, low, t * hk)
+    else:
+        kv_host.host_store_kv(*_ptrs(*x, *got, slots), hk * d, fmt.kind,
+                              3 if name == "fp8_e4m3" else 2, ctypes.c_float(fmt.k_scale),
+                              ctypes.c_float(fmt.v_scale), t)
+    keep = slots >= 0
+    for which, have, xs in zip("kv", got, x):
+        want = np.zeros_like(have)
+        with np.errstate(over="ignore", invalid="ignore"):
+            want[slots[keep]] = fmt.encode(xs[keep], which)
+        assert np.array_equal(have, want), which
+    decoded = np.empty((t * hk, d), np.float32)
+    kv_host.host_decode(*_ptrs(got[0]), t * hk, d, fmt.kind, fmt.row_bytes(d), n_high, high,
+                        low, *_ptrs(lut, decoded))
+    assert np.array_equal(decoded, fmt.decode(got[0], d, "k").reshape(-1, d), equal_nan=True)

@@ -5,8 +5,10 @@ buffers and `_launch`.
 Weights and the KV cache live on the device. Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and Q2_K..Q6_K
 linear weights stay in their GGUF blocks and are dequantized inside the matmul kernel
 (`linear_quant.cl` / `.cu`), F16 and BF16 weights stay 16-bit (widened to float32 in the
-kernel); other types are dequantized once at upload to float32. Per step only token ids, positions, slot mapping and block tables go up,
-and only the sampled rows' logits come back.
+kernel); other types are dequantized once at upload to float32. The KV cache is float32 or,
+with a `kv_format`, rows in any format of `kv_quant` (`device_kv`: encoded and decoded inside
+the kernels). Per step only token ids, positions, slot mapping and block tables go up, and
+only the sampled rows' logits come back.
 
 A launch names its logical index space, innermost first (`items`): one work-item / thread
 each, or, for the kernels in a subclass's `GROUPS`, one cooperating group per item along x.
@@ -20,7 +22,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from vllm_actors.kernels import quant
+from vllm_actors.kernels import kv_quant, quant
+from vllm_actors.kernels.device_kv import KV_KERNEL_NAMES, DeviceKV, decode_tables, kv_defines
 from vllm_actors.kernels.ops import AttentionMetadata, RopeTables, WeightLike
 
 # GGML type id -> (matmul kernel that reads its blocks, values per block): every type whose
@@ -32,9 +35,10 @@ KERNEL_NAMES = ("embedding", "rms_norm", "layer_norm", "add_inplace", "silu_mul"
                 "gelu_inplace", "scale_inplace", "split_qkv", "rope", "reshape_and_cache",
                 "paged_attention", "gather_rows", "linear_f32", "linear_f16", "linear_bf16",
                 *(name for name, _ in QUANT_KERNELS.values()), "argmax_rows",
-                "apply_temperature", "mask_below")
+                "apply_temperature", "mask_below", *KV_KERNEL_NAMES)
 # Kernel source files of each device package, built as one program in this order.
-SOURCE_FILES = {"cl": ("ops.cl", "linear_quant.cl"), "cu": ("ops.cu", "linear_quant.cu")}
+SOURCE_FILES = {"cl": ("ops.cl", "linear_quant.cl", "kv_quant.cl"),
+                "cu": ("ops.cu", "linear_quant.cu", "kv_quant.cu")}
 # 16-bit float storage (GGML F16 = 1, BF16 = 30): kept as stored, widened in the kernel
 HALF_KERNELS = {1: ("linear_f16", np.float16), 30: ("linear_bf16", np.uint16)}
 MAX_HEAD_DIM = 256
@@ -56,9 +60,9 @@ def quant_defines() -> str:
 
 def kernel_source(ext: str) -> str:
     """The whole kernel program of the OpenCL ("cl") or CUDA ("cu") package, one text: the
-    block layouts (`quant_defines`), then SOURCE_FILES."""
+    block layouts (`quant_defines`), the KV cache format kinds, then SOURCE_FILES."""
     package = resources.files("vllm_actors.kernels." + {"cl": "opencl", "cu": "cuda"}[ext])
-    return quant_defines() + "\n".join(package.joinpath(name).read_text()
+    return quant_defines() + kv_defines() + "\n".join(package.joinpath(name).read_text()
                                         for name in SOURCE_FILES[ext])
 
 
@@ -100,7 +104,7 @@ class DeviceBackend:
     def _empty(self, shape: tuple[int, ...], dtype: Any = np.float32) -> Any:
         raise NotImplementedError
 
-    def _zeros(self, shape: tuple[int, ...]) -> Any:
+    def _zeros(self, shape: tuple[int, ...], dtype: Any = np.float32) -> Any:
         raise NotImplementedError
 
     def _launch(self, name: str, items: tuple[int, ...], *args: Any) -> None:
@@ -146,9 +150,27 @@ class DeviceBackend:
         return self._keep(np.asarray(array, np.float32))
 
     def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int,
-                          num_kv_heads: int, head_dim: int) -> list[tuple[Any, Any]]:
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        return [(self._zeros(shape), self._zeros(shape)) for _ in range(num_layers)]
+                          num_kv_heads: int, head_dim: int,
+                          kv_format: kv_quant.KVFormat | None = None) -> list[Any]:
+        """float32 (kv_format None): a (K, V) pair per slot; any other format: a `DeviceKV`
+        per slot, slot i with turboquant's rotation of slot i (as the numpy backend's)."""
+        if kv_format is None or kv_format.kind == kv_quant.FLOAT32:
+            shape = (num_blocks, block_size, num_kv_heads, head_dim)
+            return [(self._zeros(shape), self._zeros(shape)) for _ in range(num_layers)]
+        shape = (num_blocks, block_size, num_kv_heads, kv_format.row_len(head_dim))
+        k_lut, v_lut = (self._keep(t) for t in decode_tables(kv_format, head_dim))
+        slots = []
+        for slot in range(num_layers):
+            rotate = unrotate = None
+            if kv_format.kind == kv_quant.TURBOQUANT:
+                r = kv_quant.rotation(slot, head_dim)
+                rotate = Linear(self._keep(r), "linear_f32", head_dim, head_dim)
+                unrotate = Linear(self._keep(np.ascontiguousarray(r.T)), "linear_f32",
+                                  head_dim, head_dim)
+            slots.append(DeviceKV(self._zeros(shape, kv_format.storage),
+                                  self._zeros(shape, kv_format.storage), kv_format, head_dim,
+                                  k_lut, v_lut, rotate, unrotate))
+        return slots
 
     # -- compute ------------------------------------------------------------------------
     def embedding(self, table: Any, token_ids: np.ndarray) -> Any:
@@ -240,6 +262,8 @@ class DeviceBackend:
 
     def reshape_and_cache(self, k: Any, v: Any, kv_cache: tuple[Any, Any],
                           attn: StepAttention) -> None:
+        if isinstance(kv_cache, DeviceKV):
+            return self._store_quantized(k, v, kv_cache, attn)
         t, width = k.shape[0], k.shape[1] * k.shape[2]
         self._launch("reshape_and_cache", (width, t), k, v, kv_cache[0], kv_cache[1],
                      attn.slots, np.int32(width))
@@ -251,6 +275,8 @@ class DeviceBackend:
         if head_dim > MAX_HEAD_DIM:
             raise ValueError(f"head_dim {head_dim} is larger than {MAX_HEAD_DIM}, the most the "
                              f"{self.name} attention kernel handles")
+        if isinstance(kv_cache, DeviceKV):
+            return self._attend_quantized(q, kv_cache, attn, scale, window, softcap, sinks)
         out = self._empty(q.shape)
         self._launch("paged_attention", (heads, t), q, kv_cache[0], kv_cache[1],
                      attn.token_req, attn.token_pos, attn.block_tables, out, np.int32(heads),
@@ -260,6 +286,42 @@ class DeviceBackend:
                      attn.slots if sinks is None else sinks,   # any buffer: unread
                      np.int32(sinks is not None))
         return out
+
+    # -- quantized KV caches (device_kv) ----------------------------------------------------
+    def _rotated(self, x: Any, weight: Linear | None) -> Any:
+        """x [T, H, Dh] times a rotation (turboquant), as a new [T, H, Dh]; x without one."""
+        if weight is None:
+            return x
+        t, heads, head_dim = x.shape
+        return self.linear(x.reshape(t * heads, head_dim), weight).reshape(t, heads, head_dim)
+
+    def _store_quantized(self, k: Any, v: Any, cache: DeviceKV, attn: StepAttention) -> None:
+        t, kv_heads, head_dim = k.shape
+        if cache.fmt.kind != kv_quant.TURBOQUANT:
+            self._launch("reshape_and_cache_kv", (kv_heads * head_dim, t), k, v, cache.k,
+                         cache.v, attn.slots, np.int32(kv_heads * head_dim),
+                         np.int32(cache.fmt.kind), np.int32(cache.fp8_man_bits()),
+                         np.float32(cache.fmt.k_scale), np.float32(cache.fmt.v_scale))
+            return
+        _, row_bytes, n_high, high, low = cache.layout_args()
+        self._launch("reshape_and_cache_tq", (2 * t * kv_heads,),
+                     self._rotated(k, cache.rotate), self._rotated(v, cache.rotate), cache.k,
+                     cache.v, attn.slots, cache.k_lut, np.int32(kv_heads), np.int32(head_dim),
+                     row_bytes, n_high, high, low, np.int32(t * kv_heads))
+
+    def _attend_quantized(self, q: Any, cache: DeviceKV, attn: StepAttention, scale: float,
+                          window: int, softcap: float, sinks: Any) -> Any:
+        t, heads, head_dim = q.shape
+        q = self._rotated(q, cache.rotate)
+        out = self._empty(q.shape)
+        self._launch("paged_attention_kv", (heads, t), q, cache.k, cache.v, attn.token_req,
+                     attn.token_pos, attn.block_tables, out, np.int32(heads),
+                     np.int32(cache.num_kv_heads), np.int32(head_dim), np.int32(attn.block_size),
+                     np.int32(attn.max_blocks), np.float32(scale), np.int32(window),
+                     np.float32(softcap), cache.k_lut if sinks is None else sinks,   # unread
+                     np.int32(sinks is not None), cache.k_lut, cache.v_lut,
+                     *cache.layout_args())
+        return self._rotated(out, cache.unrotate)
 
     def lm_head(self, hidden: Any, head: Linear, rows: np.ndarray, on_device: bool = False
                 ) -> Any:

@@ -14,8 +14,16 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from numba.core import types
+from numba.extending import overload
 
-from vllm_actors.kernels.cpu.attention_math import f32_to_half, read_half, row_offsets
+from vllm_actors.kernels.cpu.attention_math import (
+    JIT_OPTIONS,
+    f32_to_half,
+    read_half,
+    row_offsets,
+    stage_rows,
+)
 from vllm_actors.kernels.cpu.intrinsics import bits_to_f32, f32_to_bits, prefetch
 from vllm_actors.kernels.cpu.jit import kernel
 from vllm_actors.kernels.kv_quant import BFLOAT16, FP8
@@ -79,6 +87,14 @@ def decode_rows(cache, table, shift, hk, kvh, t0, n, buf, offs):
         else:
             tq_decode_row(data, src, lut, layout, buf, dst, dh)
         offs[i] = dst
+
+
+@overload(stage_rows, jit_options=JIT_OPTIONS)
+def _stage_quantized(cache, table, shift, hk, kvh, t0, n, buf, offs):
+    if isinstance(cache, types.BaseTuple):
+        return lambda cache, table, shift, hk, kvh, t0, n, buf, offs: decode_rows(
+            cache, table, shift, hk, kvh, t0, n, buf, offs)
+    return None
 
 
 @kernel

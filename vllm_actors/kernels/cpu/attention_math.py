@@ -101,7 +101,7 @@ def _is_half(ty) -> bool:
     return isinstance(dtype, types.Integer) and dtype.bitwidth == 16 and not dtype.signed
 
 
-_JIT = {"fastmath": set(FASTMATH), "error_model": "numpy", "boundscheck": False}
+JIT_OPTIONS = {"fastmath": set(FASTMATH), "error_model": "numpy", "boundscheck": False}
 
 
 if HARDWARE_HALF:
@@ -113,7 +113,7 @@ else:
     read_half = half_to_f32
 
 
-@overload(from_f32, jit_options=_JIT)
+@overload(from_f32, jit_options=JIT_OPTIONS)
 def _from_f32(x, like):
     if _is_half(like):
         return lambda x, like: f32_to_half(x)
@@ -146,15 +146,12 @@ def convert_rows(cache, table, shift, hk, kvh, t0, n, buf, offs):
         offs[i] = dst
 
 
-@overload(stage_rows, jit_options=_JIT)
+@overload(stage_rows, jit_options=JIT_OPTIONS)
 def _stage_rows(cache, table, shift, hk, kvh, t0, n, buf, offs):
-    """float16 cache: convert the tile's rows into buf; a quantized one (a tuple, see
-    `attention_kv`): decode them into buf; float32: only the row offsets (the rows are read
-    in place)."""
+    """float16 cache: convert the tile's rows into buf; float32: only the row offsets (the
+    rows are read in place). A quantized cache (a tuple) is `attention_kv`'s overload."""
     if isinstance(cache, types.BaseTuple):
-        from vllm_actors.kernels.cpu.attention_kv import decode_rows
-        return lambda cache, table, shift, hk, kvh, t0, n, buf, offs: decode_rows(
-            cache, table, shift, hk, kvh, t0, n, buf, offs)
+        return None          # a quantized cache: attention_kv's overload
     if _is_half(cache):
         return lambda cache, table, shift, hk, kvh, t0, n, buf, offs: convert_rows(
             cache, table, shift, hk, kvh, t0, n, buf, offs)
@@ -162,9 +159,9 @@ def _stage_rows(cache, table, shift, hk, kvh, t0, n, buf, offs):
         table, shift, hk, buf.shape[0] // offs.shape[0], kvh, t0, n, offs)
 
 
-@overload(row_source, jit_options=_JIT)
+@overload(row_source, jit_options=JIT_OPTIONS)
 def _row_source(cache, buf):
-    if _is_half(cache) or isinstance(cache, types.BaseTuple):
+    if _is_half(cache) or isinstance(cache, types.BaseTuple):   # a tuple: attention_kv
         return lambda cache, buf: buf
     return lambda cache, buf: cache
 

@@ -38,7 +38,7 @@ class CudaBackend(DeviceBackend):
 
     name = "cuda"
     GROUPS = {"rms_norm": THREADS, "layer_norm": THREADS, "argmax_rows": THREADS,
-              "paged_attention": 32}
+              "paged_attention": 32, "paged_attention_kv": 32}
 
     def __init__(self, device: int = 0) -> None:
         cp = _cupy()
@@ -61,8 +61,8 @@ class CudaBackend(DeviceBackend):
     def _empty(self, shape: tuple[int, ...], dtype: Any = np.float32) -> Any:
         return self.cp.empty(shape, dtype)
 
-    def _zeros(self, shape: tuple[int, ...]) -> Any:
-        return self.cp.zeros(shape, np.float32)
+    def _zeros(self, shape: tuple[int, ...], dtype: Any = np.float32) -> Any:
+        return self.cp.zeros(shape, dtype)
 
     def _launch(self, name: str, items: tuple[int, ...], *args: Any) -> None:
         if any(n > 65535 for n in items[1:]):   # CUDA's limit on grid y and z

@@ -13,6 +13,19 @@ __device__ __forceinline__ float half_to_float(unsigned short h) {
     return f;
 }
 
+// float16 bits of x, rounded to nearest even (KV cache writes, kv_quant.cu)
+__device__ __forceinline__ unsigned short float_to_half(float x) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+
+__device__ __forceinline__ unsigned short double_to_half(double x) {
+    unsigned short h;
+    asm("cvt.rn.f16.f64 %0, %1;" : "=h"(h) : "d"(x));
+    return h;
+}
+
 __device__ __forceinline__ float load_half(const unsigned char *p) {
     return half_to_float((unsigned short)(p[0] | (p[1] << 8)));
 }

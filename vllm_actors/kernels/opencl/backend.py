@@ -69,9 +69,9 @@ class OpenCLBackend(DeviceBackend):
     def _empty(self, shape: tuple[int, ...], dtype: Any = np.float32) -> Any:
         return self.cl_array.empty(self.queue, shape, dtype, allocator=self.allocator)
 
-    def _zeros(self, shape: tuple[int, ...]) -> Any:
-        self._allocated += int(np.prod(shape)) * 4
-        return self.cl_array.zeros(self.queue, shape, np.float32)
+    def _zeros(self, shape: tuple[int, ...], dtype: Any = np.float32) -> Any:
+        self._allocated += int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return self.cl_array.zeros(self.queue, shape, dtype)
 
     def _launch(self, name: str, items: tuple[int, ...], *args: Any) -> None:
         kernel = self.kernels[name]
