@@ -9,13 +9,14 @@ from vllm_actors.kernels.ops import AttentionMetadata
 
 
 def prompt_logits(model, backend, token_ids: list[int], chunks: list[int] | None = None,
-                  block_size: int = 16) -> np.ndarray:
-    """Logits [len(token_ids), V] (None on tensor-parallel ranks other than 0). `chunks` are step sizes (default: the whole prompt at once).
+                  block_size: int = 16, kv_format=None) -> np.ndarray:
+    """Logits [len(token_ids), V] (None on tensor-parallel ranks other than 0). `chunks` are
+    step sizes (default: the whole prompt at once); `kv_format`: the cache's (kv_quant).
     Blocks are handed out in a scrambled order so a wrong block-table lookup shows."""
     args = getattr(model, "local_args", model.args)   # a tensor-parallel shard's own heads
     num_blocks = -(-len(token_ids) // block_size)
     kv = backend.allocate_kv_cache(args.num_layers, num_blocks + 1, block_size,
-                                   args.num_kv_heads, args.head_dim)
+                                   args.num_kv_heads, args.head_dim, kv_format)
     table = (np.arange(num_blocks, dtype=np.int32)[::-1] + 1)[None, :]
     chunks = chunks or [len(token_ids)]
     assert sum(chunks) == len(token_ids)

@@ -115,3 +115,20 @@ def test_parallel_benches_report_every_row():
     rows = [line.split("|") for line in done.stdout.splitlines()
             if line.startswith("| 2 ") or line.startswith("| | ")]
     assert len(rows) == 2 and all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows)
+
+
+def test_kv_accuracy_bench_reports_every_dtype(tmp_path):
+    """The KV cache accuracy bench at a tiny size (numpy backend, two short prompts in chunks
+    of 8): a row per dtype, the float32 cache as its own reference, float16 close to it."""
+    out = tmp_path / "kv.json"
+    done = run_bench(str(BENCH / "kv_accuracy.py"), "--device", "numpy", "--models", "smollm2",
+                     "--dtypes", "float32,float16,fp8,turboquant_2.5", "--num-prompts", "2",
+                     "--max-tokens", "24", "--chunk", "8", "--json", str(out))
+    (result,) = json.loads(out.read_text())["results"]
+    assert [p["tokens"] for p in result["prompts"]] == [24, 24]
+    rows = {r["dtype"]: r for r in result["rows"]}
+    assert list(rows) == ["float32", "float16", "fp8", "turboquant_2.5"]
+    assert [rows[d]["times_smaller"] for d in ("float32", "float16", "fp8")] == [1.0, 2.0, 4.0]
+    assert all(rows[d]["positions"] == 48 for d in ("float16", "fp8", "turboquant_2.5"))
+    assert rows["float16"]["mean_kl"] < 1e-4 and rows["float16"]["top1_agreement"] > 0.9
+    assert "| turboquant_2.5 |" in done.stdout

@@ -131,3 +131,24 @@ def test_unknown_names_are_refused_with_the_choices():
         kv_quant.kv_format("turboquant_5")
     with pytest.raises(ValueError, match="fp8_e5m2"):
         kv_quant.kv_format("int4")
+
+
+def test_fp8_bytes_decode_in_registers_as_the_table_says():
+    """The compiled reads decode fp8 arithmetically (e4m3) or as a float16's top byte (e5m2);
+    every one of the 256 codes equals kv_quant's table (NaN codes NaN)."""
+    from vllm_actors.kernels.cpu.attention_kv import e4m3_to_f32
+    from vllm_actors.kernels.cpu.attention_math import read_half
+    from vllm_actors.kernels.cpu.jit import kernel
+
+    @kernel
+    def decode_all(out4, out5):
+        for b in range(256):
+            out4[b] = e4m3_to_f32(np.uint32(b))
+            out5[b] = read_half(np.uint16(np.uint32(b) << np.uint32(8)))
+
+    out4, out5 = np.empty(256, np.float32), np.empty(256, np.float32)
+    decode_all(out4, out5)
+    for got, ref in ((out4, kv_quant.FP8_E4M3), (out5, kv_quant.FP8_E5M2)):
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
+        fin = ~np.isnan(ref)
+        np.testing.assert_array_equal(got[fin].view(np.uint32), ref[fin].view(np.uint32))

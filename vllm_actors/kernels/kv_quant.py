@@ -172,8 +172,11 @@ class KVFormat:
         return np.zeros(0, np.float32)
 
     def layout(self, d: int) -> np.ndarray:
-        """int64 [kind, row_len, n_high, high bits, low bits, code bytes] for the kernels."""
+        """int64 [kind, row_len, n_high, high bits, low bits, code bytes] for the kernels
+        (fp8: high bits = the mantissa bits, 3 for e4m3, 2 for e5m2)."""
         n_high, high, low = self.split(d) if self.kind == TURBOQUANT else (0, 0, 0)
+        if self.kind == FP8:
+            high = 3 if self.name == "fp8_e4m3" else 2
         return np.array([self.kind, self.row_len(d), n_high, high, low,
                          self.code_bytes(d) if self.kind == TURBOQUANT else 0], np.int64)
 

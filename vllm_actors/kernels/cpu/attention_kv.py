@@ -63,6 +63,20 @@ def tq_decode_row(data, src, lut, layout, buf, dst, dh):
         buf[dst + _U64(n_high + j)] = lut[base + ((w >> _U32(bit & 7)) & mask)] * scale
 
 
+_TWO_8 = np.float32(256.0)
+
+
+@kernel(inline=True)
+def e4m3_to_f32(b):
+    """fp8 e4m3fn bits (in a uint32) -> float32, as kv_quant.FP8_E4M3. Placed in a float16's
+    sign, exponent and mantissa fields (s eeee mmm -> s 0eeee mmm0000000) the bits are the
+    value times 2^-8, subnormals included, so the CPU's float16 conversion does the work (it
+    vectorizes; the arithmetic way did not); 0x7F / 0xFF are NaN."""
+    em = b & _U32(0x7F)
+    bits = (em << _U32(7)) if em != _U32(0x7F) else _U32(0x7E00)     # NaN stays NaN
+    return read_half(np.uint16(((b & _U32(0x80)) << _U32(8)) | bits)) * _TWO_8
+
+
 @kernel
 def decode_rows(cache, table, shift, hk, kvh, t0, n, buf, offs):
     """buf[i * dh:(i + 1) * dh] = float32 of row t0 + i (head kvh) of a quantized cache
@@ -80,10 +94,16 @@ def decode_rows(cache, table, shift, hk, kvh, t0, n, buf, offs):
             for d in range(dh):
                 e = _U64(d)
                 buf[dst + e] = bits_to_f32(_U32(data[src + e]) << _U32(16))
-        elif kind == FP8:
+        elif kind == FP8 and layout[3] == 3:      # e4m3: through float16, in registers
+            scale = lut[0x38]                     # the value of 1.0's code, times the scale
             for d in range(dh):
                 e = _U64(d)
-                buf[dst + e] = lut[data[src + e]]
+                buf[dst + e] = e4m3_to_f32(_U32(data[src + e])) * scale
+        elif kind == FP8:                         # e5m2: the top byte of a float16
+            scale = lut[0x3C]
+            for d in range(dh):
+                e = _U64(d)
+                buf[dst + e] = read_half(np.uint16(_U32(data[src + e]) << _U32(8))) * scale
         else:
             tq_decode_row(data, src, lut, layout, buf, dst, dh)
         offs[i] = dst
