@@ -132,3 +132,15 @@ def test_kv_accuracy_bench_reports_every_dtype(tmp_path):
     assert all(rows[d]["positions"] == 48 for d in ("float16", "fp8", "turboquant_2.5"))
     assert rows["float16"]["mean_kl"] < 1e-4 and rows["float16"]["top1_agreement"] > 0.9
     assert "| turboquant_2.5 |" in done.stdout
+
+
+def test_kv_speed_bench_reports_every_dtype(tmp_path):
+    """The KV dtype decode bench at a tiny size: a row per dtype with its real bytes."""
+    out = tmp_path / "speed.json"
+    done = run_bench(str(BENCH / "kv_speed.py"), "--context", "40", "--batches", "2",
+                     "--runs", "1", "--steps", "1", "--dtypes", "float32,fp8_e4m3",
+                     "--json", str(out))
+    rows = {r["dtype"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["float32"]["kv_bytes_per_token"] == 4 * rows["fp8_e4m3"]["kv_bytes_per_token"]
+    assert all(r["batch_2_tok_s"] > 0 for r in rows.values())
+    assert "| fp8_e4m3 |" in done.stdout
