@@ -102,7 +102,7 @@ class ServerConfig:
     host: str = "0.0.0.0"
     port: int = 8000
     api_key: str | None = None
-    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_origins: tuple[str, ...] = ()   # same-origin only (vLLM's default is ["*"])
     disable_log_requests: bool = False
     uvicorn_log_level: str = "info"
     enable_force_include_usage: bool = False
@@ -134,8 +134,10 @@ class ServerConfig:
         parser.add_argument("--port", type=int, default=8000, help="port to listen on")
         parser.add_argument("--api-key", default=None,
                             help="require `Authorization: Bearer KEY` (also VLLM_API_KEY)")
-        parser.add_argument("--allowed-origins", default='["*"]',
-                            help="CORS origins, a JSON list")
+        parser.add_argument("--allowed-origins", default='[]',
+                            help='CORS origins, a JSON list (default none: only pages served '
+                                 'by this server may call it from a browser; \'["*"]\' allows '
+                                 'every page, as vLLM does by default)')
         parser.add_argument("--disable-log-requests", action="store_true",
                             help="do not log each request")
         parser.add_argument("--uvicorn-log-level", default="info",

@@ -8,6 +8,7 @@ are only ever appended (msgspec decodes shorter arrays by filling defaults).
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 from typing import Any
 
@@ -17,8 +18,17 @@ from vllm_actors.errors import ValidationError
 
 _GREEDY_EPS = 1e-5
 MAX_N = 128
-MAX_STOP_STRINGS = 1024       # stop strings are matched on the frontend's event loop at
-MAX_STOP_CHARS = 32768        # every step: bounded so one request cannot stall the others
+# Stop strings are matched on the frontend's event loop at every step of every completion:
+# bounded per request and across its n completions, so one request cannot stall the others.
+MAX_STOP_STRINGS = 1024
+MAX_STOP_CHARS = 32768
+MAX_STOP_STRINGS_ALL_N = 4096      # n x len(stop)
+MAX_STOP_CHARS_ALL_N = 131072      # n x the characters of all stop strings
+# Token-id lists and bad words are indexed once per request (shared by its n completions);
+# the input processor bounds token lists by the vocabulary, these bound them before it.
+MAX_TOKEN_LIST = 2**20
+MAX_BAD_WORDS = 10_000
+MAX_BAD_WORDS_CHARS = 131072
 SEED_MODULUS = 2**64          # seeds are taken modulo 2^64 (a negative int64 seed wraps)
 MIN_SEED = -(2**63)
 
@@ -118,6 +128,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False)
         bad_words_token_ids: `bad_words` tokenized by the frontend (filled there).
         structured_outputs: constrain the output to a JSON schema, regex, choice or grammar
             (enforced by a token mask in the sampler, see enginecore/structured_output.py).
+        truncate_prompt_tokens: keep only the prompt's last k tokens (vLLM's left
+            truncation); -1 keeps the last max_model_len. Applied by the input processor.
     """
 
     n: int = 1
@@ -146,6 +158,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False)
     prompt_logprobs: int | None = None
     bad_words_token_ids: list[list[int]] = []
     structured_outputs: StructuredOutputsParams | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -179,12 +192,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False)
              f"best_of={self.best_of} with n={self.n} is not supported; use n"),
             (all(isinstance(s, str) and s for s in self.stop), "stop",
              "stop must be a list of non-empty strings"),
-            (len(self.stop) <= MAX_STOP_STRINGS and
-             sum(map(len, self.stop)) <= MAX_STOP_CHARS, "stop",
-             f"stop may hold at most {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} "
-             f"characters in all, got {len(self.stop)} of {sum(map(len, self.stop))}"),
             (all(isinstance(s, str) and s for s in self.bad_words), "bad_words",
              "bad_words must be a list of non-empty strings"),
+            (self.truncate_prompt_tokens is None or self.truncate_prompt_tokens == -1 or
+             self.truncate_prompt_tokens >= 1, "truncate_prompt_tokens",
+             f"truncate_prompt_tokens must be >= 1 or -1 (the model's context length), got "
+             f"{self.truncate_prompt_tokens}"),
             (self.temperature >= 0 and math.isfinite(self.temperature), "temperature",
              f"temperature must be a finite number >= 0, got {self.temperature}"),
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
@@ -218,7 +231,33 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False)
         for ok, param, message in checks:
             if not ok:
                 raise ValidationError(message, param)
+        self._check_sizes()
         self._check_wire()
+
+    def _check_sizes(self) -> None:
+        """The bounds on stop strings (per request and across n), bad words and token-id
+        lists (module constants): each costs work per step or per request."""
+        num_stop, stop_chars = len(self.stop), sum(map(len, self.stop))
+        if num_stop > MAX_STOP_STRINGS or stop_chars > MAX_STOP_CHARS:
+            raise ValidationError(f"stop may hold at most {MAX_STOP_STRINGS} strings of "
+                                  f"{MAX_STOP_CHARS} characters in all, got {num_stop} of "
+                                  f"{stop_chars}", "stop")
+        if self.n * num_stop > MAX_STOP_STRINGS_ALL_N or \
+                self.n * stop_chars > MAX_STOP_CHARS_ALL_N:
+            raise ValidationError(f"n x stop may hold at most {MAX_STOP_STRINGS_ALL_N} strings "
+                                  f"of {MAX_STOP_CHARS_ALL_N} characters in all (every "
+                                  f"completion matches them), got n={self.n} x {num_stop} of "
+                                  f"{stop_chars}", "stop")
+        num_bad, bad_chars = len(self.bad_words), sum(map(len, self.bad_words))
+        if num_bad > MAX_BAD_WORDS or bad_chars > MAX_BAD_WORDS_CHARS:
+            raise ValidationError(f"bad_words may hold at most {MAX_BAD_WORDS} words of "
+                                  f"{MAX_BAD_WORDS_CHARS} characters in all, got {num_bad} "
+                                  f"of {bad_chars}", "bad_words")
+        for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+            size = len(getattr(self, name) or ())
+            if size > MAX_TOKEN_LIST:
+                raise ValidationError(f"{name} may hold at most {MAX_TOKEN_LIST} token ids, "
+                                      f"got {size}", name)
 
     def _check_types(self) -> None:
         """Every field of its declared type."""
@@ -227,7 +266,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False)
             try:
                 msgspec.convert(value, info.type)
             except msgspec.ValidationError as e:
-                raise ValidationError(f"{info.name}: {e} (got {value!r})", info.name) from None
+                raise ValidationError(f"{info.name}: {e} (got {short_repr(value)})",
+                                      info.name) from None
 
     def _check_wire(self) -> None:
         """Every integer within 64 bits: the wire (msgpack) carries [-2^63, 2^64)."""
@@ -245,14 +285,39 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False)
         seed = None if self.seed is None else (self.seed + index) % SEED_MODULUS
         return msgspec.structs.replace(self, n=1, seed=seed)
 
+    def brief(self, limit: int = 400) -> str:
+        """The fields set away from their defaults, for a log line of at most about `limit`
+        characters: lists and dicts longer than a few items as their size."""
+        parts = []
+        for info in _FIELDS:
+            value = getattr(self, info.name)
+            if value == info.default or (info.default is msgspec.NODEFAULT and not value):
+                continue
+            if isinstance(value, (list, dict)) and len(value) > 8:
+                parts.append(f"{info.name}=<{len(value)} items>")
+            else:
+                parts.append(f"{info.name}={short_repr(value, 80)}")
+        text = ", ".join(parts)
+        return text if len(text) <= limit else text[:limit] + "..."
+
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
-    def max_token_id(self) -> int:
-        """The largest token id this request names (-1 if none), to check against the vocab."""
-        ids = [*self.stop_token_ids, *(self.logit_bias or {}), *(self.allowed_token_ids or [])]
-        return max(ids, default=-1)
+
+def short_repr(value: Any, limit: int = 200) -> str:
+    """`repr(value)` cut to `limit` characters: error messages and logs never carry a
+    request's whole lists."""
+    head = value
+    if isinstance(value, list):
+        head = value[:limit]
+    elif isinstance(value, dict):
+        head = dict(itertools.islice(value.items(), limit))
+    text = repr(head)
+    if len(text) <= limit:
+        return text
+    more = f" ({len(value)} items)" if isinstance(value, (list, dict)) else ""
+    return f"{text[:limit]}...{more}"
 
 
 _FIELDS = msgspec.structs.fields(SamplingParams)

@@ -1,4 +1,5 @@
-"""The import rules of DESIGN.md §2, checked on the source with `ast`, and the file budget."""
+"""The import rules of DESIGN.md §2 and the function-length rule of §7, checked on the source
+with `ast`. Files are split by concept, never by a line budget, so file length is not checked."""
 
 import ast
 from pathlib import Path
@@ -6,7 +7,14 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "vllm_actors"
-MAX_LINES = 400
+MAX_FUNCTION_LINES = 60
+# Written-out numba loops of the CPU kernels, longer than the rule until the kernels are
+# rebuilt from one codec per type (the next kernel issue); nothing else may join this list.
+LONG_KERNELS = {("kernels/cpu/qmatmul_k45.py", "gemv_q5_k"), ("kernels/cpu/qmatmul_k45.py",
+                "gemv_q4_k"), ("kernels/cpu/qmatmul_k45.py", "gemv_q6_k"),
+                ("kernels/cpu/qmatmul_k23.py", "gemv_q3_k"),
+                ("kernels/cpu/qmatmul_legacy.py", "gemv_q5"),
+                ("kernels/cpu/attention.py", "paged_attention")}
 
 # module prefix -> package prefixes it must not import
 FORBIDDEN = {
@@ -81,10 +89,21 @@ def test_import_rules(name, path):
     assert not bad, f"{name} imports {bad}, against DESIGN.md §2"
 
 
-@pytest.mark.parametrize("name, path", list(modules()), ids=lambda v: str(v))
-def test_file_budget(name, path):
-    lines = len(path.read_text(encoding="utf-8").splitlines())
-    assert lines <= MAX_LINES, f"{path.name} has {lines} lines (budget {MAX_LINES})"
+def long_functions(path: Path) -> list[tuple[str, int]]:
+    """(name, lines) of the functions in `path` longer than MAX_FUNCTION_LINES."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+
+
+def test_functions_are_short():
+    found = [(str(path.relative_to(PACKAGE)), name, lines) for _, path in modules()
+             for name, lines in long_functions(path)]
+    over = [f for f in found if f[:2] not in LONG_KERNELS]
+    assert not over, f"functions over {MAX_FUNCTION_LINES} lines (DESIGN.md §7): {over}"
+    shrunk = LONG_KERNELS - {f[:2] for f in found}
+    assert not shrunk, f"now within the rule, drop them from LONG_KERNELS: {shrunk}"
 
 
 def test_rules_catch_a_violation():

@@ -28,14 +28,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from vllm_actors.config import ServerConfig
 from vllm_actors.errors import EngineDeadError, ValidationError
 from vllm_actors.frontend.async_llm import AsyncLLM
-from vllm_actors.frontend.openai_schema import (APIError, DetokenizeRequest, TokenizeRequest,
-                                                chat_messages)
-from vllm_actors.frontend.request_body import decode_request, read_body
+from vllm_actors.frontend.http_protocol import HeaderDeadlineProtocol
+from vllm_actors.frontend.openai_schema import APIError
 from vllm_actors.frontend.serving import JSONBody, ServerState
 from vllm_actors.frontend.serving_chat import create_chat_completion
 from vllm_actors.frontend.serving_completion import create_completion
 from vllm_actors.frontend.serving_responses import (ResponseStore, create_response,
                                                     delete_response, retrieve_response)
+from vllm_actors.frontend.serving_tokenize import detokenize, tokenize
 from vllm_actors.version import __version__
 
 logger = logging.getLogger("vllm_actors.server")
@@ -58,10 +58,11 @@ class APIKeyMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] != "OPTIONS" and \
                 scope["path"].startswith(PROTECTED_PREFIXES):
-            headers = dict(scope["headers"])
-            if headers.get(b"authorization") != self.expected:
-                reason = "missing" if b"authorization" not in headers else "incorrect"
-                response = _error(APIError(401, f"{reason} API key: send the header "
+            sent = [v for k, v in scope["headers"] if k == b"authorization"]
+            if sent != [self.expected]:
+                # more than one header is refused: a proxy may have checked another one
+                reason = {0: "missing", 1: "incorrect"}.get(len(sent), "more than one")
+                response = _error(APIError(401, f"{reason} API key: send one header "
                                                 f"'Authorization: Bearer <key>'",
                                            code="invalid_api_key"))
                 await response(scope, receive, send)
@@ -104,16 +105,23 @@ async def _http_error(raw: Request, e: Exception) -> Response:
     return _error(APIError(e.status_code, message, code={404: "not_found"}.get(e.status_code)))
 
 
-def build_app(state: ServerState) -> Starlette:
-    engine = state.engine
-    page = importlib.resources.files("vllm_actors.frontend").joinpath(
-        "static/index.html").read_text(encoding="utf-8")
+class _Routes:
+    """The small handlers (health, models, info, metrics, the page); endpoints with request
+    bodies live in serving_*.py."""
 
-    async def health(raw: Request) -> Response:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.engine = state.engine
+        self.responses_store = ResponseStore()
+        self.page = importlib.resources.files("vllm_actors.frontend").joinpath(
+            "static/index.html").read_text(encoding="utf-8")
+
+    async def health(self, raw: Request) -> Response:
         """As vLLM's: 200 unless the engine is dead (its death is noticed by itself: the
         core's exit or its EngineDead message); with data parallel cores down but some left,
         200 with a body saying "degraded" and how many serve. No round trip to the core, so
         a core busy with a long step is not reported unhealthy."""
+        engine = self.engine
         if engine.errored:
             return _error(APIError(503, f"the engine is dead: {engine.dead_error}",
                                    code="engine_dead", type_="service_unavailable_error"))
@@ -126,91 +134,69 @@ def build_app(state: ServerState) -> Starlette:
                              "data_parallel_size": size})
         return Response(status_code=200)
 
-    async def models(raw: Request) -> Response:
-        card = {"id": state.model_name, "object": "model", "created": int(time.time()),
-                "owned_by": "vllm-actors", "root": engine.model_root, "parent": None,
-                "max_model_len": engine.ready.max_model_len, "permission": []}
+    async def models(self, raw: Request) -> Response:
+        card = {"id": self.state.model_name, "object": "model", "created": int(time.time()),
+                "owned_by": "vllm-actors", "root": self.engine.model_root, "parent": None,
+                "max_model_len": self.engine.ready.max_model_len, "permission": []}
         return JSONBody({"object": "list", "data": [card]})
 
-    def do_tokenize(body: bytes) -> dict[str, Any]:
-        req = decode_request(body, TokenizeRequest)
-        state.check_model(req.model)
-        processor = engine.input_processor
-        if req.messages is not None:
-            state.check_chat_template(req.chat_template)
-            ids = processor.chat_prompt(chat_messages(req), req.chat_template,
-                                        req.add_generation_prompt, req.tools,
-                                        req.chat_template_kwargs)["prompt_token_ids"]
-        elif req.prompt is not None:
-            ids = engine.tokenizer.encode(req.prompt, req.add_special_tokens)
-        else:
-            raise APIError(400, "give `prompt` (a string) or `messages`", "prompt")
-        result: dict[str, Any] = {"count": len(ids), "max_model_len": engine.ready.max_model_len,
-                                  "tokens": ids}
-        if req.return_token_strs:
-            result["token_strs"] = engine.tokenizer.convert_ids_to_tokens(ids)
-        return result
+    async def server_info(self, raw: Request) -> Response:
+        ready, config = self.engine.ready, self.state.config
+        return JSONBody({"version": __version__, "model": self.state.model_name,
+                         "engine": {f: getattr(ready, f) for f in ready.__struct_fields__},
+                         "server": {k: v for k, v in dataclasses.asdict(config).items()
+                                    if k != "api_key"}})
 
-    def do_detokenize(body: bytes) -> dict[str, Any]:
-        req = decode_request(body, DetokenizeRequest)
-        state.check_model(req.model)
-        vocab = engine.ready.vocab_size
-        if not all(0 <= t < vocab for t in req.tokens):
-            raise APIError(400, f"tokens must be a list of token ids in [0, {vocab})", "tokens")
-        return {"prompt": engine.tokenizer.decode(req.tokens)}
+    async def reset_prefix_cache(self, raw: Request) -> Response:
+        return JSONBody({"reset": await self.engine.reset_prefix_cache()})
 
-    async def tokenize(raw: Request) -> Response:
-        body = await read_body(raw, state.config.max_request_body_size)
-        return JSONBody(await state.prepare(do_tokenize, body))
+    async def metrics(self, raw: Request) -> Response:
+        return Response(self.engine.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    async def detokenize(raw: Request) -> Response:
-        body = await read_body(raw, state.config.max_request_body_size)
-        return JSONBody(await state.prepare(do_detokenize, body))
-
-    async def server_info(raw: Request) -> Response:
-        ready = engine.ready
-        return JSONBody({"version": __version__, "model": state.model_name,
-                             "engine": {f: getattr(ready, f) for f in ready.__struct_fields__},
-                             "server": {k: v for k, v in dataclasses.asdict(state.config).items()
-                                        if k != "api_key"}})
-
-    async def reset_prefix_cache(raw: Request) -> Response:
-        return JSONBody({"reset": await engine.reset_prefix_cache()})
-
-    async def metrics(raw: Request) -> Response:
-        return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4")
-
-    async def version(raw: Request) -> Response:
+    async def version(self, raw: Request) -> Response:
         return JSONBody({"version": __version__})
 
-    async def index(raw: Request) -> Response:
-        return HTMLResponse(page)
+    async def index(self, raw: Request) -> Response:
+        return HTMLResponse(self.page)
 
-    async def chat(raw: Request) -> Response:
-        return await create_chat_completion(state, raw)
+    async def chat(self, raw: Request) -> Response:
+        return await create_chat_completion(self.state, raw)
 
-    async def completions(raw: Request) -> Response:
-        return await create_completion(state, raw)
+    async def completions(self, raw: Request) -> Response:
+        return await create_completion(self.state, raw)
 
-    responses_store = ResponseStore()
+    async def tokenize(self, raw: Request) -> Response:
+        return await tokenize(self.state, raw)
 
-    async def responses(raw: Request) -> Response:
-        return await create_response(state, responses_store, raw)
+    async def detokenize(self, raw: Request) -> Response:
+        return await detokenize(self.state, raw)
 
-    async def stored_response(raw: Request) -> Response:
+    async def responses(self, raw: Request) -> Response:
+        return await create_response(self.state, self.responses_store, raw)
+
+    async def stored_response(self, raw: Request) -> Response:
         handler = retrieve_response if raw.method == "GET" else delete_response
-        return await handler(responses_store, raw.path_params["response_id"])
+        return await handler(self.responses_store, raw.path_params["response_id"])
 
-    api = [("/health", health, ["GET"]), ("/version", version, ["GET"]),
-           ("/ping", health, ["GET", "POST"]), ("/metrics", metrics, ["GET"]),
-           ("/v1/models", models, ["GET"]), ("/v1/chat/completions", chat, ["POST"]),
-           ("/v1/completions", completions, ["POST"]), ("/tokenize", tokenize, ["POST"]),
-           ("/v1/responses", responses, ["POST"]),
-           ("/v1/responses/{response_id}", stored_response, ["GET", "DELETE"]),
-           ("/detokenize", detokenize, ["POST"]), ("/server_info", server_info, ["GET"]),
-           ("/reset_prefix_cache", reset_prefix_cache, ["POST"])]
-    routes = [Route("/", index),
-              *(Route(path, endpoint(fn), methods=methods) for path, fn, methods in api)]
+    def table(self) -> list[tuple[str, Any, list[str]]]:
+        return [("/health", self.health, ["GET"]), ("/version", self.version, ["GET"]),
+                ("/ping", self.health, ["GET", "POST"]), ("/metrics", self.metrics, ["GET"]),
+                ("/v1/models", self.models, ["GET"]),
+                ("/v1/chat/completions", self.chat, ["POST"]),
+                ("/v1/completions", self.completions, ["POST"]),
+                ("/tokenize", self.tokenize, ["POST"]),
+                ("/detokenize", self.detokenize, ["POST"]),
+                ("/v1/responses", self.responses, ["POST"]),
+                ("/v1/responses/{response_id}", self.stored_response, ["GET", "DELETE"]),
+                ("/server_info", self.server_info, ["GET"]),
+                ("/reset_prefix_cache", self.reset_prefix_cache, ["POST"])]
+
+
+def build_app(state: ServerState) -> Starlette:
+    handlers = _Routes(state)
+    routes = [Route("/", handlers.index),
+              *(Route(path, endpoint(fn), methods=methods)
+                for path, fn, methods in handlers.table())]
     middleware = []
     if state.config.allowed_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(
@@ -220,9 +206,9 @@ def build_app(state: ServerState) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        engine.start()
+        state.engine.start()
         yield
-        engine.shutdown()
+        state.engine.shutdown()
 
     return Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
                      exception_handlers={HTTPException: _http_error})
@@ -304,12 +290,12 @@ def run_server(engine_args: dict[str, Any], config: ServerConfig) -> int:
         loop = "asyncio"
     uv_config = uvicorn.Config(build_app(state), host=config.host, port=config.port,
                                loop=loop, log_level=config.uvicorn_log_level,
-                               timeout_graceful_shutdown=5)
+                               timeout_graceful_shutdown=5, http=HeaderDeadlineProtocol)
     logger.info("serving %s on http://%s:%d", state.model_name, config.host, config.port)
     server = DrainingServer(uv_config, state)
     try:
         server.run()
     finally:
         engine.shutdown()
-        state.pool.shutdown(wait=False, cancel_futures=True)
+        state.shutdown()
     return server.exit_code

@@ -61,7 +61,8 @@ class AsyncLLM(EngineWatch):
         self.model_name = config.model.served_model_name or source.name
         self.model_root = str(source.path)
         self.input_processor = InputProcessor(self.tokenizer, self.ready,
-                                              config.model.max_logprobs)
+                                              config.model.max_logprobs,
+                                              config.scheduler.policy)
         self.metrics = FrontendMetrics(self.model_name, self.group.size)
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
         self.generation_defaults = generation_defaults(source, config.model.generation_config)

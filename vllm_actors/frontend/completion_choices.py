@@ -43,7 +43,8 @@ class ChoicePiece:
 def completion_logprobs(token_ids: Sequence[int],
                         positions: Sequence[PositionLogprobs | None],
                         num_logprobs: int, decode: Callable[[int], str],
-                        text_offset: int = 0) -> tuple[dict[str, Any], int]:
+                        text_offset: int = 0, as_token_ids: bool = False
+                        ) -> tuple[dict[str, Any], int]:
     """OpenAI's completions logprobs for `token_ids`, and the offset after the last token.
 
     Args:
@@ -54,19 +55,25 @@ def completion_logprobs(token_ids: Sequence[int],
             position's first k + 1 entries (the chosen token and the k best), as vLLM does.
         decode: a token id's text, for tokens without logprobs.
         text_offset: the offset of the first token in the choice's text.
+        as_token_ids: name tokens "token_id:<id>" (vLLM's return_tokens_as_token_ids; the
+            offsets then count those names, as vLLM's do).
     """
+    def name(token_id: int, text: str | None) -> str:
+        return f"token_id:{token_id}" if as_token_ids else text or ""
+
     tokens: list[str] = []
     values: list[float | None] = []
     tops: list[dict[str, float] | None] = []
     offsets: list[int] = []
     for token_id, position in zip(token_ids, positions, strict=True):
         if position is None:
-            token, value, top = decode(token_id), None, None
+            token, value, top = name(token_id, decode(token_id)), None, None
         else:
             chosen = position[token_id]
-            token, value = chosen.decoded_token or "", max(chosen.logprob, LOGPROB_FLOOR)
-            top = {lp.decoded_token or "": max(lp.logprob, LOGPROB_FLOOR)
-                   for lp in list(position.values())[:num_logprobs + 1]}
+            token = name(token_id, chosen.decoded_token)
+            value = max(chosen.logprob, LOGPROB_FLOOR)
+            top = {name(t, lp.decoded_token): max(lp.logprob, LOGPROB_FLOOR)
+                   for t, lp in list(position.items())[:num_logprobs + 1]}
         tokens.append(token)
         values.append(value)
         tops.append(top)
@@ -86,6 +93,7 @@ class ChoiceShaper:
         echo_only: `echo` with `max_tokens: 0`: the generated token is dropped.
         num_logprobs: the request's `logprobs` k (None: no logprobs).
         decode: a token id's text.
+        as_token_ids: the request's `return_tokens_as_token_ids`.
     """
 
     prompt_texts: list[str]
@@ -93,6 +101,7 @@ class ChoiceShaper:
     echo_only: bool
     num_logprobs: int | None
     decode: Callable[[int], str]
+    as_token_ids: bool = False
     _offsets: dict[int, int] = field(default_factory=dict)     # choice -> next token's offset
     _echoed: set[int] = field(default_factory=set)
     _prompt_logprobs: dict[int, list[PositionLogprobs | None]] = field(default_factory=dict)
@@ -123,7 +132,7 @@ class ChoiceShaper:
                 raise AssertionError("the engine returned no logprobs for a request that asked")
             logprobs, self._offsets[choice_index] = completion_logprobs(
                 token_ids, positions, self.num_logprobs, self.decode,
-                self._offsets.get(choice_index, 0))
+                self._offsets.get(choice_index, 0), self.as_token_ids)
         return ChoicePiece(text, logprobs, num_generated, bool(token_ids))
 
     def _prompt_logprobs_of(self, prompt_index: int, num_prompt_tokens: int

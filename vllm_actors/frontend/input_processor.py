@@ -27,6 +27,12 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # A text longer than max_model_len x the longest token x this cannot fit the context even if
 # normalization merged every few characters into one: it is refused without tokenizing it.
 TEXT_SLACK = 4
+# A text longer than this many characters per token of its budget is counted in pieces
+# first, so that one far over the context is refused after a piece rather than all of it;
+# a cut before a word changes the count by at most a few tokens.
+PIECE_CHARS_PER_TOKEN = 4
+PIECE_MARGIN_TOKENS = 4
+MAX_CACHE_SALT_CHARS = 1024
 # keyword arguments a chat template receives from the engine itself; chat_template_kwargs
 # may not replace them
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt",
@@ -49,26 +55,71 @@ class ProcessedRequest:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer, ready: EngineReady, max_logprobs: int = 20) -> None:
+    """Args: the tokenizer, the core's READY facts, --max-logprobs, and the core's
+    --scheduling-policy (a priority other than 0 needs "priority", as in vLLM)."""
+
+    def __init__(self, tokenizer: Tokenizer, ready: EngineReady, max_logprobs: int = 20,
+                 scheduling_policy: str = "fcfs") -> None:
         self.tokenizer = tokenizer
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
         self.max_logprobs = max_logprobs
+        self.scheduling_policy = scheduling_policy
         self.max_text_chars = self.max_model_len * tokenizer.max_token_chars * TEXT_SLACK
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of a prompt text. Raises ValidationError, before tokenizing, for a text
-        too long for any tokenization of it to fit max_model_len."""
+    def encode(self, text: str, add_special_tokens: bool = True,
+               max_tokens: int | None = None, param: str = "prompt") -> list[int]:
+        """Token ids of a prompt text. Raises ValidationError naming `param`, before
+        tokenizing all of it, for a text too long for any tokenization of it to fit
+        max_model_len, or (with `max_tokens`) one whose first pieces already hold more
+        than `max_tokens` tokens."""
         if len(text) > self.max_text_chars:
             raise ValidationError(
-                f"the prompt has {len(text)} characters, far more than max_model_len "
-                f"({self.max_model_len}) tokens can hold; shorten it", "prompt")
+                f"the {param} has {len(text)} characters, far more than max_model_len "
+                f"({self.max_model_len}) tokens can hold; shorten it", param)
+        if max_tokens is not None and len(text) > max_tokens * PIECE_CHARS_PER_TOKEN:
+            self._check_token_budget(text, max_tokens, param)
         return self.tokenizer.encode(text, add_special_tokens)
 
-    def prompt_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """(prompt text or None, token ids) for a string or {"prompt_token_ids": [...]}."""
+    def _check_token_budget(self, text: str, max_tokens: int, param: str) -> None:
+        """Count a long text's tokens piece by piece (cut before a word) and refuse it as
+        soon as the pieces counted hold more than `max_tokens`, with PIECE_MARGIN_TOKENS of
+        slack per cut: a text far over the context costs one piece, not all of it."""
+        size = max_tokens * PIECE_CHARS_PER_TOKEN
+        counted = start = pieces = 0
+        while start < len(text):
+            end = _piece_end(text, start, size)
+            counted += len(self.tokenizer.encode_pieces([text[start:end]])[0])
+            pieces += 1
+            if counted > max_tokens + pieces * PIECE_MARGIN_TOKENS:
+                raise ValidationError(
+                    f"the {param} has more than {max_tokens} tokens ({counted} in its first "
+                    f"{end} of {len(text)} characters), but max_model_len is "
+                    f"{self.max_model_len}; shorten it", param)
+            start = end
+
+    def truncate(self, token_ids: list[int], keep: int | None) -> list[int]:
+        """The last `keep` ids (vLLM's truncate_prompt_tokens; -1: max_model_len; None: all).
+        Raises ValidationError when `keep` is larger than max_model_len."""
+        if keep is None:
+            return token_ids
+        if keep == -1:
+            keep = self.max_model_len
+        if keep > self.max_model_len:
+            raise ValidationError(f"truncate_prompt_tokens ({keep}) is larger than "
+                                  f"max_model_len ({self.max_model_len})",
+                                  "truncate_prompt_tokens")
+        return token_ids[-keep:]
+
+    def prompt_token_ids(self, prompt: PromptType, add_special_tokens: bool = True,
+                         truncate: int | None = None) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) for a string, {"prompt": str} or
+        {"prompt_token_ids": [...]}, truncated to the last `truncate` ids when given (a
+        text is then not held to the context length before tokenizing)."""
+        budget = self.max_model_len - 1 if truncate is None else None
         if isinstance(prompt, str):
-            return prompt, self.encode(prompt)
+            return prompt, self.truncate(self.encode(prompt, add_special_tokens, budget),
+                                         truncate)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, (list, tuple)) or not all(
@@ -76,9 +127,10 @@ class InputProcessor:
                 raise ValidationError("prompt_token_ids must be a list of integers",
                                       "prompt_token_ids")
             text = prompt.get("prompt")
-            return text if isinstance(text, str) else None, list(ids)
+            return text if isinstance(text, str) else None, self.truncate(list(ids), truncate)
         if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-            return prompt["prompt"], self.encode(prompt["prompt"])
+            return prompt["prompt"], self.truncate(
+                self.encode(prompt["prompt"], add_special_tokens, budget), truncate)
         raise ValidationError("a prompt must be a string, {'prompt': str} or "
                               f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}",
                               "prompt")
@@ -86,9 +138,13 @@ class InputProcessor:
     def chat_prompt(self, messages: list[dict[str, Any]], chat_template: str | None = None,
                     add_generation_prompt: bool = True,
                     tools: list[dict[str, Any]] | None = None,
-                    template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+                    template_kwargs: dict[str, Any] | None = None,
+                    add_special_tokens: bool = False, truncate: int | None = None,
+                    continue_final_message: bool = False) -> dict[str, Any]:
         """A conversation rendered with the chat template (the model's, or `chat_template`:
-        a path or the template text), as {"prompt", "prompt_token_ids"}.
+        a path or the template text), as {"prompt", "prompt_token_ids"}; the ids are cut to
+        the last `truncate` when given. `continue_final_message` leaves the last message
+        open (the rendering ends where its content ends), as transformers does.
 
         Raises ValidationError for kwargs that would replace the engine's own and for
         messages the template refuses (ChatTemplateError)."""
@@ -101,20 +157,24 @@ class InputProcessor:
             messages, add_generation_prompt=add_generation_prompt, tokenize=False,
             chat_template=read_chat_template(chat_template), tools=tools, **kwargs)
         assert isinstance(text, str)
-        return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=False)}
+        if continue_final_message:
+            text = _open_final_message(text, messages)
+        budget = self.max_model_len - 1 if truncate is None else None
+        ids = self.encode(text, add_special_tokens, budget, "messages")
+        return {"prompt": text, "prompt_token_ids": self.truncate(ids, truncate)}
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
                 priority: int = 0) -> ProcessedRequest:
-        """Raises ValidationError for an empty or too long prompt, out-of-vocab ids, a
-        priority outside int64, or params the engine cannot serve (see `_check_params`)."""
+        """`prompt` may carry a `cache_salt` (vLLM's prompt dicts do): prefix-cache hits then
+        happen only between requests with the same salt. Raises ValidationError for an
+        empty or too long prompt, out-of-vocab ids, a bad priority or salt, or params the
+        engine cannot serve (see `_check_params`)."""
         if not isinstance(params, SamplingParams):
             raise ValidationError("sampling_params must be a SamplingParams, got "
                                   f"{type(params).__name__}", "sampling_params")
-        if isinstance(priority, bool) or not isinstance(priority, int) or \
-                not INT64_MIN <= priority <= INT64_MAX:
-            raise ValidationError(f"priority must be an integer in [-2^63, 2^63), got "
-                                  f"{priority!r}", "priority")
-        text, token_ids = self.prompt_token_ids(prompt)
+        self._check_priority(priority)
+        salt = _cache_salt(prompt)
+        text, token_ids = self.prompt_token_ids(prompt, truncate=params.truncate_prompt_tokens)
         if not token_ids:
             raise ValidationError("the prompt is empty (0 tokens)", "prompt")
         if len(token_ids) >= self.max_model_len:
@@ -128,16 +188,33 @@ class InputProcessor:
                                   f"{self.vocab_size}", "prompt_token_ids")
         params = self._check_params(params)
         eos = [] if params.ignore_eos else list(self.tokenizer.eos_token_ids)
-        request = EngineCoreRequest(request_id, token_ids, params, eos, time.time(), priority)
+        request = EngineCoreRequest(request_id, token_ids, params, eos, time.time(), priority,
+                                    salt)
         return ProcessedRequest(text, request)
+
+    def _check_priority(self, priority: int) -> None:
+        if isinstance(priority, bool) or not isinstance(priority, int) or \
+                not INT64_MIN <= priority <= INT64_MAX:
+            raise ValidationError(f"priority must be an integer in [-2^63, 2^63), got "
+                                  f"{priority!r}", "priority")
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise ValidationError(f"priority {priority} needs --scheduling-policy priority "
+                                  f"(this engine schedules {self.scheduling_policy})",
+                                  "priority")
 
     def _check_params(self, params: SamplingParams) -> SamplingParams:
         """Token ids within the vocabulary, logprobs within --max-logprobs, a grammar
-        llguidance accepts, bad words tokenized (as written and with a leading space, as vLLM does)."""
-        if params.max_token_id() >= self.vocab_size:
-            raise ValidationError(f"token id {params.max_token_id()} (in stop_token_ids, "
-                                  "logit_bias or allowed_token_ids) is out of range for a "
-                                  f"vocabulary of {self.vocab_size}", "logit_bias")
+        llguidance accepts, bad words tokenized (as written and with a leading space, as
+        vLLM does)."""
+        for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+            ids = getattr(params, name) or ()
+            if len(ids) > self.vocab_size:
+                raise ValidationError(f"{name} has {len(ids)} ids, more than the vocabulary "
+                                      f"({self.vocab_size})", name)
+            largest = max(ids, default=-1)
+            if largest >= self.vocab_size:
+                raise ValidationError(f"token id {largest} (in {name}) is out of range for a "
+                                      f"vocabulary of {self.vocab_size}", name)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:
@@ -146,12 +223,42 @@ class InputProcessor:
         if params.structured_outputs is not None:
             check_grammar(params.structured_outputs)
         if params.bad_words and not params.bad_words_token_ids:
-            words: dict[tuple[int, ...], None] = {}   # ordered and without repeats
-            for word in params.bad_words:
-                for variant in (word, " " + word.lstrip()):
-                    ids = self.tokenizer.encode(variant, add_special_tokens=False)
-                    if ids:
-                        words[tuple(ids)] = None
+            variants = [v for word in params.bad_words for v in (word, " " + word.lstrip())]
+            words = dict.fromkeys(tuple(ids) for ids in self.tokenizer.encode_pieces(variants)
+                                  if ids)   # ordered and without repeats
             params = msgspec.structs.replace(params,
                                              bad_words_token_ids=[list(w) for w in words])
         return params
+
+
+def _cache_salt(prompt: PromptType) -> str | None:
+    """The prompt dict's `cache_salt`. Raises ValidationError unless it is None or a
+    non-empty string of at most MAX_CACHE_SALT_CHARS characters."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
+        raise ValidationError(f"cache_salt must be a non-empty string of at most "
+                              f"{MAX_CACHE_SALT_CHARS} characters", "cache_salt")
+    return salt
+
+
+def _piece_end(text: str, start: int, size: int) -> int:
+    """Where a piece of about `size` characters from `start` ends: just before a space that
+    starts a word when there is one in the piece's last eighth (tokenizers split there)."""
+    end = start + size
+    if end >= len(text):
+        return len(text)
+    space = text.rfind(" ", end - size // 8, end)
+    return space if space > start and not text[space + 1].isspace() else end
+
+
+def _open_final_message(text: str, messages: list[dict[str, Any]]) -> str:
+    """The rendered conversation cut just after the final message's content (its closing
+    tokens dropped), so the model continues that message. Raises ValidationError when the
+    template does not render the content as given."""
+    final = messages[-1].get("content") if messages else None
+    content = final.strip() if isinstance(final, str) else ""
+    end = text.rfind(content) if content else -1
+    if end < 0:
+        raise ValidationError("continue_final_message needs a final message with text "
+                              "content that the chat template renders as given", "messages")
+    return text[:end + len(content)]

@@ -72,6 +72,20 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool | None = None   # completions: True, chat: False (vLLM's)
+    return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False
+    request_id: str | None = None
+    # vLLM fields this server does not implement: refused unless neutral (refuse_unsupported)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    guided_whitespace_pattern: str | None = None
+    structural_tag: Any = None
+    logits_processors: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
@@ -93,6 +107,16 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    echo: bool = False
+    continue_final_message: bool = False
+    documents: list[dict[str, Any]] | None = None
+    mm_processor_kwargs: Any = None
+    functions: Any = None        # OpenAI's deprecated forms of tools / tool_choice
+    function_call: Any = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
 
 
 class CompletionRequest(_GenerationRequest, kw_only=True):
@@ -100,6 +124,7 @@ class CompletionRequest(_GenerationRequest, kw_only=True):
     suffix: str | None = None
     echo: bool = False
     logprobs: int | None = None
+    prompt_embeds: Any = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -108,7 +133,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None   # prompt: True, messages: False (vLLM's)
     add_generation_prompt: bool = True
     return_token_strs: bool = False
     tools: list[dict[str, Any]] | None = None
@@ -125,12 +150,53 @@ CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 _NOT_YET = "is not supported yet"
+# Fields (vLLM's and OpenAI's) this server cannot honour: field -> (neutral values, why).
+_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "suffix": ((None, ""), "suffix is not supported yet by this server"),
+    "use_beam_search": ((False,), "beam search is not implemented by this server"),
+    "length_penalty": ((1.0,), "length_penalty applies to beam search only, which this "
+                               "server does not implement"),
+    "guided_whitespace_pattern": ((None,), "guided_whitespace_pattern is not supported; "
+                                           "use structured_outputs.disable_any_whitespace"),
+    "structural_tag": ((None,), "structural tags are not supported; use a JSON schema or "
+                                "a grammar"),
+    "logits_processors": ((None, []), "custom logits processors are not supported"),
+    "kv_transfer_params": ((None, {}), "KV transfer (disaggregated serving) is not "
+                                       "supported"),
+    "vllm_xargs": ((None, {}), "this server has no extension that reads vllm_xargs"),
+    "prompt_embeds": ((None,), "prompt embeddings are not supported"),
+    "mm_processor_kwargs": ((None, {}), "multimodal inputs are not supported"),
+    "functions": ((None, []), "functions is not supported; send the same definitions "
+                              "as tools"),
+    "function_call": ((None,), "function_call is not supported; use tool_choice"),
+    "modalities": ((None, ["text"]), "only the text modality is supported"),
+    "audio": ((None,), "audio output is not supported"),
+    "prediction": ((None,), "predicted outputs are not supported"),
+    "web_search_options": ((None,), "web search is not supported"),
+}
+GUIDED_BACKENDS = (None, "auto", "guidance", "llguidance", "xgrammar")
+MAX_REQUEST_ID_CHARS = 256
 
 
 def refuse_unsupported(req: _GenerationRequest) -> None:
-    """Fields whose non-neutral values the engine cannot honour yet: 400 naming the field."""
-    if isinstance(req, CompletionRequest) and req.suffix:
-        raise APIError(400, f"suffix {_NOT_YET} by this server", "suffix")
+    """Fields whose non-neutral values the engine cannot honour: 400 naming the field (the
+    module doc). Unknown fields are ignored, as vLLM ignores them."""
+    for name, (neutral, why) in _REFUSED.items():
+        if getattr(req, name, None) not in neutral:
+            raise APIError(400, why, name)
+    if req.guided_decoding_backend not in GUIDED_BACKENDS:
+        raise APIError(400, f"guided_decoding_backend {req.guided_decoding_backend!r} is not "
+                            "available; this server's structured outputs run on llguidance "
+                            "(auto, guidance or xgrammar are accepted)",
+                       "guided_decoding_backend")
+    if req.request_id is not None and not (
+            0 < len(req.request_id) <= MAX_REQUEST_ID_CHARS and req.request_id.isprintable()):
+        raise APIError(400, f"request_id must be 1 to {MAX_REQUEST_ID_CHARS} printable "
+                            "characters", "request_id")
+    if isinstance(req, ChatCompletionRequest) and req.continue_final_message and \
+            req.add_generation_prompt:
+        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be "
+                            "true (set add_generation_prompt to false)", "continue_final_message")
 
 
 def structured_outputs_of(req: _GenerationRequest
@@ -288,7 +354,7 @@ def sampling_params(req: _GenerationRequest, max_tokens: int, defaults: dict[str
             frequency_penalty=req.frequency_penalty or 0.0, logit_bias=bias or None,
             allowed_token_ids=req.allowed_token_ids, bad_words=list(req.bad_words or []),
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            structured_outputs=structured,
+            structured_outputs=structured, truncate_prompt_tokens=req.truncate_prompt_tokens,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
             **chosen)
     except ValidationError as e:
@@ -302,6 +368,8 @@ def _completion_echo(req: _GenerationRequest, max_tokens: int) -> tuple[int | No
     400 for max_tokens 0 without echo."""
     prompt_logprobs = req.prompt_logprobs
     if not isinstance(req, CompletionRequest):
+        if prompt_logprobs is None and isinstance(req, ChatCompletionRequest) and req.echo:
+            prompt_logprobs = req.top_logprobs   # as vLLM's chat echo
         return prompt_logprobs, max_tokens
     if prompt_logprobs is None and req.echo:
         prompt_logprobs = req.logprobs
@@ -319,19 +387,22 @@ def _token_bytes(text: str) -> list[int]:
 
 
 def chat_logprobs(positions: list[dict[int, Any]] | None, token_ids: list[int],
-                  k: int) -> dict[str, Any] | None:
-    """OpenAI's chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+                  k: int, as_token_ids: bool = False) -> dict[str, Any] | None:
+    """OpenAI's chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]};
+    `as_token_ids` (vLLM's return_tokens_as_token_ids) names tokens "token_id:<id>"."""
     if positions is None:
         return None
+
+    def entry(token_id: int, lp: Any) -> dict[str, Any]:
+        text = lp.decoded_token or ""
+        return {"token": f"token_id:{token_id}" if as_token_ids else lp.decoded_token,
+                "logprob": lp.logprob, "bytes": _token_bytes(text)}
+
     content = []
     for token_id, position in zip(token_ids, positions):
-        chosen = position[token_id]
-        top = sorted(position.values(), key=lambda lp: lp.rank)[:k]
-        content.append({"token": chosen.decoded_token, "logprob": chosen.logprob,
-                        "bytes": _token_bytes(chosen.decoded_token or ""),
-                        "top_logprobs": [{"token": t.decoded_token, "logprob": t.logprob,
-                                          "bytes": _token_bytes(t.decoded_token or "")}
-                                         for t in top]})
+        top = sorted(position.items(), key=lambda item: item[1].rank)[:k]
+        content.append({**entry(token_id, position[token_id]),
+                        "top_logprobs": [entry(t, lp) for t, lp in top]})
     return {"content": content}
 
 

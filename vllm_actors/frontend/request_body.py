@@ -3,23 +3,41 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import msgspec
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from vllm_actors.frontend.openai_schema import APIError
 
 MAX_JSON_DEPTH = 64   # deeper request bodies are refused (no OpenAI field nests near this)
+BODY_TIMEOUT_S = 60.0  # a body still arriving after this is refused (408)
 
 
 async def read_body(raw: Request, limit: int) -> bytes:
-    """The request body, refused with 413 once it is larger than `limit` bytes."""
+    """The request body of a JSON endpoint. Raises APIError 415 for a content type other
+    than JSON (a page on another origin may only send "simple" text/plain or form bodies
+    without asking first; absent means JSON, as FastAPI reads it), 413 once it is larger than
+    `limit` bytes, 408 when it takes longer than BODY_TIMEOUT_S to arrive, and 400 (logged,
+    never answered) when the client leaves before sending it all."""
+    _check_content_type(raw.headers.get("content-type"))
     declared = raw.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"the request body ({int(declared)} bytes) is larger than this "
                             f"server accepts ({limit} bytes; --max-request-body-size)",
                        code="request_too_large")
+    try:
+        return await asyncio.wait_for(_read_within(raw, limit), BODY_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:.0f}s",
+                       code="request_timeout") from None
+    except ClientDisconnect:
+        raise APIError(400, "the client disconnected before sending the whole body",
+                       code="client_disconnected") from None
+
+
+async def _read_within(raw: Request, limit: int) -> bytes:
     chunks, size = [], 0
     async for chunk in raw.stream():
         size += len(chunk)
@@ -29,6 +47,16 @@ async def read_body(raw: Request, limit: int) -> bytes:
                            code="request_too_large")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _check_content_type(value: str | None) -> None:
+    if value is None:
+        return
+    media = value.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/")
+                                            and media.endswith("+json")):
+        raise APIError(415, f"Content-Type must be application/json, got {value[:100]!r}",
+                       code="unsupported_media_type")
 
 
 def decode_json_body(body: bytes) -> dict[str, Any]:

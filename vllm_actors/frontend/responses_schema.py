@@ -31,6 +31,8 @@ OUTPUT_LOGPROBS = "message.output_text.logprobs"
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text")
 MAX_METADATA_KEYS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
 
 
 class ResponsesRequest(msgspec.Struct, kw_only=True):
@@ -99,8 +101,19 @@ def refuse_unsupported(req: ResponsesRequest) -> None:
                                      f"{OUTPUT_LOGPROBS!r}")
     if req.top_logprobs and not req.wants_logprobs:
         raise _refuse("top_logprobs", f"needs include: [{OUTPUT_LOGPROBS!r}]")
-    if req.metadata is not None and len(req.metadata) > MAX_METADATA_KEYS:
+    _check_metadata(req.metadata)
+
+
+def _check_metadata(metadata: dict[str, str] | None) -> None:
+    """OpenAI's bounds: at most 16 pairs, keys of 64 and values of 512 characters."""
+    if metadata is None:
+        return
+    if len(metadata) > MAX_METADATA_KEYS:
         raise _refuse("metadata", f"may have at most {MAX_METADATA_KEYS} keys")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS or len(value) > MAX_METADATA_VALUE_CHARS:
+            raise _refuse("metadata", f"keys may have at most {MAX_METADATA_KEY_CHARS} and "
+                                      f"values {MAX_METADATA_VALUE_CHARS} characters")
 
 
 def _text_of(content: Any, where: str, kinds: tuple[str, ...] = TEXT_PARTS) -> str:

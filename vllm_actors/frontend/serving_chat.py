@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -22,7 +21,6 @@ from vllm_actors.frontend.serving import (EventStream, ServerState, SubRequest, 
                                           open_stream, raise_if_failed, stream_error, usage)
 from vllm_actors.outputs import RequestOutput
 
-logger = logging.getLogger("vllm_actors.server")
 _json = msgspec.json.Encoder()
 
 
@@ -32,6 +30,15 @@ class PreparedChat:
     sub: SubRequest
     plan: ToolPlan
     constraint_param: str | None
+    echo: str = ""   # the text `echo` puts before each choice's content
+
+
+def _echo_text(req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> str:
+    """vLLM's chat `echo`: the last message's content when it has the role of the reply
+    (assistant, or the last message's role without a generation prompt)."""
+    role = "assistant" if req.add_generation_prompt else messages[-1]["role"]
+    last = messages[-1]
+    return last.get("content") or "" if req.echo and last["role"] == role else ""
 
 
 def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_id: str
@@ -48,13 +55,18 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_id: str
         raise APIError(400, f'tool_choice "{plan.choice}" already constrains the output; it '
                             "cannot be combined with response_format or structured_outputs",
                        "tool_choice")
+    kwargs = dict(req.chat_template_kwargs or {})
     try:
+        if req.documents is not None:
+            kwargs = {**kwargs, "documents": req.documents}
         prompt = state.engine.input_processor.chat_prompt(
             messages, req.chat_template, req.add_generation_prompt, req.tools or None,
-            req.chat_template_kwargs)
+            kwargs, req.add_special_tokens is True, req.truncate_prompt_tokens,
+            req.continue_final_message)
     except ValidationError as e:
         raise APIError(400, str(e), "messages" if e.param in (None, "prompt") else e.param) \
             from None
+    prompt["cache_salt"] = req.cache_salt
     requested = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     limit = max_tokens_for(requested, len(prompt["prompt_token_ids"]),
@@ -66,11 +78,12 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_id: str
     sub = SubRequest(request_id, prompt, params, req.priority)
     constraint_param = "tools" if plan.structured else constraint_field
     state.process(sub, "messages", constraint_param)
-    return PreparedChat(req, sub, plan, constraint_param)
+    return PreparedChat(req, sub, plan, constraint_param, _echo_text(req, messages))
 
 
-def _decode_and_prepare(state: ServerState, body: bytes, request_id: str) -> PreparedChat:
-    return prepare_chat(state, decode_request(body, ChatCompletionRequest), request_id)
+def _decode_and_prepare(state: ServerState, body: bytes) -> PreparedChat:
+    req = decode_request(body, ChatCompletionRequest)
+    return prepare_chat(state, req, new_request_id("chatcmpl", req.request_id))
 
 
 def _finish_reason(reason: str | None, called_tools: bool) -> str | None:
@@ -80,63 +93,74 @@ def _finish_reason(reason: str | None, called_tools: bool) -> str | None:
 async def create_chat_completion(state: ServerState, raw: Request) -> Response:
     body = await read_body(raw, state.config.max_request_body_size)
     state.admit()
-    prepared = await state.prepare(_decode_and_prepare, state, body,
-                                   new_request_id("chatcmpl"))
-    req, sub, plan = prepared.req, prepared.sub, prepared.plan
-    if not state.config.disable_log_requests:
-        logger.info("chat request %s: %d prompt tokens, %s", sub.request_id,
-                    sub.num_prompt_tokens, sub.params)
+    prepared = await state.prepare(_decode_and_prepare, state, body, body=body)
+    req, sub = prepared.req, prepared.sub
+    state.log_request("chat", sub.request_id, sub.num_prompt_tokens, sub.params)
     if req.stream:
         outputs = await open_stream(state, [sub], prepared.constraint_param)
-        return EventStream(_stream(state, req, sub, plan, outputs), outputs)
+        return EventStream(_stream(state, prepared, outputs), outputs)
     results = await generate_final(state, raw, [sub])
     if results is None:
         return Response(status_code=499)
     out = results[0]
     raise_if_failed(out, prepared.constraint_param)
-    return await json_built_off_loop(state, chat_response, state, req, sub, plan, out)
+    return await json_built_off_loop(state, chat_response, state, prepared, out)
 
 
-def chat_response(state: ServerState, req: ChatCompletionRequest, sub: SubRequest,
-                  plan: ToolPlan, out: RequestOutput) -> dict[str, Any]:
+def chat_response(state: ServerState, prepared: PreparedChat, out: RequestOutput
+                  ) -> dict[str, Any]:
     """The chat.completion body for a finished request."""
+    req, sub, plan = prepared.req, prepared.sub, prepared.plan
     k = req.top_logprobs or 0
     constrained = sub.params.structured_outputs is not None
     choices = []
     for c in out.outputs:
         message, called = choice_parser(plan, state.config, constrained).message(c.text)
-        choices.append({"index": c.index, "message": message,
-                        "logprobs": chat_logprobs(c.logprobs, c.token_ids, k),
-                        "finish_reason": _finish_reason(c.finish_reason, called),
-                        "stop_reason": c.stop_reason})
+        if prepared.echo:
+            message["content"] = prepared.echo + (message.get("content") or "")
+        choice = {"index": c.index, "message": message,
+                  "logprobs": chat_logprobs(c.logprobs, c.token_ids, k,
+                                            req.return_tokens_as_token_ids),
+                  "finish_reason": _finish_reason(c.finish_reason, called),
+                  "stop_reason": c.stop_reason}
+        if req.return_token_ids:
+            choice["token_ids"] = c.token_ids
+        choices.append(choice)
     completion_tokens = sum(len(c.token_ids) for c in out.outputs)
     body = {"id": sub.request_id, "object": "chat.completion", "created": now(),
             "model": state.model_name, "choices": choices,
             "usage": usage(sub.num_prompt_tokens, completion_tokens, out.num_cached_tokens)}
     if out.prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+    if req.return_token_ids:
+        body["prompt_token_ids"] = out.prompt_token_ids
     return body
 
 
-async def _stream(state: ServerState, req: ChatCompletionRequest, sub: SubRequest,
-                  plan: ToolPlan, outputs: AsyncIterator[tuple[int, RequestOutput]]
-                  ) -> AsyncIterator[str]:
+async def _stream(state: ServerState, prepared: PreparedChat,
+                  outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+    req, sub, plan = prepared.req, prepared.sub, prepared.plan
     created, opts, num_prompt = now(), req.stream_options, sub.num_prompt_tokens
     include_usage = state.config.enable_force_include_usage or bool(opts and opts.include_usage)
     continuous = include_usage and bool(opts and opts.continuous_usage_stats)
     completion_tokens = cached = 0
 
-    def chunk(choices: list[dict[str, Any]]) -> str:
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
         body: dict[str, Any] = {"id": sub.request_id, "object": "chat.completion.chunk",
                                 "created": created, "model": state.model_name,
-                                "choices": choices}
+                                "choices": choices, **extra}
         if continuous:
             body["usage"] = usage(num_prompt, completion_tokens, cached)
         return _json.encode(body).decode()
 
+    first_ids = {"prompt_token_ids": sub.processed.request.prompt_token_ids} \
+        if req.return_token_ids and sub.processed is not None else {}
     for index in range(sub.params.n):
         yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
-                      "logprobs": None, "finish_reason": None}])
+                      "logprobs": None, "finish_reason": None}], **first_ids)
+        if prepared.echo:
+            yield chunk([{"index": index, "delta": {"content": prepared.echo},
+                          "logprobs": None, "finish_reason": None}])
     constrained = sub.params.structured_outputs is not None
     parsers = [choice_parser(plan, state.config, constrained) for _ in range(sub.params.n)]
     try:
@@ -149,8 +173,11 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, sub: SubReques
                     continue
                 choice: dict[str, Any] = {
                     "index": c.index, "delta": delta,
-                    "logprobs": chat_logprobs(c.logprobs, c.token_ids, req.top_logprobs or 0),
+                    "logprobs": chat_logprobs(c.logprobs, c.token_ids, req.top_logprobs or 0,
+                                              req.return_tokens_as_token_ids),
                     "finish_reason": _finish_reason(c.finish_reason, called)}
+                if req.return_token_ids:
+                    choice["token_ids"] = c.token_ids
                 if c.finish_reason is not None:
                     choice["stop_reason"] = c.stop_reason
                 yield chunk([choice])

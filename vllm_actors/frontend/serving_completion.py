@@ -4,7 +4,6 @@ completion_choices.py), `suffix` is refused."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -24,7 +23,6 @@ from vllm_actors.frontend.serving import (EventStream, ServerState, SubRequest, 
                                           open_stream, raise_if_failed, stream_error, usage)
 from vllm_actors.outputs import RequestOutput
 
-logger = logging.getLogger("vllm_actors.server")
 _json = msgspec.json.Encoder()
 
 
@@ -49,43 +47,48 @@ def prepare_completion(state: ServerState, req: CompletionRequest, request_id: s
     structured, constraint_field = structured_outputs_of(req)
     subs, texts = [], []
     tokenizer, max_len = state.engine.tokenizer, state.engine.ready.max_model_len
+    add_special = req.add_special_tokens is not False
     for i, prompt in enumerate(completion_prompts(req.prompt)):
         try:
             text, ids = state.engine.input_processor.prompt_token_ids(
-                prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt})
+                prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt},
+                add_special, req.truncate_prompt_tokens)
         except ValidationError as e:
-            raise APIError(400, str(e), "prompt") from None
+            raise APIError(400, str(e), e.param if e.param == "truncate_prompt_tokens"
+                           else "prompt") from None
         limit = max_tokens_for(req.max_tokens if req.max_tokens is not None else 16, len(ids),
                                max_len, "prompt")
         params = sampling_params(req, limit, state.engine.generation_defaults, req.stream,
                                  structured)
-        sub = SubRequest(f"{request_id}-{i}", {"prompt": text, "prompt_token_ids": ids}, params,
+        whole = req.truncate_prompt_tokens is None and text is not None
+        sub = SubRequest(f"{request_id}-{i}", {"prompt": text, "prompt_token_ids": ids,
+                                               "cache_salt": req.cache_salt}, params,
                          req.priority)
         state.process(sub, "prompt", constraint_field)
         subs.append(sub)
-        texts.append(text if text is not None else tokenizer.decode(ids))
+        texts.append(text if whole else tokenizer.decode(ids))
     return PreparedCompletion(req, request_id, subs, texts, constraint_field)
 
 
-def _decode_and_prepare(state: ServerState, body: bytes, request_id: str
-                        ) -> PreparedCompletion:
-    return prepare_completion(state, decode_request(body, CompletionRequest), request_id)
+def _decode_and_prepare(state: ServerState, body: bytes, prefix: str) -> PreparedCompletion:
+    req = decode_request(body, CompletionRequest)
+    return prepare_completion(state, req, new_request_id(prefix, req.request_id))
 
 
 def _shaper(state: ServerState, prepared: PreparedCompletion) -> ChoiceShaper:
     tokenizer, req = state.engine.tokenizer, prepared.req
     return ChoiceShaper(prepared.texts, req.echo, req.echo and req.max_tokens == 0,
-                        req.logprobs, lambda token_id: tokenizer.decode([token_id]))
+                        req.logprobs, lambda token_id: tokenizer.decode([token_id]),
+                        req.return_tokens_as_token_ids)
 
 
 async def create_completion(state: ServerState, raw: Request) -> Response:
     body = await read_body(raw, state.config.max_request_body_size)
     state.admit()
-    prepared = await state.prepare(_decode_and_prepare, state, body, new_request_id("cmpl"))
+    prepared = await state.prepare(_decode_and_prepare, state, body, "cmpl", body=body)
     req, subs = prepared.req, prepared.subs
-    if not state.config.disable_log_requests:
-        logger.info("completion request %s: %d prompt(s), %d prompt tokens, %s",
-                    prepared.request_id, len(subs), prepared.num_prompt_tokens, subs[0].params)
+    state.log_request("completion", prepared.request_id, prepared.num_prompt_tokens,
+                      subs[0].params, len(subs))
     if req.stream:
         outputs = await open_stream(state, subs, prepared.constraint_param)
         return EventStream(_stream(state, prepared, outputs), outputs)
@@ -108,10 +111,13 @@ def _completion_body(state: ServerState, prepared: PreparedCompletion,
             piece = shaper.piece(p, p * req.n + c.index, out.prompt_token_ids,
                                  out.prompt_logprobs, c)
             completion_tokens += piece.num_generated
-            choices.append({"index": p * req.n + c.index, "text": piece.text,
-                            "logprobs": piece.logprobs,
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                            "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)})
+            choice = {"index": p * req.n + c.index, "text": piece.text,
+                      "logprobs": piece.logprobs,
+                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                      "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)}
+            if req.return_token_ids:
+                choice.update(prompt_token_ids=out.prompt_token_ids, token_ids=c.token_ids)
+            choices.append(choice)
     return {"id": prepared.request_id, "object": "text_completion", "created": now(),
             "model": state.model_name, "choices": choices,
             "usage": usage(prepared.num_prompt_tokens, completion_tokens, cached)}
@@ -126,6 +132,7 @@ async def _stream(state: ServerState, prepared: PreparedCompletion,
     continuous = include_usage and bool(opts and opts.continuous_usage_stats)
     completion_tokens, cached = 0, [0] * len(subs)
     shaper = _shaper(state, prepared)
+    ids_sent: set[int] = set()
 
     def chunk(choice: dict[str, Any]) -> str:
         body: dict[str, Any] = {"id": request_id, "object": "text_completion",
@@ -145,8 +152,14 @@ async def _stream(state: ServerState, prepared: PreparedCompletion,
                 if not piece.text and c.finish_reason is None and \
                         not (piece.logprobs and piece.has_tokens):
                     continue
-                yield chunk({"index": index, "text": piece.text, "logprobs": piece.logprobs,
-                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                choice = {"index": index, "text": piece.text, "logprobs": piece.logprobs,
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if req.return_token_ids:   # the prompt's ids in the choice's first chunk
+                    choice["token_ids"] = c.token_ids
+                    if index not in ids_sent:
+                        ids_sent.add(index)
+                        choice["prompt_token_ids"] = out.prompt_token_ids
+                yield chunk(choice)
     except Exception as e:
         yield _json.encode(stream_error(e)).decode()
     if include_usage:

@@ -6,7 +6,7 @@ prepares (template, tool planning, structured outputs, limits); the chat parser'
 become output items (`responses_output.OutputBuilder`).
 
 Stored responses (store defaults to true) live in memory in a `ResponseStore`: the last
-`MAX_STORED_RESPONSES` of them, least recently used evicted first. Each keeps its
+`MAX_STORED_RESPONSES` of them within `MAX_STORED_BYTES`, least recently used evicted first. Each keeps its
 conversation's items (without instructions), so `previous_response_id` replays the
 conversation and its output before the new input. An id that is unknown, evicted or was
 created with store=false answers 404.
@@ -20,6 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -37,6 +38,8 @@ from vllm_actors.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger("vllm_actors.server")
 MAX_STORED_RESPONSES = 256
+MAX_STORED_BYTES = 64 * 2**20
+_encode = msgspec.json.Encoder().encode
 # Chat fields named in errors from the chat path -> the Responses field the client set.
 _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens",
            "max_completion_tokens": "max_output_tokens", "response_format": "text",
@@ -54,34 +57,52 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """The last `capacity` stored responses by id; reading one makes it the most recent."""
+    """The last `capacity` stored responses by id, holding at most `max_bytes` of them
+    (each counted as its JSON size); reading one makes it the most recent."""
 
-    def __init__(self, capacity: int = MAX_STORED_RESPONSES) -> None:
+    def __init__(self, capacity: int = MAX_STORED_RESPONSES,
+                 max_bytes: int = MAX_STORED_BYTES) -> None:
         self.capacity = capacity
-        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        self._entries: OrderedDict[str, tuple[StoredResponse, int]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def get(self, response_id: str) -> StoredResponse | None:
-        stored = self._entries.get(response_id)
-        if stored is not None:
-            self._entries.move_to_end(response_id)
-        return stored
+        entry = self._entries.get(response_id)
+        if entry is None:
+            return None
+        self._entries.move_to_end(response_id)
+        return entry[0]
 
     def put(self, response_id: str, stored: StoredResponse) -> None:
-        self._entries[response_id] = stored
-        self._entries.move_to_end(response_id)
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+        """Store `stored`, evicting the least recently used until both bounds hold; one
+        larger than `max_bytes` by itself is not kept (a later read is a 404)."""
+        self.delete(response_id)
+        size = len(_encode(stored.body)) + len(_encode(stored.items))
+        if size > self.max_bytes:
+            logger.info("response %s (%d bytes) is larger than the store holds (%d bytes); "
+                        "not stored", response_id, size, self.max_bytes)
+            return
+        self._entries[response_id] = (stored, size)
+        self.num_bytes += size
+        while len(self._entries) > self.capacity or self.num_bytes > self.max_bytes:
+            _, (_, evicted) = self._entries.popitem(last=False)
+            self.num_bytes -= evicted
 
     def delete(self, response_id: str) -> bool:
-        return self._entries.pop(response_id, None) is not None
+        entry = self._entries.pop(response_id, None)
+        if entry is not None:
+            self.num_bytes -= entry[1]
+        return entry is not None
 
     def not_found(self, response_id: str, param: str | None = None) -> APIError:
         return APIError(404, f"Response with id '{response_id}' not found: it is unknown, was "
                              "created with store=false, or was evicted (this server keeps the "
-                             f"last {self.capacity} stored responses)", param,
+                             f"last {self.capacity} stored responses, "
+                             f"{self.max_bytes >> 20} MiB in all)", param,
                         "response_not_found")
 
 
@@ -187,17 +208,16 @@ def _finish(state: ServerState, store: ResponseStore, turn: _Turn, builder: Outp
 async def create_response(state: ServerState, store: ResponseStore, raw: Request) -> Response:
     body = await read_body(raw, state.config.max_request_body_size)
     state.admit()
-    req = await state.prepare(decode_request, body, ResponsesRequest)
+    req = await state.prepare(decode_request, body, ResponsesRequest, body=body)
     earlier: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         previous = store.get(req.previous_response_id)
         if previous is None:
             raise store.not_found(req.previous_response_id, "previous_response_id")
         earlier = previous.conversation()
-    turn = await state.prepare(_prepare_turn, state, req, earlier)
-    if not state.config.disable_log_requests:
-        logger.info("responses request %s (engine %s): %d prompt tokens, %s", turn.response_id,
-                    turn.sub.request_id, turn.num_prompt, turn.sub.params)
+    turn = await state.prepare(_prepare_turn, state, req, earlier, body=body)
+    state.log_request("responses", f"{turn.response_id} (engine {turn.sub.request_id})",
+                      turn.num_prompt, turn.sub.params)
     if req.stream:
         outputs = await open_stream(state, [turn.sub], turn.constraint_param)
         return EventStream(_stream(state, store, turn, outputs), outputs)

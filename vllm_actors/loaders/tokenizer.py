@@ -81,6 +81,11 @@ class Tokenizer:
                 ids.append(self.eos_token_id)
         return ids
 
+    def encode_pieces(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text (no special tokens added), tokenized together: one call
+        into the tokenizer, which runs without the GIL (bad words, prompt pieces)."""
+        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False,
                spaces_between_special_tokens: bool = False) -> str:
         """Text of `ids`. With `spaces_between_special_tokens` (and special tokens kept), added
