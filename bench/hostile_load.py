@@ -10,7 +10,8 @@ Per round: `--streams` streaming requests (chat and completions alternating, hal
 closed by the client after a few events, as the chat page's Stop button does), and
 meanwhile every hostile request of HOSTILE once (values that once killed the engine, a
 request template, deep JSON, a body near the size limit, 10,000 bad words, malformed
-JSON). Memory is the resident set of the server and its engine core, measured after
+JSON, and the grammars, schemas, lists and bodies of issue 29's attack), while /health is
+polled every 50 ms (the slowest answer is reported per round). Memory is the resident set of the server and its engine core, measured after
 `--warmup-rounds` (allocators settle, and every KV block of the deliberately small cache has
 been touched: its pages are mapped lazily) and after the last round; the result prints the
 resident sets of the server and of the core after each round.
@@ -34,6 +35,8 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+HEALTH_BOUND_S = 0.5     # /health while hostile requests are prepared and served (README)
+RSS_BOUND_PCT = 10.0     # memory after the measured rounds against before them
 GREEDY = {"prompt": "The three primary colors are", "max_tokens": 16, "temperature": 0}
 CHAT = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
 HOSTILE: list[tuple[str, Any]] = [
@@ -55,6 +58,27 @@ HOSTILE: list[tuple[str, Any]] = [
     ("5 MB prompt", {"prompt": "hello " * 850_000, "max_tokens": 1}),
     ("invalid JSON", '{"prompt": "x", '),
     ("nulls", {"prompt": "Hi", "max_tokens": 2, "n": None, "stream": None, "echo": None}),
+    # issue 29's attack: grammars that overflowed the stack, exponential $refs, big lists
+    ("Lark chain 3,000", {"prompt": "x", "max_tokens": 2, "guided_grammar": "\n".join(
+        ["start: r0"] + [f'r{i}: "a{i}" r{i + 1} | "b"' for i in range(3000)]
+        + ['r3000: "z"'])}),
+    ("$ref chain 1,000", {"prompt": "x", "max_tokens": 2, "guided_json": {
+        "$ref": "#/$defs/d0", "$defs": {**{f"d{i}": {"type": "object", "properties": {
+            "x": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(1000)},
+            "d1000": {"type": "integer"}}}}),
+    ("doubling $refs x18", {"prompt": "x", "max_tokens": 2, "guided_json": {
+        "$ref": "#/$defs/d0", "$defs": {**{f"d{i}": {"allOf": [
+            {"$ref": f"#/$defs/d{i + 1}"}, {"$ref": f"#/$defs/d{i + 1}"}]} for i in range(18)},
+            "d18": {"type": "object", "properties": {"a": {"type": "integer"}}}}}}),
+    ("10 MB /tokenize", ("/tokenize", {"prompt": "hello world " * 850_000})),
+    ("40k stop ids x n=32", {"prompt": "Hi", "max_tokens": 2, "n": 32,
+                             "stop_token_ids": list(range(40_000))}),
+    ("200 stops x n=128", {"prompt": "Hi", "max_tokens": 2, "n": 128,
+                           "stop": [f"s{i}q" for i in range(200)]}),
+    ("metadata 16 x 1.5 MB", ("/v1/responses", {"input": "Hi", "max_output_tokens": 2,
+                                                "metadata": {f"k{i}": "v" * 1_500_000
+                                                             for i in range(16)}})),
+    ("text/plain body", ("text/plain", {"prompt": "Hi", "max_tokens": 2})),
 ]
 
 
@@ -94,29 +118,56 @@ async def stream(client: httpx.AsyncClient, i: int, max_tokens: int, hang_up: bo
     return "cut"
 
 
+def _request(body: Any) -> tuple[str, dict[str, Any]]:
+    """(path, httpx keyword arguments) of a HOSTILE entry: a JSON body, raw text, or
+    (path or content type, body)."""
+    if isinstance(body, tuple) and body[0] == "text/plain":
+        return "/v1/completions", {"content": json.dumps(body[1]),
+                                   "headers": {"Content-Type": "text/plain"}}
+    if isinstance(body, tuple):
+        return body[0], {"json": body[1]}
+    path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body \
+        else "/v1/completions"
+    if isinstance(body, str):
+        return path, {"content": body, "headers": {"Content-Type": "application/json"}}
+    return path, {"json": body}
+
+
 async def hostile(client: httpx.AsyncClient) -> dict[str, int]:
     statuses = {}
     for name, body in HOSTILE:
         await asyncio.sleep(random.uniform(0, 0.05))
-        path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body \
-            else "/v1/completions"
-        kw = {"content": body, "headers": {"Content-Type": "application/json"}} \
-            if isinstance(body, str) else {"json": body}
+        path, kw = _request(body)
         statuses[name] = (await client.post(path, **kw)).status_code
     return statuses
+
+
+async def slowest_health(client: httpx.AsyncClient, done: asyncio.Event) -> float:
+    """The slowest /health answer (seconds) while the round runs, polled every 50 ms."""
+    slowest = 0.0
+    while not done.is_set():
+        start = time.monotonic()
+        await client.get("/health")
+        slowest = max(slowest, time.monotonic() - start)
+        await asyncio.sleep(0.05)
+    return slowest
 
 
 async def one_round(url: str, streams: int, max_tokens: int) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=streams + 8)
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
         start = time.monotonic()
+        done = asyncio.Event()
+        probe = asyncio.ensure_future(slowest_health(client, done))
         tasks = [stream(client, i, max_tokens, hang_up=i % 2 == 1) for i in range(streams)]
         *outcomes, statuses = await asyncio.gather(*tasks, hostile(client))
+        done.set()
+        slowest = await probe
     ends: dict[str, int] = {}
     for outcome in outcomes:
         ends[outcome] = ends.get(outcome, 0) + 1
     return {"seconds": round(time.monotonic() - start, 1), "streams": ends,
-            "hostile": statuses}
+            "hostile": statuses, "slowest_health_s": round(slowest, 3)}
 
 
 def settle(client: httpx.Client, timeout: float = 60) -> tuple[float, float, float]:
@@ -189,7 +240,9 @@ def main() -> int:
     ok = result["running_after"] == 0 and result["waiting_after"] == 0 and \
         result["greedy_unchanged"] and result["healthy"] and \
         all(r["streams"] == {"done": (args.streams + 1) // 2, "hung up": args.streams // 2}
-            for r in result["results"])
+            and all(status < 500 for status in r["hostile"].values())
+            and r["slowest_health_s"] <= HEALTH_BOUND_S for r in result["results"]) and \
+        abs(result["rss_change_pct"]) <= RSS_BOUND_PCT
     return 0 if ok else 1
 
 

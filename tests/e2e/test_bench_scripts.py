@@ -97,7 +97,7 @@ def test_hostile_load_bench_leaves_nothing_behind(tmp_path):
     result = json.loads(out.read_text())
     (round_,) = result["results"]
     assert round_["streams"] == {"done": 3, "hung up": 3}
-    assert set(round_["hostile"].values()) <= {200, 400}
+    assert set(round_["hostile"].values()) <= {200, 400, 415}
     assert round_["hostile"]["seed 2^63"] == 200 and round_["hostile"]["deep JSON"] == 400
     assert result["running_after"] == result["waiting_after"] == 0
     assert result["greedy_unchanged"] and result["healthy"]

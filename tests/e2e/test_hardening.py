@@ -2,10 +2,14 @@
 loop, leaked a request or answered 500 is replayed against the shared server, and afterwards
 the engine is alive and a greedy request returns the same tokens as before."""
 
+import contextlib
 import http.client
 import json
 import re
+import socket
+import threading
 import time
+import uuid
 
 import httpx
 import pytest
@@ -190,3 +194,123 @@ def test_many_bad_words_do_not_stall(server, auth):
                                                "bad_words": words})
     assert r.status_code == 200, r.text
     print(f"10,000 bad_words: {time.monotonic() - start:.2f}s")
+
+
+@contextlib.contextmanager
+def health_probe(server, every_s: float = 0.05):
+    """Polls /health from a thread while the block runs; yields a list that holds, after the
+    block, the slowest answer in seconds (README: at most 0.5 s while a heavy request is
+    prepared or served)."""
+    slowest, stop = [0.0], threading.Event()
+
+    def poll():
+        with httpx.Client(base_url=server.url, timeout=30) as probe:
+            while not stop.is_set():
+                start = time.monotonic()
+                assert probe.get("/health").status_code == 200
+                slowest[0] = max(slowest[0], time.monotonic() - start)
+                stop.wait(every_s)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    try:
+        yield slowest
+    finally:
+        stop.set()
+        thread.join(30)
+
+
+def test_cache_salt_separates_tenants(server, auth):
+    """Two salts never share a cached block; the same salt still hits (it once reached only
+    the data parallel router, and a second tenant saw the first one's prefix)."""
+    system = f"Rules {uuid.uuid4().hex}: " + "Answer briefly and politely. " * 50
+
+    def cached(salt):
+        body = {"messages": [{"role": "system", "content": system},
+                             {"role": "user", "content": "Hi"}], "max_tokens": 1}
+        if salt is not None:
+            body["cache_salt"] = salt
+        r = post(server, auth, "/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert [cached("tenant-a"), cached("tenant-b"), cached(None)] == [0, 0, 0]
+    assert cached("tenant-a") >= 256 and cached("tenant-b") >= 256 and cached(None) >= 256
+    r = post(server, auth, "/v1/completions", {"prompt": "x", "cache_salt": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+
+
+def test_vllm_fields_are_implemented_or_refused(server, auth):
+    """Fields vLLM users send are honoured (truncate_prompt_tokens, token ids as names,
+    return_token_ids, chat echo) or refused naming the field; none is silently ignored."""
+    r = post(server, auth, "/v1/completions", {"prompt": "one two three four five six",
+                                               "max_tokens": 2, "truncate_prompt_tokens": 3})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 3, r.text
+    r = post(server, auth, "/v1/completions", {
+        "prompt": "Hello", "max_tokens": 3, "temperature": 0, "logprobs": 1,
+        "return_tokens_as_token_ids": True, "return_token_ids": True})
+    choice = r.json()["choices"][0]
+    assert [f"token_id:{t}" for t in choice["token_ids"]] == choice["logprobs"]["tokens"]
+    assert choice["prompt_token_ids"] and len(choice["token_ids"]) == 3
+    history = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hello!"}]
+    r = post(server, auth, "/v1/chat/completions", {
+        "messages": history, "max_tokens": 4, "echo": True, "add_generation_prompt": False,
+        "continue_final_message": True})
+    assert r.json()["choices"][0]["message"]["content"].startswith("Hello!"), r.text
+    for extra, param in [({"use_beam_search": True}, "use_beam_search"),
+                         ({"priority": 3}, "priority"), ({"length_penalty": 2}, "length_penalty"),
+                         ({"logits_processors": ["m.f"]}, "logits_processors"),
+                         ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
+                         ({"stop_token_ids": [10**6]}, "stop_token_ids"),
+                         ({"allowed_token_ids": [10**6]}, "allowed_token_ids")]:
+        r = post(server, auth, "/v1/completions", {"prompt": "x", "max_tokens": 1, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+
+
+def test_large_inputs_are_refused_cheaply(server, auth, greedy_before):
+    """Every size is bounded where it enters, quickly, while /health keeps answering, and
+    the log line of a request never carries its lists."""
+    log_start = len(server.log())
+    with health_probe(server) as slowest:
+        big = post(server, auth, "/tokenize", {"prompt": "hello world " * 800_000})
+        long_ids = post(server, auth, "/detokenize", {"tokens": [1] * 40_000})
+        many = post(server, auth, "/v1/completions",
+                    {"prompt": "x", "max_tokens": 1, "n": 32, "stop": ["ab"] * 200})
+        ids = post(server, auth, "/v1/completions", {"prompt": "Hi", "max_tokens": 2,
+                                                     "stop_token_ids": list(range(40_000))})
+        words = post(server, auth, "/v1/completions",
+                     {"prompt": "x", "max_tokens": 1, "bad_words": ["w"] * 10_001})
+    assert big.status_code == 400 and "characters" in big.json()["error"]["message"]
+    assert long_ids.status_code == 400 and long_ids.json()["error"]["param"] == "tokens"
+    assert many.status_code == 400 and "n x stop" in many.json()["error"]["message"]
+    assert ids.status_code == 200, ids.text
+    assert words.status_code == 400 and words.json()["error"]["param"] == "bad_words"
+    assert slowest[0] < 0.5, f"/health took {slowest[0]:.2f}s"
+    lines = server.log()[log_start:].splitlines()
+    assert max(map(len, lines)) < 2000, max(lines, key=len)[:300]
+    assert any("stop_token_ids=<40000 items>" in line for line in lines)
+    assert_engine_unhurt(server, auth, greedy_before)
+
+
+def test_small_protocol_defects(server, auth):
+    """Content types, CORS, a duplicated Authorization header, and a client that leaves
+    in the middle of its body (once an ERROR with a traceback)."""
+    url = server.url + "/v1/completions"
+    body = json.dumps({"prompt": "x", "max_tokens": 1})
+    r = httpx.post(url, content=body, headers={**auth, "Content-Type": "text/plain"})
+    assert r.status_code == 415, r.text
+    preflight = httpx.options(url, headers={"Origin": "https://evil.example",
+                                            "Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in preflight.headers
+    twice = [("Authorization", auth["Authorization"])] * 2
+    assert httpx.post(url, content=body, headers=twice).status_code == 401
+    log_start = len(server.log())
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: "
+                     f"{auth['Authorization']}\r\nContent-Type: application/json\r\n"
+                     "Content-Length: 1000\r\n\r\n{\"prompt\": ".encode())
+        time.sleep(0.3)
+    time.sleep(0.5)
+    assert "Traceback" not in server.log()[log_start:], server.log()[log_start:]
+    assert post(server, auth, "/v1/completions", {"prompt": "x", "max_tokens": 1}).status_code \
+        == 200
