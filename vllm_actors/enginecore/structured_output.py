@@ -2,8 +2,9 @@
 bitmask per step for the requests that sample, matchers advanced by the sampled tokens.
 
 A request with `structured_outputs` waits here, outside the scheduler, until its grammar is
-compiled (llguidance, on a worker thread that releases the GIL); it then joins the waiting
-queue with its matcher attached (`Request.grammar`). A grammar that fails to compile finishes
+compiled (llguidance, which releases the GIL, off the busy loop on one of grammar.py's
+big-stack threads, under the same limits the frontend checks); it then joins the waiting queue
+with its matcher attached (`Request.grammar`). A grammar that fails to compile finishes
 its request with an error. Each step, `bitmask()` writes one row of allowed-token bits per
 sampling request (bit t of word t // 32 set = token t allowed) and the worker masks the
 logits with it; `Request.append_output_token` advances the matcher and `check_stop` ends the
@@ -24,7 +25,7 @@ import numpy as np
 
 from vllm_actors.enginecore.request import Request
 from vllm_actors.errors import ValidationError
-from vllm_actors.grammar import grammar_for
+from vllm_actors.grammar import compile_matcher
 from vllm_actors.loaders.model_files import resolve_model
 from vllm_actors.loaders.tokenizer import load_tokenizer
 from vllm_actors.sampling_params import StructuredOutputsParams
@@ -58,11 +59,7 @@ class StructuredOutputManager:
                 tok.backend.to_str(), n_vocab=max(self.vocab_size, tok.vocab_size),
                 eos_token=list(tok.eos_token_ids) or None)
         # the frontend validated the grammar; the matcher reports whatever it still refuses
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar_for(params), log_level=0)
-        if matcher.is_error():
-            raise ValidationError(f"invalid {params.kinds()[0]}: {matcher.get_error()}",
-                                  "structured_outputs")
-        return matcher
+        return compile_matcher(self.tokenizer, params)
 
     def has_pending(self) -> bool:
         return bool(self.pending)
