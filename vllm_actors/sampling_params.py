@@ -278,12 +278,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False)
                 raise ValidationError(f"{info.name} holds an integer beyond 64 bits",
                                       info.name) from None
 
-    def child(self, index: int) -> "SamplingParams":
-        """The params of completion `index` of n: n=1, seed + index (mod 2^64) when seeded."""
-        if self.n == 1:
-            return self
-        seed = None if self.seed is None else (self.seed + index) % SEED_MODULUS
-        return msgspec.structs.replace(self, n=1, seed=seed)
+    def child_seed(self, index: int) -> int | None:
+        """The seed of completion `index` of n: seed + index (mod 2^64), None when unseeded.
+        The n completions share these params otherwise (one copy, see EngineCoreRequest.n)."""
+        return None if self.seed is None else (self.seed + index) % SEED_MODULUS
 
     def brief(self, limit: int = 400) -> str:
         """The fields set away from their defaults, for a log line of at most about `limit`

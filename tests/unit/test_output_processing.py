@@ -107,9 +107,8 @@ def test_final_only_parent_waits_for_all_children(smollm2_tokenizer):
         collector = RequestOutputCollector(K.FINAL_ONLY)
         parent = ParentRequest("p", None, [1], K.FINAL_ONLY, collector, 2)
         params = SamplingParams(n=2, max_tokens=2, output_kind=K.FINAL_ONLY)
-        for i in range(2):
-            processor.add_request(parent, i, EngineCoreRequest(f"{i}_p", [1], params, [], 0.0),
-                                  params)
+        assert processor.add_request(parent, EngineCoreRequest("p", [1], params, [], 0.0,
+                                                               n=2)) == ["0_p", "1_p"]
         processor.process_outputs([EngineCoreOutput("0_p", [504]),
                                    EngineCoreOutput("1_p", [7042])])
         assert collector.pending is None
@@ -122,6 +121,51 @@ def test_final_only_parent_waits_for_all_children(smollm2_tokenizer):
     assert out.finished and [c.index for c in out.outputs] == [0, 1]
     assert out.outputs[1].text == " Paris." and out.outputs[1].finish_reason == "length"
     assert not processor.has_unfinished_requests() and not processor.children
+
+
+def test_children_share_derived_state_and_abort_with_their_parent(smollm2_tokenizer):
+    """n completions registered from one message share what is derived from its params
+    (the EOS set, the stop-string index; stop_token_ids are not even copied); aborting the
+    parent finishes every child with "abort" and names all their engine ids for the core."""
+    async def scenario():
+        processor = OutputProcessor(smollm2_tokenizer, FrontendMetrics("m"))
+        collector = RequestOutputCollector(K.DELTA)
+        parent = ParentRequest("p", None, [1], K.DELTA, collector, 3)
+        params = SamplingParams(n=3, max_tokens=5, stop=["x", "yz"], stop_token_ids=[9],
+                                output_kind=K.DELTA)
+        ids = processor.add_request(parent, EngineCoreRequest("p", [1], params, [2], 0.0,
+                                                              n=3))
+        states = [processor.states[i] for i in ids]
+        assert all(s.eos_token_ids is states[0].eos_token_ids and
+                   s.stop_token_ids is params.stop_token_ids and
+                   s.detokenizer.stop_prefixes is states[0].detokenizer.stop_prefixes
+                   for s in states)
+        assert states[0].eos_token_ids == {2} and [s.index for s in states] == [0, 1, 2]
+        assert states[0].detokenizer.stop_prefixes.stop == ["x", "yz"]
+        processor.process_outputs([EngineCoreOutput("1_p", [504])])
+        aborted = processor.abort_requests(["p"])
+        return ids, aborted, await collector.get(), processor
+
+    ids, aborted, out, processor = asyncio.run(scenario())
+    assert ids == ["0_p", "1_p", "2_p"] and aborted == ids
+    assert out.finished and [(c.index, c.finish_reason) for c in out.outputs] == \
+        [(0, "abort"), (1, "abort"), (2, "abort")]
+    assert not processor.has_unfinished_requests() and not processor.children
+
+
+def test_stopped_by_token_without_a_set_of_the_stop_ids(smollm2_tokenizer):
+    """EOS or a stop id ended the request (its text is left out), read from the core's
+    stop_reason, the EOS set, or, for a grammar's end, the params' list."""
+    from vllm_actors.frontend.output_processor import RequestState
+    state = RequestState(None, 0, None, 0.0, 1, eos_token_ids=frozenset({2}),
+                         stop_token_ids=[9, 11])
+    STOP = FinishReason.STOP
+    assert state.stopped_by_token(EngineCoreOutput("r", [5, 9], STOP, stop_reason=9))
+    assert state.stopped_by_token(EngineCoreOutput("r", [2], STOP))
+    assert state.stopped_by_token(EngineCoreOutput("r", [11], STOP))   # grammar end on 11
+    assert not state.stopped_by_token(EngineCoreOutput("r", [7], STOP))
+    assert not state.stopped_by_token(EngineCoreOutput("r", [9], FinishReason.LENGTH))
+    assert not state.stopped_by_token(EngineCoreOutput("r", [], STOP))
 
 
 def test_metrics_render_with_vllm_names():

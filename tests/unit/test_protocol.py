@@ -74,3 +74,39 @@ def test_errors_keep_their_type_across_processes():
     assert type(error_from_wire("ModelNotFoundError", "x.gguf: missing")) is ModelNotFoundError
     other = error_from_wire("ZeroDivisionError", "division by zero")
     assert type(other) is VllmActorsError and "ZeroDivisionError" in str(other)
+
+
+def test_n_completions_travel_as_one_encoded_copy():
+    """A request's n completions are one message: its encoded size does not grow with n,
+    and the core derives the children's ids from it."""
+    params = SamplingParams(n=1, stop_token_ids=list(range(5000)), stop=["a"] * 100,
+                            bad_words_token_ids=[[i, i + 1] for i in range(2000)])
+    sizes = {}
+    for n in (1, 2, 128):
+        message = EngineCoreRequest("r", [1, 2, 3], params, [2], 1.5, n=n)
+        frames = Encoder().encode(message)
+        sizes[n] = sum(len(f) for f in frames)
+        decoded = Decoder(FrontendMessage).decode(frames)
+        assert decoded == message and decoded.n == n
+    assert sizes[128] - sizes[1] <= 2 and sizes[1] > 10_000
+    assert EngineCoreRequest("r", [1], params, [], 0.0, n=3).child_request_ids == \
+        ["0_r", "1_r", "2_r"]
+    assert EngineCoreRequest("r", [1], params, [], 0.0).child_request_ids == ["r"]
+
+
+def test_siblings_params_travel_to_workers_once():
+    """New requests that share params in one step carry them once (`params_from`); the
+    worker side resolves them to one object."""
+    from vllm_actors.protocol.step import NewRequestData
+    params = SamplingParams(n=3, seed=4, bad_words_token_ids=[[i] for i in range(3000)])
+    first = NewRequestData("0_r", [1, 2], params, [[1]], 0, 2, [2])
+    siblings = [NewRequestData(f"{i}_r", [1, 2], SamplingParams(), [[i + 1]], 0, 2, [2],
+                               child_index=i, params_from="0_r") for i in (1, 2)]
+    one = Encoder().encode(StepInput(new_requests=[first]))
+    step = StepInput(new_requests=[first, *siblings])
+    frames = Encoder().encode(step)
+    assert len(frames[0]) - len(one[0]) < 100
+    decoded = Decoder(StepInput).decode(frames)
+    resolved = decoded.new_request_params()
+    assert resolved[0] == params and resolved[1] is resolved[0] and resolved[2] is resolved[0]
+    assert [n.child_index for n in decoded.new_requests] == [0, 1, 2]

@@ -240,3 +240,143 @@ def test_a_top_p_that_underflows_keeps_the_likeliest_token():
     tokens, _ = sample([SamplingParams(temperature=1.0, top_p=1e-300, seed=i) for i in range(4)],
                        logits)
     assert tokens.tolist() == logits.argmax(axis=1).tolist()
+
+
+# -- list-valued controls: precomputed once per request, per-step cost independent of size --
+
+def reference_masks(logits: np.ndarray, params: list[SamplingParams], token_ids: np.ndarray,
+                    num_prompt: np.ndarray, ends: np.ndarray, eos: list[int]) -> np.ndarray:
+    """allowed ids, bad words, min_tokens stop ids and logit bias written plainly, one
+    word at a time (the sampler's earlier loop, vLLM's rule): a bad word of L tokens bans its
+    last token when the previous L - 1 output tokens equal its prefix."""
+    out = logits.copy()
+    for i, p in enumerate(params):
+        if p.allowed_token_ids is not None:
+            keep = out[i, p.allowed_token_ids]
+            out[i] = -np.inf
+            out[i, p.allowed_token_ids] = keep
+        generated = token_ids[i, num_prompt[i]:ends[i]].tolist()
+        for word in p.bad_words_token_ids:
+            prefix = word[:-1]
+            if not prefix or generated[len(generated) - len(prefix):] == prefix:
+                out[i, word[-1]] = -np.inf
+        if p.min_tokens > ends[i] - num_prompt[i]:
+            stop = [*p.stop_token_ids, *([] if p.ignore_eos else eos)]
+            out[i, stop] = -np.inf
+        if p.logit_bias:
+            np.add.at(out[i], list(p.logit_bias), np.float32(list(p.logit_bias.values())))
+    return out
+
+
+def random_list_params(rng: np.random.Generator, vocab: int, alphabet: int) -> SamplingParams:
+    """Bad words over a small alphabet (so prefixes match often), lengths 1-4, repeats and
+    shared prefixes included; sometimes allowed ids, min_tokens stop ids, a bias."""
+    words = [rng.integers(0, alphabet, int(rng.integers(1, 5))).tolist()
+             for _ in range(int(rng.integers(0, 30)))]
+    kw = {}
+    if rng.random() < 0.3:
+        kw["allowed_token_ids"] = rng.integers(0, vocab, 12).tolist()
+    if rng.random() < 0.3:
+        kw.update(min_tokens=int(rng.integers(1, 6)),
+                  stop_token_ids=rng.integers(0, vocab, 3).tolist())
+    if rng.random() < 0.3:
+        kw["logit_bias"] = {int(t): float(rng.normal()) for t in rng.integers(0, vocab, 4)}
+    return SamplingParams(temperature=0.0, bad_words_token_ids=words, **kw)
+
+
+def test_list_masks_match_the_reference_on_random_cases():
+    rng = np.random.default_rng(21)
+    vocab, alphabet, rows = 24, 5, 6
+    for case in range(200):
+        params = [random_list_params(rng, vocab, alphabet) for _ in range(rows)]
+        params[1] = params[0]                  # rows that share one params object
+        num_prompt = rng.integers(1, 4, rows)
+        ends = num_prompt + rng.integers(0, 7, rows)
+        token_ids = rng.integers(0, alphabet, (rows, 12)).astype(np.int32)
+        state = SamplingState(rows)
+        for row, p in enumerate(params):
+            state.set_row(row, p, [2], child_index=row)
+        logits = rng.standard_normal((rows, vocab)).astype(np.float32)
+        got = Sampler(0).processed_logits(logits, np.arange(rows), state, token_ids,
+                                          num_prompt, ends)
+        want = reference_masks(logits, params, token_ids, num_prompt, ends, [2])
+        assert np.array_equal(got, want), case
+
+
+def count_lines(fn) -> int:
+    """Python line events while fn() runs (in every frame it calls)."""
+    import sys
+    count = 0
+
+    def tracer(frame, event, arg):
+        nonlocal count
+        if event == "line":
+            count += 1
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+    return count
+
+
+def list_controls(num_words: int, num_ids: int) -> SamplingParams:
+    """Bad words of 1-4 tokens (the same four prefix lengths whatever num_words), including
+    words that match the output [.., 7, 8, 9]; allowed ids, stop ids and a bias of num_ids."""
+    rng = np.random.default_rng(5)
+    words = [[3], [9, 4], [8, 9, 5], [7, 8, 9, 6]]
+    words += [rng.integers(10, 1000, int(rng.integers(1, 5))).tolist()
+              for _ in range(num_words)]
+    return SamplingParams(temperature=0.0, bad_words_token_ids=words, min_tokens=50,
+                          max_tokens=100,
+                          allowed_token_ids=list(range(num_ids)),
+                          stop_token_ids=list(range(1, num_ids)),
+                          logit_bias={t: 0.5 for t in range(num_ids)})
+
+
+def test_list_masks_cost_per_step_does_not_grow_with_the_lists_or_with_n():
+    """The per-step masking runs as many Python lines for 4 bad words and 10 ids as for
+    50,000 words and 1,000 ids (no loop over a list's entries), and 8 rows that share params
+    build their index once."""
+    vocab = 1000
+    token_ids = np.tile(np.arange(12, dtype=np.int32), (8, 1))   # outputs end 7, 8, 9
+    num_prompt, ends = np.full(8, 2), np.full(8, 10)
+    logits = np.zeros((8, vocab), np.float32)
+    lines = {}
+    for size, (num_words, num_ids) in {"small": (4, 10), "large": (50_000, 1000)}.items():
+        p = list_controls(num_words, num_ids)
+        state = SamplingState(8)
+        for row in range(8):
+            state.set_row(row, p, [2], child_index=row)
+        assert len({id(state.masks[row]) for row in range(8)}) == 1   # built once
+        sampler = Sampler(0)
+
+        def step(sampler=sampler, state=state):
+            return sampler.processed_logits(logits, np.arange(8), state, token_ids,
+                                            num_prompt, ends)
+
+        out = step()                                     # first use builds the vocab mask
+        assert np.isneginf(out[:, [3, 4, 5, 6]]).all()   # every matching word banned
+        lines[size] = count_lines(step)
+    print(f"per-step Python lines: {lines}")
+    assert lines["small"] == lines["large"]
+
+
+def test_children_are_seeded_seed_plus_index():
+    """Completion i of n shares its parent's params and is seeded seed + i (mod 2^64): the
+    same tokens as a request of its own with that seed."""
+    logits = np.random.default_rng(8).standard_normal((4, V)).astype(np.float32)
+    parent = SamplingParams(n=4, temperature=1.0, seed=2**64 - 2)
+    state = SamplingState(4)
+    for i in range(4):
+        state.set_row(i, parent, [2], child_index=i)
+    assert state.seed.tolist() == [2**64 - 2, 2**64 - 1, 0, 1] and state.seeded.all()
+    rows, _, token_ids, num_prompt, num_tokens = batch([parent] * 4, [[1, 1]] * 4, [1] * 4)
+    together, _, _ = Sampler(0).sample(logits, rows, state, token_ids, num_prompt, num_tokens)
+    alone = [sample([SamplingParams(temperature=1.0, seed=s)], logits[i:i + 1])[0][0]
+             for i, s in enumerate([2**64 - 2, 2**64 - 1, 0, 1])]
+    assert together.tolist() == alone
+    state.set_row(0, SamplingParams(n=4, temperature=1.0), [2], child_index=3)
+    assert not state.seeded[0]

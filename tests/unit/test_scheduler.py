@@ -1,10 +1,14 @@
 """The scheduler with exact values: budgets, chunking, preemption victims, policies, stops."""
 
-from vllm_actors.config import SchedulerConfig
+import pytest
+
+from vllm_actors.config import CacheConfig, EngineConfig, SchedulerConfig
+from vllm_actors.enginecore import core as core_module
 from vllm_actors.enginecore.kv_cache_manager import KVCacheManager
 from vllm_actors.enginecore.request import Request, RequestStatus
 from vllm_actors.enginecore.scheduler import Scheduler
-from vllm_actors.protocol.engine import EngineCoreRequest, FinishReason
+from vllm_actors.errors import ValidationError
+from vllm_actors.protocol.engine import EngineCoreRequest, EngineReady, FinishReason
 from vllm_actors.protocol.step import StepInput, StepOutput
 from vllm_actors.sampling_params import SamplingParams
 
@@ -205,3 +209,72 @@ def test_lpm_bounds_how_often_a_request_is_passed_over():
         step, _ = run_step(s)
         order += [n.req_id for n in step.new_requests]
     assert order == ["hot0", "hot1", "cold", "hot2"]
+
+
+class RecordingExecutor:
+    """Stands in for the workers: records each new request with the params it resolves
+    to, and samples token 7 for every scheduled request (prompts fit one step here)."""
+
+    def __init__(self, config, ipc_dir=None):
+        self.new = []
+        self.params = {}
+
+    def start(self):
+        return EngineReady(64, BS, 256, 1000)
+
+    def execute(self, step):
+        for new, params in zip(step.new_requests, step.new_request_params()):
+            self.new.append(new)
+            self.params[new.req_id] = params
+        req_ids = list(step.num_scheduled_tokens)
+        return StepOutput(req_ids, [[7] for _ in req_ids])
+
+    def check_health(self):
+        pass
+
+    def shutdown(self):
+        pass
+
+
+def test_n_completions_are_requests_that_share_one_params_object(monkeypatch):
+    """One message with n=4: four requests "i_r" holding the message's SamplingParams
+    itself (and one stop set, the prompt's hashes computed once); the workers get the params
+    once for the four and the child index for the seed; a child aborts alone, and the
+    parent's abort (its children's ids, from the frontend) ends them all."""
+    monkeypatch.setattr(core_module, "executor_for", RecordingExecutor)
+    config = EngineConfig(cache=CacheConfig(block_size=BS),
+                          scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64))
+    core = core_module.EngineCore(config)
+    params = SamplingParams(n=4, seed=9, max_tokens=3, ignore_eos=True, stop_token_ids=[900])
+    message = EngineCoreRequest("r", list(range(10, 19)), params, [2], 0.0, n=4)
+    core.add_request(message)
+    ids = ["0_r", "1_r", "2_r", "3_r"]
+    requests = [core.scheduler.requests[i] for i in ids]
+    assert all(r.params is params for r in requests)
+    assert all(r.stop_token_ids is requests[0].stop_token_ids for r in requests)
+    assert [r.child_index for r in requests] == [0, 1, 2, 3]
+    assert len(requests[0].block_hashes) == 2 and \
+        all(r.block_hashes == requests[0].block_hashes for r in requests)
+    outputs = core.step().outputs
+    assert [o.request_id for o in outputs] == ids and all(o.new_token_ids == [7]
+                                                           for o in outputs)
+    fake = core.executor
+    assert [n.req_id for n in fake.new] == ids
+    assert [n.params_from for n in fake.new] == ["", "0_r", "0_r", "0_r"]
+    assert [n.child_index for n in fake.new] == [0, 1, 2, 3]
+    assert all(fake.params[i] is params for i in ids)
+    core.abort_requests(["1_r"])                  # one child (a stop string matched)
+    assert set(core.scheduler.requests) == {"0_r", "2_r", "3_r"}
+    core.abort_requests(message.child_request_ids)
+    assert not core.scheduler.requests
+
+
+def test_a_message_whose_child_id_is_taken_queues_none(monkeypatch):
+    monkeypatch.setattr(core_module, "executor_for", RecordingExecutor)
+    core = core_module.EngineCore(EngineConfig(cache=CacheConfig(block_size=BS)))
+    core.add_request(EngineCoreRequest("1_s", [1, 2, 3], SamplingParams(), [], 0.0))
+    with pytest.raises(ValidationError, match="1_s"):
+        core.add_request(EngineCoreRequest("s", [1, 2, 3], SamplingParams(n=2), [], 0.0, n=2))
+    with pytest.raises(ValidationError, match="n must be"):
+        core.add_request(EngineCoreRequest("t", [1, 2, 3], SamplingParams(), [], 0.0, n=0))
+    assert set(core.scheduler.requests) == {"1_s"}

@@ -21,6 +21,7 @@ from vllm_actors.enginecore.structured_output import StructuredOutputManager
 from vllm_actors.protocol.engine import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
                                          EngineReady, FinishReason, SchedulerStats)
 from vllm_actors.protocol.step import StepInput, StepOutput
+from vllm_actors.sampling_params import MAX_N
 from vllm_actors.workers.executor import executor_for
 
 
@@ -58,21 +59,26 @@ class EngineCore:
         self.executor.shutdown()
 
     def add_request(self, req: EngineCoreRequest) -> None:
-        """Queue a request. Raises ValidationError for one the frontend should have refused
-        (a duplicate id, an empty or too long prompt, ids outside the vocabulary)."""
+        """Queue a request, or its n completions (one Request each, sharing the message's
+        params). Raises ValidationError, before queueing any, for one the frontend should
+        have refused (a duplicate id, n out of range, an empty or too long prompt, ids
+        outside the vocabulary)."""
         num_tokens = len(req.prompt_token_ids)
-        if req.request_id in self.scheduler.requests or req.request_id in self.structured.pending:
-            raise ValidationError(f"request id {req.request_id!r} is already in use")
+        if not 1 <= req.n <= MAX_N:
+            raise ValidationError(f"n must be between 1 and {MAX_N}, got {req.n}", "n")
+        for request_id in req.child_request_ids:
+            if request_id in self.scheduler.requests or request_id in self.structured.pending:
+                raise ValidationError(f"request id {request_id!r} is already in use")
         if not 0 < num_tokens < self.ready.max_model_len:
             raise ValidationError(f"the prompt has {num_tokens} tokens; it must have between 1 "
                                   f"and {self.ready.max_model_len - 1}")
         if min(req.prompt_token_ids) < 0 or max(req.prompt_token_ids) >= self.ready.vocab_size:
             raise ValidationError(f"prompt token ids must be in [0, {self.ready.vocab_size})")
-        request = Request(req, self.ready.max_model_len, self.block_size)
-        if req.sampling_params.structured_outputs is not None:
-            self.structured.submit(request)   # joins the scheduler once compiled
-        else:
-            self.scheduler.add_request(request)
+        for request in Request.children(req, self.ready.max_model_len, self.block_size):
+            if req.sampling_params.structured_outputs is not None:
+                self.structured.submit(request)   # joins the scheduler once compiled
+            else:
+                self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.structured.abort(request_ids)

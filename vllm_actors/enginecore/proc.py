@@ -28,13 +28,16 @@ from vllm_actors.errors import ValidationError, VllmActorsError
 from vllm_actors.protocol.engine import (AbortRequests, EngineCoreOutput, EngineCoreOutputs,
                                          EngineCoreRequest, EngineDead, EngineStartupError,
                                          FinishReason, FrontendMessage, Shutdown, UtilityCall,
-                                         UtilityKind, UtilityResult)
+                                         UtilityKind, UtilityResult, child_request_ids)
 from vllm_actors.protocol.wire import Decoder, Encoder, IpcAddresses, frame_buffer
+from vllm_actors.sampling_params import MAX_N
 
 logger = logging.getLogger(__name__)
 
 POLL_MS = 100          # how often the input thread looks at the parent process
 REQUEST_TAG = EngineCoreRequest.__struct_config__.tag
+# where `n` sits in an encoded EngineCoreRequest (array_like: the tag, then the fields)
+REQUEST_N_FIELD = 1 + EngineCoreRequest.__struct_fields__.index("n")
 _STOP = object()       # output-queue sentinel: flush and close
 
 
@@ -115,19 +118,26 @@ class EngineCoreProc:
                 self.stopping.set()
 
     def _add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a request; whatever goes wrong while admitting it fails it alone."""
+        """Queue a request (its n completions); whatever goes wrong while admitting it fails
+        it alone (every completion)."""
         try:
             self.core.add_request(request)
         except ValidationError as e:
-            self._fail_request(request.request_id, str(e), e.param or "prompt")
+            self._fail_request(request.request_id, request.n, str(e), e.param or "prompt")
         except Exception as e:
             logger.exception("admitting request %s failed", request.request_id)
-            self._fail_request(request.request_id, f"{type(e).__name__}: {e}", None)
+            self._fail_request(request.request_id, request.n, f"{type(e).__name__}: {e}",
+                               None)
 
-    def _fail_request(self, request_id: str, error: str, param: str | None) -> None:
-        failed = EngineCoreOutput(request_id, [], FinishReason.ERROR, error=error,
-                                  error_param=param)
-        self.output_queue.put(EngineCoreOutputs([failed]))
+    def _fail_request(self, request_id: str, n: object, error: str,
+                      param: str | None) -> None:
+        """Fail the engine requests a message stood for (only its own id when its n is
+        not a valid count: the frontend never sends such)."""
+        ids = child_request_ids(request_id, n) if isinstance(n, int) and 1 <= n <= MAX_N \
+            else [request_id]
+        self.output_queue.put(EngineCoreOutputs([
+            EngineCoreOutput(i, [], FinishReason.ERROR, error=error, error_param=param)
+            for i in ids]))
 
     def _undecodable(self, frames: list, error: Exception) -> None:
         """A message that does not decode: if it is a request, fail that request (the
@@ -140,7 +150,8 @@ class EngineCoreProc:
             return
         if isinstance(raw, list) and len(raw) > 1 and raw[0] == REQUEST_TAG and \
                 isinstance(raw[1], str):
-            self._fail_request(raw[1], f"the request could not be decoded: {error}",
+            n = raw[REQUEST_N_FIELD] if len(raw) > REQUEST_N_FIELD else 1
+            self._fail_request(raw[1], n, f"the request could not be decoded: {error}",
                                "sampling_params")
 
     def _utility(self, call: UtilityCall) -> UtilityResult:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 
 from vllm_actors.enginecore.block_hash import BlockHash, extend_block_hashes
-from vllm_actors.protocol.engine import EngineCoreRequest, FinishReason
+from vllm_actors.protocol.engine import EngineCoreRequest, FinishReason, child_request_id
 
 
 class RequestStatus(enum.IntEnum):
@@ -21,16 +21,24 @@ class Request:
     `num_computed_tokens` catches up with `num_tokens` (prompt + outputs); a step computes
     the difference, or part of it. `block_hashes` cover every full block of `all_token_ids`
     and grow as tokens are appended.
+
+    Completion `child_index` of a request with n > 1 (see EngineCoreRequest.n) shares the
+    message's params and prompt with its siblings; `sibling`, an already built one, lends
+    it the stop sets and the prompt's block hashes instead of building them again.
     """
 
-    def __init__(self, req: EngineCoreRequest, max_model_len: int, block_size: int = 16) -> None:
-        self.request_id = req.request_id
+    def __init__(self, req: EngineCoreRequest, max_model_len: int, block_size: int = 16,
+                 child_index: int = 0, sibling: Request | None = None) -> None:
+        self.request_id = child_request_id(req.request_id, child_index, req.n)
+        self.child_index = child_index
         self.params = req.sampling_params
         self.prompt_token_ids = req.prompt_token_ids
         self.all_token_ids: list[int] = list(req.prompt_token_ids)
         self.num_prompt_tokens = len(req.prompt_token_ids)
-        self.eos_token_ids = frozenset(req.eos_token_ids)
-        self.stop_token_ids = frozenset(self.params.stop_token_ids)
+        self.eos_token_ids = frozenset(req.eos_token_ids) if sibling is None else \
+            sibling.eos_token_ids
+        self.stop_token_ids = frozenset(self.params.stop_token_ids) if sibling is None else \
+            sibling.stop_token_ids
         self.arrival_time = req.arrival_time
         self.priority = req.priority
         self.max_model_len = max_model_len
@@ -56,7 +64,19 @@ class Request:
         self.spec_idle_steps = 0
         self.error: str | None = None   # why the request failed (finish_reason ERROR)
         self.error_param: str | None = None   # the request field at fault, if it was
-        extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, self.cache_salt)
+        if sibling is not None:   # built from the same prompt, before any output
+            self.block_hashes = list(sibling.block_hashes)
+        else:
+            extend_block_hashes(self.block_hashes, self.all_token_ids, block_size,
+                                self.cache_salt)
+
+    @classmethod
+    def children(cls, req: EngineCoreRequest, max_model_len: int,
+                 block_size: int = 16) -> list[Request]:
+        """The `req.n` requests a message stands for, in child order."""
+        first = cls(req, max_model_len, block_size)
+        return [first] + [cls(req, max_model_len, block_size, i, first)
+                          for i in range(1, req.n)]
 
     @property
     def num_tokens(self) -> int:

@@ -28,6 +28,10 @@ from vllm_actors.enginecore.spec_decode import DraftPolicy
 from vllm_actors.protocol.engine import (EngineCoreOutput, FinishReason, SchedulerStats,
                                          SpecDecodingStats, TokenLogprobs)
 from vllm_actors.protocol.step import CachedRequestData, NewRequestData, StepInput, StepOutput
+from vllm_actors.sampling_params import SamplingParams
+
+
+_PARAMS_ELSEWHERE = SamplingParams()   # NewRequestData.params_from names the real ones
 
 
 class Scheduler:
@@ -159,6 +163,7 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, step: StepInput, budget: int) -> None:
+        sent: dict[int, str] = {}   # id of params -> the first new request carrying them
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             # prompt logprobs need every prompt position computed: no prefix-cache reads
@@ -175,10 +180,13 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
                 request.scheduled_time = time.time()
+            first = sent.setdefault(id(request.params), request.request_id)
+            shared = first != request.request_id   # a sibling's params already travel
             step.new_requests.append(NewRequestData(
-                request.request_id, list(request.all_token_ids), request.params,
+                request.request_id, list(request.all_token_ids),
+                _PARAMS_ELSEWHERE if shared else request.params,
                 self.kv.get_block_ids(request.request_id), num_hit, request.num_prompt_tokens,
-                sorted(request.eos_token_ids)))
+                sorted(request.eos_token_ids), request.child_index, first if shared else ""))
             step.num_scheduled_tokens[request.request_id] = num_new
             request.num_tokens_sent = request.num_tokens
             request.num_computed_tokens = num_hit + num_new

@@ -237,9 +237,10 @@ class AsyncLLM(EngineWatch):
     # -- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType | ProcessedRequest,
                     params: SamplingParams, priority: int = 0) -> RequestOutputCollector:
-        """Submit a request (n > 1: n engine requests, seeds seed + i); call from the event
-        loop. `prompt` may be a ProcessedRequest (from `input_processor.process`, which the
-        server runs off the event loop): it is then sent as it is, without checking again.
+        """Submit a request (n > 1: one message for n engine requests that share its params,
+        seeds seed + i; see EngineCoreRequest.n); call from the event loop. `prompt` may be
+        a ProcessedRequest (from `input_processor.process`, which the server runs off the
+        event loop): it is then sent as it is, without checking again.
         Raises ValidationError or EngineDeadError before anything is sent."""
         self._ensure_running()
         if request_id in self.output_processor.children:
@@ -250,19 +251,14 @@ class AsyncLLM(EngineWatch):
             raise EngineDeadError("no engine core is alive (a replacement is starting)")
         engine = self.group.route(processed.request.prompt_token_ids,
                                   processed.request.cache_salt)
-        params = processed.request.sampling_params
+        request = processed.engine_request(request_id)
+        params = request.sampling_params
         collector = RequestOutputCollector(params.output_kind)
-        parent = ParentRequest(request_id, processed.prompt, processed.request.prompt_token_ids,
+        parent = ParentRequest(request_id, processed.prompt, request.prompt_token_ids,
                                params.output_kind, collector, params.n)
-        children = [processed.child(i, request_id if params.n == 1 else f"{i}_{request_id}")
-                    for i in range(params.n)]
-        for index, child in enumerate(children):
-            self.output_processor.add_request(parent, index, child, child.sampling_params,
-                                              engine)
-        self.group.assign(engine, [child.request_id for child in children])
+        self.group.assign(engine, self.output_processor.add_request(parent, request, engine))
         try:
-            for child in children:
-                self.group.send(engine, child)
+            self.group.send(engine, request)
         except BaseException:
             self.abort_requests([request_id])
             raise

@@ -60,13 +60,18 @@ class StopPrefixes:
 
 
 class IncrementalDetokenizer:
+    """`stop_prefixes`: the index of params.stop when already built (the n completions of a
+    request share one)."""
+
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int],
-                 params: SamplingParams) -> None:
+                 params: SamplingParams, stop_prefixes: StopPrefixes | None = None) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
         self.spaces_between_special_tokens = params.spaces_between_special_tokens
         self.stop = params.stop
-        self.stop_prefixes = StopPrefixes(params.stop) if params.stop else None
+        if stop_prefixes is None and params.stop:
+            stop_prefixes = StopPrefixes(params.stop)
+        self.stop_prefixes = stop_prefixes
         self.include_stop = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
         context = prompt_token_ids[-_PROMPT_CONTEXT:]

@@ -47,11 +47,11 @@ class ProcessedRequest:
     prompt: str | None
     request: EngineCoreRequest
 
-    def child(self, index: int, request_id: str) -> EngineCoreRequest:
-        """Engine request for completion `index` of n (see SamplingParams.child)."""
-        params = self.request.sampling_params
+    def engine_request(self, request_id: str) -> EngineCoreRequest:
+        """The one engine request for all n completions, under `request_id`: the core runs
+        them as `child_request_ids` sharing these params (see EngineCoreRequest.n)."""
         return msgspec.structs.replace(self.request, request_id=request_id,
-                                       sampling_params=params.child(index))
+                                       n=self.request.sampling_params.n)
 
 
 class InputProcessor:

@@ -9,19 +9,20 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import msgspec
 
 from vllm_actors.frontend.collector import RequestOutputCollector
-from vllm_actors.frontend.detokenizer import IncrementalDetokenizer
+from vllm_actors.frontend.detokenizer import IncrementalDetokenizer, StopPrefixes
 from vllm_actors.frontend.logprobs import LogprobsBuilder
 from vllm_actors.frontend.metrics import FrontendMetrics
 from vllm_actors.loaders.tokenizer import Tokenizer
 from vllm_actors.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from vllm_actors.protocol.engine import (EngineCoreOutput, EngineCoreRequest, FinishReason,
                                          TokenLogprobs)
-from vllm_actors.sampling_params import RequestOutputKind, SamplingParams
+from vllm_actors.sampling_params import RequestOutputKind
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +80,19 @@ class RequestState:
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     sent_logprobs: int = 0
-    stop_token_ids: frozenset[int] = frozenset()   # EOS (unless ignored) and stop_token_ids
+    eos_token_ids: frozenset[int] = frozenset()    # EOS, unless ignored (shared by siblings)
+    stop_token_ids: Sequence[int] = ()             # the params' own list, not copied
     engine: int = 0                # the data parallel engine core serving it
+
+    def stopped_by_token(self, out: EngineCoreOutput) -> bool:
+        """The engine stopped `out`'s request on EOS or a stop token id (a STOP on another
+        token ended a complete grammar). The core names a stop id it stopped on; only a
+        grammar's end needs the list itself (no set of it is built on the event loop)."""
+        if out.finish_reason != FinishReason.STOP or not out.new_token_ids:
+            return False
+        last = out.new_token_ids[-1]
+        return out.stop_reason is not None or last in self.eos_token_ids or \
+            last in self.stop_token_ids
 
     def record_timing(self, out: EngineCoreOutput, metrics: FrontendMetrics) -> None:
         now = time.time()
@@ -138,18 +150,25 @@ class OutputProcessor:
         self.states: dict[str, RequestState] = {}
         self.children: dict[str, list[str]] = {}   # user request id -> engine request ids
 
-    def add_request(self, parent: ParentRequest, index: int, request: EngineCoreRequest,
-                    params: SamplingParams, engine: int = 0) -> None:
-        """Track engine request `request`, completion `index` of `parent`, served by engine
-        core `engine`."""
-        detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
-        state = RequestState(parent, index, detok, request.arrival_time,
-                             len(request.prompt_token_ids), num_logprobs=params.logprobs,
-                             num_prompt_logprobs=params.prompt_logprobs or 0,
-                             stop_token_ids=frozenset(request.eos_token_ids)
-                             | frozenset(params.stop_token_ids), engine=engine)
-        self.states[request.request_id] = state
-        self.children.setdefault(parent.request_id, []).append(request.request_id)
+    def add_request(self, parent: ParentRequest, request: EngineCoreRequest,
+                    engine: int = 0) -> list[str]:
+        """Track the `request.n` completions of `parent` (`request.child_request_ids`),
+        served by engine core `engine`; returns their engine ids. What is derived from the
+        params (the EOS set, the stop-string index) is built once and shared by them."""
+        params = request.sampling_params
+        eos_token_ids = frozenset(request.eos_token_ids)
+        stop_prefixes = StopPrefixes(params.stop) if params.stop else None
+        engine_ids = request.child_request_ids
+        for index, engine_id in enumerate(engine_ids):
+            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params,
+                                           stop_prefixes)
+            self.states[engine_id] = RequestState(
+                parent, index, detok, request.arrival_time, len(request.prompt_token_ids),
+                num_logprobs=params.logprobs, num_prompt_logprobs=params.prompt_logprobs or 0,
+                eos_token_ids=eos_token_ids, stop_token_ids=params.stop_token_ids,
+                engine=engine)
+        self.children.setdefault(parent.request_id, []).extend(engine_ids)
+        return engine_ids
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.states)
@@ -196,8 +215,7 @@ class OutputProcessor:
                         prompt_positions: list[PositionLogprobs] | None) -> None:
         reason, stop_reason = out.finish_reason, out.stop_reason
         # a STOP on a token other than EOS / stop ids ended a complete grammar: keep it
-        by_token = reason == FinishReason.STOP and bool(out.new_token_ids) and \
-            out.new_token_ids[-1] in state.stop_token_ids
+        by_token = state.stopped_by_token(out)
         stop_str = state.detokenizer.update(out.new_token_ids, reason is not None, by_token)
         if stop_str is not None:
             if reason is None:

@@ -35,6 +35,12 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
         priority: smaller runs first under `--scheduling-policy priority`.
         cache_salt: mixed into the first block's hash, so prefix-cache hits happen only
             between requests that carry the same salt.
+        n: completions this one message stands for. The core runs them as n requests,
+            ids `child_request_ids` (vLLM's `f"{i}_{request_id}"` when n > 1), that share
+            this message's SamplingParams and prompt; completion i is seeded with
+            `sampling_params.child_seed(i)`. Each child is then a request of its own
+            (outputs, aborts, preemption, stop rules, metrics). The params' own `n` is not
+            read by the core.
     """
 
     request_id: str
@@ -44,6 +50,21 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
+    n: int = 1
+
+    @property
+    def child_request_ids(self) -> list[str]:
+        return child_request_ids(self.request_id, self.n)
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    """The engine request id of completion `index` of a request's n: the request's own id
+    when n == 1, else `f"{index}_{request_id}"`."""
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
+def child_request_ids(request_id: str, n: int) -> list[str]:
+    return [child_request_id(request_id, i, n) for i in range(n)]
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):

@@ -22,6 +22,12 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         num_computed_tokens: tokens whose KV is already in those blocks (prefix-cache hits).
         num_prompt_tokens: how many of token_ids are prompt (the rest are earlier outputs).
         eos_token_ids: masked with stop_token_ids until min_tokens (unless ignore_eos).
+        child_index: which of its request's n completions this is: the row is seeded with
+            `sampling_params.child_seed(child_index)`.
+        params_from: the req_id of an earlier entry of the same `StepInput.new_requests`
+            whose SamplingParams this one shares (sibling completions admitted in one step),
+            so they travel once; `sampling_params` is then `SamplingParams()`, a
+            placeholder. Read them with `StepInput.new_request_params`.
     """
 
     req_id: str
@@ -31,6 +37,8 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_computed_tokens: int
     num_prompt_tokens: int
     eos_token_ids: list[int] = []
+    child_index: int = 0
+    params_from: str = ""
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -75,6 +83,17 @@ class StepInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     @property
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
+
+    def new_request_params(self) -> list[SamplingParams]:
+        """The SamplingParams of each of new_requests, `params_from` resolved: siblings
+        get one shared object."""
+        by_id: dict[str, SamplingParams] = {}
+        params = []
+        for new in self.new_requests:
+            p = by_id[new.params_from] if new.params_from else new.sampling_params
+            by_id[new.req_id] = p
+            params.append(p)
+        return params
 
 
 class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

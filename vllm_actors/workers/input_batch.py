@@ -45,8 +45,10 @@ class InputBatch:
     def __len__(self) -> int:
         return len(self.req_id_to_row)
 
-    def add_request(self, new: NewRequestData) -> int:
-        """Give a request a row (its tokens, blocks, sampling params); returns the row."""
+    def add_request(self, new: NewRequestData, params: SamplingParams | None = None) -> int:
+        """Give a request a row (its tokens, blocks, sampling params); returns the row.
+        `params`: its SamplingParams when `new` shares a sibling's (`params_from`; see
+        StepInput.new_request_params), else new.sampling_params."""
         if not self.free_rows:
             raise RuntimeError("InputBatch is full: more running requests than max_num_seqs")
         row = self.free_rows.pop()
@@ -58,8 +60,9 @@ class InputBatch:
         self.num_computed_tokens[row] = new.num_computed_tokens
         self.num_blocks[:, row] = 0
         self.append_blocks(row, new.block_ids)
-        self.params[row] = new.sampling_params
-        self.sampling.set_row(row, new.sampling_params, new.eos_token_ids)
+        params = new.sampling_params if params is None else params
+        self.params[row] = params
+        self.sampling.set_row(row, params, new.eos_token_ids, new.child_index)
         return row
 
     def remove_request(self, req_id: str) -> None:

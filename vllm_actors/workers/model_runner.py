@@ -142,8 +142,8 @@ class ModelRunner:
             batch.remove_request(req_id)
             if self.proposer is not None:
                 self.proposer.finish(req_id)
-        for new in step.new_requests:
-            batch.add_request(new)
+        for new, params in zip(step.new_requests, step.new_request_params()):
+            batch.add_request(new, params)
         cached = step.cached_requests
         for req_id, blocks, computed in zip(cached.req_ids, cached.new_block_ids,
                                             cached.num_computed_tokens):

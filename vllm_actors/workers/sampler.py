@@ -185,23 +185,26 @@ class Sampler:
     def _apply_masks_and_bias(self, logits: np.ndarray, rows: np.ndarray, state: SamplingState,
                               token_ids: np.ndarray, num_prompt: np.ndarray,
                               ends: np.ndarray) -> None:
+        """Per row with list-valued controls, from its precomputed RequestMasks: the ids
+        always masked, the bad words' last tokens whose prefix ends the output (one lookup
+        per distinct prefix length), the min_tokens stop ids, the bias. No step loops over a
+        list's entries in Python; rows sharing params share the masks."""
+        vocab = logits.shape[1]
         for i, row in state.rows_with_extras(rows):
-            if row in state.allowed:
-                keep = logits[i, state.allowed[row]]
-                logits[i] = -np.inf
-                logits[i, state.allowed[row]] = keep
-            if row in state.bad_words:
-                out = token_ids[row, num_prompt[row]:ends[i]].tolist()
-                for word in state.bad_words[row]:
-                    prefix = word[:-1]
-                    if not prefix or out[len(out) - len(prefix):] == prefix:
-                        logits[i, word[-1]] = -np.inf
-            if row in state.min_tokens_stop_ids and \
+            masks = state.masks[row]
+            always = masks.always_banned(vocab)
+            if len(always):
+                logits[i, always] = -np.inf
+            if masks.max_prefix:
+                start = max(int(num_prompt[row]), int(ends[i]) - masks.max_prefix)
+                banned = masks.banned_after(token_ids[row, start:ends[i]].tolist())
+                if banned:
+                    logits[i, banned] = -np.inf
+            if masks.min_tokens_stop_ids is not None and \
                     ends[i] - num_prompt[row] < state.min_tokens[row]:
-                logits[i, state.min_tokens_stop_ids[row]] = -np.inf
-            if row in state.logit_bias:
-                ids, values = state.logit_bias[row]
-                np.add.at(logits[i], ids, values)
+                logits[i, masks.min_tokens_stop_ids] = -np.inf
+            if masks.bias_ids is not None:
+                logits[i, masks.bias_ids] += masks.bias_values
 
     def _apply_penalties(self, logits: np.ndarray, rows: np.ndarray, state: SamplingState,
                          token_ids: np.ndarray, num_prompt: np.ndarray,
