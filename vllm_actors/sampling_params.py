@@ -73,6 +73,9 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
             except msgspec.DecodeError as e:
                 raise ValidationError(f"the JSON schema is not valid JSON: {e}",
                                       "structured_outputs") from None
+            except RecursionError:
+                raise ValidationError("the JSON schema nests too deeply to be read",
+                                      "structured_outputs") from None
             if not isinstance(self.json, dict):
                 raise ValidationError("a JSON schema must be a JSON object",
                                       "structured_outputs")

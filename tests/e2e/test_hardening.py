@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -85,6 +86,8 @@ def test_seeds_wrap_modulo_2_64(server, auth):
     ("/v1/completions", {"prompt": "x", "top_k": "5"}, 400, "top_k", "Expected `int"),
     ("/v1/completions", {"prompt": "x", "stop": [f"s{i}" for i in range(10_000)]}, 400,
      "stop", "at most 1024 strings"),
+    ("/v1/completions", {"prompt": "x", "guided_json": "[" * 5000 + "]" * 5000}, 400,
+     "guided_json", "nests too deeply"),
 ])
 def test_former_500s_are_4xx(server, auth, greedy_before, path, body, status, param, pattern):
     r = post(server, auth, path, body)
@@ -314,3 +317,31 @@ def test_small_protocol_defects(server, auth):
     assert "Traceback" not in server.log()[log_start:], server.log()[log_start:]
     assert post(server, auth, "/v1/completions", {"prompt": "x", "max_tokens": 1}).status_code \
         == 200
+
+
+def test_heavy_requests_wait_in_their_own_lane(server, auth):
+    """Forty heavy requests at once (107 KB grammars, ~0.3 s each to check) once filled the
+    one preparation pool, and a trivial chat waited behind them. Now two are prepared at a
+    time, sixteen wait, the rest are refused 503 at once, and a light chat is answered as if
+    they were not there; every heavy one ends 200 or 503 (retryable), none is lost."""
+    grammar = "root ::= " + " | ".join(f"r{i}" for i in range(1900)) + "\n" + "\n".join(
+        f'r{i} ::= "w{i}" [a-z]+ ("-" [0-9]+)* "." [A-Z]?' for i in range(1900))
+    heavy = {"prompt": "x", "max_tokens": 1, "guided_grammar": grammar}
+    light = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+
+    def timed(body, path="/v1/chat/completions"):
+        start = time.monotonic()
+        r = post(server, auth, path, body)
+        return r, time.monotonic() - start
+
+    alone = min(timed(light)[1] for _ in range(3))
+    with ThreadPoolExecutor(40) as pool, health_probe(server) as slowest:
+        futures = [pool.submit(post, server, auth, "/v1/completions", heavy)
+                   for _ in range(40)]
+        time.sleep(0.3)
+        r, during = timed(light)
+        statuses = [f.result().status_code for f in futures]
+    assert r.status_code == 200, r.text
+    assert during < 3 * alone + 0.5, f"light chat {during:.2f}s with heavy ones, {alone:.2f}s alone"
+    assert set(statuses) == {200, 503}, statuses
+    assert slowest[0] < 0.5, f"/health took {slowest[0]:.2f}s"
