@@ -108,11 +108,12 @@ def check_grammar(params: StructuredOutputsParams) -> str:
     return run(_checked_grammar, params)
 
 
-def compile_matcher(tokenizer: llguidance.LLTokenizer,
-                    params: StructuredOutputsParams) -> llguidance.LLMatcher:
-    """The token matcher for `params` over `tokenizer`. Raises ValidationError as
-    `check_grammar` does, or with the matcher's own error."""
-    return run(_compile_matcher, tokenizer, params)
+def compile_matcher(tokenizer: llguidance.LLTokenizer, params: StructuredOutputsParams,
+                    grammar: str | None = None) -> llguidance.LLMatcher:
+    """The token matcher for `params` over `tokenizer`, compiled from `grammar` when given
+    (what `check_grammar` returned for them). Raises ValidationError as `check_grammar`
+    does, or with the matcher's own error."""
+    return run(_compile_matcher, tokenizer, params, grammar)
 
 
 def _grammar_for(params: StructuredOutputsParams) -> str:
@@ -171,9 +172,11 @@ def _checked_grammar(params: StructuredOutputsParams) -> str:
     return grammar
 
 
-def _compile_matcher(tokenizer: llguidance.LLTokenizer,
-                     params: StructuredOutputsParams) -> llguidance.LLMatcher:
-    matcher = llguidance.LLMatcher(tokenizer, _grammar_for(params), log_level=0)
+def _compile_matcher(tokenizer: llguidance.LLTokenizer, params: StructuredOutputsParams,
+                     grammar: str | None) -> llguidance.LLMatcher:
+    if grammar is None:
+        grammar = _grammar_for(params)
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
     if matcher.is_error():
         raise ValidationError(f"invalid {params.kinds()[0]}: {matcher.get_error()}",
                               "structured_outputs")

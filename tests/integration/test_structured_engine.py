@@ -96,7 +96,7 @@ def test_a_grammar_the_core_refuses_fails_that_request_as_its_own_fault(smollm2_
     from vllm_actors.frontend.openai_schema import APIError
     from vllm_actors.frontend.serving import raise_if_failed
 
-    def refuse(self, params):
+    def refuse(self, params, grammar):
         raise ValidationError("invalid regex: beyond the grammar library's limits",
                               "structured_outputs")
 

@@ -232,6 +232,38 @@ def test_llguidance_runs_on_the_big_stack():
     assert runner.returncode == 0 and runner.stdout.strip() == "ok ''", runner
 
 
+def test_the_core_compiles_the_frontends_grammar_once_for_n_completions(monkeypatch):
+    """The frontend's checked grammar travels in the request, so the core does not convert
+    it again (a 100 KB GBNF costs ~0.3 s of Python); the n completions of one request
+    share one compile and each gets its own copy of the matcher."""
+    from vllm_actors.enginecore.request import Request
+    from vllm_actors.enginecore.structured_output import StructuredOutputManager
+    from vllm_actors.protocol.engine import EngineCoreRequest
+    from vllm_actors.sampling_params import SamplingParams
+
+    class Matcher:
+        def deep_copy(self):
+            return Matcher()
+
+    compiled = []
+    monkeypatch.setattr(StructuredOutputManager, "_compile",
+                        lambda self, params, grammar: compiled.append(grammar) or Matcher())
+    params = SamplingParams(n=3, structured_outputs=StructuredOutputsParams(regex="a+"))
+    spec = check_grammar(params.structured_outputs)
+    manager = StructuredOutputManager(None, 1000)
+    for request in Request.children(EngineCoreRequest("r", [1, 2], params, [], 0.0, n=3,
+                                                      grammar=spec), 64):
+        manager.submit(request)
+    matchers = []
+    while manager.has_pending():
+        manager.wait(5)
+        ready, failed = manager.take_ready()
+        assert not failed
+        matchers += [request.grammar for request in ready]
+    assert compiled == [spec]
+    assert len({id(m) for m in matchers}) == 3 and all(isinstance(m, Matcher) for m in matchers)
+
+
 def _costs_at_the_limits() -> None:
     """Prints the time of the frontend's check and the core's compile (SmolLM2's tokenizer)
     for grammars at the limits, and of the big-stack hop (docs/BENCHMARKS.md)."""

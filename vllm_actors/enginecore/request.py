@@ -58,6 +58,7 @@ class Request:
         self.cache_salt = req.cache_salt
         self.block_hashes: list[BlockHash] = []
         self.grammar = None   # an llguidance matcher, for structured outputs
+        self.grammar_spec = req.grammar   # what it is compiled from (None: from the params)
         self.spec_token_ids: list[int] = []   # drafts to verify next (speculative decoding)
         # decayed (accepted, rejected) drafts and steps without drafts (spec_decode.py)
         self.spec_evidence = (2.0, 1.0)

@@ -47,19 +47,26 @@ class StructuredOutputManager:
         self.executor: llguidance.LLExecutor | None = None
 
     def submit(self, request: Request) -> None:
-        """Start compiling the request's grammar; it is held until `take_ready`."""
+        """Start compiling the request's grammar; it is held until `take_ready`. The n
+        completions of one request (one params object) share one compile, each taking a
+        copy of the matcher."""
         params = request.params.structured_outputs
         assert params is not None
-        self.pending[request.request_id] = (request, self.pool.submit(self._compile, params))
+        future = next((f for r, f in self.pending.values() if r.params is request.params),
+                      None)
+        if future is None:
+            future = self.pool.submit(self._compile, params, request.grammar_spec)
+        self.pending[request.request_id] = (request, future)
 
-    def _compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
+    def _compile(self, params: StructuredOutputsParams, grammar: str | None
+                 ) -> llguidance.LLMatcher:
         if self.tokenizer is None:
             tok = load_tokenizer(resolve_model(self.model))
             self.tokenizer = llguidance.LLTokenizer(
                 tok.backend.to_str(), n_vocab=max(self.vocab_size, tok.vocab_size),
                 eos_token=list(tok.eos_token_ids) or None)
         # the frontend validated the grammar; the matcher reports whatever it still refuses
-        return compile_matcher(self.tokenizer, params)
+        return compile_matcher(self.tokenizer, params, grammar)
 
     def has_pending(self) -> bool:
         return bool(self.pending)
@@ -70,13 +77,16 @@ class StructuredOutputManager:
 
     def take_ready(self) -> tuple[list[Request], list[tuple[Request, str]]]:
         """(requests whose matcher is ready, (request, error) for failed grammars)."""
-        ready, failed = [], []
+        ready, failed, taken = [], [], set()
         for req_id, (request, future) in list(self.pending.items()):
             if not future.done():
                 continue
             del self.pending[req_id]
             try:
-                request.grammar = future.result()
+                shared = any(f is future for _, f in self.pending.values()) or \
+                    future in taken
+                request.grammar = future.result().deep_copy() if shared else future.result()
+                taken.add(future)
                 ready.append(request)
             except Exception as e:   # any compile failure is this request's alone
                 failed.append((request, str(e) if isinstance(e, ValidationError)
@@ -87,7 +97,9 @@ class StructuredOutputManager:
         """Forget pending requests; returns the ids that were pending."""
         found = [r for r in request_ids if r in self.pending]
         for req_id in found:
-            self.pending.pop(req_id)[1].cancel()
+            future = self.pending.pop(req_id)[1]
+            if all(f is not future for _, f in self.pending.values()):   # no sibling waits
+                future.cancel()
         return found
 
     def bitmask(self, requests: list[Request], drafts: list[list[int]] | None = None) -> bytes:

@@ -186,10 +186,10 @@ class InputProcessor:
         if bad:
             raise ValidationError(f"token id {bad[0]} is out of range for a vocabulary of "
                                   f"{self.vocab_size}", "prompt_token_ids")
-        params = self._check_params(params)
+        params, grammar = self._check_params(params)
         eos = [] if params.ignore_eos else list(self.tokenizer.eos_token_ids)
         request = EngineCoreRequest(request_id, token_ids, params, eos, time.time(), priority,
-                                    salt)
+                                    salt, grammar=grammar)
         return ProcessedRequest(text, request)
 
     def _check_priority(self, priority: int) -> None:
@@ -202,10 +202,10 @@ class InputProcessor:
                                   f"(this engine schedules {self.scheduling_policy})",
                                   "priority")
 
-    def _check_params(self, params: SamplingParams) -> SamplingParams:
-        """Token ids within the vocabulary, logprobs within --max-logprobs, a grammar
-        llguidance accepts, bad words tokenized (as written and with a leading space, as
-        vLLM does)."""
+    def _check_params(self, params: SamplingParams) -> tuple[SamplingParams, str | None]:
+        """(params, their checked grammar): token ids within the vocabulary, logprobs
+        within --max-logprobs, a grammar llguidance accepts, bad words tokenized (as
+        written and with a leading space, as vLLM does)."""
         for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
             ids = getattr(params, name) or ()
             if len(ids) > self.vocab_size:
@@ -220,15 +220,16 @@ class InputProcessor:
             if value is not None and value > self.max_logprobs:
                 raise ValidationError(f"{name}={value} is more than the server allows "
                                       f"(--max-logprobs {self.max_logprobs})", name)
+        grammar = None
         if params.structured_outputs is not None:
-            check_grammar(params.structured_outputs)
+            grammar = check_grammar(params.structured_outputs)
         if params.bad_words and not params.bad_words_token_ids:
             variants = [v for word in params.bad_words for v in (word, " " + word.lstrip())]
             words = dict.fromkeys(tuple(ids) for ids in self.tokenizer.encode_pieces(variants)
                                   if ids)   # ordered and without repeats
             params = msgspec.structs.replace(params,
                                              bad_words_token_ids=[list(w) for w in words])
-        return params
+        return params, grammar
 
 
 def _cache_salt(prompt: PromptType) -> str | None:

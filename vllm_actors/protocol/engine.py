@@ -41,6 +41,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
             `sampling_params.child_seed(i)`. Each child is then a request of its own
             (outputs, aborts, preemption, stop rules, metrics). The params' own `n` is not
             read by the core.
+        grammar: the llguidance grammar the frontend built from
+            `sampling_params.structured_outputs` and checked; the core compiles it as it is
+            (None: the core builds it), so a large grammar is converted once, off the core.
     """
 
     request_id: str
@@ -51,6 +54,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     priority: int = 0
     cache_salt: str | None = None
     n: int = 1
+    grammar: str | None = None
 
     @property
     def child_request_ids(self) -> list[str]:
