@@ -191,12 +191,30 @@ def test_long_stop_strings_do_not_stall(server, auth):
 
 
 def test_many_bad_words_do_not_stall(server, auth):
-    words = [f"w{i}zz" for i in range(10_000)]
-    start = time.monotonic()
-    r = post(server, auth, "/v1/completions", {"prompt": "Hi", "max_tokens": 2,
-                                               "bad_words": words})
-    assert r.status_code == 200, r.text
-    print(f"10,000 bad_words: {time.monotonic() - start:.2f}s")
+    """10,000 bad words (the most allowed) at n=8 are tokenized once and masked with one
+    lookup per row and step: a plain request beside them is about as fast as beside the same
+    request without them, and /health keeps answering. The bound (2x + 1 s) leaves room
+    for a shared 2-core machine; the per-step cost itself is counted, not timed, in
+    tests/unit/test_sampler.py, and measured in docs/BENCHMARKS.md."""
+    other = {"prompt": "Hi", "max_tokens": 24, "n": 8, "ignore_eos": True, "seed": 1}
+    plain = {"prompt": "The capital of France is", "max_tokens": 24, "ignore_eos": True,
+             "temperature": 0}
+
+    def beside(extra):
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(post, server, auth, "/v1/completions", {**other, **extra})
+            time.sleep(0.3)
+            start = time.monotonic()
+            r = post(server, auth, "/v1/completions", plain)
+            took = time.monotonic() - start
+            assert r.status_code == 200 and running.result().status_code == 200
+        return took
+
+    control = beside({})
+    with health_probe(server) as slowest:
+        loaded = beside({"bad_words": [f"w{i}zz" for i in range(10_000)]})
+    assert loaded < 2 * control + 1.0, f"{loaded:.2f}s beside bad words, {control:.2f}s without"
+    assert slowest[0] < 0.5, f"/health took {slowest[0]:.2f}s"
 
 
 @contextlib.contextmanager
@@ -321,27 +339,38 @@ def test_small_protocol_defects(server, auth):
 
 def test_heavy_requests_wait_in_their_own_lane(server, auth):
     """Forty heavy requests at once (107 KB grammars, ~0.3 s each to check) once filled the
-    one preparation pool, and a trivial chat waited behind them. Now two are prepared at a
-    time, sixteen wait, the rest are refused 503 at once, and a light chat is answered as if
-    they were not there; every heavy one ends 200 or 503 (retryable), none is lost."""
+    one preparation pool, and a trivial request waited behind them. Now two are prepared at
+    a time, sixteen wait, the rest are refused 503 at once, and a light request's
+    preparation starts at once: /tokenize (all preparation, no engine) answers as if they
+    were not there, and a light chat is served. (Its engine steps do slow down while the
+    heavy ones burn a core: docs/BENCHMARKS.md, "Shared cores".) Every heavy one ends 200
+    or 503 (retryable); none is lost."""
     grammar = "root ::= " + " | ".join(f"r{i}" for i in range(1900)) + "\n" + "\n".join(
         f'r{i} ::= "w{i}" [a-z]+ ("-" [0-9]+)* "." [A-Z]?' for i in range(1900))
-    heavy = {"prompt": "x", "max_tokens": 1, "guided_grammar": grammar}
-    light = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    heavy = json.dumps({"prompt": "x", "max_tokens": 1, "guided_grammar": grammar}).encode()
+    light = {"prompt": "Hello there"}
 
-    def timed(body, path="/v1/chat/completions"):
+    def send_heavy():   # encoded once: forty client threads encoding 107 KB each would
+        # hold this process's GIL and delay the light request's client, not the server
+        return httpx.post(server.url + "/v1/completions", content=heavy, timeout=120,
+                          headers={**auth, "Content-Type": "application/json"})
+
+    def timed(path, body):
         start = time.monotonic()
-        r = post(server, auth, path, body)
-        return r, time.monotonic() - start
+        assert post(server, auth, path, body).status_code == 200
+        return time.monotonic() - start
 
-    alone = min(timed(light)[1] for _ in range(3))
+    alone = min(timed("/tokenize", light) for _ in range(3))
     with ThreadPoolExecutor(40) as pool, health_probe(server) as slowest:
-        futures = [pool.submit(post, server, auth, "/v1/completions", heavy)
-                   for _ in range(40)]
-        time.sleep(0.3)
-        r, during = timed(light)
+        futures = [pool.submit(send_heavy) for _ in range(40)]
+        time.sleep(0.5)   # all forty have arrived; the heavy lane is busy for seconds more
+        during = []
+        for _ in range(3):
+            during.append(timed("/tokenize", light))
+            time.sleep(0.2)
+        timed("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                       "max_tokens": 1})
         statuses = [f.result().status_code for f in futures]
-    assert r.status_code == 200, r.text
-    assert during < 3 * alone + 0.5, f"light chat {during:.2f}s with heavy ones, {alone:.2f}s alone"
+    assert max(during) < alone + 0.5, f"/tokenize {during} with heavy ones, {alone:.2f}s alone"
     assert set(statuses) == {200, 503}, statuses
     assert slowest[0] < 0.5, f"/health took {slowest[0]:.2f}s"
