@@ -104,7 +104,7 @@ _trim_lock = threading.Lock()
 
 def _then_trim(fn: Callable[[], T]) -> T:
     """fn(), then glibc's malloc_trim: a large request's freed buffers otherwise stay in the
-    process for good (measured: 780 MB kept after a 10 MB prompt, 94 MB after the trim)."""
+    process for good (docs/BENCHMARKS.md, "Request bounds in the frontend")."""
     try:
         return fn()
     finally:
