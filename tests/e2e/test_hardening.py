@@ -292,7 +292,12 @@ def test_large_inputs_are_refused_cheaply(server, auth, greedy_before):
     """Every size is bounded where it enters, quickly, while /health keeps answering, and
     the log line of a request never carries its lists."""
     log_start = len(server.log())
-    with health_probe(server) as slowest:
+    cap = 8192 * 81 * 4 - 100   # just under the character cap (max_model_len x 81 x 4)
+    near_cap = json.dumps({"prompt": ("The quick brown fox. " * 110_000)[:cap]}).encode()
+    with health_probe(server) as slowest, ThreadPoolExecutor(8) as pool:
+        crowd = [pool.submit(httpx.post, server.url + "/v1/completions", content=near_cap,
+                             headers={**auth, "Content-Type": "application/json"},
+                             timeout=120) for _ in range(8)]
         big = post(server, auth, "/tokenize", {"prompt": "hello world " * 800_000})
         long_ids = post(server, auth, "/detokenize", {"tokens": [1] * 40_000})
         many = post(server, auth, "/v1/completions",
@@ -301,6 +306,8 @@ def test_large_inputs_are_refused_cheaply(server, auth, greedy_before):
                                                      "stop_token_ids": list(range(40_000))})
         words = post(server, auth, "/v1/completions",
                      {"prompt": "x", "max_tokens": 1, "bad_words": ["w"] * 10_001})
+    for r in (f.result() for f in crowd):   # refused after counting a piece or two
+        assert r.status_code == 400 and "more than 8191 tokens" in r.json()["error"]["message"]
     assert big.status_code == 400 and "characters" in big.json()["error"]["message"]
     assert long_ids.status_code == 400 and long_ids.json()["error"]["param"] == "tokens"
     assert many.status_code == 400 and "n x stop" in many.json()["error"]["message"]
