@@ -1,7 +1,7 @@
 """What a prompt far over the context costs the frontend: the time to refuse it when it is
 counted in pieces (InputProcessor.encode) against tokenizing all of it, and the resident
 memory a large request leaves behind with and without returning freed memory to the system
-(serving.release_free_memory, glibc's malloc_trim).
+(preparation.release_free_memory, glibc's malloc_trim).
 
     python bench/prompt_limits.py [--runs 3]
 
@@ -23,7 +23,7 @@ import msgspec
 from vllm_actors import get_tokenizer
 from vllm_actors.errors import ValidationError
 from vllm_actors.frontend.input_processor import InputProcessor
-from vllm_actors.frontend.serving import release_free_memory
+from vllm_actors.frontend.preparation import release_free_memory
 from vllm_actors.loaders.model_files import default_model_path
 from vllm_actors.protocol.engine import EngineReady
 

@@ -24,7 +24,7 @@ from vllm_actors.frontend.api_server import APIKeyMiddleware
 from vllm_actors.frontend.input_processor import InputProcessor
 from vllm_actors.frontend.openai_schema import APIError
 from vllm_actors.frontend.responses_schema import ResponsesRequest, refuse_unsupported
-from vllm_actors.frontend.serving import PrepareLane, is_heavy
+from vllm_actors.frontend.preparation import PrepareLane, is_heavy
 from vllm_actors.frontend.serving_responses import ResponseStore, StoredResponse
 from vllm_actors.protocol.engine import EngineReady
 
