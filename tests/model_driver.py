@@ -9,10 +9,11 @@ from vllm_actors.kernels.ops import AttentionMetadata
 
 
 def prompt_logits(model, backend, token_ids: list[int], chunks: list[int] | None = None,
-                  block_size: int = 16, kv_format=None) -> np.ndarray:
-    """Logits [len(token_ids), V] (None on tensor-parallel ranks other than 0). `chunks` are
-    step sizes (default: the whole prompt at once); `kv_format`: the cache's (kv_quant).
-    Blocks are handed out in a scrambled order so a wrong block-table lookup shows."""
+                  block_size: int = 16, kv_format=None, first_row: int = 0) -> np.ndarray:
+    """Logits [len(token_ids) - first_row, V] of the positions from `first_row` on (None on
+    tensor-parallel ranks other than 0). `chunks` are step sizes (default: the whole prompt at
+    once); `kv_format`: the cache's (kv_quant). Blocks are handed out in a scrambled order so a
+    wrong block-table lookup shows."""
     args = getattr(model, "local_args", model.args)   # a tensor-parallel shard's own heads
     num_blocks = -(-len(token_ids) // block_size)
     kv = backend.allocate_kv_cache(args.num_layers, num_blocks + 1, block_size,
@@ -29,7 +30,8 @@ def prompt_logits(model, backend, token_ids: list[int], chunks: list[int] | None
                                               * block_size + pos % block_size),
             block_size=block_size)
         hidden = model.forward(np.asarray(token_ids[start:start + n]), pos, meta, kv)
-        rows.append(model.compute_logits(hidden, np.arange(n)))
+        if start + n > first_row:
+            rows.append(model.compute_logits(hidden, np.arange(max(first_row - start, 0), n)))
         start += n
     return None if rows[0] is None else np.concatenate(rows)   # None: tensor-parallel rank > 0
 
