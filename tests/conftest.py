@@ -79,6 +79,34 @@ def mixed_prompts(smollm2_tokenizer):
 
 
 @pytest.fixture(scope="session")
+def mixed_reference(smollm2_path, mixed_prompts):
+    """Greedy tokens (24 a prompt) of the 48 mixed prompts, all added at once to an in-process
+    engine core on the default flags and stepped to the end: computed once, the reference that
+    batching, the process split, data, tensor and pipeline parallelism, the device backends
+    and speculative decoding compare against (each takes its prompts' first tokens)."""
+    from parity import MixedReference
+
+    from vllm_actors import EngineArgs, SamplingParams
+    from vllm_actors.enginecore.core import EngineCore
+    from vllm_actors.protocol.engine import EngineCoreRequest
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    core = EngineCore(EngineArgs(model=str(smollm2_path)).create_engine_config())
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(mixed_prompts))}
+    preemptions = 0
+    try:
+        for i, p in enumerate(mixed_prompts):
+            core.add_request(EngineCoreRequest(str(i), p["prompt_token_ids"], params, [2], 0.0))
+        while core.has_unfinished_requests():
+            for out in core.step().outputs:
+                tokens[out.request_id] += out.new_token_ids
+            preemptions += core.scheduler.num_preemptions
+    finally:
+        core.shutdown()
+    return MixedReference(mixed_prompts, [tokens[str(i)] for i in range(len(mixed_prompts))],
+                          preemptions)
+
+
+@pytest.fixture(scope="session")
 def server(smollm2_path):
     """A real `vllm-actors serve` on the default model, with an API key, auto tool choice
     (hermes) and the qwen3 reasoning parser (which splits only outputs that open <think>,

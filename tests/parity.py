@@ -13,6 +13,21 @@ NEAR_TIE = 1e-4
 GREEDY_12 = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
+class MixedReference:
+    """The shared greedy reference of the mixed prompts (conftest's `mixed_reference`)."""
+
+    def __init__(self, prompts: list[dict], tokens: list[list[int]], num_preemptions: int):
+        self.tokens = tokens
+        self.num_preemptions = num_preemptions
+        self._by_prompt = {tuple(p["prompt_token_ids"]): t for p, t in zip(prompts, tokens,
+                                                                           strict=True)}
+
+    def of(self, prompts: list[dict], max_tokens: int) -> list[list[int]]:
+        """The first `max_tokens` reference tokens of each of `prompts` (mixed prompts)."""
+        assert all(len(t) >= max_tokens for t in self.tokens)
+        return [self._by_prompt[tuple(p["prompt_token_ids"])][:max_tokens] for p in prompts]
+
+
 def assert_same_or_near_tie(smollm2_model, prompts: list[dict], reference: list[list[int]],
                             outputs: list[list[int]]) -> None:
     model, backend = smollm2_model

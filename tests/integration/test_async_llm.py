@@ -8,9 +8,6 @@ from msgspec.structs import replace
 from parity import GREEDY_12, assert_same_or_near_tie
 
 from vllm_actors import AsyncLLM, RequestOutputKind, SamplingParams
-from vllm_actors.config import EngineArgs
-from vllm_actors.enginecore.core import EngineCore
-from vllm_actors.protocol.engine import EngineCoreRequest
 
 K = RequestOutputKind
 
@@ -175,8 +172,10 @@ def test_bad_request_fails_alone(engine, loop):
     loop.run_until_complete(engine.check_health())
 
 
-def test_same_tokens_as_the_in_process_loop(engine, loop, smollm2_path, smollm2_model,
-                                            mixed_prompts):
+def test_same_tokens_as_the_in_process_loop(engine, loop, smollm2_model, mixed_prompts,
+                                            mixed_reference):
+    """The 48 mixed prompts at once through AsyncLLM (the core in its own process) give the
+    tokens of the in-process engine loop (conftest's `mixed_reference`)."""
     async def through_async_llm():
         params = replace(GREEDY_12, output_kind=K.FINAL_ONLY)
         results = await asyncio.gather(*(collect(engine, p, params, f"parity-{i}")
@@ -184,12 +183,5 @@ def test_same_tokens_as_the_in_process_loop(engine, loop, smollm2_path, smollm2_
         return [r[-1].outputs[0].token_ids for r in results]
 
     async_tokens = loop.run_until_complete(through_async_llm())
-    core = EngineCore(EngineArgs(model=str(smollm2_path)).create_engine_config())
-    for i, p in enumerate(mixed_prompts):
-        core.add_request(EngineCoreRequest(str(i), p["prompt_token_ids"], GREEDY_12, [2], 0.0))
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(mixed_prompts))}
-    while core.has_unfinished_requests():
-        for out in core.step().outputs:
-            tokens[out.request_id] += out.new_token_ids
-    in_process = [tokens[str(i)] for i in range(len(mixed_prompts))]
+    in_process = mixed_reference.of(mixed_prompts, GREEDY_12.max_tokens)
     assert_same_or_near_tie(smollm2_model, mixed_prompts, in_process, async_tokens)

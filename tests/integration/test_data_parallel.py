@@ -27,10 +27,10 @@ def finished_per_engine(llm: LLM) -> dict[str, float]:
     return counts
 
 
-def test_dp2_greedy_tokens_equal_dp1(smollm2_llm, smollm2_model, dp2_llm, mixed_prompts):
+def test_dp2_greedy_tokens_equal_dp1(mixed_reference, smollm2_model, dp2_llm, mixed_prompts):
     prompts = mixed_prompts[::4]
     before = finished_per_engine(dp2_llm)
-    reference = [o.outputs[0].token_ids for o in smollm2_llm.generate(prompts, GREEDY_12)]
+    reference = mixed_reference.of(prompts, GREEDY_12.max_tokens)   # one core, conftest
     outputs = [o.outputs[0].token_ids for o in dp2_llm.generate(prompts, GREEDY_12)]
     assert_same_or_near_tie(smollm2_model, prompts, reference, outputs)
     after = finished_per_engine(dp2_llm)

@@ -35,9 +35,9 @@ def test_each_stage_holds_its_layers(pp2_llm, smollm2_llm):
     assert per_block == [whole_per_block // 2] * 2
 
 
-def test_pp2_greedy_tokens_equal_pp1(smollm2_llm, smollm2_model, pp2_llm, mixed_prompts):
+def test_pp2_greedy_tokens_equal_pp1(mixed_reference, smollm2_model, pp2_llm, mixed_prompts):
     prompts = mixed_prompts[::4]       # 12 prompts of 8..600 tokens
-    reference = [o.outputs[0].token_ids for o in smollm2_llm.generate(prompts, GREEDY_12)]
+    reference = mixed_reference.of(prompts, GREEDY_12.max_tokens)   # one process, conftest
     outputs = [o.outputs[0].token_ids for o in pp2_llm.generate(prompts, GREEDY_12)]
     assert_same_or_near_tie(smollm2_model, prompts, reference, outputs)
 
@@ -69,12 +69,12 @@ def test_pp2_prompt_logprobs_and_structured_outputs(smollm2_llm, pp2_llm):
         <= LOGPROB_TOLERANCE
 
 
-def test_tp3_pp2_greedy_tokens_equal_single(smollm2_path, smollm2_llm, smollm2_model,
+def test_tp3_pp2_greedy_tokens_equal_single(smollm2_path, mixed_reference, smollm2_model,
                                             mixed_prompts):
     """Six worker processes: 2 stages x 3 tensor-parallel ranks (SmolLM2's 9 heads and 3 KV
     heads split in 3), each stage's ranks with their own communicator."""
     prompts = mixed_prompts[1:25:4]
-    reference = [o.outputs[0].token_ids for o in smollm2_llm.generate(prompts, GREEDY_12)]
+    reference = mixed_reference.of(prompts, GREEDY_12.max_tokens)
     with LLM(str(smollm2_path), pipeline_parallel_size=2, tensor_parallel_size=3) as llm:
         ranks = [(r["pipeline_stage"], r["rank"], r["layers"])
                  for r in llm.collective_rpc("describe")]

@@ -89,12 +89,14 @@ def test_greedy_tokens_match_transformers(method, smollm2_path, ngram_llm, draft
 
 def test_batch_of_32_with_preemption_equals_no_speculation(smollm2_path, smollm2_llm,
                                                            smollm2_model, smollm2_tokenizer,
-                                                           mixed_prompts):
-    prompts = [{"prompt_token_ids": smollm2_tokenizer.encode(p)} for p in QUOTING] + \
-        mixed_prompts[:28]
+                                                           mixed_prompts, mixed_reference):
+    quoting = [{"prompt_token_ids": smollm2_tokenizer.encode(p)} for p in QUOTING]
+    prompts = quoting + mixed_prompts[:28]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    reference = [o.outputs[0].token_ids for o in smollm2_llm.generate(prompts, params,
-                                                                      use_tqdm=False)]
+    # without speculation: the quoting prompts here, the mixed ones from conftest's reference
+    reference = [o.outputs[0].token_ids for o in smollm2_llm.generate(quoting, params,
+                                                                      use_tqdm=False)] + \
+        mixed_reference.of(mixed_prompts[:28], params.max_tokens)
     with LLM(str(smollm2_path), speculative_config=SUFFIX, max_num_seqs=8, max_model_len=1024,
              num_gpu_blocks_override=80, max_num_batched_tokens=512) as llm:
         outputs = llm.generate(prompts, params, use_tqdm=False)

@@ -32,8 +32,8 @@ def tp3_llm(smollm2_path):
         yield llm
 
 
-def test_tp3_greedy_tokens_equal_tp1(smollm2_llm, smollm2_model, tp3_llm, prompts):
-    reference = [o.outputs[0].token_ids for o in smollm2_llm.generate(prompts, GREEDY_12)]
+def test_tp3_greedy_tokens_equal_tp1(mixed_reference, smollm2_model, tp3_llm, prompts):
+    reference = mixed_reference.of(prompts, GREEDY_12.max_tokens)   # TP=1, conftest
     outputs = [o.outputs[0].token_ids for o in tp3_llm.generate(prompts, GREEDY_12)]
     assert_same_or_near_tie(smollm2_model, prompts, reference, outputs)
 
