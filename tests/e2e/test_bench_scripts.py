@@ -134,6 +134,15 @@ def test_kv_accuracy_bench_reports_every_dtype(tmp_path):
     assert "| turboquant_2.5 |" in done.stdout
 
 
+def test_gguf_header_bench_reports_its_row():
+    """The GGUF open timing (bench/gguf_header.py) on the default model: the file's 272
+    tensors and one row of times."""
+    done = run_bench(str(BENCH / "gguf_header.py"), "--runs", "2")
+    assert ": 272 tensors," in done.stdout
+    rows = [line.split("|") for line in done.stdout.splitlines() if line.startswith("| 2 |")]
+    assert len(rows) == 1 and all(float(v) > 0 for v in rows[0][2:5])
+
+
 def test_kv_speed_bench_reports_every_dtype(tmp_path):
     """The KV dtype decode bench at a tiny size: a row per dtype with its real bytes."""
     out = tmp_path / "speed.json"

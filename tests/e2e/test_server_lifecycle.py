@@ -77,10 +77,21 @@ def test_engine_death_fails_streams_and_exits_1(smollm2_path):
         "exits in" in errors[0], server.log()
 
 
-def test_dropped_stream_leaves_nothing_and_sigterm_is_quick(smollm2_path):
-    """A client that drops its stream (the chat page's Stop button) is gone from the
-    in-flight set at once: SIGTERM then exits in under 2 s instead of draining for it."""
-    server = ServerProcess(str(smollm2_path))
+def test_hostile_template_then_a_dropped_stream_and_a_quick_sigterm(smollm2_path):
+    """One server (trusting request templates) for two checks, the second ending it:
+    - a trusted request template that loops for 10 s renders off the event loop: /health
+      keeps answering within 200 ms, then the request gets a 400 from the render limit;
+    - a client that drops its stream (the chat page's Stop button) is gone from the
+      in-flight set at once: SIGTERM then exits in under 2 s instead of draining for it."""
+    server = ServerProcess(str(smollm2_path), "--trust-request-chat-template")
+    try:
+        hostile_template_renders_off_the_loop(server)
+        dropped_stream_leaves_nothing_and_sigterm_is_quick(server)
+    finally:
+        assert server.stop() == 0
+
+
+def dropped_stream_leaves_nothing_and_sigterm_is_quick(server: ServerProcess) -> None:
     with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
                       json={**LONG, "max_tokens": 3000}) as r:
         lines = r.iter_lines()
@@ -96,40 +107,34 @@ def test_dropped_stream_leaves_nothing_and_sigterm_is_quick(smollm2_path):
     assert "draining: 0 request(s)" in server.log()
 
 
-def test_health_answers_while_a_hostile_template_renders(smollm2_path):
-    """A trusted request template that loops for 10 s renders off the event loop: /health
-    keeps answering within 200 ms, then the request gets a 400 from the render limit."""
-    server = ServerProcess(str(smollm2_path), "--trust-request-chat-template")
-    try:
-        loop = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
-        result: dict = {}
+def hostile_template_renders_off_the_loop(server: ServerProcess) -> None:
+    loop = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    result: dict = {}
 
-        def hostile():
-            result["r"] = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
-                "messages": [{"role": "user", "content": "x"}], "chat_template": loop})
-        thread = threading.Thread(target=hostile)
-        thread.start()
-        time.sleep(0.5)
-        latencies = []
-        with httpx.Client(timeout=5) as probe:   # one connection: time the server, not setup
-            while thread.is_alive():
-                start = time.monotonic()
-                assert probe.get(server.url + "/health").status_code == 200
-                latencies.append(time.monotonic() - start)
-                time.sleep(0.1)
-        thread.join()
-        print(f"/health during the render: {len(latencies)} probes, median "
-              f"{sorted(latencies)[len(latencies) // 2] * 1000:.1f} ms, max "
-              f"{max(latencies) * 1000:.1f} ms")
-        assert len(latencies) > 20 and max(latencies) < 0.2
-        r = result["r"]
-        assert r.status_code == 400 and "longer than 10s" in r.json()["error"]["message"]
-        ok = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
-            "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
-            "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"})
-        assert ok.status_code == 200, ok.text
-    finally:
-        assert server.stop() == 0
+    def hostile():
+        result["r"] = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "x"}], "chat_template": loop})
+    thread = threading.Thread(target=hostile)
+    thread.start()
+    time.sleep(0.5)
+    latencies = []
+    with httpx.Client(timeout=5) as probe:   # one connection: time the server, not setup
+        while thread.is_alive():
+            start = time.monotonic()
+            assert probe.get(server.url + "/health").status_code == 200
+            latencies.append(time.monotonic() - start)
+            time.sleep(0.1)
+    thread.join()
+    print(f"/health during the render: {len(latencies)} probes, median "
+          f"{sorted(latencies)[len(latencies) // 2] * 1000:.1f} ms, max "
+          f"{max(latencies) * 1000:.1f} ms")
+    assert len(latencies) > 20 and max(latencies) < 0.2
+    r = result["r"]
+    assert r.status_code == 400 and "longer than 10s" in r.json()["error"]["message"]
+    ok = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+        "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"})
+    assert ok.status_code == 200, ok.text
 
 
 def test_sigterm_drains_running_requests(smollm2_path):
@@ -163,7 +168,10 @@ def test_sigterm_aborts_what_outlives_the_drain(smollm2_path):
     assert final["choices"][0]["finish_reason"] == "abort"
 
 
-@pytest.mark.parametrize("flags, message", [
+# each set catches its own check: argparse's own refusal, the kv dtype list, the executor
+# choices, uni with several workers, an unimplemented device, pipeline stages without
+# processes, a Ray-only address, a JSON flag
+BAD_FLAGS = [
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--kv-cache-dtype", "int3"], "--kv-cache-dtype 'int3' is not one of auto"),
     (["--tensor-parallel-size", "2", "--distributed-executor-backend", "slurm"],
@@ -176,8 +184,28 @@ def test_sigterm_aborts_what_outlives_the_drain(smollm2_path):
     (["-dp", "2", "--data-parallel-address", "10.0.0.2"],
      "--data-parallel-address: only with --data-parallel-backend ray"),
     (["--allowed-origins", "*"], "--allowed-origins must be a JSON list"),
-])
-def test_bad_flags_fail_clearly(flags, message):
-    r = subprocess.run([sys.executable, "-m", "vllm_actors", "serve", *flags],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and message in r.stderr, r.stderr
+]
+# `vllm-actors serve` (the command's own entry point, `python -m vllm_actors` = cli.main) on
+# each flag set in one interpreter: its exit status and what it wrote to stderr
+SERVE_EACH = """
+import contextlib, io, json, sys
+from vllm_actors.cli import main
+results = []
+for flags in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code = main(["serve", *flags])
+        except SystemExit as e:
+            code = e.code
+    results.append([code, err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def test_bad_flags_fail_clearly():
+    r = subprocess.run([sys.executable, "-c", SERVE_EACH, json.dumps([f for f, _ in BAD_FLAGS])],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    for (flags, message), (code, stderr) in zip(BAD_FLAGS, json.loads(r.stdout), strict=True):
+        assert code == 2 and message in stderr, (flags, code, stderr)

@@ -34,25 +34,35 @@ def gone(pid: int) -> bool:
         return True
 
 
-def test_sigkill_of_the_core_fails_pending_requests_fast(smollm2_path):
-    llm = AsyncLLM(str(smollm2_path))
-    pid, ipc_dir = llm.client.pid, llm.client.addresses.directory
+def test_one_event_loop_after_another_then_sigkill_of_the_core_fails_requests_fast(
+        smollm2_path):
+    """One AsyncLLM (as a context manager) serves one event loop after another with the same
+    tokens; then its core is killed under running streams: every pending request fails
+    within 2 s and new ones fail too; leaving the block removes everything."""
+    params = SamplingParams(temperature=0.0, max_tokens=4,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+    with AsyncLLM(str(smollm2_path)) as llm:
+        pid, ipc_dir = llm.client.pid, llm.client.addresses.directory
 
-    async def scenario():
-        killed_at, results = await kill_while_streaming(llm, pid, 3)
-        with pytest.raises(EngineDeadError):
-            async for _ in llm.generate("again", LONG):
-                pass
-        with pytest.raises(EngineDeadError):
-            await llm.check_health()
-        return killed_at, results
+        async def once():
+            return [o async for o in llm.generate("Hi", params)][-1].outputs[0].token_ids
 
-    killed_at, results = asyncio.run(scenario())
-    for when, message in results.values():
-        assert when - killed_at < 2.0
-        assert "exited unexpectedly" in message
-    assert llm.errored
-    llm.shutdown()
+        assert asyncio.run(once()) == asyncio.run(once())
+
+        async def scenario():
+            killed_at, results = await kill_while_streaming(llm, pid, 3)
+            with pytest.raises(EngineDeadError):
+                async for _ in llm.generate("again", LONG):
+                    pass
+            with pytest.raises(EngineDeadError):
+                await llm.check_health()
+            return killed_at, results
+
+        killed_at, results = asyncio.run(scenario())
+        for when, message in results.values():
+            assert when - killed_at < 2.0
+            assert "exited unexpectedly" in message
+        assert llm.errored
     assert gone(pid) and not os.path.exists(ipc_dir)
     assert not [p for p in psutil.Process().children(recursive=True) if p.pid == pid]
 
@@ -136,13 +146,3 @@ def test_thread_mode_gives_the_same_tokens(smollm2_path, smollm2_llm):
         a = threaded.generate("The capital of France is", params)[0].outputs[0].token_ids
     b = smollm2_llm.generate("The capital of France is", params)[0].outputs[0].token_ids
     assert a == b
-
-
-def test_async_llm_serves_one_event_loop_after_another(smollm2_path):
-    params = SamplingParams(temperature=0.0, max_tokens=4,
-                            output_kind=RequestOutputKind.FINAL_ONLY)
-    with AsyncLLM(str(smollm2_path)) as llm:
-        async def once():
-            return [o async for o in llm.generate("Hi", params)][-1].outputs[0].token_ids
-
-        assert asyncio.run(once()) == asyncio.run(once())

@@ -76,7 +76,9 @@ def test_logits_match_transformers(gemma3_model, case):
 
 def test_chat_through_the_server(gemma3_path):
     """The openai client chats with Gemma's template (the file ships none: the built-in one
-    applies) and the answer stops at <end_of_turn>."""
+    applies) and the answer stops at <end_of_turn>. On the default device (the compiled CPU
+    backend, whose Gemma kernels the cpu greedy run above compiled; the numpy backend's
+    Gemma tokens are checked there too)."""
     import openai
     from server_process import ServerProcess
 
@@ -85,7 +87,7 @@ def test_chat_through_the_server(gemma3_path):
                 {"role": "user", "content": "What is the capital of France?"}]
     expected_ids = get_tokenizer(gemma3_path).apply_chat_template(messages,
                                                                   add_generation_prompt=True)
-    proc = ServerProcess(str(gemma3_path), "--device", "numpy", "--max-model-len", "2048")
+    proc = ServerProcess(str(gemma3_path), "--max-model-len", "2048")
     try:
         client = openai.OpenAI(base_url=proc.url + "/v1", api_key="x", max_retries=0)
         reply = client.chat.completions.create(model=client.models.list().data[0].id,

@@ -1,7 +1,6 @@
 """Our GGUF reader against gguf-py's GGUFReader, and the typed errors for bad files."""
 
 import shutil
-import time
 
 import gguf
 import numpy as np
@@ -41,13 +40,6 @@ def test_matches_gguf_py_on_smollm2(smollm2_path):
         assert info.nbytes == int(t.n_bytes)
         assert np.array_equal(ours.raw(t.name).reshape(-1).view(np.uint8),
                               np.asarray(t.data).reshape(-1).view(np.uint8))
-
-
-def test_header_parse_is_fast(smollm2_path):
-    start = time.perf_counter()
-    GGUFFile(smollm2_path)
-    elapsed = time.perf_counter() - start
-    print(f"header parse: {elapsed * 1000:.0f} ms")  # budget 0.2 s, reported not asserted
 
 
 def test_missing_file(tmp_path):
