@@ -73,10 +73,11 @@ def golden_step_logit_error(model, backend, case: dict, steps: list[int], stored
     in `stored`, an npz of `{name}/{step}/ids` and `.../logits`), recomputed by running the
     prompt and the golden tokens as one prompt in two chunks."""
     ids = case["prompt_token_ids"] + case["tokens"][:max(steps)]
-    logits = prompt_logits(model, backend, ids, chunks=[len(ids) - 5, 5])
+    first = len(case["prompt_token_ids"]) - 1 + min(steps)   # logits from the first step on
+    logits = prompt_logits(model, backend, ids, chunks=[len(ids) - 5, 5], first_row=first)
     worst = 0.0
     for step in steps:
-        row = logits[len(case["prompt_token_ids"]) - 1 + step]
+        row = logits[len(case["prompt_token_ids"]) - 1 + step - first]
         keys = stored[f"{case['name']}/{step}/ids"]
         worst = max(worst, float(np.abs(row[keys] - stored[f"{case['name']}/{step}/logits"]).max()))
     return worst
