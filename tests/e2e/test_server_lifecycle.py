@@ -80,7 +80,10 @@ def test_engine_death_fails_streams_and_exits_1(smollm2_path):
 def test_hostile_template_then_a_dropped_stream_and_a_quick_sigterm(smollm2_path):
     """One server (trusting request templates) for two checks, the second ending it:
     - a trusted request template that loops for 10 s renders off the event loop: /health
-      keeps answering within 200 ms, then the request gets a 400 from the render limit;
+      keeps answering (median under 50 ms, every probe under 1 s: a render on the loop would
+      hold a probe for the whole 10 s, while a 2-core machine shared with the test process
+      has held a single probe 0.4 s behind the rendering thread's GIL), then the request gets
+      a 400 from the render limit;
     - a client that drops its stream (the chat page's Stop button) is gone from the
       in-flight set at once: SIGTERM then exits in under 2 s instead of draining for it."""
     server = ServerProcess(str(smollm2_path), "--trust-request-chat-template")
@@ -128,7 +131,8 @@ def hostile_template_renders_off_the_loop(server: ServerProcess) -> None:
     print(f"/health during the render: {len(latencies)} probes, median "
           f"{sorted(latencies)[len(latencies) // 2] * 1000:.1f} ms, max "
           f"{max(latencies) * 1000:.1f} ms")
-    assert len(latencies) > 20 and max(latencies) < 0.2
+    assert len(latencies) > 20 and sorted(latencies)[len(latencies) // 2] < 0.05
+    assert max(latencies) < 1.0
     r = result["r"]
     assert r.status_code == 400 and "longer than 10s" in r.json()["error"]["message"]
     ok = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
