@@ -65,11 +65,12 @@ def smollm2_model(smollm2_path):
 
 @pytest.fixture(scope="session")
 def mixed_prompts(smollm2_tokenizer):
-    """48 prompts of 8..600 tokens cut from different offsets of two long texts."""
+    """32 prompts of 8..600 tokens cut from different offsets of two long texts (9,700 tokens:
+    several steps of the default 2,048-token budget when added at once)."""
     import numpy as np
     from oracle.prompts import LONG_CODE, LONG_ESSAY
     source = smollm2_tokenizer.encode(LONG_ESSAY + "\n\n" + LONG_CODE)
-    lengths = np.linspace(8, 600, 48).astype(int)
+    lengths = np.linspace(8, 600, 32).astype(int)
     np.random.default_rng(0).shuffle(lengths)
     out = []
     for i, n in enumerate(lengths):
@@ -80,7 +81,7 @@ def mixed_prompts(smollm2_tokenizer):
 
 @pytest.fixture(scope="session")
 def mixed_reference(smollm2_path, mixed_prompts):
-    """Greedy tokens (24 a prompt) of the 48 mixed prompts, all added at once to an in-process
+    """Greedy tokens (24 a prompt) of the 32 mixed prompts, all added at once to an in-process
     engine core on the default flags and stepped to the end: computed once, the reference that
     batching, the process split, data, tensor and pipeline parallelism, the device backends
     and speculative decoding compare against (each takes its prompts' first tokens)."""

@@ -9,7 +9,7 @@ from model_driver import prompt_logits
 from vllm_actors import SamplingParams
 
 NEAR_TIE = 1e-4
-# What the 48-prompt batching and process-split comparisons generate.
+# What the 32-prompt batching and process-split comparisons generate.
 GREEDY_12 = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 

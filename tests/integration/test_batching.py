@@ -1,6 +1,6 @@
-"""Continuous batching on the real model: 48 mixed-length prompts at once give each prompt's
-tokens when run alone (near-tie rule as in the oracle tests; every other prompt, 24 of 8..600
-tokens, is run alone), also with preemption (those 24 under memory pressure); prefix caching
+"""Continuous batching on the real model: 32 mixed-length prompts at once give each prompt's
+tokens when run alone (near-tie rule as in the oracle tests; every other prompt, 16 of 8..600
+tokens, is run alone), also with preemption (those 16 under memory pressure); prefix caching
 reuses a shared system prompt without changing outputs."""
 
 import pytest
@@ -13,8 +13,8 @@ from vllm_actors import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def prompts(mixed_prompts):
-    """Every other mixed prompt (24, spread over 8..600 tokens): the ones run alone. The batch
-    they are checked in is all 48 at once."""
+    """Every other mixed prompt (16, spread over 8..600 tokens): the ones run alone. The batch
+    they are checked in is all 32 at once."""
     return mixed_prompts[::2]
 
 
@@ -26,8 +26,8 @@ def alone(smollm2_path, prompts):
 
 
 def test_batch_equals_alone(mixed_reference, smollm2_model, prompts, alone):
-    """The 48 prompts added at once to the default engine (conftest's `mixed_reference`, run
-    once for the session), with no preemption, give each prompt's tokens alone (the 24 run
+    """The 32 prompts added at once to the default engine (conftest's `mixed_reference`, run
+    once for the session), with no preemption, give each prompt's tokens alone (the 16 run
     alone)."""
     assert mixed_reference.num_preemptions == 0
     assert_same_or_near_tie(smollm2_model, prompts, alone,
@@ -35,10 +35,9 @@ def test_batch_equals_alone(mixed_reference, smollm2_model, prompts, alone):
 
 
 def test_batch_with_preemption_equals_alone(smollm2_path, smollm2_model, prompts, alone):
-    """The 24 prompts under memory pressure: 40 KV blocks (640 tokens) for 8 running
-    requests preempt and recompute several of them (10 preemptions measured; 80 blocks for
-    all 48 prompts gave 5 for twice the prefill), and each prompt still gets its tokens
-    alone."""
+    """The 16 prompts under memory pressure: 40 KV blocks (640 tokens) for 8 running
+    requests preempt and recompute several of them (5 preemptions measured), and each prompt
+    still gets its tokens alone."""
     with LLM(str(smollm2_path), max_num_seqs=8, max_model_len=640,
              num_gpu_blocks_override=40, max_num_batched_tokens=512) as llm:
         outputs = llm.generate(prompts, GREEDY)
@@ -53,7 +52,7 @@ def test_prefix_caching_shares_a_system_prompt(smollm2_path, smollm2_llm):
     """The session's default engine (prefix caching on; its cache emptied first, its hit
     counter read as a difference) against an engine without prefix caching."""
     system = LONG_ESSAY[:1500]
-    questions = [f"Question {i}: what is point number {i} of the text?" for i in range(16)]
+    questions = [f"Question {i}: what is point number {i} of the text?" for i in range(8)]
     conversations = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
                      for q in questions]
     params = SamplingParams(temperature=0.0, max_tokens=8)

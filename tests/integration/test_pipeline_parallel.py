@@ -36,7 +36,7 @@ def test_each_stage_holds_its_layers(pp2_llm, smollm2_llm):
 
 
 def test_pp2_greedy_tokens_equal_pp1(mixed_reference, smollm2_model, pp2_llm, mixed_prompts):
-    prompts = mixed_prompts[::4]       # 12 prompts of 8..600 tokens
+    prompts = mixed_prompts[::4]       # 8 prompts of 8..600 tokens
     reference = mixed_reference.of(prompts, GREEDY_12.max_tokens)   # one process, conftest
     outputs = [o.outputs[0].token_ids for o in pp2_llm.generate(prompts, GREEDY_12)]
     assert_same_or_near_tie(smollm2_model, prompts, reference, outputs)
@@ -84,9 +84,9 @@ def test_tp3_pp2_greedy_tokens_equal_single(smollm2_path, mixed_reference, smoll
 
 
 def test_preemption_with_steps_in_flight_keeps_tokens(smollm2_path):
-    """30 KV blocks for 8 requests that need 9 each: requests are preempted (never one with a
+    """30 KV blocks for 8 requests that need 8 each: requests are preempted (never one with a
     step in flight) and recomputed; the tokens equal one process's under the same pressure."""
-    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = [{"prompt_token_ids": [(i * 31 + j * 7) % 4000 + 100 for j in range(90)]}
                for i in range(8)]
     results, preemptions = [], []
@@ -96,6 +96,7 @@ def test_preemption_with_steps_in_flight_keeps_tokens(smollm2_path):
             results.append([o.outputs[0].token_ids
                             for o in llm.generate(prompts, params, use_tqdm=False)])
             preemptions.append(llm.get_metrics()["vllm:num_preemptions"])
+    print("preemptions (pp 1, pp 2):", preemptions)
     assert min(preemptions) > 0
     assert results[0] == results[1]
 

@@ -1,5 +1,5 @@
 """Speculative decoding on SmolLM2 through the whole engine: each method's greedy tokens equal
-transformers' golden tokens (near-tie rule), a batch of 32 with preemption equals the engine
+transformers' golden tokens (near-tie rule), a batch of 16 with preemption equals the engine
 without speculation, seeded samples are the same tokens with and without drafts, unseeded
 samples at temperature 0.8 follow the same distribution (chi-square), and stop rules,
 logprobs, structured outputs and tensor parallelism see no difference. Every test also
@@ -65,38 +65,40 @@ def assert_golden(outputs: list[list[int]]) -> None:
             assert margin < NEAR_TIE, f"{case['name']} differs at step {diff}"
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
+# suffix decoding's tokens are checked in the batch with preemption below (against the engine
+# without speculation, itself checked against these golden tokens)
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_greedy_tokens_match_transformers(method, smollm2_path, ngram_llm, draft_path):
     params = SamplingParams(temperature=0.0, max_tokens=GREEDY["num_generated"], ignore_eos=True)
-    config = {"ngram": NGRAM, "suffix": SUFFIX,
-              "draft_model": {"method": "draft_model", "model": draft_path,
-                              "num_speculative_tokens": 3, "disable_by_batch_size": None}
-              }[method]
     if method == "ngram":
         llm, before = ngram_llm, accepted(ngram_llm)
         outputs = llm.generate(golden_prompts(), params, use_tqdm=False)
         assert accepted(llm) > before
     else:
+        config = {"method": "draft_model", "model": draft_path, "num_speculative_tokens": 3,
+                  "disable_by_batch_size": None}
         with LLM(str(smollm2_path), speculative_config=config) as llm:
             outputs = llm.generate(golden_prompts(), params, use_tqdm=False)
             metrics = llm.get_metrics()
         print(metrics)
         assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
         assert metrics["vllm:spec_decode_num_accepted_tokens"] < \
-            metrics["vllm:spec_decode_num_draft_tokens"] or method == "suffix"
+            metrics["vllm:spec_decode_num_draft_tokens"]
     assert_golden([o.outputs[0].token_ids for o in outputs])
 
 
-def test_batch_of_32_with_preemption_equals_no_speculation(smollm2_path, smollm2_llm,
+def test_batch_of_16_with_preemption_equals_no_speculation(smollm2_path, smollm2_llm,
                                                            smollm2_model, smollm2_tokenizer,
                                                            mixed_prompts, mixed_reference):
+    """Suffix decoding over 16 prompts (the quoting ones and 12 mixed, 8..600 tokens), 8
+    running in 80 KV blocks: preempted and recomputed with drafts in flight."""
     quoting = [{"prompt_token_ids": smollm2_tokenizer.encode(p)} for p in QUOTING]
-    prompts = quoting + mixed_prompts[:28]
+    prompts = quoting + mixed_prompts[:12]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     # without speculation: the quoting prompts here, the mixed ones from conftest's reference
     reference = [o.outputs[0].token_ids for o in smollm2_llm.generate(quoting, params,
                                                                       use_tqdm=False)] + \
-        mixed_reference.of(mixed_prompts[:28], params.max_tokens)
+        mixed_reference.of(mixed_prompts[:12], params.max_tokens)
     with LLM(str(smollm2_path), speculative_config=SUFFIX, max_num_seqs=8, max_model_len=1024,
              num_gpu_blocks_override=80, max_num_batched_tokens=512) as llm:
         outputs = llm.generate(prompts, params, use_tqdm=False)

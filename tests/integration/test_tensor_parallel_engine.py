@@ -23,7 +23,7 @@ LOGPROB_TOLERANCE = 1e-3     # as the logprob oracle tests: float32 sums in anot
 
 @pytest.fixture(scope="module")
 def prompts(mixed_prompts):
-    return mixed_prompts[::4]      # 12 prompts of 8..600 tokens
+    return mixed_prompts[::4]      # 8 prompts of 8..600 tokens
 
 
 @pytest.fixture(scope="module")
