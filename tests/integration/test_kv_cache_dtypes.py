@@ -136,7 +136,8 @@ def test_a_broken_fp8_encoder_fails_the_bounds(cpu_model, monkeypatch, dtype, br
     not."""
     from vllm_actors.kernels.cpu import attention
     model, backend = cpu_model
-    sets = {"short": sorted(sum(golden_sequences().values(), []), key=len)[:4]}
+    every = [ids for sequences in golden_sequences().values() for ids in sequences]
+    sets = {"short": sorted(every, key=len)[:4]}
     intact = measure(model, backend, sets, [dtype])[dtype]
     encode = attention.encode_rows
     monkeypatch.setattr(attention, "encode_rows", lambda *args: breakage(encode, *args))
