@@ -17,14 +17,14 @@ class MixedReference:
     """The shared greedy reference of the mixed prompts (conftest's `mixed_reference`)."""
 
     def __init__(self, prompts: list[dict], tokens: list[list[int]], num_preemptions: int):
-        self.tokens = tokens
         self.num_preemptions = num_preemptions
+        self.length = min(len(t) for t in tokens)    # tokens generated for every prompt
         self._by_prompt = {tuple(p["prompt_token_ids"]): t for p, t in zip(prompts, tokens,
                                                                            strict=True)}
 
     def of(self, prompts: list[dict], max_tokens: int) -> list[list[int]]:
         """The first `max_tokens` reference tokens of each of `prompts` (mixed prompts)."""
-        assert all(len(t) >= max_tokens for t in self.tokens)
+        assert max_tokens <= self.length
         return [self._by_prompt[tuple(p["prompt_token_ids"])][:max_tokens] for p in prompts]
 
 
