@@ -111,9 +111,10 @@ class LlamaCpp:
 
 
 class Ours:
-    def __init__(self, model: str, max_len: int, device: str) -> None:
+    def __init__(self, model: str, max_len: int, device: str,
+                 gguf_activations: str = "float32") -> None:
         self.engine = AsyncLLM(model, enable_prefix_caching=False, max_model_len=max_len,
-                               device=device)
+                               device=device, gguf_activations=gguf_activations)
         self.counter = 0
 
     async def _run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, float]:
@@ -180,7 +181,8 @@ def prompt_tokens(tokenizer: Any, count: int, offset: int = 0) -> list[int]:
 
 
 async def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    ours = Ours(args.model, max(args.prefill) + args.decode_tokens + 64, args.device)
+    ours = Ours(args.model, max(args.prefill) + args.decode_tokens + 64, args.device,
+                args.gguf_activations)
     theirs = LlamaCpp(args.model, args.threads)
     tok = ours.engine.get_tokenizer()
     rows: list[dict[str, Any]] = []
@@ -227,6 +229,8 @@ def main() -> None:
     parser.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")],
                         default=[1, 4, 16, 32])
     parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--gguf-activations", choices=("float32", "quantized"),
+                        default="float32", help="our semantics (llama.cpp's is quantized)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--json", type=Path, help="also write rows and machine facts here")
     parser.add_argument("--quick", action="store_true",

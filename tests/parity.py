@@ -7,6 +7,8 @@ import numpy as np
 from model_driver import prompt_logits
 
 from vllm_actors import SamplingParams
+from vllm_actors.config import resolve_kv_dtype
+from vllm_actors.kernels.kv_quant import kv_format
 
 NEAR_TIE = 1e-4
 # What the 32-prompt batching and process-split comparisons generate.
@@ -31,13 +33,15 @@ class MixedReference:
 def assert_same_or_near_tie(smollm2_model, prompts: list[dict], reference: list[list[int]],
                             outputs: list[list[int]]) -> None:
     model, backend = smollm2_model
+    kv = kv_format(resolve_kv_dtype("auto", model.gguf_activations == "quantized"))
     for prompt, ref, got in zip(prompts, reference, outputs, strict=True):
         diff = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
         if diff is None:
             assert got == ref
             continue
         ids = prompt["prompt_token_ids"] + ref[:diff]
-        row = np.sort(prompt_logits(model, backend, ids, first_row=len(ids) - 1)[-1])
+        row = np.sort(prompt_logits(model, backend, ids, kv_format=kv,
+                                    first_row=len(ids) - 1)[-1])
         margin = float(row[-1] - row[-2])
         print(f"{len(prompt['prompt_token_ids'])}-token prompt: differs at step {diff}, "
               f"top-2 margin {margin:.2e}")

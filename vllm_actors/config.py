@@ -32,6 +32,14 @@ class ModelConfig:
     generation_config: str = "auto"
     served_model_name: str | None = None
     max_logprobs: int = 20
+    gguf_activations: str = "float32"
+
+
+# --gguf-activations: how matmuls over a GGUF file's quantized weights compute. float32 (the
+# default): the dequantized weights exactly, in float32 (oracle: transformers); quantized:
+# llama.cpp's CPU semantics (inputs quantized to 8-bit blocks, integer block dots; oracle:
+# llama.cpp). It becomes the default once its tokens follow llama.cpp's (docs/STATUS.md).
+GGUF_ACTIVATIONS = ("float32", "quantized")
 
 
 @dataclass(frozen=True)
@@ -45,15 +53,23 @@ class CacheConfig:
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "float32"     # canonical (`kv_cache_dtype`): auto is float32
+    kv_cache_dtype: str = "auto"   # canonical (`kv_cache_dtype`); auto: see `resolve_kv_dtype`
 
 
 # --kv-cache-dtype: vLLM's names, and ours for TurboQuant (kernels/kv_quant.py stores them)
-KV_CACHE_DTYPES = {"auto": "float32", "float32": "float32", "float16": "float16",
+KV_CACHE_DTYPES = {"auto": "auto", "float32": "float32", "float16": "float16",
                    "bfloat16": "bfloat16", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3",
                    "fp8_e5m2": "fp8_e5m2", "turboquant": "turboquant_3.5"}
 TURBOQUANT_BITS = ("2", "2.5", "3", "3.5", "4")
 KV_CACHE_DTYPES.update({f"turboquant_{b}": f"turboquant_{b}" for b in TURBOQUANT_BITS})
+
+
+def resolve_kv_dtype(name: str, quantized_gguf: bool) -> str:
+    """What --kv-cache-dtype `name` (canonical) stores: auto is float16 for a GGUF model under
+    --gguf-activations quantized (llama.cpp's default cache), float32 otherwise."""
+    if name != "auto":
+        return name
+    return "float16" if quantized_gguf else "float32"
 
 
 def kv_cache_dtype(name: str) -> str:
@@ -92,6 +108,20 @@ class DeviceConfig:
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_coder")
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
+def _add_numerics_args(parser: argparse.ArgumentParser) -> None:
+    """The flags that choose how numbers are computed and stored."""
+    parser.add_argument("--gguf-activations", choices=GGUF_ACTIVATIONS, default="float32",
+                        help="how a GGUF file's quantized weights compute: float32 (the "
+                             "dequantized weights exactly, as transformers does) or "
+                             "quantized (llama.cpp's semantics: each matmul input "
+                             "quantized to 8-bit blocks, integer block dot products)")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="KV cache storage: auto (float16 for a GGUF model under "
+                             "--gguf-activations quantized, else float32), float16, "
+                             "bfloat16, fp8 (= fp8_e4m3), fp8_e5m2, turboquant (3.5 bits "
+                             "per value; turboquant_2, _2.5, _3, _3.5, _4)")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """The OpenAI-compatible server's own settings (vLLM's `serve` flag names).
@@ -209,6 +239,7 @@ class EngineArgs:
     served_model_name: str | None = None
     max_logprobs: int = 20
     speculative_config: str | dict[str, Any] | None = None
+    gguf_activations: str = "float32"
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -260,10 +291,7 @@ class EngineArgs:
                                  "first)")
         parser.add_argument("--lpm-max-skips", type=int, default=8,
                             help="lpm: how often a waiting request may be passed over")
-        parser.add_argument("--kv-cache-dtype", default="auto",
-                            help="KV cache storage: auto (float32), float16, bfloat16, fp8 "
-                                 "(= fp8_e4m3), fp8_e5m2, turboquant (3.5 bits per value; "
-                                 "turboquant_2, _2.5, _3, _3.5, _4)")
+        _add_numerics_args(parser)
         parser.add_argument("--device", default="auto",
                             help="auto (cuda if CuPy sees a GPU, else cpu), cpu (compiled "
                                  "kernels, weights kept quantized), numpy (the float32 "
@@ -299,6 +327,10 @@ class EngineArgs:
         if util is not None and not 0 < util <= 1:
             raise ValidationError(f"gpu_memory_utilization must be in (0, 1], got {util}",
                                   "gpu_memory_utilization")
+        if self.gguf_activations not in GGUF_ACTIVATIONS:
+            raise ValidationError(f"--gguf-activations must be one of "
+                                  f"{', '.join(GGUF_ACTIVATIONS)}, got "
+                                  f"{self.gguf_activations!r}", "gguf_activations")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValidationError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                                   f"got {self.scheduling_policy!r}", "scheduling_policy")
@@ -312,7 +344,7 @@ class EngineArgs:
             parallel=parallel, speculative=speculative,
             model=ModelConfig(self.model, self.chat_template, self.max_model_len, self.seed,
                               self.generation_config, self.served_model_name,
-                              self.max_logprobs),
+                              self.max_logprobs, self.gguf_activations),
             cache=CacheConfig(self.block_size, self.num_gpu_blocks_override,
                               self.kv_cache_memory, util, self.enable_prefix_caching,
                               kv_cache_dtype(self.kv_cache_dtype)),

@@ -172,12 +172,13 @@ def test_embedding_and_tied_lm_head_share_one_table(cpu):
     table = rand(300, 64)
     raw = RawTensor("token_embd.weight", (300, 64), int(QT.Q8_0), quants.quantize(table, QT.Q8_0))
     handle = cpu.upload_table(raw)
-    assert cpu.upload_lm_head(raw) is handle            # no second copy of the LM head
+    head = cpu.upload_lm_head(raw)
+    assert head.parts[0] is handle and len(head.parts) == 1   # no second copy of the LM head
     want_table = quants.dequantize(raw.data, QT.Q8_0).reshape(300, 64)
     ids = np.array([3, 0, 299, 3])
     close(cpu.embedding(handle, ids), want_table[ids], 1e-6)
     hidden = rand(6, 64)
-    close(cpu.lm_head(hidden, handle, np.array([5, 1])), hidden[[5, 1]] @ want_table.T, 2e-5)
+    close(cpu.lm_head(hidden, head, np.array([5, 1])), hidden[[5, 1]] @ want_table.T, 2e-5)
 
 
 def random_blocks(qtype: QT, rows: int, cols: int) -> np.ndarray:

@@ -16,13 +16,13 @@ each, or, for the kernels in a subclass's `GROUPS`, one cooperating group per it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Any, Sequence
 
 import numpy as np
 
-from vllm_actors.kernels import kv_quant, quant
+from vllm_actors.kernels import activation_quant, kv_quant, quant
 from vllm_actors.kernels.device_kv import KV_KERNEL_NAMES, DeviceKV, decode_tables, kv_defines
 from vllm_actors.kernels.ops import AttentionMetadata, RopeTables, WeightLike
 
@@ -74,6 +74,10 @@ class Linear:
     kernel: str
     out_features: int
     in_features: int
+    # --gguf-activations quantized: the format the inputs take (`activation_quant`), and
+    # Q4_1/Q5_1's block mins `[K / 32, out]` (on the host) for the min term x~ leaves out
+    activations: str | None = None
+    mins: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,20 @@ class DeviceBackend:
 
     # -- weights and buffers -------------------------------------------------------------
     def upload_linear(self, parts: Sequence[WeightLike]) -> Linear:
+        linear = self._upload_linear(parts)
+        formats = {getattr(p, "activations", None) for p in parts}
+        if formats == {None}:
+            return linear
+        if len(formats) > 1:
+            raise ValueError(
+                f"{parts[0].name}: fused weights whose inputs take different formats under "
+                f"--gguf-activations quantized ({', '.join(sorted(map(str, formats)))}) are "
+                f"not built on {self.name}; use --gguf-activations float32")
+        mins = [activation_quant.block_mins(p.data, p.qtype, p.shape) for p in parts]
+        joined = None if mins[0] is None else np.ascontiguousarray(np.concatenate(mins).T)
+        return replace(linear, activations=formats.pop(), mins=joined)
+
+    def _upload_linear(self, parts: Sequence[WeightLike]) -> Linear:
         out = sum(p.shape[0] for p in parts)
         k = parts[0].shape[-1]
         # fused parts keep their stored form only when they share it
@@ -182,10 +200,18 @@ class DeviceBackend:
 
     def linear(self, x: Any, weight: Linear, bias: Any | None = None) -> Any:
         t = x.shape[0]
+        delta = None
+        if weight.activations is not None:
+            # quantized on the host, bit for bit the numpy reference (a device kernel for it
+            # is not written yet: STATUS, speed-pending)
+            simulated, delta = activation_quant.simulate(self.to_host(x), weight.activations)
+            x = self.from_host(simulated)
         y = self._empty((t, weight.out_features))
         self._launch(weight.kernel, (weight.out_features, t), x, weight.data,
                      y if bias is None else bias, y, np.int32(weight.in_features),
                      np.int32(weight.out_features), np.int32(bias is not None))
+        if delta is not None:
+            y = self.add(y, self.from_host(delta @ weight.mins))
         return y
 
     def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
-from vllm_actors.kernels import kv_quant, quant
+from vllm_actors.kernels import activation_quant, kv_quant, quant
 from vllm_actors.kernels.numpy_attention import NumpyAttention, attend as _attend, \
     decoded_group
 from vllm_actors.kernels.ops import AttentionMetadata, RopeTables, WeightLike
@@ -47,6 +47,84 @@ def _erf(x: np.ndarray) -> np.ndarray:
 SMALL_BATCH_ROWS = 4
 
 
+def _matmul(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """x `[M, K]` @ weight `[K, N]`, float32."""
+    if 1 < len(x) <= SMALL_BATCH_ROWS:
+        # OpenBLAS's GEMM repacks the whole weight for a few rows; row-by-row GEMV reads
+        # it as it is (and from cache after the first row).
+        y = np.empty((len(x), weight.shape[1]), np.float32)
+        for i in range(len(x)):
+            np.matmul(x[i], weight, out=y[i])
+        return y
+    return x @ weight
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Output columns [start, stop) of a linear whose inputs take activation format `fmt`
+    (`activation_quant`; None: float32), with Q4_1/Q5_1's block mins `[K / 32, cols]`."""
+
+    start: int
+    stop: int
+    fmt: str | None
+    mins: np.ndarray | None
+
+
+@dataclass(frozen=True)
+class QuantizedLinear:
+    """A linear weight `[in, out]` (dequantized, float32) computed under
+    `--gguf-activations quantized`: each segment's input quantized as its weight type pairs
+    (`activation_quant.simulate`)."""
+
+    weight: np.ndarray
+    segments: tuple[Segment, ...]
+
+
+def segments(parts: Sequence[WeightLike]) -> tuple[Segment, ...]:
+    """The column segments of stacked `parts`, neighbours of one format merged."""
+    out: list[Segment] = []
+    start = 0
+    for p in parts:
+        fmt = getattr(p, "activations", None)
+        mins = activation_quant.block_mins(p.data, p.qtype, p.shape) if fmt else None
+        stop = start + int(p.shape[0])
+        mins_t = None if mins is None else np.ascontiguousarray(mins.T)
+        if out and out[-1].fmt == fmt and (out[-1].mins is None) == (mins_t is None):
+            prev = out[-1]
+            joined = None if mins_t is None else np.concatenate([prev.mins, mins_t], axis=1)
+            out[-1] = Segment(prev.start, stop, fmt, joined)
+        else:
+            out.append(Segment(start, stop, fmt, mins_t))
+        start = stop
+    return tuple(out)
+
+
+def quantized_matmul(x: np.ndarray, weight: np.ndarray, segs: Sequence[Segment],
+                     matmul: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
+    """x `[M, K]` @ weight `[K, N]` with each segment's input as its format sees it; `matmul`
+    multiplies float32 arrays (the backend's own)."""
+    simulated: dict[str | None, tuple[np.ndarray, np.ndarray | None]] = {}
+
+    def inputs(fmt: str | None) -> tuple[np.ndarray, np.ndarray | None]:
+        if fmt not in simulated:
+            simulated[fmt] = (x, None) if fmt is None else activation_quant.simulate(x, fmt)
+        return simulated[fmt]
+
+    if len(segs) == 1:
+        xs, delta = inputs(segs[0].fmt)
+        y = matmul(xs, weight)
+        if segs[0].mins is not None:
+            y += delta @ segs[0].mins
+        return y
+    y = np.empty((len(x), weight.shape[1]), np.float32)
+    for seg in segs:
+        xs, delta = inputs(seg.fmt)
+        y[:, seg.start:seg.stop] = matmul(xs, weight[:, seg.start:seg.stop])
+        if seg.mins is not None:
+            y[:, seg.start:seg.stop] += delta @ seg.mins
+    return y
+
+
 @dataclass(frozen=True)
 class LMHead:
     """The LM head in both layouts (measured, docs/BENCHMARKS.md): one row of hidden state
@@ -55,6 +133,7 @@ class LMHead:
 
     rows: np.ndarray
     cols: np.ndarray
+    segments: tuple[Segment, ...] = ()   # under --gguf-activations quantized
 
 
 class NumpyBackend:
@@ -66,10 +145,14 @@ class NumpyBackend:
         self._tables: dict[str, np.ndarray] = {}
 
     # -- weights and buffers -------------------------------------------------------------
-    def upload_linear(self, parts: Sequence[WeightLike]) -> np.ndarray:
+    def upload_linear(self, parts: Sequence[WeightLike]) -> np.ndarray | QuantizedLinear:
         weight = np.concatenate([_float32(p) for p in parts], axis=0) if len(parts) > 1 \
             else _float32(parts[0])
-        return np.ascontiguousarray(weight.T)  # [in, out]
+        weight = np.ascontiguousarray(weight.T)  # [in, out]
+        segs = segments(parts)
+        if all(seg.fmt is None for seg in segs):
+            return weight
+        return QuantizedLinear(weight, segs)
 
     def upload_table(self, weight: WeightLike) -> np.ndarray:
         table = np.ascontiguousarray(_float32(weight))  # [V, D]
@@ -80,7 +163,9 @@ class NumpyBackend:
         rows = self._tables.get(weight.name)   # the tied embedding, already uploaded
         if rows is None:
             rows = np.ascontiguousarray(_float32(weight))
-        return LMHead(rows, np.ascontiguousarray(rows.T))
+        segs = segments([weight])
+        return LMHead(rows, np.ascontiguousarray(rows.T),
+                      () if segs[0].fmt is None else segs)
 
     def upload_vector(self, weight: WeightLike) -> np.ndarray:
         return np.ascontiguousarray(_float32(weight).reshape(-1))
@@ -112,19 +197,16 @@ class NumpyBackend:
     def embedding(self, table: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
         return table[token_ids]
 
-    def linear(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None
-               ) -> np.ndarray:
-        if 1 < len(x) <= SMALL_BATCH_ROWS:
-            # OpenBLAS's GEMM repacks the whole weight for a few rows; row-by-row GEMV reads
-            # it as it is (and from cache after the first row).
-            y = np.empty((len(x), weight.shape[1]), np.float32)
-            for i in range(len(x)):
-                np.matmul(x[i], weight, out=y[i])
+    def linear(self, x: np.ndarray, weight: np.ndarray | QuantizedLinear,
+               bias: np.ndarray | None = None) -> np.ndarray:
+        if isinstance(weight, QuantizedLinear):
+            y = quantized_matmul(x, weight.weight, weight.segments, _matmul)
         else:
-            y = x @ weight
+            y = _matmul(x, weight)
         if bias is not None:
             y += bias
         return y
+
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         mean_square = np.einsum("...i,...i->...", x, x) / np.float32(x.shape[-1])
@@ -255,6 +337,15 @@ class NumpyBackend:
     def lm_head(self, hidden: np.ndarray, head: LMHead, rows: np.ndarray,
                 on_device: bool = False) -> np.ndarray:
         hidden = hidden[rows]
+        if head.segments:
+            return quantized_matmul(hidden, head.cols, head.segments, _head_matmul(head))
         if len(hidden) == 1:
             return hidden @ head.cols
         return hidden @ head.rows.T
+
+
+def _head_matmul(head: LMHead) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+    """The head's float matmul: one row streams `cols`, more rows multiply `rows.T`."""
+    def matmul(x: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        return x @ cols if len(x) == 1 else x @ head.rows.T
+    return matmul

@@ -8,7 +8,7 @@ form (maybe block-quantized) until a backend uploads them; `to_float32()` dequan
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +16,7 @@ from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, GGMLQuantizationType, get_tensor_
 
 from vllm_actors.errors import ModelFormatError, UnsupportedModelError
 from vllm_actors.kernels import quant
+from vllm_actors.kernels.activation_quant import activation_format
 from vllm_actors.loaders.gguf import GGUFFile
 from vllm_actors.loaders.safetensors import ggml_type_of, load_safetensors
 
@@ -29,12 +30,16 @@ class RawTensor:
         shape: logical numpy shape, outermost first (a linear weight is `[out, in]`).
         qtype: GGML type id (F32=0, F16=1, BF16=30, Q4_1=3, ...).
         data: stored bytes (uint8 rows for block types; float32/float16 arrays; BF16 as uint16).
+        activations: the format a matmul with this weight quantizes its input to
+            (`kernels.activation_quant`: "q8_0", "q8_1", "q8_k", "f16", "bf16") under
+            `--gguf-activations quantized`; None computes in float32. Slices keep it.
     """
 
     name: str
     shape: tuple[int, ...]
     qtype: int
     data: np.ndarray
+    activations: str | None = None
 
     def to_float32(self) -> np.ndarray:
         return quant.dequantize(self.data, self.qtype, self.shape)
@@ -43,7 +48,7 @@ class RawTensor:
         """Rows [start, stop) of the outermost axis (output features; heads; vocab entries).
         Block-safe for quantized types: GGML blocks run along the innermost axis."""
         shape = (stop - start, *self.shape[1:])
-        return RawTensor(self.name, shape, self.qtype, self.data[start:stop])
+        return replace(self, shape=shape, data=self.data[start:stop])
 
     def col_slice(self, start: int, stop: int) -> "RawTensor":
         """Columns [start, stop) of a 2-D weight `[out, in]` (input features). Quantized rows
@@ -51,21 +56,22 @@ class RawTensor:
         dequantized to float32 instead (logged by the caller's shapes: qtype becomes F32)."""
         rows = self.shape[0]
         if self.data.dtype != np.uint8:      # plain float data keeps its logical shape
-            return RawTensor(self.name, (rows, stop - start), self.qtype,
-                             np.ascontiguousarray(self.data[:, start:stop]))
+            return replace(self, shape=(rows, stop - start),
+                           data=np.ascontiguousarray(self.data[:, start:stop]))
         block, nbytes = quant.block_layout(self.qtype)
         first, last = start // block, -(-stop // block)     # the blocks covering the cut
         data = np.ascontiguousarray(self.data[:, first * nbytes:last * nbytes])
         if start % block == 0 and stop % block == 0:
-            return RawTensor(self.name, (rows, stop - start), self.qtype, data)
+            return replace(self, shape=(rows, stop - start), data=data)
         covering = quant.dequantize(data, self.qtype, (rows, (last - first) * block))
         dense = np.ascontiguousarray(covering[:, start - first * block:stop - first * block])
-        return RawTensor(self.name, (rows, stop - start), int(GGMLQuantizationType.F32), dense)
+        return replace(self, shape=(rows, stop - start), qtype=int(GGMLQuantizationType.F32),
+                       data=dense)
 
     def with_zero_row(self) -> "RawTensor":
         """One more row of zeros at the end (all-zero bytes decode to 0.0 in every GGML type)."""
         data = np.concatenate([self.data, np.zeros((1, *self.data.shape[1:]), self.data.dtype)])
-        return RawTensor(self.name, (self.shape[0] + 1, *self.shape[1:]), self.qtype, data)
+        return replace(self, shape=(self.shape[0] + 1, *self.shape[1:]), data=data)
 
 
 class WeightSet:
@@ -99,8 +105,9 @@ def _check_supported(path: Path, name: str, qtype: int) -> None:
                                           "engine cannot use as a weight")
 
 
-def gguf_weights(gguf: GGUFFile) -> WeightSet:
-    """All tensors of an open GGUF file.
+def gguf_weights(gguf: GGUFFile, activations: str = "float32") -> WeightSet:
+    """All tensors of an open GGUF file; `activations` ("quantized" or "float32", the
+    --gguf-activations semantics) sets each matrix's `RawTensor.activations`.
 
     Raises:
         UnsupportedModelError: a tensor type we cannot dequantize.
@@ -108,7 +115,9 @@ def gguf_weights(gguf: GGUFFile) -> WeightSet:
     tensors = {}
     for name, info in gguf.tensors.items():
         _check_supported(gguf.path, name, info.ggml_type)
-        tensors[name] = RawTensor(name, info.shape, info.ggml_type, gguf.raw(name))
+        fmt = activation_format(info.ggml_type) \
+            if activations == "quantized" and len(info.shape) >= 2 else None
+        tensors[name] = RawTensor(name, info.shape, info.ggml_type, gguf.raw(name), fmt)
     return WeightSet(tensors, gguf.path)
 
 

@@ -107,7 +107,7 @@ def _expert_rows(tensor: RawTensor, expert: int, name: str) -> RawTensor:
     if data.ndim == 2 and data.shape[0] == num * rows:
         data = data.reshape(num, rows, data.shape[1])
     return RawTensor(name, tuple(tensor.shape[1:]), tensor.qtype,
-                     np.ascontiguousarray(data[expert]))
+                     np.ascontiguousarray(data[expert]), tensor.activations)
 
 
 def sanitize(weights: WeightSet, args: ModelArgs, kind: str) -> WeightSet:

@@ -77,22 +77,29 @@ def inspect_model(source: ModelSource) -> tuple[ModelInfo, GGUFFile | None]:
 
 
 def load_model(source: ModelSource, backend: Backend, tp: ParallelGroup | None = None,
-               context_len: int = 0, stage: PipelineStage | None = None) -> CausalLM:
+               context_len: int = 0, stage: PipelineStage | None = None,
+               gguf_activations: str = "float32") -> CausalLM:
     """Open, check and upload a model onto `backend` (only rank `tp.rank`'s shard when a
     tensor-parallel group is given; each rank reads the file through its own mmap).
     `context_len`: the serving context (max_model_len) when set, which the static rope
     choices of longrope and dynamic scaling depend on (`ModelArgs.context_len`).
-    `stage`: the pipeline stage whose layers to load (all of them when None)."""
+    `stage`: the pipeline stage whose layers to load (all of them when None).
+    `gguf_activations`: how a GGUF file's matmuls compute (`--gguf-activations`: float32,
+    the exact semantics, or quantized, llama.cpp's); safetensors checkpoints always compute
+    in float32."""
     info, gguf = inspect_model(source)
     if context_len:
         info = replace(info, args=replace(info.args, context_len=context_len))
     if gguf is not None:
-        weights, kind = gguf_weights(gguf), "gguf"
+        weights, kind = gguf_weights(gguf, gguf_activations), "gguf"
     else:
         weights = safetensors_weights(source.path, info.args.architecture, info.args.num_layers,
                                       info.family.hf_name)
         kind = "safetensors"
     weights = info.family.sanitize(weights, info.args, kind)
     if stage is not None and stage.size > 1:
-        return info.family.model_class(info.args, weights, backend, tp, stage)
-    return info.family.model_class(info.args, weights, backend, tp)
+        model = info.family.model_class(info.args, weights, backend, tp, stage)
+    else:
+        model = info.family.model_class(info.args, weights, backend, tp)
+    model.gguf_activations = gguf_activations if kind == "gguf" else "float32"
+    return model

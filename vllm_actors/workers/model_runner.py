@@ -9,11 +9,12 @@ and prompt logprobs for the requests that asked.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from vllm_actors.config import EngineConfig
+from vllm_actors.config import EngineConfig, resolve_kv_dtype
 from vllm_actors.errors import ValidationError
 from vllm_actors.kernels import get_backend
 from vllm_actors.kernels.kv_quant import kv_format
@@ -69,7 +70,11 @@ class ModelRunner:
         self.stage, self.channel = stage or PipelineStage(), channel
         self._model_source = None if model is not None else resolve_model(config.model.model)
         self.model = model or load_model(self._model_source, self.backend, self.tp,
-                                         config.model.max_model_len or 0, self.stage)
+                                         config.model.max_model_len or 0, self.stage,
+                                         config.model.gguf_activations)
+        quantized = getattr(self.model, "gguf_activations", "float32") == "quantized"
+        cache = replace(config.cache, kv_cache_dtype=resolve_kv_dtype(
+            config.cache.kv_cache_dtype, quantized))
         args = self.model.args
         self.local_args = getattr(self.model, "local_args", args)
         limit = args.max_position_embeddings
@@ -78,7 +83,7 @@ class ModelRunner:
             raise ValidationError(f"max_model_len={self.max_model_len} is larger than the "
                                   f"model's context length ({limit})", "max_model_len")
         self.block_size = config.cache.block_size
-        self.kv_format = kv_format(config.cache.kv_cache_dtype)
+        self.kv_format = kv_format(cache.kv_cache_dtype)
         self.kv_groups = kv_cache_groups(self.local_args)
         self.layer_ids = list(getattr(self.model, "layer_ids", range(args.num_layers)))
         slot_of = layer_slots(self.kv_groups)[1]
@@ -86,7 +91,7 @@ class ModelRunner:
         # drafts for speculative decoding come from rank 0
         self.proposer = make_proposer(config, self.backend, args) \
             if config.speculative is not None and self.tp.rank == 0 else None
-        self.num_blocks = num_kv_blocks(config.cache, self.local_args, self.max_model_len,
+        self.num_blocks = num_kv_blocks(cache, self.local_args, self.max_model_len,
                                         self.backend.free_memory(),
                                         config.scheduler.max_num_batched_tokens,
                                         len(self.kv_slots))
@@ -94,7 +99,7 @@ class ModelRunner:
         if draft_bytes and config.cache.num_gpu_blocks_override is None:
             # the draft's cache shares the KV budget, block for block
             target_bytes = kv_bytes_per_block(self.local_args, self.block_size, self.kv_groups,
-                                              len(self.kv_slots), config.cache.kv_cache_dtype)
+                                              len(self.kv_slots), cache.kv_cache_dtype)
             self.num_blocks = self.num_blocks * target_bytes // (target_bytes + draft_bytes)
         self.kv_caches: list = []
         if allocate_kv:

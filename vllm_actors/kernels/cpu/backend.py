@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from vllm_actors.kernels import quant
-from vllm_actors.kernels.cpu import attention, elementwise, qmatmul, threads
+from vllm_actors.kernels.cpu import activations, attention, elementwise, qmatmul, threads
 from vllm_actors.kernels.numpy_backend import NumpyBackend, available_host_memory
 from vllm_actors.kernels.ops import AttentionMetadata, RopeTables, WeightLike
 
@@ -34,6 +34,9 @@ class Linear:
     different formats, e.g. Q4_K q/k with a Q6_K v) whose outputs are laid side by side."""
 
     parts: tuple[qmatmul.QuantMatrix, ...]
+    # per part: the activation format its inputs take under --gguf-activations quantized
+    # (`activation_quant`), None for float32 inputs
+    formats: tuple[str | None, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -47,6 +50,13 @@ class StepRope:
     sin: np.ndarray
     rotary_dim: int
     interleaved: bool
+
+
+def _format(weight: WeightLike, matrix: qmatmul.QuantMatrix) -> str | None:
+    """The activation format of `weight` under the quantized semantics; None when it computes
+    in float32, or when `pack` converted its type (IQ*, ...: no llama.cpp semantics here)."""
+    fmt = getattr(weight, "activations", None)
+    return fmt if fmt is not None and matrix.qtype == weight.qtype else None
 
 
 def _matrix(weight: WeightLike) -> qmatmul.QuantMatrix:
@@ -96,21 +106,23 @@ class CpuBackend:
     # -- weights and buffers -------------------------------------------------------------
     def upload_linear(self, parts: Sequence[WeightLike]) -> Linear:
         mats = [_matrix(p) for p in parts]
-        if len(mats) > 1 and qmatmul.supports_fused(mats):
-            mats = [qmatmul.concat(mats)]
-        linear = Linear(tuple(self._keep(m) for m in mats))
-        return linear
+        formats = [_format(p, m) for p, m in zip(parts, mats)]
+        if len(mats) > 1 and qmatmul.supports_fused(mats) and len(set(formats)) == 1:
+            mats, formats = [qmatmul.concat(mats)], formats[:1]
+        return Linear(tuple(self._keep(m) for m in mats),
+                      tuple(formats) if any(formats) else ())
 
     def upload_table(self, weight: WeightLike) -> qmatmul.QuantMatrix:
         table = self._keep(_matrix(weight))
         self._tables[weight.name] = table
         return table
 
-    def upload_lm_head(self, weight: WeightLike) -> qmatmul.QuantMatrix:
+    def upload_lm_head(self, weight: WeightLike) -> Linear:
         table = self._tables.get(weight.name)   # the tied embedding, already uploaded
         if table is None:
             table = self._keep(_matrix(weight))
-        return table
+        fmt = _format(weight, table)
+        return Linear((table,), (fmt,) if fmt else ())
 
     def upload_vector(self, weight: WeightLike) -> np.ndarray:
         return np.ascontiguousarray(
@@ -144,9 +156,26 @@ class CpuBackend:
             return qmatmul.matmul(parts[0], x)
         return np.concatenate([qmatmul.matmul(p, x) for p in parts], axis=1)
 
+    def _quantized_matmul(self, x: np.ndarray, weight: Linear) -> np.ndarray:
+        """Each part's input as its activation format sees it (`activations.simulate`)."""
+        simulated: dict[str | None, tuple[np.ndarray, np.ndarray | None]] = {}
+        outs = []
+        for part, fmt in zip(weight.parts, weight.formats):
+            if fmt not in simulated:
+                simulated[fmt] = (x, None) if fmt is None else activations.simulate(x, fmt)
+            xs, delta = simulated[fmt]
+            y = qmatmul.matmul(part, xs)
+            if delta is not None:
+                activations.add_mins(qmatmul.min_plane(part), delta, y)
+            outs.append(y)
+        return outs[0] if len(outs) == 1 else np.concatenate(outs, axis=1)
+
     def linear(self, x: np.ndarray, weight: Linear, bias: np.ndarray | None = None
                ) -> np.ndarray:
-        y = self._matmul(x, weight.parts)
+        if weight.formats:
+            y = self._quantized_matmul(np.ascontiguousarray(x, dtype=np.float32), weight)
+        else:
+            y = self._matmul(x, weight.parts)
         if bias is not None:
             y += bias
         return y
@@ -203,6 +232,6 @@ class CpuBackend:
         return attention.paged_attention(q, kv_cache, attn, scale, window=window,
                                          softcap=softcap, sinks=sinks)
 
-    def lm_head(self, hidden: np.ndarray, head: qmatmul.QuantMatrix, rows: np.ndarray,
+    def lm_head(self, hidden: np.ndarray, head: Linear, rows: np.ndarray,
                 on_device: bool = False) -> np.ndarray:
-        return qmatmul.matmul(head, np.ascontiguousarray(hidden[rows]))
+        return self.linear(np.ascontiguousarray(hidden[rows]), head)

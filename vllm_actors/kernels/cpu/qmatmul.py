@@ -207,6 +207,11 @@ PREFETCH_BYTES = 16 << 10       # the GEMV kernels prefetch about this far ahead
 ROW_RUN = 32
 
 
+def min_plane(w: QuantMatrix) -> np.ndarray:
+    """Q4_1/Q5_1's float16 block mins `[N, K / 32]` (uint16 bits)."""
+    return w.planes[layout.PLANES[w.qtype].index("m")]
+
+
 def supports_fused(parts: Sequence[QuantMatrix]) -> bool:
     """Whether `concat` can stack these matrices (same type and columns)."""
     return len(parts) > 0 and all(p.qtype == parts[0].qtype and p.cols == parts[0].cols

@@ -46,7 +46,8 @@ class DraftModelProposer:
         self.backend = backend
         self.block_size = config.cache.block_size
         self.model = load_model(resolve_model(spec.model), backend, None,
-                                config.model.max_model_len or 0)
+                                config.model.max_model_len or 0,
+                                gguf_activations=config.model.gguf_activations)
         args = self.model.args
         if args.vocab_size != target_args.vocab_size:
             raise ValidationError(f"the draft model's vocabulary ({args.vocab_size} tokens) "

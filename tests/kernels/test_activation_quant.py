@@ -1,0 +1,95 @@
+"""`--gguf-activations quantized` against llama.cpp's own code: `tests/golden/ggml_quant.npz`
+(tests/oracle/make_ggml_quant_golden.py) holds the bytes ggml's x86 CPU quantizers write for
+edge and random inputs, and ggml's `vec_dot` of each weight type with them.
+
+- Each activation format equals ggml's bytes (numpy reference), and the compiled kernels equal
+  the numpy reference bit for bit.
+- A linear layer on the numpy and the cpu backend gives ggml's dot within float summation
+  order: 4e-6 of sum |w~ x~| over K = 1024 (float32 rounding of one sum is at most about
+  K * 2^-24 = 6e-5 of it in the worst case, about sqrt(K) * 2^-24 = 2e-6 typically). The same
+  layer under float32 semantics misses that bound, so the check tells the two apart.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from vllm_actors.kernels import activation_quant as aq
+from vllm_actors.kernels import quant
+from vllm_actors.kernels.cpu import activations
+from vllm_actors.kernels.cpu.backend import CpuBackend
+from vllm_actors.kernels.numpy_backend import NumpyBackend
+from vllm_actors.loaders.weights import RawTensor
+
+GOLDEN = np.load(Path(__file__).parents[1] / "golden" / "ggml_quant.npz")
+CASES = sorted({k.split("/")[1] for k in GOLDEN.files if k.startswith("act/")})
+DOT_TYPES = sorted({k.split("/")[1] for k in GOLDEN.files if k.startswith("dot/")})
+FORMATS = ("q8_0", "q8_1", "q8_k")
+ORDER_TOLERANCE = 4e-6
+
+
+def _x(case: str) -> np.ndarray:
+    return GOLDEN[f"act/{case}/x"].reshape(1, -1).astype(np.float32)
+
+
+def _bits16(values: np.ndarray, fmt: str) -> np.ndarray:
+    if fmt == "f16":
+        return values.astype(np.float16).view(np.uint8).reshape(-1)
+    return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(-1)
+
+
+def test_every_format_writes_ggml_bytes():
+    assert len(CASES) >= 10 and {"zeros", "half_ties", "max_both", "denormal"} <= set(CASES)
+    for case in CASES:
+        x = _x(case)
+        for fmt in FORMATS:
+            got = aq.quantize(x, fmt).to_bytes().reshape(-1)
+            assert np.array_equal(got, GOLDEN[f"act/{case}/{fmt}"].reshape(-1)), (case, fmt)
+        assert np.array_equal(_bits16(aq.round_f16(x), "f16"), GOLDEN[f"act/{case}/f16"]
+                              .reshape(-1)), case
+        assert np.array_equal(_bits16(aq.round_bf16(x), "bf16"), GOLDEN[f"act/{case}/bf16"]
+                              .reshape(-1)), case
+
+
+def test_compiled_quantizers_equal_the_reference():
+    rng = np.random.default_rng(3)
+    inputs = [_x(case) for case in CASES] + [
+        rng.standard_normal((5, 1536)).astype(np.float32) * 3,
+        np.tile(np.float32([127, 0.5, -0.5, 1.5, -2.5, 63.5, -126.5, 0]), (2, 64))]
+    for x in inputs:
+        for fmt in FORMATS + ("f16", "bf16"):
+            with np.errstate(invalid="ignore"):     # the 1e30 case's inf * 0
+                want, want_delta = aq.simulate(x, fmt)
+            got, got_delta = activations.simulate(x, fmt)
+            assert np.array_equal(got, want, equal_nan=True), fmt
+            assert (got_delta is None) == (want_delta is None), fmt
+            if want_delta is not None:
+                assert np.array_equal(got_delta, want_delta, equal_nan=True), fmt
+
+
+def _linear_outputs(backend, tensor: RawTensor, x: np.ndarray) -> np.ndarray:
+    return backend.linear(x, backend.upload_linear([tensor]))
+
+
+@pytest.mark.parametrize("backend", [NumpyBackend(), CpuBackend()], ids=["numpy", "cpu"])
+def test_linear_gives_ggml_vec_dot(backend):
+    assert len(DOT_TYPES) >= 12
+    for name in DOT_TYPES:
+        qtype = QT[name]
+        w, x, want = (GOLDEN[f"dot/{name}/{k}"] for k in ("w", "x", "out"))
+        rows, cols = len(w), x.shape[1]
+        fmt = aq.activation_format(qtype)
+        assert aq.ACTIVATION_FORMAT[qtype] == fmt and fmt is not None
+        data = w.view(np.uint16) if qtype in (QT.F16, QT.BF16) else w
+        tensor = RawTensor(f"dot.{name}", (rows, cols), int(qtype), data, fmt)
+        got = _linear_outputs(backend, tensor, x.astype(np.float32))
+        dense = quant.dequantize(data, qtype, (rows, cols))
+        magnitude = np.abs(aq.simulate(x, fmt)[0]) @ np.abs(dense).T
+        assert np.all(np.abs(got - want) <= ORDER_TOLERANCE * magnitude), name
+        exact = _linear_outputs(backend, RawTensor(tensor.name, tensor.shape, tensor.qtype,
+                                                   data), x.astype(np.float32))
+        assert np.mean(np.abs(exact - want) > ORDER_TOLERANCE * magnitude) > 0.5, name

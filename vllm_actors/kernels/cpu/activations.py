@@ -1,0 +1,157 @@
+"""`--gguf-activations quantized` on the compiled backend: the activation formats of
+`kernels.activation_quant` as numba kernels, bit for bit the numpy reference (and so
+llama.cpp's x86 quantizers), and the min term Q4_1/Q5_1 add.
+
+`simulate(x, fmt)` returns (x~, min_delta) as `activation_quant.simulate` does; the float
+matmul kernels then multiply x~ (see that module for why this is the semantics, up to float
+summation order). Compiled without fast math: `arcp` would turn amax / 127 into
+amax * (1 / 127), and the quantizers must round exactly as ggml does. Float16 rounding is
+done on the bits (`_f16_bits`), so it needs no F16C.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import prange
+
+from vllm_actors.kernels.cpu.intrinsics import bits_to_f32, f32_to_bits
+from vllm_actors.kernels.cpu.qmatmul_prims import HALF_LUT
+
+_EXACT = dict(cache=True, nogil=True, error_model="numpy", boundscheck=False)
+
+
+@numba.njit(inline="always", **_EXACT)
+def _f16_bits(f):  # type: ignore[no-untyped-def]
+    """float32 -> the bits of the nearest float16 (ties to even; overflow to inf)."""
+    b = f32_to_bits(np.float32(f))
+    sign = (b >> 16) & 0x8000
+    e = np.int32((b >> 23) & 0xFF)
+    m = b & 0x7FFFFF
+    if e == 0xFF:
+        return np.uint16(sign | 0x7C00 | (0x200 if m else 0))
+    exp = e - 112                       # e - 127 + 15
+    if exp >= 31:
+        return np.uint16(sign | 0x7C00)
+    if exp <= 0:
+        if exp < -10:
+            return np.uint16(sign)
+        m = m | 0x800000
+        shift = np.uint32(14 - exp)
+        r = m >> shift
+        rem = m & ((np.uint32(1) << shift) - 1)
+        half = np.uint32(1) << (shift - 1)
+        if rem > half or (rem == half and (r & 1)):
+            r += 1
+        return np.uint16(sign | r)
+    r = (np.uint32(exp) << 10) | (m >> 13)
+    rem = m & 0x1FFF
+    if rem > 0x1000 or (rem == 0x1000 and (r & 1)):
+        r += 1
+    return np.uint16(sign | r)
+
+
+@numba.njit(parallel=True, **_EXACT)
+def _q8_0(x, lut, out, delta, with_sum):  # type: ignore[no-untyped-def]
+    m, k = x.shape
+    for t in prange(m * (k // 32)):
+        i, b = t // (k // 32), t % (k // 32)
+        o = 32 * b
+        amax = np.float32(0)
+        for j in range(32):
+            amax = max(amax, abs(x[i, o + j]))
+        d32 = amax / np.float32(127)
+        inv = np.float32(127) / amax if amax != 0 else np.float32(0)
+        d = lut[_f16_bits(d32)]
+        total = np.int32(0)        # ggml's sum (wrapping), for s
+        stored = np.int32(0)       # the sum of the stored quants, for x~
+        for j in range(32):
+            q = np.rint(x[i, o + j] * inv)
+            if abs(q) < np.float32(2.0**31):
+                total += np.int32(q)
+            else:                  # inf, NaN: INT_MIN in the sum, -128 stored
+                total += np.int32(-2**31)
+                q = np.float32(-128)
+            q = min(max(q, np.float32(-128)), np.float32(127))
+            stored += np.int32(q)
+            out[i, o + j] = d * q
+        if with_sum:
+            s = lut[_f16_bits(d32 * np.float32(total))]
+            delta[i, b] = s - d * np.float32(stored)
+
+
+@numba.njit(parallel=True, **_EXACT)
+def _q8_k(x, out):  # type: ignore[no-untyped-def]
+    m, k = x.shape
+    for t in prange(m * (k // 256)):
+        i, b = t // (k // 256), t % (k // 256)
+        o = 256 * b
+        amax = np.float32(0)
+        peak = np.float32(0)
+        for j in range(256):
+            a = abs(x[i, o + j])
+            if a > amax:
+                amax = a
+                peak = x[i, o + j]
+        if amax == 0:
+            for j in range(256):
+                out[i, o + j] = 0
+            continue
+        iscale = np.float32(-127) / peak
+        d = np.float32(1) / iscale
+        for j in range(256):
+            q = np.rint(iscale * x[i, o + j])
+            if not np.isfinite(q):                  # as the numpy reference
+                q = np.float32(0)
+            out[i, o + j] = d * min(q, np.float32(127))
+
+
+@numba.njit(parallel=True, **_EXACT)
+def _round_16(x, lut, out, bf16):  # type: ignore[no-untyped-def]
+    m, k = x.shape
+    for i in prange(m):
+        for j in range(k):
+            if bf16:
+                b = f32_to_bits(x[i, j])
+                if (b & 0x7FFFFFFF) > 0x7F800000:
+                    b = (b | 0x00400000) & 0xFFFF0000
+                else:
+                    b = (b + (0x7FFF + ((b >> 16) & 1))) & 0xFFFF0000
+                out[i, j] = bits_to_f32(b)
+            else:
+                out[i, j] = lut[_f16_bits(x[i, j])]
+
+
+def simulate(x: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """(x~, min_delta) of `activation_quant.simulate`, x float32 `[M, K]` C-contiguous."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty_like(x)
+    if fmt in ("q8_0", "q8_1"):
+        with_sum = fmt == "q8_1"
+        delta = np.empty((x.shape[0], x.shape[1] // 32 if with_sum else 0), np.float32)
+        _q8_0(x, HALF_LUT, out, delta, with_sum)
+        return out, delta if with_sum else None
+    if fmt == "q8_k":
+        _q8_k(x, out)
+        return out, None
+    if fmt in ("f16", "bf16"):
+        _round_16(x, HALF_LUT, out, fmt == "bf16")
+        return out, None
+    raise ValueError(f"no activation format {fmt!r}")
+
+
+@numba.njit(parallel=True, **_EXACT)
+def _add_mins(mins, lut, delta, out):  # type: ignore[no-untyped-def]
+    n, nb = mins.shape
+    for r in prange(n):
+        for i in range(delta.shape[0]):
+            acc = np.float32(0)
+            for b in range(nb):
+                acc += lut[mins[r, b]] * delta[i, b]
+            out[i, r] += acc
+
+
+def add_mins(mins: np.ndarray, delta: np.ndarray, out: np.ndarray) -> None:
+    """out[M, N] += delta[M, K / 32] @ min[N, K / 32].T, the mins a float16 plane (Q4_1/Q5_1's
+    `m`): the part of their min term `simulate`'s x~ leaves out."""
+    _add_mins(mins, HALF_LUT, delta, out)
