@@ -108,6 +108,8 @@ class DeviceConfig:
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_coder")
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
+
+
 def _add_numerics_args(parser: argparse.ArgumentParser) -> None:
     """The flags that choose how numbers are computed and stored."""
     parser.add_argument("--gguf-activations", choices=GGUF_ACTIVATIONS, default="float32",

@@ -14,7 +14,7 @@ llama.cpp's x86 build computes them (`tests/golden/ggml_quant.npz` holds its byt
   int16 sums of every 16 quants (`bsums`) carry the K-quants' mins.
 - F16 / BF16 weights: x rounded to nearest even in that format.
 
-Why backends can run this semantics on their float kernels (`ActivationCodec.simulate`): a
+Why backends can run this semantics on their float kernels (`simulate`): a
 block's dot under it is sum(d_w * d_x * q_w . q_x) (+ min terms), which in exact arithmetic
 equals the float dot of the dequantized weight with the dequantized activation
 x~ = d_x * q_x, for every type but Q4_1/Q5_1: their min multiplies the float16-rounded s, not
@@ -39,7 +39,6 @@ ACTIVATION_FORMAT: dict[int, str] = {
     T.Q2_K: "q8_k", T.Q3_K: "q8_k", T.Q4_K: "q8_k", T.Q5_K: "q8_k", T.Q6_K: "q8_k",
     T.F16: "f16", T.BF16: "bf16",
 }
-BLOCK = {"q8_0": 32, "q8_1": 32, "q8_k": 256}
 _F127 = np.float32(127.0)
 
 

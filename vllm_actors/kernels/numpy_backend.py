@@ -207,7 +207,6 @@ class NumpyBackend:
             y += bias
         return y
 
-
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         mean_square = np.einsum("...i,...i->...", x, x) / np.float32(x.shape[-1])
         mean_square += np.float32(eps)

@@ -53,7 +53,8 @@ class RawTensor:
     def col_slice(self, start: int, stop: int) -> "RawTensor":
         """Columns [start, stop) of a 2-D weight `[out, in]` (input features). Quantized rows
         are cut on block boundaries; when the cut is not block-aligned the slice is
-        dequantized to float32 instead (logged by the caller's shapes: qtype becomes F32)."""
+        dequantized to float32 instead (logged by the caller's shapes: qtype becomes F32), and
+        computes in float32: its blocks would not be the file's."""
         rows = self.shape[0]
         if self.data.dtype != np.uint8:      # plain float data keeps its logical shape
             return replace(self, shape=(rows, stop - start),
@@ -66,7 +67,7 @@ class RawTensor:
         covering = quant.dequantize(data, self.qtype, (rows, (last - first) * block))
         dense = np.ascontiguousarray(covering[:, start - first * block:stop - first * block])
         return replace(self, shape=(rows, stop - start), qtype=int(GGMLQuantizationType.F32),
-                       data=dense)
+                       data=dense, activations=None)
 
     def with_zero_row(self) -> "RawTensor":
         """One more row of zeros at the end (all-zero bytes decode to 0.0 in every GGML type)."""
