@@ -4,9 +4,9 @@ llama.cpp's x86 quantizers), and the min term Q4_1/Q5_1 add.
 
 `simulate(x, fmt)` returns (x~, min_delta) as `activation_quant.simulate` does; the float
 matmul kernels then multiply x~ (see that module for why this is the semantics, up to float
-summation order). Compiled without fast math: `arcp` would turn amax / 127 into
-amax * (1 / 127), and the quantizers must round exactly as ggml does. Float16 rounding is
-done on the bits (`_f16_bits`), so it needs no F16C.
+summation order). The quantizers are compiled without fast math: `arcp` would turn
+amax / 127 into amax * (1 / 127), and they must round exactly as ggml does. Float16 rounding
+is done on the bits (`_f16_bits`), so it needs no F16C.
 """
 
 from __future__ import annotations
@@ -151,7 +151,16 @@ def _add_mins(mins, lut, delta, out):  # type: ignore[no-untyped-def]
             out[i, r] += acc
 
 
+# From this many rows of x the min term converts the mins and multiplies on BLAS. Measured on
+# 3072 x 18 mins, kernel vs BLAS: 512 rows 7.7 vs 2.8 ms, 16 rows 0.25 vs 0.44 ms (one row:
+# 0.023 ms in the kernel)
+BLAS_MIN_ROWS = 32
+
+
 def add_mins(mins: np.ndarray, delta: np.ndarray, out: np.ndarray) -> None:
     """out[M, N] += delta[M, K / 32] @ min[N, K / 32].T, the mins a float16 plane (Q4_1/Q5_1's
     `m`): the part of their min term `simulate`'s x~ leaves out."""
-    _add_mins(mins, HALF_LUT, delta, out)
+    if len(delta) >= BLAS_MIN_ROWS:
+        out += delta @ HALF_LUT[mins].T
+    else:
+        _add_mins(mins, HALF_LUT, delta, out)
