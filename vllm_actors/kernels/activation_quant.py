@@ -1,26 +1,11 @@
-"""llama.cpp's CPU semantics for quantized GGUF weights (`--gguf-activations quantized`): each
-matmul input is quantized per block to 8 bits (or rounded to 16 bits) in the format the
-weight type pairs with (ggml-cpu's `vec_dot_type`), and multiplied with exact integer block
-sums. This module is the numpy reference of those activation formats, bit for bit as
-llama.cpp's x86 build computes them (`tests/golden/ggml_quant.npz` holds its bytes):
+"""The activation formats of llama.cpp's CPU semantics (`--gguf-activations quantized`): each
+matmul input is quantized per block in the format its weight type pairs with (ggml-cpu's
+`vec_dot_type`: Q8_0, Q8_1, Q8_K, or rounded to F16/BF16), byte for byte as ggml's x86 build
+writes it (`tests/golden/ggml_quant.npz`). The numpy reference of every backend.
 
-- Q8_0 (Q4_0, Q5_0, Q8_0 weights; blocks of 32): d = amax / 127 stored as float16; the
-  quants are x * (127 / amax) rounded half to even (the AVX path, not the scalar reference's
-  `roundf`).
-- Q8_1 (Q4_1, Q5_1): Q8_0 plus s = float16(d * sum(q)) with the float32 d; the weight's min
-  multiplies s.
-- Q8_K (K-quants; blocks of 256): the element of largest magnitude, sign kept (the first of
-  equals), gives iscale = -127 / max; q = min(127, rint(iscale * x)); d = 1 / iscale as float32;
-  int16 sums of every 16 quants (`bsums`) carry the K-quants' mins.
-- F16 / BF16 weights: x rounded to nearest even in that format.
-
-Why backends can run this semantics on their float kernels (`simulate`): a
-block's dot under it is sum(d_w * d_x * q_w . q_x) (+ min terms), which in exact arithmetic
-equals the float dot of the dequantized weight with the dequantized activation
-x~ = d_x * q_x, for every type but Q4_1/Q5_1: their min multiplies the float16-rounded s, not
-the exact sum d_x16 * sum(q) of x~. `min_delta` is that difference per block, and the
-backends add min . min_delta. Results then differ from the integer kernels' only in float
-summation order.
+`simulate` gives what a block dot sees, x~ = d_x * q_x, so float kernels compute the semantics
+up to summation order; Q4_1/Q5_1 add min . (s - sum x~), since their min multiplies Q8_1's
+float16 sum s (ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -83,7 +68,9 @@ def _blocks(x: np.ndarray, size: int) -> np.ndarray:
 
 
 def quantize_q8_0(x: np.ndarray, with_sum: bool = False) -> Q8Blocks:
-    """Q8_0 (Q8_1 with `with_sum`) blocks of x `[M, K]`, as ggml's AVX path."""
+    """Q8_0 (Q8_1 with `with_sum`) blocks of 32 of x `[M, K]`, as ggml's AVX path: d = amax /
+    127 stored as float16, q = rint(x * 127 / amax) (ties to even); Q8_1's s = float16(d32 *
+    sum(q)) with the float32 d."""
     xb = _blocks(x, 32)
     amax = np.abs(xb).max(axis=-1)
     d32 = amax / _F127
@@ -105,7 +92,9 @@ def quantize_q8_0(x: np.ndarray, with_sum: bool = False) -> Q8Blocks:
 
 
 def quantize_q8_k(x: np.ndarray) -> Q8Blocks:
-    """Q8_K blocks of x `[M, K]`, as ggml's `quantize_row_q8_K_ref` (what x86 runs)."""
+    """Q8_K blocks of 256 of x `[M, K]`, as ggml's `quantize_row_q8_K_ref` (what x86 runs):
+    the first element of largest magnitude, sign kept, gives iscale = -127 / max; q = min(127,
+    rint(iscale * x)); d = 1 / iscale in float32; int16 `bsums` of every 16 quants."""
     xb = _blocks(x, 256)
     first = np.abs(xb).argmax(axis=-1)                  # the first of equal magnitudes
     peak = np.take_along_axis(xb, first[..., None], axis=-1)[..., 0]

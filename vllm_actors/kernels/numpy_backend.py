@@ -89,7 +89,7 @@ def segments(parts: Sequence[WeightLike]) -> tuple[Segment, ...]:
         mins = activation_quant.block_mins(p.data, p.qtype, p.shape) if fmt else None
         stop = start + int(p.shape[0])
         mins_t = None if mins is None else np.ascontiguousarray(mins.T)
-        if out and out[-1].fmt == fmt and (out[-1].mins is None) == (mins_t is None):
+        if out and out[-1].fmt == fmt:       # one format: mins for all (q8_1) or none
             prev = out[-1]
             joined = None if mins_t is None else np.concatenate([prev.mins, mins_t], axis=1)
             out[-1] = Segment(prev.start, stop, fmt, joined)
@@ -134,6 +134,10 @@ class LMHead:
     rows: np.ndarray
     cols: np.ndarray
     segments: tuple[Segment, ...] = ()   # under --gguf-activations quantized
+
+    def matmul(self, hidden: np.ndarray) -> np.ndarray:
+        """hidden `[M, D]` -> logits `[M, V]` in the faster layout for M."""
+        return hidden @ self.cols if len(hidden) == 1 else hidden @ self.rows.T
 
 
 class NumpyBackend:
@@ -336,15 +340,7 @@ class NumpyBackend:
     def lm_head(self, hidden: np.ndarray, head: LMHead, rows: np.ndarray,
                 on_device: bool = False) -> np.ndarray:
         hidden = hidden[rows]
-        if head.segments:
-            return quantized_matmul(hidden, head.cols, head.segments, _head_matmul(head))
-        if len(hidden) == 1:
-            return hidden @ head.cols
-        return hidden @ head.rows.T
-
-
-def _head_matmul(head: LMHead) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
-    """The head's float matmul: one row streams `cols`, more rows multiply `rows.T`."""
-    def matmul(x: np.ndarray, cols: np.ndarray) -> np.ndarray:
-        return x @ cols if len(x) == 1 else x @ head.rows.T
-    return matmul
+        if head.segments:    # one segment: the whole head, so `matmul` needs no weight
+            return quantized_matmul(hidden, head.cols, head.segments,
+                                    lambda x, _: head.matmul(x))
+        return head.matmul(hidden)

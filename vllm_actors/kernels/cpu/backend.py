@@ -173,7 +173,7 @@ class CpuBackend:
     def linear(self, x: np.ndarray, weight: Linear, bias: np.ndarray | None = None
                ) -> np.ndarray:
         if weight.formats:
-            y = self._quantized_matmul(np.ascontiguousarray(x, dtype=np.float32), weight)
+            y = self._quantized_matmul(x, weight)
         else:
             y = self._matmul(x, weight.parts)
         if bias is not None:

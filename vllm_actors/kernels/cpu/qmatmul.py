@@ -1,72 +1,21 @@
 """Matmul over weights kept in their GGUF formats: `x @ W.T`, W dequantized in registers.
 
-Layout (`qmatmul_layout`). A `QuantMatrix` keeps a weight `[N, K]` in its GGML type, split
-into planes: each field of the blocks (quants, fifth/high bits, scales, mins) one `[N, ...]`
-array, the same bytes moved; only Q3_K/Q4_K/Q5_K's 6-bit scales are widened to bytes. Memory
-is 1.0x the GGUF bytes (Q3_K 1.036x, Q4_K 1.028x, Q5_K 1.023x). Planar against raw blocks,
-measured on one core at M = 1 (min of runs): Q8_0 49152x576 6.07 vs 6.05 ms and 4096x4096
-1.689 vs 1.687 ms (an early scalar-sum kernel: no difference); Q4_0 0.097 vs 0.125 ns/weight
-at 3072x576, 0.119 vs 0.124 at 4096x4096, 0.098 vs 0.099 at 49152x576. Planar was never
-slower and keeps the kernels to plain 8-byte loads of one field, so every type is planar (raw
-K-quant kernels were not written). Float16 scales stay float16 bits, read through `HALF_LUT`;
-F16/BF16 weights stay 16-bit and are converted in registers (F16C / a shift).
+- Layout (`qmatmul_layout`): a `QuantMatrix` keeps each field of a type's blocks as one plane
+  `[N, ...]`, the same bytes moved (1.00-1.04x the file). Types without kernels (IQ*, TQ*,
+  MXFP4, ...) are converted once by `pack`: small tensors to F32, larger requantized to Q8_0.
+- `gemv` (M <= `GEMV_MAX_ROWS[type]`): one kernel per type, parallel over pairs of weight rows,
+  8-lane partial sums on the stack, offsets and mins through x's run sums.
+- `multi_gemv` (2 <= M <= `MULTI_MAX_ROWS[type]`): decodes each block once for every row of x
+  (speculative decoding's k+1 rows).
+- `matmul` beyond: the fused small-M GEMM (`qmatmul_fused`, M <= `FUSED_MAX_M`) or the blocked
+  GEMM (`qmatmul_gemm`: x packed into panels, tiles of W dequantized, a register-blocked
+  micro-kernel).
+The crossovers and the measurements behind each choice are in docs/BENCHMARKS.md ("Compiled
+CPU backend: kernel layout and dispatch").
 
-Types without kernels (IQ*, TQ*, MXFP4, Q8_K, ...) are converted once by `pack`: tensors up
-to `qmatmul_layout.CONVERT_F32_MAX` (2^20) weights are dequantized to F32 (no error), larger
-ones requantized to Q8_0 with `gguf.quants.quantize` from gguf-py's dequantization: every
-weight moves by less than max|w| / 226 over its block of 32 (half a Q8_0 step plus the float16
-rounding of the scale), and they take 8.5 bits per weight, so such a tensor exceeds the 1.15x
-memory bound (IQ4_NL, at 4.5 bits, takes 1.9x).
-
-`gemv` (M <= `GEMV_MAX_ROWS[type]`; M = 1 for the types of `multi_gemv` below): one numba
-kernel per type, prange over pairs of weight rows, weights decoded in registers into 8-lane
-partial sums on the stack (`qmatmul_legacy` explains the scheme), the rows ahead prefetched
-(short rows: Q8_0 49152x576 0.18 -> 0.08 ns/weight), offsets and mins through x's run sums.
-Below `SERIAL_MAX_WORK` it runs on the calling thread. `matmul` beyond that M: the blocked GEMM
-of `qmatmul_gemm` (x packed into 16-row panels, tiles of W dequantized to float32 by the rows
-kernels, a register-blocked micro-kernel near the FMA peak). It replaced tiles of W handed to
-single-threaded BLAS on a pool of Python threads: SmolLM2 at batch 16 went from 178.7 to 105.5
-ms/step (linear 126.5 -> 69.0 ms, LM head 22.1 -> 16.0; bench/profile_step.py --batch 16
---context 128).
-The crossover (`GEMV_MAX_ROWS`) was measured per type: the GEMV kernels decode W again for
-every row of x, so types that are costly to decode cross early (Q5_x, Q3_K, Q5_K, Q6_K at 3;
-Q2_K, Q4_K at 4; Q4_x, F16, BF16 at 6; Q8_0, F32 at 8).
-Measured (bench/cpu_matmul.py --threads 1, medians of 9, two runs; a 2-core AMD EPYC VM
-shared with other jobs, so runs differ by up to 2x; numpy is float32 `x @ W.T` on the
-pre-dequantized weight, one BLAS thread), ours vs numpy in ms at M = 1: Q8_0 49152x576
-2.8-3.0 vs 5.6-6.2, 4096x4096 1.3 vs 3.0-3.7, 28672x4096 9.2-11.0 vs 22-26; Q4_K 28672x4096
-13.8-17.9 vs 22-26; Q4_0 49152x576 3.7-4.2 vs 5.6-6.2; F16 28672x4096 14.1-16.4 vs 22-26.
-DRAM-bound shapes gain with the bytes saved. Where float32 W stays in cache (3072x576,
-576x1536: 7 and 3.5 MB) numpy is faster (0.25-0.9x): decoding costs 0.06 (Q8_0) to 0.2
-(Q6_K) ns per weight, more than BLAS reading cached floats. The GEMM against numpy's
-two-thread BLAS (bench/cpu_matmul.py --types Q4_1,Q8_0 --shapes smol --m 16,32,512, two
-threads): 0.39-0.61x at M = 16 on the cached shapes, 0.94-1.12x on the 49152x576 head;
-0.59-0.86x at M = 512. Its micro-kernel alone runs at 85-90 % of the FMA peak; the rest is
-the dequantize pass (Q4_1 0.25 ns/weight).
-
-`multi_gemv` (2 <= M <= `MULTI_MAX_ROWS[type]`; Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q6_K): the
-multi-row GEMV of `qmatmul_multi`, which decodes each block of W once for up to 9 rows of x
-(speculative decoding verifies k drafts as k+1 rows). Against what `matmul` ran before (the
-GEMV up to `GEMV_MAX_ROWS`, the fused GEMM beyond), two threads, ms, 20th percentiles of
-interleaved runs (the one-row GEMV at M = 1 in brackets): Q4_1 3072x576 (0.15) M = 2 0.40 ->
-0.21, 3 0.59 -> 0.27, 5 0.60 -> 0.23, 9 0.65 -> 0.43; 576x1536 (0.07) 0.14 -> 0.09, 0.15 ->
-0.08, 0.29 -> 0.14, 0.35 -> 0.23; 960x576 (0.05) 0.13 -> 0.08, 0.19 -> 0.10, 0.31 -> 0.11,
-0.27 -> 0.18; Q8_0 49152x576 (1.36-1.49) 2.41 -> 1.94, 3.53 -> 2.29, 4.98 -> 2.57, 8.60 ->
-4.27. SmolLM2 step (forward and LM head over every row, context 200, medians of 7, old and
-new interleaved, three runs; the host's load moves the ratios): M = 1 13.5-16.9 ms, M = 2
-1.09-1.24x that (old 1.37-1.64x), 3 1.25-1.62x (old 1.91-2.39x), 5 1.48-1.78x (old
-2.86-3.82x), 9 2.47-2.70x (old 3.12-3.99x); four runs of the new dispatch alone: 1.40-1.69x
-at 5, 2.03-2.37x at 9. Gemma 3 270M (Q5_0, Q4_K, Q6_K, a 262144-row Q8_0 head), two runs:
-M = 5 1.69-1.78x of M = 1 (old 3.2-3.5x), M = 9 2.55-2.86x (old 4.3-4.7x).
-The crossover to the fused GEMM, per type: Q4_x 12 (multi 1.08-1.18x faster at 12, 1.02-1.20x
-at 14), Q5_x 14 (1.09-1.23x at 14, 0.98-1.13x at 16), Q8_0 15 (1.11-1.29x at 15), Q4_K and
-Q6_K 9 (1.16-1.32x at 9, 0.87-0.95x at 12); all below 16, the warm-up's step size for the
-fused kernels. At M = 1 the one-row GEMVs stay: the multi-row kernel measured 0.68-0.81x of
-them on Q8_0, Q4_K and Q6_K, 0.86-1.06x on Q4_1.
-
-Compiled code is cached per kernel file by numba, which checks only that file: after editing
-`qmatmul_prims.py` or `qmatmul_simd.py` clear `__pycache__/*.nbi, *.nbc` here, or kernels
-keep the old intrinsics.
+numba caches compiled code per kernel file and checks only that file: after editing
+`qmatmul_prims.py` or `qmatmul_simd.py` clear `__pycache__/*.nbi, *.nbc` here, or kernels keep
+the old intrinsics.
 """
 
 from __future__ import annotations
