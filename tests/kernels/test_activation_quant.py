@@ -4,6 +4,8 @@ edge and random inputs, and ggml's `vec_dot` of each weight type with them.
 
 - Each activation format equals ggml's bytes (numpy reference), and the compiled kernels equal
   the numpy reference bit for bit.
+- The integer GEMV (`qmatmul_int`) gives the same floats on every SIMD path this CPU can run
+  (portable, AVX2, VNNI), and ggml's dot.
 - A linear layer on the numpy and the cpu backend gives ggml's dot within float summation
   order: 4e-6 of sum |w~ x~| over K = 1024 (float32 rounding of one sum is at most about
   K * 2^-24 = 6e-5 of it in the worst case, about sqrt(K) * 2^-24 = 2e-6 typically). The same
@@ -20,7 +22,7 @@ from gguf import GGMLQuantizationType as QT
 
 from vllm_actors.kernels import activation_quant as aq
 from vllm_actors.kernels import quant
-from vllm_actors.kernels.cpu import activations
+from vllm_actors.kernels.cpu import activations, isa, qmatmul, qmatmul_int
 from vllm_actors.kernels.cpu.backend import CpuBackend
 from vllm_actors.kernels.numpy_backend import NumpyBackend
 from vllm_actors.loaders.weights import RawTensor
@@ -93,3 +95,26 @@ def test_linear_gives_ggml_vec_dot(backend):
         exact = _linear_outputs(backend, RawTensor(tensor.name, tensor.shape, tensor.qtype,
                                                    data), x.astype(np.float32))
         assert np.mean(np.abs(exact - want) > ORDER_TOLERANCE * magnitude) > 0.5, name
+
+
+def test_every_simd_path_gives_the_same_floats_and_ggml_vec_dot(monkeypatch):
+    paths = isa.available()
+    assert paths[0] == "portable"
+    for name in DOT_TYPES:
+        qtype = QT[name]
+        if qtype not in qmatmul_int.KINDS:
+            continue
+        w, x, want = (GOLDEN[f"dot/{name}/{k}"] for k in ("w", "x", "out"))
+        matrix = qmatmul.pack(w, qtype, (len(w), x.shape[1]))
+        rows = activations.quantize_q8(x.astype(np.float32))
+        got = {p: qmatmul_int.matmul(matrix, rows, path=p) for p in paths}
+        assert all(np.array_equal(got[p], got["portable"]) for p in paths), name
+        dense = quant.dequantize(w, qtype, (len(w), x.shape[1]))
+        magnitude = np.abs(aq.simulate(x, aq.activation_format(qtype))[0]) @ np.abs(dense).T
+        assert np.all(np.abs(got["portable"] - want) <= ORDER_TOLERANCE * magnitude), name
+    for bad in ("sse9", "avx1024"):
+        monkeypatch.setenv(isa.ENV, bad)
+        with pytest.raises(ValueError, match=isa.ENV):
+            isa.selected()
+    monkeypatch.setenv(isa.ENV, "portable")
+    assert isa.selected() == "portable"

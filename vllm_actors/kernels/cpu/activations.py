@@ -11,6 +11,8 @@ is done on the bits (`_f16_bits`), so it needs no F16C.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numba
 import numpy as np
 from numba import prange
@@ -52,7 +54,10 @@ def _f16_bits(f):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(parallel=True, **_EXACT)
-def _q8_0(x, lut, out, delta, with_sum):  # type: ignore[no-untyped-def]
+def _q8_0(x, lut, qs, d, s, dsum):  # type: ignore[no-untyped-def]
+    """Q8_0/Q8_1 blocks of x `[M, K]`: quants qs int8 `[M, K]`, per block of 32 the scale d
+    (float16-rounded, as float32), Q8_1's stored sum s = f16(d32 * sum q) with ggml's
+    wrapping sum, and d * (the sum of the stored quants)."""
     m, k = x.shape
     for t in prange(m * (k // 32)):
         i, b = t // (k // 32), t % (k // 32)
@@ -62,9 +67,8 @@ def _q8_0(x, lut, out, delta, with_sum):  # type: ignore[no-untyped-def]
             amax = max(amax, abs(x[i, o + j]))
         d32 = amax / np.float32(127)
         inv = np.float32(127) / amax if amax != 0 else np.float32(0)
-        d = lut[_f16_bits(d32)]
         total = np.int32(0)        # ggml's sum (wrapping), for s
-        stored = np.int32(0)       # the sum of the stored quants, for x~
+        stored = np.int32(0)       # the sum of the stored quants
         for j in range(32):
             q = np.rint(x[i, o + j] * inv)
             if abs(q) < np.float32(2.0**31):
@@ -74,10 +78,39 @@ def _q8_0(x, lut, out, delta, with_sum):  # type: ignore[no-untyped-def]
                 q = np.float32(-128)
             q = min(max(q, np.float32(-128)), np.float32(127))
             stored += np.int32(q)
-            out[i, o + j] = d * q
-        if with_sum:
-            s = lut[_f16_bits(d32 * np.float32(total))]
-            delta[i, b] = s - d * np.float32(stored)
+            qs[i, o + j] = np.int8(q)
+        d[i, b] = lut[_f16_bits(d32)]
+        s[i, b] = lut[_f16_bits(d32 * np.float32(total))]
+        dsum[i, b] = d[i, b] * np.float32(stored)
+
+
+@numba.njit(parallel=True, **_EXACT)
+def _expand(qs, d, out):  # type: ignore[no-untyped-def]
+    """out = d * qs per block of 32: the x~ the quants stand for."""
+    m, k = qs.shape
+    for i in prange(m):
+        for j in range(k):
+            out[i, j] = d[i, j // 32] * np.float32(qs[i, j])
+
+
+@dataclass(frozen=True)
+class Q8Rows:
+    """x quantized to Q8_0/Q8_1 blocks (see `_q8_0`): what the integer kernels read."""
+
+    qs: np.ndarray     # int8 [M, K]
+    d: np.ndarray      # float32 [M, K / 32]
+    s: np.ndarray      # Q8_1's stored sum, float32 [M, K / 32]
+    dsum: np.ndarray   # d * sum of the stored quants, float32 [M, K / 32]
+
+
+def quantize_q8(x: np.ndarray) -> Q8Rows:
+    """x float32 `[M, K]` (K a multiple of 32) -> its Q8_0/Q8_1 blocks, bit for bit ggml's."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    m, k = x.shape
+    rows = Q8Rows(np.empty((m, k), np.int8), *(np.empty((m, k // 32), np.float32)
+                                               for _ in range(3)))
+    _q8_0(x, HALF_LUT, rows.qs, rows.d, rows.s, rows.dsum)
+    return rows
 
 
 @numba.njit(parallel=True, **_EXACT)
@@ -127,10 +160,12 @@ def simulate(x: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray | None]:
     x = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty_like(x)
     if fmt in ("q8_0", "q8_1"):
-        with_sum = fmt == "q8_1"
-        delta = np.empty((x.shape[0], x.shape[1] // 32 if with_sum else 0), np.float32)
-        _q8_0(x, HALF_LUT, out, delta, with_sum)
-        return out, delta if with_sum else None
+        rows = quantize_q8(x)
+        _expand(rows.qs, rows.d, out)
+        if fmt == "q8_0":
+            return out, None
+        with np.errstate(invalid="ignore"):     # inf - inf of a huge block, as ggml's
+            return out, rows.s - rows.dsum
     if fmt == "q8_k":
         _q8_k(x, out)
         return out, None

@@ -21,7 +21,14 @@ from typing import Any
 import numpy as np
 
 from vllm_actors.kernels import quant
-from vllm_actors.kernels.cpu import activations, attention, elementwise, qmatmul, threads
+from vllm_actors.kernels.cpu import (
+    activations,
+    attention,
+    elementwise,
+    qmatmul,
+    qmatmul_int,
+    threads,
+)
 from vllm_actors.kernels.numpy_backend import NumpyBackend, available_host_memory
 from vllm_actors.kernels.ops import AttentionMetadata, RopeTables, WeightLike
 
@@ -157,13 +164,20 @@ class CpuBackend:
         return np.concatenate([qmatmul.matmul(p, x) for p in parts], axis=1)
 
     def _quantized_matmul(self, x: np.ndarray, weight: Linear) -> np.ndarray:
-        """Each part's input as its activation format sees it (`activations.simulate`)."""
-        simulated: dict[str | None, tuple[np.ndarray, np.ndarray | None]] = {}
+        """Each part's input as its activation format sees it: the integer GEMV on x's Q8
+        blocks (`qmatmul_int`, few rows of the 32-weight block types), else x~ through the
+        float kernels (`activations.simulate`)."""
+        inputs: dict[str | None, Any] = {}
         outs = []
         for part, fmt in zip(weight.parts, weight.formats):
-            if fmt not in simulated:
-                simulated[fmt] = (x, None) if fmt is None else activations.simulate(x, fmt)
-            xs, delta = simulated[fmt]
+            if fmt in ("q8_0", "q8_1") and qmatmul_int.supports(part.qtype, len(x)):
+                if "q8" not in inputs:
+                    inputs["q8"] = activations.quantize_q8(x)
+                outs.append(qmatmul_int.matmul(part, inputs["q8"]))
+                continue
+            if fmt not in inputs:
+                inputs[fmt] = (x, None) if fmt is None else activations.simulate(x, fmt)
+            xs, delta = inputs[fmt]
             y = qmatmul.matmul(part, xs)
             if delta is not None:
                 activations.add_mins(qmatmul.min_plane(part), delta, y)

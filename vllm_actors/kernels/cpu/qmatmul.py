@@ -191,7 +191,8 @@ def pack(data: np.ndarray, qtype: int, shape: tuple[int, int]) -> QuantMatrix:
     return QuantMatrix(int(new_type), rows, cols, planes)
 
 
-def _prefetch_rows(w: QuantMatrix) -> int:
+def prefetch_rows(w: QuantMatrix) -> int:
+    """How many weight rows ahead the GEMVs prefetch (about `PREFETCH_BYTES`)."""
     return max(4, min(32, PREFETCH_BYTES * w.rows // max(1, w.nbytes)))
 
 
@@ -207,7 +208,7 @@ def gemv(w: QuantMatrix, x: np.ndarray, out: np.ndarray) -> None:
     _check_f32("x", x, (x.shape[0], w.cols))
     _check_f32("out", out, (x.shape[0], w.rows))
     threads = 1 if w.rows * w.cols * x.shape[0] <= SERIAL_MAX_WORK else 0
-    _KERNELS[w.qtype][0](*_kernel_args(w), HALF_LUT, x, out, _prefetch_rows(w), threads)
+    _KERNELS[w.qtype][0](*_kernel_args(w), HALF_LUT, x, out, prefetch_rows(w), threads)
 
 
 def multi_gemv(w: QuantMatrix, x: np.ndarray, out: np.ndarray) -> None:
@@ -217,7 +218,7 @@ def multi_gemv(w: QuantMatrix, x: np.ndarray, out: np.ndarray) -> None:
     _check_f32("out", out, (x.shape[0], w.rows))
     threads = 1 if w.rows * w.cols * x.shape[0] <= SERIAL_MAX_WORK else 0
     chunk = _multi_chunk(w.rows, numba.get_num_threads() if threads == 0 else 1)
-    _MULTI[w.qtype](*_kernel_args(w), HALF_LUT, x, out, _prefetch_rows(w), chunk, threads)
+    _MULTI[w.qtype](*_kernel_args(w), HALF_LUT, x, out, prefetch_rows(w), chunk, threads)
 
 
 def _multi_chunk(rows: int, threads: int) -> int:

@@ -33,20 +33,20 @@ _I8X8 = ir.VectorType(ir.IntType(8), 8)
 _I32X8 = ir.VectorType(_I32, 8)
 
 
-def _ptr(context, builder, aryty, ary, idxty, idx, vecty):  # type: ignore[no-untyped-def]
+def vector_ptr(context, builder, aryty, ary, idxty, idx, vecty):  # type: ignore[no-untyped-def]
     """Pointer to element `idx` of the array, as a pointer to `vecty`."""
     a = context.make_array(aryty)(context, builder, ary)
     i = context.cast(builder, idx, idxty, types.intp)
     return builder.bitcast(builder.gep(a.data, [i]), vecty.as_pointer())
 
 
-def _splat(builder, value, vecty):  # type: ignore[no-untyped-def]
+def splat(builder, value, vecty):  # type: ignore[no-untyped-def]
     v = builder.insert_element(ir.Constant(vecty, ir.Undefined), value, _I32(0))
     mask = ir.Constant(ir.VectorType(_I32, vecty.count), [0] * vecty.count)
     return builder.shuffle_vector(v, ir.Constant(vecty, ir.Undefined), mask)
 
 
-def _fma(builder, a, b, c):  # type: ignore[no-untyped-def]
+def fmuladd(builder, a, b, c):  # type: ignore[no-untyped-def]
     """a * b + c on vectors: one FMA where the CPU has them (llvm.fmuladd; llvm.fma would
     become per-lane library calls on a CPU without)."""
     name = f"llvm.fmuladd.v{a.type.count}f32"
@@ -74,7 +74,7 @@ def vzero(typingctx, arr, i):  # type: ignore[no-untyped-def]
         return None
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        p = _ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _V8)
+        p = vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _V8)
         builder.store(ir.Constant(_V8, [0.0] * 8), p, align=4)
         return context.get_dummy_value()
     return types.none(arr, i), codegen
@@ -87,7 +87,7 @@ def vsum(typingctx, arr, i):  # type: ignore[no-untyped-def]
         return None
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        v = builder.load(_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1],
+        v = builder.load(vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1],
                               _V8), align=4)
         for half in (4, 2, 1):
             parts = [builder.shuffle_vector(
@@ -126,7 +126,7 @@ def vrows(typingctx, acc, w, x, xi, g, r):  # type: ignore[no-untyped-def]
             for kk in range(rows_w):
                 t = builder.fmul(ws[kk][0], xs[0])
                 for c in range(1, 4):
-                    t = _fma(builder, ws[kk][c], xs[c], t)
+                    t = fmuladd(builder, ws[kk][c], xs[c], t)
                 p = builder.gep(pa, [_I32(rows_w * j + kk)])
                 builder.store(builder.fadd(builder.load(p, align=4), t), p, align=4)
         return context.get_dummy_value()
@@ -140,16 +140,16 @@ def vnib(typingctx, w, wi, q, qi, shift, scale, bias):  # type: ignore[no-untype
         return None
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        pq = _ptr(context, builder, sig.args[2], args[2], sig.args[3], args[3], _I8X8)
+        pq = vector_ptr(context, builder, sig.args[2], args[2], sig.args[3], args[3], _I8X8)
         v = builder.zext(builder.load(pq, align=1), _I32X8)
         sh = context.cast(builder, args[4], sig.args[4], types.int32)
-        v = builder.and_(builder.lshr(v, _splat(builder, sh, _I32X8)),
+        v = builder.and_(builder.lshr(v, splat(builder, sh, _I32X8)),
                          ir.Constant(_I32X8, [15] * 8))
         f = builder.sitofp(v, _V8)
-        s = _splat(builder, _scalar(context, builder, sig, args, 5), _V8)
-        b = _splat(builder, _scalar(context, builder, sig, args, 6), _V8)
-        pw = _ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _V8)
-        builder.store(_fma(builder, f, s, b), pw, align=4)
+        s = splat(builder, _scalar(context, builder, sig, args, 5), _V8)
+        b = splat(builder, _scalar(context, builder, sig, args, 6), _V8)
+        pw = vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _V8)
+        builder.store(fmuladd(builder, f, s, b), pw, align=4)
         return context.get_dummy_value()
     return types.none(w, wi, q, qi, shift, scale, bias), codegen
 
@@ -162,22 +162,22 @@ def vq5(typingctx, w, wi, q, qi, shift, bits, first, scale, bias):  # type: igno
         return None
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        pq = _ptr(context, builder, sig.args[2], args[2], sig.args[3], args[3], _I8X8)
+        pq = vector_ptr(context, builder, sig.args[2], args[2], sig.args[3], args[3], _I8X8)
         v = builder.zext(builder.load(pq, align=1), _I32X8)
         sh = context.cast(builder, args[4], sig.args[4], types.int32)
-        v = builder.and_(builder.lshr(v, _splat(builder, sh, _I32X8)),
+        v = builder.and_(builder.lshr(v, splat(builder, sh, _I32X8)),
                          ir.Constant(_I32X8, [15] * 8))
-        first = _splat(builder, context.cast(builder, args[6], sig.args[6], types.int32),
+        first = splat(builder, context.cast(builder, args[6], sig.args[6], types.int32),
                        _I32X8)
-        hb = _splat(builder, context.cast(builder, args[5], sig.args[5], types.uint32), _I32X8)
+        hb = splat(builder, context.cast(builder, args[5], sig.args[5], types.uint32), _I32X8)
         hb = builder.lshr(hb, builder.add(first, ir.Constant(_I32X8, list(range(8)))))
         hb = builder.shl(builder.and_(hb, ir.Constant(_I32X8, [1] * 8)),
                          ir.Constant(_I32X8, [4] * 8))
         f = builder.sitofp(builder.or_(v, hb), _V8)
-        s = _splat(builder, _scalar(context, builder, sig, args, 7), _V8)
-        b = _splat(builder, _scalar(context, builder, sig, args, 8), _V8)
-        pw = _ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _V8)
-        builder.store(_fma(builder, f, s, b), pw, align=4)
+        s = splat(builder, _scalar(context, builder, sig, args, 7), _V8)
+        b = splat(builder, _scalar(context, builder, sig, args, 8), _V8)
+        pw = vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _V8)
+        builder.store(fmuladd(builder, f, s, b), pw, align=4)
         return context.get_dummy_value()
     return types.none(w, wi, q, qi, shift, bits, first, scale, bias), codegen
 
@@ -189,10 +189,10 @@ def vi8(typingctx, w, wi, q, qi, scale):  # type: ignore[no-untyped-def]
         return None
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        pq = _ptr(context, builder, sig.args[2], args[2], sig.args[3], args[3], _I8X8)
+        pq = vector_ptr(context, builder, sig.args[2], args[2], sig.args[3], args[3], _I8X8)
         f = builder.sitofp(builder.load(pq, align=1), _V8)
-        s = _splat(builder, _scalar(context, builder, sig, args, 4), _V8)
-        pw = _ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _V8)
+        s = splat(builder, _scalar(context, builder, sig, args, 4), _V8)
+        pw = vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _V8)
         builder.store(builder.fmul(f, s), pw, align=4)
         return context.get_dummy_value()
     return types.none(w, wi, q, qi, scale), codegen
@@ -206,18 +206,18 @@ def vq6(typingctx, w, wi, ql, li, ls, qh, hi, hs, scale):  # type: ignore[no-unt
         return None
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        lo = builder.zext(builder.load(_ptr(context, builder, sig.args[2], args[2],
+        lo = builder.zext(builder.load(vector_ptr(context, builder, sig.args[2], args[2],
                                             sig.args[3], args[3], _I8X8), align=1), _I32X8)
-        hb = builder.zext(builder.load(_ptr(context, builder, sig.args[5], args[5],
+        hb = builder.zext(builder.load(vector_ptr(context, builder, sig.args[5], args[5],
                                             sig.args[6], args[6], _I8X8), align=1), _I32X8)
-        lsh = _splat(builder, context.cast(builder, args[4], sig.args[4], types.int32), _I32X8)
-        hsh = _splat(builder, context.cast(builder, args[7], sig.args[7], types.int32), _I32X8)
+        lsh = splat(builder, context.cast(builder, args[4], sig.args[4], types.int32), _I32X8)
+        hsh = splat(builder, context.cast(builder, args[7], sig.args[7], types.int32), _I32X8)
         lo = builder.and_(builder.lshr(lo, lsh), ir.Constant(_I32X8, [15] * 8))
         hb = builder.shl(builder.and_(builder.lshr(hb, hsh), ir.Constant(_I32X8, [3] * 8)),
                          ir.Constant(_I32X8, [4] * 8))
         q = builder.sub(builder.or_(lo, hb), ir.Constant(_I32X8, [32] * 8))
-        s = _splat(builder, _scalar(context, builder, sig, args, 8), _V8)
-        pw = _ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _V8)
+        s = splat(builder, _scalar(context, builder, sig, args, 8), _V8)
+        pw = vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _V8)
         builder.store(builder.fmul(builder.sitofp(q, _V8), s), pw, align=4)
         return context.get_dummy_value()
     return types.none(w, wi, ql, li, ls, qh, hi, hs, scale), codegen

@@ -1,0 +1,71 @@
+"""The integer GEMV of `--gguf-activations quantized` (`kernels/cpu/qmatmul_int.py`) against
+the float kernels at one row of x, on every SIMD path this CPU can run.
+
+Rows: the float32 semantics' GEMV, the quantized semantics through x~ and the float kernels
+(`activations.simulate`, the path before the integer kernel), the Q8 quantizer alone, and the
+integer GEMV forced onto each path (`portable`, `avx2`, `avx512`). Medians of `--runs` timings
+of `--reps` calls each, in microseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from gguf import quants
+
+from vllm_actors.kernels import activation_quant
+from vllm_actors.kernels.cpu import activations, isa, qmatmul, qmatmul_int, threads
+
+SHAPES = [(T.Q4_1, 3072, 576), (T.Q4_1, 576, 1536), (T.Q5_0, 4096, 4096),
+          (T.Q4_0, 4096, 4096), (T.Q8_0, 49152, 576)]
+
+
+def _time(fn: Callable[[], object], runs: int, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        times.append((time.perf_counter() - t0) / reps * 1e6)
+    return statistics.median(times)
+
+
+def _simulated(w: qmatmul.QuantMatrix, x: np.ndarray, fmt: str) -> None:
+    xs, delta = activations.simulate(x, fmt)
+    y = qmatmul.matmul(w, xs)
+    if delta is not None:
+        activations.add_mins(qmatmul.min_plane(w), delta, y)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    print(f"threads {threads.configure(args.threads)}, paths {', '.join(isa.available())}")
+    rng = np.random.default_rng(0)
+    for qtype, n, k in SHAPES:
+        w = qmatmul.pack(quants.quantize(rng.standard_normal((n, k)).astype(np.float32), qtype),
+                         qtype, (n, k))
+        x = rng.standard_normal((1, k)).astype(np.float32)
+        fmt = activation_quant.activation_format(qtype)
+        reps = max(3, int(2e8 / (n * k)))
+        rows = activations.quantize_q8(x)
+        cells = {"float32": _time(lambda: qmatmul.matmul(w, x), args.runs, reps),
+                 "x~ + float": _time(lambda: _simulated(w, x, fmt), args.runs, reps),
+                 "quantize": _time(lambda: activations.quantize_q8(x), args.runs, reps)}
+        for path in isa.available():
+            cells[f"int {path}"] = _time(lambda p=path: qmatmul_int.matmul(w, rows, path=p),
+                                         args.runs, reps)
+        print(f"{qtype.name} {n}x{k}: " + ", ".join(f"{k_} {v:.0f}" for k_, v in cells.items()),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

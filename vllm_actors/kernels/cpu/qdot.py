@@ -1,0 +1,108 @@
+"""The integer dot product of one 32-weight block with one Q8 activation block, as a numba
+intrinsic: `qdot(isa, kind, acc, ai, q, qi, bits, x, xi, scale)` adds
+`scale * lanes(w . x)` to the float32 accumulator acc[ai:ai+8].
+
+- `kind` (a literal) says how the block's 32 weights are stored at q.flat[qi]: 4 = 16 bytes
+  of nibbles, element j < 16 the low nibble of byte j and j >= 16 the high nibble of byte
+  j - 16 (Q4_0, Q4_1); 5 = the same plus the fifth bit j of `bits` (Q5_0, Q5_1); 8 = 32 int8
+  (Q8_0). Offsets (-8, -16) and mins are not applied here: the caller adds them through the
+  activation block's sum.
+- `isa` (a literal, `isa.code`) picks the instructions: portable widening multiplies,
+  AVX2's `vpmaddubsw` + `vpmaddwd`, or VNNI's `vpdpbusd`. Each gives int32 lane i = the sum
+  of the products of bytes 4i..4i+3, exactly, so every path produces the same floats.
+- x is int8 at x.flat[xi]. Q8_0 weights are signed: the AVX2 and VNNI paths multiply |w| by
+  x with w's sign (llama.cpp's trick), exact unless x holds -128 (only a NaN block does).
+
+One block per call, with the accumulator in a stack array that LLVM keeps in a register:
+the kernels' loops stay numba code, and nothing moves between numba tuples and vectors.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from vllm_actors.kernels.cpu.isa import code
+from vllm_actors.kernels.cpu.qmatmul_simd import fmuladd, splat, vector_ptr
+
+_I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+_B32 = ir.VectorType(_I8, 32)
+_B16 = ir.VectorType(_I8, 16)
+_W16 = ir.VectorType(_I16, 16)
+_L8 = ir.VectorType(_I32, 8)
+_F8 = ir.VectorType(ir.FloatType(), 8)
+PORTABLE, AVX2, AVX512 = code("portable"), code("avx2"), code("avx512")
+
+
+def _call(builder, name, ret, args):  # type: ignore[no-untyped-def]
+    fn = builder.module.globals.get(name) or ir.Function(
+        builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+def _weights(context, builder, sig, args, kind):  # type: ignore[no-untyped-def]
+    """The block's 32 weights as <32 x i8> (unsigned nibbles/5-bit values, or int8)."""
+    if kind == 8:
+        p = vector_ptr(context, builder, sig.args[4], args[4], sig.args[5], args[5], _B32)
+        return builder.load(p, align=1)
+    p = vector_ptr(context, builder, sig.args[4], args[4], sig.args[5], args[5], _B16)
+    packed = builder.load(p, align=1)
+    lo = builder.and_(packed, ir.Constant(_B16, [15] * 16))
+    hi = builder.lshr(packed, ir.Constant(_B16, [4] * 16))
+    w = builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
+    if kind == 5:
+        bits = context.cast(builder, args[6], sig.args[6], types.uint32)
+        mask = builder.bitcast(bits, ir.VectorType(ir.IntType(1), 32))
+        fifth = builder.select(mask, ir.Constant(_B32, [16] * 32), ir.Constant(_B32, [0] * 32))
+        w = builder.or_(w, fifth)
+    return w
+
+
+def _lanes_portable(builder, w, x, signed_w):  # type: ignore[no-untyped-def]
+    wide = ir.VectorType(_I32, 32)
+    p = builder.mul((builder.sext if signed_w else builder.zext)(w, wide), builder.sext(x, wide))
+    quarters = [builder.shuffle_vector(p, ir.Constant(wide, ir.Undefined),
+                                       ir.Constant(_L8, list(range(t, 32, 4))))
+                for t in range(4)]
+    return builder.add(builder.add(quarters[0], quarters[1]),
+                       builder.add(quarters[2], quarters[3]))
+
+
+def _lanes(builder, isa, w, x, signed_w):  # type: ignore[no-untyped-def]
+    """int32 lane i = sum over t < 4 of w[4i+t] * x[4i+t]."""
+    if isa == PORTABLE:
+        return _lanes_portable(builder, w, x, signed_w)
+    if signed_w:      # |w| unsigned, x carrying w's sign
+        neg = builder.icmp_signed("<", w, ir.Constant(_B32, [0] * 32))
+        w = builder.select(neg, builder.neg(w), w)
+        x = builder.select(neg, builder.neg(x), x)
+    if isa == AVX512:
+        return _call(builder, "llvm.x86.avx512.vpdpbusd.256", _L8,
+                     [ir.Constant(_L8, [0] * 8), builder.bitcast(w, _L8),
+                      builder.bitcast(x, _L8)])
+    pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _W16, [w, x])
+    return _call(builder, "llvm.x86.avx2.pmadd.wd", _L8,
+                 [pairs, ir.Constant(_W16, [1] * 16)])
+
+
+@intrinsic
+def qdot(typingctx, isa, kind, acc, ai, q, qi, bits, x, xi, scale):  # type: ignore[no-untyped-def]
+    """acc[ai:ai+8] += scale * lanes(block of q . block of x); see the module docstring."""
+    if not (isinstance(isa, types.IntegerLiteral) and isinstance(kind, types.IntegerLiteral)
+            and kind.literal_value in (4, 5, 8) and isinstance(acc, types.Array)
+            and acc.dtype == types.float32 and isinstance(x, types.Array)
+            and x.dtype == types.int8 and isinstance(q, types.Array)):
+        return None
+    path, form = isa.literal_value, kind.literal_value
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        w = _weights(context, builder, sig, args, form)
+        xv = builder.load(vector_ptr(context, builder, sig.args[7], args[7], sig.args[8],
+                                     args[8], _B32), align=1)
+        lanes = builder.sitofp(_lanes(builder, path, w, xv, form == 8), _F8)
+        s = splat(builder, context.cast(builder, args[9], sig.args[9], types.float32), _F8)
+        pa = vector_ptr(context, builder, sig.args[2], args[2], sig.args[3], args[3], _F8)
+        builder.store(fmuladd(builder, lanes, s, builder.load(pa, align=4)), pa, align=4)
+        return context.get_dummy_value()
+    return types.none(isa, kind, acc, ai, q, qi, bits, x, xi, scale), codegen

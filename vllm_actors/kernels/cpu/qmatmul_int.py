@@ -1,0 +1,140 @@
+"""`--gguf-activations quantized` with integer dot products, as llama.cpp computes it: x
+quantized once to Q8_0/Q8_1 blocks (`activations.quantize_q8`), each weight block multiplied
+with them as exact int32 lanes (`qdot`, on the SIMD path `isa.selected()` names), scaled by
+d_w * d_x into 8 float lanes.
+
+Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (the 32-weight blocks). Per block, with q the stored
+quants of x, d_x its scale, S_x = d_x * sum q and s_x Q8_1's stored sum:
+  Q4_0: d_w d_x (nib . q) - 8 d_w S_x        Q4_1: d_w d_x (nib . q) + m_w s_x
+  Q5_0: d_w d_x (q5 . q) - 16 d_w S_x        Q5_1: d_w d_x (q5 . q) + m_w s_x
+  Q8_0: d_w d_x (w . q)
+the same numbers as llama.cpp's `vec_dot_*_q8_*`, which adds the offset inside the integer
+sum (equal up to float rounding). Parallel over pairs of weight rows, as the float GEMVs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numba
+import numpy as np
+from gguf import GGMLQuantizationType
+from numba import prange, types
+
+from vllm_actors.kernels.cpu import activations, isa
+from vllm_actors.kernels.cpu.jit import kernel
+from vllm_actors.kernels.cpu.qdot import qdot
+from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix, prefetch_rows
+from vllm_actors.kernels.cpu.qmatmul_prims import (
+    HALF_LUT,
+    limit_threads,
+    prefetch,
+    restore_threads,
+    stack_f32,
+)
+
+T = GGMLQuantizationType
+
+# type -> (qdot's kind, the offset its unsigned quants carry)
+KINDS: dict[int, tuple[int, int]] = {T.Q4_0: (4, -8), T.Q4_1: (4, 0), T.Q5_0: (5, -16),
+                                     T.Q5_1: (5, 0), T.Q8_0: (8, 0)}
+# Up to this many rows of x, `matmul` runs the integer GEMV; beyond, x~ through the float
+# kernels (`activations.simulate`). The GEMV decodes each weight block again for every row of
+# x, so from 2 rows the float multi-row GEMV (one decode for all rows) is faster (measured in
+# docs/BENCHMARKS.md, "Integer dot products").
+MAX_ROWS = 1
+
+_NO_U32 = np.zeros((0, 0), np.uint32)
+_NO_U16 = np.zeros((0, 0), np.uint16)
+
+
+@kernel(parallel=True)
+def gemv(path, kind, offset, qs, qh, d, mn, lut, xq, xd, xs, out, dist, threads):  # type: ignore[no-untyped-def]
+    """out[M, N] = the quantized semantics' x @ W.T; `xs` is s_x (types with mins) or S_x."""
+    numba.literally(path)
+    numba.literally(kind)
+    prev = limit_threads(threads)
+    n, rb = qs.shape
+    k = xq.shape[1]
+    nb = k // 32
+    step = rb // nb                     # quant bytes per block: 16 or 32
+    has_min = mn.shape[0] > 0
+    for g in prange((n + 1) // 2):
+        r0 = 2 * g
+        r1 = min(r0 + 1, n - 1)
+        p0 = min(r0 + dist, n - 1) * rb
+        p1 = min(r0 + dist + 1, n - 1) * rb
+        acc = stack_f32(16)
+        for m in range(xq.shape[0]):
+            for i in range(16):
+                acc[i] = 0
+            off0 = np.float32(0)
+            off1 = np.float32(0)
+            for b in range(nb):
+                prefetch(qs, p0 + b * step)
+                prefetch(qs, p1 + b * step)
+                dx = xd[m, b]
+                d0 = lut[d[r0, b]]
+                d1 = lut[d[r1, b]]
+                h0 = qh[r0, b] if kind == 5 else 0
+                h1 = qh[r1, b] if kind == 5 else 0
+                qdot(path, kind, acc, 0, qs, r0 * rb + b * step, h0, xq, m * k + 32 * b, d0 * dx)
+                qdot(path, kind, acc, 8, qs, r1 * rb + b * step, h1, xq, m * k + 32 * b, d1 * dx)
+                if has_min:
+                    off0 += lut[mn[r0, b]] * xs[m, b]
+                    off1 += lut[mn[r1, b]] * xs[m, b]
+                elif offset != 0:
+                    off0 += d0 * xs[m, b]
+                    off1 += d1 * xs[m, b]
+            if not has_min:
+                off0 *= np.float32(offset)
+                off1 *= np.float32(offset)
+            out[m, r0] = acc[0:8].sum() + off0
+            if r0 + 1 < n:
+                out[m, r0 + 1] = acc[8:16].sum() + off1
+    restore_threads(prev)
+
+
+_ENTRIES: dict[tuple[Any, ...], Any] = {}
+
+
+def _call(path: int, kind: int, *args: Any) -> None:
+    """gemv(path, kind, *args) through the compiled entry point of its signature: numba's
+    literal dispatch (`numba.literally`) retypes every call, about 50 ms."""
+    key = (path, kind) + tuple((a.dtype.num, a.ndim, a.flags.c_contiguous, a.flags.writeable)
+                               if isinstance(a, np.ndarray) else type(a) for a in args)
+    entry = _ENTRIES.get(key)
+    if entry is None:
+        gemv(path, kind, *args)            # compiles, or loads from the cache
+        sig = (types.literal(path), types.literal(kind)) + tuple(
+            gemv.typeof_pyval(a) for a in args)
+        _ENTRIES[key] = gemv.overloads[sig].entry_point
+        return
+    entry(path, kind, *args)
+
+
+# Types the backend sends here. Q8_0 is left on the float kernels: its signed quants cost the
+# integer path an abs and two selects per block, and the LM head (Q8_0 49152 x 576) measured
+# 1.76-1.88 ms against 1.16-1.50 ms (docs/BENCHMARKS.md, "Integer dot products").
+FASTER = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1})
+
+
+def supports(qtype: int, rows: int) -> bool:
+    """Whether the backend should take `matmul` for a weight of `qtype` at `rows` rows of x."""
+    return qtype in FASTER and rows <= MAX_ROWS
+
+
+def matmul(w: QuantMatrix, x: activations.Q8Rows, path: str | None = None) -> np.ndarray:
+    """x's Q8 blocks `[M, K]` -> `[M, N]` under the quantized semantics, W of a type in
+    `KINDS`. `path` forces a SIMD path (default `isa.selected()`)."""
+    kind, offset = KINDS[w.qtype]
+    qs, rest = w.planes[0], w.planes[1:]
+    qh = rest[0] if kind == 5 else _NO_U32
+    d = rest[1] if kind == 5 else rest[0]
+    mn = rest[-1] if w.qtype in (T.Q4_1, T.Q5_1) else _NO_U16
+    m = x.qs.shape[0]
+    out = np.empty((m, w.rows), np.float32)
+    threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
+    _call(isa.code(path or isa.selected()), kind, offset, qs, qh, d, mn, HALF_LUT, x.qs, x.d,
+          x.s if mn.size else x.dsum, out, prefetch_rows(w), threads)
+    return out
