@@ -165,7 +165,7 @@ class CpuBackend:
 
     def _quantized_matmul(self, x: np.ndarray, weight: Linear) -> np.ndarray:
         """Each part's input as its activation format sees it: the integer GEMV on x's Q8
-        blocks (`qmatmul_int`, few rows of the 32-weight block types), else x~ through the
+        blocks (`qmatmul_int`: one row, Q4_0/Q4_1/Q5_0/Q5_1), else x~ through the
         float kernels (`activations.simulate`)."""
         inputs: dict[str | None, Any] = {}
         outs = []
