@@ -14,8 +14,8 @@ The crossovers and the measurements behind each choice are in docs/BENCHMARKS.md
 CPU backend: kernel layout and dispatch").
 
 numba caches compiled code per kernel file and checks only that file: after editing
-`qmatmul_prims.py` or `qmatmul_simd.py` clear `__pycache__/*.nbi, *.nbc` here, or kernels keep
-the old intrinsics.
+`qmatmul_prims.py`, `qmatmul_simd.py` or `qdot.py` clear `__pycache__/*.nbi, *.nbc` here,
+or kernels keep the old intrinsics.
 """
 
 from __future__ import annotations
