@@ -1,4 +1,5 @@
-"""The integer GEMV of `--gguf-activations quantized` (`kernels/cpu/qmatmul_int.py`) against
+"""The integer GEMVs of `--gguf-activations quantized` (`kernels/cpu/qmatmul_int.py`, the
+K-quants' `qmatmul_int_k.py`) against
 the float kernels at one row of x, on every SIMD path this CPU can run.
 
 Rows: the float32 semantics' GEMV, the quantized semantics through x~ and the float kernels
@@ -11,18 +12,25 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 
 from vllm_actors.kernels import activation_quant
-from vllm_actors.kernels.cpu import activations, isa, qmatmul, qmatmul_int, threads
+from vllm_actors.kernels.cpu import activations, isa, qmatmul, qmatmul_int, qmatmul_int_k, threads
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_matmul import random_weights  # noqa: E402
 
 SHAPES = [(T.Q4_1, 3072, 576), (T.Q4_1, 576, 1536), (T.Q5_0, 4096, 4096),
-          (T.Q4_0, 4096, 4096), (T.Q8_0, 49152, 576)]
+          (T.Q4_0, 4096, 4096), (T.Q8_0, 49152, 576), (T.Q4_K, 4096, 4096),
+          (T.Q5_K, 4096, 4096), (T.Q6_K, 4096, 4096), (T.Q4_K, 640, 2048),
+          (T.Q6_K, 640, 2048)]
 
 
 def _time(fn: Callable[[], object], runs: int, reps: int) -> float:
@@ -51,17 +59,20 @@ def main() -> None:
     print(f"threads {threads.configure(args.threads)}, paths {', '.join(isa.available())}")
     rng = np.random.default_rng(0)
     for qtype, n, k in SHAPES:
-        w = qmatmul.pack(quants.quantize(rng.standard_normal((n, k)).astype(np.float32), qtype),
-                         qtype, (n, k))
+        blocks = (random_weights(qtype, n, k, rng) if qtype in qmatmul_int_k.KINDS  # no K-quant
+                  else quants.quantize(rng.standard_normal((n, k)).astype(np.float32), qtype))
+        w = qmatmul.pack(blocks, qtype, (n, k))
         x = rng.standard_normal((1, k)).astype(np.float32)
         fmt = activation_quant.activation_format(qtype)
         reps = max(3, int(2e8 / (n * k)))
-        rows = activations.quantize_q8(x)
+        quantize = activations.quantize_q8_k if fmt == "q8_k" else activations.quantize_q8
+        integer = qmatmul_int_k.matmul if fmt == "q8_k" else qmatmul_int.matmul
+        rows = quantize(x)
         cells = {"float32": _time(lambda: qmatmul.matmul(w, x), args.runs, reps),
                  "x~ + float": _time(lambda: _simulated(w, x, fmt), args.runs, reps),
-                 "quantize": _time(lambda: activations.quantize_q8(x), args.runs, reps)}
+                 "quantize": _time(lambda: quantize(x), args.runs, reps)}
         for path in isa.available():
-            cells[f"int {path}"] = _time(lambda p=path: qmatmul_int.matmul(w, rows, path=p),
+            cells[f"int {path}"] = _time(lambda p=path: integer(w, rows, path=p),  # type: ignore[operator]
                                          args.runs, reps)
         print(f"{qtype.name} {n}x{k}: " + ", ".join(f"{k_} {v:.0f}" for k_, v in cells.items()),
               flush=True)

@@ -4,8 +4,8 @@ edge and random inputs, and ggml's `vec_dot` of each weight type with them.
 
 - Each activation format equals ggml's bytes (numpy reference), and the compiled kernels equal
   the numpy reference bit for bit.
-- The integer GEMV (`qmatmul_int`) gives the same floats on every SIMD path this CPU can run
-  (portable, AVX2, VNNI), and ggml's dot.
+- The integer GEMVs (`qmatmul_int` on Q8_0/Q8_1 blocks, `qmatmul_int_k` on Q8_K) give the
+  same floats on every SIMD path this CPU can run (portable, AVX2, VNNI), and ggml's dot.
 - A linear layer on the numpy and the cpu backend gives ggml's dot within float summation
   order: 4e-6 of sum |w~ x~| over K = 1024 (float32 rounding of one sum is at most about
   K * 2^-24 = 6e-5 of it in the worst case, about sqrt(K) * 2^-24 = 2e-6 typically). The same
@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType as QT
 
 from vllm_actors.kernels import activation_quant as aq
 from vllm_actors.kernels import quant
-from vllm_actors.kernels.cpu import activations, isa, qmatmul, qmatmul_int
+from vllm_actors.kernels.cpu import activations, isa, qmatmul, qmatmul_int, qmatmul_int_k
 from vllm_actors.kernels.cpu.backend import CpuBackend
 from vllm_actors.kernels.numpy_backend import NumpyBackend
 from vllm_actors.loaders.weights import RawTensor
@@ -100,18 +100,25 @@ def test_linear_gives_ggml_vec_dot(backend):
 def test_every_simd_path_gives_the_same_floats_and_ggml_vec_dot(monkeypatch):
     paths = isa.available()
     assert paths[0] == "portable"
+    checked = set()
     for name in DOT_TYPES:
         qtype = QT[name]
-        if qtype not in qmatmul_int.KINDS:
+        if qtype in qmatmul_int.KINDS:
+            quantize, integer = activations.quantize_q8, qmatmul_int
+        elif qtype in qmatmul_int_k.KINDS:
+            quantize, integer = activations.quantize_q8_k, qmatmul_int_k
+        else:
             continue
         w, x, want = (GOLDEN[f"dot/{name}/{k}"] for k in ("w", "x", "out"))
         matrix = qmatmul.pack(w, qtype, (len(w), x.shape[1]))
-        rows = activations.quantize_q8(x.astype(np.float32))
-        got = {p: qmatmul_int.matmul(matrix, rows, path=p) for p in paths}
+        rows = quantize(x.astype(np.float32))
+        got = {p: integer.matmul(matrix, rows, path=p) for p in paths}
         assert all(np.array_equal(got[p], got["portable"]) for p in paths), name
         dense = quant.dequantize(w, qtype, (len(w), x.shape[1]))
         magnitude = np.abs(aq.simulate(x, aq.activation_format(qtype))[0]) @ np.abs(dense).T
         assert np.all(np.abs(got["portable"] - want) <= ORDER_TOLERANCE * magnitude), name
+        checked.add(qtype)
+    assert set(qmatmul_int.KINDS) | set(qmatmul_int_k.KINDS) <= checked
     for bad in ("sse9", "avx1024"):
         monkeypatch.setenv(isa.ENV, bad)
         with pytest.raises(ValueError, match=isa.ENV):

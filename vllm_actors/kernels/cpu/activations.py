@@ -86,11 +86,12 @@ def _q8_0(x, lut, qs, d, s, dsum):  # type: ignore[no-untyped-def]
 
 @numba.njit(parallel=True, **_EXACT)
 def _expand(qs, d, out):  # type: ignore[no-untyped-def]
-    """out = d * qs per block of 32: the x~ the quants stand for."""
+    """out = d * qs per block (32 or 256 quants): the x~ the quants stand for."""
     m, k = qs.shape
+    size = k // d.shape[1]
     for i in prange(m):
         for j in range(k):
-            out[i, j] = d[i, j // 32] * np.float32(qs[i, j])
+            out[i, j] = d[i, j // size] * np.float32(qs[i, j])
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,10 @@ def quantize_q8(x: np.ndarray) -> Q8Rows:
 
 
 @numba.njit(parallel=True, **_EXACT)
-def _q8_k(x, out):  # type: ignore[no-untyped-def]
+def _q8_k(x, qs, d, bsums):  # type: ignore[no-untyped-def]
+    """Q8_K blocks of 256 of x `[M, K]` as `activation_quant.quantize_q8_k`: quants qs int8
+    `[M, K]`, the float32 scale d `[M, K / 256]`, and bsums int16 `[M, K / 16]`, the sum of
+    every 16 quants."""
     m, k = x.shape
     for t in prange(m * (k // 256)):
         i, b = t // (k // 256), t % (k // 256)
@@ -126,17 +130,36 @@ def _q8_k(x, out):  # type: ignore[no-untyped-def]
             if a > amax:
                 amax = a
                 peak = x[i, o + j]
-        if amax == 0:
-            for j in range(256):
-                out[i, o + j] = 0
-            continue
-        iscale = np.float32(-127) / peak
-        d = np.float32(1) / iscale
-        for j in range(256):
-            q = np.rint(iscale * x[i, o + j])
-            if not np.isfinite(q):                  # as the numpy reference
-                q = np.float32(0)
-            out[i, o + j] = d * min(q, np.float32(127))
+        iscale = np.float32(-127) / peak if amax != 0 else np.float32(0)
+        d[i, b] = np.float32(1) / iscale if amax != 0 else np.float32(0)
+        for r in range(16):
+            total = np.int16(0)
+            for j in range(o + 16 * r, o + 16 * r + 16):
+                q = np.rint(iscale * x[i, j])
+                if not np.isfinite(q):                  # as the numpy reference
+                    q = np.float32(0)
+                qs[i, j] = np.int8(min(q, np.float32(127)))
+                total += np.int16(qs[i, j])
+            bsums[i, 16 * b + r] = total
+
+
+@dataclass(frozen=True)
+class Q8KRows:
+    """x quantized to Q8_K blocks (see `_q8_k`): what the K-quants' integer kernels read."""
+
+    qs: np.ndarray      # int8 [M, K]
+    d: np.ndarray       # float32 [M, K / 256]
+    bsums: np.ndarray   # int16 [M, K / 16]
+
+
+def quantize_q8_k(x: np.ndarray) -> Q8KRows:
+    """x float32 `[M, K]` (K a multiple of 256) -> its Q8_K blocks, bit for bit ggml's."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    m, k = x.shape
+    rows = Q8KRows(np.empty((m, k), np.int8), np.empty((m, k // 256), np.float32),
+                   np.empty((m, k // 16), np.int16))
+    _q8_k(x, rows.qs, rows.d, rows.bsums)
+    return rows
 
 
 @numba.njit(parallel=True, **_EXACT)
@@ -167,7 +190,8 @@ def simulate(x: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray | None]:
         with np.errstate(invalid="ignore"):     # inf - inf of a huge block, as ggml's
             return out, rows.s - rows.dsum
     if fmt == "q8_k":
-        _q8_k(x, out)
+        blocks = quantize_q8_k(x)
+        _expand(blocks.qs, blocks.d, out)
         return out, None
     if fmt in ("f16", "bf16"):
         _round_16(x, HALF_LUT, out, fmt == "bf16")

@@ -27,12 +27,18 @@ from vllm_actors.kernels.cpu import (
     elementwise,
     qmatmul,
     qmatmul_int,
+    qmatmul_int_k,
     threads,
 )
 from vllm_actors.kernels.numpy_backend import NumpyBackend, available_host_memory
 from vllm_actors.kernels.ops import AttentionMetadata, RopeTables, WeightLike
 
 _NUMPY = NumpyBackend()   # its view-only ops (split_qkv) serve this backend as they are
+
+# activation format -> (its quantizer, the integer GEMV module that reads what it writes)
+_INTEGER = {"q8_0": (activations.quantize_q8, qmatmul_int),
+            "q8_1": (activations.quantize_q8, qmatmul_int),
+            "q8_k": (activations.quantize_q8_k, qmatmul_int_k)}
 
 
 @dataclass(frozen=True)
@@ -164,16 +170,18 @@ class CpuBackend:
         return np.concatenate([qmatmul.matmul(p, x) for p in parts], axis=1)
 
     def _quantized_matmul(self, x: np.ndarray, weight: Linear) -> np.ndarray:
-        """Each part's input as its activation format sees it: the integer GEMV on x's Q8
-        blocks (`qmatmul_int`: one row, Q4_0/Q4_1/Q5_0/Q5_1), else x~ through the
-        float kernels (`activations.simulate`)."""
-        inputs: dict[str | None, Any] = {}
+        """Each part's input as its activation format sees it: an integer GEMV on x's 8-bit
+        blocks where one serves the part (`qmatmul_int` for Q4_0/Q4_1/Q5_0/Q5_1,
+        `qmatmul_int_k` for Q4_K/Q5_K/Q6_K; one row of x), else x~ through the float
+        kernels (`activations.simulate`). Each quantizer runs once per call."""
+        inputs: dict[Any, Any] = {}
         outs = []
         for part, fmt in zip(weight.parts, weight.formats):
-            if fmt in ("q8_0", "q8_1") and qmatmul_int.supports(part.qtype, len(x)):
-                if "q8" not in inputs:
-                    inputs["q8"] = activations.quantize_q8(x)
-                outs.append(qmatmul_int.matmul(part, inputs["q8"]))
+            quantize, integer = _INTEGER.get(fmt, (None, None))
+            if integer is not None and integer.supports(part.qtype, len(x)):
+                if quantize not in inputs:
+                    inputs[quantize] = quantize(x)
+                outs.append(integer.matmul(part, inputs[quantize]))
                 continue
             if fmt not in inputs:
                 inputs[fmt] = (x, None) if fmt is None else activations.simulate(x, fmt)

@@ -113,24 +113,35 @@ def prefetch(typingctx, arr, index):
     return None
 
 
-@intrinsic
-def stack_f32(typingctx, n):
-    """A float32 array of `n` (a literal) elements on the calling function's stack.
-
-    For a micro-kernel's accumulators: indexed with constants only (after unrolling), LLVM
-    keeps them in vector registers, which numba arrays on the heap never are (LLVM cannot
-    prove that those do not alias the arrays the kernel reads). The array must not outlive
-    the function that made it (never return or store it)."""
+def _stack_codegen(dtype, irtype, n):  # type: ignore[no-untyped-def]
+    """The typing result of a stack array of `n` (a literal) elements of `dtype`."""
     if not isinstance(n, types.IntegerLiteral):
         return None
     size = n.literal_value
-    arrty = types.Array(types.float32, 1, "C")
+    arrty = types.Array(dtype, 1, "C")
 
-    def codegen(context, builder, sig, args):
-        ptr = cgutils.alloca_once(builder, ir.FloatType(), size=size)
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        ptr = cgutils.alloca_once(builder, irtype, size=size)
         ary = make_array(arrty)(context, builder)
         itemsize = context.get_constant(types.intp, 4)
         populate_array(ary, data=ptr, shape=[context.get_constant(types.intp, size)],
                        strides=[itemsize], itemsize=itemsize, meminfo=None)
         return ary._getvalue()
     return arrty(n), codegen
+
+
+@intrinsic
+def stack_f32(typingctx, n):  # type: ignore[no-untyped-def]
+    """A float32 array of `n` (a literal) elements on the calling function's stack.
+
+    For a micro-kernel's accumulators: indexed with constants only (after unrolling), LLVM
+    keeps them in vector registers, which numba arrays on the heap never are (LLVM cannot
+    prove that those do not alias the arrays the kernel reads). The array must not outlive
+    the function that made it (never return or store it)."""
+    return _stack_codegen(types.float32, ir.FloatType(), n)
+
+
+@intrinsic
+def stack_i32(typingctx, n):  # type: ignore[no-untyped-def]
+    """`stack_f32` for int32 (the integer kernels' exact accumulators)."""
+    return _stack_codegen(types.int32, ir.IntType(32), n)

@@ -23,11 +23,13 @@ FASTMATH = frozenset({"nsz", "arcp", "contract", "afn", "reassoc"})
 
 
 def kernel(fn: Callable[..., Any] | None = None, *, parallel: bool = False,
-           inline: bool = False) -> Any:
+           inline: bool = False, exact: bool = False) -> Any:
     """`@kernel`, `@kernel(parallel=True)` or `@kernel(inline=True)`: numba's njit with the
-    backend's flags."""
+    backend's flags. `exact=True` drops fast math: float results then follow the source's
+    order whatever LLVM decides, so every build of a kernel gives the same bits."""
     def wrap(f: Callable[..., Any]) -> Any:
-        return numba.njit(cache=True, nogil=True, fastmath=set(FASTMATH), parallel=parallel,
+        return numba.njit(cache=True, nogil=True, fastmath=set() if exact else set(FASTMATH),
+                          parallel=parallel,
                           error_model="numpy", boundscheck=False,
                           inline="always" if inline else "never")(f)
     return wrap if fn is None else wrap(fn)

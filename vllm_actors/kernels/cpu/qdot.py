@@ -106,3 +106,97 @@ def qdot(typingctx, isa, kind, acc, ai, q, qi, bits, x, xi, scale):  # type: ign
         builder.store(fmuladd(builder, lanes, s, builder.load(pa, align=4)), pa, align=4)
         return context.get_dummy_value()
     return types.none(isa, kind, acc, ai, q, qi, bits, x, xi, scale), codegen
+
+
+# -- K-quants (Q4_K, Q5_K, Q6_K) with Q8_K activations ---------------------------------------
+
+def _k_weights(context, builder, sig, args, form):  # type: ignore[no-untyped-def]
+    """32 unsigned weights: (q >> qshift) & 15, with (h >> hshift) & 1 (form 5) or & 3
+    (form 6) as bits 4-5."""
+    def load(i):  # type: ignore[no-untyped-def]
+        return builder.load(vector_ptr(context, builder, sig.args[i], args[i], sig.args[i + 1],
+                                       args[i + 1], _B32), align=1)
+
+    def shift(i):  # type: ignore[no-untyped-def]
+        amount = context.cast(builder, args[i], sig.args[i], types.int32)
+        return splat(builder, builder.trunc(amount, _I8), _B32)
+
+    w = builder.and_(builder.lshr(load(4), shift(6)), ir.Constant(_B32, [15] * 32))
+    if form == 4:
+        return w
+    high = builder.and_(builder.lshr(load(7), shift(9)),
+                        ir.Constant(_B32, [1 if form == 5 else 3] * 32))
+    return builder.or_(w, builder.shl(high, ir.Constant(_B32, [4] * 32)))
+
+
+def _two_scales(builder, sa, sb, vecty):  # type: ignore[no-untyped-def]
+    """[sa] * (n/2) + [sb] * (n/2) as `vecty` (n lanes)."""
+    n = vecty.count
+    sa, sb = (builder.trunc(v, vecty.element) if vecty.element != _I32 else v for v in (sa, sb))
+    return builder.shuffle_vector(splat(builder, sa, vecty), splat(builder, sb, vecty),
+                                  ir.Constant(ir.VectorType(_I32, n), [0] * (n // 2) + [n] * (n // 2)))
+
+
+def _scaled_lanes(builder, path, w, x, acc, sa, sb):  # type: ignore[no-untyped-def]
+    """acc + lanes(w . x) * (sa on lanes 0-3, sb on 4-7), in exact int32: w <= 63 and |x| <=
+    127 keep `vpmaddubsw`'s int16 pairs from saturating."""
+    if path == PORTABLE:
+        lanes = _lanes_portable(builder, w, x, False)
+        return builder.add(acc, builder.mul(lanes, _two_scales(builder, sa, sb, _L8)))
+    pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _W16, [w, x])
+    scales = _two_scales(builder, sa, sb, _W16)
+    if path == AVX512:
+        return _call(builder, "llvm.x86.avx512.vpdpwssd.256", _L8,
+                     [acc, builder.bitcast(pairs, _L8), builder.bitcast(scales, _L8)])
+    return builder.add(acc, _call(builder, "llvm.x86.avx2.pmadd.wd", _L8, [pairs, scales]))
+
+
+def _int_arg(t) -> bool:  # type: ignore[no-untyped-def]
+    return isinstance(t, types.Integer)
+
+
+@intrinsic
+def kdot(typingctx, isa, kind, acc, ai, q, qi, qshift, h, hi, hshift, x, xi, sa, sb):  # type: ignore[no-untyped-def]
+    """acc[ai:ai+8] (int32) += lanes(w . x[xi:xi+32]) * (sa on lanes 0-3, sb on lanes 4-7):
+    the 32 weights w[l] = (q[qi+l] >> qshift) & 15, for `kind` 5 with bit (h[hi+l] >> hshift)
+    & 1 as bit 4 (Q5_K), for 6 two bits & 3 as bits 4-5 (Q6_K, unsigned: the caller takes off
+    32 through the activation's block sums); kind 4 (Q4_K) does not read h. Exact integers,
+    so every `isa` path gives the same sums."""
+    if not (isinstance(isa, types.IntegerLiteral) and isinstance(kind, types.IntegerLiteral)
+            and kind.literal_value in (4, 5, 6) and isinstance(acc, types.Array)
+            and acc.dtype == types.int32 and isinstance(x, types.Array)
+            and x.dtype == types.int8 and isinstance(q, types.Array) and q.dtype == types.uint8
+            and isinstance(h, types.Array) and h.dtype == types.uint8
+            and all(_int_arg(t) for t in (ai, qi, qshift, hi, hshift, xi, sa, sb))):
+        return None
+    path, form = isa.literal_value, kind.literal_value
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        w = _k_weights(context, builder, sig, args, form)
+        xv = builder.load(vector_ptr(context, builder, sig.args[10], args[10], sig.args[11],
+                                     args[11], _B32), align=1)
+        sa_, sb_ = (context.cast(builder, args[i], sig.args[i], types.int32) for i in (12, 13))
+        pa = vector_ptr(context, builder, sig.args[2], args[2], sig.args[3], args[3], _L8)
+        acc_ = builder.load(pa, align=4)
+        builder.store(_scaled_lanes(builder, path, w, xv, acc_, sa_, sb_), pa, align=4)
+        return context.get_dummy_value()
+    return types.none(isa, kind, acc, ai, q, qi, qshift, h, hi, hshift, x, xi, sa, sb), codegen
+
+
+@intrinsic
+def kflush(typingctx, acc, ai, iacc, ii, scale):  # type: ignore[no-untyped-def]
+    """acc[ai:ai+8] (float32) += float(iacc[ii:ii+8]) * scale, then iacc[ii:ii+8] = 0: one
+    superblock's exact integer sums, scaled by d_w * d_x."""
+    if not (isinstance(acc, types.Array) and acc.dtype == types.float32
+            and isinstance(iacc, types.Array) and iacc.dtype == types.int32):
+        return None
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        pi = vector_ptr(context, builder, sig.args[2], args[2], sig.args[3], args[3], _L8)
+        pa = vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _F8)
+        lanes = builder.sitofp(builder.load(pi, align=4), _F8)
+        s = splat(builder, context.cast(builder, args[4], sig.args[4], types.float32), _F8)
+        builder.store(fmuladd(builder, lanes, s, builder.load(pa, align=4)), pa, align=4)
+        builder.store(ir.Constant(_L8, [0] * 8), pi, align=4)
+        return context.get_dummy_value()
+    return types.none(acc, ai, iacc, ii, scale), codegen

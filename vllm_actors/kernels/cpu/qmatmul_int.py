@@ -98,17 +98,18 @@ def gemv(path, kind, offset, qs, qh, d, mn, lut, xq, xd, xs, out, dist, threads)
 _ENTRIES: dict[tuple[Any, ...], Any] = {}
 
 
-def _call(path: int, kind: int, *args: Any) -> None:
-    """gemv(path, kind, *args) through the compiled entry point of its signature: numba's
+def call(fn: Any, path: int, kind: int, *args: Any) -> None:
+    """fn(path, kind, *args) through the compiled entry point of its signature: numba's
     literal dispatch (`numba.literally`) retypes every call, about 50 ms."""
-    key = (path, kind) + tuple((a.dtype.num, a.ndim, a.flags.c_contiguous, a.flags.writeable)
-                               if isinstance(a, np.ndarray) else type(a) for a in args)
+    key = (fn, path, kind) + tuple((a.dtype.num, a.ndim, a.flags.c_contiguous,
+                                    a.flags.writeable)
+                                   if isinstance(a, np.ndarray) else type(a) for a in args)
     entry = _ENTRIES.get(key)
     if entry is None:
-        gemv(path, kind, *args)            # compiles, or loads from the cache
+        fn(path, kind, *args)              # compiles, or loads from the cache
         sig = (types.literal(path), types.literal(kind)) + tuple(
-            gemv.typeof_pyval(a) for a in args)
-        _ENTRIES[key] = gemv.overloads[sig].entry_point
+            fn.typeof_pyval(a) for a in args)
+        _ENTRIES[key] = fn.overloads[sig].entry_point
         return
     entry(path, kind, *args)
 
@@ -135,6 +136,6 @@ def matmul(w: QuantMatrix, x: activations.Q8Rows, path: str | None = None) -> np
     m = x.qs.shape[0]
     out = np.empty((m, w.rows), np.float32)
     threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
-    _call(isa.code(path or isa.selected()), kind, offset, qs, qh, d, mn, HALF_LUT, x.qs, x.d,
-          x.s if mn.size else x.dsum, out, prefetch_rows(w), threads)
+    call(gemv, isa.code(path or isa.selected()), kind, offset, qs, qh, d, mn, HALF_LUT, x.qs,
+         x.d, x.s if mn.size else x.dsum, out, prefetch_rows(w), threads)
     return out
