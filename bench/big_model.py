@@ -2,7 +2,8 @@
 speed that memory bandwidth allows.
 
     pip install -e ".[bench]"        # llama-cpp-python, psutil
-    python bench/big_model.py [--model PATH] [--device cpu] [--runs 3] [--threads N]
+    python bench/big_model.py [--model PATH] [--device cpu] [--gguf-activations quantized]
+        [--runs 3] [--threads N]
         [--prompt-tokens 16] [--decode-tokens 32] [--no-repack] [--llama-only | --ours-only]
         [--quick] [--json OUT]
 
@@ -171,7 +172,7 @@ async def run_ours(args: argparse.Namespace, prompt: list[int]) -> dict[str, Any
     ours = Ours.__new__(Ours)
     ours.counter = 0
     ours.engine = AsyncLLM(args.model, device=args.device, max_model_len=max_len,
-                           enable_prefix_caching=False,
+                           enable_prefix_caching=False, gguf_activations=args.gguf_activations,
                            num_gpu_blocks_override=max_len // 16 + 2)
     try:
         result: dict[str, Any] = {"load_s": time.perf_counter() - start}
@@ -208,8 +209,8 @@ def report(args: argparse.Namespace, llama: dict[str, Any] | None, ours: dict[st
             ("RSS after load, GiB", mem("mem_load"), ""),
             ("RSS after the runs, GiB", mem("mem_end"), "")]
     repack = "no repack" if args.no_repack else "repack"
-    print(f"| row | llama.cpp ({args.threads} threads, {repack}) | ours (--device {args.device}) "
-          f"| bandwidth bound |")
+    print(f"| row | llama.cpp ({args.threads} threads, {repack}) | ours (--device {args.device}, "
+          f"{args.gguf_activations}) | bandwidth bound |")
     print("|---|---|---|---|")
     for name, fmt, limit in rows:
         print(f"| {name} | {_cell(llama, fmt)} | {_cell(ours, fmt)} | {limit} |")
@@ -223,6 +224,8 @@ def main() -> None:
     parser.add_argument("--model", default=None,
                         help="GGUF file (default: the synthetic 8B, written if missing)")
     parser.add_argument("--device", default="cpu", help="our engine's --device (default cpu)")
+    parser.add_argument("--gguf-activations", choices=("float32", "quantized"),
+                        default="float32", help="our semantics (llama.cpp's is quantized)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--decode-tokens", type=int, default=32)
