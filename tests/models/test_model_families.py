@@ -191,3 +191,18 @@ def test_quantized_experts_stay_close(tmp_path):
     expected = GOLDEN_FAMILIES["qwen3_moe/logits"][GOLDEN_ROWS < 40]
     diff = float(np.abs(logits[GOLDEN_ROWS[GOLDEN_ROWS < 40]] - expected).max())
     assert 0 < diff < 0.05
+
+
+def test_warm_up_view_keeps_the_first_layer_of_each_kind(family_sources):
+    """The warm-up runs one layer of each kind (types, shapes, window): gemma2 alternates
+    sliding and global layers (two kinds), llama's layers are all alike (one)."""
+    backend = NumpyBackend()
+    for name, want in (("gemma2", [0, 1]), ("llama_dynamic", [0])):
+        model = load_model(family_sources[name], backend)
+        kv = backend.allocate_kv_cache(model.args.num_layers, 2, 8, model.args.num_kv_heads,
+                                       model.args.head_dim)
+        view, view_kv = model.warm_up_view(kv)
+        assert view.layer_ids == want and len(view_kv) == len(want)
+        assert len(model.layers) == model.args.num_layers > len(want)
+        logits = prompt_logits(view, backend, FAMILY_PROMPT[:5], block_size=8)
+        assert logits.shape == (5, model.args.vocab_size) and np.isfinite(logits).all()

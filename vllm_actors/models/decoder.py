@@ -24,6 +24,7 @@ the last applies the final norm and has an LM head.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
@@ -69,6 +70,8 @@ class Layer:
     window: int
     local_rope: bool
     sinks: Any = None          # this rank's heads' attention sink logits (gpt_oss)
+    # what selects this layer's kernels: its tensors' types and shapes, window, rope, experts
+    kind: tuple = ()
 
 
 class DecoderLM:
@@ -201,6 +204,9 @@ class DecoderLM:
             post_ffn_norm=self._norm(weights, p + "post_ffw_norm") if post else None,
             window=window, local_rope=bool(window and a.rope_local_theta),
             sinks=self._sinks(weights, p) if a.attn_sinks else None,
+            kind=(window, bool(window and a.rope_local_theta), a.is_sparse(i),
+                  tuple(sorted((n[len(p):], t.qtype, t.shape) for n, t in
+                               weights.tensors.items() if n.startswith(p)))),
         )
 
     def _sinks(self, weights: WeightSet, p: str) -> Any:
@@ -334,6 +340,21 @@ class DecoderLM:
                                   layer.ffn_norm)
             h, x = self._add_norm(h, self._mlp(layer, x), next_norm)
         return x if self.stage.last else h
+
+    def warm_up_view(self, kv_caches: list[Any]) -> tuple["DecoderLM", list[Any]]:
+        """This model cut to the first layer of each kind, with those layers' KV caches: it
+        takes every kernel path of the whole model (the kernels depend on types and shapes,
+        not on which layer) at a fraction of a step's cost, so warming a large model up
+        compiles what it will run without computing dozens of layers."""
+        first: dict[tuple, int] = {}
+        for index, layer in enumerate(self.layers):
+            first.setdefault(layer.kind, index)
+        keep = sorted(first.values())
+        view = copy.copy(self)
+        view.layers = [self.layers[i] for i in keep]
+        view.layer_group = [self.layer_group[i] for i in keep]
+        view.layer_ids = [self.layer_ids[i] for i in keep]
+        return view, [kv_caches[i] for i in keep]
 
     def _finish_logits(self, logits: np.ndarray) -> np.ndarray:
         """The family's logit multiplier and soft-cap, on host float32 logits."""

@@ -40,7 +40,10 @@ HELPER_TIMEOUT_S = 600
 
 
 def run_sizes(model: Any, kv_caches: list, block_size: int, sizes: tuple[int, ...]) -> None:
-    """One dummy step of each size (tokens of one sequence, all KV in the null block)."""
+    """One dummy step of each size (tokens of one sequence, all KV in the null block), on
+    the model cut to one layer of each kind where it can be (`warm_up_view`)."""
+    if hasattr(model, "warm_up_view"):
+        model, kv_caches = model.warm_up_view(kv_caches)
     for n in sorted(set(sizes)):
         pos = np.arange(n)
         meta = AttentionMetadata(np.array([0, n], np.int32), np.array([n], np.int32),

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_actors.kernels import quant
+from vllm_actors.kernels import mapped_pages, quant
 from vllm_actors.kernels.cpu import (
     activations,
     attention,
@@ -28,6 +28,7 @@ from vllm_actors.kernels.cpu import (
     qmatmul,
     qmatmul_int,
     qmatmul_int_k,
+    qmatmul_layout,
     threads,
 )
 from vllm_actors.kernels.numpy_backend import NumpyBackend, available_host_memory
@@ -72,11 +73,28 @@ def _format(weight: WeightLike, matrix: qmatmul.QuantMatrix) -> str | None:
     return fmt if fmt is not None and matrix.qtype == weight.qtype else None
 
 
-def _matrix(weight: WeightLike) -> qmatmul.QuantMatrix:
+def _shape(weight: WeightLike) -> tuple[int, int]:
     shape = tuple(weight.shape)
     if len(shape) != 2:
         raise ValueError(f"{weight.name}: a matrix was expected, got shape {shape}")
-    return qmatmul.pack(weight.data, weight.qtype, (int(shape[0]), int(shape[1])))
+    return int(shape[0]), int(shape[1])
+
+
+def _matrix(weight: WeightLike) -> qmatmul.QuantMatrix:
+    """One weight packed into planes; the file pages it was read from are given back."""
+    matrix = qmatmul.pack(weight.data, weight.qtype, _shape(weight))
+    mapped_pages.release(weight.data)
+    return matrix
+
+
+def _stackable(parts: Sequence[WeightLike]) -> bool:
+    """Whether the parts pack straight into one matrix: one kernel type, one column count
+    and one activation format."""
+    first = parts[0]
+    return len(parts) > 1 and first.qtype in qmatmul_layout.SUPPORTED and all(
+        p.qtype == first.qtype and _shape(p)[1] == _shape(first)[1]
+        and getattr(p, "activations", None) == getattr(first, "activations", None)
+        for p in parts)
 
 
 class CpuBackend:
@@ -118,10 +136,17 @@ class CpuBackend:
 
     # -- weights and buffers -------------------------------------------------------------
     def upload_linear(self, parts: Sequence[WeightLike]) -> Linear:
-        mats = [_matrix(p) for p in parts]
-        formats = [_format(p, m) for p, m in zip(parts, mats)]
-        if len(mats) > 1 and qmatmul.supports_fused(mats) and len(set(formats)) == 1:
-            mats, formats = [qmatmul.concat(mats)], formats[:1]
+        if _stackable(parts):
+            mats = [qmatmul.pack_stacked([p.data for p in parts], parts[0].qtype,
+                                         [_shape(p)[0] for p in parts], _shape(parts[0])[1])]
+            for p in parts:
+                mapped_pages.release(p.data)
+            formats = [_format(parts[0], mats[0])]
+        else:
+            mats = [_matrix(p) for p in parts]
+            formats = [_format(p, m) for p, m in zip(parts, mats)]
+            if len(mats) > 1 and qmatmul.supports_fused(mats) and len(set(formats)) == 1:
+                mats, formats = [qmatmul.concat(mats)], formats[:1]   # converted types
         return Linear(tuple(self._keep(m) for m in mats),
                       tuple(formats) if any(formats) else ())
 

@@ -178,17 +178,34 @@ def concat(parts: Sequence[QuantMatrix]) -> QuantMatrix:
     return QuantMatrix(parts[0].qtype, sum(p.rows for p in parts), parts[0].cols, planes)
 
 
+def _raw(data: np.ndarray, qtype: int, shape: tuple[int, int]) -> np.ndarray:
+    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    if raw.size != layout.nbytes_gguf(qtype, *shape):
+        raise ValueError(f"{raw.size} bytes do not hold a {T(qtype).name} {shape} tensor")
+    return raw
+
+
 def pack(data: np.ndarray, qtype: int, shape: tuple[int, int]) -> QuantMatrix:
     """Stored tensor data of `shape` (N, K) -> QuantMatrix, copied into RAM once. Types
     without kernels are converted (`qmatmul_layout.convert`: F32 when small, else Q8_0)."""
     rows, cols = int(shape[0]), int(shape[1])
-    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-    if raw.size != layout.nbytes_gguf(qtype, rows, cols):
-        raise ValueError(f"{raw.size} bytes do not hold a {T(qtype).name} {shape} tensor")
     if qtype in layout.SUPPORTED:
-        return QuantMatrix(int(qtype), rows, cols, layout.split(raw, qtype, rows, cols))
-    new_type, planes = layout.convert(raw, qtype, rows, cols)
+        return pack_stacked([data], qtype, [rows], cols)
+    new_type, planes = layout.convert(_raw(data, qtype, (rows, cols)), qtype, rows, cols)
     return QuantMatrix(int(new_type), rows, cols, planes)
+
+
+def pack_stacked(parts: Sequence[np.ndarray], qtype: int, rows: Sequence[int], cols: int
+                 ) -> QuantMatrix:
+    """Stored data of several matrices of one supported type and column count, stacked
+    along rows into one QuantMatrix (fused QKV, gate+up): each part is split straight into
+    its rows of one set of planes, so the weights are copied once."""
+    planes = layout.empty_planes(qtype, sum(rows), cols)
+    row0 = 0
+    for data, n in zip(parts, rows):
+        layout.split_into(_raw(data, qtype, (n, cols)), qtype, n, cols, planes, row0)
+        row0 += n
+    return QuantMatrix(int(qtype), row0, cols, planes)
 
 
 def prefetch_rows(w: QuantMatrix) -> int:

@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from vllm_actors.kernels import quant
+from vllm_actors.kernels.cpu.jit import kernel
 
 T = GGMLQuantizationType
 
@@ -40,43 +41,82 @@ _SIGNED = {(T.Q8_0, "qs"), (T.Q6_K, "scales")}
 CONVERT_F32_MAX = 1 << 20
 
 
-def _field(blocks: np.ndarray, qtype: int, name: str) -> np.ndarray:
-    """One byte field of every block: `[N, blocks_per_row, size]` -> `[N * bpr, size]`."""
-    offset = quant.BLOCK_OFFSETS[qtype][name]
-    size = dict(quant.BLOCK_FIELDS[qtype])[name]
-    return blocks[:, :, offset:offset + size].reshape(-1, size)
+@kernel
+def _k4_scales_mins(blocks, offset, sc, mn):  # type: ignore[no-untyped-def]
+    """Q4_K/Q5_K's 8 6-bit scales and 8 6-bit mins, packed in the 12 bytes at `offset` of
+    each block, -> sc, mn uint8 `[n, 8]` (as `quant.unpack_k4_scales_mins`)."""
+    for b in range(blocks.shape[0]):
+        for j in range(4):
+            lo, mid, hi = blocks[b, offset + j], blocks[b, offset + 4 + j], \
+                blocks[b, offset + 8 + j]
+            sc[b, j] = lo & 63
+            mn[b, j] = mid & 63
+            sc[b, 4 + j] = (hi & 15) | ((lo >> 6) << 4)
+            mn[b, 4 + j] = (hi >> 4) | ((mid >> 6) << 4)
+
+
+def _plane_spec(qt: T, name: str) -> tuple[int, type]:
+    """(bytes a block contributes to the plane, the plane's dtype)."""
+    if qt in (T.Q4_K, T.Q5_K) and name in ("sc", "mn"):
+        return 8, np.uint8
+    if qt == T.Q3_K and name == "scales":
+        return 16, np.int8
+    size = dict(quant.BLOCK_FIELDS[qt])[name]
+    if name in _VIEW:
+        return size, _VIEW[name]
+    if name == "qh" and qt in (T.Q5_0, T.Q5_1):
+        return size, np.uint32
+    return size, np.int8 if (qt, name) in _SIGNED else np.uint8
+
+
+def empty_planes(qtype: int, rows: int, cols: int) -> tuple[np.ndarray, ...]:
+    """Uninitialized planes for a `[rows, cols]` matrix of a supported type (`split_into`
+    fills them)."""
+    qt = T(qtype)
+    if qt in FLOAT_TYPES:
+        return (np.empty((rows, cols), np.float32 if qt == T.F32 else np.uint16),)
+    block_size, _ = quant.block_layout(qt)
+    if cols % block_size:
+        raise ValueError(f"{qt.name}: {cols} columns are not a multiple of {block_size}")
+    bpr = cols // block_size
+    planes = []
+    for name in PLANES[qt]:
+        size, dtype = _plane_spec(qt, name)
+        planes.append(np.empty((rows, bpr * size // np.dtype(dtype).itemsize), dtype))
+    return tuple(planes)
+
+
+def split_into(raw: np.ndarray, qtype: int, rows: int, cols: int,
+               planes: tuple[np.ndarray, ...], row0: int = 0) -> None:
+    """Stored bytes (uint8, `rows * cols` weights of a supported type) -> rows row0 ..
+    row0 + rows of `planes` (from `empty_planes`; a fused weight's parts fill one set)."""
+    qt = T(qtype)
+    if qt in FLOAT_TYPES:
+        planes[0][row0:row0 + rows] = raw.view(planes[0].dtype).reshape(rows, cols)
+        return
+    block_size, type_size = quant.block_layout(qt)
+    blocks = raw.reshape(-1, type_size)
+    offsets = quant.BLOCK_OFFSETS[qt]
+    # the rows of one part, as bytes per block: [rows * blocks_per_row, size]
+    out = [p[row0:row0 + rows].view(np.uint8).reshape(len(blocks), -1) for p in planes]
+    for name, target in zip(PLANES[qt], out):
+        if qt in (T.Q4_K, T.Q5_K) and name == "sc":
+            _k4_scales_mins(blocks, offsets["scales"], target, out[PLANES[qt].index("mn")])
+        elif qt in (T.Q4_K, T.Q5_K) and name == "mn":
+            continue                                     # written with "sc"
+        elif qt == T.Q3_K and name == "scales":
+            target[:] = quant.unpack_q3_k_scales(blocks[:, offsets["scales"]:][:, :12]
+                                                 ).view(np.uint8)
+        else:
+            np.copyto(target, blocks[:, offsets[name]:offsets[name] + target.shape[1]])
 
 
 def split(raw: np.ndarray, qtype: int, rows: int, cols: int) -> tuple[np.ndarray, ...]:
     """Stored bytes (uint8, `rows * cols` weights of a supported type) -> the type's planes,
     copied into fresh C-contiguous arrays."""
-    qt = T(qtype)
-    if qt in FLOAT_TYPES:
-        dtype = np.float32 if qt == T.F32 else np.uint16
-        return (np.array(raw.view(dtype).reshape(rows, cols), copy=True),)
-    block_size, type_size = quant.block_layout(qt)
-    if cols % block_size:
-        raise ValueError(f"{qt.name}: {cols} columns are not a multiple of {block_size}")
-    bpr = cols // block_size
-    blocks = raw.reshape(rows, bpr, type_size)
-    planes = []
-    for name in PLANES[qt]:
-        if qt in (T.Q4_K, T.Q5_K) and name in ("sc", "mn"):
-            sc, mn = quant.unpack_k4_scales_mins(_field(blocks, qt, "scales"))
-            part = sc if name == "sc" else mn
-        elif qt == T.Q3_K and name == "scales":
-            part = quant.unpack_q3_k_scales(_field(blocks, qt, "scales"))
-        else:
-            part = _field(blocks, qt, name)
-        plane = np.ascontiguousarray(part).reshape(rows, -1)
-        if name in _VIEW:
-            plane = plane.view(_VIEW[name])
-        elif name == "qh" and qt in (T.Q5_0, T.Q5_1):
-            plane = plane.view(np.uint32)
-        elif (qt, name) in _SIGNED or plane.dtype == np.int8:
-            plane = plane.view(np.int8)
-        planes.append(plane)
-    return tuple(planes)
+    planes = empty_planes(qtype, rows, cols)
+    split_into(raw, qtype, rows, cols, planes)
+    return planes
 
 
 def convert(raw: np.ndarray, qtype: int, rows: int, cols: int
