@@ -3,7 +3,7 @@ speed that memory bandwidth allows.
 
     pip install -e ".[bench]"        # llama-cpp-python, psutil
     python bench/big_model.py [--model PATH] [--device cpu] [--gguf-activations quantized]
-        [--runs 3] [--threads N]
+        [--runs 3] [--streams 1,4,16] [--threads N]
         [--prompt-tokens 16] [--decode-tokens 32] [--no-repack] [--llama-only | --ours-only]
         [--quick] [--json OUT]
 
@@ -120,15 +120,21 @@ def prompt_ids(count: int, vocab: int = 49152) -> list[int]:
     return [200 + (i * 7919) % (vocab - 200) for i in range(count)]
 
 
+def stream_prompts(prompt: list[int], streams: int) -> list[list[int]]:
+    """`streams` distinct prompts of the same length (the first is `prompt`)."""
+    return [[t + 13 * i for t in prompt] for i in range(streams)]
+
+
 def _llama_worker(path: str, threads: int, repack: bool, prompt: list[int], decode_tokens: int,
-                  runs: int, out: Any) -> None:
+                  runs: int, streams: list[int], out: Any) -> None:
     try:
         start = time.perf_counter()
         theirs = LlamaCpp(path, threads, use_extra_bufts=repack)
         result: dict[str, Any] = {"load_s": time.perf_counter() - start}
         result["mem_load"] = memory()
         theirs.decode([prompt], decode_tokens)            # warm-up
-        result["decode"] = [theirs.decode([prompt], decode_tokens) for _ in range(runs)]
+        result["decode"] = {n: [theirs.decode(stream_prompts(prompt, n), decode_tokens)
+                                for _ in range(runs)] for n in streams}
         result["mem_end"] = memory()
         out.put(result)
     except BaseException as e:  # noqa: BLE001 - reported to the parent
@@ -139,7 +145,8 @@ def run_llama(args: argparse.Namespace, prompt: list[int]) -> dict[str, Any]:
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     proc = ctx.Process(target=_llama_worker, args=(args.model, args.threads, not args.no_repack,
-                                                   prompt, args.decode_tokens, args.runs, out))
+                                                   prompt, args.decode_tokens, args.runs,
+                                                   args.streams, out))
     proc.start()
     result = out.get()
     proc.join()
@@ -173,14 +180,15 @@ async def run_ours(args: argparse.Namespace, prompt: list[int]) -> dict[str, Any
     ours.counter = 0
     ours.engine = AsyncLLM(args.model, device=args.device, max_model_len=max_len,
                            enable_prefix_caching=False, gguf_activations=args.gguf_activations,
-                           num_gpu_blocks_override=max_len // 16 + 2)
+                           max_num_seqs=max(args.streams),
+                           num_gpu_blocks_override=max(args.streams) * (max_len // 16) + 2)
     try:
         result: dict[str, Any] = {"load_s": time.perf_counter() - start}
         pid = engine_core_pid()
         result["mem_load"] = memory(pid)
         await ours.decode([prompt], args.decode_tokens)  # warm-up
-        result["decode"] = [await ours.decode([prompt], args.decode_tokens)
-                            for _ in range(args.runs)]
+        result["decode"] = {n: [await ours.decode(stream_prompts(prompt, n), args.decode_tokens)
+                                for _ in range(args.runs)] for n in args.streams}
         result["mem_end"] = memory(pid)
     finally:
         ours.engine.shutdown()
@@ -195,17 +203,18 @@ def report(args: argparse.Namespace, llama: dict[str, Any] | None, ours: dict[st
            bound: float, facts: dict[str, Any]) -> None:
     med = statistics.median
 
-    def rate(s: dict[str, Any]) -> str:
-        return f"{med(s['decode']):.2f} ({', '.join(f'{x:.2f}' for x in s['decode'])})"
+    def rate(n: int) -> Any:
+        return lambda s: (f"{med(s['decode'][n]):.2f} "
+                          f"({', '.join(f'{x:.2f}' for x in s['decode'][n])})")
 
     def mem(key: str) -> Any:
         return lambda s: (f"{s[key]['rss']:.2f} (anon {s[key]['anon']:.2f}, "
                           f"peak {s[key]['peak']:.2f})")
 
-    title = (f"single-stream decode tok/s, {args.decode_tokens} tokens after "
-             f"{args.prompt_tokens}: median (runs)")
-    rows = [(title, rate, f"{bound:.2f}"),
-            ("load, s", lambda s: f"{s['load_s']:.1f}", ""),
+    rows = [(f"{n}-stream decode tok/s (all streams), {args.decode_tokens} tokens after "
+             f"{args.prompt_tokens}: median (runs)", rate(n), f"{bound * n:.2f}")
+            for n in args.streams]
+    rows += [("load, s", lambda s: f"{s['load_s']:.1f}", ""),
             ("RSS after load, GiB", mem("mem_load"), ""),
             ("RSS after the runs, GiB", mem("mem_end"), "")]
     repack = "no repack" if args.no_repack else "repack"
@@ -227,6 +236,8 @@ def main() -> None:
     parser.add_argument("--gguf-activations", choices=("float32", "quantized"),
                         default="float32", help="our semantics (llama.cpp's is quantized)")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--streams", type=lambda t: [int(v) for v in t.split(",")],
+                        default=[1], help="comma-separated stream counts (default 1)")
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=usable_cpus(),
@@ -264,7 +275,8 @@ def main() -> None:
     prompt = prompt_ids(args.prompt_tokens)
     llama = None if args.ours_only else run_llama(args, prompt)
     if llama:
-        print(f"  llama.cpp: {statistics.median(llama['decode']):.2f} tok/s", file=sys.stderr)
+        print(f"  llama.cpp: {statistics.median(llama['decode'][args.streams[0]]):.2f} tok/s",
+              file=sys.stderr)
     ours = None if args.llama_only else asyncio.run(run_ours(args, prompt))
     report(args, llama, ours, bandwidth / per_token, facts)
     if args.json:

@@ -1,6 +1,6 @@
 """The integer GEMVs of `--gguf-activations quantized` (`kernels/cpu/qmatmul_int.py`, the
 K-quants' `qmatmul_int_k.py`) against
-the float kernels at one row of x, on every SIMD path this CPU can run.
+the float kernels at one row of x (or `--rows 1,2,4,8`), on every SIMD path this CPU can run.
 
 Rows: the float32 semantics' GEMV, the quantized semantics through x~ and the float kernels
 (`activations.simulate`, the path before the integer kernel), the Q8 quantizer alone, and the
@@ -55,6 +55,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--rows", type=lambda t: [int(v) for v in t.split(",")], default=[1],
+                        help="rows of x, comma-separated (default 1)")
     args = parser.parse_args()
     print(f"threads {threads.configure(args.threads)}, paths {', '.join(isa.available())}")
     rng = np.random.default_rng(0)
@@ -62,21 +64,26 @@ def main() -> None:
         blocks = (random_weights(qtype, n, k, rng) if qtype in qmatmul_int_k.KINDS  # no K-quant
                   else quants.quantize(rng.standard_normal((n, k)).astype(np.float32), qtype))
         w = qmatmul.pack(blocks, qtype, (n, k))
-        x = rng.standard_normal((1, k)).astype(np.float32)
-        fmt = activation_quant.activation_format(qtype)
-        reps = max(3, int(2e8 / (n * k)))
-        quantize = activations.quantize_q8_k if fmt == "q8_k" else activations.quantize_q8
-        integer = qmatmul_int_k.matmul if fmt == "q8_k" else qmatmul_int.matmul
-        rows = quantize(x)
-        cells = {"float32": _time(lambda: qmatmul.matmul(w, x), args.runs, reps),
-                 "x~ + float": _time(lambda: _simulated(w, x, fmt), args.runs, reps),
-                 "quantize": _time(lambda: quantize(x), args.runs, reps)}
-        for path in isa.available():
-            cells[f"int {path}"] = _time(lambda p=path: integer(w, rows, path=p),  # type: ignore[operator]
-                                         args.runs, reps)
-        print(f"{qtype.name} {n}x{k}: " + ", ".join(f"{k_} {v:.0f}" for k_, v in cells.items()),
-              flush=True)
+        for m in args.rows:
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            cells = _cells(w, x, args.runs, max(3, int(2e8 / (n * k * m))))
+            print(f"{qtype.name} {n}x{k} M={m}: "
+                  + ", ".join(f"{k_} {v:.0f}" for k_, v in cells.items()), flush=True)
 
+
+def _cells(w: qmatmul.QuantMatrix, x: np.ndarray, runs: int, reps: int) -> dict[str, float]:
+    """Microseconds per call of each way to compute x @ W.T."""
+    fmt = activation_quant.activation_format(w.qtype)
+    quantize = activations.quantize_q8_k if fmt == "q8_k" else activations.quantize_q8
+    integer = qmatmul_int_k.matmul if fmt == "q8_k" else qmatmul_int.matmul
+    rows = quantize(x)
+    cells = {"float32": _time(lambda: qmatmul.matmul(w, x), runs, reps),
+             "x~ + float": _time(lambda: _simulated(w, x, fmt), runs, reps),
+             "quantize": _time(lambda: quantize(x), runs, reps)}
+    for path in isa.available():
+        cells[f"int {path}"] = _time(lambda p=path: integer(w, rows, path=p),  # type: ignore[operator]
+                                     runs, reps)
+    return cells
 
 if __name__ == "__main__":
     main()

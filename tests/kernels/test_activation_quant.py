@@ -5,7 +5,8 @@ edge and random inputs, and ggml's `vec_dot` of each weight type with them.
 - Each activation format equals ggml's bytes (numpy reference), and the compiled kernels equal
   the numpy reference bit for bit.
 - The integer GEMVs (`qmatmul_int` on Q8_0/Q8_1 blocks, `qmatmul_int_k` on Q8_K) give the
-  same floats on every SIMD path this CPU can run (portable, AVX2, VNNI), and ggml's dot.
+  same floats on every SIMD path this CPU can run (portable, AVX2, VNNI), and ggml's dot; a
+  row alone gives the same floats as inside a group of rows.
 - A linear layer on the numpy and the cpu backend gives ggml's dot within float summation
   order: 4e-6 of sum |w~ x~| over K = 1024 (float32 rounding of one sum is at most about
   K * 2^-24 = 6e-5 of it in the worst case, about sqrt(K) * 2^-24 = 2e-6 typically). The same
@@ -114,6 +115,8 @@ def test_every_simd_path_gives_the_same_floats_and_ggml_vec_dot(monkeypatch):
         rows = quantize(x.astype(np.float32))
         got = {p: integer.matmul(matrix, rows, path=p) for p in paths}
         assert all(np.array_equal(got[p], got["portable"]) for p in paths), name
+        alone = integer.matmul(matrix, quantize(x[1:2].astype(np.float32)))   # one row
+        assert len(x) > 1 and np.array_equal(alone[0], got["portable"][1]), name
         dense = quant.dequantize(w, qtype, (len(w), x.shape[1]))
         magnitude = np.abs(aq.simulate(x, aq.activation_format(qtype))[0]) @ np.abs(dense).T
         assert np.all(np.abs(got["portable"] - want) <= ORDER_TOLERANCE * magnitude), name

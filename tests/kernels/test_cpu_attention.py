@@ -20,7 +20,7 @@ import pytest
 from vllm_actors.kernels.cpu import attention as cpu
 from vllm_actors.kernels.cpu.attention_kernels import K0, K1, POS0
 from vllm_actors.kernels.cpu.attention_math import f32_to_half, half_to_f32, read_half
-from vllm_actors.kernels.cpu.attention_plan import MIN_SPLIT_KEYS
+from vllm_actors.kernels.cpu.attention_plan import SPLIT_KEYS
 from vllm_actors.kernels.cpu.intrinsics import HARDWARE_HALF
 from vllm_actors.kernels.cpu.jit import kernel
 from vllm_actors.kernels.numpy_backend import NumpyBackend
@@ -230,9 +230,13 @@ def test_long_context_and_split_decode(dtype):
     _compare([40, 1], [2960, 2999], 9, 3, 64, 16, dtype, seed=4)
 
 
-def test_single_thread_plan_and_out_argument():
-    attn = _compare([1, 5], [700, 600], 9, 3, 64, 16, "float32", seed=5, threads=1)
-    assert attn.plan(3, 3, 64).num_parts == 0
+def test_plan_does_not_depend_on_threads_and_out_argument():
+    one = _compare([1, 5], [700, 600], 9, 3, 64, 16, "float32", seed=5, threads=1)
+    two = _compare([1, 5], [700, 600], 9, 3, 64, 16, "float32", seed=5, threads=2)
+    plans = [a.plan(3, 3, 64) for a in (one, two)]
+    assert plans[0].num_parts > 0 and plans[0].lanes == 1 and plans[1].lanes == 2
+    assert np.array_equal(plans[0].items, plans[1].items)
+    assert np.array_equal(plans[0].merges, plans[1].merges)
     rng = np.random.default_rng(6)
     meta, total = _step([3], [4], 16, 1, 64, rng)
     cache = cpu.allocate_kv_cache(1, total, 16, 1, 64)[0]
@@ -291,7 +295,7 @@ def test_window_and_softcap_split_contexts(dtype, window, softcap, window_plan):
     parts = attn.plan(2, 4, 128, window if window_plan else 0).num_parts
     if not window_plan:
         assert parts > 1              # most of them wholly before the window
-    elif window < 2 * MIN_SPLIT_KEYS:
+    elif window <= SPLIT_KEYS:
         assert parts == 0             # only the window's keys are planned: no split
     _compare([40, 1, 300], [2960, 2999, 1800], 9, 3, 64, 16, dtype, seed=14, window=window,
              softcap=softcap, q_gain=_gain(softcap), window_plan=window_plan)

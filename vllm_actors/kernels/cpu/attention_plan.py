@@ -10,11 +10,13 @@ Units of work:
   query heads), one unit per (tile, KV head): the g query heads sharing a KV head are computed
   together, so each key/value row is read once for all of them.
 
-Balance: a unit whose cost is large next to the step's total over the threads is split along
-its keys (flash-decoding style: each split keeps its own softmax max/sum/accumulator and
-`merge_parts` combines them), down to MIN_SPLIT_KEYS keys a split. This keeps both cores busy
-at decode batch 1. Items are sorted by decreasing cost; threads take them from a shared
-counter (largest first, so the last ones to be taken are the small ones).
+Balance: a unit of more than SPLIT_KEYS keys is split along its keys into equal parts of at
+most SPLIT_KEYS (flash-decoding style: each split keeps its own softmax max/sum/accumulator
+and `merge_parts` combines them in order), so long decodes keep every core busy. The split
+depends on the unit's keys alone, never on the thread count or the rest of the batch: a
+request's attention gives the same floats on any number of threads and in any batch. Items
+are sorted by decreasing cost; threads take them from a shared counter (largest first, so the
+last ones to be taken are the small ones).
 
 Sliding window: a unit's keys start at its first row's window start (p - window + 1), and
 costs and splits count only the keys from there (a decode over a long context with a short
@@ -43,8 +45,7 @@ from vllm_actors.kernels.cpu.attention_tiles import TK
 from vllm_actors.kernels.cpu.jit import kernel
 
 TILE_FLOATS = 4096        # a prefill tile's query rows x head dim (its accumulator: 16 KiB)
-MIN_SPLIT_KEYS = 256      # a key split never has fewer keys than this (a multiple of TK)
-SPLITS_PER_THREAD = 4     # aim: no item costs more than total / (threads * this)
+SPLIT_KEYS = 512          # a unit with more keys is split into parts of at most this many
 LOAD_COST = 4.0           # cost of loading a key (and value) row, in row x key units
 
 
@@ -106,17 +107,14 @@ def _units(qsl, seq_lens, hk, g, tile_tokens, window):
 
 
 @kernel
-def _plan(qsl, seq_lens, hk, g, tile_tokens, threads, window):
+def _plan(qsl, seq_lens, hk, g, tile_tokens, window):
     units, cost = _units(qsl, seq_lens, hk, g, tile_tokens, window)
     n_units = units.shape[0]
-    target = max(cost.sum() / (threads * SPLITS_PER_THREAD), 1.0)
     splits = np.ones(n_units, np.int64)
     chunk = np.empty(n_units, np.int64)
     for u in range(n_units):
         keys = units[u, 3] - units[u, 7]
-        s = 1
-        if threads > 1:
-            s = min(max(int(np.ceil(cost[u] / target)), 1), max(keys // MIN_SPLIT_KEYS, 1))
+        s = max((keys + SPLIT_KEYS - 1) // SPLIT_KEYS, 1)
         c = max((((keys + s - 1) // s + TK - 1) // TK) * TK, TK)
         chunk[u] = c
         splits[u] = max((keys + c - 1) // c, 1)
@@ -172,7 +170,7 @@ def build_plan(query_start_loc: np.ndarray, seq_lens: np.ndarray, num_kv_heads: 
     (query_start_loc and seq_lens as int64), for a sliding window (0: none)."""
     tile_tokens = max(1, max(16, TILE_FLOATS // head_dim) // g)
     items, cost, merges, parts, rows_max = _plan(query_start_loc, seq_lens, num_kv_heads, g,
-                                                 tile_tokens, max(1, threads), int(window))
+                                                 tile_tokens, int(window))
     if len(items) > 1:
         items = items[np.argsort(-cost, kind="stable")]
     return Plan(items, max(1, min(threads, len(items))), merges, int(parts), int(rows_max))

@@ -107,7 +107,9 @@ class CpuBackend:
     def __init__(self, num_threads: int | None = None, kv_cache_dtype: str = "float32") -> None:
         if kv_cache_dtype not in ("float32", "float16"):
             raise ValueError(f"kv_cache_dtype must be float32 or float16, got {kv_cache_dtype!r}")
-        threads.configure(num_threads)
+        count = threads.configure(num_threads)
+        # an explicit count is kept; the default follows the machine's load
+        self._follower = None if num_threads else threads.LoadFollower(count)
         self.kv_cache_dtype = kv_cache_dtype
         self._tables: dict[str, qmatmul.QuantMatrix] = {}
         self._smallest: dict[int, qmatmul.QuantMatrix] = {}   # one matrix per weight type
@@ -268,6 +270,8 @@ class CpuBackend:
                                 rope.interleaved)
 
     def prepare_attention(self, meta: AttentionMetadata) -> Any:
+        if self._follower is not None:       # once per forward: the step's thread count
+            self._follower.follow()
         return attention.prepare(meta)
 
     def reshape_and_cache(self, k: np.ndarray, v: np.ndarray, kv_cache: Any, attn: Any) -> None:

@@ -14,6 +14,7 @@ sum (equal up to float rounding). Parallel over pairs of weight rows, as the flo
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numba
@@ -42,17 +43,21 @@ KINDS: dict[int, tuple[int, int]] = {T.Q4_0: (4, -8), T.Q4_1: (4, 0), T.Q5_0: (5
 # kernels (`activations.simulate`). The GEMV decodes each weight block again for every row of
 # x, so from 2 rows the float multi-row GEMV (one decode for all rows) is faster (measured in
 # docs/BENCHMARKS.md, "Integer dot products").
-MAX_ROWS = 1
+MAX_ROWS = 8
+GROUP = 4         # x rows per register group beyond one row (the kernels' stack arrays hold 4)
 
 _NO_U32 = np.zeros((0, 0), np.uint32)
 _NO_U16 = np.zeros((0, 0), np.uint16)
 
 
 @kernel(parallel=True)
-def gemv(path, kind, offset, qs, qh, d, mn, lut, xq, xd, xs, out, dist, threads):  # type: ignore[no-untyped-def]
-    """out[M, N] = the quantized semantics' x @ W.T; `xs` is s_x (types with mins) or S_x."""
+def gemv(path, kind, group, offset, qs, qh, d, mn, lut, xq, xd, xs, out, dist, threads):  # type: ignore[no-untyped-def]
+    """out[M, N] = the quantized semantics' x @ W.T; `xs` is s_x (types with mins) or S_x.
+    x's rows go in groups of `group` (a literal, 1 or 4; M a multiple of it), each group's
+    sums in registers; a pair of weight rows is read from memory once, then from L1."""
     numba.literally(path)
     numba.literally(kind)
+    numba.literally(group)
     prev = limit_threads(threads)
     n, rb = qs.shape
     k = xq.shape[1]
@@ -64,54 +69,70 @@ def gemv(path, kind, offset, qs, qh, d, mn, lut, xq, xd, xs, out, dist, threads)
         r1 = min(r0 + 1, n - 1)
         p0 = min(r0 + dist, n - 1) * rb
         p1 = min(r0 + dist + 1, n - 1) * rb
-        acc = stack_f32(16)
-        for m in range(xq.shape[0]):
-            for i in range(16):
+        acc = stack_f32(64)
+        off = stack_f32(8)
+        for m0 in range(0, xq.shape[0], group):
+            for i in range(16 * group):
                 acc[i] = 0
-            off0 = np.float32(0)
-            off1 = np.float32(0)
+            for i in range(2 * group):
+                off[i] = 0
             for b in range(nb):
                 prefetch(qs, p0 + b * step)
                 prefetch(qs, p1 + b * step)
-                dx = xd[m, b]
                 d0 = lut[d[r0, b]]
                 d1 = lut[d[r1, b]]
                 h0 = qh[r0, b] if kind == 5 else 0
                 h1 = qh[r1, b] if kind == 5 else 0
-                qdot(path, kind, acc, 0, qs, r0 * rb + b * step, h0, xq, m * k + 32 * b, d0 * dx)
-                qdot(path, kind, acc, 8, qs, r1 * rb + b * step, h1, xq, m * k + 32 * b, d1 * dx)
-                if has_min:
-                    off0 += lut[mn[r0, b]] * xs[m, b]
-                    off1 += lut[mn[r1, b]] * xs[m, b]
-                elif offset != 0:
-                    off0 += d0 * xs[m, b]
-                    off1 += d1 * xs[m, b]
-            if not has_min:
-                off0 *= np.float32(offset)
-                off1 *= np.float32(offset)
-            out[m, r0] = acc[0:8].sum() + off0
-            if r0 + 1 < n:
-                out[m, r0 + 1] = acc[8:16].sum() + off1
+                for m in range(group):
+                    dx = xd[m0 + m, b]
+                    xo = (m0 + m) * k + 32 * b
+                    qdot(path, kind, acc, 16 * m, qs, r0 * rb + b * step, h0, xq, xo, d0 * dx)
+                    qdot(path, kind, acc, 16 * m + 8, qs, r1 * rb + b * step, h1, xq, xo,
+                         d1 * dx)
+                    if has_min:
+                        off[2 * m] += lut[mn[r0, b]] * xs[m0 + m, b]
+                        off[2 * m + 1] += lut[mn[r1, b]] * xs[m0 + m, b]
+                    elif offset != 0:
+                        off[2 * m] += d0 * xs[m0 + m, b]
+                        off[2 * m + 1] += d1 * xs[m0 + m, b]
+            for m in range(group):
+                scale = np.float32(1) if has_min else np.float32(offset)
+                out[m0 + m, r0] = acc[16 * m:16 * m + 8].sum() + off[2 * m] * scale
+                if r0 + 1 < n:
+                    out[m0 + m, r0 + 1] = (acc[16 * m + 8:16 * m + 16].sum()
+                                           + off[2 * m + 1] * scale)
     restore_threads(prev)
 
 
 _ENTRIES: dict[tuple[Any, ...], Any] = {}
 
 
-def call(fn: Any, path: int, kind: int, *args: Any) -> None:
-    """fn(path, kind, *args) through the compiled entry point of its signature: numba's
-    literal dispatch (`numba.literally`) retypes every call, about 50 ms."""
-    key = (fn, path, kind) + tuple((a.dtype.num, a.ndim, a.flags.c_contiguous,
-                                    a.flags.writeable)
-                                   if isinstance(a, np.ndarray) else type(a) for a in args)
+def call(fn: Any, path: int, kind: int, group: int, *args: Any) -> None:
+    """fn(path, kind, group, *args) through the compiled entry point of its signature:
+    numba's literal dispatch (`numba.literally`) retypes every call, about 50 ms."""
+    key = (fn, path, kind, group) + tuple((a.dtype.num, a.ndim, a.flags.c_contiguous,
+                                           a.flags.writeable)
+                                          if isinstance(a, np.ndarray) else type(a)
+                                          for a in args)
     entry = _ENTRIES.get(key)
     if entry is None:
-        fn(path, kind, *args)              # compiles, or loads from the cache
-        sig = (types.literal(path), types.literal(kind)) + tuple(
+        fn(path, kind, group, *args)       # compiles, or loads from the cache
+        sig = (types.literal(path), types.literal(kind), types.literal(group)) + tuple(
             fn.typeof_pyval(a) for a in args)
         _ENTRIES[key] = fn.overloads[sig].entry_point
         return
-    entry(path, kind, *args)
+    entry(path, kind, group, *args)
+
+
+def pad_rows(x: Any, group: int) -> Any:
+    """x's quantized rows (a `Q8Rows` or `Q8KRows`) padded with zero rows to a multiple of
+    `group`: a zero row has scale 0 and sums 0, so its outputs are 0 and are cut off."""
+    m = x.qs.shape[0]
+    if m % group == 0:
+        return x
+    extra = group - m % group
+    return type(x)(*(np.concatenate([a, np.zeros((extra, a.shape[1]), a.dtype)])
+                     for a in (getattr(x, f.name) for f in dataclasses.fields(x))))
 
 
 # Types the backend sends here. Q8_0 is left on the float kernels: its signed quants cost the
@@ -134,8 +155,10 @@ def matmul(w: QuantMatrix, x: activations.Q8Rows, path: str | None = None) -> np
     d = rest[1] if kind == 5 else rest[0]
     mn = rest[-1] if w.qtype in (T.Q4_1, T.Q5_1) else _NO_U16
     m = x.qs.shape[0]
-    out = np.empty((m, w.rows), np.float32)
+    group = 1 if m == 1 else GROUP
+    x = pad_rows(x, group)
+    out = np.empty((x.qs.shape[0], w.rows), np.float32)
     threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
-    call(gemv, isa.code(path or isa.selected()), kind, offset, qs, qh, d, mn, HALF_LUT, x.qs,
-         x.d, x.s if mn.size else x.dsum, out, prefetch_rows(w), threads)
-    return out
+    call(gemv, isa.code(path or isa.selected()), kind, group, offset, qs, qh, d, mn, HALF_LUT,
+         x.qs, x.d, x.s if mn.size else x.dsum, out, prefetch_rows(w), threads)
+    return out[:m]

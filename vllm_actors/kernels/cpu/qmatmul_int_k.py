@@ -23,7 +23,7 @@ from vllm_actors.kernels.cpu.intrinsics import stack_i32
 from vllm_actors.kernels.cpu.jit import kernel
 from vllm_actors.kernels.cpu.qdot import kdot, kflush
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix, prefetch_rows
-from vllm_actors.kernels.cpu.qmatmul_int import MAX_ROWS, call
+from vllm_actors.kernels.cpu.qmatmul_int import GROUP, MAX_ROWS, call, pad_rows
 from vllm_actors.kernels.cpu.qmatmul_prims import (
     HALF_LUT,
     limit_threads,
@@ -38,17 +38,22 @@ _NO_BITS = np.zeros((0, 0), np.uint8)
 
 
 @numba.njit(inline="always", cache=True)
-def _sub_block_pair(path, kind, iacc, ai, qs, qo, qh, ho, gg, xq, xo, sc, j):  # type: ignore[no-untyped-def]
-    """Sub-blocks 2gg (low nibbles, bit 2gg of qh) and 2gg + 1 (high nibbles) of one row."""
-    kdot(path, kind, iacc, ai, qs, qo, 0, qh, ho, 2 * gg, xq, xo, sc[j], sc[j])
-    kdot(path, kind, iacc, ai, qs, qo, 4, qh, ho, 2 * gg + 1, xq, xo + 32, sc[j + 1], sc[j + 1])
+def _sub_block_pair(path, kind, group, iacc, ai, qs, qo, qh, ho, gg, xq, xo, k, sc, j):  # type: ignore[no-untyped-def]
+    """Sub-blocks 2gg (low nibbles, bit 2gg of qh) and 2gg + 1 (high nibbles) of one row,
+    against `group` rows of x (k apart)."""
+    kdot(path, kind, group, iacc, ai, qs, qo, 0, qh, ho, 2 * gg, xq, xo, k, sc[j], sc[j])
+    kdot(path, kind, group, iacc, ai, qs, qo, 4, qh, ho, 2 * gg + 1, xq, xo + 32, k,
+         sc[j + 1], sc[j + 1])
 
 
 @kernel(parallel=True, exact=True)
-def gemv_k45(path, kind, qs, qh, sc, mn, d, dmin, lut, xq, xd, xb, out, dist, threads):  # type: ignore[no-untyped-def]
-    """out[M, N] = x @ W.T under the quantized semantics, W Q4_K (kind 4, qh empty) or Q5_K."""
+def gemv_k45(path, kind, group, qs, qh, sc, mn, d, dmin, lut, xq, xd, xb, out, dist, threads):  # type: ignore[no-untyped-def]
+    """out[M, N] = x @ W.T under the quantized semantics, W Q4_K (kind 4, qh empty) or Q5_K.
+    x's rows go in groups of `group` (a literal, 1 or 4; M a multiple of it), each group's
+    sums in registers; a pair of weight rows is read from memory once, then from L1."""
     numba.literally(path)
     numba.literally(kind)
+    numba.literally(group)
     prev = limit_threads(threads)
     n, rb = qs.shape
     k = xq.shape[1]
@@ -58,59 +63,71 @@ def gemv_k45(path, kind, qs, qh, sc, mn, d, dmin, lut, xq, xd, xb, out, dist, th
         r1 = min(r0 + 1, n - 1)
         p0 = min(r0 + dist, n - 1) * rb
         p1 = min(r0 + dist + 1, n - 1) * rb
-        acc = stack_f32(16)
-        iacc = stack_i32(16)
-        for m in range(xq.shape[0]):
-            for i in range(16):
+        acc = stack_f32(64)
+        iacc = stack_i32(64)
+        off = stack_f32(8)
+        for m0 in range(0, xq.shape[0], group):
+            for i in range(16 * group):
                 acc[i] = 0
                 iacc[i] = 0
-            off0 = np.float32(0)
-            off1 = np.float32(0)
+            for i in range(2 * group):
+                off[i] = 0
             for sb in range(rb // 128):
                 for gg in range(4):
                     o = 128 * sb + 32 * gg
                     prefetch(qs, p0 + o)
                     prefetch(qs, p1 + o)
-                    xo = m * k + 256 * sb + 64 * gg
                     j = 8 * sb + 2 * gg
-                    _sub_block_pair(path, kind, iacc, 0, qs, r0 * rb + o, qh, r0 * hb + 32 * sb,
-                                    gg, xq, xo, sc[r0], j)
-                    _sub_block_pair(path, kind, iacc, 8, qs, r1 * rb + o, qh, r1 * hb + 32 * sb,
-                                    gg, xq, xo, sc[r1], j)
-                dx = xd[m, sb]
-                kflush(acc, 0, iacc, 0, lut[d[r0, sb]] * dx)
-                kflush(acc, 8, iacc, 8, lut[d[r1, sb]] * dx)
-                m0 = np.int32(0)
-                m1 = np.int32(0)
-                for s in range(8):
-                    bs = np.int32(xb[m, 16 * sb + 2 * s]) + np.int32(xb[m, 16 * sb + 2 * s + 1])
-                    m0 += np.int32(mn[r0, 8 * sb + s]) * bs
-                    m1 += np.int32(mn[r1, 8 * sb + s]) * bs
-                off0 += lut[dmin[r0, sb]] * dx * np.float32(m0)
-                off1 += lut[dmin[r1, sb]] * dx * np.float32(m1)
-            out[m, r0] = acc[0:8].sum() - off0
-            if r0 + 1 < n:
-                out[m, r0 + 1] = acc[8:16].sum() - off1
+                    xo = m0 * k + 256 * sb + 64 * gg
+                    _sub_block_pair(path, kind, group, iacc, 0, qs, r0 * rb + o, qh,
+                                    r0 * hb + 32 * sb, gg, xq, xo, k, sc[r0], j)
+                    _sub_block_pair(path, kind, group, iacc, 8, qs, r1 * rb + o, qh,
+                                    r1 * hb + 32 * sb, gg, xq, xo, k, sc[r1], j)
+                for m in range(group):
+                    dx = xd[m0 + m, sb]
+                    kflush(acc, 16 * m, iacc, 16 * m, lut[d[r0, sb]] * dx)
+                    kflush(acc, 16 * m + 8, iacc, 16 * m + 8, lut[d[r1, sb]] * dx)
+                    off[2 * m] += lut[dmin[r0, sb]] * dx * _min_sum(mn[r0], xb[m0 + m], sb)
+                    off[2 * m + 1] += lut[dmin[r1, sb]] * dx * _min_sum(mn[r1], xb[m0 + m],
+                                                                        sb)
+            for m in range(group):
+                out[m0 + m, r0] = acc[16 * m:16 * m + 8].sum() - off[2 * m]
+                if r0 + 1 < n:
+                    out[m0 + m, r0 + 1] = acc[16 * m + 8:16 * m + 16].sum() - off[2 * m + 1]
     restore_threads(prev)
 
 
 @numba.njit(inline="always", cache=True)
-def _q6_half(path, iacc, ai, ql, qo, qh, ho, xq, xo, scales, j):  # type: ignore[no-untyped-def]
-    """Weights 128h..128h+127 of one row's superblock: quarter t reads nibble t//2 of
-    ql[qo + 32(t%2) + l] and bits 2t of qh[ho + l], scales j + 2t (l < 16) and j + 2t + 1."""
-    kdot(path, 6, iacc, ai, ql, qo, 0, qh, ho, 0, xq, xo, scales[j], scales[j + 1])
-    kdot(path, 6, iacc, ai, ql, qo + 32, 0, qh, ho, 2, xq, xo + 32, scales[j + 2],
+def _min_sum(mn, xb, sb):  # type: ignore[no-untyped-def]
+    """sum over superblock sb's 8 sub-blocks of min_s * (x's sum over the sub-block), int."""
+    total = np.int32(0)
+    for s in range(8):
+        total += np.int32(mn[8 * sb + s]) * (np.int32(xb[16 * sb + 2 * s])
+                                             + np.int32(xb[16 * sb + 2 * s + 1]))
+    return np.float32(total)
+
+
+@numba.njit(inline="always", cache=True)
+def _q6_half(path, group, iacc, ai, ql, qo, qh, ho, xq, xo, k, scales, j):  # type: ignore[no-untyped-def]
+    """Weights 128h..128h+127 of one row's superblock against `group` rows of x (k apart):
+    quarter t reads nibble t//2 of ql[qo + 32(t%2) + l] and bits 2t of qh[ho + l], scales
+    j + 2t (l < 16) and j + 2t + 1."""
+    kdot(path, 6, group, iacc, ai, ql, qo, 0, qh, ho, 0, xq, xo, k, scales[j], scales[j + 1])
+    kdot(path, 6, group, iacc, ai, ql, qo + 32, 0, qh, ho, 2, xq, xo + 32, k, scales[j + 2],
          scales[j + 3])
-    kdot(path, 6, iacc, ai, ql, qo, 4, qh, ho, 4, xq, xo + 64, scales[j + 4], scales[j + 5])
-    kdot(path, 6, iacc, ai, ql, qo + 32, 4, qh, ho, 6, xq, xo + 96, scales[j + 6],
+    kdot(path, 6, group, iacc, ai, ql, qo, 4, qh, ho, 4, xq, xo + 64, k, scales[j + 4],
+         scales[j + 5])
+    kdot(path, 6, group, iacc, ai, ql, qo + 32, 4, qh, ho, 6, xq, xo + 96, k, scales[j + 6],
          scales[j + 7])
 
 
 @kernel(parallel=True, exact=True)
-def gemv_q6_k(path, kind, ql, qh, scales, d, lut, xq, xd, xb, out, dist, threads):  # type: ignore[no-untyped-def]
-    """out[M, N] = x @ W.T under the quantized semantics, W Q6_K (`kind` 6)."""
+def gemv_q6_k(path, kind, group, ql, qh, scales, d, lut, xq, xd, xb, out, dist, threads):  # type: ignore[no-untyped-def]
+    """out[M, N] = x @ W.T under the quantized semantics, W Q6_K (`kind` 6); x's rows in
+    groups of `group`, as `gemv_k45`."""
     numba.literally(path)
     numba.literally(kind)
+    numba.literally(group)
     prev = limit_threads(threads)
     n, rb = ql.shape
     k = xq.shape[1]
@@ -120,10 +137,10 @@ def gemv_q6_k(path, kind, ql, qh, scales, d, lut, xq, xd, xb, out, dist, threads
         r1 = min(r0 + 1, n - 1)
         p0 = min(r0 + dist, n - 1) * rb
         p1 = min(r0 + dist + 1, n - 1) * rb
-        acc = stack_f32(16)
-        iacc = stack_i32(16)
-        for m in range(xq.shape[0]):
-            for i in range(16):
+        acc = stack_f32(64)
+        iacc = stack_i32(64)
+        for m0 in range(0, xq.shape[0], group):
+            for i in range(16 * group):
                 acc[i] = 0
                 iacc[i] = 0
             for sb in range(rb // 128):
@@ -132,26 +149,32 @@ def gemv_q6_k(path, kind, ql, qh, scales, d, lut, xq, xd, xb, out, dist, threads
                     prefetch(ql, p0 + o)
                     prefetch(ql, p1 + o)
                     ho = 64 * sb + 32 * h
-                    xo = m * k + 256 * sb + 128 * h
                     j = 16 * sb + 8 * h
-                    _q6_half(path, iacc, 0, ql, r0 * rb + o, qh, r0 * hb + ho, xq, xo,
+                    xo = m0 * k + 256 * sb + 128 * h
+                    _q6_half(path, group, iacc, 0, ql, r0 * rb + o, qh, r0 * hb + ho, xq, xo, k,
                              scales[r0], j)
-                    _q6_half(path, iacc, 8, ql, r1 * rb + o, qh, r1 * hb + ho, xq, xo,
+                    _q6_half(path, group, iacc, 8, ql, r1 * rb + o, qh, r1 * hb + ho, xq, xo, k,
                              scales[r1], j)
-                s0 = np.int32(0)
-                s1 = np.int32(0)
-                for j in range(16 * sb, 16 * sb + 16):
-                    s0 += np.int32(scales[r0, j]) * np.int32(xb[m, j])
-                    s1 += np.int32(scales[r1, j]) * np.int32(xb[m, j])
-                iacc[0] -= 32 * s0
-                iacc[8] -= 32 * s1
-                dx = xd[m, sb]
-                kflush(acc, 0, iacc, 0, lut[d[r0, sb]] * dx)
-                kflush(acc, 8, iacc, 8, lut[d[r1, sb]] * dx)
-            out[m, r0] = acc[0:8].sum()
-            if r0 + 1 < n:
-                out[m, r0 + 1] = acc[8:16].sum()
+                for m in range(group):
+                    iacc[16 * m] -= 32 * _scale_sum(scales[r0], xb[m0 + m], sb)
+                    iacc[16 * m + 8] -= 32 * _scale_sum(scales[r1], xb[m0 + m], sb)
+                    dx = xd[m0 + m, sb]
+                    kflush(acc, 16 * m, iacc, 16 * m, lut[d[r0, sb]] * dx)
+                    kflush(acc, 16 * m + 8, iacc, 16 * m + 8, lut[d[r1, sb]] * dx)
+            for m in range(group):
+                out[m0 + m, r0] = acc[16 * m:16 * m + 8].sum()
+                if r0 + 1 < n:
+                    out[m0 + m, r0 + 1] = acc[16 * m + 8:16 * m + 16].sum()
     restore_threads(prev)
+
+
+@numba.njit(inline="always", cache=True)
+def _scale_sum(scales, xb, sb):  # type: ignore[no-untyped-def]
+    """sum over superblock sb's 16 sub-blocks of scale_j * (x's sum over sub-block j)."""
+    total = np.int32(0)
+    for j in range(16 * sb, 16 * sb + 16):
+        total += np.int32(scales[j]) * np.int32(xb[j])
+    return total
 
 
 def supports(qtype: int, rows: int) -> bool:
@@ -165,14 +188,16 @@ def matmul(w: QuantMatrix, x: activations.Q8KRows, path: str | None = None) -> n
     `KINDS`. `path` forces a SIMD path (default `isa.selected()`)."""
     kind = KINDS[w.qtype]
     m = x.qs.shape[0]
-    out = np.empty((m, w.rows), np.float32)
+    group = 1 if m == 1 else GROUP
+    x = pad_rows(x, group)
+    out = np.empty((x.qs.shape[0], w.rows), np.float32)
     threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
     code = isa.code(path or isa.selected())
     tail = (HALF_LUT, x.qs, x.d, x.bsums, out, prefetch_rows(w), threads)
     if kind == 6:
-        call(gemv_q6_k, code, kind, *w.planes, *tail)
+        call(gemv_q6_k, code, kind, group, *w.planes, *tail)
     elif kind == 5:
-        call(gemv_k45, code, kind, w.planes[1], w.planes[0], *w.planes[2:], *tail)
+        call(gemv_k45, code, kind, group, w.planes[1], w.planes[0], *w.planes[2:], *tail)
     else:
-        call(gemv_k45, code, kind, w.planes[0], _NO_BITS, *w.planes[1:], *tail)
-    return out
+        call(gemv_k45, code, kind, group, w.planes[0], _NO_BITS, *w.planes[1:], *tail)
+    return out[:m]

@@ -9,12 +9,19 @@ caller. Idle threads block: numba's OpenMP threads after libgomp's default short
 (no spin) doubled decode time on an idle machine, because each of a step's ~150 kernels then
 pays a thread wake-up; the short spin costs 1.6x against one thread when another process
 keeps a core busy, and does not collapse.
+
+`LoadFollower` then keeps the thread count at the CPUs other processes leave free (read from
+/proc/stat at most every half second): beside a busy neighbour the kernels run on fewer
+threads instead of waiting at every parallel region for a thread the OS has descheduled.
+Every kernel splits its work into chunks that do not depend on the thread count, so this
+changes no result.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import time
 
 
 def _cgroup_quota() -> float | None:
@@ -69,3 +76,62 @@ def configure(threads: int | None = None) -> int:
             pass
     _STATE["threads"] = count
     return count
+
+
+def _busy_jiffies(cpus: set[int]) -> tuple[int, int]:
+    """(busy, total) jiffies of `cpus` so far, from /proc/stat's per-CPU lines."""
+    busy = total = 0
+    with open("/proc/stat", encoding="ascii") as f:
+        for line in f:
+            if not line.startswith("cpu") or line[3] == " ":
+                continue
+            name, *fields = line.split()
+            if int(name[3:]) in cpus:
+                values = [int(v) for v in fields[:8]]
+                total += sum(values)
+                busy += sum(values) - values[3] - values[4]       # less idle and iowait
+    return busy, total
+
+
+def _own_jiffies() -> int:
+    """CPU time of this process (all its threads), in jiffies (/proc/self/stat)."""
+    with open("/proc/self/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])                    # utime + stime
+
+
+class LoadFollower:
+    """Sizes numba's threads (for the thread that calls `follow`) to `limit` less the CPUs
+    other processes kept busy over the last interval, at least one."""
+
+    INTERVAL_S = 0.5
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.current = limit
+        try:
+            self.cpus = os.sched_getaffinity(0)
+            self._last = (time.monotonic(), *_busy_jiffies(self.cpus), _own_jiffies())
+        except (AttributeError, OSError, ValueError):
+            self._last = None                       # no /proc: keep the configured count
+
+    def follow(self) -> int:
+        """Cheap unless INTERVAL_S has passed; returns the thread count now in use."""
+        if self._last is None or self.limit <= 1:
+            return self.current
+        now = time.monotonic()
+        if now - self._last[0] < self.INTERVAL_S:
+            return self.current
+        busy, total = _busy_jiffies(self.cpus)
+        own = _own_jiffies()
+        _, busy0, total0, own0 = self._last
+        self._last = (now, busy, total, own)
+        if total <= total0:
+            return self.current
+        others = max(0, (busy - busy0) - (own - own0)) * len(self.cpus) / (total - total0)
+        wanted = max(1, min(self.limit, round(len(self.cpus) - others)))
+        if wanted != self.current:
+            import numba
+            numba.set_num_threads(wanted)
+            self.current = wanted
+        return self.current
