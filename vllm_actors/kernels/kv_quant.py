@@ -124,13 +124,19 @@ def rotation(slot: int, d: int, seed: int = 0) -> np.ndarray:
 
 @dataclass(frozen=True)
 class KVFormat:
-    """A KV cache storage format. `bits` only for turboquant."""
+    """A KV cache storage format. `bits` only for turboquant.
+
+    `ggml_products` (the quantized GGUF semantics, float16 and bfloat16 caches): attention
+    multiplies as llama.cpp's non-flash path does, Q rounded to the cache's type before Q.K,
+    the scale applied to the scores, and the probabilities normalized and rounded to the
+    cache's type before P.V (ggml's mul_mat converts its input to the weight's type)."""
 
     name: str
     kind: int
     bits: float = 0.0
     k_scale: float = 1.0
     v_scale: float = 1.0
+    ggml_products: bool = False
     _cache: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
 
     # -- sizes -----------------------------------------------------------------------------
@@ -254,8 +260,10 @@ class KVFormat:
         return (out * scale).reshape(*lead, d)
 
 
-def kv_format(name: str, k_scale: float = 1.0, v_scale: float = 1.0) -> KVFormat:
-    """The format `--kv-cache-dtype name` selects. Raises ValueError naming the choices."""
+def kv_format(name: str, k_scale: float = 1.0, v_scale: float = 1.0,
+              ggml_products: bool = False) -> KVFormat:
+    """The format `--kv-cache-dtype name` selects; `ggml_products` (the quantized GGUF
+    semantics) applies to 16-bit caches only. Raises ValueError naming the choices."""
     if name.startswith("turboquant"):
         tail = name[len("turboquant"):]
         try:
@@ -277,7 +285,8 @@ def kv_format(name: str, k_scale: float = 1.0, v_scale: float = 1.0) -> KVFormat
                          f"(turboquant_BITS for BITS in "
                          f"{', '.join(f'{b:g}' for b in TURBOQUANT_BITS)}), got {name!r}")
     canonical, kind = kinds[name]
-    return KVFormat(canonical, kind, k_scale=k_scale, v_scale=v_scale)
+    return KVFormat(canonical, kind, k_scale=k_scale, v_scale=v_scale,
+                    ggml_products=ggml_products and kind in (FLOAT16, BFLOAT16))
 
 
 FLOAT32_FORMAT = KVFormat("float32", FLOAT32)

@@ -10,6 +10,8 @@ query runs are cut into chunks of QUERY_CHUNK rows, each reading only the keys i
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -133,9 +135,12 @@ def decoded_group(kv_cache, group: AttentionGroup) -> tuple[tuple, AttentionGrou
 
 def attend(q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray], group: AttentionGroup,
            scale: float, window: int = 0, softcap: float = 0.0,
-           sinks: np.ndarray | None = None) -> np.ndarray:
+           sinks: np.ndarray | None = None,
+           round16: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
     """q [n, H, Dh] of the group's tokens -> attention output [n, H, Dh] (see
-    `ops.Backend.paged_attention` for `window`, `softcap` and `sinks`)."""
+    `ops.Backend.paged_attention` for `window`, `softcap` and `sinks`). `round16`: the
+    cache's 16-bit rounding under `KVFormat.ggml_products` (Q rounded before Q.K, the scale
+    applied to the scores, P normalized and rounded before P.V)."""
     k_cache, v_cache = kv_cache
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     num_heads = q.shape[1]
@@ -146,7 +151,7 @@ def attend(q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray], group: Attent
     if max_q > 1:   # long query runs: contiguous [b, Hk, Dh, ctx] makes the QK^T GEMMs faster
         keys = np.ascontiguousarray(keys)
     values = v_cache[group.block_tables].reshape(b, ctx, num_kv_heads, head_dim).transpose(0, 2, 1, 3)
-    q = q * np.float32(scale)
+    q = round16(q) if round16 is not None else q * np.float32(scale)
     if max_q == 1:
         qh = q.reshape(b, num_kv_heads, 1, g, head_dim)
     else:
@@ -159,6 +164,8 @@ def attend(q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray], group: Attent
         qc = qh[:, :, chunk.q0:chunk.q1].reshape(b, num_kv_heads, rows, head_dim)
         scores = (qc @ keys[..., :chunk.ctx]).reshape(b, num_kv_heads, chunk.q1 - chunk.q0, g,
                                                       chunk.ctx)
+        if round16 is not None:
+            scores *= np.float32(scale)
         if softcap > 0:
             scores *= np.float32(1.0 / softcap)
             np.tanh(scores, out=scores)
@@ -166,21 +173,34 @@ def attend(q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray], group: Attent
         scores[..., chunk.lo:] += chunk.mask
         if window > 0:
             scores += _window_mask(group, chunk, window)
-        top = scores.max(axis=-1)                                  # [b, Hk, q, g]
-        if sinks is not None:   # one more softmax column per head, with no value
-            sink = sinks.reshape(1, num_kv_heads, 1, g)
-            top = np.maximum(top, sink)
-        scores -= top[..., None]
-        np.exp(scores, out=scores)
-        denom = scores.sum(axis=-1)
-        if sinks is not None:
-            denom += np.exp(sink - top)
-        denom = denom.reshape(b, num_kv_heads, rows, 1)
-        part = scores.reshape(b, num_kv_heads, rows, chunk.ctx) @ values[:, :, :chunk.ctx]
-        part /= denom
+        sink = None if sinks is None else sinks.reshape(1, num_kv_heads, 1, g)
+        part = _softmax_values(scores, sink, values[:, :, :chunk.ctx], round16)
         out[:, :, chunk.q0:chunk.q1] = part.reshape(b, num_kv_heads, chunk.q1 - chunk.q0, g,
                                                     head_dim)
     if max_q == 1:
         return out.reshape(b, num_heads, head_dim)
     out = out.transpose(0, 2, 1, 3, 4).reshape(b, max_q, num_heads, head_dim)
     return out[group.rows, group.cols]
+
+
+def _softmax_values(scores: np.ndarray, sink: np.ndarray | None, values: np.ndarray,
+                    round16: Callable[[np.ndarray], np.ndarray] | None) -> np.ndarray:
+    """softmax(scores [b, Hk, q, g, ctx], with an optional sink column [1, Hk, 1, g]) @
+    values [b, Hk, ctx, Dh] -> [b, Hk, q * g, Dh]. With `round16` as ggml's soft_max and
+    mul_mat: the probabilities scaled by float32(1 / sum), the sum in float64, then rounded
+    to the cache's type."""
+    b, hk, nq, g, ctx = scores.shape
+    top = scores.max(axis=-1)                                  # [b, Hk, q, g]
+    if sink is not None:      # one more softmax column per head, with no value
+        top = np.maximum(top, sink)
+    scores -= top[..., None]
+    np.exp(scores, out=scores)
+    denom = scores.sum(axis=-1, dtype=np.float64 if round16 is not None else None)
+    if sink is not None:
+        denom += np.exp(sink - top)
+    if round16 is None:
+        part = scores.reshape(b, hk, nq * g, ctx) @ values
+        part /= denom.reshape(b, hk, nq * g, 1)
+        return part
+    scores *= (1.0 / denom).astype(np.float32)[..., None]
+    return round16(scores).reshape(b, hk, nq * g, ctx) @ values

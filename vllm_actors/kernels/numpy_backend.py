@@ -212,11 +212,12 @@ class NumpyBackend:
         return y
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-        mean_square = np.einsum("...i,...i->...", x, x) / np.float32(x.shape[-1])
-        mean_square += np.float32(eps)
-        inv = np.sqrt(mean_square, out=mean_square)
-        np.divide(np.float32(1.0), inv, out=inv)
-        out = x * inv[..., None]
+        """ggml's RMSNorm: float32 squares summed in float64, mean rounded to float32, scale
+        1 / sqrt(mean + eps) in float32, then (x * scale) * w."""
+        mean = (np.square(x).sum(axis=-1, dtype=np.float64) / x.shape[-1]).astype(np.float32)
+        mean += np.float32(eps)
+        scale = np.divide(np.float32(1.0), np.sqrt(mean, out=mean), out=mean)
+        out = x * scale[..., None]
         out *= weight
         return out
 
@@ -324,17 +325,21 @@ class NumpyBackend:
         (this is the reference; the compiled backends decode inside their loops); turboquant
         attends in its rotated space."""
         quantized = isinstance(kv_cache, kv_quant.QuantizedKV)
+        round16 = None
         if quantized:
             q = kv_cache.rotate(q)
+            if kv_cache.fmt.ggml_products:
+                round16 = (activation_quant.round_f16 if kv_cache.fmt.kind == kv_quant.FLOAT16
+                           else activation_quant.round_bf16)
         if len(attn.groups) == 1 and attn.groups[0].covers_all:
             out = _attend(q, *decoded_group(kv_cache, attn.groups[0]), scale, window, softcap,
-                          sinks)
+                          sinks, round16)
         else:
             out = np.empty_like(q)
             for group in attn.groups:
                 out[group.token_index] = _attend(q[group.token_index],
                                                  *decoded_group(kv_cache, group), scale,
-                                                 window, softcap, sinks)
+                                                 window, softcap, sinks, round16)
         return kv_cache.unrotate(out) if quantized else out
 
     def lm_head(self, hidden: np.ndarray, head: LMHead, rows: np.ndarray,

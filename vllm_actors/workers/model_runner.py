@@ -83,7 +83,7 @@ class ModelRunner:
             raise ValidationError(f"max_model_len={self.max_model_len} is larger than the "
                                   f"model's context length ({limit})", "max_model_len")
         self.block_size = config.cache.block_size
-        self.kv_format = kv_format(cache.kv_cache_dtype)
+        self.kv_format = kv_format(cache.kv_cache_dtype, ggml_products=quantized)
         self.kv_groups = kv_cache_groups(self.local_args)
         self.layer_ids = list(getattr(self.model, "layer_ids", range(args.num_layers)))
         slot_of = layer_slots(self.kv_groups)[1]

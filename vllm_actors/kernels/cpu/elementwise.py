@@ -22,14 +22,23 @@ PARALLEL_ROWS = 16
 
 
 @kernel
-def _rms_row(x, weight, eps, out):
+def _sum_squares(x):  # type: ignore[no-untyped-def]
+    """sum of x[i] * x[i] (each product rounded to float32) in float64, as ggml sums them."""
+    acc = 0.0
+    for i in range(x.shape[0]):
+        acc += np.float64(x[i] * x[i])
+    return acc
+
+
+@kernel(exact=True)
+def _rms_row(x, weight, eps, out):  # type: ignore[no-untyped-def]
+    """ggml's RMSNorm: mean = float32(sum / n), scale = 1 / sqrt(mean + eps) in float32,
+    out = (x * scale) * w, each product rounded (no fast math: the order is the point)."""
     n = x.shape[0]
-    acc = np.float32(0.0)
+    mean = np.float32(_sum_squares(x) / n)
+    scale = np.float32(1.0) / np.float32(math.sqrt(mean + np.float32(eps)))
     for i in range(n):
-        acc += x[i] * x[i]
-    inv = np.float32(1.0) / np.float32(math.sqrt(acc / np.float32(n) + np.float32(eps)))
-    for i in range(n):
-        out[i] = x[i] * inv * weight[i]
+        out[i] = (x[i] * scale) * weight[i]
 
 
 @kernel
@@ -45,16 +54,11 @@ def _rms_norm_parallel(x, weight, eps, out):
 
 
 @kernel
-def _add_rms_row(h, delta, weight, eps, out):
-    n = h.shape[0]
-    acc = np.float32(0.0)
-    for i in range(n):
-        v = h[i] + delta[i]
-        h[i] = v
-        acc += v * v
-    inv = np.float32(1.0) / np.float32(math.sqrt(acc / np.float32(n) + np.float32(eps)))
-    for i in range(n):
-        out[i] = h[i] * inv * weight[i]
+def _add_rms_row(h, delta, weight, eps, out):  # type: ignore[no-untyped-def]
+    """h += delta, then `_rms_row` of it."""
+    for i in range(h.shape[0]):
+        h[i] = h[i] + delta[i]
+    _rms_row(h, weight, eps, out)
 
 
 @kernel

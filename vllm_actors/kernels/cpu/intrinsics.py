@@ -145,3 +145,19 @@ def stack_f32(typingctx, n):  # type: ignore[no-untyped-def]
 def stack_i32(typingctx, n):  # type: ignore[no-untyped-def]
     """`stack_f32` for int32 (the integer kernels' exact accumulators)."""
     return _stack_codegen(types.int32, ir.IntType(32), n)
+
+
+@intrinsic
+def fma_f32(typingctx, a, b, c):  # type: ignore[no-untyped-def]
+    """a * b + c in float32 with one rounding (`llvm.fma.f32`): what a C compiler's
+    contraction (-ffp-contract=fast, GCC's default) makes of ggml's `s += a * b`."""
+    if not all(isinstance(t, types.Float) for t in (a, b, c)):
+        return None
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        vals = [context.cast(builder, v, t, types.float32) for v, t in zip(args, sig.args)]
+        f32 = ir.FloatType()
+        fn = builder.module.globals.get("llvm.fma.f32") or ir.Function(
+            builder.module, ir.FunctionType(f32, [f32] * 3), "llvm.fma.f32")
+        return builder.call(fn, vals)
+    return types.float32(a, b, c), codegen

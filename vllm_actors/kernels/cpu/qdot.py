@@ -4,14 +4,15 @@ intrinsic: `qdot(isa, kind, acc, ai, q, qi, bits, x, xi, scale)` adds
 
 - `kind` (a literal) says how the block's 32 weights are stored at q.flat[qi]: 4 = 16 bytes
   of nibbles, element j < 16 the low nibble of byte j and j >= 16 the high nibble of byte
-  j - 16 (Q4_0, Q4_1); 5 = the same plus the fifth bit j of `bits` (Q5_0, Q5_1); 8 = 32 int8
-  (Q8_0). Offsets (-8, -16) and mins are not applied here: the caller adds them through the
-  activation block's sum.
+  j - 16 (Q4_1); 5 = the same plus the fifth bit j of `bits` (Q5_1); 40 and 50 = the same
+  less the offset 8 or 16 (Q4_0, Q5_0: signed, as ggml's dots); 8 = 32 int8 (Q8_0). Mins are
+  not applied here: the caller adds them through the activation block's sum.
 - `isa` (a literal, `isa.code`) picks the instructions: portable widening multiplies,
   AVX2's `vpmaddubsw` + `vpmaddwd`, or VNNI's `vpdpbusd`. Each gives int32 lane i = the sum
   of the products of bytes 4i..4i+3, exactly, so every path produces the same floats.
-- x is int8 at x.flat[xi]. Q8_0 weights are signed: the AVX2 and VNNI paths multiply |w| by
-  x with w's sign (llama.cpp's trick), exact unless x holds -128 (only a NaN block does).
+- x is int8 at x.flat[xi]. Signed weights (Q8_0, Q4_0, Q5_0): the AVX2 and VNNI paths
+  multiply |w| by x with w's sign (llama.cpp's trick), exact unless x holds -128 (only a NaN
+  block does).
 
 One block per call, with the accumulator in a stack array that LLVM keeps in a register:
 the kernels' loops stay numba code, and nothing moves between numba tuples and vectors.
@@ -33,6 +34,7 @@ _W16 = ir.VectorType(_I16, 16)
 _L8 = ir.VectorType(_I32, 8)
 _F8 = ir.VectorType(ir.FloatType(), 8)
 PORTABLE, AVX2, AVX512 = code("portable"), code("avx2"), code("avx512")
+SIGNED_OFFSET = {40: 8, 50: 16}    # kinds whose quants are stored with an offset (Q4_0, Q5_0)
 
 
 def _call(builder, name, ret, args):  # type: ignore[no-untyped-def]
@@ -51,11 +53,13 @@ def _weights(context, builder, sig, args, kind):  # type: ignore[no-untyped-def]
     lo = builder.and_(packed, ir.Constant(_B16, [15] * 16))
     hi = builder.lshr(packed, ir.Constant(_B16, [4] * 16))
     w = builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
-    if kind == 5:
+    if kind in (5, 50):
         bits = context.cast(builder, args[6], sig.args[6], types.uint32)
         mask = builder.bitcast(bits, ir.VectorType(ir.IntType(1), 32))
         fifth = builder.select(mask, ir.Constant(_B32, [16] * 32), ir.Constant(_B32, [0] * 32))
         w = builder.or_(w, fifth)
+    if kind in SIGNED_OFFSET:       # Q4_0 / Q5_0: the offset inside the integers, as ggml
+        w = builder.sub(w, ir.Constant(_B32, [SIGNED_OFFSET[kind]] * 32))
     return w
 
 
@@ -90,7 +94,7 @@ def _lanes(builder, isa, w, x, signed_w):  # type: ignore[no-untyped-def]
 def qdot(typingctx, isa, kind, acc, ai, q, qi, bits, x, xi, scale):  # type: ignore[no-untyped-def]
     """acc[ai:ai+8] += scale * lanes(block of q . block of x); see the module docstring."""
     if not (isinstance(isa, types.IntegerLiteral) and isinstance(kind, types.IntegerLiteral)
-            and kind.literal_value in (4, 5, 8) and isinstance(acc, types.Array)
+            and kind.literal_value in (4, 5, 8, 40, 50) and isinstance(acc, types.Array)
             and acc.dtype == types.float32 and isinstance(x, types.Array)
             and x.dtype == types.int8 and isinstance(q, types.Array)):
         return None
@@ -100,7 +104,7 @@ def qdot(typingctx, isa, kind, acc, ai, q, qi, bits, x, xi, scale):  # type: ign
         w = _weights(context, builder, sig, args, form)
         xv = builder.load(vector_ptr(context, builder, sig.args[7], args[7], sig.args[8],
                                      args[8], _B32), align=1)
-        lanes = builder.sitofp(_lanes(builder, path, w, xv, form == 8), _F8)
+        lanes = builder.sitofp(_lanes(builder, path, w, xv, form in (8, 40, 50)), _F8)
         s = splat(builder, context.cast(builder, args[9], sig.args[9], types.float32), _F8)
         pa = vector_ptr(context, builder, sig.args[2], args[2], sig.args[3], args[3], _F8)
         builder.store(fmuladd(builder, lanes, s, builder.load(pa, align=4)), pa, align=4)

@@ -3,13 +3,12 @@ quantized once to Q8_0/Q8_1 blocks (`activations.quantize_q8`), each weight bloc
 with them as exact int32 lanes (`qdot`, on the SIMD path `isa.selected()` names), scaled by
 d_w * d_x into 8 float lanes.
 
-Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (the 32-weight blocks). Per block, with q the stored
-quants of x, d_x its scale, S_x = d_x * sum q and s_x Q8_1's stored sum:
-  Q4_0: d_w d_x (nib . q) - 8 d_w S_x        Q4_1: d_w d_x (nib . q) + m_w s_x
-  Q5_0: d_w d_x (q5 . q) - 16 d_w S_x        Q5_1: d_w d_x (q5 . q) + m_w s_x
-  Q8_0: d_w d_x (w . q)
-the same numbers as llama.cpp's `vec_dot_*_q8_*`, which adds the offset inside the integer
-sum (equal up to float rounding). Parallel over pairs of weight rows, as the float GEMVs.
+Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (the 32-weight blocks), each in the float order of
+ggml's x86 `vec_dot_*_q8_*`: per block acc = fma(d_w * d_x, lanes, acc) (Q4_0/Q5_0 with
+their offset inside the integers), Q4_1/Q5_1's min term summed as summs = fma(m_w, s_x,
+summs) with s_x Q8_1's stored sum, and the result hsum(acc) (+ summs), the 8 lanes added as
+ggml's `hsum_float_8` adds them. Compiled without fast math, so the floats are ggml's bit
+for bit (bench/llamacpp_tensors.py). Parallel over pairs of weight rows.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from numba import prange, types
 
 from vllm_actors.kernels.cpu import activations, isa
 from vllm_actors.kernels.cpu.jit import kernel
+from vllm_actors.kernels.cpu.intrinsics import fma_f32
 from vllm_actors.kernels.cpu.qdot import qdot
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix, prefetch_rows
 from vllm_actors.kernels.cpu.qmatmul_prims import (
@@ -36,9 +36,8 @@ from vllm_actors.kernels.cpu.qmatmul_prims import (
 
 T = GGMLQuantizationType
 
-# type -> (qdot's kind, the offset its unsigned quants carry)
-KINDS: dict[int, tuple[int, int]] = {T.Q4_0: (4, -8), T.Q4_1: (4, 0), T.Q5_0: (5, -16),
-                                     T.Q5_1: (5, 0), T.Q8_0: (8, 0)}
+# type -> qdot's kind
+KINDS: dict[int, int] = {T.Q4_0: 40, T.Q4_1: 4, T.Q5_0: 50, T.Q5_1: 5, T.Q8_0: 8}
 # Up to this many rows of x, `matmul` runs the integer GEMV; beyond, x~ through the float
 # kernels (`activations.simulate`). The GEMV decodes each weight block again for every row of
 # x, so from 2 rows the float multi-row GEMV (one decode for all rows) is faster (measured in
@@ -50,11 +49,20 @@ _NO_U32 = np.zeros((0, 0), np.uint32)
 _NO_U16 = np.zeros((0, 0), np.uint16)
 
 
-@kernel(parallel=True)
-def gemv(path, kind, group, offset, qs, qh, d, mn, lut, xq, xd, xs, out, dist, threads):  # type: ignore[no-untyped-def]
-    """out[M, N] = the quantized semantics' x @ W.T; `xs` is s_x (types with mins) or S_x.
-    x's rows go in groups of `group` (a literal, 1 or 4; M a multiple of it), each group's
-    sums in registers; a pair of weight rows is read from memory once, then from L1."""
+@numba.njit(inline="always", cache=True)
+def hsum8(a, i):  # type: ignore[no-untyped-def]
+    """a[i] + ... + a[i+7] in the order of ggml's `hsum_float_8` (high half onto low, then
+    pairs): ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))."""
+    return ((a[i + 4] + a[i]) + (a[i + 6] + a[i + 2])) + ((a[i + 5] + a[i + 1])
+                                                         + (a[i + 7] + a[i + 3]))
+
+
+@kernel(parallel=True, exact=True)
+def gemv(path, kind, group, qs, qh, d, mn, lut, xq, xd, xs, out, dist, threads):  # type: ignore[no-untyped-def]
+    """out[M, N] = the quantized semantics' x @ W.T; `xs` is Q8_1's stored sum s_x (read
+    only for types with mins). x's rows go in groups of `group` (a literal, 1 or 4; M a
+    multiple of it), each group's sums in registers; a pair of weight rows is read from
+    memory once, then from L1."""
     numba.literally(path)
     numba.literally(kind)
     numba.literally(group)
@@ -70,19 +78,19 @@ def gemv(path, kind, group, offset, qs, qh, d, mn, lut, xq, xd, xs, out, dist, t
         p0 = min(r0 + dist, n - 1) * rb
         p1 = min(r0 + dist + 1, n - 1) * rb
         acc = stack_f32(64)
-        off = stack_f32(8)
+        summs = stack_f32(8)
         for m0 in range(0, xq.shape[0], group):
             for i in range(16 * group):
                 acc[i] = 0
             for i in range(2 * group):
-                off[i] = 0
+                summs[i] = 0
             for b in range(nb):
                 prefetch(qs, p0 + b * step)
                 prefetch(qs, p1 + b * step)
                 d0 = lut[d[r0, b]]
                 d1 = lut[d[r1, b]]
-                h0 = qh[r0, b] if kind == 5 else 0
-                h1 = qh[r1, b] if kind == 5 else 0
+                h0 = qh[r0, b] if kind == 5 or kind == 50 else 0
+                h1 = qh[r1, b] if kind == 5 or kind == 50 else 0
                 for m in range(group):
                     dx = xd[m0 + m, b]
                     xo = (m0 + m) * k + 32 * b
@@ -90,17 +98,13 @@ def gemv(path, kind, group, offset, qs, qh, d, mn, lut, xq, xd, xs, out, dist, t
                     qdot(path, kind, acc, 16 * m + 8, qs, r1 * rb + b * step, h1, xq, xo,
                          d1 * dx)
                     if has_min:
-                        off[2 * m] += lut[mn[r0, b]] * xs[m0 + m, b]
-                        off[2 * m + 1] += lut[mn[r1, b]] * xs[m0 + m, b]
-                    elif offset != 0:
-                        off[2 * m] += d0 * xs[m0 + m, b]
-                        off[2 * m + 1] += d1 * xs[m0 + m, b]
+                        summs[2 * m] = fma_f32(lut[mn[r0, b]], xs[m0 + m, b], summs[2 * m])
+                        summs[2 * m + 1] = fma_f32(lut[mn[r1, b]], xs[m0 + m, b],
+                                                   summs[2 * m + 1])
             for m in range(group):
-                scale = np.float32(1) if has_min else np.float32(offset)
-                out[m0 + m, r0] = acc[16 * m:16 * m + 8].sum() + off[2 * m] * scale
+                out[m0 + m, r0] = hsum8(acc, 16 * m) + summs[2 * m]
                 if r0 + 1 < n:
-                    out[m0 + m, r0 + 1] = (acc[16 * m + 8:16 * m + 16].sum()
-                                           + off[2 * m + 1] * scale)
+                    out[m0 + m, r0 + 1] = hsum8(acc, 16 * m + 8) + summs[2 * m + 1]
     restore_threads(prev)
 
 
@@ -135,10 +139,9 @@ def pad_rows(x: Any, group: int) -> Any:
                      for a in (getattr(x, f.name) for f in dataclasses.fields(x))))
 
 
-# Types the backend sends here. Q8_0 is left on the float kernels: its signed quants cost the
-# integer path an abs and two selects per block, and the LM head (Q8_0 49152 x 576) measured
-# 1.76-1.88 ms against 1.16-1.50 ms (docs/BENCHMARKS.md, "Integer dot products").
-FASTER = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1})
+# Types the backend sends here: all of them, since these give ggml's floats bit for bit (the
+# float kernels on x~ give the same numbers only up to summation order).
+FASTER = frozenset(KINDS)
 
 
 def supports(qtype: int, rows: int) -> bool:
@@ -149,16 +152,17 @@ def supports(qtype: int, rows: int) -> bool:
 def matmul(w: QuantMatrix, x: activations.Q8Rows, path: str | None = None) -> np.ndarray:
     """x's Q8 blocks `[M, K]` -> `[M, N]` under the quantized semantics, W of a type in
     `KINDS`. `path` forces a SIMD path (default `isa.selected()`)."""
-    kind, offset = KINDS[w.qtype]
+    kind = KINDS[w.qtype]
     qs, rest = w.planes[0], w.planes[1:]
-    qh = rest[0] if kind == 5 else _NO_U32
-    d = rest[1] if kind == 5 else rest[0]
+    has_bits = w.qtype in (T.Q5_0, T.Q5_1)
+    qh = rest[0] if has_bits else _NO_U32
+    d = rest[1] if has_bits else rest[0]
     mn = rest[-1] if w.qtype in (T.Q4_1, T.Q5_1) else _NO_U16
     m = x.qs.shape[0]
     group = 1 if m == 1 else GROUP
     x = pad_rows(x, group)
     out = np.empty((x.qs.shape[0], w.rows), np.float32)
     threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
-    call(gemv, isa.code(path or isa.selected()), kind, group, offset, qs, qh, d, mn, HALF_LUT,
-         x.qs, x.d, x.s if mn.size else x.dsum, out, prefetch_rows(w), threads)
+    call(gemv, isa.code(path or isa.selected()), kind, group, qs, qh, d, mn, HALF_LUT, x.qs,
+         x.d, x.s, out, prefetch_rows(w), threads)
     return out[:m]

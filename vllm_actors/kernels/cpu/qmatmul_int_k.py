@@ -6,8 +6,10 @@ lanes (`qdot.kdot`), then scaled by d_w * d_x into 8 float lanes (`qdot.kflush`)
 With q the stored quants of x, d_x its scale and b_j its sums of 16 (`bsums`), per superblock:
   Q4_K, Q5_K: d_w d_x sum_s sc_s (w_s . q_s) - dmin_w d_x sum_s mn_s (b_2s + b_2s+1)
   Q6_K:       d_w d_x (sum_j scales_j (w_j . q_j) - 32 sum_j scales_j b_j)
-(s the 8 sub-blocks of 32, j the 16 of 16; the layouts are `qmatmul_k45`'s). The integer
-parts are llama.cpp's exactly; the floats differ from its only in summation order. Parallel
+(s the 8 sub-blocks of 32, j the 16 of 16; the layouts are `qmatmul_k45`'s), in the float
+order of ggml's x86 (AVX2) dots: acc = fma(d_w d_x, lanes, acc) per superblock, Q4_K's mins
+in 4 float lanes, Q5_K's in one sum, Q6_K's offset per integer lane, and the lanes added as
+`hsum_float_8` adds them. Compiled without fast math: ggml's floats bit for bit. Parallel
 over pairs of weight rows, as the other GEMVs.
 """
 
@@ -19,11 +21,11 @@ from gguf import GGMLQuantizationType
 from numba import prange
 
 from vllm_actors.kernels.cpu import activations, isa
-from vllm_actors.kernels.cpu.intrinsics import stack_i32
+from vllm_actors.kernels.cpu.intrinsics import fma_f32, stack_i32
 from vllm_actors.kernels.cpu.jit import kernel
 from vllm_actors.kernels.cpu.qdot import kdot, kflush
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix, prefetch_rows
-from vllm_actors.kernels.cpu.qmatmul_int import GROUP, MAX_ROWS, call, pad_rows
+from vllm_actors.kernels.cpu.qmatmul_int import GROUP, MAX_ROWS, call, hsum8, pad_rows
 from vllm_actors.kernels.cpu.qmatmul_prims import (
     HALF_LUT,
     limit_threads,
@@ -65,13 +67,13 @@ def gemv_k45(path, kind, group, qs, qh, sc, mn, d, dmin, lut, xq, xd, xb, out, d
         p1 = min(r0 + dist + 1, n - 1) * rb
         acc = stack_f32(64)
         iacc = stack_i32(64)
-        off = stack_f32(8)
+        am = stack_f32(32)          # the min terms: 4 lanes per (x row, weight row)
         for m0 in range(0, xq.shape[0], group):
             for i in range(16 * group):
                 acc[i] = 0
                 iacc[i] = 0
-            for i in range(2 * group):
-                off[i] = 0
+            for i in range(8 * group):
+                am[i] = 0
             for sb in range(rb // 128):
                 for gg in range(4):
                     o = 128 * sb + 32 * gg
@@ -87,24 +89,39 @@ def gemv_k45(path, kind, group, qs, qh, sc, mn, d, dmin, lut, xq, xd, xb, out, d
                     dx = xd[m0 + m, sb]
                     kflush(acc, 16 * m, iacc, 16 * m, lut[d[r0, sb]] * dx)
                     kflush(acc, 16 * m + 8, iacc, 16 * m + 8, lut[d[r1, sb]] * dx)
-                    off[2 * m] += lut[dmin[r0, sb]] * dx * _min_sum(mn[r0], xb[m0 + m], sb)
-                    off[2 * m + 1] += lut[dmin[r1, sb]] * dx * _min_sum(mn[r1], xb[m0 + m],
-                                                                        sb)
+                    _mins(kind, am, 8 * m, mn[r0], xb[m0 + m], sb, -dx * lut[dmin[r0, sb]])
+                    _mins(kind, am, 8 * m + 4, mn[r1], xb[m0 + m], sb,
+                          -dx * lut[dmin[r1, sb]])
             for m in range(group):
-                out[m0 + m, r0] = acc[16 * m:16 * m + 8].sum() - off[2 * m]
+                out[m0 + m, r0] = hsum8(acc, 16 * m) + _hsum4(am, 8 * m)
                 if r0 + 1 < n:
-                    out[m0 + m, r0 + 1] = acc[16 * m + 8:16 * m + 16].sum() - off[2 * m + 1]
+                    out[m0 + m, r0 + 1] = hsum8(acc, 16 * m + 8) + _hsum4(am, 8 * m + 4)
     restore_threads(prev)
 
 
 @numba.njit(inline="always", cache=True)
-def _min_sum(mn, xb, sb):  # type: ignore[no-untyped-def]
-    """sum over superblock sb's 8 sub-blocks of min_s * (x's sum over the sub-block), int."""
+def _mins(kind, am, i, mn, xb, sb, dmin):  # type: ignore[no-untyped-def]
+    """Superblock sb's min term into am[i:i+4], as ggml's AVX2 dots: Q4_K (kind 4) keeps 4
+    float lanes, lane t += dmin * (mn_2t b_2t + mn_2t+1 b_2t+1) (b_s x's sum over sub-block
+    s); Q5_K (kind 5) adds dmin * (their integer total) to lane 0. Fused multiply-adds, as
+    GCC compiles ggml's `+=`."""
     total = np.int32(0)
-    for s in range(8):
-        total += np.int32(mn[8 * sb + s]) * (np.int32(xb[16 * sb + 2 * s])
-                                             + np.int32(xb[16 * sb + 2 * s + 1]))
-    return np.float32(total)
+    for t in range(4):
+        prod = np.int32(0)
+        for u in range(2 * t, 2 * t + 2):
+            prod += np.int32(mn[8 * sb + u]) * (np.int32(xb[16 * sb + 2 * u])
+                                                + np.int32(xb[16 * sb + 2 * u + 1]))
+        if kind == 4:
+            am[i + t] = fma_f32(dmin, np.float32(prod), am[i + t])
+        total += prod
+    if kind == 5:
+        am[i] = fma_f32(dmin, np.float32(total), am[i])
+
+
+@numba.njit(inline="always", cache=True)
+def _hsum4(a, i):  # type: ignore[no-untyped-def]
+    """(a0 + a2) + (a1 + a3), the order of ggml's 4-lane horizontal add."""
+    return (a[i] + a[i + 2]) + (a[i + 1] + a[i + 3])
 
 
 @numba.njit(inline="always", cache=True)
@@ -156,25 +173,26 @@ def gemv_q6_k(path, kind, group, ql, qh, scales, d, lut, xq, xd, xb, out, dist, 
                     _q6_half(path, group, iacc, 8, ql, r1 * rb + o, qh, r1 * hb + ho, xq, xo, k,
                              scales[r1], j)
                 for m in range(group):
-                    iacc[16 * m] -= 32 * _scale_sum(scales[r0], xb[m0 + m], sb)
-                    iacc[16 * m + 8] -= 32 * _scale_sum(scales[r1], xb[m0 + m], sb)
+                    _offset_lanes(iacc, 16 * m, scales[r0], xb[m0 + m], sb)
+                    _offset_lanes(iacc, 16 * m + 8, scales[r1], xb[m0 + m], sb)
                     dx = xd[m0 + m, sb]
                     kflush(acc, 16 * m, iacc, 16 * m, lut[d[r0, sb]] * dx)
                     kflush(acc, 16 * m + 8, iacc, 16 * m + 8, lut[d[r1, sb]] * dx)
             for m in range(group):
-                out[m0 + m, r0] = acc[16 * m:16 * m + 8].sum()
+                out[m0 + m, r0] = hsum8(acc, 16 * m)
                 if r0 + 1 < n:
-                    out[m0 + m, r0 + 1] = acc[16 * m + 8:16 * m + 16].sum()
+                    out[m0 + m, r0 + 1] = hsum8(acc, 16 * m + 8)
     restore_threads(prev)
 
 
 @numba.njit(inline="always", cache=True)
-def _scale_sum(scales, xb, sb):  # type: ignore[no-untyped-def]
-    """sum over superblock sb's 16 sub-blocks of scale_j * (x's sum over sub-block j)."""
-    total = np.int32(0)
-    for j in range(16 * sb, 16 * sb + 16):
-        total += np.int32(scales[j]) * np.int32(xb[j])
-    return total
+def _offset_lanes(iacc, i, scales, xb, sb):  # type: ignore[no-untyped-def]
+    """Q6_K's -32 offset, per int lane as ggml's AVX2 dot takes it off: lane t -= 32 *
+    (scale_2t b_2t + scale_2t+1 b_2t+1) over superblock sb's sub-blocks of 16."""
+    for t in range(8):
+        j = 16 * sb + 2 * t
+        iacc[i + t] -= 32 * (np.int32(scales[j]) * np.int32(xb[j])
+                             + np.int32(scales[j + 1]) * np.int32(xb[j + 1]))
 
 
 def supports(qtype: int, rows: int) -> bool:
