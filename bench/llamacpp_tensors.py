@@ -130,6 +130,7 @@ def check_layer(model, backend, got: dict, layer: int, n: int) -> None:
     rope = backend.prepare_rope(np.arange(n), model.rope)
     q_rot = backend.rope(np.ascontiguousarray(q_in[..., order]), rope)
     k_rot = backend.rope(np.ascontiguousarray(k_in[..., order]), rope)
+    # (llama.cpp rotates adjacent pairs of its row order; ours are the same pairs as halves)
     compare(f"{layer} rope(q)", q_rot, heads(one("Qcur", -1), a.num_heads)[..., order])
     compare(f"{layer} rope(k)", k_rot, heads(one("Kcur", -1), a.num_kv_heads)[..., order])
     meta = _meta(n)
@@ -152,7 +153,7 @@ def check_layer(model, backend, got: dict, layer: int, n: int) -> None:
     compare(f"{layer} ffn_gate", gate_up[:, :f], one("ffn_gate"))
     compare(f"{layer} ffn_up", gate_up[:, f:], one("ffn_up"))
     both = np.ascontiguousarray(np.concatenate([one("ffn_gate"), one("ffn_up")], axis=1))
-    compare(f"{layer} silu(gate) * up", backend.silu_mul(both), one("ffn_swiglu"))
+    compare(f"{layer} silu(gate) * up", backend.silu_mul(both, ggml=True), one("ffn_swiglu"))
     compare(f"{layer} ffn_out", backend.linear(one("ffn_swiglu"), lay.mlp.down), one("ffn_out"))
 
 

@@ -245,7 +245,7 @@ class DeviceBackend:
                      np.int32(num_heads * head_dim), np.int32(num_kv_heads * head_dim))
         return q, k, v
 
-    def silu_mul(self, gate_up: Any) -> Any:
+    def silu_mul(self, gate_up: Any, ggml: bool = False) -> Any:   # its own exp
         t, f = gate_up.shape[0], gate_up.shape[1] // 2
         out = self._empty((t, f))
         self._launch("silu_mul", (f, t), gate_up, out, np.int32(f))

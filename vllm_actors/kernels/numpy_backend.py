@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from vllm_actors.kernels import activation_quant, kv_quant, quant
+from vllm_actors.kernels import activation_quant, ggml_math, kv_quant, quant
 from vllm_actors.kernels.numpy_attention import NumpyAttention, attend as _attend, \
     decoded_group
 from vllm_actors.kernels.ops import AttentionMetadata, RopeTables, WeightLike
@@ -237,7 +237,9 @@ class NumpyBackend:
                 qkv[:, q_end:k_end].reshape(t, num_kv_heads, head_dim),
                 qkv[:, k_end:].reshape(t, num_kv_heads, head_dim))
 
-    def silu_mul(self, gate_up: np.ndarray) -> np.ndarray:
+    def silu_mul(self, gate_up: np.ndarray, ggml: bool = False) -> np.ndarray:
+        if ggml:
+            return ggml_math.swiglu(gate_up)
         gate, up = np.split(gate_up, 2, axis=-1)
         out = np.negative(gate)
         np.exp(out, out=out)
@@ -285,17 +287,24 @@ class NumpyBackend:
         return x
 
     def prepare_rope(self, positions: np.ndarray, tables: RopeTables
-                     ) -> tuple[np.ndarray, np.ndarray, int, bool]:
+                     ) -> tuple[np.ndarray, np.ndarray, int, bool, bool]:
         return (tables.cos[positions][:, None, :], tables.sin[positions][:, None, :],
-                tables.rotary_dim, tables.interleaved)
+                tables.rotary_dim, tables.interleaved, tables.fused)
 
-    def rope(self, x: np.ndarray, rope: tuple[np.ndarray, np.ndarray, int, bool]) -> np.ndarray:
-        cos, sin, rotary_dim, interleaved = rope
+    def rope(self, x: np.ndarray, rope: tuple[np.ndarray, np.ndarray, int, bool, bool]
+             ) -> np.ndarray:
+        cos, sin, rotary_dim, interleaved, fused = rope
         if interleaved:
             x1, x2 = x[..., 0:rotary_dim:2], x[..., 1:rotary_dim:2]
         else:
             half = rotary_dim // 2
             x1, x2 = x[..., :half], x[..., half:rotary_dim]
+        if fused:     # ggml's fma(x1, cos, -(x2 sin)), fma(x1, sin, x2 cos), through float64
+            wide = x1.astype(np.float64)
+            new1 = (wide * cos - (x2 * sin)).astype(np.float32)
+            x2[...] = (wide * sin + (x2 * cos)).astype(np.float32)
+            x1[...] = new1
+            return x
         x1_sin = x1 * sin
         x2_sin = x2 * sin
         x1 *= cos

@@ -12,6 +12,8 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
+from vllm_actors.kernels.ggml_rope import ggml_rope_tables  # noqa: F401 (models' way in)
+
 Array = Any
 
 
@@ -52,6 +54,9 @@ class RopeTables:
     sin: Array
     rotary_dim: int
     interleaved: bool   # True: rotate pairs (2i, 2i+1) (GPT-J / ggml NORM); False: (i, i+Dh/2)
+    # ggml's rotation (the quantized GGUF semantics): x0' = fma(x0, cos, -(x1 sin)),
+    # x1' = fma(x0, sin, x1 cos) (`kernels.ggml_rope`); else x0 cos - x1 sin, x1 cos + x0 sin
+    fused: bool = False
 
 
 class Backend(Protocol):
@@ -114,8 +119,10 @@ class Backend(Protocol):
         """Fused projection [T, (H + 2 Hk) * Dh] -> q [T, H, Dh], k [T, Hk, Dh], v [T, Hk, Dh]
         (views where the backend can)."""
 
-    def silu_mul(self, gate_up: Array) -> Array:
-        """gate_up [T, 2F] -> silu(gate) * up: [T, F]."""
+    def silu_mul(self, gate_up: Array, ggml: bool = False) -> Array:
+        """gate_up [T, 2F] -> silu(gate) * up: [T, F]. `ggml`: exp as llama.cpp's x86 build
+        computes it (`kernels.ggml_math`; the quantized GGUF semantics); backends without it
+        compute their own exp."""
 
     def gelu_mul(self, gate_up: Array, approximate: bool = True) -> Array:
         """gate_up [T, 2F] -> gelu(gate) * up: [T, F] (GeGLU). approximate: the tanh form

@@ -78,9 +78,11 @@ class RawTensor:
 class WeightSet:
     """Weights by canonical name, remembering the file they came from for error messages."""
 
-    def __init__(self, tensors: dict[str, RawTensor], path: Path) -> None:
+    def __init__(self, tensors: dict[str, RawTensor], path: Path,
+                 activations: str = "float32") -> None:
         self.tensors = tensors
         self.path = path
+        self.activations = activations      # the --gguf-activations semantics they were read for
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -119,7 +121,7 @@ def gguf_weights(gguf: GGUFFile, activations: str = "float32") -> WeightSet:
         fmt = activation_format(info.ggml_type) \
             if activations == "quantized" and len(info.shape) >= 2 else None
         tensors[name] = RawTensor(name, info.shape, info.ggml_type, gguf.raw(name), fmt)
-    return WeightSet(tensors, gguf.path)
+    return WeightSet(tensors, gguf.path, activations)
 
 
 def _model_arch(gguf_arch: str) -> MODEL_ARCH:

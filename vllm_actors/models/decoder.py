@@ -31,10 +31,11 @@ from typing import Any, Sequence
 import numpy as np
 
 from vllm_actors.errors import ModelFormatError, ValidationError
-from vllm_actors.kernels.ops import AttentionMetadata, Backend, RopeTables
+from vllm_actors.kernels.ops import AttentionMetadata, Backend, RopeTables, ggml_rope_tables
 from vllm_actors.loaders.weights import RawTensor, WeightSet
 from vllm_actors.models.base import (ModelArgs, ParallelGroup, PipelineStage, SingleRank,
-                                     rope_attention_factor, rope_cos_sin, rope_inv_freq)
+                                     rope_attention_factor, rope_cos_sin, rope_inv_freq,
+                                     rope_kind)
 from vllm_actors.models.experts import Experts, load_experts, run_experts
 from vllm_actors.models.kv_layout import kv_cache_groups, layer_slots
 from vllm_actors.models.sharding import ShardPlan
@@ -97,6 +98,8 @@ class DecoderLM:
         self.local_args = self.plan.local_args
         self.scale = args.attn_scale or 1.0 / float(np.sqrt(args.head_dim))
         self.first_rank = self.tp.rank == 0
+        # llama.cpp's float order where it is the oracle (the quantized GGUF semantics)
+        self.ggml = weights.activations == "quantized"
         embed = weights.require("token_embd.weight")
         head = weights.get("output.weight") if self.stage.last else None
         if self.plan.sharded:
@@ -123,7 +126,18 @@ class DecoderLM:
 
     def _rope_tables(self, args: ModelArgs, factors: np.ndarray | None,
                      weights: WeightSet) -> RopeTables:
+        """cos/sin of the model's RoPE: as ggml computes them under the quantized GGUF
+        semantics where ggml's plain cache covers the scaling (none, linear, GGUF frequency
+        factors), else as transformers does (`rope_inv_freq`)."""
         b = self.backend
+        ggml = self.ggml
+        kind = rope_kind(args)
+        if ggml and kind in ("default", "none", "linear"):
+            scale = 1.0 / float(args.rope_scaling["factor"]) if kind == "linear" else 1.0
+            cos, sin = ggml_rope_tables(args.max_position_embeddings, args.rotary_dim,
+                                        args.rope_theta, factors, scale)
+            return RopeTables(b.upload_array(cos), b.upload_array(sin), args.rotary_dim,
+                              interleaved=False, fused=True)
         cos, sin = rope_cos_sin(rope_inv_freq(args, factors, weights.path),
                                 args.max_position_embeddings)
         attention_factor = rope_attention_factor(args)
@@ -131,7 +145,7 @@ class DecoderLM:
             cos *= np.float32(attention_factor)
             sin *= np.float32(attention_factor)
         return RopeTables(b.upload_array(cos), b.upload_array(sin), args.rotary_dim,
-                          interleaved=False)
+                          interleaved=False, fused=ggml)
 
     # -- loading -------------------------------------------------------------------------
     def _norm(self, weights: WeightSet, name: str, neox: bool = False) -> Norm:
@@ -292,7 +306,7 @@ class DecoderLM:
             if not self.args.gated_mlp:
                 hidden = b.gelu(up, act == "gelu_tanh")
             elif act == "silu":
-                hidden = b.silu_mul(up)
+                hidden = b.silu_mul(up, self.ggml)
             else:
                 hidden = b.gelu_mul(up, act == "gelu_tanh")
             out = b.linear(hidden, mlp.down, mlp.down_bias)

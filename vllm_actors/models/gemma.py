@@ -91,7 +91,7 @@ def sanitize(weights: WeightSet, args: ModelArgs, kind: str) -> WeightSet:
         if name.endswith("norm.weight"):
             shifted = tensor.to_float32() + np.float32(1.0)
             tensors[name] = RawTensor(name, tensor.shape, int(GGMLQuantizationType.F32), shifted)
-    return WeightSet(tensors, weights.path)
+    return WeightSet(tensors, weights.path, weights.activations)
 
 
 FAMILY = Family(

@@ -151,7 +151,7 @@ def sanitize(weights: WeightSet, args: ModelArgs, kind: str) -> WeightSet:
             _split_gguf_experts(tensors, p, args)
         else:
             _split_hf_experts(tensors, p, args, weights.path)
-    return WeightSet(tensors, weights.path)
+    return WeightSet(tensors, weights.path, weights.activations)
 
 
 FAMILY = Family(

@@ -123,7 +123,7 @@ def sanitize(weights: WeightSet, args: ModelArgs, kind: str) -> WeightSet:
             for e in range(args.num_experts):
                 name = f"blk.{i}.{proj}.{e}.weight"
                 tensors[name] = _expert_rows(stacked, e, name)
-    return WeightSet(tensors, weights.path)
+    return WeightSet(tensors, weights.path, weights.activations)
 
 
 FAMILY = Family(

@@ -63,7 +63,7 @@ def sanitize(weights: WeightSet, args: ModelArgs, kind: str) -> WeightSet:
         if up is not None and p + "ffn_gate.weight" not in tensors and up.shape[0] == 2 * f:
             tensors[p + "ffn_gate.weight"] = up.row_slice(0, f)
             tensors[p + "ffn_up.weight"] = up.row_slice(f, 2 * f)
-    return WeightSet(tensors, weights.path)
+    return WeightSet(tensors, weights.path, weights.activations)
 
 
 FAMILY = Family(

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_actors.kernels import mapped_pages, quant
+from vllm_actors.kernels import ggml_math, mapped_pages, quant
 from vllm_actors.kernels.cpu import (
     activations,
     attention,
@@ -64,6 +64,7 @@ class StepRope:
     sin: np.ndarray
     rotary_dim: int
     interleaved: bool
+    fused: bool
 
 
 def _format(weight: WeightLike, matrix: qmatmul.QuantMatrix) -> str | None:
@@ -244,8 +245,8 @@ class CpuBackend:
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return _NUMPY.split_qkv(qkv, num_heads, num_kv_heads, head_dim)   # views
 
-    def silu_mul(self, gate_up: np.ndarray) -> np.ndarray:
-        return elementwise.silu_mul(gate_up)
+    def silu_mul(self, gate_up: np.ndarray, ggml: bool = False) -> np.ndarray:
+        return ggml_math.swiglu(gate_up) if ggml else elementwise.silu_mul(gate_up)
 
     def gelu_mul(self, gate_up: np.ndarray, approximate: bool = True) -> np.ndarray:
         return elementwise.gelu_mul(gate_up, approximate)
@@ -263,11 +264,11 @@ class CpuBackend:
 
     def prepare_rope(self, positions: np.ndarray, tables: RopeTables) -> StepRope:
         return StepRope(np.ascontiguousarray(positions, dtype=np.int64), tables.cos,
-                        tables.sin, tables.rotary_dim, tables.interleaved)
+                        tables.sin, tables.rotary_dim, tables.interleaved, tables.fused)
 
     def rope(self, x: np.ndarray, rope: StepRope) -> np.ndarray:
         return elementwise.rope(x, rope.positions, rope.cos, rope.sin, rope.rotary_dim,
-                                rope.interleaved)
+                                rope.interleaved, rope.fused)
 
     def prepare_attention(self, meta: AttentionMetadata) -> Any:
         if self._follower is not None:       # once per forward: the step's thread count

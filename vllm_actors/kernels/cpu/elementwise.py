@@ -15,6 +15,7 @@ import numpy as np
 from numba import prange
 
 from vllm_actors.kernels.cpu.attention_math import exp2
+from vllm_actors.kernels.cpu.intrinsics import fma_f32
 from vllm_actors.kernels.cpu.jit import kernel
 
 # From this many rows a kernel runs over rows in parallel.
@@ -200,9 +201,10 @@ def _layer_norm_parallel(x, weight, bias, has_bias, eps, out):
         _layer_norm_row(x[r], weight, bias, has_bias, eps, out[r])
 
 
-@kernel
-def _rope_row(x, cos, sin, rotary_dim, interleaved):
-    """x [H, Dh] of one token rotated in place by its position's cos/sin [rotary_dim / 2]."""
+@kernel(exact=True)
+def _rope_row(x, cos, sin, rotary_dim, interleaved, fused):
+    """x [H, Dh] of one token rotated in place by its position's cos/sin [rotary_dim / 2];
+    `fused`: ggml's multiply-adds (`ops.RopeTables.fused`)."""
     half = rotary_dim // 2
     for h in range(x.shape[0]):
         for i in range(half):
@@ -211,22 +213,26 @@ def _rope_row(x, cos, sin, rotary_dim, interleaved):
             else:
                 a, b = i, half + i
             x1, x2 = x[h, a], x[h, b]
-            x[h, a] = x1 * cos[i] - x2 * sin[i]
-            x[h, b] = x2 * cos[i] + x1 * sin[i]
+            if fused:
+                x[h, a] = fma_f32(x1, cos[i], -(x2 * sin[i]))
+                x[h, b] = fma_f32(x1, sin[i], x2 * cos[i])
+            else:
+                x[h, a] = x1 * cos[i] - x2 * sin[i]
+                x[h, b] = x2 * cos[i] + x1 * sin[i]
 
 
 @kernel
-def _rope_serial(x, positions, cos, sin, rotary_dim, interleaved):
+def _rope_serial(x, positions, cos, sin, rotary_dim, interleaved, fused):
     for t in range(x.shape[0]):
         p = positions[t]
-        _rope_row(x[t], cos[p], sin[p], rotary_dim, interleaved)
+        _rope_row(x[t], cos[p], sin[p], rotary_dim, interleaved, fused)
 
 
 @kernel(parallel=True)
-def _rope_parallel(x, positions, cos, sin, rotary_dim, interleaved):
+def _rope_parallel(x, positions, cos, sin, rotary_dim, interleaved, fused):
     for t in prange(x.shape[0]):
         p = positions[t]
-        _rope_row(x[t], cos[p], sin[p], rotary_dim, interleaved)
+        _rope_row(x[t], cos[p], sin[p], rotary_dim, interleaved, fused)
 
 
 def _rows(x: np.ndarray) -> np.ndarray:
@@ -291,9 +297,9 @@ def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, eps: 
 
 
 def rope(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray,
-         rotary_dim: int, interleaved: bool) -> np.ndarray:
+         rotary_dim: int, interleaved: bool, fused: bool = False) -> np.ndarray:
     """Rotate x [T, H, Dh] in place by the cos/sin rows [max_pos, rotary_dim / 2] of each
-    token's position; returns x."""
+    token's position (`fused`: ggml's multiply-adds, `ops.RopeTables.fused`); returns x."""
     fn = _rope_parallel if len(x) >= PARALLEL_ROWS else _rope_serial
-    fn(x, positions, cos, sin, rotary_dim, interleaved)
+    fn(x, positions, cos, sin, rotary_dim, interleaved, fused)
     return x

@@ -1,0 +1,96 @@
+"""ggml's vectorized exp and SiLU, element by element, for the quantized GGUF semantics.
+
+llama.cpp's x86 build computes exp (softmax) and SiLU (SwiGLU) with `ggml_v_expf`, a polynomial
+whose AVX-512 and AVX2 versions round differently; elements past the last full vector take
+libm's `expf`. These functions give those floats bit for bit, each fused multiply-add where
+ggml has one (`fma_f32`). The width (16: AVX-512F + DQ, 8: AVX2 + FMA) follows the host, as
+a llama.cpp built on it would (`ggml_width`); on other hosts the 8-wide form is used.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numba
+import numpy as np
+
+from vllm_actors.kernels.cpu.intrinsics import bits_to_f32, f32_to_bits, fma_f32
+from vllm_actors.kernels.cpu.isa import host_features
+
+_R, _LOG2E, _LN2_HI, _LN2_LO, _C5, _C4, _C3, _C2, _C1 = (np.float32(float.fromhex(h)) for h in (
+    "0x1.8p23", "0x1.715476p+0", "0x1.62e4p-1", "0x1.7f7d1cp-20",     # ggml's constants
+    "0x1.0e4020p-7", "0x1.573e2ep-5", "0x1.555e66p-3", "0x1.fffdb6p-2", "0x1.ffffecp-1"))
+
+
+@functools.cache
+def ggml_width() -> int:
+    """Floats per vector of a llama.cpp built for this host: 16 with AVX-512F and DQ."""
+    have = host_features()
+    return 16 if {"avx512f", "avx512dq"} <= have else 8
+
+
+@numba.njit(inline="always", cache=True)
+def _reduce(x):  # type: ignore[no-untyped-def]
+    """(n, b): x = n ln2 + b with n integral, as both versions split it."""
+    z = fma_f32(x, _LOG2E, _R)
+    n = np.float32(z - _R)
+    b = fma_f32(-n, _LN2_LO, fma_f32(-n, _LN2_HI, x))
+    return z, n, b
+
+
+@numba.njit(inline="always", cache=True)
+def expf16(x):  # type: ignore[no-untyped-def]
+    """exp(x) as ggml's AVX-512 `ggml_v_expf` (`_mm512_scalef_ps` for the 2^n)."""
+    z, n, b = _reduce(np.float32(x))
+    u = np.float32(b * b)
+    j = fma_f32(fma_f32(fma_f32(_C5, b, _C4), u, fma_f32(_C3, b, _C2)), u,
+                fma_f32(_C1, b, np.float32(1.0)))
+    if abs(n) > 192:
+        return np.float32(0.0) if n <= 0 else np.float32(np.inf)
+    return np.float32(np.float64(j) * 2.0 ** np.float64(n))   # scalef: one rounding
+
+
+@numba.njit(inline="always", cache=True)
+def expf8(x):  # type: ignore[no-untyped-def]
+    """exp(x) as ggml's AVX2 `ggml_v_expf` (2^n built in the exponent bits)."""
+    z, n, b = _reduce(np.float32(x))
+    e = (f32_to_bits(z) << np.uint32(23)) & np.uint32(0xFFFFFFFF)
+    k = bits_to_f32((e + np.uint32(0x3F800000)) & np.uint32(0xFFFFFFFF))
+    u = np.float32(b * b)
+    j = fma_f32(fma_f32(fma_f32(_C5, b, _C4), u, fma_f32(_C3, b, _C2)), u,
+                np.float32(_C1 * b))
+    if abs(n) <= 126:
+        return fma_f32(j, k, k)
+    g = np.uint32(0x82000000) if n <= 0 else np.uint32(0)
+    s1 = bits_to_f32((g + np.uint32(0x7F000000)) & np.uint32(0xFFFFFFFF))
+    if abs(n) > 192:
+        return np.float32(s1 * s1)
+    s2 = bits_to_f32((e - g) & np.uint32(0xFFFFFFFF))
+    return np.float32(fma_f32(s2, j, s2) * s1)
+
+
+@numba.njit(inline="always", cache=True)
+def expf(x, width, vector):  # type: ignore[no-untyped-def]
+    """ggml's exp of an element: the vector version of `width` where `vector`, else libm."""
+    if not vector:
+        return np.float32(math.exp(np.float32(x)))
+    return expf16(x) if width == 16 else expf8(x)
+
+
+@numba.njit(cache=True)
+def _swiglu_rows(gate_up, out, width):  # type: ignore[no-untyped-def]
+    f = out.shape[1]
+    whole = f - f % width
+    for r in range(out.shape[0]):
+        for i in range(f):
+            x = gate_up[r, i]
+            e = expf(-x, width, i < whole)
+            out[r, i] = np.float32(x / np.float32(np.float32(1.0) + e)) * gate_up[r, f + i]
+
+
+def swiglu(gate_up: np.ndarray) -> np.ndarray:
+    """gate_up [T, 2F] -> silu(gate) * up [T, F] as ggml's `ggml_vec_swiglu_f32`."""
+    out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
+    _swiglu_rows(np.ascontiguousarray(gate_up, np.float32), out, ggml_width())
+    return out
