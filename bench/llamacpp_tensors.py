@@ -12,7 +12,7 @@ is that op's own, not one carried in from upstream. Per op: whether the output i
 llama.cpp's, the largest |difference| relative to the largest |value|, and the share of
 elements that differ. Llama-family graphs (SmolLM2): llama.cpp's Q/K rows are in its
 adjacent-pair order, ours in NeoX halves (`DecoderLM._neox_order`), so theirs are permuted
-before comparing.
+before comparing (under the quantized semantics they stay in llama.cpp's order).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def _meta(n: int, block_size: int = 16) -> AttentionMetadata:
 def check_layer(model, backend, got: dict, layer: int, n: int) -> None:
     """Each op of layer `layer` on llama.cpp's inputs (see the module docstring)."""
     a, lay = model.args, model.layers[layer]
-    order = model._neox_order
+    order = model._neox_order if model._neox_order is not None else np.arange(a.head_dim)
     heads = lambda t, h: t.reshape(n, h, a.head_dim)  # noqa: E731
 
     def one(key: str, i: int = -1) -> np.ndarray:

@@ -103,6 +103,7 @@ class NumpyAttention:
 
     slot_mapping: np.ndarray
     groups: list[AttentionGroup]
+    meta: AttentionMetadata            # as given (the llama.cpp-order attention reads it)
 
     @classmethod
     def build(cls, meta: AttentionMetadata) -> "NumpyAttention":
@@ -111,7 +112,8 @@ class NumpyAttention:
         decode = np.flatnonzero(q_lens == 1)
         member_sets = ([decode] if len(decode) else []) + \
             _prompt_buckets(q_lens, np.flatnonzero(q_lens > 1))
-        return cls(meta.slot_mapping, [_group(meta, q_lens, m, num_tokens) for m in member_sets])
+        return cls(meta.slot_mapping, [_group(meta, q_lens, m, num_tokens) for m in member_sets],
+                   meta)
 
 
 def _window_mask(group: AttentionGroup, chunk: AttentionChunk, window: int) -> np.ndarray:

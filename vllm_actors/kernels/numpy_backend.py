@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from vllm_actors.kernels import activation_quant, ggml_math, kv_quant, quant
+from vllm_actors.kernels import activation_quant, ggml_attention, ggml_math, kv_quant, quant
 from vllm_actors.kernels.numpy_attention import NumpyAttention, attend as _attend, \
     decoded_group
 from vllm_actors.kernels.ops import AttentionMetadata, RopeTables, WeightLike
@@ -334,6 +334,11 @@ class NumpyBackend:
         (this is the reference; the compiled backends decode inside their loops); turboquant
         attends in its rotated space."""
         quantized = isinstance(kv_cache, kv_quant.QuantizedKV)
+        if quantized and ggml_attention.reads(kv_cache.fmt, softcap, sinks):
+            m = attn.meta
+            return ggml_attention.attend(q, kv_cache.k, kv_cache.v, m.query_start_loc,
+                                         m.seq_lens, m.block_tables, m.block_size, scale,
+                                         window)
         round16 = None
         if quantized:
             q = kv_cache.rotate(q)

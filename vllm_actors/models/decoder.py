@@ -108,17 +108,20 @@ class DecoderLM:
         self.embed = backend.upload_table(embed) if self.stage.first else None
         self.head = (backend.upload_lm_head(embed if head is None else head)
                      if self.stage.last else None)
-        # Within-head row order that turns adjacent-pair RoPE rows into NeoX halves.
+        # Within-head row order that turns adjacent-pair RoPE rows into NeoX halves; under
+        # llama.cpp's semantics the rows stay in its order (a dot's lanes follow the order)
+        # and RoPE rotates adjacent pairs.
         rot = args.rotary_dim
         self._neox_order = (np.concatenate([np.arange(0, rot, 2), np.arange(1, rot, 2),
                                             np.arange(rot, args.head_dim)])
-                            if args.rope_interleaved else None)
+                            if args.rope_interleaved and not self.ggml else None)
         self.final_norm = self._norm(weights, "output_norm") if self.stage.last else None
         self.layers = [self._load_layer(weights, i) for i in self.layer_ids]
         group_of = layer_slots(kv_cache_groups(args))[0]   # KV cache group per layer
         self.layer_group = [group_of[i] for i in self.layer_ids]
         freq_factors = weights.get("rope_freqs.weight")
         factors = None if freq_factors is None else freq_factors.to_float32()
+        self._pairs = bool(args.rope_interleaved and self.ggml)
         self.rope = self._rope_tables(args, factors, weights)
         self.rope_local = (self._rope_tables(replace(args, rope_theta=args.rope_local_theta,
                                                      rope_scaling={}), None, weights)
@@ -137,7 +140,7 @@ class DecoderLM:
             cos, sin = ggml_rope_tables(args.max_position_embeddings, args.rotary_dim,
                                         args.rope_theta, factors, scale)
             return RopeTables(b.upload_array(cos), b.upload_array(sin), args.rotary_dim,
-                              interleaved=False, fused=True)
+                              interleaved=self._pairs, fused=True)
         cos, sin = rope_cos_sin(rope_inv_freq(args, factors, weights.path),
                                 args.max_position_embeddings)
         attention_factor = rope_attention_factor(args)
@@ -145,7 +148,7 @@ class DecoderLM:
             cos *= np.float32(attention_factor)
             sin *= np.float32(attention_factor)
         return RopeTables(b.upload_array(cos), b.upload_array(sin), args.rotary_dim,
-                          interleaved=False, fused=ggml)
+                          interleaved=self._pairs, fused=ggml)
 
     # -- loading -------------------------------------------------------------------------
     def _norm(self, weights: WeightSet, name: str, neox: bool = False) -> Norm:

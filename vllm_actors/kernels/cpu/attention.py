@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numba
 import numpy as np
 
-from vllm_actors.kernels import kv_quant
+from vllm_actors.kernels import ggml_attention, kv_quant
 from vllm_actors.kernels.cpu.attention_kernels import (
     merge_range,
     run_items,
@@ -55,6 +55,11 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
     or uint16 holding float16 bits for dtype "float16"; a `kv_format` other than those: a
     `kv_quant.QuantizedKV` per layer."""
     if kv_format is not None:
+        if ggml_attention.reads(kv_format, 0.0, None):
+            shape = (num_blocks, block_size, num_kv_heads, head_dim)
+            return [ggml_attention.GgmlCache(np.zeros(shape, np.uint16),
+                                             np.zeros(shape, np.uint16))
+                    for _ in range(num_layers)]
         if kv_format.kind in (kv_quant.FLOAT32, kv_quant.FLOAT16):
             dtype = kv_format.name
         else:

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_actors.kernels import ggml_math, mapped_pages, quant
+from vllm_actors.kernels import ggml_attention, ggml_math, mapped_pages, quant
 from vllm_actors.kernels.cpu import (
     activations,
     attention,
@@ -281,6 +281,10 @@ class CpuBackend:
     def paged_attention(self, q: np.ndarray, kv_cache: Any, attn: Any, scale: float,
                         window: int = 0, softcap: float = 0.0,
                         sinks: np.ndarray | None = None) -> np.ndarray:
+        if isinstance(kv_cache, ggml_attention.GgmlCache):    # llama.cpp's products
+            return ggml_attention.attend(q, kv_cache.k, kv_cache.v, attn.query_start_loc,
+                                         attn.seq_lens, attn.block_tables, attn.block_size,
+                                         scale, window)
         return attention.paged_attention(q, kv_cache, attn, scale, window=window,
                                          softcap=softcap, sinks=sinks)
 

@@ -38,11 +38,10 @@ T = GGMLQuantizationType
 
 # type -> qdot's kind
 KINDS: dict[int, int] = {T.Q4_0: 40, T.Q4_1: 4, T.Q5_0: 50, T.Q5_1: 5, T.Q8_0: 8}
-# Up to this many rows of x, `matmul` runs the integer GEMV; beyond, x~ through the float
-# kernels (`activations.simulate`). The GEMV decodes each weight block again for every row of
-# x, so from 2 rows the float multi-row GEMV (one decode for all rows) is faster (measured in
-# docs/BENCHMARKS.md, "Integer dot products").
-MAX_ROWS = 8
+# Up to this many rows of x, `matmul` runs the integer kernels; beyond, x~ through the float
+# kernels (`activations.simulate`: the same numbers up to summation order). Every step: only
+# the integer kernels give llama.cpp's floats bit for bit.
+MAX_ROWS = 1 << 30
 GROUP = 4         # x rows per register group beyond one row (the kernels' stack arrays hold 4)
 
 _NO_U32 = np.zeros((0, 0), np.uint32)
