@@ -25,7 +25,7 @@ import numpy as np
 from numba import prange
 
 from vllm_actors.kernels.cpu.activations import _f16_bits
-from vllm_actors.kernels.cpu.intrinsics import fma_f32
+from vllm_actors.kernels.cpu.intrinsics import fma16
 from vllm_actors.kernels.cpu.jit import kernel
 from vllm_actors.kernels.ggml_math import expf16
 
@@ -53,17 +53,18 @@ def _reduce16(a):  # type: ignore[no-untyped-def]
 def _dot(x, y, n, one_token, acc):  # type: ignore[no-untyped-def]
     """x . y over n elements (x, y float32 holding float16 values; n a multiple of 16; acc
     scratch of 64): tinyBLAS's order, or `ggml_vec_dot_f16`'s for a one-token step."""
+    if not one_token:
+        for lane in range(LANES):
+            acc[lane] = 0.0
+        for s in range(0, n, LANES):
+            fma16(acc, 0, x, s, y, s)
+        return _reduce16(acc)
     for i in range(64):
         acc[i] = 0.0
-    if not one_token:
-        for s in range(0, n, LANES):
-            for lane in range(LANES):
-                acc[lane] = fma_f32(x[s + lane], y[s + lane], acc[lane])
-        return _reduce16(acc)
     whole = n - n % 64
     for s in range(0, whole, 64):
-        for j in range(64):
-            acc[j] = fma_f32(x[s + j], y[s + j], acc[j])
+        for j in range(0, 64, LANES):
+            fma16(acc, j, x, s + j, y, s + j)
     for lane in range(LANES):
         acc[lane] = (acc[lane] + acc[32 + lane]) + (acc[16 + lane] + acc[48 + lane])
     total = np.float64(_reduce16(acc))
@@ -96,48 +97,110 @@ def _half(x, lut):  # type: ignore[no-untyped-def]
     return lut[_f16_bits(x)]
 
 
+TILE = 16                    # query tokens scored together (their K and V rows decoded once)
+
+
+@numba.njit(cache=True)
+def _scores(q16, kc, lut, table, block_size, kvh, pos, window, one_token, scale, s, acc,
+            krow):  # type: ignore[no-untyped-def]
+    """s[i, :] = the scores of query row i (position pos[i]) against every key up to the
+    tile's last position, masked keys -inf; each K row decoded once for all rows."""
+    rows, dh = q16.shape
+    last = pos.max()
+    for j in range(last + 1):
+        blk = table[j // block_size]
+        for d in range(dh):
+            krow[d] = lut[kc[blk, j % block_size, kvh, d]]
+        for i in range(rows):
+            if j > pos[i] or (window > 0 and j <= pos[i] - window):
+                s[i, j] = -np.inf
+            else:
+                s[i, j] = np.float32(_dot(krow, q16[i], dh, one_token, acc) * scale)
+
+
+@numba.njit(cache=True)
+def _weighted_values(vc, lut, table, block_size, kvh, pos, one_token, s, acc, vrow, out):  # type: ignore[no-untyped-def]
+    """out[i, :] = P[i] . V in ggml's order: lane j % 16 (tinyBLAS) or j % 64 (vec_dot) of
+    each output dimension chains the keys j (acc flat `[rows, lanes, Dh]`, 16 dimensions a
+    vector); each V row decoded once for all rows."""
+    rows, dh = out.shape
+    width = 64 if one_token else LANES
+    for i in range(rows * width * dh):
+        acc[i] = 0.0
+    for j in range(pos.max() + 1):
+        blk = table[j // block_size]
+        for d in range(dh):
+            vrow[d] = lut[vc[blk, j % block_size, kvh, d]]
+        lane = j % width
+        for i in range(rows):
+            p = s[i, j]
+            if p != 0 and j <= pos[i]:
+                base = (i * width + lane) * dh
+                for d0 in range(0, dh, LANES):
+                    fma16(acc, base + d0, vrow, d0, p, 0)
+    lanes = np.empty(64, np.float32)
+    for i in range(rows):
+        for d in range(dh):
+            for lane in range(width):
+                lanes[lane] = acc[(i * width + lane) * dh + d]
+            if one_token:
+                for lane in range(LANES):
+                    lanes[lane] = (lanes[lane] + lanes[32 + lane]) + (lanes[16 + lane]
+                                                                      + lanes[48 + lane])
+            out[i, d] = _reduce16(lanes)
+
+
 @kernel(parallel=True, exact=True)
-def _attend(q, kc, vc, lut, token_req, token_pos, q_lens, tables, block_size, scale, window,
-            out):  # type: ignore[no-untyped-def]
-    t_count, heads, dh = q.shape
+def _attend(q, kc, vc, lut, q_start, q_lens, ctx0, tables, block_size, scale, window, out):  # type: ignore[no-untyped-def]
+    heads, dh = q.shape[1], q.shape[2]
     hk = kc.shape[2]
     g = heads // hk
-    for th in prange(t_count * heads):
-        t, h = th // heads, th % heads
-        r, pos, kvh = token_req[t], token_pos[t], h // g
-        n = ((pos + 1 + PAD - 1) // PAD) * PAD          # llama.cpp's padded cells
+    n_keys = ctx0.max() + q_lens.max() + LANES
+    for u in prange(q_lens.shape[0] * hk):
+        r, kvh = u // hk, u % hk
         one_token = q_lens[r] == 1
-        qh = np.empty(dh, np.float32)
-        for d in range(dh):
-            qh[d] = _half(q[t, h, d], lut)
-        keys = np.zeros(dh, np.float32)
-        acc = np.empty(64, np.float32)
-        s = np.empty(n, np.float32)
-        for j in range(n):
-            if j > pos or (window > 0 and j <= pos - window):
-                s[j] = -np.inf
-                continue
-            blk = tables[r, j // block_size]
-            for d in range(dh):
-                keys[d] = lut[kc[blk, j % block_size, kvh, d]]
-            s[j] = np.float32(_dot(keys, qh, dh, one_token, acc) * scale)
-        _softmax16(s, n, lut)
-        vals = np.zeros(n, np.float32)
-        for d in range(dh):
-            for j in range(pos + 1):
-                blk = tables[r, j // block_size]
-                vals[j] = lut[vc[blk, j % block_size, kvh, d]] if s[j] != 0 else 0.0
-            out[t, h, d] = _dot(vals, s, n, one_token, acc)
+        rows = min(TILE, q_lens[r]) * g
+        q16 = np.empty((rows, dh), np.float32)
+        pos = np.empty(rows, np.int64)
+        s = np.empty((rows, n_keys), np.float32)
+        acc = np.empty(rows * dh * (64 if one_token else LANES), np.float32)
+        dot_acc = np.empty(64, np.float32)
+        krow = np.empty(dh, np.float32)
+        out_rows = np.empty((rows, dh), np.float32)
+        for t0 in range(0, q_lens[r], TILE):
+            nt = min(TILE, q_lens[r] - t0)
+            for ti in range(nt):
+                for gi in range(g):
+                    i = ti * g + gi
+                    pos[i] = ctx0[r] + t0 + ti
+                    for d in range(dh):
+                        q16[i, d] = _half(q[q_start[r] + t0 + ti, kvh * g + gi, d], lut)
+            n = nt * g
+            _scores(q16[:n], kc, lut, tables[r], block_size, kvh, pos[:n], window, one_token,
+                    scale, s, dot_acc, krow)
+            for i in range(n):
+                m = ((pos[i] + LANES) // LANES) * LANES      # whole 16s; past them exp is 0
+                for j in range(pos[i] + 1, m):
+                    s[i, j] = -np.inf
+                _softmax16(s[i], m, lut)
+            _weighted_values(vc, lut, tables[r], block_size, kvh, pos[:n], one_token, s, acc,
+                             krow, out_rows[:n])
+            for ti in range(nt):
+                for gi in range(g):
+                    for d in range(dh):
+                        out[q_start[r] + t0 + ti, kvh * g + gi, d] = out_rows[ti * g + gi, d]
 
 
-def reads(fmt, softcap: float, sinks) -> bool:  # type: ignore[no-untyped-def]
+def reads(fmt, head_dim: int, softcap: float = 0.0, sinks=None) -> bool:  # type: ignore[no-untyped-def]
     """Whether attention over a cache of `fmt` takes this path: llama.cpp's products on a
-    float16 cache where the host's llama.cpp is 16 lanes wide, with no soft-cap or sinks
-    (those keep the backend's own attention, rounded as ggml rounds: `KVFormat`)."""
+    float16 cache where the host's llama.cpp is 16 lanes wide, head dimensions a multiple of
+    16, no soft-cap or sinks (those keep the backend's own attention, rounded as ggml
+    rounds: `KVFormat`)."""
     from vllm_actors.kernels import kv_quant
     from vllm_actors.kernels.ggml_math import ggml_width
     return (fmt is not None and fmt.ggml_products and fmt.kind == kv_quant.FLOAT16
-            and ggml_width() == LANES and not softcap and sinks is None)
+            and ggml_width() == LANES and head_dim % LANES == 0 and not softcap
+            and sinks is None)
 
 
 def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, query_start_loc: np.ndarray,
@@ -146,13 +209,11 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, query_start_loc: np.ndar
     """q [T, H, Dh] float32 over the float16 cache slot k, v (uint16 bits, `[num_blocks,
     block_size, Hk, Dh]`) -> [T, H, Dh], as llama.cpp computes it (module docstring)."""
     from vllm_actors.kernels.cpu.qmatmul_prims import HALF_LUT
-    q_lens = np.diff(query_start_loc).astype(np.int64)
-    token_req = np.repeat(np.arange(len(q_lens)), q_lens)
-    start = np.asarray(seq_lens, np.int64) - q_lens                  # context before the step
-    token_pos = (np.arange(int(query_start_loc[-1])) - np.repeat(query_start_loc[:-1], q_lens)
-                 + np.repeat(start, q_lens))
+    q_start = np.asarray(query_start_loc, np.int64)
+    q_lens = np.diff(q_start)
+    ctx0 = np.asarray(seq_lens, np.int64) - q_lens                  # context before the step
     out = np.empty(q.shape, np.float32)
-    _attend(np.ascontiguousarray(q, np.float32), k, v, HALF_LUT, token_req, token_pos, q_lens,
+    _attend(np.ascontiguousarray(q, np.float32), k, v, HALF_LUT, q_start, q_lens, ctx0,
             np.ascontiguousarray(block_tables, np.int32), block_size, np.float32(scale),
             int(window), out)
     return out

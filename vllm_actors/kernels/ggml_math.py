@@ -48,7 +48,20 @@ def expf16(x):  # type: ignore[no-untyped-def]
                 fma_f32(_C1, b, np.float32(1.0)))
     if abs(n) > 192:
         return np.float32(0.0) if n <= 0 else np.float32(np.inf)
-    return np.float32(np.float64(j) * 2.0 ** np.float64(n))   # scalef: one rounding
+    m = np.int64(n)      # scalef: j * 2^n rounded once; where 2^n is no float32, an exact
+    if m > 127:          # first step (j is in [0.5, 2)) and then the one rounding
+        return np.float32(np.float32(j * _pow2(127)) * _pow2(m - 127))
+    if m < -149:
+        return np.float32(np.float32(j * _pow2(m + 149)) * _pow2(-149))
+    return np.float32(j * _pow2(m))
+
+
+@numba.njit(inline="always", cache=True)
+def _pow2(n):  # type: ignore[no-untyped-def]
+    """2^n as a float32, -149 <= n <= 127 (subnormal below -126)."""
+    if n >= -126:
+        return bits_to_f32(np.uint32((n + 127) << 23))
+    return bits_to_f32(np.uint32(1 << (n + 149)))
 
 
 @numba.njit(inline="always", cache=True)

@@ -334,7 +334,7 @@ class NumpyBackend:
         (this is the reference; the compiled backends decode inside their loops); turboquant
         attends in its rotated space."""
         quantized = isinstance(kv_cache, kv_quant.QuantizedKV)
-        if quantized and ggml_attention.reads(kv_cache.fmt, softcap, sinks):
+        if quantized and ggml_attention.reads(kv_cache.fmt, q.shape[-1], softcap, sinks):
             m = attn.meta
             return ggml_attention.attend(q, kv_cache.k, kv_cache.v, m.query_start_loc,
                                          m.seq_lens, m.block_tables, m.block_size, scale,

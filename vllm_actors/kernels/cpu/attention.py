@@ -55,7 +55,7 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
     or uint16 holding float16 bits for dtype "float16"; a `kv_format` other than those: a
     `kv_quant.QuantizedKV` per layer."""
     if kv_format is not None:
-        if ggml_attention.reads(kv_format, 0.0, None):
+        if ggml_attention.reads(kv_format, head_dim):
             shape = (num_blocks, block_size, num_kv_heads, head_dim)
             return [ggml_attention.GgmlCache(np.zeros(shape, np.uint16),
                                              np.zeros(shape, np.uint16))

@@ -161,3 +161,46 @@ def fma_f32(typingctx, a, b, c):  # type: ignore[no-untyped-def]
             builder.module, ir.FunctionType(f32, [f32] * 3), "llvm.fma.f32")
         return builder.call(fn, vals)
     return types.float32(a, b, c), codegen
+
+
+_F16X = ir.VectorType(ir.FloatType(), 16)
+
+
+def _vec16(context, builder, aryty, ary, idxty, idx):  # type: ignore[no-untyped-def]
+    a = context.make_array(aryty)(context, builder, ary)
+    i = context.cast(builder, idx, idxty, types.intp)
+    return builder.bitcast(builder.gep(a.data, [i]), _F16X.as_pointer())
+
+
+def _fma16(builder, a, b, c):  # type: ignore[no-untyped-def]
+    fn = builder.module.globals.get("llvm.fma.v16f32") or ir.Function(
+        builder.module, ir.FunctionType(_F16X, [_F16X] * 3), "llvm.fma.v16f32")
+    return builder.call(fn, [a, b, c])
+
+
+@intrinsic
+def fma16(typingctx, acc, ai, a, xi, b, bi):  # type: ignore[no-untyped-def]
+    """acc[ai:ai+16] = fma(a[xi:xi+16], b, acc[ai:ai+16]) lane by lane, one rounding each
+    (16 independent chains, as ggml's 16-lane loops); `b` a float32 array (b[bi:bi+16]) or
+    a scalar (splat). Arrays float32, flat indices."""
+    scalar = isinstance(b, types.Float)
+    if not (all(isinstance(t, types.Array) and t.dtype == types.float32 for t in (acc, a))
+            and (scalar or (isinstance(b, types.Array) and b.dtype == types.float32))):
+        return None
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        pa = _vec16(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        x = builder.load(_vec16(context, builder, sig.args[2], args[2], sig.args[3], args[3]),
+                         align=4)
+        if scalar:
+            value = context.cast(builder, args[4], sig.args[4], types.float32)
+            y = builder.insert_element(ir.Constant(_F16X, ir.Undefined), value,
+                                       ir.IntType(32)(0))
+            y = builder.shuffle_vector(y, ir.Constant(_F16X, ir.Undefined),
+                                       ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
+        else:
+            y = builder.load(_vec16(context, builder, sig.args[4], args[4], sig.args[5],
+                                    args[5]), align=4)
+        builder.store(_fma16(builder, x, y, builder.load(pa, align=4)), pa, align=4)
+        return context.get_dummy_value()
+    return types.none(acc, ai, a, xi, b, bi), codegen
