@@ -4,13 +4,14 @@ llama.cpp's x86 build computes exp (softmax) and SiLU (SwiGLU) with `ggml_v_expf
 whose AVX-512 and AVX2 versions round differently; elements past the last full vector take
 libm's `expf`. These functions give those floats bit for bit, each fused multiply-add where
 ggml has one (`fma_f32`). The width (16: AVX-512F + DQ, 8: AVX2 + FMA) follows the host, as
-a llama.cpp built on it would (`ggml_width`); on other hosts the 8-wide form is used.
+a llama.cpp built on it would (`ggml_width`).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 
 import numba
 import numpy as np
@@ -23,11 +24,20 @@ _R, _LOG2E, _LN2_HI, _LN2_LO, _C5, _C4, _C3, _C2, _C1 = (np.float32(float.fromhe
     "0x1.0e4020p-7", "0x1.573e2ep-5", "0x1.555e66p-3", "0x1.fffdb6p-2", "0x1.ffffecp-1"))
 
 
+WIDTH_ENV = "VLLM_ACTORS_GGML_WIDTH"
+
+
 @functools.cache
 def ggml_width() -> int:
-    """Floats per vector of a llama.cpp built for this host: 16 with AVX-512F and DQ."""
-    have = host_features()
-    return 16 if {"avx512f", "avx512dq"} <= have else 8
+    """Floats per vector of the llama.cpp whose numbers we give: one built for this host (16
+    with AVX-512F and DQ, else 8), or `VLLM_ACTORS_GGML_WIDTH` (16 or 8; the emulation runs
+    on any x86 host with FMA, so a golden from an AVX-512 build can be checked anywhere)."""
+    forced = os.environ.get(WIDTH_ENV, "").strip()
+    if forced:
+        if forced not in ("8", "16"):
+            raise ValueError(f"{WIDTH_ENV}={forced!r}: expected 8 or 16")
+        return int(forced)
+    return 16 if {"avx512f", "avx512dq"} <= host_features() else 8
 
 
 @numba.njit(inline="always", cache=True)

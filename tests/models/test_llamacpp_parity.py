@@ -1,0 +1,37 @@
+"""`--gguf-activations quantized` gives llama.cpp's own greedy tokens: SmolLM2 Q4_1 on the
+compiled CPU backend, 12 of the golden prompts (one of 452 tokens) in one batch, against
+tests/golden/llamacpp_smollm2_greedy.json (tests/oracle/make_llamacpp_golden.py: llama.cpp
+0.3.36 built with AVX-512, flash attention off, F16 cache). Every op computes in ggml's float
+order (bench/llamacpp_tensors.py checks each on llama.cpp's inputs), so the tokens are equal,
+not near: no near-tie allowance. The 16-lane orders of that build are emulated on any host
+(`VLLM_ACTORS_GGML_WIDTH=16`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "llamacpp_smollm2_greedy.json"
+STEPS = 32
+LONG = "chat_long_essay"
+
+
+def test_greedy_tokens_equal_llama_cpp(smollm2_path, monkeypatch):
+    from vllm_actors import LLM, SamplingParams
+    monkeypatch.setenv("VLLM_ACTORS_GGML_WIDTH", "16")
+    golden = json.loads(GOLDEN.read_text())
+    assert golden["flash_attn_type"] == "disabled" and "AVX512 = 1" in golden["system_info"]
+    cases = [c for c in golden["cases"] if len(c["prompt_token_ids"]) < 100 or c["name"] == LONG]
+    assert len(cases) == 12
+    llm = LLM(str(smollm2_path), device="cpu", gguf_activations="quantized",
+              enable_prefix_caching=False)
+    try:
+        outs = llm.generate([{"prompt_token_ids": c["prompt_token_ids"]} for c in cases],
+                            SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True))
+    finally:
+        llm.shutdown()
+    parted = [(c["name"], next(i for i, (a, b) in enumerate(zip(o.outputs[0].token_ids,
+                                                                c["tokens"])) if a != b))
+              for c, o in zip(cases, outs) if list(o.outputs[0].token_ids) != c["tokens"][:STEPS]]
+    assert not parted, f"tokens part from llama.cpp's (case, step): {parted}"
