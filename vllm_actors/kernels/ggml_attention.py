@@ -49,30 +49,6 @@ def _reduce16(a):  # type: ignore[no-untyped-def]
     return ((t4 + t0) + (t6 + t2)) + ((t5 + t1) + (t7 + t3))
 
 
-@numba.njit(inline="always", cache=True)
-def _dot(x, y, n, one_token, acc):  # type: ignore[no-untyped-def]
-    """x . y over n elements (x, y float32 holding float16 values; n a multiple of 16; acc
-    scratch of 64): tinyBLAS's order, or `ggml_vec_dot_f16`'s for a one-token step."""
-    if not one_token:
-        for lane in range(LANES):
-            acc[lane] = 0.0
-        for s in range(0, n, LANES):
-            fma16(acc, 0, x, s, y, s)
-        return _reduce16(acc)
-    for i in range(64):
-        acc[i] = 0.0
-    whole = n - n % 64
-    for s in range(0, whole, 64):
-        for j in range(0, 64, LANES):
-            fma16(acc, j, x, s + j, y, s + j)
-    for lane in range(LANES):
-        acc[lane] = (acc[lane] + acc[32 + lane]) + (acc[16 + lane] + acc[48 + lane])
-    total = np.float64(_reduce16(acc))
-    for i in range(whole, n):
-        total += np.float64(x[i] * y[i])
-    return np.float32(total)
-
-
 @numba.njit(cache=True)
 def _softmax16(s, n, lut):  # type: ignore[no-untyped-def]
     """s[:n] (n a multiple of 16) -> float16-rounded probabilities, as ggml's soft_max."""
@@ -101,21 +77,78 @@ TILE = 16                    # query tokens scored together (their K and V rows 
 
 
 @numba.njit(cache=True)
-def _scores(q16, kc, lut, table, block_size, kvh, pos, window, one_token, scale, s, acc,
+def _scores(q16, kc, lut, table, block_size, kvh, pos, window, one_token, scale, s, kt, acc,
             krow):  # type: ignore[no-untyped-def]
     """s[i, :] = the scores of query row i (position pos[i]) against every key up to the
-    tile's last position, masked keys -inf; each K row decoded once for all rows."""
+    tile's last position, masked keys -inf. 16 keys at a time, one per vector lane: each
+    lane runs the dot in ggml's order (`_dot`), so a vector op advances 16 dots at once;
+    kt holds the 16 keys' rows transposed ([Dh, 16]), decoded once for all rows."""
     rows, dh = q16.shape
     last = pos.max()
-    for j in range(last + 1):
-        blk = table[j // block_size]
-        for d in range(dh):
-            krow[d] = lut[kc[blk, j % block_size, kvh, d]]
-        for i in range(rows):
-            if j > pos[i] or (window > 0 and j <= pos[i] - window):
-                s[i, j] = -np.inf
+    for j0 in range(0, last + 1, LANES):
+        for lane in range(LANES):
+            j = j0 + lane
+            if j <= last:
+                blk = table[j // block_size]
+                for d in range(dh):
+                    kt[d * LANES + lane] = lut[kc[blk, j % block_size, kvh, d]]
             else:
-                s[i, j] = np.float32(_dot(krow, q16[i], dh, one_token, acc) * scale)
+                for d in range(dh):
+                    kt[d * LANES + lane] = 0.0
+        for i in range(rows):
+            _dots16(q16[i], kt, dh, one_token, acc, krow)
+            for lane in range(LANES):
+                j = j0 + lane
+                if j > pos[i] or (window > 0 and j <= pos[i] - window):
+                    s[i, j] = -np.inf
+                else:
+                    s[i, j] = np.float32(krow[lane] * scale)
+
+
+@numba.njit(inline="always", cache=True)
+def _dots16(q, kt, dh, one_token, acc, out):  # type: ignore[no-untyped-def]
+    """out[l] = q . key l for the 16 keys in kt ([Dh, 16]; float32 holding float16 values),
+    each in ggml's order: tinyBLAS (16 accumulators, element d into d % 16, a fused chain)
+    or, for a one-token step, `ggml_vec_dot_f16` (64 accumulators over chunks of 64, then
+    (a0 + a2) + (a1 + a3) per lane, leftovers added in float64); then the reduction of
+    `_mm512_reduce_add_ps`. acc: scratch of 64 x 16 (acc[a * 16 + l], accumulator a of key l)."""
+    count = LANES if not one_token else 64
+    for a in range(count * LANES):
+        acc[a] = 0.0
+    if not one_token:       # tinyBLAS: accumulator d % 16, a chain over d // 16
+        for d in range(dh):
+            fma16(acc, (d % LANES) * LANES, kt, d * LANES, q[d], 0)
+        _tree16(acc, out)
+        return
+    whole = dh - dh % 64    # vec_dot_f16: accumulator d % 64 over chunks of 64, combined
+    for d in range(whole):
+        fma16(acc, (d % 64) * LANES, kt, d * LANES, q[d], 0)
+    for a in range(LANES):
+        for lane in range(LANES):
+            acc[a * LANES + lane] = ((acc[a * LANES + lane] + acc[(32 + a) * LANES + lane])
+                                     + (acc[(16 + a) * LANES + lane]
+                                        + acc[(48 + a) * LANES + lane]))
+    _tree16(acc, out)
+    for lane in range(LANES):
+        total = np.float64(out[lane])
+        for d in range(whole, dh):
+            total += np.float64(q[d] * kt[d * LANES + lane])
+        out[lane] = np.float32(total)
+
+
+@numba.njit(inline="always", cache=True)
+def _tree16(acc, out):  # type: ignore[no-untyped-def]
+    """out[l] = `_reduce16` of accumulators 0..15 of key l (acc[a * 16 + l])."""
+    for lane in range(LANES):
+        t0 = acc[8 * LANES + lane] + acc[lane]
+        t1 = acc[9 * LANES + lane] + acc[1 * LANES + lane]
+        t2 = acc[10 * LANES + lane] + acc[2 * LANES + lane]
+        t3 = acc[11 * LANES + lane] + acc[3 * LANES + lane]
+        t4 = acc[12 * LANES + lane] + acc[4 * LANES + lane]
+        t5 = acc[13 * LANES + lane] + acc[5 * LANES + lane]
+        t6 = acc[14 * LANES + lane] + acc[6 * LANES + lane]
+        t7 = acc[15 * LANES + lane] + acc[7 * LANES + lane]
+        out[lane] = ((t4 + t0) + (t6 + t2)) + ((t5 + t1) + (t7 + t3))
 
 
 @numba.njit(cache=True)
@@ -164,8 +197,9 @@ def _attend(q, kc, vc, lut, q_start, q_lens, ctx0, tables, block_size, scale, wi
         pos = np.empty(rows, np.int64)
         s = np.empty((rows, n_keys), np.float32)
         acc = np.empty(rows * dh * (64 if one_token else LANES), np.float32)
-        dot_acc = np.empty(64, np.float32)
-        krow = np.empty(dh, np.float32)
+        kt = np.empty(dh * LANES, np.float32)
+        dot_acc = np.empty(64 * LANES, np.float32)
+        krow = np.empty(max(dh, LANES), np.float32)
         out_rows = np.empty((rows, dh), np.float32)
         for t0 in range(0, q_lens[r], TILE):
             nt = min(TILE, q_lens[r] - t0)
@@ -177,7 +211,7 @@ def _attend(q, kc, vc, lut, q_start, q_lens, ctx0, tables, block_size, scale, wi
                         q16[i, d] = _half(q[q_start[r] + t0 + ti, kvh * g + gi, d], lut)
             n = nt * g
             _scores(q16[:n], kc, lut, tables[r], block_size, kvh, pos[:n], window, one_token,
-                    scale, s, dot_acc, krow)
+                    scale, s, kt, dot_acc, krow)
             for i in range(n):
                 m = ((pos[i] + LANES) // LANES) * LANES      # whole 16s; past them exp is 0
                 for j in range(pos[i] + 1, m):
