@@ -56,6 +56,16 @@ def hsum8(a, i):  # type: ignore[no-untyped-def]
                                                          + (a[i + 7] + a[i + 3]))
 
 
+@numba.njit(inline="always", cache=True)
+def _total(has_min, acc, summs, i, j):  # type: ignore[no-untyped-def]
+    """A row's result: hsum8 of its lanes, plus the min sum where the type has mins (ggml
+    adds nothing otherwise, which keeps a -0.0)."""
+    total = hsum8(acc, i)
+    if has_min:
+        total = total + summs[j]
+    return total
+
+
 @kernel(parallel=True, exact=True)
 def gemv(path, kind, group, qs, qh, d, mn, lut, xq, xd, xs, out, dist, threads):  # type: ignore[no-untyped-def]
     """out[M, N] = the quantized semantics' x @ W.T; `xs` is Q8_1's stored sum s_x (read
@@ -101,9 +111,9 @@ def gemv(path, kind, group, qs, qh, d, mn, lut, xq, xd, xs, out, dist, threads):
                         summs[2 * m + 1] = fma_f32(lut[mn[r1, b]], xs[m0 + m, b],
                                                    summs[2 * m + 1])
             for m in range(group):
-                out[m0 + m, r0] = hsum8(acc, 16 * m) + summs[2 * m]
+                out[m0 + m, r0] = _total(has_min, acc, summs, 16 * m, 2 * m)
                 if r0 + 1 < n:
-                    out[m0 + m, r0 + 1] = hsum8(acc, 16 * m + 8) + summs[2 * m + 1]
+                    out[m0 + m, r0 + 1] = _total(has_min, acc, summs, 16 * m + 8, 2 * m + 1)
     restore_threads(prev)
 
 

@@ -37,6 +37,7 @@ from vllm_actors.kernels.cpu.qmatmul_prims import (
 T = GGMLQuantizationType
 KINDS = {T.Q4_K: 4, T.Q5_K: 5, T.Q6_K: 6}
 _NO_BITS = np.zeros((0, 0), np.uint8)
+_NO_U16 = np.zeros((0, 0), np.uint16)
 
 
 @numba.njit(inline="always", cache=True)
@@ -49,10 +50,11 @@ def _sub_block_pair(path, kind, group, iacc, ai, qs, qo, qh, ho, gg, xq, xo, k, 
 
 
 @kernel(parallel=True, exact=True)
-def gemv_k45(path, kind, group, qs, qh, sc, mn, d, dmin, lut, xq, xd, xb, out, dist, threads):  # type: ignore[no-untyped-def]
-    """out[M, N] = x @ W.T under the quantized semantics, W Q4_K (kind 4, qh empty) or Q5_K.
-    x's rows go in groups of `group` (a literal, 1 or 4; M a multiple of it), each group's
-    sums in registers; a pair of weight rows is read from memory once, then from L1."""
+def gemv(path, kind, group, qs, qh, sc, mn, d, dmin, lut, xq, xd, xb, out, dist, threads):  # type: ignore[no-untyped-def]
+    """out[M, N] = x @ W.T under the quantized semantics, W Q4_K (kind 4: qh empty), Q5_K
+    (5) or Q6_K (6: qs its low quants, sc its int8 scales, mn and dmin empty). x's rows go in
+    groups of `group` (a literal, 1 or 4; M a multiple of it), each group's sums in
+    registers; a pair of weight rows is read from memory once, then from L1."""
     numba.literally(path)
     numba.literally(kind)
     numba.literally(group)
@@ -67,7 +69,7 @@ def gemv_k45(path, kind, group, qs, qh, sc, mn, d, dmin, lut, xq, xd, xb, out, d
         p1 = min(r0 + dist + 1, n - 1) * rb
         acc = stack_f32(64)
         iacc = stack_i32(64)
-        am = stack_f32(32)          # the min terms: 4 lanes per (x row, weight row)
+        am = stack_f32(32)          # Q4_K/Q5_K's min terms: 4 lanes per (x row, weight row)
         for m0 in range(0, xq.shape[0], group):
             for i in range(16 * group):
                 acc[i] = 0
@@ -75,28 +77,50 @@ def gemv_k45(path, kind, group, qs, qh, sc, mn, d, dmin, lut, xq, xd, xb, out, d
             for i in range(8 * group):
                 am[i] = 0
             for sb in range(rb // 128):
-                for gg in range(4):
-                    o = 128 * sb + 32 * gg
+                for o in range(128 * sb, 128 * sb + 128, 32):
                     prefetch(qs, p0 + o)
                     prefetch(qs, p1 + o)
-                    j = 8 * sb + 2 * gg
-                    xo = m0 * k + 256 * sb + 64 * gg
-                    _sub_block_pair(path, kind, group, iacc, 0, qs, r0 * rb + o, qh,
-                                    r0 * hb + 32 * sb, gg, xq, xo, k, sc[r0], j)
-                    _sub_block_pair(path, kind, group, iacc, 8, qs, r1 * rb + o, qh,
-                                    r1 * hb + 32 * sb, gg, xq, xo, k, sc[r1], j)
+                xo = m0 * k + 256 * sb
+                _superblock(path, kind, group, iacc, 0, qs, qh, sc[r0], r0 * rb, r0 * hb, sb,
+                            xq, xo, k)
+                _superblock(path, kind, group, iacc, 8, qs, qh, sc[r1], r1 * rb, r1 * hb, sb,
+                            xq, xo, k)
                 for m in range(group):
-                    dx = xd[m0 + m, sb]
-                    kflush(acc, 16 * m, iacc, 16 * m, lut[d[r0, sb]] * dx)
-                    kflush(acc, 16 * m + 8, iacc, 16 * m + 8, lut[d[r1, sb]] * dx)
-                    _mins(kind, am, 8 * m, mn[r0], xb[m0 + m], sb, -dx * lut[dmin[r0, sb]])
-                    _mins(kind, am, 8 * m + 4, mn[r1], xb[m0 + m], sb,
-                          -dx * lut[dmin[r1, sb]])
+                    _scale_superblock(kind, acc, iacc, am, m, r0, r1, sb, sc, mn, d, dmin, lut,
+                                      xd[m0 + m, sb], xb[m0 + m])
             for m in range(group):
-                out[m0 + m, r0] = hsum8(acc, 16 * m) + _hsum4(am, 8 * m)
+                out[m0 + m, r0] = _total(kind, acc, am, 16 * m, 8 * m)
                 if r0 + 1 < n:
-                    out[m0 + m, r0 + 1] = hsum8(acc, 16 * m + 8) + _hsum4(am, 8 * m + 4)
+                    out[m0 + m, r0 + 1] = _total(kind, acc, am, 16 * m + 8, 8 * m + 4)
     restore_threads(prev)
+
+
+@numba.njit(inline="always", cache=True)
+def _superblock(path, kind, group, iacc, ai, qs, qh, sc, q0, h0, sb, xq, xo, k):  # type: ignore[no-untyped-def]
+    """Superblock sb of one weight row (its quants from q0, high bits from h0, scales sc)
+    into the integer lanes iacc[ai + 16m : +8] of each of the `group` rows of x."""
+    if kind == 6:
+        for h in range(2):
+            _q6_half(path, group, iacc, ai, qs, q0 + 128 * sb + 64 * h, qh,
+                     h0 + 64 * sb + 32 * h, xq, xo + 128 * h, k, sc, 16 * sb + 8 * h)
+    else:
+        for gg in range(4):
+            _sub_block_pair(path, kind, group, iacc, ai, qs, q0 + 128 * sb + 32 * gg, qh,
+                            h0 + 32 * sb, gg, xq, xo + 64 * gg, k, sc, 8 * sb + 2 * gg)
+
+
+@numba.njit(inline="always", cache=True)
+def _scale_superblock(kind, acc, iacc, am, m, r0, r1, sb, sc, mn, d, dmin, lut, dx, xb):  # type: ignore[no-untyped-def]
+    """Row m of x's superblock sb into the float lanes of weight rows r0 and r1: Q6_K's
+    offset off the integer lanes, d_w d_x times them onto acc, Q4_K/Q5_K's mins into am."""
+    if kind == 6:
+        _offset_lanes(iacc, 16 * m, sc[r0], xb, sb)
+        _offset_lanes(iacc, 16 * m + 8, sc[r1], xb, sb)
+    kflush(acc, 16 * m, iacc, 16 * m, lut[d[r0, sb]] * dx)
+    kflush(acc, 16 * m + 8, iacc, 16 * m + 8, lut[d[r1, sb]] * dx)
+    if kind != 6:
+        _mins(kind, am, 8 * m, mn[r0], xb, sb, -dx * lut[dmin[r0, sb]])
+        _mins(kind, am, 8 * m + 4, mn[r1], xb, sb, -dx * lut[dmin[r1, sb]])
 
 
 @numba.njit(inline="always", cache=True)
@@ -119,6 +143,15 @@ def _mins(kind, am, i, mn, xb, sb, dmin):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(inline="always", cache=True)
+def _total(kind, acc, am, i, j):  # type: ignore[no-untyped-def]
+    """A row's result: its 8 float lanes added as ggml adds them, plus (Q4_K/Q5_K) the mins."""
+    total = hsum8(acc, i)
+    if kind != 6:
+        total = total + _hsum4(am, j)
+    return total
+
+
+@numba.njit(inline="always", cache=True)
 def _hsum4(a, i):  # type: ignore[no-untyped-def]
     """(a0 + a2) + (a1 + a3), the order of ggml's 4-lane horizontal add."""
     return (a[i] + a[i + 2]) + (a[i + 1] + a[i + 3])
@@ -136,53 +169,6 @@ def _q6_half(path, group, iacc, ai, ql, qo, qh, ho, xq, xo, k, scales, j):  # ty
          scales[j + 5])
     kdot(path, 6, group, iacc, ai, ql, qo + 32, 4, qh, ho, 6, xq, xo + 96, k, scales[j + 6],
          scales[j + 7])
-
-
-@kernel(parallel=True, exact=True)
-def gemv_q6_k(path, kind, group, ql, qh, scales, d, lut, xq, xd, xb, out, dist, threads):  # type: ignore[no-untyped-def]
-    """out[M, N] = x @ W.T under the quantized semantics, W Q6_K (`kind` 6); x's rows in
-    groups of `group`, as `gemv_k45`."""
-    numba.literally(path)
-    numba.literally(kind)
-    numba.literally(group)
-    prev = limit_threads(threads)
-    n, rb = ql.shape
-    k = xq.shape[1]
-    hb = qh.shape[1]
-    for g in prange((n + 1) // 2):
-        r0 = 2 * g
-        r1 = min(r0 + 1, n - 1)
-        p0 = min(r0 + dist, n - 1) * rb
-        p1 = min(r0 + dist + 1, n - 1) * rb
-        acc = stack_f32(64)
-        iacc = stack_i32(64)
-        for m0 in range(0, xq.shape[0], group):
-            for i in range(16 * group):
-                acc[i] = 0
-                iacc[i] = 0
-            for sb in range(rb // 128):
-                for h in range(2):
-                    o = 128 * sb + 64 * h
-                    prefetch(ql, p0 + o)
-                    prefetch(ql, p1 + o)
-                    ho = 64 * sb + 32 * h
-                    j = 16 * sb + 8 * h
-                    xo = m0 * k + 256 * sb + 128 * h
-                    _q6_half(path, group, iacc, 0, ql, r0 * rb + o, qh, r0 * hb + ho, xq, xo, k,
-                             scales[r0], j)
-                    _q6_half(path, group, iacc, 8, ql, r1 * rb + o, qh, r1 * hb + ho, xq, xo, k,
-                             scales[r1], j)
-                for m in range(group):
-                    _offset_lanes(iacc, 16 * m, scales[r0], xb[m0 + m], sb)
-                    _offset_lanes(iacc, 16 * m + 8, scales[r1], xb[m0 + m], sb)
-                    dx = xd[m0 + m, sb]
-                    kflush(acc, 16 * m, iacc, 16 * m, lut[d[r0, sb]] * dx)
-                    kflush(acc, 16 * m + 8, iacc, 16 * m + 8, lut[d[r1, sb]] * dx)
-            for m in range(group):
-                out[m0 + m, r0] = hsum8(acc, 16 * m)
-                if r0 + 1 < n:
-                    out[m0 + m, r0 + 1] = hsum8(acc, 16 * m + 8)
-    restore_threads(prev)
 
 
 @numba.njit(inline="always", cache=True)
@@ -212,10 +198,11 @@ def matmul(w: QuantMatrix, x: activations.Q8KRows, path: str | None = None) -> n
     threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
     code = isa.code(path or isa.selected())
     tail = (HALF_LUT, x.qs, x.d, x.bsums, out, prefetch_rows(w), threads)
-    if kind == 6:
-        call(gemv_q6_k, code, kind, group, *w.planes, *tail)
-    elif kind == 5:
-        call(gemv_k45, code, kind, group, w.planes[1], w.planes[0], *w.planes[2:], *tail)
-    else:
-        call(gemv_k45, code, kind, group, w.planes[0], _NO_BITS, *w.planes[1:], *tail)
+    if kind == 6:       # ql, qh, scales, d
+        planes = (w.planes[0], w.planes[1], w.planes[2], _NO_BITS, w.planes[3], _NO_U16)
+    elif kind == 5:     # qh, qs, sc, mn, d, dmin
+        planes = (w.planes[1], w.planes[0], *w.planes[2:])
+    else:               # qs, sc, mn, d, dmin
+        planes = (w.planes[0], _NO_BITS, *w.planes[1:])
+    call(gemv, code, kind, group, *planes, *tail)
     return out[:m]
