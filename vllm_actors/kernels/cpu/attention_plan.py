@@ -2,25 +2,20 @@
 (a small serial kernel: a few microseconds, where the same in numpy calls costs ~0.2 ms).
 
 Units of work:
-- a decode request (one query token) is one unit over all its KV heads: the kernel walks the
-  context tile by tile and, per tile, every head, so each KV block is read front to back once
-  (the cache is [block, offset, head, dim]; a per-head pass would stride through every block
-  once per head, which costs about half the memory bandwidth);
+- a decode request (one query token) is one unit over all its KV heads, so each KV block is
+  read front to back once (the cache is [block, offset, head, dim]);
 - a prefill chunk is cut into query tiles of about TILE_FLOATS / Dh rows (tile tokens x g
-  query heads), one unit per (tile, KV head): the g query heads sharing a KV head are computed
-  together, so each key/value row is read once for all of them.
+  query heads), one unit per (tile, KV head), so each key/value row is read once for the g
+  query heads sharing it.
 
 Balance: a unit of more than SPLIT_KEYS keys is split along its keys into equal parts of at
-most SPLIT_KEYS (flash-decoding style: each split keeps its own softmax max/sum/accumulator
-and `merge_parts` combines them in order), so long decodes keep every core busy. The split
-depends on the unit's keys alone, never on the thread count or the rest of the batch: a
-request's attention gives the same floats on any number of threads and in any batch. Items
-are sorted by decreasing cost; threads take them from a shared counter (largest first, so the
-last ones to be taken are the small ones).
+most SPLIT_KEYS (flash-decoding style; `merge_parts` combines them in order), so long decodes
+keep every core busy. The split depends on the unit's keys alone, never on the thread count
+or the rest of the batch, so a request's attention gives the same floats on any number of
+threads and in any batch. Threads take items, largest first, from a shared counter.
 
-Sliding window: a unit's keys start at its first row's window start (p - window + 1), and
-costs and splits count only the keys from there (a decode over a long context with a short
-window is not split into parts that would each find nothing to read).
+Sliding window: a unit's keys start at its first row's window start (p - window + 1); costs
+and splits count only the keys from there.
 """
 
 from __future__ import annotations
