@@ -183,7 +183,7 @@ def _offset_lanes(iacc, i, scales, xb, sb):  # type: ignore[no-untyped-def]
 
 def supports(qtype: int, rows: int) -> bool:
     """Whether the backend should take `matmul` for a weight of `qtype` at `rows` rows of x
-    (one row, as `qmatmul_int`: the GEMV decodes each block again per row)."""
+    (`qmatmul_int.MAX_ROWS`, as the other integer kernels)."""
     return qtype in KINDS and rows <= MAX_ROWS
 
 
