@@ -199,7 +199,7 @@ class CpuBackend:
 
     def _quantized_matmul(self, x: np.ndarray, weight: Linear) -> np.ndarray:
         """Each part's input as its activation format sees it: an integer GEMV on x's 8-bit
-        blocks where one serves the part (`qmatmul_int` for Q4_0/Q4_1/Q5_0/Q5_1,
+        blocks where one serves the part (`qmatmul_int` for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0,
         `qmatmul_int_k` for Q4_K/Q5_K/Q6_K: llama.cpp's floats), else x~ through the float
         kernels (`activations.simulate`). Each quantizer runs once per call."""
         inputs: dict[Any, Any] = {}
