@@ -15,6 +15,7 @@ edge and random inputs, and ggml's `vec_dot` of each weight type with them.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -80,9 +81,14 @@ def _linear_outputs(backend, tensor: RawTensor, x: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("backend", [NumpyBackend(), CpuBackend()], ids=["numpy", "cpu"])
 def test_linear_gives_ggml_vec_dot(backend):
+    """A linear layer under each semantics. On cpu only the types without an integer kernel
+    (x~ through the float kernels): the integer kernels are checked bit for bit below, and
+    each compile costs seconds."""
     assert len(DOT_TYPES) >= 12
     for name in DOT_TYPES:
         qtype = QT[name]
+        if isinstance(backend, CpuBackend) and _integer(qtype) is not None:
+            continue
         w, x, want = (GOLDEN[f"dot/{name}/{k}"] for k in ("w", "x", "out"))
         rows, cols = len(w), x.shape[1]
         fmt = aq.activation_format(qtype)
@@ -108,9 +114,10 @@ def _integer(qtype: int):
 
 
 def test_every_simd_path_gives_the_same_floats_and_ggml_vec_dot(monkeypatch):
-    """Every type on the host's path against ggml's dot, a row alone as in a group; every
-    path on one type of each kernel (the SIMD code is shared by the types of a kernel, the
-    decoding by the paths: each compile costs seconds)."""
+    """Every type on the host's path against ggml's dot; on one type of each kernel a row
+    alone as in a group, and every path (the SIMD code is shared by the types of a kernel,
+    the decoding by the paths: each compile costs seconds). Q4_K in the float order of
+    llama.cpp's repacked kernels: ggml's dot up to that order (no golden of those kernels)."""
     paths = isa.available()
     assert paths[0] == "portable"
     checked = set()
@@ -123,12 +130,19 @@ def test_every_simd_path_gives_the_same_floats_and_ggml_vec_dot(monkeypatch):
         matrix = qmatmul.pack(w, qtype, (len(w), x.shape[1]))
         got = integer.matmul(matrix, quantize(x.astype(np.float32)))
         assert np.array_equal(got, want), name          # ggml's float order, bit for bit
-        alone = integer.matmul(matrix, quantize(x[1:2].astype(np.float32)))   # one row
-        assert len(x) > 1 and np.array_equal(alone[0], got[1]), name
-        if qtype in (QT.Q4_1, QT.Q4_K):
+        if qtype in (QT.Q4_1, QT.Q4_K):     # one type per kernel: each compile costs seconds
+            alone = integer.matmul(matrix, quantize(x[1:2].astype(np.float32)))   # one row
+            assert len(x) > 1 and np.array_equal(alone[0], got[1]), name
             rows = quantize(x.astype(np.float32))
             for path in paths:
                 assert np.array_equal(integer.matmul(matrix, rows, path=path), got), path
+        if qtype == QT.Q4_K:
+            repacked = integer.matmul(replace(matrix, ggml_repacked=True),
+                                      quantize(x.astype(np.float32)))
+            dense = quant.dequantize(w, qtype, (len(w), x.shape[1]))
+            magnitude = np.abs(aq.simulate(x, "q8_k")[0]) @ np.abs(dense).T
+            assert np.all(np.abs(repacked - want) <= ORDER_TOLERANCE * magnitude)
+            assert not np.array_equal(repacked, want)             # another order
         checked.add(qtype)
     assert set(qmatmul_int.KINDS) | set(qmatmul_int_k.KINDS) <= checked
     for bad in ("sse9", "avx1024"):
@@ -137,3 +151,19 @@ def test_every_simd_path_gives_the_same_floats_and_ggml_vec_dot(monkeypatch):
             isa.selected()
     monkeypatch.setenv(isa.ENV, "portable")
     assert isa.selected() == "portable"
+
+
+def test_gelu_table_is_ggml_s():
+    """Every entry of ggml's float16 GELU table (tests/oracle/make_ggml_tables_golden.py),
+    which llama.cpp's GeGLU looks up, equals ours; GeGLU itself follows ggml's three cases."""
+    from vllm_actors.kernels import ggml_math
+    golden = np.load(Path(__file__).parents[1] / "golden" / "ggml_gelu_f16.npz")["gelu"]
+    ours = ggml_math.gelu_table()
+    table = golden.view(np.float16).astype(np.float32)
+    assert np.array_equal(ours, table, equal_nan=True)    # NaN inputs: NaN, payload aside
+    gate = np.float32([[-12.0, -0.5, 0.0, 0.7, 3.0, 11.0, 1e-3, -3.5]])
+    up = np.full_like(gate, 1.5)
+    got = ggml_math.geglu(np.concatenate([gate, up], axis=1))[0]
+    want = [0.0 if g <= -10 else g * 1.5 if g >= 10
+            else table[np.float16(g).view(np.uint16)] * np.float32(1.5) for g in gate[0]]
+    assert np.array_equal(got, np.float32(want))

@@ -251,7 +251,7 @@ class DeviceBackend:
         self._launch("silu_mul", (f, t), gate_up, out, np.int32(f))
         return out
 
-    def gelu_mul(self, gate_up: Any, approximate: bool = True) -> Any:
+    def gelu_mul(self, gate_up: Any, approximate: bool = True, ggml: bool = False) -> Any:
         t, f = gate_up.shape[0], gate_up.shape[1] // 2
         out = self._empty((t, f))
         self._launch("gelu_mul", (f, t), gate_up, out, np.int32(f), np.int32(approximate))

@@ -1,10 +1,12 @@
-"""ggml's vectorized exp and SiLU, element by element, for the quantized GGUF semantics.
+"""ggml's vectorized exp, SiLU and GELU, element by element, for the quantized GGUF semantics.
 
 llama.cpp's x86 build computes exp (softmax) and SiLU (SwiGLU) with `ggml_v_expf`, a polynomial
 whose AVX-512 and AVX2 versions round differently; elements past the last full vector take
 libm's `expf`. These functions give those floats bit for bit, each fused multiply-add where
 ggml has one (`fma_f32`). The width (16: AVX-512F + DQ, 8: AVX2 + FMA) follows the host, as
-a llama.cpp built on it would (`ggml_width`).
+a llama.cpp built on it would (`ggml_width`). GELU (GeGLU's tanh form) is ggml's table: the
+float16 GELU of every float16 input, computed as ggml's `ggml_gelu_f32` with GCC's fused
+1 + a x^2 (the table equals the one in llama.cpp's library, all 65,536 entries).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import numba
 import numpy as np
 
+from vllm_actors.kernels.cpu.activations import _f16_bits
 from vllm_actors.kernels.cpu.intrinsics import bits_to_f32, f32_to_bits, fma_f32
 from vllm_actors.kernels.cpu.isa import host_features
 
@@ -116,4 +119,50 @@ def swiglu(gate_up: np.ndarray) -> np.ndarray:
     """gate_up [T, 2F] -> silu(gate) * up [T, F] as ggml's `ggml_vec_swiglu_f32`."""
     out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
     _swiglu_rows(np.ascontiguousarray(gate_up, np.float32), out, ggml_width())
+    return out
+
+
+_GELU_A = np.float32(0.044715)
+_GELU_S = np.float32(0.79788456080286535587989211986876)
+
+
+@numba.njit(cache=True)
+def _gelu_entries(values, out):  # type: ignore[no-untyped-def]
+    for i in range(values.shape[0]):
+        x = values[i]
+        inner = fma_f32(np.float32(_GELU_A * x), x, np.float32(1.0))
+        t = np.float32(math.tanh(np.float32(np.float32(_GELU_S * x) * inner)))
+        out[i] = np.float32(np.float32(np.float32(0.5) * x) * np.float32(np.float32(1.0) + t))
+
+
+@functools.cache
+def gelu_table() -> np.ndarray:
+    """float32 [65536]: ggml's `ggml_table_gelu_f16`, indexed by float16 bits."""
+    from vllm_actors.kernels.cpu.qmatmul_prims import HALF_LUT
+    out = np.empty(1 << 16, np.float32)
+    with np.errstate(invalid="ignore"):
+        _gelu_entries(HALF_LUT, out)
+        table = out.astype(np.float16).astype(np.float32)
+    table.setflags(write=False)
+    return table
+
+
+@numba.njit(cache=True)
+def _geglu_rows(gate_up, table, out):  # type: ignore[no-untyped-def]
+    f = out.shape[1]
+    for r in range(out.shape[0]):
+        for i in range(f):
+            x, g = gate_up[r, i], gate_up[r, f + i]
+            if x <= -10.0:
+                out[r, i] = 0.0
+            elif x >= 10.0:
+                out[r, i] = x * g
+            else:
+                out[r, i] = table[_f16_bits(x)] * g
+
+
+def geglu(gate_up: np.ndarray) -> np.ndarray:
+    """gate_up [T, 2F] -> gelu_tanh(gate) * up [T, F] as ggml's `ggml_vec_geglu_f32`."""
+    out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
+    _geglu_rows(np.ascontiguousarray(gate_up, np.float32), gelu_table(), out)
     return out

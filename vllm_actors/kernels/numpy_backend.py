@@ -248,7 +248,10 @@ class NumpyBackend:
         out *= up
         return out
 
-    def gelu_mul(self, gate_up: np.ndarray, approximate: bool = True) -> np.ndarray:
+    def gelu_mul(self, gate_up: np.ndarray, approximate: bool = True, ggml: bool = False
+                 ) -> np.ndarray:
+        if ggml and approximate:
+            return ggml_math.geglu(gate_up)
         gate, up = np.split(gate_up, 2, axis=-1)
         out = self.gelu(np.array(gate), approximate)
         out *= up

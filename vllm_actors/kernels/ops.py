@@ -124,9 +124,10 @@ class Backend(Protocol):
         computes it (`kernels.ggml_math`; the quantized GGUF semantics); backends without it
         compute their own exp."""
 
-    def gelu_mul(self, gate_up: Array, approximate: bool = True) -> Array:
+    def gelu_mul(self, gate_up: Array, approximate: bool = True, ggml: bool = False) -> Array:
         """gate_up [T, 2F] -> gelu(gate) * up: [T, F] (GeGLU). approximate: the tanh form
-        (`gelu_pytorch_tanh`), else the exact erf form."""
+        (`gelu_pytorch_tanh`), else the exact erf form. `ggml` (with the tanh form): ggml's
+        float16 GELU table (`kernels.ggml_math`); backends without it compute their own."""
 
     def gelu(self, x: Array, approximate: bool = True) -> Array:
         """Elementwise gelu of x [T, n] (an ungated MLP); may reuse x's storage."""

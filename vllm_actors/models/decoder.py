@@ -311,7 +311,7 @@ class DecoderLM:
             elif act == "silu":
                 hidden = b.silu_mul(up, self.ggml)
             else:
-                hidden = b.gelu_mul(up, act == "gelu_tanh")
+                hidden = b.gelu_mul(up, act == "gelu_tanh", self.ggml)
             out = b.linear(hidden, mlp.down, mlp.down_bias)
         out = self.tp.all_reduce(out)
         return out if layer.post_ffn_norm is None else self._apply_norm(out, layer.post_ffn_norm)

@@ -15,16 +15,18 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
+from gguf import GGMLQuantizationType as T
 
 from vllm_actors.kernels import ggml_attention, ggml_math, mapped_pages, quant
 from vllm_actors.kernels.cpu import (
     activations,
     attention,
     elementwise,
+    isa,
     qmatmul,
     qmatmul_int,
     qmatmul_int_k,
@@ -86,6 +88,12 @@ def _matrix(weight: WeightLike) -> qmatmul.QuantMatrix:
     matrix = qmatmul.pack(weight.data, weight.qtype, _shape(weight))
     mapped_pages.release(weight.data)
     return matrix
+
+
+def _llama_repacks(weight: WeightLike) -> bool:
+    """Whether llama.cpp's x86 CPU backend repacks this matmul weight (Q4_K into 8-row
+    interleaved blocks, with AVX2 and a multiple of 8 rows), which sets its float order."""
+    return weight.qtype == T.Q4_K and _shape(weight)[0] % 8 == 0 and "avx2" in isa.available()
 
 
 def _stackable(parts: Sequence[WeightLike]) -> bool:
@@ -150,6 +158,8 @@ class CpuBackend:
             formats = [_format(p, m) for p, m in zip(parts, mats)]
             if len(mats) > 1 and qmatmul.supports_fused(mats) and len(set(formats)) == 1:
                 mats, formats = [qmatmul.concat(mats)], formats[:1]   # converted types
+        if any(formats) and all(_llama_repacks(p) for p in parts):
+            mats = [replace(m, ggml_repacked=True) for m in mats]
         return Linear(tuple(self._keep(m) for m in mats),
                       tuple(formats) if any(formats) else ())
 
@@ -160,8 +170,10 @@ class CpuBackend:
 
     def upload_lm_head(self, weight: WeightLike) -> Linear:
         table = self._tables.get(weight.name)   # the tied embedding, already uploaded
-        if table is None:
+        if table is None:     # a head of its own is a matmul weight llama.cpp may repack
             table = self._keep(_matrix(weight))
+            if getattr(weight, "activations", None) and _llama_repacks(weight):
+                table = replace(table, ggml_repacked=True)
         fmt = _format(weight, table)
         return Linear((table,), (fmt,) if fmt else ())
 
@@ -248,7 +260,10 @@ class CpuBackend:
     def silu_mul(self, gate_up: np.ndarray, ggml: bool = False) -> np.ndarray:
         return ggml_math.swiglu(gate_up) if ggml else elementwise.silu_mul(gate_up)
 
-    def gelu_mul(self, gate_up: np.ndarray, approximate: bool = True) -> np.ndarray:
+    def gelu_mul(self, gate_up: np.ndarray, approximate: bool = True, ggml: bool = False
+                 ) -> np.ndarray:
+        if ggml and approximate:
+            return ggml_math.geglu(gate_up)
         return elementwise.gelu_mul(gate_up, approximate)
 
     def gelu(self, x: np.ndarray, approximate: bool = True) -> np.ndarray:

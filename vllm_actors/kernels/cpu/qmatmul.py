@@ -74,6 +74,9 @@ class QuantMatrix:
     rows: int
     cols: int
     planes: tuple[np.ndarray, ...]
+    # under the quantized semantics: a Q4_K weight llama.cpp would repack (x86 AVX2, rows a
+    # multiple of 8, a matmul weight), whose float order the integer kernels then follow
+    ggml_repacked: bool = False
 
     @property
     def nbytes(self) -> int:

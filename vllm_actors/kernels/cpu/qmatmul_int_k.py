@@ -36,6 +36,10 @@ from vllm_actors.kernels.cpu.qmatmul_prims import (
 
 T = GGMLQuantizationType
 KINDS = {T.Q4_K: 4, T.Q5_K: 5, T.Q6_K: 6}
+# Q4_K as llama.cpp computes it once repacked into 8-row interleaved blocks (x86 with AVX2,
+# row count a multiple of 8, not an embedding): per row and superblock the whole integer
+# dot in one sum, acc = fma(sum, d_w d_x, acc), the mins likewise, and acc - mins at the end
+REPACKED_Q4_K = 44
 _NO_BITS = np.zeros((0, 0), np.uint8)
 _NO_U16 = np.zeros((0, 0), np.uint16)
 
@@ -113,6 +117,12 @@ def _superblock(path, kind, group, iacc, ai, qs, qh, sc, q0, h0, sb, xq, xo, k):
 def _scale_superblock(kind, acc, iacc, am, m, r0, r1, sb, sc, mn, d, dmin, lut, dx, xb):  # type: ignore[no-untyped-def]
     """Row m of x's superblock sb into the float lanes of weight rows r0 and r1: Q6_K's
     offset off the integer lanes, d_w d_x times them onto acc, Q4_K/Q5_K's mins into am."""
+    if kind == REPACKED_Q4_K:
+        _repacked_row(acc, iacc, am, 16 * m, 8 * m, lut[d[r0, sb]] * dx,
+                      lut[dmin[r0, sb]] * dx, _min_total(mn[r0], xb, sb))
+        _repacked_row(acc, iacc, am, 16 * m + 8, 8 * m + 4, lut[d[r1, sb]] * dx,
+                      lut[dmin[r1, sb]] * dx, _min_total(mn[r1], xb, sb))
+        return
     if kind == 6:
         _offset_lanes(iacc, 16 * m, sc[r0], xb, sb)
         _offset_lanes(iacc, 16 * m + 8, sc[r1], xb, sb)
@@ -143,8 +153,33 @@ def _mins(kind, am, i, mn, xb, sb, dmin):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(inline="always", cache=True)
+def _repacked_row(acc, iacc, am, i, j, scale, min_scale, mins):  # type: ignore[no-untyped-def]
+    """A repacked Q4_K row's superblock: its 8 integer lanes as one sum, then acc[i] =
+    fma(sum, d_w d_x, acc[i]) and am[j] = fma(mins, dmin_w d_x, am[j])."""
+    total = np.int32(0)
+    for lane in range(8):
+        total += iacc[i + lane]
+        iacc[i + lane] = 0
+    acc[i] = fma_f32(np.float32(total), scale, acc[i])
+    am[j] = fma_f32(np.float32(mins), min_scale, am[j])
+
+
+@numba.njit(inline="always", cache=True)
+def _min_total(mn, xb, sb):  # type: ignore[no-untyped-def]
+    """sum over superblock sb's 8 sub-blocks of min_s * (x's sum over the sub-block)."""
+    total = np.int32(0)
+    for s in range(8):
+        total += np.int32(mn[8 * sb + s]) * (np.int32(xb[16 * sb + 2 * s])
+                                             + np.int32(xb[16 * sb + 2 * s + 1]))
+    return total
+
+
+@numba.njit(inline="always", cache=True)
 def _total(kind, acc, am, i, j):  # type: ignore[no-untyped-def]
-    """A row's result: its 8 float lanes added as ggml adds them, plus (Q4_K/Q5_K) the mins."""
+    """A row's result: its 8 float lanes added as ggml adds them, plus (Q4_K/Q5_K) the mins;
+    a repacked Q4_K row keeps one float and one min sum, as ggml's 8x8 kernels."""
+    if kind == REPACKED_Q4_K:
+        return acc[i] - am[j]
     total = hsum8(acc, i)
     if kind != 6:
         total = total + _hsum4(am, j)
@@ -190,7 +225,7 @@ def supports(qtype: int, rows: int) -> bool:
 def matmul(w: QuantMatrix, x: activations.Q8KRows, path: str | None = None) -> np.ndarray:
     """x's Q8_K blocks `[M, K]` -> `[M, N]` under the quantized semantics, W of a type in
     `KINDS`. `path` forces a SIMD path (default `isa.selected()`)."""
-    kind = KINDS[w.qtype]
+    kind = REPACKED_Q4_K if w.qtype == T.Q4_K and w.ggml_repacked else KINDS[w.qtype]
     m = x.qs.shape[0]
     group = 1 if m == 1 else GROUP
     x = pad_rows(x, group)
@@ -202,7 +237,7 @@ def matmul(w: QuantMatrix, x: activations.Q8KRows, path: str | None = None) -> n
         planes = (w.planes[0], w.planes[1], w.planes[2], _NO_BITS, w.planes[3], _NO_U16)
     elif kind == 5:     # qh, qs, sc, mn, d, dmin
         planes = (w.planes[1], w.planes[0], *w.planes[2:])
-    else:               # qs, sc, mn, d, dmin
+    else:               # qs, sc, mn, d, dmin (Q4_K, as stored or repacked)
         planes = (w.planes[0], _NO_BITS, *w.planes[1:])
     call(gemv, code, kind, group, *planes, *tail)
     return out[:m]
