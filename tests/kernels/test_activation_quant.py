@@ -153,6 +153,21 @@ def test_every_simd_path_gives_the_same_floats_and_ggml_vec_dot(monkeypatch):
     assert isa.selected() == "portable"
 
 
+def test_rows_take_the_kernel_llama_cpp_picks_for_their_request_alone():
+    """llama.cpp's kernel (so its float order) depends on the row count of the matmul: a
+    batch gives each request's rows the kernel of that request decoded alone (the Gemma 3
+    parity test shows the orders bit for bit)."""
+    from types import SimpleNamespace
+    k = qmatmul_int_k
+    repacked = SimpleNamespace(qtype=QT.Q4_K, ggml_repacked=True)
+    gemm, gemv = k.REPACKED_GEMM_Q4_K, k.REPACKED_Q4_K
+    assert list(k.row_kinds(repacked, [1, 5, 9])) == [gemv] + [gemm] * 4 + [gemv] \
+        + [gemm] * 8 + [gemv]
+    tiled = k.TILED + 6 if "avx2" in isa.available() else 6
+    q6_k = SimpleNamespace(qtype=QT.Q6_K, ggml_repacked=False)
+    assert list(k.row_kinds(q6_k, [7, 8, 1])) == [6] * 7 + [tiled] * 8 + [6]
+
+
 def test_gelu_table_is_ggml_s():
     """Every entry of ggml's float16 GELU table (tests/oracle/make_ggml_tables_golden.py),
     which llama.cpp's GeGLU looks up, equals ours; GeGLU itself follows ggml's three cases."""

@@ -40,6 +40,8 @@ from vllm_actors.models.experts import Experts, load_experts, run_experts
 from vllm_actors.models.kv_layout import kv_cache_groups, layer_slots
 from vllm_actors.models.sharding import ShardPlan
 
+# the GGUF architectures whose llama.cpp graph scales Q before attention (`query_scale`)
+_QUERY_PRESCALED = frozenset({"gemma", "gemma2", "gemma3", "phi2", "phi3"})
 
 @dataclass
 class Norm:
@@ -100,6 +102,11 @@ class DecoderLM:
         self.first_rank = self.tp.rank == 0
         # llama.cpp's float order where it is the oracle (the quantized GGUF semantics)
         self.ggml = weights.activations == "quantized"
+        # llama.cpp's graphs of these families scale Q by 1.0f / sqrtf(base) in float32
+        # before attention (which rounds Q to float16, and small values lose bits there);
+        # under its semantics ours do the same and attend with scale 1
+        self.query_scale = (np.float32(1.0) / np.sqrt(np.float32(round(self.scale ** -2)))
+                            if self.ggml and args.architecture in _QUERY_PRESCALED else None)
         embed = weights.require("token_embd.weight")
         head = weights.get("output.weight") if self.stage.last else None
         if self.plan.sharded:
@@ -293,7 +300,10 @@ class DecoderLM:
         q = b.rope(q, rope)
         k = b.rope(k, rope)
         b.reshape_and_cache(k, v, kv_cache, attn)
-        out = b.paged_attention(q, kv_cache, attn, self.scale, layer.window,
+        scale = self.scale
+        if self.query_scale is not None:
+            q, scale = b.scale(q, self.query_scale), 1.0
+        out = b.paged_attention(q, kv_cache, attn, scale, layer.window,
                                 self.args.attn_logit_softcap, layer.sinks)
         out = b.linear(out.reshape(num_tokens, a.q_size), layer.attn_out, layer.attn_out_bias)
         out = self.tp.all_reduce(out)

@@ -134,7 +134,8 @@ class ModelRunner:
         cold-start compile helper."""
         own = self._model_source if self.tp.world_size == self.stage.size == 1 else None
         warm_up(self.model, self.kv_caches, self.block_size, self.max_model_len,
-                self.backend.name, own.path if own is not None else None)
+                self.backend.name, own.path if own is not None else None,
+                getattr(self.model, "gguf_activations", "float32"))
 
     @property
     def ready(self) -> EngineReady:

@@ -75,11 +75,12 @@ def marker_path() -> Path:
     return Path(root) / f"cpu-kernels-{key}.ready"
 
 
-def _start_helper(model_path: str, sizes: tuple[int, ...]) -> subprocess.Popen | None:
+def _start_helper(model_path: str, sizes: tuple[int, ...], gguf_activations: str
+                  ) -> subprocess.Popen | None:
     try:
         return subprocess.Popen(
             [sys.executable, "-m", "vllm_actors.workers.warm_up", model_path,
-             ",".join(map(str, sizes))],
+             ",".join(map(str, sizes)), gguf_activations],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     except OSError as e:            # no helper: this process compiles everything itself
         logger.warning("kernel compile helper did not start: %s", e)
@@ -98,9 +99,11 @@ def _helper_fits(model_path: Path) -> bool:
 
 
 def warm_up(model: Any, kv_caches: list, block_size: int, max_model_len: int,
-            backend_name: str, model_path: Path | None) -> None:
+            backend_name: str, model_path: Path | None, gguf_activations: str = "quantized"
+            ) -> None:
     """Warm the kernels up. `model_path`: the model's file or directory, when a helper
-    process may load it (None: this process compiles everything)."""
+    process may load it (None: this process compiles everything); the helper loads it under
+    the same `gguf_activations` semantics, so it compiles the kernels the engine runs."""
     start = time.perf_counter()
     logger.info("preparing %s kernels (compiled on the first start, then loaded from the "
                 "cache)", backend_name)
@@ -111,7 +114,7 @@ def warm_up(model: Any, kv_caches: list, block_size: int, max_model_len: int,
     if backend_name == "cpu" and model_path is not None and not marker.exists() \
             and _helper_fits(Path(model_path)):
         logger.info("first start: a helper process compiles the larger-step kernels")
-        helper = _start_helper(str(model_path), large)
+        helper = _start_helper(str(model_path), large, gguf_activations)
     try:
         run_sizes(model, kv_caches, block_size, small)
     finally:
@@ -132,14 +135,14 @@ def warm_up(model: Any, kv_caches: list, block_size: int, max_model_len: int,
 
 def main(argv: list[str]) -> None:
     """The helper: load the model's weights on the cpu backend and compile its matmuls at
-    `sizes` rows (argv: model path, comma-separated sizes)."""
+    `sizes` rows (argv: model path, comma-separated sizes, --gguf-activations)."""
     from vllm_actors.kernels.cpu.backend import CpuBackend
     from vllm_actors.loaders.model_files import resolve_model
     from vllm_actors.models.registry import load_model
 
     path, sizes = argv[0], tuple(int(s) for s in argv[1].split(","))
     backend = CpuBackend()
-    load_model(resolve_model(path), backend)
+    load_model(resolve_model(path), backend, gguf_activations=argv[2])
     backend.compile_matmuls(sizes)
 
 

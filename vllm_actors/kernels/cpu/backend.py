@@ -119,17 +119,26 @@ class CpuBackend:
         count = threads.configure(num_threads)
         # an explicit count is kept; the default follows the machine's load
         self._follower = None if num_threads else threads.LoadFollower(count)
+        self._step_rows: np.ndarray | None = None   # each request's rows in this step
         self.kv_cache_dtype = kv_cache_dtype
         self._tables: dict[str, qmatmul.QuantMatrix] = {}
-        self._smallest: dict[int, qmatmul.QuantMatrix] = {}   # one matrix per weight type
+        # the smallest weight of each kernel choice (type, activation format, repacking)
+        self._smallest: dict[tuple[Any, ...], Linear] = {}
         self.weight_bytes = 0
 
     def _keep(self, m: qmatmul.QuantMatrix) -> qmatmul.QuantMatrix:
-        old = self._smallest.get(m.qtype)
-        if old is None or m.rows * m.cols < old.rows * old.cols:
-            self._smallest[m.qtype] = m
         self.weight_bytes += m.nbytes
         return m
+
+    def _note(self, linear: Linear) -> Linear:
+        """Remember `linear`'s parts by the kernels they run on, for `compile_matmuls`."""
+        formats = linear.formats or (None,) * len(linear.parts)
+        for m, fmt in zip(linear.parts, formats):
+            key = (m.qtype, fmt, m.ggml_repacked)
+            old = self._smallest.get(key)
+            if old is None or m.rows * m.cols < old.parts[0].rows * old.parts[0].cols:
+                self._smallest[key] = Linear((m,), (fmt,) if linear.formats else ())
+        return linear
 
     def compile_matmuls(self, rows: Sequence[int]) -> None:
         """Compile (or load from the cache) the matmul kernels of every weight type uploaded
@@ -137,13 +146,14 @@ class CpuBackend:
         `workers.warm_up` runs this beside the engine's own warm-up), the multi-row GEMVs
         (`qmatmul.multi_gemv`) first: the engine reaches them at 3 rows, after its 1-row
         step, and then loads them from the cache instead of compiling them itself."""
-        for m in self._smallest.values():
-            if m.qtype in qmatmul.MULTI_MAX_ROWS:
+        for linear in self._smallest.values():
+            m = linear.parts[0]
+            if not linear.formats and m.qtype in qmatmul.MULTI_MAX_ROWS:
                 qmatmul.multi_gemv(m, np.zeros((2, m.cols), np.float32),
                                    np.empty((2, m.rows), np.float32))
-        for m in self._smallest.values():
+        for linear in self._smallest.values():
             for n in rows:
-                qmatmul.matmul(m, np.zeros((n, m.cols), np.float32))
+                self.linear(np.zeros((n, linear.parts[0].cols), np.float32), linear)
 
     # -- weights and buffers -------------------------------------------------------------
     def upload_linear(self, parts: Sequence[WeightLike]) -> Linear:
@@ -160,8 +170,8 @@ class CpuBackend:
                 mats, formats = [qmatmul.concat(mats)], formats[:1]   # converted types
         if any(formats) and all(_llama_repacks(p) for p in parts):
             mats = [replace(m, ggml_repacked=True) for m in mats]
-        return Linear(tuple(self._keep(m) for m in mats),
-                      tuple(formats) if any(formats) else ())
+        return self._note(Linear(tuple(self._keep(m) for m in mats),
+                                 tuple(formats) if any(formats) else ()))
 
     def upload_table(self, weight: WeightLike) -> qmatmul.QuantMatrix:
         table = self._keep(_matrix(weight))
@@ -175,7 +185,7 @@ class CpuBackend:
             if getattr(weight, "activations", None) and _llama_repacks(weight):
                 table = replace(table, ggml_repacked=True)
         fmt = _format(weight, table)
-        return Linear((table,), (fmt,) if fmt else ())
+        return self._note(Linear((table,), (fmt,) if fmt else ()))
 
     def upload_vector(self, weight: WeightLike) -> np.ndarray:
         return np.ascontiguousarray(
@@ -209,11 +219,13 @@ class CpuBackend:
             return qmatmul.matmul(parts[0], x)
         return np.concatenate([qmatmul.matmul(p, x) for p in parts], axis=1)
 
-    def _quantized_matmul(self, x: np.ndarray, weight: Linear) -> np.ndarray:
+    def _quantized_matmul(self, x: np.ndarray, weight: Linear,
+                          requests: np.ndarray | None) -> np.ndarray:
         """Each part's input as its activation format sees it: an integer GEMV on x's 8-bit
         blocks where one serves the part (`qmatmul_int` for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0,
-        `qmatmul_int_k` for Q4_K/Q5_K/Q6_K: llama.cpp's floats), else x~ through the float
-        kernels (`activations.simulate`). Each quantizer runs once per call."""
+        `qmatmul_int_k` for Q4_K/Q5_K/Q6_K: llama.cpp's floats, each request's rows in the
+        order llama.cpp gives them alone), else x~ through the float kernels
+        (`activations.simulate`). Each quantizer runs once per call."""
         inputs: dict[Any, Any] = {}
         outs = []
         for part, fmt in zip(weight.parts, weight.formats):
@@ -221,7 +233,7 @@ class CpuBackend:
             if integer is not None and integer.supports(part.qtype, len(x)):
                 if quantize not in inputs:
                     inputs[quantize] = quantize(x)
-                outs.append(integer.matmul(part, inputs[quantize]))
+                outs.append(integer.matmul(part, inputs[quantize], requests=requests))
                 continue
             if fmt not in inputs:
                 inputs[fmt] = (x, None) if fmt is None else activations.simulate(x, fmt)
@@ -234,8 +246,14 @@ class CpuBackend:
 
     def linear(self, x: np.ndarray, weight: Linear, bias: np.ndarray | None = None
                ) -> np.ndarray:
+        rows = self._step_rows
+        return self._linear(x, weight, bias,
+                            rows if rows is not None and rows.sum() == len(x) else None)
+
+    def _linear(self, x: np.ndarray, weight: Linear, bias: np.ndarray | None,
+                requests: np.ndarray | None) -> np.ndarray:
         if weight.formats:
-            y = self._quantized_matmul(x, weight)
+            y = self._quantized_matmul(x, weight, requests)
         else:
             y = self._matmul(x, weight.parts)
         if bias is not None:
@@ -288,6 +306,7 @@ class CpuBackend:
     def prepare_attention(self, meta: AttentionMetadata) -> Any:
         if self._follower is not None:       # once per forward: the step's thread count
             self._follower.follow()
+        self._step_rows = np.diff(meta.query_start_loc)
         return attention.prepare(meta)
 
     def reshape_and_cache(self, k: np.ndarray, v: np.ndarray, kv_cache: Any, attn: Any) -> None:
@@ -305,4 +324,6 @@ class CpuBackend:
 
     def lm_head(self, hidden: np.ndarray, head: Linear, rows: np.ndarray,
                 on_device: bool = False) -> np.ndarray:
-        return self.linear(np.ascontiguousarray(hidden[rows]), head)
+        # one row per request: as llama.cpp computes the logits of a request alone
+        return self._linear(np.ascontiguousarray(hidden[rows]), head, None,
+                            np.ones(len(rows), np.int64))

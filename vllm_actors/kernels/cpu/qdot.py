@@ -165,12 +165,12 @@ def kdot(typingctx, isa, kind, rows, acc, ai, q, qi, qshift, h, hi, hshift, x, x
     x[xi + m*xstride : +32]) * (sa on lanes 0-3, sb on lanes 4-7). The 32 weights w[l] =
     (q[qi+l] >> qshift) & 15 are decoded once for all rows: for `kind` 5 with bit (h[hi+l]
     >> hshift) & 1 as bit 4 (Q5_K), for 6 two bits & 3 as bits 4-5 (Q6_K, unsigned: the
-    caller takes off 32 through the activation's block sums); kind 4 (Q4_K; 44, Q4_K in its
-    repacked float order, decodes alike) does not read h. Exact integers, so every `isa`
+    caller takes off 32 through the activation's block sums); kind 4 (Q4_K) does not read h.
+    Only kind % 10 counts here (the tens choose the caller's float order). Exact integers, so every `isa`
     path gives the same sums."""
     if not (isinstance(isa, types.IntegerLiteral) and isinstance(kind, types.IntegerLiteral)
             and isinstance(rows, types.IntegerLiteral)
-            and kind.literal_value in (4, 5, 6, 44) and isinstance(acc, types.Array)
+            and kind.literal_value % 10 in (4, 5, 6) and isinstance(acc, types.Array)
             and acc.dtype == types.int32 and isinstance(x, types.Array)
             and x.dtype == types.int8 and isinstance(q, types.Array) and q.dtype == types.uint8
             and isinstance(h, types.Array) and h.dtype == types.uint8

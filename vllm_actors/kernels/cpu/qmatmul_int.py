@@ -158,9 +158,12 @@ def supports(qtype: int, rows: int) -> bool:
     return qtype in FASTER and rows <= MAX_ROWS
 
 
-def matmul(w: QuantMatrix, x: activations.Q8Rows, path: str | None = None) -> np.ndarray:
+def matmul(w: QuantMatrix, x: activations.Q8Rows, path: str | None = None,
+           requests: Any = None) -> np.ndarray:
     """x's Q8 blocks `[M, K]` -> `[M, N]` under the quantized semantics, W of a type in
-    `KINDS`. `path` forces a SIMD path (default `isa.selected()`)."""
+    `KINDS`. `path` forces a SIMD path (default `isa.selected()`). `requests` (the rows of
+    each request) changes nothing here: llama.cpp computes these types in one float order
+    at every row count (its vec_dot, and llamafile's GEMM for Q4_0/Q5_0/Q8_0 alike)."""
     kind = KINDS[w.qtype]
     qs, rest = w.planes[0], w.planes[1:]
     has_bits = w.qtype in (T.Q5_0, T.Q5_1)

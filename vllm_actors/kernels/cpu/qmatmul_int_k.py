@@ -9,11 +9,15 @@ With q the stored quants of x, d_x its scale and b_j its sums of 16 (`bsums`), p
 (s the 8 sub-blocks of 32, j the 16 of 16; the layouts are `qmatmul_k45`'s), in the float
 order of ggml's x86 (AVX2) dots: acc = fma(d_w d_x, lanes, acc) per superblock, Q4_K's mins
 in 4 float lanes, Q5_K's in one sum, Q6_K's offset per integer lane, and the lanes added as
-`hsum_float_8` adds them. Compiled without fast math: ggml's floats bit for bit. Parallel
-over pairs of weight rows, as the other GEMVs.
+`hsum_float_8` adds them. llama.cpp computes some matmuls with other kernels, whose float
+orders `matmul` takes where they would run (`_kinds`): the GEMV and GEMM of Q4_K repacked
+into 8-row blocks, and the tiled K-quant matmul at 8+ rows. Compiled without fast math:
+ggml's floats bit for bit. Parallel over pairs of weight rows, as the other GEMVs.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numba
 import numpy as np
@@ -36,10 +40,19 @@ from vllm_actors.kernels.cpu.qmatmul_prims import (
 
 T = GGMLQuantizationType
 KINDS = {T.Q4_K: 4, T.Q5_K: 5, T.Q6_K: 6}
-# Q4_K as llama.cpp computes it once repacked into 8-row interleaved blocks (x86 with AVX2,
-# row count a multiple of 8, not an embedding): per row and superblock the whole integer
-# dot in one sum, acc = fma(sum, d_w d_x, acc), the mins likewise, and acc - mins at the end
+# The literal `kind` is 10 * order + form: the form (4, 5, 6) decodes the superblock, the
+# order is the float epilogue of the llama.cpp kernel that would compute this matmul.
+# 44: Q4_K repacked into 8-row interleaved blocks (x86 with AVX2, a multiple of 8 rows, not
+# an embedding), its GEMV (1-3 rows of x, and the rows past a multiple of 4): per row and
+# superblock the whole integer dot in one sum, acc = fma(sum, d_w d_x, acc), the mins
+# likewise, acc - mins at the end.
 REPACKED_Q4_K = 44
+# 84: the same weights' GEMM (4+ rows of x, in groups of 4): as 44 per pair of sub-blocks.
+REPACKED_GEMM_Q4_K = 84
+# 94, 95, 96: ggml's tiled K-quant matmul (`ggml-cpu/tiled`: 8+ rows of x, weights not
+# repacked): per superblock r = fnmadd(dmin_w, mins, float(sum) * d_w), acc = fma(r, d_x, acc).
+TILED = 90
+TILED_MIN_ROWS = 8
 _NO_BITS = np.zeros((0, 0), np.uint8)
 _NO_U16 = np.zeros((0, 0), np.uint16)
 
@@ -85,6 +98,11 @@ def gemv(path, kind, group, qs, qh, sc, mn, d, dmin, lut, xq, xd, xb, out, dist,
                     prefetch(qs, p0 + o)
                     prefetch(qs, p1 + o)
                 xo = m0 * k + 256 * sb
+                if kind == REPACKED_GEMM_Q4_K:
+                    for gg in range(4):
+                        _pair_gemm(path, group, iacc, acc, am, qs, qh, sc, mn, d, dmin, lut, r0, r1,
+                                   rb, sb, gg, xq, xo, k, xd, xb, m0)
+                    continue
                 _superblock(path, kind, group, iacc, 0, qs, qh, sc[r0], r0 * rb, r0 * hb, sb,
                             xq, xo, k)
                 _superblock(path, kind, group, iacc, 8, qs, qh, sc[r1], r1 * rb, r1 * hb, sb,
@@ -103,7 +121,7 @@ def gemv(path, kind, group, qs, qh, sc, mn, d, dmin, lut, xq, xd, xb, out, dist,
 def _superblock(path, kind, group, iacc, ai, qs, qh, sc, q0, h0, sb, xq, xo, k):  # type: ignore[no-untyped-def]
     """Superblock sb of one weight row (its quants from q0, high bits from h0, scales sc)
     into the integer lanes iacc[ai + 16m : +8] of each of the `group` rows of x."""
-    if kind == 6:
+    if kind % 10 == 6:
         for h in range(2):
             _q6_half(path, group, iacc, ai, qs, q0 + 128 * sb + 64 * h, qh,
                      h0 + 64 * sb + 32 * h, xq, xo + 128 * h, k, sc, 16 * sb + 8 * h)
@@ -114,9 +132,45 @@ def _superblock(path, kind, group, iacc, ai, qs, qh, sc, q0, h0, sb, xq, xo, k):
 
 
 @numba.njit(inline="always", cache=True)
+def _pair_gemm(path, group, iacc, acc, am, qs, qh, sc, mn, d, dmin, lut, r0, r1, rb, sb, gg, xq, xo, k, xd, xb, m0):  # type: ignore[no-untyped-def]
+    """Sub-blocks 2gg and 2gg + 1 of superblock sb of Q4_K weight rows r0 and r1 against the
+    group's rows of x, scaled as the repacked Q4_K GEMM scales each such pair."""
+    for ai, r in ((0, r0), (8, r1)):
+        _sub_block_pair(path, 4, group, iacc, ai, qs, r * rb + 128 * sb + 32 * gg, qh, 0, gg,
+                        xq, xo + 64 * gg, k, sc[r], 8 * sb + 2 * gg)
+    for m in range(group):
+        dx = xd[m0 + m, sb]
+        _repacked_row(acc, iacc, am, 16 * m, 8 * m, lut[d[r0, sb]] * dx, lut[dmin[r0, sb]] * dx,
+                      _pair_mins(mn[r0], xb[m0 + m], sb, gg))
+        _repacked_row(acc, iacc, am, 16 * m + 8, 8 * m + 4, lut[d[r1, sb]] * dx,
+                      lut[dmin[r1, sb]] * dx, _pair_mins(mn[r1], xb[m0 + m], sb, gg))
+
+
+@numba.njit(inline="always", cache=True)
+def _pair_mins(mn, xb, sb, gg):  # type: ignore[no-untyped-def]
+    """min_s * (x's sum over sub-block s), summed over sub-blocks 2gg and 2gg + 1."""
+    total = np.int32(0)
+    for s in range(8 * sb + 2 * gg, 8 * sb + 2 * gg + 2):
+        total += np.int32(mn[s]) * (np.int32(xb[2 * s]) + np.int32(xb[2 * s + 1]))
+    return total
+
+
+@numba.njit(inline="always", cache=True)
 def _scale_superblock(kind, acc, iacc, am, m, r0, r1, sb, sc, mn, d, dmin, lut, dx, xb):  # type: ignore[no-untyped-def]
     """Row m of x's superblock sb into the float lanes of weight rows r0 and r1: Q6_K's
     offset off the integer lanes, d_w d_x times them onto acc, Q4_K/Q5_K's mins into am."""
+    if kind // 10 * 10 == TILED:
+        if kind == TILED + 6:
+            _offset_lanes(iacc, 16 * m, sc[r0], xb, sb)
+            _offset_lanes(iacc, 16 * m + 8, sc[r1], xb, sb)
+            _tiled_row(acc, iacc, 16 * m, lut[d[r0, sb]], np.float32(0), 0, dx)
+            _tiled_row(acc, iacc, 16 * m + 8, lut[d[r1, sb]], np.float32(0), 0, dx)
+        else:
+            _tiled_row(acc, iacc, 16 * m, lut[d[r0, sb]], lut[dmin[r0, sb]],
+                       _min_total(mn[r0], xb, sb), dx)
+            _tiled_row(acc, iacc, 16 * m + 8, lut[d[r1, sb]], lut[dmin[r1, sb]],
+                       _min_total(mn[r1], xb, sb), dx)
+        return
     if kind == REPACKED_Q4_K:
         _repacked_row(acc, iacc, am, 16 * m, 8 * m, lut[d[r0, sb]] * dx,
                       lut[dmin[r0, sb]] * dx, _min_total(mn[r0], xb, sb))
@@ -165,6 +219,21 @@ def _repacked_row(acc, iacc, am, i, j, scale, min_scale, mins):  # type: ignore[
 
 
 @numba.njit(inline="always", cache=True)
+def _tiled_row(acc, iacc, i, dw, dmin, mins, dx):  # type: ignore[no-untyped-def]
+    """A superblock of a row in ggml's tiled matmul: its 8 integer lanes as one sum s1,
+    r = fnmadd(dmin_w, mins, float(s1) * d_w) (r without a min term for Q6_K), and
+    acc[i] = fma(r, d_x, acc[i])."""
+    total = np.int32(0)
+    for lane in range(8):
+        total += iacc[i + lane]
+        iacc[i + lane] = 0
+    r = np.float32(total) * dw
+    if mins != 0 or dmin != 0:
+        r = fma_f32(-dmin, np.float32(mins), r)
+    acc[i] = fma_f32(r, dx, acc[i])
+
+
+@numba.njit(inline="always", cache=True)
 def _min_total(mn, xb, sb):  # type: ignore[no-untyped-def]
     """sum over superblock sb's 8 sub-blocks of min_s * (x's sum over the sub-block)."""
     total = np.int32(0)
@@ -177,9 +246,12 @@ def _min_total(mn, xb, sb):  # type: ignore[no-untyped-def]
 @numba.njit(inline="always", cache=True)
 def _total(kind, acc, am, i, j):  # type: ignore[no-untyped-def]
     """A row's result: its 8 float lanes added as ggml adds them, plus (Q4_K/Q5_K) the mins;
-    a repacked Q4_K row keeps one float and one min sum, as ggml's 8x8 kernels."""
-    if kind == REPACKED_Q4_K:
+    a repacked Q4_K row keeps one float and one min sum, as ggml's 8x8 kernels; a tiled one
+    one float."""
+    if kind == REPACKED_Q4_K or kind == REPACKED_GEMM_Q4_K:
         return acc[i] - am[j]
+    if kind // 10 * 10 == TILED:
+        return acc[i]
     total = hsum8(acc, i)
     if kind != 6:
         total = total + _hsum4(am, j)
@@ -222,10 +294,51 @@ def supports(qtype: int, rows: int) -> bool:
     return qtype in KINDS and rows <= MAX_ROWS
 
 
-def matmul(w: QuantMatrix, x: activations.Q8KRows, path: str | None = None) -> np.ndarray:
+def matmul(w: QuantMatrix, x: activations.Q8KRows, path: str | None = None,
+           requests: np.ndarray | None = None) -> np.ndarray:
     """x's Q8_K blocks `[M, K]` -> `[M, N]` under the quantized semantics, W of a type in
-    `KINDS`. `path` forces a SIMD path (default `isa.selected()`)."""
-    kind = REPACKED_Q4_K if w.qtype == T.Q4_K and w.ggml_repacked else KINDS[w.qtype]
+    `KINDS`, each row in the float order of the llama.cpp kernel that would compute it
+    (`row_kinds`). `requests`: the rows of each request, in order (None: one request).
+    `path` forces a SIMD path (default `isa.selected()`)."""
+    m = x.qs.shape[0]
+    kinds = row_kinds(w, [m] if requests is None else requests)
+    out = np.empty((m, w.rows), np.float32)
+    start = 0
+    while start < m:
+        stop = start + 1
+        while stop < m and kinds[stop] == kinds[start]:
+            stop += 1
+        out[start:stop] = _run(w, _row_slice(x, start, stop), int(kinds[start]), path)
+        start = stop
+    return out
+
+
+def row_kinds(w: QuantMatrix, requests: Sequence[int]) -> np.ndarray:
+    """The kernel kind of each row, as llama.cpp's x86 backend chooses for a request of L
+    rows decoded alone (a batch of requests is then computed as each alone): a repacked
+    Q4_K takes its GEMM on the first L - L % 4 rows when L > 3 and its GEMV on the rest;
+    the other K-quants take the tiled matmul at 8+ rows (both need AVX2), else vec_dot."""
+    form = KINDS[w.qtype]
+    repacked = w.qtype == T.Q4_K and w.ggml_repacked
+    tiled = "avx2" in isa.available()
+    kinds: list[int] = []
+    for n in requests:
+        n = int(n)
+        if repacked:
+            head = n - n % 4 if n > 3 else 0
+            kinds += [REPACKED_GEMM_Q4_K] * head + [REPACKED_Q4_K] * (n - head)
+        else:
+            kinds += [TILED + form if tiled and n >= TILED_MIN_ROWS else form] * n
+    return np.array(kinds, np.int64)
+
+
+def _row_slice(x: activations.Q8KRows, start: int, stop: int) -> activations.Q8KRows:
+    if start == 0 and stop == x.qs.shape[0]:
+        return x
+    return activations.Q8KRows(x.qs[start:stop], x.d[start:stop], x.bsums[start:stop])
+
+
+def _run(w: QuantMatrix, x: activations.Q8KRows, kind: int, path: str | None) -> np.ndarray:
     m = x.qs.shape[0]
     group = 1 if m == 1 else GROUP
     x = pad_rows(x, group)
@@ -233,11 +346,11 @@ def matmul(w: QuantMatrix, x: activations.Q8KRows, path: str | None = None) -> n
     threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
     code = isa.code(path or isa.selected())
     tail = (HALF_LUT, x.qs, x.d, x.bsums, out, prefetch_rows(w), threads)
-    if kind == 6:       # ql, qh, scales, d
+    if kind % 10 == 6:      # ql, qh, scales, d
         planes = (w.planes[0], w.planes[1], w.planes[2], _NO_BITS, w.planes[3], _NO_U16)
-    elif kind == 5:     # qh, qs, sc, mn, d, dmin
+    elif kind % 10 == 5:    # qh, qs, sc, mn, d, dmin
         planes = (w.planes[1], w.planes[0], *w.planes[2:])
-    else:               # qs, sc, mn, d, dmin (Q4_K, as stored or repacked)
+    else:                   # qs, sc, mn, d, dmin (Q4_K, as stored or repacked)
         planes = (w.planes[0], _NO_BITS, *w.planes[1:])
     call(gemv, code, kind, group, *planes, *tail)
     return out[:m]
