@@ -47,9 +47,12 @@ def smollm2_tokenizer(smollm2_path):
 
 @pytest.fixture(scope="session")
 def smollm2_llm(smollm2_path):
-    """The default model behind the full engine (core in its own process)."""
+    """The default model behind the full engine (core in its own process), under the exact
+    semantics (`--gguf-activations float32`, transformers' oracle), which the engine-level
+    tests compare configurations and goldens on; the default semantics has llama.cpp's
+    oracle (tests/models/test_llamacpp_parity.py)."""
     from vllm_actors import LLM
-    with LLM(str(smollm2_path)) as llm:
+    with LLM(str(smollm2_path), gguf_activations="float32") as llm:
         yield llm
 
 
@@ -111,11 +114,12 @@ def mixed_reference(smollm2_path, mixed_prompts):
 def server(smollm2_path):
     """A real `vllm-actors serve` on the default model, with an API key, auto tool choice
     (hermes) and the qwen3 reasoning parser (which splits only outputs that open <think>,
-    so it leaves SmolLM2's ordinary answers alone)."""
+    so it leaves SmolLM2's ordinary answers alone); the exact semantics, whose answers the
+    tests quote ("Paris": under llama.cpp's, SmolLM2 Q4_1 answers as llama.cpp does)."""
     from server_process import API_KEY, ServerProcess
     proc = ServerProcess(str(smollm2_path), "--api-key", API_KEY, "--served-model-name", "smol",
                          "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                         "--reasoning-parser", "qwen3")
+                         "--reasoning-parser", "qwen3", "--gguf-activations", "float32")
     yield proc
     assert proc.stop() == 0, proc.log()
 

@@ -32,13 +32,13 @@ class ModelConfig:
     generation_config: str = "auto"
     served_model_name: str | None = None
     max_logprobs: int = 20
-    gguf_activations: str = "float32"
+    gguf_activations: str = "quantized"
 
 
-# --gguf-activations: how matmuls over a GGUF file's quantized weights compute. float32 (the
-# default): the dequantized weights exactly, in float32 (oracle: transformers); quantized:
-# llama.cpp's CPU semantics (inputs quantized to 8-bit blocks, integer block dots; oracle:
-# llama.cpp). It becomes the default once its tokens follow llama.cpp's (docs/STATUS.md).
+# --gguf-activations: how matmuls over a GGUF file's quantized weights compute. quantized (the
+# default, as the reference implementations of GGUF compute): llama.cpp's CPU semantics
+# (inputs quantized to 8-bit blocks, integer block dots; oracle: llama.cpp); float32: the
+# dequantized weights exactly, in float32 (oracle: transformers).
 GGUF_ACTIVATIONS = ("float32", "quantized")
 
 
@@ -112,11 +112,11 @@ REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 def _add_numerics_args(parser: argparse.ArgumentParser) -> None:
     """The flags that choose how numbers are computed and stored."""
-    parser.add_argument("--gguf-activations", choices=GGUF_ACTIVATIONS, default="float32",
-                        help="how a GGUF file's quantized weights compute: float32 (the "
-                             "dequantized weights exactly, as transformers does) or "
-                             "quantized (llama.cpp's semantics: each matmul input "
-                             "quantized to 8-bit blocks, integer block dot products)")
+    parser.add_argument("--gguf-activations", choices=GGUF_ACTIVATIONS, default="quantized",
+                        help="how a GGUF file's quantized weights compute: quantized (the "
+                             "default, llama.cpp's semantics: each matmul input quantized "
+                             "to 8-bit blocks, integer block dot products) or float32 (the "
+                             "dequantized weights exactly, as transformers does)")
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="KV cache storage: auto (float16 for a GGUF model under "
                              "--gguf-activations quantized, else float32), float16, "
@@ -241,7 +241,7 @@ class EngineArgs:
     served_model_name: str | None = None
     max_logprobs: int = 20
     speculative_config: str | dict[str, Any] | None = None
-    gguf_activations: str = "float32"
+    gguf_activations: str = "quantized"
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":

@@ -19,7 +19,8 @@ MESSAGES = [{"role": "user", "content": "Copy this text exactly, nothing else:\n
 
 def test_streamed_chat_with_drafts(smollm2_path, client):
     server = ServerProcess(str(smollm2_path), "--api-key", API_KEY, "--served-model-name",
-                           "smol", "--speculative-config", json.dumps(CONFIG))
+                           "smol", "--speculative-config", json.dumps(CONFIG),
+                           "--gguf-activations", "float32")     # as the `client` server
     try:
         spec = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
         args = {"model": "smol", "messages": MESSAGES, "temperature": 0, "max_tokens": 80}

@@ -60,7 +60,8 @@ def test_prefix_caching_shares_a_system_prompt(smollm2_path, smollm2_llm):
     assert cached.reset_prefix_cache()
     hits_before = cached.get_metrics()["vllm:prefix_cache_hits"]
     with_cache = cached.chat(conversations, params)
-    with LLM(str(smollm2_path), enable_prefix_caching=False) as plain_llm:
+    with LLM(str(smollm2_path), gguf_activations="float32",
+             enable_prefix_caching=False) as plain_llm:
         plain = plain_llm.chat(conversations, params)
     prompt_len = len(with_cache[0].prompt_token_ids)
     assert prompt_len >= 300

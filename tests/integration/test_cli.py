@@ -12,7 +12,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_generate_chat_streams_answer():
     result = run_cli("generate", "--chat", "--prompt", "What is the capital of France?",
-                     "--max-tokens", "24")
+                     "--max-tokens", "24", "--gguf-activations", "float32")
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
     lines = result.stderr.splitlines()   # every log line on a line of its own

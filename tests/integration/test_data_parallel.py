@@ -14,7 +14,7 @@ from vllm_actors.frontend.router import MIN_SLACK
 
 @pytest.fixture(scope="module")
 def dp2_llm(smollm2_path):
-    with LLM(str(smollm2_path), data_parallel_size=2) as llm:
+    with LLM(str(smollm2_path), gguf_activations="float32", data_parallel_size=2) as llm:
         yield llm
 
 

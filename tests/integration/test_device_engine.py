@@ -30,7 +30,8 @@ def test_greedy_equals_numpy(device, smollm2_path, mixed_reference, smollm2_mode
     by_length = sorted(mixed_prompts, key=lambda p: len(p["prompt_token_ids"]))
     prompts = [by_length[2], by_length[3], by_length[11]]
     reference = mixed_reference.of(prompts, GREEDY_16.max_tokens)   # the cpu backend
-    with LLM(str(smollm2_path), device=device, kv_cache_memory=256 << 20, max_model_len=2048,
+    with LLM(str(smollm2_path), device=device, gguf_activations="float32",
+             kv_cache_memory=256 << 20, max_model_len=2048,
              enable_prefix_caching=False) as llm:
         outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY_16)]
     assert all(len(o) == 16 for o in outputs)

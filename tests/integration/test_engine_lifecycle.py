@@ -141,7 +141,8 @@ def test_context_manager_and_repeated_shutdown(smollm2_path):
 
 def test_thread_mode_gives_the_same_tokens(smollm2_path, smollm2_llm):
     params = SamplingParams(temperature=0.0, max_tokens=16)
-    with LLM(str(smollm2_path), multiprocessing=False) as threaded:
+    with LLM(str(smollm2_path), gguf_activations="float32",
+             multiprocessing=False) as threaded:
         assert threaded.engine.client.pid is None
         a = threaded.generate("The capital of France is", params)[0].outputs[0].token_ids
     b = smollm2_llm.generate("The capital of France is", params)[0].outputs[0].token_ids

@@ -58,7 +58,8 @@ def first_difference(got: list[int], ref: list[int]) -> int | None:
 @pytest.mark.parametrize("dtype", list(MARGIN))
 def test_greedy_tokens_match_the_oracle_except_near_ties(smollm2_path, smollm2_model, dtype):
     prompts = [{"prompt_token_ids": c["prompt_token_ids"]} for c in GOLDEN["cases"]]
-    with LLM(str(smollm2_path), kv_cache_dtype=dtype, max_num_batched_tokens=256) as llm:
+    with LLM(str(smollm2_path), kv_cache_dtype=dtype, max_num_batched_tokens=256,
+             gguf_activations="float32") as llm:
         outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
     model, backend = smollm2_model
     changed = []
@@ -155,6 +156,7 @@ def test_chunking_preemption_and_prefix_caching_keep_tokens(smollm2_path, cpu_mo
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     # 26 blocks: the shared prefix (~18 blocks) and a few requests' own blocks
     with LLM(str(smollm2_path), kv_cache_dtype=dtype, max_num_seqs=6, max_model_len=400,
+             gguf_activations="float32",
              num_gpu_blocks_override=26, max_num_batched_tokens=96) as llm:
         batch = llm.generate(prompts, params)
         again = [llm.generate([p], params)[0] for p in prompts]

@@ -18,7 +18,7 @@ LOGPROB_TOLERANCE = 1e-3     # as the tensor-parallel comparison
 
 @pytest.fixture(scope="module")
 def pp2_llm(smollm2_path):
-    with LLM(str(smollm2_path), pipeline_parallel_size=2) as llm:
+    with LLM(str(smollm2_path), gguf_activations="float32", pipeline_parallel_size=2) as llm:
         yield llm
 
 
@@ -75,7 +75,8 @@ def test_tp3_pp2_greedy_tokens_equal_single(smollm2_path, mixed_reference, smoll
     heads split in 3), each stage's ranks with their own communicator."""
     prompts = mixed_prompts[1:25:4]
     reference = mixed_reference.of(prompts, GREEDY_12.max_tokens)
-    with LLM(str(smollm2_path), pipeline_parallel_size=2, tensor_parallel_size=3) as llm:
+    with LLM(str(smollm2_path), gguf_activations="float32", pipeline_parallel_size=2,
+             tensor_parallel_size=3) as llm:
         ranks = [(r["pipeline_stage"], r["rank"], r["layers"])
                  for r in llm.collective_rpc("describe")]
         outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY_12)]
@@ -91,7 +92,8 @@ def test_preemption_with_steps_in_flight_keeps_tokens(smollm2_path):
                for i in range(8)]
     results, preemptions = [], []
     for pp in (1, 2):
-        with LLM(str(smollm2_path), pipeline_parallel_size=pp, num_gpu_blocks_override=30,
+        with LLM(str(smollm2_path), gguf_activations="float32", pipeline_parallel_size=pp,
+                 num_gpu_blocks_override=30,
                  max_model_len=256, distributed_executor_backend="mp") as llm:
             results.append([o.outputs[0].token_ids
                             for o in llm.generate(prompts, params, use_tqdm=False)])
@@ -102,7 +104,7 @@ def test_preemption_with_steps_in_flight_keeps_tokens(smollm2_path):
 
 
 def test_sigkill_of_a_stage_kills_the_engine_fast(smollm2_path):
-    llm = AsyncLLM(str(smollm2_path), pipeline_parallel_size=2)
+    llm = AsyncLLM(str(smollm2_path), gguf_activations="float32", pipeline_parallel_size=2)
     try:
         core = psutil.Process(llm.client.pid)
         workers = core.children()

@@ -57,7 +57,8 @@ def test_cores_on_two_nodes_survive_a_node_loss(cluster, smollm2_path, smollm2_l
     second = cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
     reference, seeded = reference_tokens(smollm2_llm)
-    llm = AsyncLLM(str(smollm2_path), data_parallel_size=2, data_parallel_backend="ray")
+    llm = AsyncLLM(str(smollm2_path), gguf_activations="float32", data_parallel_size=2,
+                   data_parallel_backend="ray")
     try:
         places = [c.where() for c in llm.group.clients]
         nodes, pids = [p["node_id"] for p in places], [p["pid"] for p in places]
@@ -127,7 +128,7 @@ def test_pipeline_stages_on_two_nodes(cluster, smollm2_path, smollm2_llm, monkey
     cluster.wait_for_nodes()
     monkeypatch.setenv("RAY_ADDRESS", cluster.address)   # the engine core process joins it
     reference, seeded = reference_tokens(smollm2_llm)
-    llm = AsyncLLM(str(smollm2_path), pipeline_parallel_size=2,
+    llm = AsyncLLM(str(smollm2_path), gguf_activations="float32", pipeline_parallel_size=2,
                    distributed_executor_backend="ray")
     try:
         ranks = asyncio.run(llm.collective_rpc("describe"))

@@ -46,7 +46,8 @@ def draft_path(smollm2_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ngram_llm(smollm2_path):
-    with LLM(str(smollm2_path), speculative_config=NGRAM, max_num_seqs=64) as llm:
+    with LLM(str(smollm2_path), gguf_activations="float32",
+             speculative_config=NGRAM, max_num_seqs=64) as llm:
         yield llm
 
 
@@ -77,7 +78,8 @@ def test_greedy_tokens_match_transformers(method, smollm2_path, ngram_llm, draft
     else:
         config = {"method": "draft_model", "model": draft_path, "num_speculative_tokens": 3,
                   "disable_by_batch_size": None}
-        with LLM(str(smollm2_path), speculative_config=config) as llm:
+        with LLM(str(smollm2_path), gguf_activations="float32",
+                 speculative_config=config) as llm:
             outputs = llm.generate(golden_prompts(), params, use_tqdm=False)
             metrics = llm.get_metrics()
         print(metrics)
@@ -99,7 +101,8 @@ def test_batch_of_16_with_preemption_equals_no_speculation(smollm2_path, smollm2
     reference = [o.outputs[0].token_ids for o in smollm2_llm.generate(quoting, params,
                                                                       use_tqdm=False)] + \
         mixed_reference.of(mixed_prompts[:12], params.max_tokens)
-    with LLM(str(smollm2_path), speculative_config=SUFFIX, max_num_seqs=8, max_model_len=1024,
+    with LLM(str(smollm2_path), gguf_activations="float32",
+             speculative_config=SUFFIX, max_num_seqs=8, max_model_len=1024,
              num_gpu_blocks_override=80, max_num_batched_tokens=512) as llm:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         metrics = llm.get_metrics()
@@ -195,7 +198,8 @@ def test_tensor_parallel_with_drafts(smollm2_path, smollm2_llm, smollm2_model,
     prompts = [{"prompt_token_ids": smollm2_tokenizer.encode(p)} for p in QUOTING[:2]]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     plain = smollm2_llm.generate(prompts, params, use_tqdm=False)
-    with LLM(str(smollm2_path), speculative_config=NGRAM, tensor_parallel_size=3,
+    with LLM(str(smollm2_path), gguf_activations="float32",
+             speculative_config=NGRAM, tensor_parallel_size=3,
              max_num_seqs=4) as llm:
         spec = llm.generate(prompts, params, use_tqdm=False)
         assert accepted(llm) > 0

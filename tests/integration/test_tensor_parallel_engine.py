@@ -28,7 +28,8 @@ def prompts(mixed_prompts):
 
 @pytest.fixture(scope="module")
 def tp3_llm(smollm2_path):
-    with LLM(str(smollm2_path), tensor_parallel_size=3) as llm:
+    with LLM(str(smollm2_path), gguf_activations="float32",
+             tensor_parallel_size=3) as llm:
         yield llm
 
 
@@ -76,7 +77,8 @@ def test_indivisible_size_fails_at_startup(smollm2_path):
 
 
 def test_sigkill_of_a_worker_kills_the_engine_fast_and_leaves_no_process(smollm2_path):
-    llm = AsyncLLM(str(smollm2_path), tensor_parallel_size=3)
+    llm = AsyncLLM(str(smollm2_path), gguf_activations="float32",
+                   tensor_parallel_size=3)
     core = psutil.Process(llm.client.pid)
     workers = core.children()
     assert len(workers) == 3
@@ -100,7 +102,8 @@ def test_shm_segments_are_unlinked_after_startup(tp3_llm):
 
 
 def test_worker_death_while_idle_is_noticed(smollm2_path):
-    llm = AsyncLLM(str(smollm2_path), tensor_parallel_size=3)
+    llm = AsyncLLM(str(smollm2_path), gguf_activations="float32",
+                   tensor_parallel_size=3)
     core = psutil.Process(llm.client.pid)
     workers = core.children()
 

@@ -41,7 +41,8 @@ def greedy_outputs(request, gemma3_path):
     from vllm_actors import LLM
     params = SamplingParams(temperature=0.0, max_tokens=GREEDY["num_generated"], ignore_eos=True)
     prompts = [{"prompt_token_ids": case["prompt_token_ids"]} for case in GREEDY["cases"]]
-    with LLM(str(gemma3_path), device=request.param, max_model_len=4096) as llm:
+    with LLM(str(gemma3_path), gguf_activations="float32",
+             device=request.param, max_model_len=4096) as llm:
         outs = llm.generate(prompts, params)
     return {case["name"]: out.outputs[0].token_ids for case, out in zip(GREEDY["cases"], outs)}
 

@@ -1,10 +1,12 @@
-"""`--gguf-activations quantized` gives llama.cpp's own greedy tokens: SmolLM2 Q4_1 on the
-compiled CPU backend, 12 of the golden prompts (one of 452 tokens) in one batch, against
-tests/golden/llamacpp_smollm2_greedy.json (tests/oracle/make_llamacpp_golden.py: llama.cpp
-0.3.36 built with AVX-512, flash attention off, F16 cache). Every op computes in ggml's float
-order (bench/llamacpp_tensors.py checks each on llama.cpp's inputs), so the tokens are equal,
-not near: no near-tie allowance. The 16-lane orders of that build are emulated on any host
-(`VLLM_ACTORS_GGML_WIDTH=16`).
+"""The default `--gguf-activations quantized` gives llama.cpp's own greedy tokens on the
+compiled CPU backend: SmolLM2 Q4_1 and Gemma 3 270M Q4_K_M, 12 of the golden prompts (one of
+436-452 tokens) in one batch, against tests/golden/llamacpp_{model}_greedy.json
+(tests/oracle/make_llamacpp_golden.py: llama.cpp 0.3.36 built with AVX-512, flash attention
+off, F16 cache). Every op computes in ggml's float order (bench/llamacpp_tensors.py checks
+each on llama.cpp's inputs), each request's rows in the kernels llama.cpp would choose for it
+alone (Gemma's repacked Q4_K GEMM and GEMV, the tiled Q6_K matmul, Q scaled before
+attention), so the tokens are equal, not near: no near-tie allowance. The 16-lane orders of
+that build are emulated on any host (`VLLM_ACTORS_GGML_WIDTH=16`).
 """
 
 from __future__ import annotations
@@ -12,20 +14,25 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "llamacpp_smollm2_greedy.json"
+import pytest
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 STEPS = 32
 LONG = "chat_long_essay"
 
 
-def test_greedy_tokens_equal_llama_cpp(smollm2_path, monkeypatch):
+@pytest.mark.parametrize("model", ["smollm2", "gemma3_270m"])
+def test_greedy_tokens_equal_llama_cpp(model, smollm2_path, monkeypatch):
     from vllm_actors import LLM, SamplingParams
+    from vllm_actors.loaders.pypi_models import model_path
     monkeypatch.setenv("VLLM_ACTORS_GGML_WIDTH", "16")
-    golden = json.loads(GOLDEN.read_text())
+    golden = json.loads((GOLDEN / f"llamacpp_{model}_greedy.json").read_text())
     assert golden["flash_attn_type"] == "disabled" and "AVX512 = 1" in golden["system_info"]
     cases = [c for c in golden["cases"] if len(c["prompt_token_ids"]) < 100 or c["name"] == LONG]
     assert len(cases) == 12
-    llm = LLM(str(smollm2_path), device="cpu", gguf_activations="quantized",
-              enable_prefix_caching=False)
+    path = smollm2_path if model == "smollm2" else model_path("gemma3-270m")
+    assert path is not None, "run `python -m vllm_actors pull gemma3-270m`"
+    llm = LLM(str(path), device="cpu", enable_prefix_caching=False, max_model_len=1024)
     try:
         outs = llm.generate([{"prompt_token_ids": c["prompt_token_ids"]} for c in cases],
                             SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True))

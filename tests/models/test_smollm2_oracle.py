@@ -78,7 +78,8 @@ def batched_chunked_outputs(smollm2_path, mixed_prompts):
     cases = GREEDY["cases"]
     fillers = sorted(mixed_prompts, key=lambda p: len(p["prompt_token_ids"]))[:32 - len(cases)]
     params = SamplingParams(temperature=0.0, max_tokens=GREEDY["num_generated"], ignore_eos=True)
-    with LLM(str(smollm2_path), max_num_seqs=32, max_num_batched_tokens=64,
+    with LLM(str(smollm2_path), gguf_activations="float32",
+             max_num_seqs=32, max_num_batched_tokens=64,
              enable_prefix_caching=False) as llm:
         outs = llm.generate([{"prompt_token_ids": c["prompt_token_ids"]} for c in cases]
                             + fillers, params)

@@ -17,12 +17,13 @@ from vllm_actors.loaders.weights import gguf_weights
 
 
 def test_flag_default_choices_and_errors():
-    assert EngineArgs().gguf_activations == "float32"
-    assert EngineArgs().create_engine_config().model.gguf_activations == "float32"
+    assert EngineArgs().gguf_activations == "quantized"       # llama.cpp's, as DESIGN.md says
+    assert EngineArgs().create_engine_config().model.gguf_activations == "quantized"
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
-    args = EngineArgs.from_cli_args(parser.parse_args(["--gguf-activations", "quantized"]))
-    assert args.create_engine_config().model.gguf_activations == "quantized"
+    assert EngineArgs.from_cli_args(parser.parse_args([])).gguf_activations == "quantized"
+    args = EngineArgs.from_cli_args(parser.parse_args(["--gguf-activations", "float32"]))
+    assert args.create_engine_config().model.gguf_activations == "float32"
     with pytest.raises(ValidationError, match="--gguf-activations must be one of") as info:
         EngineArgs(gguf_activations="int8").create_engine_config()
     assert info.value.param == "gguf_activations"
