@@ -85,16 +85,18 @@ def mixed_prompts(smollm2_tokenizer):
 @pytest.fixture(scope="session")
 def mixed_reference(smollm2_path, mixed_prompts):
     """Greedy tokens (24 a prompt) of the 32 mixed prompts, all added at once to an in-process
-    engine core on the default flags and stepped to the end: computed once, the reference that
-    batching, the process split, data, tensor and pipeline parallelism, the device backends
-    and speculative decoding compare against (each takes its prompts' first tokens)."""
+    engine core on the default flags but the exact semantics (`--gguf-activations float32`)
+    and stepped to the end: computed once, the reference that batching, the process split,
+    data, tensor and pipeline parallelism, the device backends and speculative decoding
+    compare against (each takes its prompts' first tokens)."""
     from parity import MixedReference
 
     from vllm_actors import EngineArgs, SamplingParams
     from vllm_actors.enginecore.core import EngineCore
     from vllm_actors.protocol.engine import EngineCoreRequest
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    core = EngineCore(EngineArgs(model=str(smollm2_path)).create_engine_config())
+    core = EngineCore(EngineArgs(model=str(smollm2_path),
+                                 gguf_activations="float32").create_engine_config())
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(mixed_prompts))}
     preemptions = 0
     try:

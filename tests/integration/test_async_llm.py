@@ -14,7 +14,7 @@ K = RequestOutputKind
 
 @pytest.fixture(scope="module")
 def engine(smollm2_path, loop):
-    llm = AsyncLLM(str(smollm2_path))
+    llm = AsyncLLM(str(smollm2_path), gguf_activations="float32")   # as `mixed_reference`
     yield llm
     llm.shutdown()
 

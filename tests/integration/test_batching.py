@@ -21,7 +21,7 @@ def prompts(mixed_prompts):
 @pytest.fixture(scope="module")
 def alone(smollm2_path, prompts):
     """Each prompt on its own: an engine that runs one request at a time."""
-    with LLM(str(smollm2_path), max_num_seqs=1) as llm:
+    with LLM(str(smollm2_path), gguf_activations="float32", max_num_seqs=1) as llm:
         return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
 
 
@@ -38,7 +38,7 @@ def test_batch_with_preemption_equals_alone(smollm2_path, smollm2_model, prompts
     """The 16 prompts under memory pressure: 40 KV blocks (640 tokens) for 8 running
     requests preempt and recompute several of them (5 preemptions measured), and each prompt
     still gets its tokens alone."""
-    with LLM(str(smollm2_path), max_num_seqs=8, max_model_len=640,
+    with LLM(str(smollm2_path), gguf_activations="float32", max_num_seqs=8, max_model_len=640,
              num_gpu_blocks_override=40, max_num_batched_tokens=512) as llm:
         outputs = llm.generate(prompts, GREEDY)
         metrics = llm.get_metrics()
