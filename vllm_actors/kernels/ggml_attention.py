@@ -25,11 +25,12 @@ import numpy as np
 from numba import prange
 
 from vllm_actors.kernels.cpu.activations import _f16_bits
-from vllm_actors.kernels.cpu.intrinsics import fma16
+from vllm_actors.kernels.cpu.intrinsics import bits_to_f32, f32_to_bits, fma16
 from vllm_actors.kernels.cpu.jit import kernel
-from vllm_actors.kernels.ggml_math import expf16
+from vllm_actors.kernels.ggml_math import NORMAL_HIGH, NORMAL_LOW, expf16, expf16_normal
 
 LANES = 16
+_MIN_NORMAL_F16 = np.float32(2.0 ** -14)
 PAD = 256                    # llama.cpp's KV cells per padding step (n_kv)
 
 
@@ -58,13 +59,30 @@ def _softmax16(s, n, lut):  # type: ignore[no-untyped-def]
     chunk = np.empty(LANES, np.float32)
     total = 0.0
     for c in range(0, n, LANES):
+        for lane in range(LANES):      # vectorized; lanes outside its range are redone
+            chunk[lane] = expf16_normal(np.float32(s[c + lane] - top))
         for lane in range(LANES):
-            chunk[lane] = expf16(np.float32(s[c + lane] - top))
+            x = np.float32(s[c + lane] - top)
+            if not NORMAL_LOW <= x <= NORMAL_HIGH:      # masked keys (-inf) among them
+                chunk[lane] = expf16(x)
             s[c + lane] = chunk[lane]
         total += np.float64(_reduce16(chunk))
     inv = np.float32(1.0 / total)
     for i in range(n):
-        s[i] = _half(np.float32(s[i] * inv), lut)
+        s[i] = _half_unit(np.float32(s[i] * inv))
+
+
+@numba.njit(inline="always", cache=True)
+def _half_unit(x):  # type: ignore[no-untyped-def]
+    """x in [0, 1] rounded to the nearest float16 (ties to even), as a float32, without a
+    branch (a loop of them vectorizes): below 2^-14, float16's subnormal step 2^-24 is
+    float32's step at 0.5, so adding and taking off 0.5 rounds there; above, the mantissa
+    is rounded to 10 bits on the integer bits."""
+    b = f32_to_bits(x)
+    normal = bits_to_f32((b + np.uint32(0xFFF) + ((b >> np.uint32(13)) & np.uint32(1)))
+                         & np.uint32(0xFFFFE000))
+    tiny = np.float32(np.float32(x + np.float32(0.5)) - np.float32(0.5))
+    return tiny if x < _MIN_NORMAL_F16 else normal
 
 
 @numba.njit(inline="always", cache=True)
@@ -152,30 +170,30 @@ def _tree16(acc, out):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(cache=True)
-def _weighted_values(vc, lut, table, block_size, kvh, pos, one_token, s, acc, vrow, out):  # type: ignore[no-untyped-def]
+def _weighted_values(vc, lut, table, block_size, kvh, pos, one_token, s, acc, vbuf, out):  # type: ignore[no-untyped-def]
     """out[i, :] = P[i] . V in ggml's order: lane j % 16 (tinyBLAS) or j % 64 (vec_dot) of
-    each output dimension chains the keys j (acc flat `[rows, lanes, Dh]`, 16 dimensions a
-    vector); each V row decoded once for all rows."""
+    each output dimension chains the keys j in order (acc `[lanes, Dh]`, 16 dimensions a
+    vector). The V rows are decoded once into vbuf; a row's accumulators stay in L1 while
+    the keys stream past."""
     rows, dh = out.shape
     width = 64 if one_token else LANES
-    for i in range(rows * width * dh):
-        acc[i] = 0.0
     for j in range(pos.max() + 1):
         blk = table[j // block_size]
         for d in range(dh):
-            vrow[d] = lut[vc[blk, j % block_size, kvh, d]]
-        lane = j % width
-        for i in range(rows):
-            p = s[i, j]
-            if p != 0 and j <= pos[i]:
-                base = (i * width + lane) * dh
-                for d0 in range(0, dh, LANES):
-                    fma16(acc, base + d0, vrow, d0, p, 0)
+            vbuf[j * dh + d] = lut[vc[blk, j % block_size, kvh, d]]
     lanes = np.empty(64, np.float32)
     for i in range(rows):
+        for a in range(width * dh):
+            acc[a] = 0.0
+        for j in range(pos[i] + 1):
+            p = s[i, j]
+            if p != 0:
+                base = (j % width) * dh
+                for d0 in range(0, dh, LANES):
+                    fma16(acc, base + d0, vbuf, j * dh + d0, p, 0)
         for d in range(dh):
             for lane in range(width):
-                lanes[lane] = acc[(i * width + lane) * dh + d]
+                lanes[lane] = acc[lane * dh + d]
             if one_token:
                 for lane in range(LANES):
                     lanes[lane] = (lanes[lane] + lanes[32 + lane]) + (lanes[16 + lane]
@@ -184,45 +202,56 @@ def _weighted_values(vc, lut, table, block_size, kvh, pos, one_token, s, acc, vr
 
 
 @kernel(parallel=True, exact=True)
-def _attend(q, kc, vc, lut, q_start, q_lens, ctx0, tables, block_size, scale, window, out):  # type: ignore[no-untyped-def]
+def _attend(q, kc, vc, lut, q_start, q_lens, ctx0, tables, block_size, scale, window, items, out):  # type: ignore[no-untyped-def]
+    """Each work item (request r, KV head, tile of up to TILE query tokens; `_work_items`)
+    on its own: rows are independent, so how items share threads changes no value."""
     heads, dh = q.shape[1], q.shape[2]
     hk = kc.shape[2]
     g = heads // hk
-    n_keys = ctx0.max() + q_lens.max() + LANES
-    for u in prange(q_lens.shape[0] * hk):
-        r, kvh = u // hk, u % hk
+    for u in prange(items.shape[0]):
+        r, kvh, t0 = items[u, 0], items[u, 1], items[u, 2]
         one_token = q_lens[r] == 1
-        rows = min(TILE, q_lens[r]) * g
-        q16 = np.empty((rows, dh), np.float32)
-        pos = np.empty(rows, np.int64)
-        s = np.empty((rows, n_keys), np.float32)
-        acc = np.empty(rows * dh * (64 if one_token else LANES), np.float32)
+        nt = min(TILE, q_lens[r] - t0)
+        n = nt * g
+        q16 = np.empty((n, dh), np.float32)
+        pos = np.empty(n, np.int64)
+        s = np.empty((n, ctx0[r] + t0 + nt + LANES), np.float32)
+        acc = np.empty(dh * (64 if one_token else LANES), np.float32)
+        vbuf = np.empty((ctx0[r] + t0 + nt) * dh, np.float32)
         kt = np.empty(dh * LANES, np.float32)
         dot_acc = np.empty(64 * LANES, np.float32)
         krow = np.empty(max(dh, LANES), np.float32)
-        out_rows = np.empty((rows, dh), np.float32)
-        for t0 in range(0, q_lens[r], TILE):
-            nt = min(TILE, q_lens[r] - t0)
-            for ti in range(nt):
-                for gi in range(g):
-                    i = ti * g + gi
-                    pos[i] = ctx0[r] + t0 + ti
-                    for d in range(dh):
-                        q16[i, d] = _half(q[q_start[r] + t0 + ti, kvh * g + gi, d], lut)
-            n = nt * g
-            _scores(q16[:n], kc, lut, tables[r], block_size, kvh, pos[:n], window, one_token,
-                    scale, s, kt, dot_acc, krow)
-            for i in range(n):
-                m = ((pos[i] + LANES) // LANES) * LANES      # whole 16s; past them exp is 0
-                for j in range(pos[i] + 1, m):
-                    s[i, j] = -np.inf
-                _softmax16(s[i], m, lut)
-            _weighted_values(vc, lut, tables[r], block_size, kvh, pos[:n], one_token, s, acc,
-                             krow, out_rows[:n])
-            for ti in range(nt):
-                for gi in range(g):
-                    for d in range(dh):
-                        out[q_start[r] + t0 + ti, kvh * g + gi, d] = out_rows[ti * g + gi, d]
+        out_rows = np.empty((n, dh), np.float32)
+        for ti in range(nt):
+            for gi in range(g):
+                i = ti * g + gi
+                pos[i] = ctx0[r] + t0 + ti
+                for d in range(dh):
+                    q16[i, d] = _half(q[q_start[r] + t0 + ti, kvh * g + gi, d], lut)
+        _scores(q16, kc, lut, tables[r], block_size, kvh, pos, window, one_token, scale, s,
+                kt, dot_acc, krow)
+        for i in range(n):
+            m = ((pos[i] + LANES) // LANES) * LANES      # whole 16s; past them exp is 0
+            for j in range(pos[i] + 1, m):
+                s[i, j] = -np.inf
+            _softmax16(s[i], m, lut)
+        _weighted_values(vc, lut, tables[r], block_size, kvh, pos, one_token, s, acc, vbuf,
+                         out_rows)
+        for ti in range(nt):
+            for gi in range(g):
+                for d in range(dh):
+                    out[q_start[r] + t0 + ti, kvh * g + gi, d] = out_rows[ti * g + gi, d]
+
+
+def _work_items(q_lens: np.ndarray, ctx0: np.ndarray, hk: int) -> np.ndarray:
+    """(request, KV head, first query token) of each tile, ordered so that the equal
+    contiguous shares numba gives its threads hold equal work: sorted by the keys a tile
+    reads, then dealt from both ends (the longest with the shortest)."""
+    items = [(r, h, t0) for r in range(len(q_lens)) for h in range(hk)
+             for t0 in range(0, int(q_lens[r]), TILE)]
+    items.sort(key=lambda it: ctx0[it[0]] + it[2])
+    dealt = [items[i // 2] if i % 2 == 0 else items[-1 - i // 2] for i in range(len(items))]
+    return np.array(dealt, np.int64).reshape(-1, 3)
 
 
 def reads(fmt, head_dim: int, softcap: float = 0.0, sinks=None) -> bool:  # type: ignore[no-untyped-def]
@@ -247,7 +276,8 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, query_start_loc: np.ndar
     q_lens = np.diff(q_start)
     ctx0 = np.asarray(seq_lens, np.int64) - q_lens                  # context before the step
     out = np.empty(q.shape, np.float32)
+    items = _work_items(q_lens, ctx0, k.shape[2])
     _attend(np.ascontiguousarray(q, np.float32), k, v, HALF_LUT, q_start, q_lens, ctx0,
             np.ascontiguousarray(block_tables, np.int32), block_size, np.float32(scale),
-            int(window), out)
+            int(window), items, out)
     return out

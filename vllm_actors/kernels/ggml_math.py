@@ -69,6 +69,20 @@ def expf16(x):  # type: ignore[no-untyped-def]
     return np.float32(j * _pow2(m))
 
 
+NORMAL_LOW, NORMAL_HIGH = -87.0, 88.0
+
+
+@numba.njit(inline="always", cache=True)
+def expf16_normal(x):  # type: ignore[no-untyped-def]
+    """`expf16(x)` for NORMAL_LOW <= x <= NORMAL_HIGH, where 2^n is a normal float32: no
+    branch, so a loop of them vectorizes (the caller takes `expf16` outside that range)."""
+    z, n, b = _reduce(np.float32(x))
+    u = np.float32(b * b)
+    j = fma_f32(fma_f32(fma_f32(_C5, b, _C4), u, fma_f32(_C3, b, _C2)), u,
+                fma_f32(_C1, b, np.float32(1.0)))
+    return np.float32(j * bits_to_f32(np.uint32((np.int32(n) + 127) << 23)))
+
+
 @numba.njit(inline="always", cache=True)
 def _pow2(n):  # type: ignore[no-untyped-def]
     """2^n as a float32, -149 <= n <= 127 (subnormal below -126)."""

@@ -22,7 +22,8 @@ from collections.abc import Sequence
 import numba
 import numpy as np
 from gguf import GGMLQuantizationType
-from numba import prange
+from numba import prange, types
+from numba.extending import overload
 
 from vllm_actors.kernels.cpu import activations, isa
 from vllm_actors.kernels.cpu.intrinsics import fma_f32, stack_i32
@@ -97,19 +98,8 @@ def gemv(path, kind, group, qs, qh, sc, mn, d, dmin, lut, xq, xd, xb, out, dist,
                 for o in range(128 * sb, 128 * sb + 128, 32):
                     prefetch(qs, p0 + o)
                     prefetch(qs, p1 + o)
-                xo = m0 * k + 256 * sb
-                if kind == REPACKED_GEMM_Q4_K:
-                    for gg in range(4):
-                        _pair_gemm(path, group, iacc, acc, am, qs, qh, sc, mn, d, dmin, lut, r0, r1,
-                                   rb, sb, gg, xq, xo, k, xd, xb, m0)
-                    continue
-                _superblock(path, kind, group, iacc, 0, qs, qh, sc[r0], r0 * rb, r0 * hb, sb,
-                            xq, xo, k)
-                _superblock(path, kind, group, iacc, 8, qs, qh, sc[r1], r1 * rb, r1 * hb, sb,
-                            xq, xo, k)
-                for m in range(group):
-                    _scale_superblock(kind, acc, iacc, am, m, r0, r1, sb, sc, mn, d, dmin, lut,
-                                      xd[m0 + m, sb], xb[m0 + m])
+                _step(path, kind, group, iacc, acc, am, qs, qh, sc, mn, d, dmin, lut, r0, r1, rb,
+                      hb, sb, xq, m0 * k + 256 * sb, k, xd, xb, m0)
             for m in range(group):
                 out[m0 + m, r0] = _total(kind, acc, am, 16 * m, 8 * m)
                 if r0 + 1 < n:
@@ -117,18 +107,50 @@ def gemv(path, kind, group, qs, qh, sc, mn, d, dmin, lut, xq, xd, xb, out, dist,
     restore_threads(prev)
 
 
+def _step(path, kind, group, iacc, acc, am, qs, qh, sc, mn, d, dmin, lut, r0, r1, rb, hb, sb, xq, xo, k, xd, xb, m0):  # type: ignore[no-untyped-def]
+    """Superblock sb of weight rows r0 and r1 against the group's rows of x (from xo), into
+    acc/am. Resolved per literal `kind` when a kernel compiles (`_step_for`), so each kernel
+    holds only its own superblock code."""
+
+
+@overload(_step, prefer_literal=True)
+def _step_for(path, kind, group, iacc, acc, am, qs, qh, sc, mn, d, dmin, lut, r0, r1, rb, hb, sb, xq, xo, k, xd, xb, m0):  # type: ignore[no-untyped-def]
+    if not isinstance(kind, types.IntegerLiteral):
+        return None
+    if kind.literal_value == REPACKED_GEMM_Q4_K:
+        def pairs(path, kind, group, iacc, acc, am, qs, qh, sc, mn, d, dmin, lut, r0, r1, rb, hb, sb, xq, xo, k, xd, xb, m0):  # type: ignore[no-untyped-def]
+            for gg in range(4):
+                _pair_gemm(path, group, iacc, acc, am, qs, qh, sc, mn, d, dmin, lut, r0, r1,
+                           rb, sb, gg, xq, xo, k, xd, xb, m0)
+        return pairs
+    superblock = _q6_superblock if kind.literal_value % 10 == 6 else _q45_superblock
+    scale = (_scale_tiled if kind.literal_value // 10 * 10 == TILED else
+             _scale_repacked if kind.literal_value == REPACKED_Q4_K else _scale_vec_dot)
+
+    def lanes_then_scale(path, kind, group, iacc, acc, am, qs, qh, sc, mn, d, dmin, lut, r0, r1, rb, hb, sb, xq, xo, k, xd, xb, m0):  # type: ignore[no-untyped-def]
+        superblock(path, kind, group, iacc, 0, qs, qh, sc[r0], r0 * rb, r0 * hb, sb, xq, xo, k)
+        superblock(path, kind, group, iacc, 8, qs, qh, sc[r1], r1 * rb, r1 * hb, sb, xq, xo, k)
+        for m in range(group):
+            scale(kind, acc, iacc, am, m, r0, r1, sb, sc, mn, d, dmin, lut, xd[m0 + m, sb],
+                  xb[m0 + m])
+    return lanes_then_scale
+
+
 @numba.njit(inline="always", cache=True)
-def _superblock(path, kind, group, iacc, ai, qs, qh, sc, q0, h0, sb, xq, xo, k):  # type: ignore[no-untyped-def]
-    """Superblock sb of one weight row (its quants from q0, high bits from h0, scales sc)
+def _q6_superblock(path, kind, group, iacc, ai, qs, qh, sc, q0, h0, sb, xq, xo, k):  # type: ignore[no-untyped-def]
+    """Superblock sb of one Q6_K row (its quants from q0, high bits from h0, scales sc)
     into the integer lanes iacc[ai + 16m : +8] of each of the `group` rows of x."""
-    if kind % 10 == 6:
-        for h in range(2):
-            _q6_half(path, group, iacc, ai, qs, q0 + 128 * sb + 64 * h, qh,
-                     h0 + 64 * sb + 32 * h, xq, xo + 128 * h, k, sc, 16 * sb + 8 * h)
-    else:
-        for gg in range(4):
-            _sub_block_pair(path, kind, group, iacc, ai, qs, q0 + 128 * sb + 32 * gg, qh,
-                            h0 + 32 * sb, gg, xq, xo + 64 * gg, k, sc, 8 * sb + 2 * gg)
+    for h in range(2):
+        _q6_half(path, group, iacc, ai, qs, q0 + 128 * sb + 64 * h, qh, h0 + 64 * sb + 32 * h,
+                 xq, xo + 128 * h, k, sc, 16 * sb + 8 * h)
+
+
+@numba.njit(inline="always", cache=True)
+def _q45_superblock(path, kind, group, iacc, ai, qs, qh, sc, q0, h0, sb, xq, xo, k):  # type: ignore[no-untyped-def]
+    """The same for a Q4_K or Q5_K row: four pairs of sub-blocks."""
+    for gg in range(4):
+        _sub_block_pair(path, kind, group, iacc, ai, qs, q0 + 128 * sb + 32 * gg, qh,
+                        h0 + 32 * sb, gg, xq, xo + 64 * gg, k, sc, 8 * sb + 2 * gg)
 
 
 @numba.njit(inline="always", cache=True)
@@ -156,27 +178,34 @@ def _pair_mins(mn, xb, sb, gg):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(inline="always", cache=True)
-def _scale_superblock(kind, acc, iacc, am, m, r0, r1, sb, sc, mn, d, dmin, lut, dx, xb):  # type: ignore[no-untyped-def]
-    """Row m of x's superblock sb into the float lanes of weight rows r0 and r1: Q6_K's
-    offset off the integer lanes, d_w d_x times them onto acc, Q4_K/Q5_K's mins into am."""
-    if kind // 10 * 10 == TILED:
-        if kind == TILED + 6:
-            _offset_lanes(iacc, 16 * m, sc[r0], xb, sb)
-            _offset_lanes(iacc, 16 * m + 8, sc[r1], xb, sb)
-            _tiled_row(acc, iacc, 16 * m, lut[d[r0, sb]], np.float32(0), 0, dx)
-            _tiled_row(acc, iacc, 16 * m + 8, lut[d[r1, sb]], np.float32(0), 0, dx)
-        else:
-            _tiled_row(acc, iacc, 16 * m, lut[d[r0, sb]], lut[dmin[r0, sb]],
-                       _min_total(mn[r0], xb, sb), dx)
-            _tiled_row(acc, iacc, 16 * m + 8, lut[d[r1, sb]], lut[dmin[r1, sb]],
-                       _min_total(mn[r1], xb, sb), dx)
-        return
-    if kind == REPACKED_Q4_K:
-        _repacked_row(acc, iacc, am, 16 * m, 8 * m, lut[d[r0, sb]] * dx,
-                      lut[dmin[r0, sb]] * dx, _min_total(mn[r0], xb, sb))
-        _repacked_row(acc, iacc, am, 16 * m + 8, 8 * m + 4, lut[d[r1, sb]] * dx,
-                      lut[dmin[r1, sb]] * dx, _min_total(mn[r1], xb, sb))
-        return
+def _scale_tiled(kind, acc, iacc, am, m, r0, r1, sb, sc, mn, d, dmin, lut, dx, xb):  # type: ignore[no-untyped-def]
+    """Row m of x's superblock sb onto weight rows r0 and r1 as ggml's tiled matmul scales
+    it (`_tiled_row`); Q6_K's offset off the integer lanes first."""
+    if kind == TILED + 6:
+        _offset_lanes(iacc, 16 * m, sc[r0], xb, sb)
+        _offset_lanes(iacc, 16 * m + 8, sc[r1], xb, sb)
+        _tiled_row(acc, iacc, 16 * m, lut[d[r0, sb]], np.float32(0), 0, dx)
+        _tiled_row(acc, iacc, 16 * m + 8, lut[d[r1, sb]], np.float32(0), 0, dx)
+    else:
+        _tiled_row(acc, iacc, 16 * m, lut[d[r0, sb]], lut[dmin[r0, sb]],
+                   _min_total(mn[r0], xb, sb), dx)
+        _tiled_row(acc, iacc, 16 * m + 8, lut[d[r1, sb]], lut[dmin[r1, sb]],
+                   _min_total(mn[r1], xb, sb), dx)
+
+
+@numba.njit(inline="always", cache=True)
+def _scale_repacked(kind, acc, iacc, am, m, r0, r1, sb, sc, mn, d, dmin, lut, dx, xb):  # type: ignore[no-untyped-def]
+    """The same as the repacked Q4_K GEMV scales it (`_repacked_row`)."""
+    _repacked_row(acc, iacc, am, 16 * m, 8 * m, lut[d[r0, sb]] * dx,
+                  lut[dmin[r0, sb]] * dx, _min_total(mn[r0], xb, sb))
+    _repacked_row(acc, iacc, am, 16 * m + 8, 8 * m + 4, lut[d[r1, sb]] * dx,
+                  lut[dmin[r1, sb]] * dx, _min_total(mn[r1], xb, sb))
+
+
+@numba.njit(inline="always", cache=True)
+def _scale_vec_dot(kind, acc, iacc, am, m, r0, r1, sb, sc, mn, d, dmin, lut, dx, xb):  # type: ignore[no-untyped-def]
+    """The same as ggml's vec_dot: Q6_K's offset off the integer lanes, d_w d_x times them
+    onto acc, Q4_K/Q5_K's mins into am."""
     if kind == 6:
         _offset_lanes(iacc, 16 * m, sc[r0], xb, sb)
         _offset_lanes(iacc, 16 * m + 8, sc[r1], xb, sb)
