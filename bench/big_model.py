@@ -234,7 +234,8 @@ def main() -> None:
                         help="GGUF file (default: the synthetic 8B, written if missing)")
     parser.add_argument("--device", default="cpu", help="our engine's --device (default cpu)")
     parser.add_argument("--gguf-activations", choices=("float32", "quantized"),
-                        default="float32", help="our semantics (llama.cpp's is quantized)")
+                        default="quantized",
+                        help="our semantics (the engine's default, quantized, is llama.cpp's)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--streams", type=lambda t: [int(v) for v in t.split(",")],
                         default=[1], help="comma-separated stream counts (default 1)")
