@@ -43,6 +43,7 @@ from vllm_actors.models.sharding import ShardPlan
 # the GGUF architectures whose llama.cpp graph scales Q before attention (`query_scale`)
 _QUERY_PRESCALED = frozenset({"gemma", "gemma2", "gemma3", "phi2", "phi3"})
 
+
 @dataclass
 class Norm:
     weight: Any

@@ -166,8 +166,8 @@ def kdot(typingctx, isa, kind, rows, acc, ai, q, qi, qshift, h, hi, hshift, x, x
     (q[qi+l] >> qshift) & 15 are decoded once for all rows: for `kind` 5 with bit (h[hi+l]
     >> hshift) & 1 as bit 4 (Q5_K), for 6 two bits & 3 as bits 4-5 (Q6_K, unsigned: the
     caller takes off 32 through the activation's block sums); kind 4 (Q4_K) does not read h.
-    Only kind % 10 counts here (the tens choose the caller's float order). Exact integers, so every `isa`
-    path gives the same sums."""
+    Only kind % 10 counts here (the tens choose the caller's float order). Exact integers,
+    so every `isa` path gives the same sums."""
     if not (isinstance(isa, types.IntegerLiteral) and isinstance(kind, types.IntegerLiteral)
             and isinstance(rows, types.IntegerLiteral)
             and kind.literal_value % 10 in (4, 5, 6) and isinstance(acc, types.Array)

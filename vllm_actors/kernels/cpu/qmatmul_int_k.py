@@ -10,7 +10,7 @@ With q the stored quants of x, d_x its scale and b_j its sums of 16 (`bsums`), p
 order of ggml's x86 (AVX2) dots: acc = fma(d_w d_x, lanes, acc) per superblock, Q4_K's mins
 in 4 float lanes, Q5_K's in one sum, Q6_K's offset per integer lane, and the lanes added as
 `hsum_float_8` adds them. llama.cpp computes some matmuls with other kernels, whose float
-orders `matmul` takes where they would run (`_kinds`): the GEMV and GEMM of Q4_K repacked
+orders `matmul` takes where they would run (`row_kinds`): the GEMV and GEMM of Q4_K repacked
 into 8-row blocks, and the tiled K-quant matmul at 8+ rows. Compiled without fast math:
 ggml's floats bit for bit. Parallel over pairs of weight rows, as the other GEMVs.
 """
