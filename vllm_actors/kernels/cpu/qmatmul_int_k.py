@@ -332,13 +332,9 @@ def matmul(w: QuantMatrix, x: activations.Q8KRows, path: str | None = None,
     m = x.qs.shape[0]
     kinds = row_kinds(w, [m] if requests is None else requests)
     out = np.empty((m, w.rows), np.float32)
-    start = 0
-    while start < m:
-        stop = start + 1
-        while stop < m and kinds[stop] == kinds[start]:
-            stop += 1
+    bounds = [0, *(np.flatnonzero(np.diff(kinds)) + 1).tolist(), m]    # spans of one kind
+    for start, stop in zip(bounds[:-1], bounds[1:]):
         out[start:stop] = _run(w, _row_slice(x, start, stop), int(kinds[start]), path)
-        start = stop
     return out
 
 
@@ -347,18 +343,14 @@ def row_kinds(w: QuantMatrix, requests: Sequence[int]) -> np.ndarray:
     rows decoded alone (a batch of requests is then computed as each alone): a repacked
     Q4_K takes its GEMM on the first L - L % 4 rows when L > 3 and its GEMV on the rest;
     the other K-quants take the tiled matmul at 8+ rows (both need AVX2), else vec_dot."""
+    n = np.asarray(requests, np.int64)
+    if w.qtype == T.Q4_K and w.ggml_repacked:
+        head = np.where(n > 3, n - n % 4, 0)
+        return np.repeat(np.tile([REPACKED_GEMM_Q4_K, REPACKED_Q4_K], len(n)),
+                         np.stack([head, n - head], axis=1).ravel())
     form = KINDS[w.qtype]
-    repacked = w.qtype == T.Q4_K and w.ggml_repacked
     tiled = "avx2" in isa.available()
-    kinds: list[int] = []
-    for n in requests:
-        n = int(n)
-        if repacked:
-            head = n - n % 4 if n > 3 else 0
-            kinds += [REPACKED_GEMM_Q4_K] * head + [REPACKED_Q4_K] * (n - head)
-        else:
-            kinds += [TILED + form if tiled and n >= TILED_MIN_ROWS else form] * n
-    return np.array(kinds, np.int64)
+    return np.repeat(np.where(tiled & (n >= TILED_MIN_ROWS), TILED + form, form), n)
 
 
 def _row_slice(x: activations.Q8KRows, start: int, stop: int) -> activations.Q8KRows:
