@@ -3,23 +3,16 @@
 Per layer: [norm] -> fused QKV (+ biases) -> [q/k norm] -> RoPE -> paged attention (GQA,
 per-layer sliding window, optional soft-capping) -> output projection -> [post-norm] ->
 residual; then [norm] -> MLP (gated SiLU/GELU, or ungated) -> [post-norm] -> residual.
-`norm_placement` picks the norms: "pre" (llama), "sandwich" (pre and post, gemma2/3), "post"
-(olmo2); `norm_type` RMSNorm or LayerNorm. Embedding, residual and logit multipliers and the
-final soft-cap cover gemma and granite.
+`norm_placement` ("pre", "sandwich", "post") and `norm_type` pick the norms; embedding,
+residual and logit multipliers and the final soft-cap cover gemma and granite.
 
-RoPE pairing follows the weights: llama.cpp stores llama Q/K rows permuted for adjacent-pair
-rotation (HF checkpoints and most GGUF families use NeoX halves). At load we put such rows
-back in NeoX order within each head: q.k is unchanged by a permutation applied to both, and
-every step then rotates contiguous halves instead of strided pairs.
+RoPE pairing follows the weights: llama.cpp stores llama Q/K rows for adjacent-pair rotation.
+Under the exact semantics they are put back in NeoX order at load (q.k is unchanged by a
+permutation of both); under llama.cpp's semantics they stay in its order, as do its other
+float choices (`ggml`, `query_scale`).
 
-With a tensor-parallel group of several ranks this is one rank's shard (`models/sharding.py`):
-its heads and MLP slice, one all-reduce after attention and one after the MLP (row-parallel
-biases are added on rank 0 only), a vocab-split embedding (all-reduced) and LM head
-(gathered to rank 0).
-
-As a pipeline stage (`PipelineStage`) it holds only its slice of the layers: the first stage
-embeds, a later one starts from the previous stage's residual stream (`hidden_in`), and only
-the last applies the final norm and has an LM head.
+A tensor-parallel rank holds its shard (`models/sharding.py`: one all-reduce after attention
+and one after the MLP); a pipeline stage (`PipelineStage`) holds its slice of the layers.
 """
 
 from __future__ import annotations
