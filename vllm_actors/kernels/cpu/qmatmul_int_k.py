@@ -28,6 +28,15 @@ from numba.extending import overload
 from vllm_actors.kernels.cpu import activations, isa
 from vllm_actors.kernels.cpu.intrinsics import fma_f32, stack_i32
 from vllm_actors.kernels.cpu.jit import kernel
+from vllm_actors.kernels.cpu.ktotals import (
+    FLUSH_REPACKED,
+    FLUSH_TILED,
+    FLUSH_TILED_NO_MINS,
+    lane_totals,
+    min_terms,
+    pair_flush,
+    pair_totals,
+)
 from vllm_actors.kernels.cpu.qdot import kdot, kflush
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix, prefetch_rows
 from vllm_actors.kernels.cpu.qmatmul_int import GROUP, MAX_ROWS, call, hsum8, pad_rows
@@ -88,18 +97,23 @@ def gemv(path, kind, group, qs, qh, sc, mn, d, dmin, lut, xq, xd, xb, out, dist,
         acc = stack_f32(64)
         iacc = stack_i32(64)
         am = stack_f32(32)          # Q4_K/Q5_K's min terms: 4 lanes per (x row, weight row)
+        fw = stack_f32(24)          # the one-total kinds' factors per pair (`_pair_scales`)
+        iw = stack_i32(40)          # their integer totals (0:8) and min terms (8:40)
+        for i in range(64):
+            iacc[i] = 0
+        for i in range(24):
+            fw[i] = 0
         for m0 in range(0, xq.shape[0], group):
             for i in range(16 * group):
                 acc[i] = 0
-                iacc[i] = 0
             for i in range(8 * group):
                 am[i] = 0
             for sb in range(rb // 128):
                 for o in range(128 * sb, 128 * sb + 128, 32):
                     prefetch(qs, p0 + o)
                     prefetch(qs, p1 + o)
-                _step(path, kind, group, iacc, acc, am, qs, qh, sc, mn, d, dmin, lut, r0, r1, rb,
-                      hb, sb, xq, m0 * k + 256 * sb, k, xd, xb, m0)
+                _step(path, kind, group, iacc, acc, am, fw, iw, qs, qh, sc, mn, d, dmin, lut,
+                      r0, r1, rb, hb, sb, xq, m0 * k + 256 * sb, k, xd, xb, m0)
             for m in range(group):
                 out[m0 + m, r0] = _total(kind, acc, am, 16 * m, 8 * m)
                 if r0 + 1 < n:
@@ -107,33 +121,75 @@ def gemv(path, kind, group, qs, qh, sc, mn, d, dmin, lut, xq, xd, xb, out, dist,
     restore_threads(prev)
 
 
-def _step(path, kind, group, iacc, acc, am, qs, qh, sc, mn, d, dmin, lut, r0, r1, rb, hb, sb, xq, xo, k, xd, xb, m0):  # type: ignore[no-untyped-def]
+def _step(path, kind, group, iacc, acc, am, fw, iw, qs, qh, sc, mn, d, dmin, lut, r0, r1, rb, hb, sb, xq, xo, k, xd, xb, m0):  # type: ignore[no-untyped-def]
     """Superblock sb of weight rows r0 and r1 against the group's rows of x (from xo), into
     acc/am. Resolved per literal `kind` when a kernel compiles (`_step_for`), so each kernel
     holds only its own superblock code."""
 
 
 @overload(_step, prefer_literal=True)
-def _step_for(path, kind, group, iacc, acc, am, qs, qh, sc, mn, d, dmin, lut, r0, r1, rb, hb, sb, xq, xo, k, xd, xb, m0):  # type: ignore[no-untyped-def]
+def _step_for(path, kind, group, iacc, acc, am, fw, iw, qs, qh, sc, mn, d, dmin, lut, r0, r1, rb, hb, sb, xq, xo, k, xd, xb, m0):  # type: ignore[no-untyped-def]
     if not isinstance(kind, types.IntegerLiteral):
         return None
-    if kind.literal_value == REPACKED_GEMM_Q4_K:
-        def pairs(path, kind, group, iacc, acc, am, qs, qh, sc, mn, d, dmin, lut, r0, r1, rb, hb, sb, xq, xo, k, xd, xb, m0):  # type: ignore[no-untyped-def]
-            for gg in range(4):
-                _pair_gemm(path, group, iacc, acc, am, qs, qh, sc, mn, d, dmin, lut, r0, r1,
-                           rb, sb, gg, xq, xo, k, xd, xb, m0)
-        return pairs
-    superblock = _q6_superblock if kind.literal_value % 10 == 6 else _q45_superblock
-    scale = (_scale_tiled if kind.literal_value // 10 * 10 == TILED else
-             _scale_repacked if kind.literal_value == REPACKED_Q4_K else _scale_vec_dot)
+    code = kind.literal_value
+    if code < 10:
+        superblock = _q6_superblock if code == 6 else _q45_superblock
 
-    def lanes_then_scale(path, kind, group, iacc, acc, am, qs, qh, sc, mn, d, dmin, lut, r0, r1, rb, hb, sb, xq, xo, k, xd, xb, m0):  # type: ignore[no-untyped-def]
-        superblock(path, kind, group, iacc, 0, qs, qh, sc[r0], r0 * rb, r0 * hb, sb, xq, xo, k)
-        superblock(path, kind, group, iacc, 8, qs, qh, sc[r1], r1 * rb, r1 * hb, sb, xq, xo, k)
-        for m in range(group):
-            scale(kind, acc, iacc, am, m, r0, r1, sb, sc, mn, d, dmin, lut, xd[m0 + m, sb],
-                  xb[m0 + m])
-    return lanes_then_scale
+        def vec_dot(path, kind, group, iacc, acc, am, fw, iw, qs, qh, sc, mn, d, dmin, lut, r0, r1, rb, hb, sb, xq, xo, k, xd, xb, m0):  # type: ignore[no-untyped-def]
+            """ggml's vec_dot: 8 integer lanes a pair, scaled per superblock to 8 floats."""
+            superblock(path, kind, group, iacc, 0, qs, qh, sc[r0], r0 * rb, r0 * hb, sb, xq, xo,
+                       k)
+            superblock(path, kind, group, iacc, 8, qs, qh, sc[r1], r1 * rb, r1 * hb, sb, xq, xo,
+                       k)
+            for m in range(group):
+                _scale_vec_dot(kind, acc, iacc, am, m, r0, r1, sb, sc, mn, d, dmin, lut,
+                               xd[m0 + m, sb], xb[m0 + m])
+        return vec_dot
+    if code == TILED + 6:
+        return _tiled_q6_step
+    if code == REPACKED_GEMM_Q4_K:
+        return _gemm_step
+    return _totals_step(code % 10, FLUSH_REPACKED if code == REPACKED_Q4_K else FLUSH_TILED)
+
+
+def _tiled_q6_step(path, kind, group, iacc, acc, am, fw, iw, qs, qh, sc, mn, d, dmin, lut, r0, r1, rb, hb, sb, xq, xo, k, xd, xb, m0):  # type: ignore[no-untyped-def]
+    """The tiled matmul on Q6_K: the superblock's lanes less the offset, one total a pair."""
+    _q6_superblock(path, kind, group, iacc, 0, qs, qh, sc[r0], r0 * rb, r0 * hb, sb, xq, xo, k)
+    _q6_superblock(path, kind, group, iacc, 8, qs, qh, sc[r1], r1 * rb, r1 * hb, sb, xq, xo, k)
+    for m in range(group):
+        _offset_lanes(iacc, 16 * m, sc[r0], xb[m0 + m], sb)
+        _offset_lanes(iacc, 16 * m + 8, sc[r1], xb[m0 + m], sb)
+    _pair_scales(kind, group, fw, r0, r1, sb, d, dmin, lut, xd, m0)
+    lane_totals(iacc, iw, group)
+    pair_flush(FLUSH_TILED_NO_MINS, acc, am, iw, iw, 0, fw)
+
+
+def _totals_step(form: int, mode: int):  # type: ignore[no-untyped-def]
+    """The repacked Q4_K GEMV (44) and the tiled matmul on Q4_K/Q5_K (94, 95): one integer
+    total per pair and superblock, then its float epilogue (`form` and `mode` constants)."""
+    def step(path, kind, group, iacc, acc, am, fw, iw, qs, qh, sc, mn, d, dmin, lut, r0, r1, rb, hb, sb, xq, xo, k, xd, xb, m0):  # type: ignore[no-untyped-def]
+        ns = sc.shape[1]
+        _pair_scales(kind, group, fw, r0, r1, sb, d, dmin, lut, xd, m0)
+        min_terms(group, 0, mn, r0 * ns + 8 * sb, r1 * ns + 8 * sb, xb,
+                  m0 * xb.shape[1] + 16 * sb, xb.shape[1], iw, 8)
+        pair_totals(path, form, group, 4, qs, r0 * rb + 128 * sb, r1 * rb + 128 * sb, qh,
+                    r0 * hb + 32 * sb, r1 * hb + 32 * sb, 0, sc, r0 * ns + 8 * sb,
+                    r1 * ns + 8 * sb, xq, xo, k, iw)
+        pair_flush(mode, acc, am, iw, iw, 8, fw)
+    return step
+
+
+def _gemm_step(path, kind, group, iacc, acc, am, fw, iw, qs, qh, sc, mn, d, dmin, lut, r0, r1, rb, hb, sb, xq, xo, k, xd, xb, m0):  # type: ignore[no-untyped-def]
+    """The repacked Q4_K GEMM (84): as 44 per pair of sub-blocks."""
+    ns = sc.shape[1]
+    _pair_scales(kind, group, fw, r0, r1, sb, d, dmin, lut, xd, m0)
+    min_terms(group, 1, mn, r0 * ns + 8 * sb, r1 * ns + 8 * sb, xb, m0 * xb.shape[1] + 16 * sb,
+              xb.shape[1], iw, 8)
+    for gg in range(4):
+        pair_totals(path, 4, group, 1, qs, r0 * rb + 128 * sb + 32 * gg,
+                    r1 * rb + 128 * sb + 32 * gg, qh, 0, 0, 0, sc, r0 * ns + 8 * sb + 2 * gg,
+                    r1 * ns + 8 * sb + 2 * gg, xq, xo + 64 * gg, k, iw)
+        pair_flush(FLUSH_REPACKED, acc, am, iw, iw, 8 + 8 * gg, fw)
 
 
 @numba.njit(inline="always", cache=True)
@@ -154,58 +210,30 @@ def _q45_superblock(path, kind, group, iacc, ai, qs, qh, sc, q0, h0, sb, xq, xo,
 
 
 @numba.njit(inline="always", cache=True)
-def _pair_gemm(path, group, iacc, acc, am, qs, qh, sc, mn, d, dmin, lut, r0, r1, rb, sb, gg, xq, xo, k, xd, xb, m0):  # type: ignore[no-untyped-def]
-    """Sub-blocks 2gg and 2gg + 1 of superblock sb of Q4_K weight rows r0 and r1 against the
-    group's rows of x, scaled as the repacked Q4_K GEMM scales each such pair."""
-    for ai, r in ((0, r0), (8, r1)):
-        _sub_block_pair(path, 4, group, iacc, ai, qs, r * rb + 128 * sb + 32 * gg, qh, 0, gg,
-                        xq, xo + 64 * gg, k, sc[r], 8 * sb + 2 * gg)
+def _pair_scales(kind, group, fw, r0, r1, sb, d, dmin, lut, xd, m0):  # type: ignore[no-untyped-def]
+    """For each pair c = 2m + r of x row m and weight row r (r0, r1) in superblock sb, the
+    factors of `ktotals.pair_flush`: fw[c] = d_w d_x and fw[8 + c] = dmin_w d_x (repacked
+    Q4_K), or fw[c] = d_w, fw[8 + c] = d_x, fw[16 + c] = dmin_w (tiled)."""
     for m in range(group):
         dx = xd[m0 + m, sb]
-        _repacked_row(acc, iacc, am, 16 * m, 8 * m, lut[d[r0, sb]] * dx, lut[dmin[r0, sb]] * dx,
-                      _pair_mins(mn[r0], xb[m0 + m], sb, gg))
-        _repacked_row(acc, iacc, am, 16 * m + 8, 8 * m + 4, lut[d[r1, sb]] * dx,
-                      lut[dmin[r1, sb]] * dx, _pair_mins(mn[r1], xb[m0 + m], sb, gg))
-
-
-@numba.njit(inline="always", cache=True)
-def _pair_mins(mn, xb, sb, gg):  # type: ignore[no-untyped-def]
-    """min_s * (x's sum over sub-block s), summed over sub-blocks 2gg and 2gg + 1."""
-    total = np.int32(0)
-    for s in range(8 * sb + 2 * gg, 8 * sb + 2 * gg + 2):
-        total += np.int32(mn[s]) * (np.int32(xb[2 * s]) + np.int32(xb[2 * s + 1]))
-    return total
-
-
-@numba.njit(inline="always", cache=True)
-def _scale_tiled(kind, acc, iacc, am, m, r0, r1, sb, sc, mn, d, dmin, lut, dx, xb):  # type: ignore[no-untyped-def]
-    """Row m of x's superblock sb onto weight rows r0 and r1 as ggml's tiled matmul scales
-    it (`_tiled_row`); Q6_K's offset off the integer lanes first."""
-    if kind == TILED + 6:
-        _offset_lanes(iacc, 16 * m, sc[r0], xb, sb)
-        _offset_lanes(iacc, 16 * m + 8, sc[r1], xb, sb)
-        _tiled_row(acc, iacc, 16 * m, lut[d[r0, sb]], np.float32(0), 0, dx)
-        _tiled_row(acc, iacc, 16 * m + 8, lut[d[r1, sb]], np.float32(0), 0, dx)
-    else:
-        _tiled_row(acc, iacc, 16 * m, lut[d[r0, sb]], lut[dmin[r0, sb]],
-                   _min_total(mn[r0], xb, sb), dx)
-        _tiled_row(acc, iacc, 16 * m + 8, lut[d[r1, sb]], lut[dmin[r1, sb]],
-                   _min_total(mn[r1], xb, sb), dx)
-
-
-@numba.njit(inline="always", cache=True)
-def _scale_repacked(kind, acc, iacc, am, m, r0, r1, sb, sc, mn, d, dmin, lut, dx, xb):  # type: ignore[no-untyped-def]
-    """The same as the repacked Q4_K GEMV scales it (`_repacked_row`)."""
-    _repacked_row(acc, iacc, am, 16 * m, 8 * m, lut[d[r0, sb]] * dx,
-                  lut[dmin[r0, sb]] * dx, _min_total(mn[r0], xb, sb))
-    _repacked_row(acc, iacc, am, 16 * m + 8, 8 * m + 4, lut[d[r1, sb]] * dx,
-                  lut[dmin[r1, sb]] * dx, _min_total(mn[r1], xb, sb))
+        for r in range(2):
+            row = r1 if r else r0
+            c = 2 * m + r
+            if kind // 10 * 10 == TILED:
+                fw[c] = lut[d[row, sb]]
+                fw[8 + c] = dx
+                if kind != TILED + 6:
+                    fw[16 + c] = lut[dmin[row, sb]]
+            else:
+                fw[c] = lut[d[row, sb]] * dx
+                fw[8 + c] = lut[dmin[row, sb]] * dx
 
 
 @numba.njit(inline="always", cache=True)
 def _scale_vec_dot(kind, acc, iacc, am, m, r0, r1, sb, sc, mn, d, dmin, lut, dx, xb):  # type: ignore[no-untyped-def]
-    """The same as ggml's vec_dot: Q6_K's offset off the integer lanes, d_w d_x times them
-    onto acc, Q4_K/Q5_K's mins into am."""
+    """Row m of x's superblock sb onto weight rows r0 and r1 as ggml's vec_dot scales it:
+    Q6_K's offset off the integer lanes, d_w d_x times them onto acc, Q4_K/Q5_K's mins into
+    am."""
     if kind == 6:
         _offset_lanes(iacc, 16 * m, sc[r0], xb, sb)
         _offset_lanes(iacc, 16 * m + 8, sc[r1], xb, sb)
@@ -236,51 +264,14 @@ def _mins(kind, am, i, mn, xb, sb, dmin):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(inline="always", cache=True)
-def _repacked_row(acc, iacc, am, i, j, scale, min_scale, mins):  # type: ignore[no-untyped-def]
-    """A repacked Q4_K row's superblock: its 8 integer lanes as one sum, then acc[i] =
-    fma(sum, d_w d_x, acc[i]) and am[j] = fma(mins, dmin_w d_x, am[j])."""
-    total = np.int32(0)
-    for lane in range(8):
-        total += iacc[i + lane]
-        iacc[i + lane] = 0
-    acc[i] = fma_f32(np.float32(total), scale, acc[i])
-    am[j] = fma_f32(np.float32(mins), min_scale, am[j])
-
-
-@numba.njit(inline="always", cache=True)
-def _tiled_row(acc, iacc, i, dw, dmin, mins, dx):  # type: ignore[no-untyped-def]
-    """A superblock of a row in ggml's tiled matmul: its 8 integer lanes as one sum s1,
-    r = fnmadd(dmin_w, mins, float(s1) * d_w) (r without a min term for Q6_K), and
-    acc[i] = fma(r, d_x, acc[i])."""
-    total = np.int32(0)
-    for lane in range(8):
-        total += iacc[i + lane]
-        iacc[i + lane] = 0
-    r = np.float32(total) * dw
-    if mins != 0 or dmin != 0:
-        r = fma_f32(-dmin, np.float32(mins), r)
-    acc[i] = fma_f32(r, dx, acc[i])
-
-
-@numba.njit(inline="always", cache=True)
-def _min_total(mn, xb, sb):  # type: ignore[no-untyped-def]
-    """sum over superblock sb's 8 sub-blocks of min_s * (x's sum over the sub-block)."""
-    total = np.int32(0)
-    for s in range(8):
-        total += np.int32(mn[8 * sb + s]) * (np.int32(xb[16 * sb + 2 * s])
-                                             + np.int32(xb[16 * sb + 2 * s + 1]))
-    return total
-
-
-@numba.njit(inline="always", cache=True)
 def _total(kind, acc, am, i, j):  # type: ignore[no-untyped-def]
     """A row's result: its 8 float lanes added as ggml adds them, plus (Q4_K/Q5_K) the mins;
-    a repacked Q4_K row keeps one float and one min sum, as ggml's 8x8 kernels; a tiled one
-    one float."""
+    a repacked Q4_K row keeps one float and one min sum (at pair i // 8), as ggml's 8x8
+    kernels; a tiled one one float."""
     if kind == REPACKED_Q4_K or kind == REPACKED_GEMM_Q4_K:
-        return acc[i] - am[j]
+        return acc[i // 8] - am[i // 8]
     if kind // 10 * 10 == TILED:
-        return acc[i]
+        return acc[i // 8]
     total = hsum8(acc, i)
     if kind != 6:
         total = total + _hsum4(am, j)

@@ -1,0 +1,242 @@
+"""Numba intrinsics for the K-quant kernels that reduce each (x row, weight row) pair to one
+integer per superblock, or per pair of sub-blocks, before any float math: llama.cpp's
+repacked Q4_K GEMV and GEMM and its tiled matmul (`qmatmul_int_k`'s kinds 44, 84, 9x).
+
+The kernels work on two weight rows and up to 4 rows of x at once: 8 pairs, c = 2m + r.
+- `pair_totals`: the exact integer dot of every pair over a run of sub-block pairs, with the
+  8-lane accumulators kept in registers (not in a stack array: a store and a reload per
+  block), then one transposing add tree that leaves pair c's total in lane c.
+- `min_terms`: every pair's mins against x's sub-block sums, per superblock or per pair of
+  sub-blocks, as 8-lane vectors.
+- `pair_flush`: the float epilogue of all 8 pairs as 8-lane fused multiply-adds. Each lane
+  computes what ggml computes for its pair, so the floats are ggml's bit for bit.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from vllm_actors.kernels.cpu.qdot import _scaled_lanes
+from vllm_actors.kernels.cpu.qmatmul_simd import splat, vector_ptr
+
+_I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_B32 = ir.VectorType(_I8, 32)
+_L8 = ir.VectorType(_I32, 8)
+_F8 = ir.VectorType(ir.FloatType(), 8)
+# pair_flush's modes: the repacked Q4_K (acc and mins apart), the tiled Q4_K/Q5_K, tiled Q6_K
+FLUSH_REPACKED, FLUSH_TILED, FLUSH_TILED_NO_MINS = 0, 1, 2
+
+
+def _at(context, builder, aryty, ary, idxty, idx, vecty):  # type: ignore[no-untyped-def]
+    return vector_ptr(context, builder, aryty, ary, idxty, idx, vecty)
+
+
+def _add(builder, a, n):  # type: ignore[no-untyped-def]
+    return builder.add(a, ir.Constant(a.type, n))
+
+
+def _pairwise(builder, a, b):  # type: ignore[no-untyped-def]
+    """(a0+a1, a2+a3, a4+a5, a6+a7, b0+b1, ..., b6+b7) of two <8 x i32>."""
+    even = builder.shuffle_vector(a, b, ir.Constant(_L8, [0, 2, 4, 6, 8, 10, 12, 14]))
+    odd = builder.shuffle_vector(a, b, ir.Constant(_L8, [1, 3, 5, 7, 9, 11, 13, 15]))
+    return builder.add(even, odd)
+
+
+def _tree(builder, vs):  # type: ignore[no-untyped-def]
+    """8 vectors (zeros past the last pair) -> one whose lane c is the total of vector c."""
+    while len(vs) > 1:
+        vs = [_pairwise(builder, vs[i], vs[i + 1]) for i in range(0, len(vs), 2)]
+    return vs[0]
+
+
+def _padded(vs):  # type: ignore[no-untyped-def]
+    return vs + [ir.Constant(_L8, [0] * 8)] * (8 - len(vs))
+
+
+def _ints(context, builder, sig, args, idx):  # type: ignore[no-untyped-def]
+    return [context.cast(builder, args[i], sig.args[i], types.intp) for i in idx]
+
+
+@intrinsic
+def lane_totals(typingctx, iacc, tot, group):  # type: ignore[no-untyped-def]
+    """tot[c] = the sum of iacc[8c : 8c+8] for c < 2 `group` (a literal, 1 to 4; tot[c] = 0
+    beyond), then iacc[0 : 16 group] = 0: integer lanes a kernel accumulated in memory."""
+    if not (isinstance(group, types.IntegerLiteral) and 1 <= group.literal_value <= 4
+            and isinstance(iacc, types.Array) and iacc.dtype == types.int32
+            and isinstance(tot, types.Array) and tot.dtype == types.int32):
+        return None
+    n = 2 * group.literal_value
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        vs = []
+        for c in range(n):
+            p = _at(context, builder, sig.args[0], args[0], types.intp, _I64(8 * c), _L8)
+            vs.append(builder.load(p, align=4))
+            builder.store(ir.Constant(_L8, [0] * 8), p, align=4)
+        p = _at(context, builder, sig.args[1], args[1], types.intp, _I64(0), _L8)
+        builder.store(_tree(builder, _padded(vs)), p, align=4)
+        return context.get_dummy_value()
+    return types.none(iacc, tot, group), codegen
+
+
+def _nibbles(context, builder, sig, args, q, qo, h, ho, shift, form):  # type: ignore[no-untyped-def]
+    """A pair of sub-blocks of one row as two <32 x i8>: the low nibbles of the 32 bytes at
+    q[qo] (with bit `shift` of h[ho:ho+32] as bit 4 for Q5_K) and the high ones (bit
+    shift + 1)."""
+    packed = builder.load(_at(context, builder, sig.args[q], args[q], types.intp, qo, _B32),
+                          align=1)
+    lo = builder.and_(packed, ir.Constant(_B32, [15] * 32))
+    hi = builder.lshr(packed, ir.Constant(_B32, [4] * 32))
+    if form == 5:
+        bits = builder.load(_at(context, builder, sig.args[h], args[h], types.intp, ho, _B32),
+                            align=1)
+        one = ir.Constant(_B32, [1] * 32)
+        for_lo = builder.and_(builder.lshr(bits, splat(builder, builder.trunc(shift, _I8),
+                                                       _B32)), one)
+        for_hi = builder.and_(builder.lshr(bits, splat(builder, builder.trunc(
+            _add(builder, shift, 1), _I8), _B32)), one)
+        lo = builder.or_(lo, builder.shl(for_lo, ir.Constant(_B32, [4] * 32)))
+        hi = builder.or_(hi, builder.shl(for_hi, ir.Constant(_B32, [4] * 32)))
+    return lo, hi
+
+
+def _scale(context, builder, sig, args, i, idx):  # type: ignore[no-untyped-def]
+    a = context.make_array(sig.args[i])(context, builder, args[i])
+    return builder.zext(builder.load(builder.gep(a.data, [idx])), _I32)
+
+
+@intrinsic
+def pair_totals(typingctx, isa, form, group, npairs, q, qo0, qo1, h, ho0, ho1, shift, sc, so0, so1, x, xo, k, tot):  # type: ignore[no-untyped-def]
+    """tot[2m + r] = the exact integer dot of weight row r (0, 1) with x row m (< `group`)
+    over `npairs` pairs of sub-blocks (literals), each sub-block's products times its scale.
+    Pair p of row r: its 32 bytes at q[qo_r + 32p] (low nibbles: the first sub-block, high:
+    the second), Q5_K's fifth bits at h[ho_r:+32] bits shift + 2p and shift + 2p + 1, its
+    scales sc[so_r + 2p] and sc[so_r + 2p + 1]; against x[xo + mk + 64p : +64]. Flat
+    indices into C-ordered planes. `isa` as `qdot.kdot`: every path gives the same sums."""
+    if not (all(isinstance(t, types.IntegerLiteral) for t in (isa, form, group, npairs))
+            and form.literal_value in (4, 5) and 1 <= group.literal_value <= 4
+            and isinstance(tot, types.Array) and tot.dtype == types.int32):
+        return None
+    path, kind, rows, count = (t.literal_value for t in (isa, form, group, npairs))
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        qo0_, qo1_, ho0_, ho1_, shift_, so0_, so1_, xo_, k_ = _ints(
+            context, builder, sig, args, (5, 6, 8, 9, 10, 12, 13, 15, 16))
+        accs = [ir.Constant(_L8, [0] * 8)] * (2 * rows)
+        for p in range(count):
+            weights = [_nibbles(context, builder, sig, args, 4, _add(builder, qo, 32 * p), 7,
+                                ho, _add(builder, shift_, 2 * p), kind)
+                       for qo, ho in ((qo0_, ho0_), (qo1_, ho1_))]
+            scales = [(_scale(context, builder, sig, args, 11, _add(builder, so, 2 * p)),
+                       _scale(context, builder, sig, args, 11, _add(builder, so, 2 * p + 1)))
+                      for so in (so0_, so1_)]
+            for m in range(rows):
+                base = builder.add(xo_, builder.mul(k_, ir.Constant(k_.type, m)))
+                xs = [builder.load(_at(context, builder, sig.args[14], args[14], types.intp,
+                                       _add(builder, base, 64 * p + 32 * half), _B32),
+                                   align=1) for half in range(2)]
+                for r in range(2):
+                    (lo, hi), (sa, sb) = weights[r], scales[r]
+                    c = 2 * m + r
+                    a = _scaled_lanes(builder, path, lo, xs[0], accs[c], sa, sa)
+                    accs[c] = _scaled_lanes(builder, path, hi, xs[1], a, sb, sb)
+        p = _at(context, builder, sig.args[17], args[17], types.intp, _I64(0), _L8)
+        builder.store(_tree(builder, _padded(accs)), p, align=4)
+        return context.get_dummy_value()
+    return types.none(isa, form, group, npairs, q, qo0, qo1, h, ho0, ho1, shift, sc, so0, so1,
+                      x, xo, k, tot), codegen
+
+
+@intrinsic
+def min_terms(typingctx, group, per_pair, mn, mo0, mo1, xb, bo, kb, out, oi):  # type: ignore[no-untyped-def]
+    """The mins of one superblock: with v_c[s] = mn[mo_r + s] * (xb[bo + m kb + 2s] +
+    xb[... + 2s + 1]) for pair c = 2m + r (s < 8 sub-blocks; xb x's sums of 16), either
+    out[oi + c] = sum_s v_c[s] (`per_pair` 0), or out[oi + 8g + c] = v_c[2g] + v_c[2g + 1]
+    for each pair of sub-blocks g < 4 (`per_pair` 1). Both literals."""
+    if not (isinstance(group, types.IntegerLiteral) and isinstance(per_pair, types.IntegerLiteral)
+            and 1 <= group.literal_value <= 4 and isinstance(out, types.Array)
+            and out.dtype == types.int32 and isinstance(xb, types.Array)
+            and xb.dtype == types.int16):
+        return None
+    rows, split = group.literal_value, per_pair.literal_value
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        mo0_, mo1_, bo_, kb_, oi_ = _ints(context, builder, sig, args, (3, 4, 6, 7, 9))
+        mins = [builder.zext(builder.load(_at(context, builder, sig.args[2], args[2],
+                                              types.intp, mo, ir.VectorType(_I8, 8)), align=1),
+                             _L8) for mo in (mo0_, mo1_)]
+        vs = []
+        for m in range(rows):
+            at = builder.add(bo_, builder.mul(kb_, ir.Constant(kb_.type, m)))
+            b16 = builder.sext(builder.load(_at(context, builder, sig.args[5], args[5],
+                                                types.intp, at, ir.VectorType(_I16, 16)),
+                                            align=2), ir.VectorType(_I32, 16))
+            sums = builder.add(
+                builder.shuffle_vector(b16, b16, ir.Constant(_L8, list(range(0, 16, 2)))),
+                builder.shuffle_vector(b16, b16, ir.Constant(_L8, list(range(1, 16, 2)))))
+            vs += [builder.mul(mins[0], sums), builder.mul(mins[1], sums)]
+        vs = _padded(vs)
+        if split:
+            pairs = [_pairwise(builder, vs[i], vs[i + 1]) for i in range(0, 8, 2)]
+            results = []
+            for g in range(4):
+                pick = ir.Constant(ir.VectorType(_I32, 4), [g, 4 + g, 8 + g, 12 + g])
+                a = builder.shuffle_vector(pairs[0], pairs[1], pick)
+                b = builder.shuffle_vector(pairs[2], pairs[3], pick)
+                results.append(builder.shuffle_vector(a, b, ir.Constant(_L8, list(range(8)))))
+        else:
+            results = [_tree(builder, vs)]
+        for g, v in enumerate(results):
+            p = _at(context, builder, sig.args[8], args[8], types.intp, _add(builder, oi_, 8 * g),
+                    _L8)
+            builder.store(v, p, align=4)
+        return context.get_dummy_value()
+    return types.none(group, per_pair, mn, mo0, mo1, xb, bo, kb, out, oi), codegen
+
+
+def _fma8(builder, a, b, c):  # type: ignore[no-untyped-def]
+    """a * b + c per lane with one rounding (`llvm.fma`, never split into a multiply and an
+    add: ggml's floats depend on it)."""
+    name = "llvm.fma.v8f32"
+    fn = builder.module.globals.get(name) or ir.Function(
+        builder.module, ir.FunctionType(_F8, [_F8] * 3), name)
+    return builder.call(fn, [a, b, c])
+
+
+@intrinsic
+def pair_flush(typingctx, mode, acc, am, tot, mins, mi, fw):  # type: ignore[no-untyped-def]
+    """The float epilogue of 8 pairs (lane c: pair c), t = float(tot[0:8]), n =
+    float(mins[mi:mi+8]), fw's factors (`qmatmul_int_k._pair_scales`):
+    FLUSH_REPACKED: acc = fma(t, fw[0:8], acc), am = fma(n, fw[8:16], am);
+    FLUSH_TILED: acc = fma(fma(-fw[16:24], n, t * fw[0:8]), fw[8:16], acc);
+    FLUSH_TILED_NO_MINS: acc = fma(t * fw[0:8], fw[8:16], acc)."""
+    if not (isinstance(mode, types.IntegerLiteral) and isinstance(tot, types.Array)
+            and tot.dtype == types.int32 and isinstance(fw, types.Array)
+            and fw.dtype == types.float32):
+        return None
+    how = mode.literal_value
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        def ptr(i, idx, vecty):  # type: ignore[no-untyped-def]
+            return _at(context, builder, sig.args[i], args[i], types.intp, idx, vecty)
+
+        mi_ = _ints(context, builder, sig, args, (5,))[0]
+        t = builder.sitofp(builder.load(ptr(3, _I64(0), _L8), align=4), _F8)
+        n = builder.sitofp(builder.load(ptr(4, mi_, _L8), align=4), _F8)
+        f = [builder.load(ptr(6, _I64(8 * i), _F8), align=4) for i in range(3)]
+        pa = ptr(1, _I64(0), _F8)
+        acc_ = builder.load(pa, align=4)
+        if how == FLUSH_REPACKED:
+            builder.store(_fma8(builder, t, f[0], acc_), pa, align=4)
+            pm = ptr(2, _I64(0), _F8)
+            builder.store(_fma8(builder, n, f[1], builder.load(pm, align=4)), pm, align=4)
+        else:
+            r = builder.fmul(t, f[0])
+            if how == FLUSH_TILED:
+                neg = builder.fsub(ir.Constant(_F8, [-0.0] * 8), f[2])
+                r = _fma8(builder, neg, n, r)
+            builder.store(_fma8(builder, r, f[1], acc_), pa, align=4)
+        return context.get_dummy_value()
+    return types.none(mode, acc, am, tot, mins, mi, fw), codegen
