@@ -215,4 +215,3 @@ def kflush(typingctx, acc, ai, iacc, ii, scale):  # type: ignore[no-untyped-def]
         builder.store(ir.Constant(_L8, [0] * 8), pi, align=4)
         return context.get_dummy_value()
     return types.none(acc, ai, iacc, ii, scale), codegen
-
