@@ -143,6 +143,13 @@ def test_every_simd_path_gives_the_same_floats_and_ggml_vec_dot(monkeypatch):
             magnitude = np.abs(aq.simulate(x, "q8_k")[0]) @ np.abs(dense).T
             assert np.all(np.abs(repacked - want) <= ORDER_TOLERANCE * magnitude)
             assert not np.array_equal(repacked, want)             # another order
+            # the kernels that sum each pair to one integer (`ktotals`), on every path: the
+            # repacked GEMV on requests of 1 row, its GEMM on a request of 4
+            six = quantize(np.concatenate([x, x[::-1]]).astype(np.float32))
+            both = [integer.matmul(replace(matrix, ggml_repacked=True), six, path=path,
+                                   requests=[1, 5]) for path in paths]
+            assert all(np.array_equal(b, both[0]) for b in both[1:])
+            assert np.array_equal(both[0][[0, 5]], repacked[[0, 0]])     # rows alone: 44
         checked.add(qtype)
     assert set(qmatmul_int.KINDS) | set(qmatmul_int_k.KINDS) <= checked
     for bad in ("sse9", "avx1024"):

@@ -18,7 +18,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from vllm_actors.kernels.cpu.qdot import _scaled_lanes
+from vllm_actors.kernels.cpu.qdot import scaled_lanes
 from vllm_actors.kernels.cpu.qmatmul_simd import splat, vector_ptr
 
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
@@ -81,72 +81,117 @@ def lane_totals(typingctx, iacc, tot, group):  # type: ignore[no-untyped-def]
     return types.none(iacc, tot, group), codegen
 
 
-def _nibbles(context, builder, sig, args, q, qo, h, ho, shift, form):  # type: ignore[no-untyped-def]
-    """A pair of sub-blocks of one row as two <32 x i8>: the low nibbles of the 32 bytes at
-    q[qo] (with bit `shift` of h[ho:ho+32] as bit 4 for Q5_K) and the high ones (bit
-    shift + 1)."""
-    packed = builder.load(_at(context, builder, sig.args[q], args[q], types.intp, qo, _B32),
-                          align=1)
-    lo = builder.and_(packed, ir.Constant(_B32, [15] * 32))
-    hi = builder.lshr(packed, ir.Constant(_B32, [4] * 32))
-    if form == 5:
-        bits = builder.load(_at(context, builder, sig.args[h], args[h], types.intp, ho, _B32),
-                            align=1)
-        one = ir.Constant(_B32, [1] * 32)
-        for_lo = builder.and_(builder.lshr(bits, splat(builder, builder.trunc(shift, _I8),
-                                                       _B32)), one)
-        for_hi = builder.and_(builder.lshr(bits, splat(builder, builder.trunc(
-            _add(builder, shift, 1), _I8), _B32)), one)
-        lo = builder.or_(lo, builder.shl(for_lo, ir.Constant(_B32, [4] * 32)))
-        hi = builder.or_(hi, builder.shl(for_hi, ir.Constant(_B32, [4] * 32)))
-    return lo, hi
+def _load32(context, builder, sig, args, i, idx):  # type: ignore[no-untyped-def]
+    return builder.load(_at(context, builder, sig.args[i], args[i], types.intp, idx, _B32),
+                        align=1)
 
 
-def _scale(context, builder, sig, args, i, idx):  # type: ignore[no-untyped-def]
-    a = context.make_array(sig.args[i])(context, builder, args[i])
-    return builder.zext(builder.load(builder.gep(a.data, [idx])), _I32)
+def _bits(builder, v, shift, mask):  # type: ignore[no-untyped-def]
+    """(v >> shift) & mask on every byte."""
+    return builder.and_(builder.lshr(v, ir.Constant(_B32, [shift] * 32)),
+                        ir.Constant(_B32, [mask] * 32))
+
+
+def _scale(context, builder, sig, args, idx):  # type: ignore[no-untyped-def]
+    """sc[idx] as i32 (sc: arg 10; Q6_K's scales are signed)."""
+    a = context.make_array(sig.args[10])(context, builder, args[10])
+    v = builder.load(builder.gep(a.data, [idx]))
+    return (builder.sext if sig.args[10].dtype.signed else builder.zext)(v, _I32)
+
+
+def _blocks(context, builder, sig, args, form, npairs, qo, ho, so):  # type: ignore[no-untyped-def]
+    """One weight row's blocks of 32 as (weights <32 x i8>, scale of the first 16, of the
+    last 16, offset into x's row): `npairs` pairs of Q4_K/Q5_K sub-blocks (the low then the
+    high nibbles of 32 bytes; Q5_K's fifth bits 2p and 2p + 1 of its 32 qh bytes), or a
+    whole Q6_K superblock (two halves of 64 ql and 32 qh bytes; quarter t the nibbles t // 2
+    of ql's 32 bytes t % 2, bits 2t and 2t + 1 of qh, scales 2t and 2t + 1 of the half's 8)."""
+    out = []
+    if form == 6:
+        for half in range(2):
+            high = _load32(context, builder, sig, args, 7, _add(builder, ho, 32 * half))
+            for t in range(4):
+                low = _load32(context, builder, sig, args, 4,
+                              _add(builder, qo, 64 * half + 32 * (t % 2)))
+                w = builder.or_(_bits(builder, low, 4 * (t // 2), 15),
+                                builder.shl(_bits(builder, high, 2 * t, 3),
+                                            ir.Constant(_B32, [4] * 32)))
+                j = 8 * half + 2 * t
+                out.append((w, _scale(context, builder, sig, args, _add(builder, so, j)),
+                            _scale(context, builder, sig, args, _add(builder, so, j + 1)),
+                            128 * half + 32 * t))
+        return out
+    high = _load32(context, builder, sig, args, 7, ho) if form == 5 else None
+    for p in range(npairs):
+        packed = _load32(context, builder, sig, args, 4, _add(builder, qo, 32 * p))
+        for nib in range(2):
+            w = _bits(builder, packed, 4 * nib, 15)
+            if form == 5:
+                w = builder.or_(w, builder.shl(_bits(builder, high, 2 * p + nib, 1),
+                                               ir.Constant(_B32, [4] * 32)))
+            sc = _scale(context, builder, sig, args, _add(builder, so, 2 * p + nib))
+            out.append((w, sc, sc, 64 * p + 32 * nib))
+    return out
+
+
+def _accumulate(context, builder, sig, args, path, form, rows, npairs):  # type: ignore[no-untyped-def]
+    """The 8 integer lanes of every (x row m, weight row r) pair, c = 2m + r, in registers."""
+    qo0, qo1, ho0, ho1, so0, so1, xo, k = _ints(context, builder, sig, args,
+                                                (5, 6, 8, 9, 11, 12, 14, 15))
+    accs = [ir.Constant(_L8, [0] * 8)] * (2 * rows)
+    for r, (qo, ho, so) in enumerate(((qo0, ho0, so0), (qo1, ho1, so1))):
+        for w, sa, sb, off in _blocks(context, builder, sig, args, form, npairs, qo, ho, so):
+            for m in range(rows):
+                at = builder.add(xo, builder.mul(k, ir.Constant(k.type, m)))
+                xv = _load32(context, builder, sig, args, 13, _add(builder, at, off))
+                accs[2 * m + r] = scaled_lanes(builder, path, w, xv, accs[2 * m + r], sa, sb)
+    return accs
+
+
+def _typed(isa, form, group, npairs, out):  # type: ignore[no-untyped-def]
+    return (all(isinstance(t, types.IntegerLiteral) for t in (isa, form, group, npairs))
+            and form.literal_value in (4, 5, 6) and 1 <= group.literal_value <= 4
+            and (form.literal_value == 4 or npairs.literal_value == 4)
+            and isinstance(out, types.Array) and out.dtype == types.int32)
 
 
 @intrinsic
-def pair_totals(typingctx, isa, form, group, npairs, q, qo0, qo1, h, ho0, ho1, shift, sc, so0, so1, x, xo, k, tot):  # type: ignore[no-untyped-def]
-    """tot[2m + r] = the exact integer dot of weight row r (0, 1) with x row m (< `group`)
-    over `npairs` pairs of sub-blocks (literals), each sub-block's products times its scale.
-    Pair p of row r: its 32 bytes at q[qo_r + 32p] (low nibbles: the first sub-block, high:
-    the second), Q5_K's fifth bits at h[ho_r:+32] bits shift + 2p and shift + 2p + 1, its
-    scales sc[so_r + 2p] and sc[so_r + 2p + 1]; against x[xo + mk + 64p : +64]. Flat
-    indices into C-ordered planes. `isa` as `qdot.kdot`: every path gives the same sums."""
-    if not (all(isinstance(t, types.IntegerLiteral) for t in (isa, form, group, npairs))
-            and form.literal_value in (4, 5) and 1 <= group.literal_value <= 4
-            and isinstance(tot, types.Array) and tot.dtype == types.int32):
+def pair_totals(typingctx, isa, form, group, npairs, q, qo0, qo1, h, ho0, ho1, sc, so0, so1, x, xo, k, out):  # type: ignore[no-untyped-def]
+    """out[2m + r] = the exact integer dot of weight row r (0, 1) with x row m (< `group`)
+    over `npairs` pairs of 32-weight blocks (Q4_K: any count; Q5_K, Q6_K (`form` 5, 6): 4, a
+    whole superblock), each block's products times its scales. Row r's quants from
+    q[qo_r], high bits from h[ho_r], scales from sc[so_r] (flat indices into C-ordered
+    planes; layouts in `_blocks`); x's row m from x[xo + m k]. All but the arrays and
+    offsets are literals; `isa` picks the instructions (`qdot.scaled_lanes`): every path
+    gives the same sums."""
+    if not _typed(isa, form, group, npairs, out):
         return None
     path, kind, rows, count = (t.literal_value for t in (isa, form, group, npairs))
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        qo0_, qo1_, ho0_, ho1_, shift_, so0_, so1_, xo_, k_ = _ints(
-            context, builder, sig, args, (5, 6, 8, 9, 10, 12, 13, 15, 16))
-        accs = [ir.Constant(_L8, [0] * 8)] * (2 * rows)
-        for p in range(count):
-            weights = [_nibbles(context, builder, sig, args, 4, _add(builder, qo, 32 * p), 7,
-                                ho, _add(builder, shift_, 2 * p), kind)
-                       for qo, ho in ((qo0_, ho0_), (qo1_, ho1_))]
-            scales = [(_scale(context, builder, sig, args, 11, _add(builder, so, 2 * p)),
-                       _scale(context, builder, sig, args, 11, _add(builder, so, 2 * p + 1)))
-                      for so in (so0_, so1_)]
-            for m in range(rows):
-                base = builder.add(xo_, builder.mul(k_, ir.Constant(k_.type, m)))
-                xs = [builder.load(_at(context, builder, sig.args[14], args[14], types.intp,
-                                       _add(builder, base, 64 * p + 32 * half), _B32),
-                                   align=1) for half in range(2)]
-                for r in range(2):
-                    (lo, hi), (sa, sb) = weights[r], scales[r]
-                    c = 2 * m + r
-                    a = _scaled_lanes(builder, path, lo, xs[0], accs[c], sa, sa)
-                    accs[c] = _scaled_lanes(builder, path, hi, xs[1], a, sb, sb)
-        p = _at(context, builder, sig.args[17], args[17], types.intp, _I64(0), _L8)
+        accs = _accumulate(context, builder, sig, args, path, kind, rows, count)
+        p = _at(context, builder, sig.args[16], args[16], types.intp, _I64(0), _L8)
         builder.store(_tree(builder, _padded(accs)), p, align=4)
         return context.get_dummy_value()
-    return types.none(isa, form, group, npairs, q, qo0, qo1, h, ho0, ho1, shift, sc, so0, so1,
-                      x, xo, k, tot), codegen
+    return types.none(isa, form, group, npairs, q, qo0, qo1, h, ho0, ho1, sc, so0, so1, x, xo,
+                      k, out), codegen
+
+
+@intrinsic
+def superblock_lanes(typingctx, isa, form, group, npairs, q, qo0, qo1, h, ho0, ho1, sc, so0, so1, x, xo, k, out):  # type: ignore[no-untyped-def]
+    """As `pair_totals`, but the 8 integer lanes of pair c are stored at out[8c : 8c+8]
+    (ggml's vec_dot keeps them apart until its float epilogue)."""
+    if not _typed(isa, form, group, npairs, out):
+        return None
+    path, kind, rows, count = (t.literal_value for t in (isa, form, group, npairs))
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        for c, acc in enumerate(_accumulate(context, builder, sig, args, path, kind, rows,
+                                            count)):
+            p = _at(context, builder, sig.args[16], args[16], types.intp, _I64(8 * c), _L8)
+            builder.store(acc, p, align=4)
+        return context.get_dummy_value()
+    return types.none(isa, form, group, npairs, q, qo0, qo1, h, ho0, ho1, sc, so0, so1, x, xo,
+                      k, out), codegen
 
 
 @intrinsic
@@ -240,3 +285,40 @@ def pair_flush(typingctx, mode, acc, am, tot, mins, mi, fw):  # type: ignore[no-
             builder.store(_fma8(builder, r, f[1], acc_), pa, align=4)
         return context.get_dummy_value()
     return types.none(mode, acc, am, tot, mins, mi, fw), codegen
+
+
+@intrinsic
+def q6_offsets(typingctx, group, sc, so0, so1, xb, bo, kb, iacc):  # type: ignore[no-untyped-def]
+    """Q6_K's -32 offset off the integer lanes of every pair c = 2m + r, as ggml's AVX2 dot
+    takes it: lane t of iacc[8c : 8c+8] -= 32 (s_2t b_2t + s_2t+1 b_2t+1), s the 16 scales
+    of weight row r's superblock at sc[so_r] (int8), b x row m's 16 sums at xb[bo + m kb]."""
+    if not (isinstance(group, types.IntegerLiteral) and 1 <= group.literal_value <= 4
+            and isinstance(iacc, types.Array) and iacc.dtype == types.int32
+            and isinstance(xb, types.Array) and xb.dtype == types.int16):
+        return None
+    rows = group.literal_value
+    w16 = ir.VectorType(_I32, 16)
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        so0_, so1_, bo_, kb_ = _ints(context, builder, sig, args, (2, 3, 5, 6))
+
+        def sixteen(i, at, ty):  # type: ignore[no-untyped-def]
+            v = builder.load(_at(context, builder, sig.args[i], args[i], types.intp, at,
+                                 ir.VectorType(ty, 16)), align=1)
+            return builder.sext(v, w16)
+
+        scales = [sixteen(1, so, _I8) for so in (so0_, so1_)]
+        even = ir.Constant(_L8, list(range(0, 16, 2)))
+        odd = ir.Constant(_L8, list(range(1, 16, 2)))
+        for m in range(rows):
+            sums = sixteen(4, builder.add(bo_, builder.mul(kb_, ir.Constant(kb_.type, m))), _I16)
+            for r in range(2):
+                prod = builder.mul(scales[r], sums)
+                pairs = builder.add(builder.shuffle_vector(prod, prod, even),
+                                    builder.shuffle_vector(prod, prod, odd))
+                p = _at(context, builder, sig.args[7], args[7], types.intp, _I64(8 * (2 * m + r)),
+                        _L8)
+                off = builder.shl(pairs, ir.Constant(_L8, [5] * 8))
+                builder.store(builder.sub(builder.load(p, align=4), off), p, align=4)
+        return context.get_dummy_value()
+    return types.none(group, sc, so0, so1, xb, bo, kb, iacc), codegen

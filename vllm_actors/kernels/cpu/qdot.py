@@ -114,25 +114,6 @@ def qdot(typingctx, isa, kind, acc, ai, q, qi, bits, x, xi, scale):  # type: ign
 
 # -- K-quants (Q4_K, Q5_K, Q6_K) with Q8_K activations ---------------------------------------
 
-def _k_weights(context, builder, argtypes, args, form):  # type: ignore[no-untyped-def]
-    """32 unsigned weights: (q >> qshift) & 15, with (h >> hshift) & 1 (form 5) or & 3
-    (form 6) as bits 4-5; q, qi, qshift, h, hi, hshift are args 4..9."""
-    def load(i):  # type: ignore[no-untyped-def]
-        return builder.load(vector_ptr(context, builder, argtypes[i], args[i], argtypes[i + 1],
-                                       args[i + 1], _B32), align=1)
-
-    def shift(i):  # type: ignore[no-untyped-def]
-        amount = context.cast(builder, args[i], argtypes[i], types.int32)
-        return splat(builder, builder.trunc(amount, _I8), _B32)
-
-    w = builder.and_(builder.lshr(load(4), shift(6)), ir.Constant(_B32, [15] * 32))
-    if form == 4:
-        return w
-    high = builder.and_(builder.lshr(load(7), shift(9)),
-                        ir.Constant(_B32, [1 if form == 5 else 3] * 32))
-    return builder.or_(w, builder.shl(high, ir.Constant(_B32, [4] * 32)))
-
-
 def _two_scales(builder, sa, sb, vecty):  # type: ignore[no-untyped-def]
     """[sa] * (n/2) + [sb] * (n/2) as `vecty` (n lanes)."""
     n = vecty.count
@@ -141,9 +122,11 @@ def _two_scales(builder, sa, sb, vecty):  # type: ignore[no-untyped-def]
                                   ir.Constant(ir.VectorType(_I32, n), [0] * (n // 2) + [n] * (n // 2)))
 
 
-def _scaled_lanes(builder, path, w, x, acc, sa, sb):  # type: ignore[no-untyped-def]
-    """acc + lanes(w . x) * (sa on lanes 0-3, sb on 4-7), in exact int32: w <= 63 and |x| <=
-    127 keep `vpmaddubsw`'s int16 pairs from saturating."""
+def scaled_lanes(builder, path, w, x, acc, sa, sb):  # type: ignore[no-untyped-def]
+    """acc + lanes(w . x) * (sa on lanes 0-3, sb on 4-7), in exact int32 (lane i: bytes
+    4i..4i+3) for unsigned K-quant weights w <= 63 and x's int8 (|x| <= 127 keeps
+    `vpmaddubsw`'s int16 pairs from saturating). Every path gives the same sums; LLVM IR for
+    the K-quant intrinsics of `ktotals`."""
     if path == PORTABLE:
         lanes = _lanes_portable(builder, w, x, False)
         return builder.add(acc, builder.mul(lanes, _two_scales(builder, sa, sb, _L8)))
@@ -153,49 +136,6 @@ def _scaled_lanes(builder, path, w, x, acc, sa, sb):  # type: ignore[no-untyped-
         return _call(builder, "llvm.x86.avx512.vpdpwssd.256", _L8,
                      [acc, builder.bitcast(pairs, _L8), builder.bitcast(scales, _L8)])
     return builder.add(acc, _call(builder, "llvm.x86.avx2.pmadd.wd", _L8, [pairs, scales]))
-
-
-def _int_arg(t) -> bool:  # type: ignore[no-untyped-def]
-    return isinstance(t, types.Integer)
-
-
-@intrinsic
-def kdot(typingctx, isa, kind, rows, acc, ai, q, qi, qshift, h, hi, hshift, x, xi, xstride, sa, sb):  # type: ignore[no-untyped-def]
-    """For each m < `rows` (a literal): acc[ai+16m : ai+16m+8] (int32) += lanes(w .
-    x[xi + m*xstride : +32]) * (sa on lanes 0-3, sb on lanes 4-7). The 32 weights w[l] =
-    (q[qi+l] >> qshift) & 15 are decoded once for all rows: for `kind` 5 with bit (h[hi+l]
-    >> hshift) & 1 as bit 4 (Q5_K), for 6 two bits & 3 as bits 4-5 (Q6_K, unsigned: the
-    caller takes off 32 through the activation's block sums); kind 4 (Q4_K) does not read h.
-    Only kind % 10 counts here (the tens choose the caller's float order). Exact integers,
-    so every `isa` path gives the same sums."""
-    if not (isinstance(isa, types.IntegerLiteral) and isinstance(kind, types.IntegerLiteral)
-            and isinstance(rows, types.IntegerLiteral)
-            and kind.literal_value % 10 in (4, 5, 6) and isinstance(acc, types.Array)
-            and acc.dtype == types.int32 and isinstance(x, types.Array)
-            and x.dtype == types.int8 and isinstance(q, types.Array) and q.dtype == types.uint8
-            and isinstance(h, types.Array) and h.dtype == types.uint8
-            and all(_int_arg(t) for t in (ai, qi, qshift, hi, hshift, xi, xstride, sa, sb))):
-        return None
-    path, form, count = isa.literal_value, kind.literal_value % 10, rows.literal_value
-
-    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        w = _k_weights(context, builder, sig.args[1:], args[1:], form)
-        sa_, sb_ = (context.cast(builder, args[i], sig.args[i], types.int32) for i in (14, 15))
-        xi_ = context.cast(builder, args[12], sig.args[12], types.intp)
-        ai_ = context.cast(builder, args[4], sig.args[4], types.intp)
-        stride = context.cast(builder, args[13], sig.args[13], types.intp)
-        for m in range(count):
-            mi = ir.Constant(stride.type, m)
-            xo = builder.add(xi_, builder.mul(stride, mi))
-            xv = builder.load(vector_ptr(context, builder, sig.args[11], args[11], types.intp,
-                                         xo, _B32), align=1)
-            ao = builder.add(ai_, ir.Constant(ai_.type, 16 * m))
-            pa = vector_ptr(context, builder, sig.args[3], args[3], types.intp, ao, _L8)
-            acc_ = builder.load(pa, align=4)
-            builder.store(_scaled_lanes(builder, path, w, xv, acc_, sa_, sb_), pa, align=4)
-        return context.get_dummy_value()
-    return types.none(isa, kind, rows, acc, ai, q, qi, qshift, h, hi, hshift, x, xi, xstride,
-                      sa, sb), codegen
 
 
 @intrinsic

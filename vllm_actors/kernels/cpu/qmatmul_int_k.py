@@ -1,7 +1,8 @@
 """The integer GEMV of the K-quants (Q4_K, Q5_K, Q6_K) on x's Q8_K blocks
 (`activations.quantize_q8_k`), as llama.cpp's `vec_dot_q*_K_q8_K`: per superblock of 256,
 the weights' unsigned quants times x's int8 quants times the sub-block scales as exact int32
-lanes (`qdot.kdot`), then scaled by d_w * d_x into 8 float lanes (`qdot.kflush`).
+lanes held in registers (`ktotals.superblock_lanes`), then scaled by d_w * d_x into 8 float
+lanes (`qdot.kflush`).
 
 With q the stored quants of x, d_x its scale and b_j its sums of 16 (`bsums`), per superblock:
   Q4_K, Q5_K: d_w d_x sum_s sc_s (w_s . q_s) - dmin_w d_x sum_s mn_s (b_2s + b_2s+1)
@@ -36,8 +37,10 @@ from vllm_actors.kernels.cpu.ktotals import (
     min_terms,
     pair_flush,
     pair_totals,
+    q6_offsets,
+    superblock_lanes,
 )
-from vllm_actors.kernels.cpu.qdot import kdot, kflush
+from vllm_actors.kernels.cpu.qdot import kflush
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix, prefetch_rows
 from vllm_actors.kernels.cpu.qmatmul_int import GROUP, MAX_ROWS, call, hsum8, pad_rows
 from vllm_actors.kernels.cpu.qmatmul_prims import (
@@ -65,15 +68,6 @@ TILED = 90
 TILED_MIN_ROWS = 8
 _NO_BITS = np.zeros((0, 0), np.uint8)
 _NO_U16 = np.zeros((0, 0), np.uint16)
-
-
-@numba.njit(inline="always", cache=True)
-def _sub_block_pair(path, kind, group, iacc, ai, qs, qo, qh, ho, gg, xq, xo, k, sc, j):  # type: ignore[no-untyped-def]
-    """Sub-blocks 2gg (low nibbles, bit 2gg of qh) and 2gg + 1 (high nibbles) of one row,
-    against `group` rows of x (k apart)."""
-    kdot(path, kind, group, iacc, ai, qs, qo, 0, qh, ho, 2 * gg, xq, xo, k, sc[j], sc[j])
-    kdot(path, kind, group, iacc, ai, qs, qo, 4, qh, ho, 2 * gg + 1, xq, xo + 32, k,
-         sc[j + 1], sc[j + 1])
 
 
 @kernel(parallel=True, exact=True)
@@ -132,36 +126,36 @@ def _step_for(path, kind, group, iacc, acc, am, fw, iw, qs, qh, sc, mn, d, dmin,
     if not isinstance(kind, types.IntegerLiteral):
         return None
     code = kind.literal_value
-    if code < 10:
-        superblock = _q6_superblock if code == 6 else _q45_superblock
-
-        def vec_dot(path, kind, group, iacc, acc, am, fw, iw, qs, qh, sc, mn, d, dmin, lut, r0, r1, rb, hb, sb, xq, xo, k, xd, xb, m0):  # type: ignore[no-untyped-def]
-            """ggml's vec_dot: 8 integer lanes a pair, scaled per superblock to 8 floats."""
-            superblock(path, kind, group, iacc, 0, qs, qh, sc[r0], r0 * rb, r0 * hb, sb, xq, xo,
-                       k)
-            superblock(path, kind, group, iacc, 8, qs, qh, sc[r1], r1 * rb, r1 * hb, sb, xq, xo,
-                       k)
-            for m in range(group):
-                _scale_vec_dot(kind, acc, iacc, am, m, r0, r1, sb, sc, mn, d, dmin, lut,
-                               xd[m0 + m, sb], xb[m0 + m])
-        return vec_dot
-    if code == TILED + 6:
-        return _tiled_q6_step
+    if code < 10 or code == TILED + 6:
+        return _lanes_step(code % 10, code == TILED + 6)
     if code == REPACKED_GEMM_Q4_K:
         return _gemm_step
     return _totals_step(code % 10, FLUSH_REPACKED if code == REPACKED_Q4_K else FLUSH_TILED)
 
 
-def _tiled_q6_step(path, kind, group, iacc, acc, am, fw, iw, qs, qh, sc, mn, d, dmin, lut, r0, r1, rb, hb, sb, xq, xo, k, xd, xb, m0):  # type: ignore[no-untyped-def]
-    """The tiled matmul on Q6_K: the superblock's lanes less the offset, one total a pair."""
-    _q6_superblock(path, kind, group, iacc, 0, qs, qh, sc[r0], r0 * rb, r0 * hb, sb, xq, xo, k)
-    _q6_superblock(path, kind, group, iacc, 8, qs, qh, sc[r1], r1 * rb, r1 * hb, sb, xq, xo, k)
-    for m in range(group):
-        _offset_lanes(iacc, 16 * m, sc[r0], xb[m0 + m], sb)
-        _offset_lanes(iacc, 16 * m + 8, sc[r1], xb[m0 + m], sb)
-    _pair_scales(kind, group, fw, r0, r1, sb, d, dmin, lut, xd, m0)
-    lane_totals(iacc, iw, group)
-    pair_flush(FLUSH_TILED_NO_MINS, acc, am, iw, iw, 0, fw)
+def _lanes_step(form: int, tiled: bool):  # type: ignore[no-untyped-def]
+    """ggml's vec_dot (kinds 4, 5, 6): 8 integer lanes per pair of rows, scaled per
+    superblock into 8 float lanes; and the tiled matmul on Q6_K (96): the lanes less the
+    offset, then one total per pair."""
+    hq, sq = (64, 16) if form == 6 else (32, 8)     # high-bit bytes, scales per superblock
+
+    def step(path, kind, group, iacc, acc, am, fw, iw, qs, qh, sc, mn, d, dmin, lut, r0, r1, rb, hb, sb, xq, xo, k, xd, xb, m0):  # type: ignore[no-untyped-def]
+        ns = sc.shape[1]
+        superblock_lanes(path, form, group, 4, qs, r0 * rb + 128 * sb, r1 * rb + 128 * sb, qh,
+                         r0 * hb + hq * sb, r1 * hb + hq * sb, sc, r0 * ns + sq * sb,
+                         r1 * ns + sq * sb, xq, xo, k, iacc)
+        if form == 6:
+            q6_offsets(group, sc, r0 * ns + 16 * sb, r1 * ns + 16 * sb, xb,
+                       m0 * xb.shape[1] + 16 * sb, xb.shape[1], iacc)
+        if tiled:
+            _pair_scales(kind, group, fw, r0, r1, sb, d, dmin, lut, xd, m0)
+            lane_totals(iacc, iw, group)
+            pair_flush(FLUSH_TILED_NO_MINS, acc, am, iw, iw, 0, fw)
+        else:
+            for m in range(group):
+                _scale_vec_dot(kind, acc, iacc, am, m, r0, r1, sb, sc, mn, d, dmin, lut,
+                               xd[m0 + m, sb], xb[m0 + m])
+    return step
 
 
 def _totals_step(form: int, mode: int):  # type: ignore[no-untyped-def]
@@ -173,7 +167,7 @@ def _totals_step(form: int, mode: int):  # type: ignore[no-untyped-def]
         min_terms(group, 0, mn, r0 * ns + 8 * sb, r1 * ns + 8 * sb, xb,
                   m0 * xb.shape[1] + 16 * sb, xb.shape[1], iw, 8)
         pair_totals(path, form, group, 4, qs, r0 * rb + 128 * sb, r1 * rb + 128 * sb, qh,
-                    r0 * hb + 32 * sb, r1 * hb + 32 * sb, 0, sc, r0 * ns + 8 * sb,
+                    r0 * hb + 32 * sb, r1 * hb + 32 * sb, sc, r0 * ns + 8 * sb,
                     r1 * ns + 8 * sb, xq, xo, k, iw)
         pair_flush(mode, acc, am, iw, iw, 8, fw)
     return step
@@ -187,26 +181,9 @@ def _gemm_step(path, kind, group, iacc, acc, am, fw, iw, qs, qh, sc, mn, d, dmin
               xb.shape[1], iw, 8)
     for gg in range(4):
         pair_totals(path, 4, group, 1, qs, r0 * rb + 128 * sb + 32 * gg,
-                    r1 * rb + 128 * sb + 32 * gg, qh, 0, 0, 0, sc, r0 * ns + 8 * sb + 2 * gg,
+                    r1 * rb + 128 * sb + 32 * gg, qh, 0, 0, sc, r0 * ns + 8 * sb + 2 * gg,
                     r1 * ns + 8 * sb + 2 * gg, xq, xo + 64 * gg, k, iw)
         pair_flush(FLUSH_REPACKED, acc, am, iw, iw, 8 + 8 * gg, fw)
-
-
-@numba.njit(inline="always", cache=True)
-def _q6_superblock(path, kind, group, iacc, ai, qs, qh, sc, q0, h0, sb, xq, xo, k):  # type: ignore[no-untyped-def]
-    """Superblock sb of one Q6_K row (its quants from q0, high bits from h0, scales sc)
-    into the integer lanes iacc[ai + 16m : +8] of each of the `group` rows of x."""
-    for h in range(2):
-        _q6_half(path, group, iacc, ai, qs, q0 + 128 * sb + 64 * h, qh, h0 + 64 * sb + 32 * h,
-                 xq, xo + 128 * h, k, sc, 16 * sb + 8 * h)
-
-
-@numba.njit(inline="always", cache=True)
-def _q45_superblock(path, kind, group, iacc, ai, qs, qh, sc, q0, h0, sb, xq, xo, k):  # type: ignore[no-untyped-def]
-    """The same for a Q4_K or Q5_K row: four pairs of sub-blocks."""
-    for gg in range(4):
-        _sub_block_pair(path, kind, group, iacc, ai, qs, q0 + 128 * sb + 32 * gg, qh,
-                        h0 + 32 * sb, gg, xq, xo + 64 * gg, k, sc, 8 * sb + 2 * gg)
 
 
 @numba.njit(inline="always", cache=True)
@@ -231,12 +208,9 @@ def _pair_scales(kind, group, fw, r0, r1, sb, d, dmin, lut, xd, m0):  # type: ig
 
 @numba.njit(inline="always", cache=True)
 def _scale_vec_dot(kind, acc, iacc, am, m, r0, r1, sb, sc, mn, d, dmin, lut, dx, xb):  # type: ignore[no-untyped-def]
-    """Row m of x's superblock sb onto weight rows r0 and r1 as ggml's vec_dot scales it:
-    Q6_K's offset off the integer lanes, d_w d_x times them onto acc, Q4_K/Q5_K's mins into
-    am."""
-    if kind == 6:
-        _offset_lanes(iacc, 16 * m, sc[r0], xb, sb)
-        _offset_lanes(iacc, 16 * m + 8, sc[r1], xb, sb)
+    """Row m of x's superblock sb onto weight rows r0 and r1 as ggml's vec_dot scales it
+    (Q6_K's offset already off the integer lanes): d_w d_x times them onto acc, Q4_K/Q5_K's
+    mins into am."""
     kflush(acc, 16 * m, iacc, 16 * m, lut[d[r0, sb]] * dx)
     kflush(acc, 16 * m + 8, iacc, 16 * m + 8, lut[d[r1, sb]] * dx)
     if kind != 6:
@@ -282,30 +256,6 @@ def _total(kind, acc, am, i, j):  # type: ignore[no-untyped-def]
 def _hsum4(a, i):  # type: ignore[no-untyped-def]
     """(a0 + a2) + (a1 + a3), the order of ggml's 4-lane horizontal add."""
     return (a[i] + a[i + 2]) + (a[i + 1] + a[i + 3])
-
-
-@numba.njit(inline="always", cache=True)
-def _q6_half(path, group, iacc, ai, ql, qo, qh, ho, xq, xo, k, scales, j):  # type: ignore[no-untyped-def]
-    """Weights 128h..128h+127 of one row's superblock against `group` rows of x (k apart):
-    quarter t reads nibble t//2 of ql[qo + 32(t%2) + l] and bits 2t of qh[ho + l], scales
-    j + 2t (l < 16) and j + 2t + 1."""
-    kdot(path, 6, group, iacc, ai, ql, qo, 0, qh, ho, 0, xq, xo, k, scales[j], scales[j + 1])
-    kdot(path, 6, group, iacc, ai, ql, qo + 32, 0, qh, ho, 2, xq, xo + 32, k, scales[j + 2],
-         scales[j + 3])
-    kdot(path, 6, group, iacc, ai, ql, qo, 4, qh, ho, 4, xq, xo + 64, k, scales[j + 4],
-         scales[j + 5])
-    kdot(path, 6, group, iacc, ai, ql, qo + 32, 4, qh, ho, 6, xq, xo + 96, k, scales[j + 6],
-         scales[j + 7])
-
-
-@numba.njit(inline="always", cache=True)
-def _offset_lanes(iacc, i, scales, xb, sb):  # type: ignore[no-untyped-def]
-    """Q6_K's -32 offset, per int lane as ggml's AVX2 dot takes it off: lane t -= 32 *
-    (scale_2t b_2t + scale_2t+1 b_2t+1) over superblock sb's sub-blocks of 16."""
-    for t in range(8):
-        j = 16 * sb + 2 * t
-        iacc[i + t] -= 32 * (np.int32(scales[j]) * np.int32(xb[j])
-                             + np.int32(scales[j + 1]) * np.int32(xb[j + 1]))
 
 
 def supports(qtype: int, rows: int) -> bool:
