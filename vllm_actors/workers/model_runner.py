@@ -84,6 +84,8 @@ class ModelRunner:
                                   f"model's context length ({limit})", "max_model_len")
         self.block_size = config.cache.block_size
         self.kv_format = kv_format(cache.kv_cache_dtype, ggml_products=quantized)
+        # llama.cpp's tokens under speculation: verification rows run as one-row requests
+        self._one_row_decode = quantized and config.speculative is not None
         self.kv_groups = kv_cache_groups(self.local_args)
         self.layer_ids = list(getattr(self.model, "layer_ids", range(args.num_layers)))
         slot_of = layer_slots(self.kv_groups)[1]
@@ -190,6 +192,28 @@ class ModelRunner:
                 tables[np.arange(num_blocks)[None, :] < first[:, None]] = 0
             metas.append(AttentionMetadata(query_start_loc, seq_lens, tables, slots, bs))
         return token_ids, positions, token_rows, metas
+
+    def _one_row_verification(self, metas: list[AttentionMetadata], rows: np.ndarray,
+                              counts: np.ndarray) -> list[AttentionMetadata]:
+        """Under the quantized semantics with speculation, the forward pass's layout with each
+        row of a request in its decode phase (its drafts' verification) as a request of its
+        own: llama.cpp decoding alone computes those tokens one at a time, so their
+        attention and matmuls take its one-row float orders. Sampling keeps `metas`."""
+        if not self._one_row_decode:
+            return metas
+        starts = self.batch.num_computed_tokens[rows]
+        split = (counts > 1) & (starts >= self.batch.num_prompt_tokens[rows])
+        if not split.any():
+            return metas
+        reps = np.where(split, counts, 1)
+        idx = np.repeat(np.arange(len(rows)), reps)              # original request of each
+        nth = np.arange(len(idx)) - np.repeat(np.cumsum(reps) - reps, reps)
+        new_counts = np.where(split[idx], 1, counts[idx])
+        query_start_loc = np.zeros(len(idx) + 1, np.int32)
+        np.cumsum(new_counts, out=query_start_loc[1:])
+        seq_lens = (starts[idx] + np.where(split[idx], nth + 1, counts[idx])).astype(np.int32)
+        return [AttentionMetadata(query_start_loc, seq_lens, m.block_tables[idx],
+                                  m.slot_mapping, m.block_size) for m in metas]
 
     def _collect_prompt_logprobs(self, hidden: object, positions: np.ndarray,
                                  token_rows: np.ndarray) -> None:
@@ -348,7 +372,8 @@ class ModelRunner:
         rows = self.batch.rows_of(req_ids)
         counts = np.fromiter(step.num_scheduled_tokens.values(), np.int32, len(rows))
         token_ids, positions, token_rows, metas = self._prepare(rows, counts)
-        meta = metas[0] if len(metas) == 1 else metas
+        layouts = self._one_row_verification(metas, rows, counts)
+        meta = layouts[0] if len(layouts) == 1 else layouts
         if self.stage.first:
             hidden = self.model.forward(token_ids, positions, meta, self.kv_caches)
         else:
