@@ -1,11 +1,14 @@
-"""Numba intrinsics for the K-quant kernels that reduce each (x row, weight row) pair to one
-integer per superblock, or per pair of sub-blocks, before any float math: llama.cpp's
-repacked Q4_K GEMV and GEMM and its tiled matmul (`qmatmul_int_k`'s kinds 44, 84, 9x).
+"""Numba intrinsics that hold the K-quant integer kernels' lanes in registers
+(`qmatmul_int_k`: Q4_K, Q5_K, Q6_K on x's Q8_K blocks). numba stack arrays indexed in a loop
+stay in memory, a store and a reload around every multiply-add; here the 8-lane int32
+accumulators are LLVM values for a whole superblock (or a pair of sub-blocks).
 
 The kernels work on two weight rows and up to 4 rows of x at once: 8 pairs, c = 2m + r.
-- `pair_totals`: the exact integer dot of every pair over a run of sub-block pairs, with the
-  8-lane accumulators kept in registers (not in a stack array: a store and a reload per
-  block), then one transposing add tree that leaves pair c's total in lane c.
+- `superblock_lanes`: every pair's 8 integer lanes over a superblock, stored apart (ggml's
+  vec_dot scales them per lane); `q6_offsets` takes Q6_K's -32 offset off them.
+- `pair_totals`: the same reduced to one integer per pair by a transposing add tree (lane c =
+  pair c), for llama.cpp's repacked Q4_K GEMV and GEMM and its tiled matmul;
+  `lane_totals` the same tree over lanes a kernel kept in memory.
 - `min_terms`: every pair's mins against x's sub-block sums, per superblock or per pair of
   sub-blocks, as 8-lane vectors.
 - `pair_flush`: the float epilogue of all 8 pairs as 8-lane fused multiply-adds. Each lane
@@ -29,8 +32,7 @@ _F8 = ir.VectorType(ir.FloatType(), 8)
 FLUSH_REPACKED, FLUSH_TILED, FLUSH_TILED_NO_MINS = 0, 1, 2
 
 
-def _at(context, builder, aryty, ary, idxty, idx, vecty):  # type: ignore[no-untyped-def]
-    return vector_ptr(context, builder, aryty, ary, idxty, idx, vecty)
+_at = vector_ptr
 
 
 def _add(builder, a, n):  # type: ignore[no-untyped-def]
