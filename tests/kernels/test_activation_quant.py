@@ -144,7 +144,8 @@ def test_every_simd_path_gives_the_same_floats_and_ggml_vec_dot(monkeypatch):
             assert np.all(np.abs(repacked - want) <= ORDER_TOLERANCE * magnitude)
             assert not np.array_equal(repacked, want)             # another order
             # the kernels that sum each pair to one integer (`ktotals`), on every path: the
-            # repacked GEMV on requests of 1 row, its GEMM on a request of 4
+            # repacked GEMV on a request of 1 row, then a request of 5 (its GEMM on 4 rows,
+            # the GEMV on the fifth)
             six = quantize(np.concatenate([x, x[::-1]]).astype(np.float32))
             both = [integer.matmul(replace(matrix, ggml_repacked=True), six, path=path,
                                    requests=[1, 5]) for path in paths]
