@@ -22,7 +22,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from vllm_actors.kernels.cpu.qdot import scaled_lanes
-from vllm_actors.kernels.cpu.qmatmul_simd import splat, vector_ptr
+from vllm_actors.kernels.cpu.qmatmul_simd import vector_ptr
 
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _B32 = ir.VectorType(_I8, 32)

@@ -93,8 +93,6 @@ def gemv(path, kind, group, qs, qh, sc, mn, d, dmin, lut, xq, xd, xb, out, dist,
         am = stack_f32(32)          # Q4_K/Q5_K's min terms: 4 lanes per (x row, weight row)
         fw = stack_f32(24)          # the one-total kinds' factors per pair (`_pair_scales`)
         iw = stack_i32(40)          # their integer totals (0:8) and min terms (8:40)
-        for i in range(64):
-            iacc[i] = 0
         for i in range(24):
             fw[i] = 0
         for m0 in range(0, xq.shape[0], group):
