@@ -32,3 +32,65 @@ def test_probability_rounding_and_softmax_exp_equal_the_exact_forms():
     _both(xs, HALF_LUT, *out)
     assert np.array_equal(out[0].view(np.uint32), out[1].view(np.uint32))
     assert np.array_equal(out[2].view(np.uint32), out[3].view(np.uint32))
+
+
+def _per_lane_decode(q, k, v, tables, ctx, bs, scale, window):  # type: ignore[no-untyped-def]
+    """One-token attention through the per-lane forms of ggml's order (`_scores` and
+    `_weighted_values` with one key, or one output lane, per vector lane): the reference
+    of the one-token path `_attend` takes. The scores are compared on the way (the
+    probabilities' float16 rounding hides most score differences)."""
+    hq, dh = q.shape[1], q.shape[2]
+    hk = k.shape[2]
+    g = hq // hk
+    out = np.empty_like(q)
+    for r in range(q.shape[0]):
+        p = ctx[r] - 1
+        for kvh in range(hk):
+            q16 = np.array([[ga._half(q[r, kvh * g + i, d], HALF_LUT) for d in range(dh)]
+                            for i in range(g)], np.float32)
+            pos = np.full(g, p, np.int64)
+            s = np.empty((g, p + 1 + ga.LANES), np.float32)
+            ga._scores(q16, k, HALF_LUT, tables[r], bs, kvh, pos, window, True,
+                       np.float32(scale), s, np.empty(dh * ga.LANES, np.float32),
+                       np.empty(64 * ga.LANES, np.float32),
+                       np.empty(max(dh, ga.LANES), np.float32))
+            fast = np.empty_like(s)
+            ga._decode_scores(q16, k, tables[r], bs, kvh, p, window, np.float32(scale), fast,
+                              np.empty(dh, np.float32))
+            assert np.array_equal(fast[:, :p + 1].view(np.uint32),
+                                  s[:, :p + 1].view(np.uint32)), (dh, window, p)
+            m = (p + ga.LANES) // ga.LANES * ga.LANES
+            for i in range(g):
+                s[i, p + 1:m] = -np.inf
+                ga._softmax16(s[i], m, HALF_LUT)
+            rows = np.empty((g, dh), np.float32)
+            ga._weighted_values(v, HALF_LUT, tables[r], bs, kvh, pos, True, s,
+                                np.empty(64 * dh, np.float32),
+                                np.empty((p + 1) * dh, np.float32), rows)
+            out[r, kvh * g:(kvh + 1) * g] = rows
+    return out
+
+
+def test_one_token_path_equals_the_per_lane_forms():
+    """The one-token path (`_decode_scores`, `_decode_values`: one key at a time along
+    vectors) gives the per-lane forms' floats bit for bit: a head dim of whole 64s (SmolLM2),
+    one with leftovers added in float64 (80), Gemma's 256, GQA, a sliding window, and
+    contexts from 1 key to several blocks."""
+    rng = np.random.default_rng(3)
+    bs = 16
+    for hq, hk, dh, ctx, window in ((9, 3, 64, [65, 1, 300], 0), (8, 2, 80, [50, 17], 7),
+                                    (4, 1, 256, [40, 129], 0), (4, 4, 64, [33], 5)):
+        blocks = sum((c + bs - 1) // bs for c in ctx) + 1
+        k, v = (rng.standard_normal((blocks, bs, hk, dh)).astype(np.float16).view(np.uint16)
+                for _ in range(2))
+        q = rng.standard_normal((len(ctx), hq, dh)).astype(np.float32)
+        tables = np.zeros((len(ctx), blocks), np.int32)
+        start = 1
+        for r, c in enumerate(ctx):
+            n = (c + bs - 1) // bs
+            tables[r, :n] = np.arange(start, start + n)
+            start += n
+        qsl = np.arange(len(ctx) + 1, dtype=np.int32)
+        fast = ga.attend(q, k, v, qsl, np.array(ctx, np.int32), tables, bs, 0.125, window)
+        ref = _per_lane_decode(q, k, v, tables, ctx, bs, 0.125, window)
+        assert np.array_equal(fast.view(np.uint32), ref.view(np.uint32)), (hq, hk, dh, window)

@@ -25,7 +25,16 @@ import numpy as np
 from numba import prange
 
 from vllm_actors.kernels.cpu.activations import _f16_bits
-from vllm_actors.kernels.cpu.intrinsics import bits_to_f32, f32_to_bits, fma16
+from vllm_actors.kernels.cpu.attention_math import half_to_f32
+from vllm_actors.kernels.cpu.intrinsics import (
+    HARDWARE_HALF,
+    bits_to_f32,
+    f32_to_bits,
+    fma16,
+    fma_f32,
+    hardware_half_to_f32,
+    stack_f32,
+)
 from vllm_actors.kernels.cpu.jit import kernel
 from vllm_actors.kernels.ggml_math import NORMAL_HIGH, NORMAL_LOW, expf16, expf16_normal
 
@@ -40,6 +49,15 @@ class GgmlCache(NamedTuple):
 
     k: np.ndarray
     v: np.ndarray
+
+
+if HARDWARE_HALF:
+    @numba.njit(inline="always", cache=True)
+    def _cell(h):  # type: ignore[no-untyped-def]
+        """A cache cell's float16 bits -> float32, in hardware: a loop of them vectorizes."""
+        return hardware_half_to_f32(h)
+else:
+    _cell = half_to_f32
 
 
 @numba.njit(inline="always", cache=True)
@@ -109,7 +127,7 @@ def _scores(q16, kc, lut, table, block_size, kvh, pos, window, one_token, scale,
             if j <= last:
                 blk = table[j // block_size]
                 for d in range(dh):
-                    kt[d * LANES + lane] = lut[kc[blk, j % block_size, kvh, d]]
+                    kt[d * LANES + lane] = _cell(kc[blk, j % block_size, kvh, d])
             else:
                 for d in range(dh):
                     kt[d * LANES + lane] = 0.0
@@ -170,6 +188,78 @@ def _tree16(acc, out):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(cache=True)
+def _decode_scores(q16, kc, table, block_size, kvh, p, window, scale, s, krow):  # type: ignore[no-untyped-def]
+    """A one-token step's scores, as `_scores` gives them in `ggml_vec_dot_f16`'s order, one
+    key at a time: its row decoded once (a vector conversion), then for each query row the
+    products of chunk c of 64 chained onto accumulator d % 64, the four 16-lane registers
+    combined as (r0 + r2) + (r1 + r3), `_reduce16`, and leftovers past the last whole 64
+    added in float64. All of it runs along vectors, where `_dots16` put one key per lane."""
+    rows, dh = q16.shape
+    whole = dh - dh % 64
+    acc = stack_f32(64)          # on the stack: LLVM keeps them in registers
+    comb = stack_f32(16)
+    for j in range(p + 1):
+        if window > 0 and j <= p - window:
+            for i in range(rows):
+                s[i, j] = -np.inf
+            continue
+        blk = table[j // block_size]
+        for d in range(dh):
+            krow[d] = _cell(kc[blk, j % block_size, kvh, d])
+        for i in range(rows):
+            for a in range(64):
+                acc[a] = 0.0
+            for c in range(0, whole, 64):
+                for a in range(64):
+                    acc[a] = fma_f32(krow[c + a], q16[i, c + a], acc[a])
+            for lane in range(LANES):
+                comb[lane] = (acc[lane] + acc[32 + lane]) + (acc[16 + lane] + acc[48 + lane])
+            dot = _reduce16(comb)
+            if whole < dh:
+                total = np.float64(dot)
+                for d in range(whole, dh):
+                    total += np.float64(q16[i, d] * krow[d])
+                dot = np.float32(total)
+            s[i, j] = np.float32(dot * scale)
+
+
+@numba.njit(cache=True)
+def _decode_values(vc, table, block_size, kvh, p, s, acc, vbuf, comb, out):  # type: ignore[no-untyped-def]
+    """A one-token step's P . V as `_weighted_values` gives it (`ggml_vec_dot_f16`'s
+    order: key j chained onto lane j % 64 of every output dimension, the lanes combined as
+    the scores' are), with the final combination run along the dimensions."""
+    rows, dh = out.shape
+    for j in range(p + 1):
+        blk = table[j // block_size]
+        for d in range(dh):
+            vbuf[j * dh + d] = _cell(vc[blk, j % block_size, kvh, d])
+    for i in range(rows):
+        for a in range(64 * dh):
+            acc[a] = 0.0
+        for j in range(p + 1):
+            w = s[i, j]
+            if w != 0:
+                base = (j % 64) * dh
+                for d0 in range(0, dh, LANES):
+                    fma16(acc, base + d0, vbuf, j * dh + d0, w, 0)
+        for lane in range(LANES):
+            for d in range(dh):
+                comb[lane * dh + d] = ((acc[lane * dh + d] + acc[(32 + lane) * dh + d])
+                                       + (acc[(16 + lane) * dh + d]
+                                          + acc[(48 + lane) * dh + d]))
+        for d in range(dh):
+            t0 = comb[8 * dh + d] + comb[d]
+            t1 = comb[9 * dh + d] + comb[dh + d]
+            t2 = comb[10 * dh + d] + comb[2 * dh + d]
+            t3 = comb[11 * dh + d] + comb[3 * dh + d]
+            t4 = comb[12 * dh + d] + comb[4 * dh + d]
+            t5 = comb[13 * dh + d] + comb[5 * dh + d]
+            t6 = comb[14 * dh + d] + comb[6 * dh + d]
+            t7 = comb[15 * dh + d] + comb[7 * dh + d]
+            out[i, d] = ((t4 + t0) + (t6 + t2)) + ((t5 + t1) + (t7 + t3))
+
+
+@numba.njit(cache=True)
 def _weighted_values(vc, lut, table, block_size, kvh, pos, one_token, s, acc, vbuf, out):  # type: ignore[no-untyped-def]
     """out[i, :] = P[i] . V in ggml's order: lane j % 16 (tinyBLAS) or j % 64 (vec_dot) of
     each output dimension chains the keys j in order (acc `[lanes, Dh]`, 16 dimensions a
@@ -180,7 +270,7 @@ def _weighted_values(vc, lut, table, block_size, kvh, pos, one_token, s, acc, vb
     for j in range(pos.max() + 1):
         blk = table[j // block_size]
         for d in range(dh):
-            vbuf[j * dh + d] = lut[vc[blk, j % block_size, kvh, d]]
+            vbuf[j * dh + d] = _cell(vc[blk, j % block_size, kvh, d])
     lanes = np.empty(64, np.float32)
     for i in range(rows):
         for a in range(width * dh):
@@ -228,15 +318,23 @@ def _attend(q, kc, vc, lut, q_start, q_lens, ctx0, tables, block_size, scale, wi
                 pos[i] = ctx0[r] + t0 + ti
                 for d in range(dh):
                     q16[i, d] = _half(q[q_start[r] + t0 + ti, kvh * g + gi, d], lut)
-        _scores(q16, kc, lut, tables[r], block_size, kvh, pos, window, one_token, scale, s,
-                kt, dot_acc, krow)
+        if one_token:
+            _decode_scores(q16, kc, tables[r], block_size, kvh, pos[0], window, scale, s,
+                           krow)
+        else:
+            _scores(q16, kc, lut, tables[r], block_size, kvh, pos, window, one_token, scale,
+                    s, kt, dot_acc, krow)
         for i in range(n):
             m = ((pos[i] + LANES) // LANES) * LANES      # whole 16s; past them exp is 0
             for j in range(pos[i] + 1, m):
                 s[i, j] = -np.inf
             _softmax16(s[i], m, lut)
-        _weighted_values(vc, lut, tables[r], block_size, kvh, pos, one_token, s, acc, vbuf,
-                         out_rows)
+        if one_token:
+            _decode_values(vc, tables[r], block_size, kvh, pos[0], s, acc, vbuf, kt,
+                           out_rows)
+        else:
+            _weighted_values(vc, lut, tables[r], block_size, kvh, pos, one_token, s, acc,
+                             vbuf, out_rows)
         for ti in range(nt):
             for gi in range(g):
                 for d in range(dh):
@@ -266,17 +364,31 @@ def reads(fmt, head_dim: int, softcap: float = 0.0, sinks=None) -> bool:  # type
             and sinks is None)
 
 
-def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, query_start_loc: np.ndarray,
-           seq_lens: np.ndarray, block_tables: np.ndarray, block_size: int, scale: float,
-           window: int = 0) -> np.ndarray:
-    """q [T, H, Dh] float32 over the float16 cache slot k, v (uint16 bits, `[num_blocks,
-    block_size, Hk, Dh]`) -> [T, H, Dh], as llama.cpp computes it (module docstring)."""
-    from vllm_actors.kernels.cpu.qmatmul_prims import HALF_LUT
+def _layout(query_start_loc: np.ndarray, seq_lens: np.ndarray, hk: int
+            ) -> tuple[np.ndarray, ...]:
+    """(query starts, query lengths, context before the step, work items) of a step."""
     q_start = np.asarray(query_start_loc, np.int64)
     q_lens = np.diff(q_start)
-    ctx0 = np.asarray(seq_lens, np.int64) - q_lens                  # context before the step
+    ctx0 = np.asarray(seq_lens, np.int64) - q_lens
+    return q_start, q_lens, ctx0, _work_items(q_lens, ctx0, hk)
+
+
+def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, query_start_loc: np.ndarray,
+           seq_lens: np.ndarray, block_tables: np.ndarray, block_size: int, scale: float,
+           window: int = 0, memo: dict | None = None) -> np.ndarray:
+    """q [T, H, Dh] float32 over the float16 cache slot k, v (uint16 bits, `[num_blocks,
+    block_size, Hk, Dh]`) -> [T, H, Dh], as llama.cpp computes it (module docstring).
+    `memo`: a dict that lives as long as the step's layout (the backend's prepared
+    attention), where the layout is kept for the step's other layers."""
+    from vllm_actors.kernels.cpu.qmatmul_prims import HALF_LUT
+    key = ("ggml", k.shape[2])
+    layout = None if memo is None else memo.get(key)
+    if layout is None:
+        layout = _layout(query_start_loc, seq_lens, k.shape[2])
+        if memo is not None:
+            memo[key] = layout
+    q_start, q_lens, ctx0, items = layout
     out = np.empty(q.shape, np.float32)
-    items = _work_items(q_lens, ctx0, k.shape[2])
     _attend(np.ascontiguousarray(q, np.float32), k, v, HALF_LUT, q_start, q_lens, ctx0,
             np.ascontiguousarray(block_tables, np.int32), block_size, np.float32(scale),
             int(window), items, out)

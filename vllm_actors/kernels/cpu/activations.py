@@ -53,35 +53,54 @@ def _f16_bits(f):  # type: ignore[no-untyped-def]
     return np.uint16(sign | r)
 
 
+# Inputs up to this many elements are quantized on the calling thread: waking numba's
+# threads costs more than they save (a decode step quantizes hundreds of 576-wide rows).
+SERIAL_MAX = 1 << 14
+
+
+@numba.njit(inline="always", **_EXACT)
+def _q8_0_block(x, lut, qs, d, s, dsum, i, b):  # type: ignore[no-untyped-def]
+    """Block b of row i: quants qs int8 `[M, K]`, the scale d (float16-rounded, as
+    float32), Q8_1's stored sum s = f16(d32 * sum q) with ggml's wrapping sum, and d * (the
+    sum of the stored quants)."""
+    o = 32 * b
+    amax = np.float32(0)
+    for j in range(32):
+        amax = max(amax, abs(x[i, o + j]))
+    d32 = amax / np.float32(127)
+    inv = np.float32(127) / amax if amax != 0 else np.float32(0)
+    total = np.int32(0)        # ggml's sum (wrapping), for s
+    stored = np.int32(0)       # the sum of the stored quants
+    for j in range(32):
+        q = np.rint(x[i, o + j] * inv)
+        if abs(q) < np.float32(2.0**31):
+            total += np.int32(q)
+        else:                  # inf, NaN: INT_MIN in the sum, -128 stored
+            total += np.int32(-2**31)
+            q = np.float32(-128)
+        q = min(max(q, np.float32(-128)), np.float32(127))
+        stored += np.int32(q)
+        qs[i, o + j] = np.int8(q)
+    d[i, b] = lut[_f16_bits(d32)]
+    s[i, b] = lut[_f16_bits(d32 * np.float32(total))]
+    dsum[i, b] = d[i, b] * np.float32(stored)
+
+
 @numba.njit(parallel=True, **_EXACT)
 def _q8_0(x, lut, qs, d, s, dsum):  # type: ignore[no-untyped-def]
-    """Q8_0/Q8_1 blocks of x `[M, K]`: quants qs int8 `[M, K]`, per block of 32 the scale d
-    (float16-rounded, as float32), Q8_1's stored sum s = f16(d32 * sum q) with ggml's
-    wrapping sum, and d * (the sum of the stored quants)."""
+    """Q8_0/Q8_1 blocks of x `[M, K]` (`_q8_0_block`), blocks shared among the threads."""
     m, k = x.shape
     for t in prange(m * (k // 32)):
-        i, b = t // (k // 32), t % (k // 32)
-        o = 32 * b
-        amax = np.float32(0)
-        for j in range(32):
-            amax = max(amax, abs(x[i, o + j]))
-        d32 = amax / np.float32(127)
-        inv = np.float32(127) / amax if amax != 0 else np.float32(0)
-        total = np.int32(0)        # ggml's sum (wrapping), for s
-        stored = np.int32(0)       # the sum of the stored quants
-        for j in range(32):
-            q = np.rint(x[i, o + j] * inv)
-            if abs(q) < np.float32(2.0**31):
-                total += np.int32(q)
-            else:                  # inf, NaN: INT_MIN in the sum, -128 stored
-                total += np.int32(-2**31)
-                q = np.float32(-128)
-            q = min(max(q, np.float32(-128)), np.float32(127))
-            stored += np.int32(q)
-            qs[i, o + j] = np.int8(q)
-        d[i, b] = lut[_f16_bits(d32)]
-        s[i, b] = lut[_f16_bits(d32 * np.float32(total))]
-        dsum[i, b] = d[i, b] * np.float32(stored)
+        _q8_0_block(x, lut, qs, d, s, dsum, t // (k // 32), t % (k // 32))
+
+
+@numba.njit(**_EXACT)
+def _q8_0_serial(x, lut, qs, d, s, dsum):  # type: ignore[no-untyped-def]
+    """`_q8_0` on the calling thread."""
+    m, k = x.shape
+    for i in range(m):
+        for b in range(k // 32):
+            _q8_0_block(x, lut, qs, d, s, dsum, i, b)
 
 
 @numba.njit(parallel=True, **_EXACT)
@@ -108,39 +127,53 @@ def quantize_q8(x: np.ndarray) -> Q8Rows:
     """x float32 `[M, K]` (K a multiple of 32) -> its Q8_0/Q8_1 blocks, bit for bit ggml's."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     m, k = x.shape
-    rows = Q8Rows(np.empty((m, k), np.int8), *(np.empty((m, k // 32), np.float32)
-                                               for _ in range(3)))
-    _q8_0(x, HALF_LUT, rows.qs, rows.d, rows.s, rows.dsum)
+    rows = Q8Rows(np.empty((m, k), np.int8), *np.empty((3, m, k // 32), np.float32))
+    (_q8_0_serial if m * k <= SERIAL_MAX else _q8_0)(x, HALF_LUT, rows.qs, rows.d, rows.s,
+                                                      rows.dsum)
     return rows
+
+
+@numba.njit(inline="always", **_EXACT)
+def _q8_k_block(x, qs, d, bsums, i, b):  # type: ignore[no-untyped-def]
+    """Q8_K block b (256 values) of row i as `activation_quant.quantize_q8_k`: quants qs
+    int8 `[M, K]`, the float32 scale d `[M, K / 256]`, and bsums int16 `[M, K / 16]`, the
+    sum of every 16 quants."""
+    o = 256 * b
+    amax = np.float32(0)
+    peak = np.float32(0)
+    for j in range(256):
+        a = abs(x[i, o + j])
+        if a > amax:
+            amax = a
+            peak = x[i, o + j]
+    iscale = np.float32(-127) / peak if amax != 0 else np.float32(0)
+    d[i, b] = np.float32(1) / iscale if amax != 0 else np.float32(0)
+    for r in range(16):
+        total = np.int16(0)
+        for j in range(o + 16 * r, o + 16 * r + 16):
+            q = np.rint(iscale * x[i, j])
+            if not np.isfinite(q):                  # as the numpy reference
+                q = np.float32(0)
+            qs[i, j] = np.int8(min(q, np.float32(127)))
+            total += np.int16(qs[i, j])
+        bsums[i, 16 * b + r] = total
 
 
 @numba.njit(parallel=True, **_EXACT)
 def _q8_k(x, qs, d, bsums):  # type: ignore[no-untyped-def]
-    """Q8_K blocks of 256 of x `[M, K]` as `activation_quant.quantize_q8_k`: quants qs int8
-    `[M, K]`, the float32 scale d `[M, K / 256]`, and bsums int16 `[M, K / 16]`, the sum of
-    every 16 quants."""
+    """Q8_K blocks of x `[M, K]` (`_q8_k_block`), blocks shared among the threads."""
     m, k = x.shape
     for t in prange(m * (k // 256)):
-        i, b = t // (k // 256), t % (k // 256)
-        o = 256 * b
-        amax = np.float32(0)
-        peak = np.float32(0)
-        for j in range(256):
-            a = abs(x[i, o + j])
-            if a > amax:
-                amax = a
-                peak = x[i, o + j]
-        iscale = np.float32(-127) / peak if amax != 0 else np.float32(0)
-        d[i, b] = np.float32(1) / iscale if amax != 0 else np.float32(0)
-        for r in range(16):
-            total = np.int16(0)
-            for j in range(o + 16 * r, o + 16 * r + 16):
-                q = np.rint(iscale * x[i, j])
-                if not np.isfinite(q):                  # as the numpy reference
-                    q = np.float32(0)
-                qs[i, j] = np.int8(min(q, np.float32(127)))
-                total += np.int16(qs[i, j])
-            bsums[i, 16 * b + r] = total
+        _q8_k_block(x, qs, d, bsums, t // (k // 256), t % (k // 256))
+
+
+@numba.njit(**_EXACT)
+def _q8_k_serial(x, qs, d, bsums):  # type: ignore[no-untyped-def]
+    """`_q8_k` on the calling thread."""
+    m, k = x.shape
+    for i in range(m):
+        for b in range(k // 256):
+            _q8_k_block(x, qs, d, bsums, i, b)
 
 
 @dataclass(frozen=True)
@@ -158,7 +191,7 @@ def quantize_q8_k(x: np.ndarray) -> Q8KRows:
     m, k = x.shape
     rows = Q8KRows(np.empty((m, k), np.int8), np.empty((m, k // 256), np.float32),
                    np.empty((m, k // 16), np.int16))
-    _q8_k(x, rows.qs, rows.d, rows.bsums)
+    (_q8_k_serial if m * k <= SERIAL_MAX else _q8_k)(x, rows.qs, rows.d, rows.bsums)
     return rows
 
 

@@ -89,7 +89,7 @@ class CpuAttention:
         threads: threads the work is partitioned for (numba's count at `prepare`).
         plans: the work partition per (num_kv_heads, g, head_dim, window), built on the
             step's first attention call (every layer of a model, or of a window size, shares
-            it).
+            it); also llama.cpp-order attention's layout per ("ggml", num_kv_heads).
     """
 
     query_start_loc: np.ndarray

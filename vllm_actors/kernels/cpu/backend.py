@@ -318,7 +318,7 @@ class CpuBackend:
         if isinstance(kv_cache, ggml_attention.GgmlCache) and not softcap and sinks is None:
             return ggml_attention.attend(q, kv_cache.k, kv_cache.v, attn.query_start_loc,
                                          attn.seq_lens, attn.block_tables, attn.block_size,
-                                         scale, window)
+                                         scale, window, attn.plans)
         return attention.paged_attention(q, kv_cache, attn, scale, window=window,
                                          softcap=softcap, sinks=sinks)
 

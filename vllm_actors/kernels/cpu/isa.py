@@ -53,9 +53,15 @@ def available() -> tuple[str, ...]:
 
 def selected() -> str:
     """The path kernels take: `VLLM_ACTORS_CPU_ISA` when set (it must be one this machine
-    can execute), else the best available."""
+    can execute), else the best available. Read at every call (tests force paths), and
+    resolved once per value: each matmul asks."""
+    return _resolve(os.environ.get(ENV, ""))
+
+
+@functools.cache
+def _resolve(setting: str) -> str:
     paths = available()
-    forced = os.environ.get(ENV, "").strip().lower()
+    forced = setting.strip().lower()
     if not forced:
         return paths[-1]
     if forced not in PATHS:

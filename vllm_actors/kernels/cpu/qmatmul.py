@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numba
@@ -77,6 +77,9 @@ class QuantMatrix:
     # under the quantized semantics: a Q4_K weight llama.cpp would repack (x86 AVX2, rows a
     # multiple of 8, a matmul weight), whose float order the integer kernels then follow
     ggml_repacked: bool = False
+    # what the kernels reading this matrix prepared once for their calls (argument type
+    # keys, prefetch distance); never part of its value, and not copied by `replace`
+    memo: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -213,7 +216,11 @@ def pack_stacked(parts: Sequence[np.ndarray], qtype: int, rows: Sequence[int], c
 
 def prefetch_rows(w: QuantMatrix) -> int:
     """How many weight rows ahead the GEMVs prefetch (about `PREFETCH_BYTES`)."""
-    return max(4, min(32, PREFETCH_BYTES * w.rows // max(1, w.nbytes)))
+    dist = w.memo.get("prefetch_rows")
+    if dist is None:
+        dist = w.memo["prefetch_rows"] = max(4, min(32, PREFETCH_BYTES * w.rows
+                                                    // max(1, w.nbytes)))
+    return dist
 
 
 def _check_f32(name: str, a: np.ndarray, shape: tuple[int, int]) -> None:

@@ -120,21 +120,32 @@ def gemv(path, kind, group, qs, qh, d, mn, lut, xq, xd, xs, out, dist, threads):
 _ENTRIES: dict[tuple[Any, ...], Any] = {}
 
 
-def call(fn: Any, path: int, kind: int, group: int, *args: Any) -> None:
-    """fn(path, kind, group, *args) through the compiled entry point of its signature:
-    numba's literal dispatch (`numba.literally`) retypes every call, about 50 ms."""
-    key = (fn, path, kind, group) + tuple((a.dtype.num, a.ndim, a.flags.c_contiguous,
-                                           a.flags.writeable)
-                                          if isinstance(a, np.ndarray) else type(a)
-                                          for a in args)
+def _types_key(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What numba's typing of `args` depends on, as a hashable key."""
+    return tuple((a.dtype.num, a.ndim, a.flags.c_contiguous, a.flags.writeable)
+                 if isinstance(a, np.ndarray) else type(a) for a in args)
+
+
+def call(fn: Any, path: int, kind: int, group: int, planes: tuple[Any, ...],
+         tail: tuple[Any, ...], memo: dict[Any, Any] | None = None) -> None:
+    """fn(path, kind, group, *planes, *tail) through the compiled entry point of its
+    signature: numba's literal dispatch (`numba.literally`) retypes every call, about 50 ms.
+    `memo` (the weight's `QuantMatrix.memo`) keeps the planes' part of the key, which a
+    weight never changes: a decode step makes hundreds of these calls."""
+    pkey = None if memo is None else memo.get((fn, kind))
+    if pkey is None:
+        pkey = _types_key(planes)
+        if memo is not None:
+            memo[(fn, kind)] = pkey
+    key = (fn, path, kind, group, pkey, _types_key(tail))
     entry = _ENTRIES.get(key)
     if entry is None:
-        fn(path, kind, group, *args)       # compiles, or loads from the cache
+        fn(path, kind, group, *planes, *tail)      # compiles, or loads from the cache
         sig = (types.literal(path), types.literal(kind), types.literal(group)) + tuple(
-            fn.typeof_pyval(a) for a in args)
+            fn.typeof_pyval(a) for a in planes + tail)
         _ENTRIES[key] = fn.overloads[sig].entry_point
         return
-    entry(path, kind, group, *args)
+    entry(path, kind, group, *planes, *tail)
 
 
 def pad_rows(x: Any, group: int) -> Any:
@@ -175,6 +186,6 @@ def matmul(w: QuantMatrix, x: activations.Q8Rows, path: str | None = None,
     x = pad_rows(x, group)
     out = np.empty((x.qs.shape[0], w.rows), np.float32)
     threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
-    call(gemv, isa.code(path or isa.selected()), kind, group, qs, qh, d, mn, HALF_LUT, x.qs,
-         x.d, x.s, out, prefetch_rows(w), threads)
+    call(gemv, isa.code(path or isa.selected()), kind, group, (qs, qh, d, mn),
+         (HALF_LUT, x.qs, x.d, x.s, out, prefetch_rows(w), threads), w.memo)
     return out[:m]

@@ -312,5 +312,5 @@ def _run(w: QuantMatrix, x: activations.Q8KRows, kind: int, path: str | None) ->
         planes = (w.planes[1], w.planes[0], *w.planes[2:])
     else:                   # qs, sc, mn, d, dmin (Q4_K, as stored or repacked)
         planes = (w.planes[0], _NO_BITS, *w.planes[1:])
-    call(gemv, code, kind, group, *planes, *tail)
+    call(gemv, code, kind, group, planes, tail, w.memo)
     return out[:m]
