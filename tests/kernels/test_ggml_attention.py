@@ -50,7 +50,7 @@ def _per_lane_decode(q, k, v, tables, ctx, bs, scale, window):  # type: ignore[n
                             for i in range(g)], np.float32)
             pos = np.full(g, p, np.int64)
             s = np.empty((g, p + 1 + ga.LANES), np.float32)
-            ga._scores(q16, k, HALF_LUT, tables[r], bs, kvh, pos, window, True,
+            ga._scores(q16, k, tables[r], bs, kvh, pos, window, True,
                        np.float32(scale), s, np.empty(dh * ga.LANES, np.float32),
                        np.empty(64 * ga.LANES, np.float32),
                        np.empty(max(dh, ga.LANES), np.float32))
@@ -64,7 +64,7 @@ def _per_lane_decode(q, k, v, tables, ctx, bs, scale, window):  # type: ignore[n
                 s[i, p + 1:m] = -np.inf
                 ga._softmax16(s[i], m, HALF_LUT)
             rows = np.empty((g, dh), np.float32)
-            ga._weighted_values(v, HALF_LUT, tables[r], bs, kvh, pos, True, s,
+            ga._weighted_values(v, tables[r], bs, kvh, pos, True, s,
                                 np.empty(64 * dh, np.float32),
                                 np.empty((p + 1) * dh, np.float32), rows)
             out[r, kvh * g:(kvh + 1) * g] = rows

@@ -113,12 +113,14 @@ TILE = 16                    # query tokens scored together (their K and V rows 
 
 
 @numba.njit(cache=True)
-def _scores(q16, kc, lut, table, block_size, kvh, pos, window, one_token, scale, s, kt, acc,
+def _scores(q16, kc, table, block_size, kvh, pos, window, one_token, scale, s, kt, acc,
             krow):  # type: ignore[no-untyped-def]
     """s[i, :] = the scores of query row i (position pos[i]) against every key up to the
     tile's last position, masked keys -inf. 16 keys at a time, one per vector lane: each
     lane runs the dot in ggml's order (`_dot`), so a vector op advances 16 dots at once;
-    kt holds the 16 keys' rows transposed ([Dh, 16]), decoded once for all rows."""
+    kt holds the 16 keys' rows transposed ([Dh, 16]), decoded once for all rows. Steps of
+    several tokens take it; a one-token step takes `_decode_scores`, the same floats (its
+    `one_token` form here is that path's reference in the tests)."""
     rows, dh = q16.shape
     last = pos.max()
     for j0 in range(0, last + 1, LANES):
@@ -260,11 +262,11 @@ def _decode_values(vc, table, block_size, kvh, p, s, acc, vbuf, comb, out):  # t
 
 
 @numba.njit(cache=True)
-def _weighted_values(vc, lut, table, block_size, kvh, pos, one_token, s, acc, vbuf, out):  # type: ignore[no-untyped-def]
+def _weighted_values(vc, table, block_size, kvh, pos, one_token, s, acc, vbuf, out):  # type: ignore[no-untyped-def]
     """out[i, :] = P[i] . V in ggml's order: lane j % 16 (tinyBLAS) or j % 64 (vec_dot) of
     each output dimension chains the keys j in order (acc `[lanes, Dh]`, 16 dimensions a
     vector). The V rows are decoded once into vbuf; a row's accumulators stay in L1 while
-    the keys stream past."""
+    the keys stream past. A one-token step takes `_decode_values` (as `_scores`)."""
     rows, dh = out.shape
     width = 64 if one_token else LANES
     for j in range(pos.max() + 1):
@@ -322,7 +324,7 @@ def _attend(q, kc, vc, lut, q_start, q_lens, ctx0, tables, block_size, scale, wi
             _decode_scores(q16, kc, tables[r], block_size, kvh, pos[0], window, scale, s,
                            krow)
         else:
-            _scores(q16, kc, lut, tables[r], block_size, kvh, pos, window, one_token, scale,
+            _scores(q16, kc, tables[r], block_size, kvh, pos, window, one_token, scale,
                     s, kt, dot_acc, krow)
         for i in range(n):
             m = ((pos[i] + LANES) // LANES) * LANES      # whole 16s; past them exp is 0
@@ -333,7 +335,7 @@ def _attend(q, kc, vc, lut, q_start, q_lens, ctx0, tables, block_size, scale, wi
             _decode_values(vc, tables[r], block_size, kvh, pos[0], s, acc, vbuf, kt,
                            out_rows)
         else:
-            _weighted_values(vc, lut, tables[r], block_size, kvh, pos, one_token, s, acc,
+            _weighted_values(vc, tables[r], block_size, kvh, pos, one_token, s, acc,
                              vbuf, out_rows)
         for ti in range(nt):
             for gi in range(g):
