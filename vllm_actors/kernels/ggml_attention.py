@@ -134,7 +134,7 @@ def _scores(q16, kc, table, block_size, kvh, pos, window, one_token, scale, s, k
                 for d in range(dh):
                     kt[d * LANES + lane] = 0.0
         for i in range(rows):
-            _dots16(q16[i], kt, dh, one_token, acc, krow)
+            _dots16(q16, i, kt, dh, one_token, acc, krow)
             for lane in range(LANES):
                 j = j0 + lane
                 if j > pos[i] or (window > 0 and j <= pos[i] - window):
@@ -144,8 +144,8 @@ def _scores(q16, kc, table, block_size, kvh, pos, window, one_token, scale, s, k
 
 
 @numba.njit(inline="always", cache=True)
-def _dots16(q, kt, dh, one_token, acc, out):  # type: ignore[no-untyped-def]
-    """out[l] = q . key l for the 16 keys in kt ([Dh, 16]; float32 holding float16 values),
+def _dots16(q, i, kt, dh, one_token, acc, out):  # type: ignore[no-untyped-def]
+    """out[l] = q[i] . key l for the 16 keys in kt ([Dh, 16]; float32 holding float16 values),
     each in ggml's order: tinyBLAS (16 accumulators, element d into d % 16, a fused chain)
     or, for a one-token step, `ggml_vec_dot_f16` (64 accumulators over chunks of 64, then
     (a0 + a2) + (a1 + a3) per lane, leftovers added in float64); then the reduction of
@@ -155,12 +155,12 @@ def _dots16(q, kt, dh, one_token, acc, out):  # type: ignore[no-untyped-def]
         acc[a] = 0.0
     if not one_token:       # tinyBLAS: accumulator d % 16, a chain over d // 16
         for d in range(dh):
-            fma16(acc, (d % LANES) * LANES, kt, d * LANES, q[d], 0)
+            fma16(acc, (d % LANES) * LANES, kt, d * LANES, q[i, d], 0)
         _tree16(acc, out)
         return
     whole = dh - dh % 64    # vec_dot_f16: accumulator d % 64 over chunks of 64, combined
     for d in range(whole):
-        fma16(acc, (d % 64) * LANES, kt, d * LANES, q[d], 0)
+        fma16(acc, (d % 64) * LANES, kt, d * LANES, q[i, d], 0)
     for a in range(LANES):
         for lane in range(LANES):
             acc[a * LANES + lane] = ((acc[a * LANES + lane] + acc[(32 + a) * LANES + lane])
@@ -170,7 +170,7 @@ def _dots16(q, kt, dh, one_token, acc, out):  # type: ignore[no-untyped-def]
     for lane in range(LANES):
         total = np.float64(out[lane])
         for d in range(whole, dh):
-            total += np.float64(q[d] * kt[d * LANES + lane])
+            total += np.float64(q[i, d] * kt[d * LANES + lane])
         out[lane] = np.float32(total)
 
 
