@@ -36,10 +36,11 @@ def test_logits_equal_on_one_and_two_threads(smollm2_path):
     assert np.array_equal(logits[1], logits[2])
 
 
-def test_load_follower_leaves_the_cpus_others_use(monkeypatch):
-    """Two CPUs; a neighbour busy for 1.2 of them -> one thread; idle again -> two."""
-    readings = iter([(0, 0, 0), (160, 200, 40), (200, 400, 80)])
-    state = {}
+def _fake_machine(monkeypatch, readings):  # type: ignore[no-untyped-def]
+    """Two CPUs whose /proc readings (busy, total, own jiffies) come from `readings`; a
+    clock set by hand; the thread counts set, in a list."""
+    readings = iter(readings)
+    state = {"t": 0.0}
 
     def busy_total(cpus):
         state["now"] = next(readings)
@@ -50,9 +51,40 @@ def test_load_follower_leaves_the_cpus_others_use(monkeypatch):
     monkeypatch.setattr(threads, "_own_jiffies", lambda: state["now"][2])
     monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr("numba.set_num_threads", set_to.append)
-    clock = iter([0.0, 1.0, 1.2, 2.0])
-    monkeypatch.setattr(threads.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(threads.time, "monotonic", lambda: state["t"])
+    return state, set_to
+
+
+def _run_until(follower, state, t):  # type: ignore[no-untyped-def]
+    """Steps (a layer every 0.1 s) until time t, then the next step's `follow`."""
+    while state["t"] + 0.1 < t:
+        state["t"] += 0.1
+        follower.working()
+    state["t"] = t
+    return follower.follow()
+
+
+def test_load_follower_leaves_the_cpus_others_use(monkeypatch):
+    """Two CPUs; a neighbour busy for 1.2 of them while we run -> one thread; idle
+    again -> two."""
+    state, set_to = _fake_machine(monkeypatch, [(0, 0, 0), (160, 200, 40), (200, 400, 80)])
     follower = threads.LoadFollower(2)
-    assert follower.follow() == 1 and set_to == [1]      # 160 busy - 40 own of 200: 1.2 CPUs
-    assert follower.follow() == 1                         # within the interval: no reading
-    assert follower.follow() == 2 and set_to == [1, 2]   # 40 - 40 of 200: idle
+    assert _run_until(follower, state, 1.0) == 1 and set_to == [1]   # 160 - 40 of 200
+    assert _run_until(follower, state, 1.2) == 1          # within the interval: no reading
+    assert _run_until(follower, state, 2.0) == 2 and set_to == [1, 2]   # 40 - 40 of 200
+
+
+def test_load_while_we_waited_for_work_does_not_count(monkeypatch):
+    """While this process waited 2 s for work, a neighbour kept 1.6 CPUs busy (its burst
+    may be over): the count stays as our last working interval left it (two), and a new
+    interval starts; busy beside us over that one, one thread. After another wait the
+    count stays one (a neighbour that kept running stays counted)."""
+    state, set_to = _fake_machine(monkeypatch, [(0, 0, 0), (170, 200, 10), (270, 300, 30),
+                                                (570, 600, 40), (670, 700, 80)])
+    follower = threads.LoadFollower(2)
+    state["t"] = 2.0                                       # no step for 2 s
+    assert follower.follow() == 2 and set_to == []         # 160 others of 200 ignored
+    assert _run_until(follower, state, 2.6) == 1 and set_to == [1]   # 80 others of 100
+    state["t"] = 5.6                                       # waited 3 s
+    assert follower.follow() == 1 and set_to == [1]
+    assert _run_until(follower, state, 6.2) == 1 and set_to == [1]   # 60 others of 100

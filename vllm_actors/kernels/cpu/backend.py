@@ -315,6 +315,8 @@ class CpuBackend:
     def paged_attention(self, q: np.ndarray, kv_cache: Any, attn: Any, scale: float,
                         window: int = 0, softcap: float = 0.0,
                         sinks: np.ndarray | None = None) -> np.ndarray:
+        if self._follower is not None:
+            self._follower.working()
         if isinstance(kv_cache, ggml_attention.GgmlCache) and not softcap and sinks is None:
             return ggml_attention.attend(q, kv_cache.k, kv_cache.v, attn.query_start_loc,
                                          attn.seq_lens, attn.block_tables, attn.block_size,

@@ -102,31 +102,45 @@ def _own_jiffies() -> int:
 
 class LoadFollower:
     """Sizes numba's threads (for the thread that calls `follow`) to `limit` less the CPUs
-    other processes kept busy over the last interval, at least one."""
+    other processes kept busy over the last interval, at least one.
+
+    An interval counts only while this process works: after more than INTERVAL_S without
+    a step (`working` not called), the interval since the last reading mostly holds what
+    others did while we waited, which says nothing of whether they compete now. Then the
+    count stays as the last interval of our own work left it, and a new interval starts.
+    (Acting on it, a SmolLM2 prefill sent right after one of llama.cpp's in a side-by-side
+    bench ran on one thread: 3.0 s against 1.7 s.)"""
 
     INTERVAL_S = 0.5
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.current = limit
+        self._working_at = time.monotonic()
         try:
             self.cpus = os.sched_getaffinity(0)
             self._last = (time.monotonic(), *_busy_jiffies(self.cpus), _own_jiffies())
         except (AttributeError, OSError, ValueError):
             self._last = None                       # no /proc: keep the configured count
 
+    def working(self) -> None:
+        """A step is running (the backend calls it once a layer): cheap."""
+        self._working_at = time.monotonic()
+
     def follow(self) -> int:
         """Cheap unless INTERVAL_S has passed; returns the thread count now in use."""
         if self._last is None or self.limit <= 1:
             return self.current
         now = time.monotonic()
-        if now - self._last[0] < self.INTERVAL_S:
+        waited = now - self._working_at > self.INTERVAL_S
+        self._working_at = now
+        if not waited and now - self._last[0] < self.INTERVAL_S:
             return self.current
         busy, total = _busy_jiffies(self.cpus)
         own = _own_jiffies()
         _, busy0, total0, own0 = self._last
         self._last = (now, busy, total, own)
-        if total <= total0:
+        if waited or total <= total0:
             return self.current
         others = max(0, (busy - busy0) - (own - own0)) * len(self.cpus) / (total - total0)
         wanted = max(1, min(self.limit, round(len(self.cpus) - others)))
