@@ -58,6 +58,16 @@ def selected() -> str:
     return _resolve(os.environ.get(ENV, ""))
 
 
+def selected_code() -> int:
+    """`code(selected())`, as each matmul asks it."""
+    return _resolved_code(os.environ.get(ENV, ""))
+
+
+@functools.cache
+def _resolved_code(setting: str) -> int:
+    return code(_resolve(setting))
+
+
 @functools.cache
 def _resolve(setting: str) -> str:
     paths = available()

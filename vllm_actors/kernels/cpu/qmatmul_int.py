@@ -122,8 +122,12 @@ _ENTRIES: dict[tuple[Any, ...], Any] = {}
 
 def _types_key(args: tuple[Any, ...]) -> tuple[Any, ...]:
     """What numba's typing of `args` depends on, as a hashable key."""
-    return tuple((a.dtype.num, a.ndim, a.flags.c_contiguous, a.flags.writeable)
-                 if isinstance(a, np.ndarray) else type(a) for a in args)
+    return tuple(_array_key(a) if isinstance(a, np.ndarray) else type(a) for a in args)
+
+
+def _array_key(a: np.ndarray) -> tuple[int, int, bool, bool]:
+    flags = a.flags
+    return a.dtype.num, a.ndim, flags.c_contiguous, flags.writeable
 
 
 def call(fn: Any, path: int, kind: int, group: int, planes: tuple[Any, ...],
@@ -175,17 +179,23 @@ def matmul(w: QuantMatrix, x: activations.Q8Rows, path: str | None = None,
     `KINDS`. `path` forces a SIMD path (default `isa.selected()`). `requests` (the rows of
     each request) changes nothing here: llama.cpp computes these types in one float order
     at every row count (its vec_dot, and llamafile's GEMM for Q4_0/Q5_0/Q8_0 alike)."""
-    kind = KINDS[w.qtype]
-    qs, rest = w.planes[0], w.planes[1:]
-    has_bits = w.qtype in (T.Q5_0, T.Q5_1)
-    qh = rest[0] if has_bits else _NO_U32
-    d = rest[1] if has_bits else rest[0]
-    mn = rest[-1] if w.qtype in (T.Q4_1, T.Q5_1) else _NO_U16
+    kind, planes = w.memo.get("int") or _plan(w)
     m = x.qs.shape[0]
     group = 1 if m == 1 else GROUP
     x = pad_rows(x, group)
     out = np.empty((x.qs.shape[0], w.rows), np.float32)
     threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
-    call(gemv, isa.code(path or isa.selected()), kind, group, (qs, qh, d, mn),
+    call(gemv, isa.code(path) if path else isa.selected_code(), kind, group, planes,
          (HALF_LUT, x.qs, x.d, x.s, out, prefetch_rows(w), threads), w.memo)
     return out[:m]
+
+
+def _plan(w: QuantMatrix) -> tuple[int, tuple[np.ndarray, ...]]:
+    """(qdot's kind, the planes as `gemv` takes them) of a weight, kept in its memo."""
+    qs, rest = w.planes[0], w.planes[1:]
+    has_bits = w.qtype in (T.Q5_0, T.Q5_1)
+    qh = rest[0] if has_bits else _NO_U32
+    d = rest[1] if has_bits else rest[0]
+    mn = rest[-1] if w.qtype in (T.Q4_1, T.Q5_1) else _NO_U16
+    w.memo["int"] = KINDS[w.qtype], (qs, qh, d, mn)
+    return w.memo["int"]

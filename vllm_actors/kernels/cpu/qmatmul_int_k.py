@@ -304,7 +304,7 @@ def _run(w: QuantMatrix, x: activations.Q8KRows, kind: int, path: str | None) ->
     x = pad_rows(x, group)
     out = np.empty((x.qs.shape[0], w.rows), np.float32)
     threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
-    code = isa.code(path or isa.selected())
+    code = isa.code(path) if path else isa.selected_code()
     tail = (HALF_LUT, x.qs, x.d, x.bsums, out, prefetch_rows(w), threads)
     if kind % 10 == 6:      # ql, qh, scales, d
         planes = (w.planes[0], w.planes[1], w.planes[2], _NO_BITS, w.planes[3], _NO_U16)
