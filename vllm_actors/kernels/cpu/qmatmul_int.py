@@ -20,6 +20,7 @@ import numba
 import numpy as np
 from gguf import GGMLQuantizationType
 from numba import prange, types
+from numba.extending import overload
 
 from vllm_actors.kernels.cpu import activations, isa
 from vllm_actors.kernels.cpu.jit import kernel
@@ -66,6 +67,19 @@ def _total(has_min, acc, summs, i, j):  # type: ignore[no-untyped-def]
     return total
 
 
+def _has_min(kind: int) -> bool:
+    """Whether qdot's `kind` has mins (Q4_1, Q5_1), as a compile-time constant in kernels."""
+    return kind in (4, 5)
+
+
+@overload(_has_min)
+def _has_min_constant(kind):  # type: ignore[no-untyped-def]
+    if not isinstance(kind, types.IntegerLiteral):
+        return None
+    value = kind.literal_value in (4, 5)
+    return lambda kind: value
+
+
 @kernel(parallel=True, exact=True)
 def gemv(path, kind, group, qs, qh, d, mn, lut, xq, xd, xs, out, dist, threads):  # type: ignore[no-untyped-def]
     """out[M, N] = the quantized semantics' x @ W.T; `xs` is Q8_1's stored sum s_x (read
@@ -80,7 +94,7 @@ def gemv(path, kind, group, qs, qh, d, mn, lut, xq, xd, xs, out, dist, threads):
     k = xq.shape[1]
     nb = k // 32
     step = rb // nb                     # quant bytes per block: 16 or 32
-    has_min = mn.shape[0] > 0
+    has_min = _has_min(kind)            # a constant: no min code for the other types
     for g in prange((n + 1) // 2):
         r0 = 2 * g
         r1 = min(r0 + 1, n - 1)
