@@ -31,8 +31,8 @@ from vllm_actors.kernels.cpu.intrinsics import (
     bits_to_f32,
     f32_to_bits,
     fma16,
-    fma_f32,
     hardware_half_to_f32,
+    reduce64,
     stack_f32,
 )
 from vllm_actors.kernels.cpu.jit import kernel
@@ -195,11 +195,11 @@ def _decode_scores(q16, kc, table, block_size, kvh, p, window, scale, s, krow): 
     key at a time: its row decoded once (a vector conversion), then for each query row the
     products of chunk c of 64 chained onto accumulator d % 64, the four 16-lane registers
     combined as (r0 + r2) + (r1 + r3), `_reduce16`, and leftovers past the last whole 64
-    added in float64. All of it runs along vectors, where `_dots16` put one key per lane."""
+    added in float64. All of it runs along vectors (`intrinsics.reduce64` ends the dot with
+    shuffles in the reduction's order), where `_dots16` put one key per lane."""
     rows, dh = q16.shape
     whole = dh - dh % 64
     acc = stack_f32(64)          # on the stack: LLVM keeps them in registers
-    comb = stack_f32(16)
     for j in range(p + 1):
         if window > 0 and j <= p - window:
             for i in range(rows):
@@ -212,11 +212,9 @@ def _decode_scores(q16, kc, table, block_size, kvh, p, window, scale, s, krow): 
             for a in range(64):
                 acc[a] = 0.0
             for c in range(0, whole, 64):
-                for a in range(64):
-                    acc[a] = fma_f32(krow[c + a], q16[i, c + a], acc[a])
-            for lane in range(LANES):
-                comb[lane] = (acc[lane] + acc[32 + lane]) + (acc[16 + lane] + acc[48 + lane])
-            dot = _reduce16(comb)
+                for r in range(0, 64, LANES):
+                    fma16(acc, r, krow, c + r, q16, i * dh + c + r)
+            dot = reduce64(acc, 0)
             if whole < dh:
                 total = np.float64(dot)
                 for d in range(whole, dh):

@@ -204,3 +204,33 @@ def fma16(typingctx, acc, ai, a, xi, b, bi):  # type: ignore[no-untyped-def]
         builder.store(_fma16(builder, x, y, builder.load(pa, align=4)), pa, align=4)
         return context.get_dummy_value()
     return types.none(acc, ai, a, xi, b, bi), codegen
+
+
+def _halves(builder, v, width):  # type: ignore[no-untyped-def]
+    """(high, low) halves of the vector v, each `width` lanes."""
+    i32 = ir.IntType(32)
+    undef = ir.Constant(v.type, ir.Undefined)
+    return tuple(builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(i32, width),
+                                                              list(range(s, s + width))))
+                 for s in (width, 0))
+
+
+@intrinsic
+def reduce64(typingctx, acc, ai):  # type: ignore[no-untyped-def]
+    """`ggml_vec_dot_f16`'s end on its 64 float32 accumulators acc[ai:ai+64] (4 registers of
+    16): (r0 + r2) + (r1 + r3), then `_mm512_reduce_add_ps` (halves, quarters, then pairs),
+    as vector adds and shuffles in that order."""
+    if not (isinstance(acc, types.Array) and acc.dtype == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        base = _vec16(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        r = [builder.load(builder.gep(base, [ir.IntType(32)(k)]), align=4) for k in range(4)]
+        v = builder.fadd(builder.fadd(r[0], r[2]), builder.fadd(r[1], r[3]))
+        for width in (8, 4, 2):
+            high, low = _halves(builder, v, width)
+            v = builder.fadd(high, low)
+        i32 = ir.IntType(32)
+        return builder.fadd(builder.extract_element(v, i32(0)),
+                            builder.extract_element(v, i32(1)))
+    return types.float32(acc, ai), codegen
