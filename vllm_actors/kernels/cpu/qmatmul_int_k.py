@@ -119,7 +119,7 @@ def _step(path, kind, group, iacc, acc, am, fw, iw, qs, qh, sc, mn, d, dmin, lut
     holds only its own superblock code."""
 
 
-@overload(_step, prefer_literal=True)
+@overload(_step, prefer_literal=True, inline="always")
 def _step_for(path, kind, group, iacc, acc, am, fw, iw, qs, qh, sc, mn, d, dmin, lut, r0, r1, rb, hb, sb, xq, xo, k, xd, xb, m0):  # type: ignore[no-untyped-def]
     if not isinstance(kind, types.IntegerLiteral):
         return None
