@@ -156,7 +156,7 @@ def _dots16(q, i, kt, dh, one_token, acc, out):  # type: ignore[no-untyped-def]
     if not one_token:       # tinyBLAS: accumulator d % 16, a chain over d // 16
         for d in range(dh):
             fma16(acc, (d % LANES) * LANES, kt, d * LANES, q[i, d], 0)
-        _tree16(acc, out)
+        _tree16(acc, LANES, out)
         return
     whole = dh - dh % 64    # vec_dot_f16: accumulator d % 64 over chunks of 64, combined
     for d in range(whole):
@@ -166,7 +166,7 @@ def _dots16(q, i, kt, dh, one_token, acc, out):  # type: ignore[no-untyped-def]
             acc[a * LANES + lane] = ((acc[a * LANES + lane] + acc[(32 + a) * LANES + lane])
                                      + (acc[(16 + a) * LANES + lane]
                                         + acc[(48 + a) * LANES + lane]))
-    _tree16(acc, out)
+    _tree16(acc, LANES, out)
     for lane in range(LANES):
         total = np.float64(out[lane])
         for d in range(whole, dh):
@@ -175,18 +175,19 @@ def _dots16(q, i, kt, dh, one_token, acc, out):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(inline="always", cache=True)
-def _tree16(acc, out):  # type: ignore[no-untyped-def]
-    """out[l] = `_reduce16` of accumulators 0..15 of key l (acc[a * 16 + l])."""
-    for lane in range(LANES):
-        t0 = acc[8 * LANES + lane] + acc[lane]
-        t1 = acc[9 * LANES + lane] + acc[1 * LANES + lane]
-        t2 = acc[10 * LANES + lane] + acc[2 * LANES + lane]
-        t3 = acc[11 * LANES + lane] + acc[3 * LANES + lane]
-        t4 = acc[12 * LANES + lane] + acc[4 * LANES + lane]
-        t5 = acc[13 * LANES + lane] + acc[5 * LANES + lane]
-        t6 = acc[14 * LANES + lane] + acc[6 * LANES + lane]
-        t7 = acc[15 * LANES + lane] + acc[7 * LANES + lane]
-        out[lane] = ((t4 + t0) + (t6 + t2)) + ((t5 + t1) + (t7 + t3))
+def _tree16(acc, n, out):  # type: ignore[no-untyped-def]
+    """out[c] = `_reduce16` of acc[c], acc[n + c], ..., acc[15n + c] for c < n (16
+    accumulators of n columns: the keys of a score tile, or output dimensions)."""
+    for c in range(n):
+        t0 = acc[8 * n + c] + acc[c]
+        t1 = acc[9 * n + c] + acc[n + c]
+        t2 = acc[10 * n + c] + acc[2 * n + c]
+        t3 = acc[11 * n + c] + acc[3 * n + c]
+        t4 = acc[12 * n + c] + acc[4 * n + c]
+        t5 = acc[13 * n + c] + acc[5 * n + c]
+        t6 = acc[14 * n + c] + acc[6 * n + c]
+        t7 = acc[15 * n + c] + acc[7 * n + c]
+        out[c] = ((t4 + t0) + (t6 + t2)) + ((t5 + t1) + (t7 + t3))
 
 
 @numba.njit(cache=True)
@@ -223,16 +224,23 @@ def _decode_scores(q16, kc, table, block_size, kvh, p, window, scale, s, krow): 
             s[i, j] = np.float32(dot * scale)
 
 
+@numba.njit(inline="always", cache=True)
+def _values(vc, table, block_size, kvh, last, vbuf):  # type: ignore[no-untyped-def]
+    """vbuf[j Dh : (j + 1) Dh] = value row j as float32, for keys j <= last."""
+    dh = vc.shape[3]
+    for j in range(last + 1):
+        blk = table[j // block_size]
+        for d in range(dh):
+            vbuf[j * dh + d] = _cell(vc[blk, j % block_size, kvh, d])
+
+
 @numba.njit(cache=True)
 def _decode_values(vc, table, block_size, kvh, p, s, acc, vbuf, comb, out):  # type: ignore[no-untyped-def]
     """A one-token step's P . V as `_weighted_values` gives it (`ggml_vec_dot_f16`'s
     order: key j chained onto lane j % 64 of every output dimension, the lanes combined as
     the scores' are), with the final combination run along the dimensions."""
     rows, dh = out.shape
-    for j in range(p + 1):
-        blk = table[j // block_size]
-        for d in range(dh):
-            vbuf[j * dh + d] = _cell(vc[blk, j % block_size, kvh, d])
+    _values(vc, table, block_size, kvh, p, vbuf)
     for i in range(rows):
         for a in range(64 * dh):
             acc[a] = 0.0
@@ -247,16 +255,7 @@ def _decode_values(vc, table, block_size, kvh, p, s, acc, vbuf, comb, out):  # t
                 comb[lane * dh + d] = ((acc[lane * dh + d] + acc[(32 + lane) * dh + d])
                                        + (acc[(16 + lane) * dh + d]
                                           + acc[(48 + lane) * dh + d]))
-        for d in range(dh):
-            t0 = comb[8 * dh + d] + comb[d]
-            t1 = comb[9 * dh + d] + comb[dh + d]
-            t2 = comb[10 * dh + d] + comb[2 * dh + d]
-            t3 = comb[11 * dh + d] + comb[3 * dh + d]
-            t4 = comb[12 * dh + d] + comb[4 * dh + d]
-            t5 = comb[13 * dh + d] + comb[5 * dh + d]
-            t6 = comb[14 * dh + d] + comb[6 * dh + d]
-            t7 = comb[15 * dh + d] + comb[7 * dh + d]
-            out[i, d] = ((t4 + t0) + (t6 + t2)) + ((t5 + t1) + (t7 + t3))
+        _tree16(comb, dh, out[i])
 
 
 @numba.njit(cache=True)
@@ -267,10 +266,7 @@ def _weighted_values(vc, table, block_size, kvh, pos, one_token, s, acc, vbuf, o
     the keys stream past. A one-token step takes `_decode_values` (as `_scores`)."""
     rows, dh = out.shape
     width = 64 if one_token else LANES
-    for j in range(pos.max() + 1):
-        blk = table[j // block_size]
-        for d in range(dh):
-            vbuf[j * dh + d] = _cell(vc[blk, j % block_size, kvh, d])
+    _values(vc, table, block_size, kvh, pos.max(), vbuf)
     lanes = np.empty(64, np.float32)
     for i in range(rows):
         for a in range(width * dh):
