@@ -67,16 +67,19 @@ def _total(has_min, acc, summs, i, j):  # type: ignore[no-untyped-def]
     return total
 
 
+_MIN_KINDS = (KINDS[T.Q4_1], KINDS[T.Q5_1])
+
+
 def _has_min(kind: int) -> bool:
     """Whether qdot's `kind` has mins (Q4_1, Q5_1), as a compile-time constant in kernels."""
-    return kind in (4, 5)
+    return kind in _MIN_KINDS
 
 
 @overload(_has_min)
 def _has_min_constant(kind):  # type: ignore[no-untyped-def]
     if not isinstance(kind, types.IntegerLiteral):
         return None
-    value = kind.literal_value in (4, 5)
+    value = kind.literal_value in _MIN_KINDS
     return lambda kind: value
 
 
