@@ -33,11 +33,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import json
     import logging
-    import os
 
-    from vllm_actors.config import ServerConfig
     from vllm_actors.frontend.api_server import run_server
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -46,22 +43,7 @@ def _serve(args: argparse.Namespace) -> int:
             raise ValidationError(f"two models given: {args.model_tag!r} and --model "
                                   f"{args.model!r}", "model")
         args.model = args.model_tag
-    try:
-        origins = json.loads(args.allowed_origins)
-        assert isinstance(origins, list) and all(isinstance(o, str) for o in origins)
-    except (ValueError, AssertionError):
-        raise ValidationError("--allowed-origins must be a JSON list of strings, e.g. "
-                              "'[\"*\"]'", "allowed_origins") from None
-    config = ServerConfig(
-        host=args.host, port=args.port, api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None,
-        allowed_origins=tuple(origins), disable_log_requests=args.disable_log_requests,
-        uvicorn_log_level=args.uvicorn_log_level,
-        enable_force_include_usage=args.enable_force_include_usage,
-        drain_timeout=args.drain_timeout, enable_auto_tool_choice=args.enable_auto_tool_choice,
-        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-        trust_request_chat_template=args.trust_request_chat_template,
-        max_request_body_size=args.max_request_body_size,
-        exit_on_engine_death=args.exit_on_engine_death)
+    config = ServerConfig.from_cli_args(args)
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.create_engine_config()   # refuse bad flags before loading anything
     return run_server(vars(engine_args), config)

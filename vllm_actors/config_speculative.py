@@ -11,7 +11,6 @@ Like `config`, this module imports nothing else from the package but `errors`.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 from dataclasses import dataclass
@@ -63,13 +62,6 @@ class SpeculativeConfig:
     @property
     def uses_draft_model(self) -> bool:
         return self.method == "draft_model"
-
-
-def add_speculative_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--speculative-config", "-sc", default=None, metavar="JSON",
-                        help='speculative decoding, as vLLM: e.g. {"method": "ngram", '
-                             '"num_speculative_tokens": 4, "prompt_lookup_max": 4}; methods: '
-                             + ", ".join(METHODS))
 
 
 def speculative_config(value: str | dict[str, Any] | None) -> SpeculativeConfig | None:

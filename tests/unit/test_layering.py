@@ -35,7 +35,7 @@ FORBIDDEN = {
 ALLOWED = {
     "vllm_actors.protocol": ["vllm_actors.sampling_params", "vllm_actors.protocol"],
     "vllm_actors.config": ["vllm_actors.errors", "vllm_actors.config_parallel",
-                           "vllm_actors.config_speculative"],
+                           "vllm_actors.config_speculative", "vllm_actors.config_fields"],
     "vllm_actors.sampling_params": ["vllm_actors.errors"],
     "vllm_actors.kernels": ["vllm_actors.kernels"],
     # Multiprocessing off: the core's entry point runs in a thread of the frontend process.

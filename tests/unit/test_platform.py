@@ -15,7 +15,7 @@ from vllm_actors.workers.platform import THREAD_VARS, Platform
 
 
 def platform(name: str) -> Platform:
-    return Platform(DeviceConfig(name))
+    return Platform(DeviceConfig(backend=name))
 
 
 def test_cpu_ranks_share_the_cores_and_see_no_gpu():
@@ -122,7 +122,9 @@ def test_data_parallel_device_shares():
     assert [c for _, c in device_shares(cpu, 3, {}, [4, 5])] == \
         [frozenset({4}), frozenset({5}), frozenset({4})]
     from vllm_actors.config import EngineConfig, ParallelConfig
-    gpu = EngineConfig(device=DeviceConfig("cuda"), parallel=ParallelConfig(2, "mp", 2))
+    gpu = EngineConfig(device=DeviceConfig(backend="cuda"),
+                     parallel=ParallelConfig(tensor_parallel_size=2, executor_backend="mp",
+                                             data_parallel_size=2))
     shares = device_shares(gpu, 2, {"CUDA_VISIBLE_DEVICES": "3,4,5,6"})
     assert shares == [({"CUDA_VISIBLE_DEVICES": "3,4"}, None),
                       ({"CUDA_VISIBLE_DEVICES": "5,6"}, None)]

@@ -25,7 +25,8 @@ def make_request(req_id: str, num_prompt: int, *, first: int = 10, priority: int
 
 def make_scheduler(num_blocks=64, policy="fcfs", max_num_seqs=16, budget=64,
                    caching=True) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs, budget, policy, lpm_max_skips=2)
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                             policy=policy, lpm_max_skips=2)
     return Scheduler(config, KVCacheManager(num_blocks, BS, caching), max_model_len=256)
 
 

@@ -66,7 +66,8 @@ def spec_scheduler(k=3, num_blocks=64, budget=64, lookahead_model=False, **polic
     policy.setdefault("draft_cost", 0.0)
     config = SpeculativeConfig("draft_model" if lookahead_model else "ngram", k,
                                model="m" if lookahead_model else None, **policy)
-    return Scheduler(SchedulerConfig(16, budget), KVCacheManager(num_blocks, BS, True),
+    return Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=budget),
+                     KVCacheManager(num_blocks, BS, True),
                      max_model_len=256, drafts=DraftPolicy(config))
 
 

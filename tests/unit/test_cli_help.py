@@ -1,0 +1,55 @@
+"""The flags generated from the settings' declarations (`config_fields`) read as the
+hand-written ones did: every flag in tests/golden/cli_help.json (written before the change by
+tests/make_cli_help_golden.py) keeps its name, short form, default, help text and order."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from vllm_actors.config_fields import build, setting
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from make_cli_help_golden import GOLDEN, render  # noqa: E402
+
+
+def _option_blocks(text: str) -> dict[str, str]:
+    """An option's lines of the options section, by its first flag."""
+    section = text.split("\noptions:\n", 1)[1]
+    blocks: dict[str, str] = {}
+    for block in re.split(r"\n(?=  -)", section):
+        blocks[block.split()[0].rstrip(",")] = block
+    return blocks
+
+
+def test_every_flag_reads_as_it_did(monkeypatch):
+    before = json.loads(GOLDEN.read_text())
+    after = render()
+    for command, text in before.items():
+        old, new = _option_blocks(text), _option_blocks(after[command])
+        assert list(old) == [flag for flag in new if flag in old], command   # same order
+        for flag, block in old.items():
+            assert new[flag] == block, (command, flag)
+
+
+def test_sub_configs_are_filled_by_name_never_by_position():
+    @dataclass(kw_only=True)
+    class Part:
+        a: int = 1
+        b: int = 2
+
+    @dataclass
+    class Source:
+        b: int = setting(5, "b")
+        c: int = setting(7, "c")
+
+    assert build(Part, Source(), a=3) == Part(a=3, b=5)
+    with pytest.raises(TypeError, match="Part.a"):
+        build(Part, Source())          # a default the source meant to set is never taken
+    with pytest.raises(TypeError):
+        Part(1, 2)                      # positional construction is refused
