@@ -108,6 +108,26 @@ class DeviceConfig:
     opencl_device: int = 0
 
 
+LORA_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoRAConfig:
+    """LoRA adapters (`--enable-lora`): at most `max_loras` distinct adapters in one step,
+    ranks up to `max_lora_rank`, `max_cpu_loras` adapters kept loaded (least recently used
+    dropped first; None: `max_loras`), their weights rounded to `lora_dtype` (auto: as
+    stored) and computed in float32."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_cpu_loras or self.max_loras
+
+
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_coder")
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
@@ -123,6 +143,47 @@ def _origins(text: str | tuple[str, ...]) -> tuple[str, ...]:
         raise ValidationError("--allowed-origins must be a JSON list of strings, e.g. "
                               "'[\"*\"]'", "allowed_origins") from None
     return tuple(origins)
+
+
+@dataclass(frozen=True)
+class LoRAModulePath:
+    """An adapter `--lora-modules` serves from the start (vLLM's name=path or JSON form)."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def _lora_modules(values: list[str] | tuple | None) -> tuple[LoRAModulePath, ...]:
+    """--lora-modules: `name=path` or `{"name": ..., "path": ..., "base_model_name": ...}`
+    each. Raises ValidationError."""
+    modules = []
+    for value in values or ():
+        if isinstance(value, LoRAModulePath):
+            modules.append(value)
+            continue
+        text = str(value).strip()
+        if text.startswith("{"):
+            try:
+                spec = json.loads(text)
+                assert isinstance(spec, dict) and set(spec) <= {"name", "path",
+                                                                "base_model_name"}
+                modules.append(LoRAModulePath(str(spec["name"]), str(spec["path"]),
+                                              spec.get("base_model_name")))
+            except (ValueError, AssertionError, KeyError):
+                raise ValidationError(f"--lora-modules {text!r}: the JSON form is "
+                                      '{"name": ..., "path": ..., "base_model_name": ...}',
+                                      "lora_modules") from None
+        elif "=" in text and text.split("=", 1)[0] and text.split("=", 1)[1]:
+            name, path = text.split("=", 1)
+            modules.append(LoRAModulePath(name, path))
+        else:
+            raise ValidationError(f"--lora-modules {text!r}: want name=path or a JSON object",
+                                  "lora_modules")
+    names = [m.name for m in modules]
+    if len(set(names)) != len(names):
+        raise ValidationError(f"--lora-modules names a module twice: {names}", "lora_modules")
+    return tuple(modules)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,6 +223,10 @@ class ServerConfig:
     exit_on_engine_death: bool = setting(True, "exit with status 1 when the engine dies, so a "
                                                "supervisor restarts the server (off: stay up "
                                                "answering 503)")
+    lora_modules: tuple[LoRAModulePath, ...] = setting(
+        (), "LoRA adapters served from the start (needs --enable-lora): name=path, or "
+            '\'{"name": ..., "path": ..., "base_model_name": ...}\'', nargs="+",
+        convert=_lora_modules, cli_default=None, metavar="MODULE")
 
     def __post_init__(self) -> None:
         if self.max_request_body_size < 1:
@@ -196,6 +261,7 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None
+    lora: LoRAConfig | None = None          # None: --enable-lora is off
 
 
 @dataclass(kw_only=True)
@@ -279,6 +345,16 @@ class EngineArgs:
         None, 'speculative decoding, as vLLM: e.g. {"method": "ngram", '
               '"num_speculative_tokens": 4, "prompt_lookup_max": 4}; methods: '
               + ", ".join(SPECULATIVE_METHODS), short="-sc", metavar="JSON")
+    enable_lora: bool = setting(False, "serve LoRA adapters: requests name one by `model` "
+                                       "(server) or `lora_request` (LLM, AsyncLLM)")
+    max_loras: int = setting(1, "--enable-lora: most distinct adapters in one step")
+    max_lora_rank: int = setting(16, "--enable-lora: the largest adapter rank accepted")
+    max_cpu_loras: int | None = setting(None, "--enable-lora: adapters kept loaded, least "
+                                              "recently used dropped first (default: "
+                                              "--max-loras)")
+    lora_dtype: str = setting("auto", "--enable-lora: the adapters' weights rounded to this "
+                                      "(computed in float32); auto: as stored",
+                              choices=LORA_DTYPES)
     multiprocessing: bool = setting(True, "run the engine core in its own process (off: in a "
                                           "thread, for debugging and profiling)")
 
@@ -331,12 +407,28 @@ class EngineArgs:
             raise ValidationError("--speculative-config does not work with "
                                   "--pipeline-parallel-size > 1 yet", "speculative_config")
         return EngineConfig(
-            parallel=parallel, speculative=speculative,
+            parallel=parallel, speculative=speculative, lora=self._lora_config(),
             model=build(ModelConfig, self),
             cache=build(CacheConfig, self, kv_cache_dtype=kv_cache_dtype(self.kv_cache_dtype)),
             scheduler=build(SchedulerConfig, self, policy=self.scheduling_policy),
             device=build(DeviceConfig, self, backend=self.device),
         )
+
+    def _lora_config(self) -> LoRAConfig | None:
+        """The LoRA settings when --enable-lora is on. Raises ValidationError."""
+        if not self.enable_lora:
+            return None
+        self._check_positive("max_loras", "max_lora_rank", "max_cpu_loras")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValidationError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least "
+                                  f"--max-loras ({self.max_loras})", "max_cpu_loras")
+        if self.lora_dtype not in LORA_DTYPES:
+            raise ValidationError(f"--lora-dtype must be one of {', '.join(LORA_DTYPES)}, got "
+                                  f"{self.lora_dtype!r}", "lora_dtype")
+        if self.device in ("opencl", "cuda"):
+            raise ValidationError(f"--enable-lora is not built for --device {self.device} yet; "
+                                  "use --device cpu or numpy", "enable_lora")
+        return build(LoRAConfig, self)
 
     def _check_not_yet_implemented(self) -> None:
         """Flags accepted for vLLM compatibility whose other values are not built yet fail

@@ -23,7 +23,7 @@ def _option_blocks(text: str) -> dict[str, str]:
     section = text.split("\noptions:\n", 1)[1]
     blocks: dict[str, str] = {}
     for block in re.split(r"\n(?=  -)", section):
-        blocks[block.split()[0].rstrip(",")] = block
+        blocks[block.split()[0].rstrip(",")] = block.rstrip()
     return blocks
 
 

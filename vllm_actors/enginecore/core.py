@@ -43,7 +43,8 @@ class EngineCore:
         self.in_flight: collections.deque[StepInput] = collections.deque()
         drafts = DraftPolicy(config.speculative) if config.speculative else None
         self.scheduler = Scheduler(config.scheduler, kv, self.ready.max_model_len,
-                                   pipeline_depth=self.max_in_flight, drafts=drafts)
+                                   pipeline_depth=self.max_in_flight, drafts=drafts,
+                                   max_loras=config.lora.max_loras if config.lora else 0)
         self.structured = StructuredOutputManager(config.model.model, self.ready.vocab_size)
 
     def collective_rpc(self, method: str, args: list[Any]) -> list[Any]:
@@ -72,6 +73,10 @@ class EngineCore:
         if not 0 < num_tokens < self.ready.max_model_len:
             raise ValidationError(f"the prompt has {num_tokens} tokens; it must have between 1 "
                                   f"and {self.ready.max_model_len - 1}")
+        if req.lora_request is not None and not self.scheduler.max_loras:
+            raise ValidationError(f"LoRA adapter {req.lora_request.lora_name!r}: this engine "
+                                  "serves no adapters (start it with --enable-lora)",
+                                  "lora_request")
         if min(req.prompt_token_ids) < 0 or max(req.prompt_token_ids) >= self.ready.vocab_size:
             raise ValidationError(f"prompt token ids must be in [0, {self.ready.vocab_size})")
         for request in Request.children(req, self.ready.max_model_len, self.block_size):

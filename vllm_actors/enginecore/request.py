@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 
 from vllm_actors.enginecore.block_hash import BlockHash, extend_block_hashes
+from vllm_actors.lora_request import cache_key
 from vllm_actors.protocol.engine import EngineCoreRequest, FinishReason, child_request_id
 
 
@@ -55,7 +56,10 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | None = None
         self.block_size = block_size
-        self.cache_salt = req.cache_salt
+        self.lora = req.lora_request
+        # the adapter seeds the hash chain too: two adapters never share KV blocks
+        self.cache_salt = cache_key(req.cache_salt, req.lora_request)
+        self.lora_skips = 0   # steps it waited while --max-loras other adapters ran
         self.block_hashes: list[BlockHash] = []
         self.grammar = None   # an llguidance matcher, for structured outputs
         self.grammar_spec = req.grammar   # what it is compiled from (None: from the params)

@@ -32,6 +32,9 @@ from vllm_actors.sampling_params import SamplingParams
 
 
 _PARAMS_ELSEWHERE = SamplingParams()   # NewRequestData.params_from names the real ones
+# a request whose adapter waits for a --max-loras slot is passed over at most this many
+# steps; then nothing behind it is admitted until its adapter fits (no starvation)
+LORA_MAX_SKIPS = 8
 
 
 class Scheduler:
@@ -42,10 +45,13 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 pipeline_depth: int = 1, drafts: DraftPolicy | None = None) -> None:
+                 pipeline_depth: int = 1, drafts: DraftPolicy | None = None,
+                 max_loras: int = 0) -> None:
         """pipeline_depth: steps in flight at most (pipeline parallel size).
-        drafts: speculative decoding's rules for the workers' drafts (None: no drafts)."""
+        drafts: speculative decoding's rules for the workers' drafts (None: no drafts).
+        max_loras: most distinct LoRA adapters among the running requests (--max-loras)."""
         self.config = config
+        self.max_loras = max_loras
         self.drafts = drafts
         self.num_lookahead_tokens = drafts.num_lookahead_tokens if drafts else 0
         self.spec_stats: SpecDecodingStats | None = None   # this step's verifications
@@ -162,10 +168,27 @@ class Scheduler:
             i += 1
         return budget
 
+    def _running_loras(self) -> set[int]:
+        return {r.lora.lora_int_id for r in self.running if r.lora is not None}
+
+    def _lora_blocked(self, request: Request, loras: set[int]) -> bool:
+        """Whether admitting `request` would run more than --max-loras adapters at once."""
+        return request.lora is not None and request.lora.lora_int_id not in loras and \
+            len(loras) >= self.max_loras
+
     def _schedule_waiting(self, step: StepInput, budget: int) -> None:
         sent: dict[int, str] = {}   # id of params -> the first new request carrying them
+        loras = self._running_loras() if self.max_loras else set()
+        passed_over: list[Request] = []
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if self._lora_blocked(request, loras):
+                request.lora_skips += 1
+                if request.lora_skips > LORA_MAX_SKIPS:
+                    break       # it has waited long enough: nothing overtakes it now
+                self.waiting.pop(request)
+                passed_over.append(request)
+                continue
             # prompt logprobs need every prompt position computed: no prefix-cache reads
             hits, num_hit = (None, 0) if request.params.prompt_logprobs is not None else \
                 self.kv.get_computed_blocks(request)
@@ -186,11 +209,16 @@ class Scheduler:
                 request.request_id, list(request.all_token_ids),
                 _PARAMS_ELSEWHERE if shared else request.params,
                 self.kv.get_block_ids(request.request_id), num_hit, request.num_prompt_tokens,
-                sorted(request.eos_token_ids), request.child_index, first if shared else ""))
+                sorted(request.eos_token_ids), request.child_index, first if shared else "",
+                request.lora))
             step.num_scheduled_tokens[request.request_id] = num_new
             request.num_tokens_sent = request.num_tokens
             request.num_computed_tokens = num_hit + num_new
             budget -= num_new
+            if request.lora is not None:
+                loras.add(request.lora.lora_int_id)
+        for request in reversed(passed_over):   # back at the front, in their order
+            self.waiting.prepend(request)
 
     def schedule(self) -> StepInput:
         """Choose this step's work; computed counts advance as if the step will succeed."""
@@ -266,8 +294,14 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         queries, hits = self.kv.take_prefix_stats()
         spec, self.spec_stats = self.spec_stats, None
-        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, queries, hits,
-                              self.num_preemptions, spec)
+        stats = SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, queries,
+                               hits, self.num_preemptions, spec)
+        if self.max_loras:
+            stats.running_lora_adapters = sorted({r.lora.lora_name for r in self.running
+                                                  if r.lora is not None})
+            stats.waiting_lora_adapters = sorted({r.lora.lora_name for r in self.waiting
+                                                  if r.lora is not None})
+        return stats
 
 
 def _first_positions(logprobs: TokenLogprobs, n: int) -> TokenLogprobs:

@@ -21,7 +21,7 @@ import uuid
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from vllm_actors.config import EngineArgs
-from vllm_actors.errors import EngineDeadError, VllmActorsError
+from vllm_actors.errors import EngineDeadError, ValidationError, VllmActorsError
 from vllm_actors.frontend.collector import RequestOutputCollector
 from vllm_actors.frontend.core_client import CoreClient
 from vllm_actors.frontend.engine_group import EngineGroup
@@ -33,6 +33,7 @@ from vllm_actors.loaders.chat_template import read_chat_template
 from vllm_actors.loaders.generation_config import generation_defaults
 from vllm_actors.loaders.model_files import resolve_model
 from vllm_actors.loaders.tokenizer import Tokenizer, load_tokenizer
+from vllm_actors.lora_request import LoRARequest, cache_key
 from vllm_actors.outputs import RequestOutput
 from vllm_actors.protocol.engine import (AbortRequests, EngineCoreOutputs, EngineDead,
                                          SchedulerStats, UtilityCall, UtilityKind,
@@ -66,6 +67,8 @@ class AsyncLLM(EngineWatch):
         self.metrics = FrontendMetrics(self.model_name, self.group.size)
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
         self.generation_defaults = generation_defaults(source, config.model.generation_config)
+        self.lora_config = config.lora
+        self.loras: dict[str, LoRARequest] = {}   # adapters loaded on every engine, by name
         self._dead: EngineDeadError | None = None
         self._tasks: dict[int, list[asyncio.Task]] = {}   # engine -> output (and watch) task
         self._restarting: set[asyncio.Task] = set()      # replacements of dead cores
@@ -236,21 +239,27 @@ class AsyncLLM(EngineWatch):
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType | ProcessedRequest,
-                    params: SamplingParams, priority: int = 0) -> RequestOutputCollector:
+                    params: SamplingParams, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> RequestOutputCollector:
         """Submit a request (n > 1: one message for n engine requests that share its params,
         seeds seed + i; see EngineCoreRequest.n); call from the event loop. `prompt` may be
         a ProcessedRequest (from `input_processor.process`, which the server runs off the
-        event loop): it is then sent as it is, without checking again.
+        event loop): it is then sent as it is, without checking again. `lora_request` (or
+        the ProcessedRequest's) must have been added (`add_lora`; `generate` does that).
         Raises ValidationError or EngineDeadError before anything is sent."""
         self._ensure_running()
         if request_id in self.output_processor.children:
             raise VllmActorsError(f"request id {request_id!r} is already in use")
         processed = prompt if isinstance(prompt, ProcessedRequest) else \
-            self.input_processor.process(request_id, prompt, params, priority)
+            self.input_processor.process(request_id, prompt, params, priority, lora_request)
+        lora = processed.request.lora_request
+        if lora is not None and self.loras.get(lora.lora_name) != lora:
+            raise ValidationError(f"LoRA adapter {lora.lora_name!r} is not loaded: call "
+                                  "add_lora first", "lora_request")
         if self.group.num_alive == 0:
             raise EngineDeadError("no engine core is alive (a replacement is starting)")
         engine = self.group.route(processed.request.prompt_token_ids,
-                                  processed.request.cache_salt)
+                                  cache_key(processed.request.cache_salt, lora))
         request = processed.engine_request(request_id)
         params = request.sampling_params
         collector = RequestOutputCollector(params.output_kind)
@@ -266,13 +275,17 @@ class AsyncLLM(EngineWatch):
 
     async def generate(self, prompt: PromptType | ProcessedRequest,
                        sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, priority: int = 0
+                       request_id: str | None = None, priority: int = 0,
+                       lora_request: LoRARequest | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs (shaped by sampling_params.output_kind); the last
-        has `finished=True`. Cancelling the consumer aborts the request."""
+        has `finished=True`. Cancelling the consumer aborts the request. `lora_request`: the
+        adapter to run with, loaded first if it is new."""
         request_id = request_id or uuid.uuid4().hex
+        if lora_request is not None:
+            await self.add_lora(lora_request)
         collector = self.add_request(request_id, prompt, sampling_params or SamplingParams(),
-                                     priority)
+                                     priority, lora_request)
         finished = False
         try:
             while not finished:
@@ -339,6 +352,47 @@ class AsyncLLM(EngineWatch):
         Raises VllmActorsError naming the available methods for an unknown one."""
         results = await self._call(UtilityKind.COLLECTIVE_RPC, [method, *args])
         return [r for per_engine in results for r in per_engine]
+
+
+    # -- LoRA adapters ---------------------------------------------------------------------
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter on every worker of every engine (vLLM's `add_lora`); a no-op for
+        one already loaded. Raises ValidationError (LoRA off, a name or id taken by another
+        adapter, or an adapter the workers refuse, with their reason)."""
+        lora = lora_request
+        if not isinstance(lora, LoRARequest):
+            raise ValidationError("lora_request must be a LoRARequest", "lora_request")
+        if self.lora_config is None:
+            raise ValidationError(f"LoRA adapter {lora.lora_name!r}: this engine serves no "
+                                  "adapters (start it with --enable-lora)", "lora_request")
+        if self.loras.get(lora.lora_name) == lora:
+            return True
+        for other in self.loras.values():
+            if other.lora_name == lora.lora_name or other.lora_int_id == lora.lora_int_id:
+                raise ValidationError(f"LoRA adapter {lora.lora_name!r} (id "
+                                      f"{lora.lora_int_id}): {other.lora_name!r} (id "
+                                      f"{other.lora_int_id}) is loaded under that name or id; "
+                                      "remove it first", "lora_request")
+        try:
+            await self.collective_rpc("add_lora", [lora])
+        except VllmActorsError as e:
+            raise ValidationError(str(e).split(": ", 1)[-1], "lora_request") from None
+        self.loras[lora.lora_name] = lora
+        return True
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """Unload an adapter everywhere; False when none has that id. Requests already
+        running with it finish with it (each worker keeps an adapter while a request uses
+        it); new requests naming it are refused."""
+        lora = next((x for x in self.loras.values() if x.lora_int_id == lora_id), None)
+        if lora is None:
+            return False
+        del self.loras[lora.lora_name]
+        await self.collective_rpc("remove_lora", [lora_id])
+        return True
+
+    async def list_loras(self) -> set[int]:
+        return {lora.lora_int_id for lora in self.loras.values()}
 
 
 def _sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:

@@ -18,6 +18,7 @@ from vllm_actors.errors import ValidationError
 from vllm_actors.grammar import check_grammar
 from vllm_actors.loaders.chat_template import read_chat_template
 from vllm_actors.loaders.tokenizer import Tokenizer
+from vllm_actors.lora_request import LoRARequest
 from vllm_actors.protocol.engine import EngineCoreRequest, EngineReady
 from vllm_actors.sampling_params import SamplingParams
 
@@ -164,7 +165,8 @@ class InputProcessor:
         return {"prompt": text, "prompt_token_ids": self.truncate(ids, truncate)}
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                priority: int = 0) -> ProcessedRequest:
+                priority: int = 0, lora_request: LoRARequest | None = None
+                ) -> ProcessedRequest:
         """`prompt` may carry a `cache_salt` (vLLM's prompt dicts do): prefix-cache hits then
         happen only between requests with the same salt. Raises ValidationError for an
         empty or too long prompt, out-of-vocab ids, a bad priority or salt, or params the
@@ -189,7 +191,7 @@ class InputProcessor:
         params, grammar = self._check_params(params)
         eos = [] if params.ignore_eos else list(self.tokenizer.eos_token_ids)
         request = EngineCoreRequest(request_id, token_ids, params, eos, time.time(), priority,
-                                    salt, grammar=grammar)
+                                    salt, grammar=grammar, lora_request=lora_request)
         return ProcessedRequest(text, request)
 
     def _check_priority(self, priority: int) -> None:

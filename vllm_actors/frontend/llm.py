@@ -20,6 +20,7 @@ from vllm_actors.errors import EngineDeadError, ValidationError
 from vllm_actors.frontend.async_llm import AsyncLLM
 from vllm_actors.frontend.input_processor import PromptType
 from vllm_actors.loaders.tokenizer import Tokenizer
+from vllm_actors.lora_request import LoRARequest
 from vllm_actors.outputs import RequestOutput
 from vllm_actors.sampling_params import RequestOutputKind, SamplingParams
 
@@ -100,6 +101,16 @@ class LLM:
         """Forget cached prefixes; False while requests still hold KV blocks."""
         return self._run(self.engine.reset_prefix_cache())
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter now (`generate` loads those it is given anyway)."""
+        return self._run(self.engine.add_lora(lora_request))
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._run(self.engine.remove_lora(lora_id))
+
+    def list_loras(self) -> set[int]:
+        return self._run(self.engine.list_loras())
+
     def collective_rpc(self, method: str, args: Sequence[Any] = ()) -> list[Any]:
         """Call `method` on every worker rank; the results in rank order (see
         `AsyncLLM.collective_rpc`)."""
@@ -108,12 +119,16 @@ class LLM:
     # -- generation ----------------------------------------------------------------------
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """Generate for every prompt; returns one finished RequestOutput per prompt, in order.
+        `lora_request`: one adapter for every prompt, or one (or None) per prompt.
 
         Raises:
-            ValidationError: a bad prompt or a sampling_params list of the wrong length
-                (then nothing is left running).
+            ValidationError: a bad prompt, a sampling_params or lora_request list of the
+                wrong length, or an adapter that cannot be loaded (then nothing is left
+                running).
             EngineDeadError: the engine core died.
         """
         if isinstance(prompts, (str, dict)):
@@ -127,10 +142,17 @@ class LLM:
                                   "sampling_params")
         final = [msgspec.structs.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
                  for p in params]
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                 else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValidationError(f"got {len(prompts)} prompts but {len(loras)} lora_request "
+                                  "entries", "lora_request")
+        for lora in {id(x): x for x in loras if x is not None}.values():
+            self._run(self.engine.add_lora(lora))
         ids = [str(next(self._request_counter)) for _ in prompts]
         progress = tqdm(total=len(ids), desc="Processed prompts", unit="req",
                         disable=not use_tqdm or len(ids) < 2)
-        future = self._submit(self._generate_all(ids, list(prompts), final, progress))
+        future = self._submit(self._generate_all(ids, list(prompts), final, progress, loras))
         try:
             return future.result()
         except KeyboardInterrupt:
@@ -140,11 +162,13 @@ class LLM:
             progress.close()
 
     async def _generate_all(self, ids: list[str], prompts: list[PromptType],
-                            params: list[SamplingParams], progress: tqdm) -> list[RequestOutput]:
+                            params: list[SamplingParams], progress: tqdm,
+                            loras: list[LoRARequest | None]) -> list[RequestOutput]:
         collectors = []
         try:
-            for request_id, prompt, p in zip(ids, prompts, params):
-                collectors.append(self.engine.add_request(request_id, prompt, p))
+            for request_id, prompt, p, lora in zip(ids, prompts, params, loras):
+                collectors.append(self.engine.add_request(request_id, prompt, p,
+                                                          lora_request=lora))
         except BaseException:
             self.engine.abort_requests(ids[:len(collectors)])
             raise

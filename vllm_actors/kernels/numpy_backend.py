@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from vllm_actors.kernels import activation_quant, ggml_attention, ggml_math, kv_quant, quant
+from vllm_actors.kernels.lora_ops import lora_add
 from vllm_actors.kernels.numpy_attention import NumpyAttention, attend as _attend, \
     decoded_group
 from vllm_actors.kernels.ops import AttentionMetadata, RopeTables, WeightLike
@@ -144,6 +145,7 @@ class NumpyBackend:
     """Implements `kernels.ops.Backend` with numpy on the host."""
 
     name = "numpy"
+    lora_add = staticmethod(lora_add)
 
     def __init__(self) -> None:
         self._tables: dict[str, np.ndarray] = {}

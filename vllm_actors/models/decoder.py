@@ -31,6 +31,7 @@ from vllm_actors.models.base import (ModelArgs, ParallelGroup, PipelineStage, Si
                                      rope_kind)
 from vllm_actors.models.experts import Experts, load_experts, run_experts
 from vllm_actors.models.kv_layout import kv_cache_groups, layer_slots
+from vllm_actors.models.lora import LoRABatch
 from vllm_actors.models.sharding import ShardPlan
 
 # the GGUF architectures whose llama.cpp graph scales Q before attention (`query_scale`)
@@ -282,10 +283,12 @@ class DecoderLM:
         return b.rms_norm(x.reshape(t, heads * dh), weight, eps).reshape(t, heads, dh)
 
     def _attention(self, layer: Layer, x: Any, ropes: tuple[Any, Any], attn: Any,
-                   kv_cache: Any) -> Any:
+                   kv_cache: Any, lora: LoRABatch | None = None, layer_id: int = 0) -> Any:
         b, a = self.backend, self.local_args
         num_tokens = len(x)
         qkv = b.linear(x, layer.qkv, layer.qkv_bias)
+        if lora is not None:
+            qkv = lora.apply(b, qkv, x, layer_id, "qkv")
         q, k, v = b.split_qkv(qkv, a.num_heads, a.num_kv_heads, a.head_dim)
         if layer.q_norm is not None:
             q = self._qk_norm(q, layer.q_norm)
@@ -299,17 +302,23 @@ class DecoderLM:
             q, scale = b.scale(q, self.query_scale), 1.0
         out = b.paged_attention(q, kv_cache, attn, scale, layer.window,
                                 self.args.attn_logit_softcap, layer.sinks)
-        out = b.linear(out.reshape(num_tokens, a.q_size), layer.attn_out, layer.attn_out_bias)
-        out = self.tp.all_reduce(out)
+        out = out.reshape(num_tokens, a.q_size)
+        o = b.linear(out, layer.attn_out, layer.attn_out_bias)
+        if lora is not None:
+            o = lora.apply(b, o, out, layer_id, "attn_out")
+        out = self.tp.all_reduce(o)
         return out if layer.post_attn_norm is None else self._apply_norm(out,
                                                                          layer.post_attn_norm)
 
-    def _mlp(self, layer: Layer, x: Any) -> Any:
+    def _mlp(self, layer: Layer, x: Any, lora: LoRABatch | None = None,
+             layer_id: int = 0) -> Any:
         b, act, mlp = self.backend, self.args.hidden_act, layer.mlp
         if isinstance(mlp, Experts):
             out = run_experts(mlp, x, self.args, b)
         else:
             up = b.linear(x, mlp.gate_up, mlp.gate_up_bias)
+            if lora is not None:
+                up = lora.apply(b, up, x, layer_id, "gate_up")
             if not self.args.gated_mlp:
                 hidden = b.gelu(up, act == "gelu_tanh")
             elif act == "silu":
@@ -317,6 +326,8 @@ class DecoderLM:
             else:
                 hidden = b.gelu_mul(up, act == "gelu_tanh", self.ggml)
             out = b.linear(hidden, mlp.down, mlp.down_bias)
+            if lora is not None:
+                out = lora.apply(b, out, hidden, layer_id, "down")
         out = self.tp.all_reduce(out)
         return out if layer.post_ffn_norm is None else self._apply_norm(out, layer.post_ffn_norm)
 
@@ -330,11 +341,13 @@ class DecoderLM:
 
     def forward(self, token_ids: np.ndarray, positions: np.ndarray,
                 meta: AttentionMetadata | Sequence[AttentionMetadata],
-                kv_caches: list[Any], hidden_in: Any = None) -> Any:
+                kv_caches: list[Any], hidden_in: Any = None,
+                lora: LoRABatch | None = None) -> Any:
         """`meta`: one layout for every layer, or one per KV cache group of
         `kv_cache_groups(args)` (the runner's hybrid layout); `kv_caches`: one per layer of
-        this stage. The last stage returns the final-normed hidden states, an earlier one
-        the residual stream for the next (`hidden_in` there)."""
+        this stage; `lora`: the step's adapters and their token rows (`models/lora.py`).
+        The last stage returns the final-normed hidden states, an earlier one the residual
+        stream for the next (`hidden_in` there)."""
         b = self.backend
         if isinstance(meta, AttentionMetadata):
             layer_attn = [b.prepare_attention(meta)] * len(self.layers)
@@ -354,12 +367,12 @@ class DecoderLM:
         x = h if first is None else self._apply_norm(h, first)
         # the last layer of an earlier stage adds its residual and stops (norm None)
         next_norms = [layer.attn_norm for layer in self.layers[1:]] + [self.final_norm]
-        for layer, attn, kv_cache, next_norm in zip(self.layers, layer_attn, kv_caches,
-                                                    next_norms):
+        for layer, layer_id, attn, kv_cache, next_norm in zip(
+                self.layers, self.layer_ids, layer_attn, kv_caches, next_norms):
             # each residual add is fused with the norm that follows it
-            h, x = self._add_norm(h, self._attention(layer, x, ropes, attn, kv_cache),
-                                  layer.ffn_norm)
-            h, x = self._add_norm(h, self._mlp(layer, x), next_norm)
+            h, x = self._add_norm(h, self._attention(layer, x, ropes, attn, kv_cache, lora,
+                                                     layer_id), layer.ffn_norm)
+            h, x = self._add_norm(h, self._mlp(layer, x, lora, layer_id), next_norm)
         return x if self.stage.last else h
 
     def warm_up_view(self, kv_caches: list[Any]) -> tuple["DecoderLM", list[Any]]:

@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from vllm_actors.lora_request import LoRARequest
 from vllm_actors.sampling_params import SamplingParams
 
 
@@ -44,6 +45,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
         grammar: the llguidance grammar the frontend built from
             `sampling_params.structured_outputs` and checked; the core compiles it as it is
             (None: the core builds it), so a large grammar is converted once, off the core.
+        lora_request: the LoRA adapter this request runs with (None: the base model); the
+            frontend has loaded it on every worker (`add_lora`) before sending the request.
     """
 
     request_id: str
@@ -55,6 +58,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     cache_salt: str | None = None
     n: int = 1
     grammar: str | None = None
+    lora_request: LoRARequest | None = None
 
     @property
     def child_request_ids(self) -> list[str]:
@@ -150,6 +154,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             prefix cache by this step's admissions.
         num_preemptions: requests preempted (KV freed, to be recomputed) in this step.
         spec_decoding: this step's verified drafts (speculative decoding only).
+        running_lora_adapters / waiting_lora_adapters: names of the LoRA adapters of the
+            running and waiting requests (`vllm:lora_requests_info`).
     """
 
     num_running_reqs: int = 0
@@ -159,6 +165,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     spec_decoding: SpecDecodingStats | None = None
+    running_lora_adapters: list[str] = []
+    waiting_lora_adapters: list[str] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=11):

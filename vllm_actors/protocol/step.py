@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import msgspec
 
+from vllm_actors.lora_request import LoRARequest
 from vllm_actors.protocol.engine import TokenLogprobs
 from vllm_actors.sampling_params import SamplingParams
 
@@ -28,6 +29,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             whose SamplingParams this one shares (sibling completions admitted in one step),
             so they travel once; `sampling_params` is then `SamplingParams()`, a
             placeholder. Read them with `StepInput.new_request_params`.
+        lora_request: the request's LoRA adapter (None: the base model).
     """
 
     req_id: str
@@ -39,6 +41,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     eos_token_ids: list[int] = []
     child_index: int = 0
     params_from: str = ""
+    lora_request: LoRARequest | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -19,6 +19,7 @@ class InputBatch:
         num_tokens / num_prompt_tokens / num_computed_tokens: [max_num_reqs] int32.
         block_table: [num_kv_groups, max_num_reqs, max_blocks_per_req] int32, block ids per
             KV cache group (0 = the null block).
+        lora_ids: [max_num_reqs] int32, each row's LoRA adapter id (0: none).
         num_blocks: [num_kv_groups, max_num_reqs] int32, filled entries of each row.
         params: the SamplingParams of each row (None for a free row).
         sampling: the rows' sampling controls as arrays.
@@ -36,6 +37,7 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, np.int32)
         self.block_table = np.zeros((num_kv_groups, max_num_reqs, max_blocks), np.int32)
         self.num_blocks = np.zeros((num_kv_groups, max_num_reqs), np.int32)
+        self.lora_ids = np.zeros(max_num_reqs, np.int32)   # 0: the base model
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self.sampling = SamplingState(max_num_reqs)
         self.prompt_logprobs: dict[int, list[TokenLogprobs]] = {}
@@ -58,6 +60,7 @@ class InputBatch:
         self.num_tokens[row] = n
         self.num_prompt_tokens[row] = new.num_prompt_tokens
         self.num_computed_tokens[row] = new.num_computed_tokens
+        self.lora_ids[row] = new.lora_request.lora_int_id if new.lora_request else 0
         self.num_blocks[:, row] = 0
         self.append_blocks(row, new.block_ids)
         params = new.sampling_params if params is None else params
@@ -69,6 +72,7 @@ class InputBatch:
         row = self.req_id_to_row.pop(req_id, None)
         if row is not None:
             self.params[row] = None
+            self.lora_ids[row] = 0
             self.sampling.clear_row(row)
             self.prompt_logprobs.pop(row, None)
             self.free_rows.append(row)

@@ -27,6 +27,7 @@ from vllm_actors.protocol.engine import EngineReady, TokenLogprobs
 from vllm_actors.protocol.step import StepInput, StepOutput
 from vllm_actors.workers.input_batch import InputBatch
 from vllm_actors.workers.kv_cache import kv_bytes_per_block, num_kv_blocks
+from vllm_actors.workers.lora_manager import LoRAManager
 from vllm_actors.workers.sampler import (SampledLogprobs, Sampler, apply_token_bitmask,
                                         log_softmax, top_logprobs)
 from vllm_actors.workers.spec_decode.proposers import make_proposer
@@ -113,6 +114,8 @@ class ModelRunner:
         # parallelism the logits are gathered on the host of rank 0
         self.device_greedy = hasattr(self.backend, "argmax") and self.tp.world_size == 1
         self.follow_tokens = self.stage.size > 1   # sampled ids come in the StepInput
+        self.lora = LoRAManager(config.lora, self.model) if config.lora else None
+        self._lora_failed: dict[str, str] = {}     # adapters that failed to load, this step
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate `num_blocks` usable blocks (plus the null block) of this rank's KV heads:
@@ -147,11 +150,16 @@ class ModelRunner:
     def _apply_diffs(self, step: StepInput) -> None:
         batch = self.batch
         for req_id in step.finished_req_ids:
+            row = batch.req_id_to_row.get(req_id)
+            if self.lora is not None and row is not None and batch.lora_ids[row]:
+                self.lora.release(int(batch.lora_ids[row]))
             batch.remove_request(req_id)
             if self.proposer is not None:
                 self.proposer.finish(req_id)
         for new, params in zip(step.new_requests, step.new_request_params()):
-            batch.add_request(new, params)
+            row = batch.add_request(new, params)
+            if new.lora_request is not None:
+                self._acquire_lora(new, row)
         cached = step.cached_requests
         for req_id, blocks, computed in zip(cached.req_ids, cached.new_block_ids,
                                             cached.num_computed_tokens):
@@ -166,6 +174,18 @@ class ModelRunner:
             row = batch.req_id_to_row[req_id]
             batch.token_ids[row, batch.num_tokens[row]:batch.num_tokens[row] + len(drafts)] = \
                 drafts
+
+    def _acquire_lora(self, new: Any, row: int) -> None:
+        """Hold a new request's adapter for as long as it runs; one that cannot be loaded
+        (dropped, then its files went away) fails that request alone."""
+        try:
+            if self.lora is None:
+                raise ValidationError("this engine serves no LoRA adapters (--enable-lora)",
+                                      "lora_request")
+            self.lora.acquire(new.lora_request)
+        except ValidationError as e:
+            self.batch.lora_ids[row] = 0
+            self._lora_failed[new.req_id] = str(e)
 
     def _prepare(self, rows: np.ndarray, counts: np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[AttentionMetadata]]:
@@ -374,11 +394,14 @@ class ModelRunner:
         token_ids, positions, token_rows, metas = self._prepare(rows, counts)
         layouts = self._one_row_verification(metas, rows, counts)
         meta = layouts[0] if len(layouts) == 1 else layouts
+        lora = self.lora.batch(self.batch.lora_ids[token_rows]) if self.lora else None
+        extra = {} if lora is None else {"lora": lora}
         if self.stage.first:
-            hidden = self.model.forward(token_ids, positions, meta, self.kv_caches)
+            hidden = self.model.forward(token_ids, positions, meta, self.kv_caches, **extra)
         else:
             hidden = self.model.forward(token_ids, positions, meta, self.kv_caches,
-                                        hidden_in=self.backend.from_host(self.channel.recv()))
+                                        hidden_in=self.backend.from_host(self.channel.recv()),
+                                        **extra)
         self.batch.num_computed_tokens[rows] += counts
         if not self.stage.last:
             self.channel.send(self.backend.to_host(hidden))
@@ -386,4 +409,8 @@ class ModelRunner:
         self._collect_prompt_logprobs(hidden, positions, token_rows)
         out = StepOutput(req_ids, [[] for _ in req_ids])
         self._sample(hidden, metas[0], rows, req_ids, step, out)
+        if self._lora_failed:
+            out.failed.update(self._lora_failed)
+            out.failed_params.update(dict.fromkeys(self._lora_failed, "lora_request"))
+            self._lora_failed = {}
         return out

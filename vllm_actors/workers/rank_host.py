@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 from vllm_actors.config import EngineConfig
 from vllm_actors.errors import ValidationError
+from vllm_actors.lora_request import LoRARequest
 from vllm_actors.models.base import PipelineStage, SingleRank
 from vllm_actors.protocol.engine import EngineReady
 from vllm_actors.protocol.step import StepInput, StepOutput
@@ -24,7 +25,7 @@ from vllm_actors.workers.shm import set_oversubscribed
 
 # what `collective_rpc` may call on every rank (vLLM calls any worker method by name; a
 # closed list keeps a typo or a private method from running in every worker)
-RPC_METHODS = ("describe", "kv_cache_bytes")
+RPC_METHODS = ("describe", "kv_cache_bytes", "add_lora", "remove_lora", "list_loras")
 
 
 class RankHost:
@@ -81,6 +82,23 @@ class RankHost:
         return (runner.num_blocks + 1) * kv_bytes_per_block(
             runner.local_args, runner.block_size, runner.kv_groups, len(runner.kv_slots),
             runner.kv_format.name)
+
+    def add_lora(self, lora: Any) -> bool:
+        """Load a LoRA adapter (a LoRARequest, or its fields as a list off the wire).
+        Raises LoRAAdapterError, or ValidationError without --enable-lora."""
+        return self._loras().add(lora if isinstance(lora, LoRARequest) else LoRARequest(*lora))
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._loras().remove(int(lora_id))
+
+    def list_loras(self) -> list[int]:
+        return self._loras().ids()
+
+    def _loras(self) -> Any:
+        if self.runner.lora is None:
+            raise ValidationError("this engine serves no LoRA adapters: start it with "
+                                  "--enable-lora", "enable_lora")
+        return self.runner.lora
 
     def call(self, method: str, args: Sequence[Any] = ()) -> Any:
         """`collective_rpc`'s entry: one of RPC_METHODS with `args`.

@@ -33,6 +33,7 @@ from vllm_actors.kernels.cpu import (
     qmatmul_layout,
     threads,
 )
+from vllm_actors.kernels.lora_ops import lora_add
 from vllm_actors.kernels.numpy_backend import NumpyBackend, available_host_memory
 from vllm_actors.kernels.ops import AttentionMetadata, RopeTables, WeightLike
 
@@ -112,6 +113,7 @@ class CpuBackend:
 
     name = "cpu"
     compiles_lazily = True   # the model runner warms every kernel up before it reports ready
+    lora_add = staticmethod(lora_add)
 
     def __init__(self, num_threads: int | None = None, kv_cache_dtype: str = "float32") -> None:
         if kv_cache_dtype not in ("float32", "float16"):

@@ -1,0 +1,189 @@
+"""LoRA on the decoder: an adapter's A/B pairs laid onto the model's fused linears, and the
+per-step grouping of token rows by adapter.
+
+The base weights are never merged or copied: each linear of a layer with an adapter adds
+`scale * B(A x)` to the rows of the requests that use it (punica's batched form, one group
+per adapter); rows without an adapter pay nothing. A fused linear (QKV, gate+up) takes its
+parts' A stacked, so x is read once per group, and each part's B writes its columns.
+
+Under tensor parallelism A and B are sharded as vLLM shards them: B along the output of the
+column-parallel layers (QKV, gate+up), A along the input of the row-parallel ones (output
+projection, down). A row-parallel rank adds `B (A_shard x_shard)` before the layer's
+all-reduce, which sums those partial products as vLLM's all-reduce of `A_shard x_shard`
+would, without a second collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from vllm_actors.errors import ValidationError
+from vllm_actors.loaders.lora import LoRAAdapter, LoRAAdapterError
+from vllm_actors.loaders.weights import RawTensor
+
+# GGUF linear name -> (the fused linear of our layer it belongs to, its part index)
+_ATTN = {"attn_q": ("qkv", 0), "attn_k": ("qkv", 1), "attn_v": ("qkv", 2),
+         "attn_output": ("attn_out", 0)}
+_GATED = {"ffn_gate": ("gate_up", 0), "ffn_up": ("gate_up", 1), "ffn_down": ("down", 0)}
+_UNGATED = {"ffn_up": ("gate_up", 0), "ffn_down": ("down", 0)}
+
+
+@dataclass(frozen=True)
+class LinearLoRA:
+    """One adapter on one (maybe fused) linear: `a` [sum of ranks, K] (the parts' A
+    stacked), and per part (B [n, r] with the scale folded in at use, its first rank row in
+    `a`, its first output column, its scale)."""
+
+    a: Any
+    parts: tuple[tuple[Any, int, int, float], ...]
+
+
+# an adapter on a model: layer id -> fused linear name -> LinearLoRA
+ModelLoRA = dict[int, dict[str, LinearLoRA]]
+
+
+@dataclass(frozen=True)
+class LoRABatch:
+    """One step's adapters: per adapter used in the step, its ModelLoRA and the token rows
+    (indices into the step's flat tokens) that run with it."""
+
+    groups: tuple[tuple[ModelLoRA, np.ndarray], ...]
+
+    def apply(self, backend: Any, y: Any, x: Any, layer_id: int, linear: str) -> Any:
+        """y (the linear's output for x) plus each group's adapter delta on its rows."""
+        for adapter, rows in self.groups:
+            lora = adapter.get(layer_id, {}).get(linear)
+            if lora is not None:
+                y = backend.lora_add(y, x, rows, lora.a, lora.parts)
+        return y
+
+
+def _targets(model: Any, layer: int) -> dict[str, tuple[str, int]]:
+    args = model.args
+    if args.is_sparse(layer):
+        return dict(_ATTN)
+    return {**_ATTN, **(_GATED if args.gated_mlp else _UNGATED)}
+
+
+def build_model_lora(model: Any, adapter: LoRAAdapter) -> ModelLoRA:
+    """The adapter's pairs for this rank's layers of `model` (a DecoderLM), sharded and in
+    the model's row order. Raises LoRAAdapterError for modules the model lacks."""
+    args = model.args
+    staged: dict[int, dict[str, list[tuple[int, np.ndarray, np.ndarray, float]]]] = {}
+    for module, (a, b, scale) in _split_fused(args, adapter.modules).items():
+        layer, _, kind = module.rpartition(".")
+        target = None
+        if layer.startswith("blk.") and layer[4:].isdigit() and int(layer[4:]) < args.num_layers:
+            target = _targets(model, int(layer[4:])).get(kind)
+        if target is None:
+            raise LoRAAdapterError(adapter.name, adapter.path, f"target module {module!r} is "
+                                   "not a linear layer LoRA can adapt in this model "
+                                   "(attention q/k/v/o and dense MLP projections)")
+        layer_id = int(layer[4:])
+        if layer_id not in model.layer_ids:
+            continue          # another pipeline stage's layer
+        a, b = _shard(model, adapter, kind, a, b)
+        staged.setdefault(layer_id, {}).setdefault(target[0], []).append(
+            (target[1], a, b, scale))
+    return {layer: {linear: _stack(model, linear, parts) for linear, parts in linears.items()}
+            for layer, linears in staged.items()}
+
+
+def _split_fused(args: Any, modules: dict[str, tuple[np.ndarray, np.ndarray, float]]
+                 ) -> dict[str, tuple[np.ndarray, np.ndarray, float]]:
+    """Adapters on fused projections (phi3's `qkv_proj` and `gate_up_proj`: GGUF `attn_qkv`
+    and a `ffn_up` of twice the MLP width) split as the model splits its weights: each
+    part keeps A and takes its rows of B."""
+    out = {}
+    f = args.intermediate_size
+    for module, (a, b, scale) in modules.items():
+        prefix, _, kind = module.rpartition(".")
+        if kind == "attn_qkv" and b.shape[0] == args.q_size + 2 * args.kv_size:
+            cuts = np.cumsum([0, args.q_size, args.kv_size, args.kv_size])
+            for name, lo, hi in zip(("attn_q", "attn_k", "attn_v"), cuts[:-1], cuts[1:]):
+                out[f"{prefix}.{name}"] = (a, b[lo:hi], scale)
+        elif kind == "ffn_up" and args.gated_mlp and b.shape[0] == 2 * f and \
+                f"{prefix}.ffn_gate" not in modules:
+            out[f"{prefix}.ffn_gate"] = (a, b[:f], scale)
+            out[module] = (a, b[f:], scale)
+        else:
+            out[module] = (a, b, scale)
+    return out
+
+
+def _check_shape(adapter: LoRAAdapter, kind: str, a: np.ndarray, b: np.ndarray,
+                 rows: int, cols: int) -> None:
+    if b.shape[0] != rows or a.shape[1] != cols:
+        raise LoRAAdapterError(adapter.name, adapter.path,
+                               f"{kind}: lora_A {a.shape} / lora_B {b.shape} do not fit the "
+                               f"model's [{rows}, {cols}] weight")
+
+
+def _hf_to_gguf_rows(b: np.ndarray, num_heads: int, head_dim: int) -> np.ndarray:
+    """Q/K rows from the HF order (NeoX halves per head) to the order llama.cpp's converter
+    writes for interleaved-RoPE models (pairs per head)."""
+    return b.reshape(num_heads, 2, head_dim // 2, -1).swapaxes(1, 2).reshape(b.shape)
+
+
+def _shard(model: Any, adapter: LoRAAdapter, kind: str, a: np.ndarray, b: np.ndarray
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """A and B of one module as this rank holds them, Q/K rows in the model's order."""
+    args, plan, dh = model.args, model.plan, model.args.head_dim
+    rows = {"attn_q": args.q_size, "attn_k": args.kv_size, "attn_v": args.kv_size,
+            "attn_output": args.hidden_size, "ffn_gate": args.intermediate_size,
+            "ffn_up": args.intermediate_size, "ffn_down": args.hidden_size}[kind]
+    cols = {"attn_output": args.q_size, "ffn_down": args.intermediate_size}.get(
+        kind, args.hidden_size)
+    _check_shape(adapter, kind, a, b, rows, cols)
+    tb = RawTensor(kind, b.shape, 0, b)
+    ta = RawTensor(kind, a.shape, 0, a)
+    if kind in ("attn_q", "attn_k"):
+        heads = args.num_heads if kind == "attn_q" else args.num_kv_heads
+        if args.rope_interleaved and adapter.row_order == "hf":
+            tb = RawTensor(kind, b.shape, 0, _hf_to_gguf_rows(b, heads, dh))
+        tb = model._neox(tb, heads)
+    if plan.sharded:
+        if kind == "attn_q":
+            tb = plan.q_rows(tb, dh)
+        elif kind in ("attn_k", "attn_v"):
+            tb = plan.kv_rows(tb, dh)
+        elif kind in ("ffn_gate", "ffn_up"):
+            tb = plan.ffn_rows(tb)
+        elif kind == "attn_output":
+            ta = plan.o_cols(ta, dh)
+        else:
+            ta = plan.ffn_cols(ta)
+    return np.ascontiguousarray(ta.data), np.ascontiguousarray(tb.data)
+
+
+def _part_widths(model: Any, linear: str) -> list[int]:
+    """Output columns of each part of one of this rank's fused linears."""
+    local = model.local_args
+    if linear == "qkv":
+        return [local.q_size, local.kv_size, local.kv_size]
+    if linear == "gate_up":
+        return [local.intermediate_size] * (2 if local.gated_mlp else 1)
+    return [local.hidden_size]
+
+
+def _stack(model: Any, linear: str, parts: list[tuple[int, np.ndarray, np.ndarray, float]]
+           ) -> LinearLoRA:
+    widths = _part_widths(model, linear)
+    offsets = np.concatenate([[0], np.cumsum(widths)])
+    backend = model.backend
+    a_rows, out, r0 = [], [], 0
+    for index, a, b, scale in sorted(parts, key=lambda p: p[0]):
+        a_rows.append(a)
+        out.append((backend.upload_array(b), r0, int(offsets[index]), float(scale)))
+        r0 += a.shape[0]
+    return LinearLoRA(backend.upload_array(np.concatenate(a_rows, axis=0)), tuple(out))
+
+
+def check_lora_support(model: Any) -> None:
+    """Raises ValidationError where the model cannot take adapters at all."""
+    if not hasattr(model, "layer_ids") or not hasattr(model, "plan"):
+        raise ValidationError(f"{type(model).__name__} does not take LoRA adapters",
+                              "enable_lora")
