@@ -69,3 +69,48 @@ def write_peft_adapter(path: Path, base: dict[str, object], targets: tuple[str, 
     write_safetensors(path / "adapter_model.safetensors",
                       peft_tensors(base, targets, rank, seed * 1000))
     return path
+
+
+# name -> (model source: "tiny" (TINY_CONFIGS) or "family" (FAMILY_CONFIGS), its name,
+# adapter settings); the goldens are PEFT's on transformers (tests/oracle/make_lora_golden.py)
+LORA_CASES: dict[str, tuple[str, str, dict]] = {
+    "llama": ("tiny", "llama", {"rank": 8, "alpha": 16.0}),
+    "qwen2_rslora_r64": ("tiny", "qwen2", {"rank": 64, "alpha": 32.0, "rslora": True}),
+    "gemma3": ("family", "gemma3", {"rank": 8, "alpha": 16.0}),
+    "phi3": ("family", "phi3", {"rank": 8, "alpha": 16.0,
+                                "targets": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}),
+    "qwen3_moe": ("family", "qwen3_moe", {"rank": 16, "alpha": 16.0,
+                                          "targets": ("q_proj", "k_proj", "v_proj", "o_proj")}),
+}
+LORA_PROMPT = [(i * 53 + 7) % 251 + 3 for i in range(48)]
+LORA_GREEDY_PROMPT_LEN = 17
+LORA_GREEDY_STEPS = 32
+# SmolLM2 (its GGUF, dequantized by transformers) with a rank-16 adapter on every linear
+SMOLLM2_LORA = {"rank": 16, "alpha": 8.0, "seed": 7}
+SMOLLM2_LORA_PROMPT = "The three most important things to know about the ocean are"
+
+
+def write_case(workdir: Path, name: str) -> tuple[Path, Path]:
+    """The model directory and the adapter of LORA_CASES[name], written under workdir."""
+    from family_models import write_family_dir
+    from tiny_models import write_hf_dir
+
+    source, model, settings = LORA_CASES[name]
+    write = write_hf_dir if source == "tiny" else write_family_dir
+    weights = write(workdir / f"{name}-model", model)
+    adapter = write_peft_adapter(workdir / f"{name}-adapter", weights, **settings)
+    return workdir / f"{name}-model", adapter
+
+
+def attach(model, adapter: Path, name: str = "a", max_rank: int = 64):
+    """`model` (a loaded DecoderLM) running every row with the adapter at `adapter`, as the
+    runner does for a step whose requests all use it."""
+    from vllm_actors.loaders.lora import load_adapter
+    from vllm_actors.models.lora import LoRABatch, build_model_lora
+
+    args = model.args
+    lora = build_model_lora(model, load_adapter(name, str(adapter), args.architecture,
+                                                args.num_layers, max_rank))
+    forward = model.forward
+    model.forward = lambda *a, **kw: forward(*a, lora=LoRABatch(((lora, None),)), **kw)
+    return model

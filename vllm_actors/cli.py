@@ -46,6 +46,8 @@ def _serve(args: argparse.Namespace) -> int:
     config = ServerConfig.from_cli_args(args)
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.create_engine_config()   # refuse bad flags before loading anything
+    if config.lora_modules and not engine_args.enable_lora:
+        raise ValidationError("--lora-modules needs --enable-lora", "lora_modules")
     return run_server(vars(engine_args), config)
 
 

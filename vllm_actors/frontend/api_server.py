@@ -33,6 +33,8 @@ from vllm_actors.frontend.openai_schema import APIError
 from vllm_actors.frontend.serving import JSONBody, ServerState
 from vllm_actors.frontend.serving_chat import create_chat_completion
 from vllm_actors.frontend.serving_completion import create_completion
+from vllm_actors.frontend.serving_lora import (adapter_cards, add_module, load_lora_adapter,
+                                               runtime_updates_allowed, unload_lora_adapter)
 from vllm_actors.frontend.serving_responses import (ResponseStore, create_response,
                                                     delete_response, retrieve_response)
 from vllm_actors.frontend.serving_tokenize import detokenize, tokenize
@@ -138,7 +140,13 @@ class _Routes:
         card = {"id": self.state.model_name, "object": "model", "created": int(time.time()),
                 "owned_by": "vllm-actors", "root": self.engine.model_root, "parent": None,
                 "max_model_len": self.engine.ready.max_model_len, "permission": []}
-        return JSONBody({"object": "list", "data": [card]})
+        return JSONBody({"object": "list", "data": [card, *adapter_cards(self.state)]})
+
+    async def load_lora_adapter(self, raw: Request) -> Response:
+        return await load_lora_adapter(self.state, raw)
+
+    async def unload_lora_adapter(self, raw: Request) -> Response:
+        return await unload_lora_adapter(self.state, raw)
 
     async def server_info(self, raw: Request) -> Response:
         ready, config = self.engine.ready, self.state.config
@@ -189,7 +197,15 @@ class _Routes:
                 ("/v1/responses", self.responses, ["POST"]),
                 ("/v1/responses/{response_id}", self.stored_response, ["GET", "DELETE"]),
                 ("/server_info", self.server_info, ["GET"]),
-                ("/reset_prefix_cache", self.reset_prefix_cache, ["POST"])]
+                ("/reset_prefix_cache", self.reset_prefix_cache, ["POST"]),
+                *self._lora_routes()]
+
+    def _lora_routes(self) -> list[tuple[str, Any, list[str]]]:
+        """Only with VLLM_ALLOW_RUNTIME_LORA_UPDATING (else 404, as vLLM)."""
+        if not runtime_updates_allowed():
+            return []
+        return [("/v1/load_lora_adapter", self.load_lora_adapter, ["POST"]),
+                ("/v1/unload_lora_adapter", self.unload_lora_adapter, ["POST"])]
 
 
 def build_app(state: ServerState) -> Starlette:
@@ -207,6 +223,15 @@ def build_app(state: ServerState) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         state.engine.start()
+        for module in state.config.lora_modules:
+            try:
+                lora = await add_module(state, module)
+            except ValidationError as e:
+                state.startup_error = f"--lora-modules {module.name}: {e}"
+                logger.error("%s", state.startup_error)
+                raise
+            logger.info("LoRA adapter %s (id %d) loaded from %s", lora.lora_name,
+                        lora.lora_int_id, lora.lora_path)
         yield
         state.engine.shutdown()
 
@@ -298,4 +323,4 @@ def run_server(engine_args: dict[str, Any], config: ServerConfig) -> int:
     finally:
         engine.shutdown()
         state.shutdown()
-    return server.exit_code
+    return 1 if state.startup_error else server.exit_code

@@ -64,7 +64,8 @@ class AsyncLLM(EngineWatch):
         self.input_processor = InputProcessor(self.tokenizer, self.ready,
                                               config.model.max_logprobs,
                                               config.scheduler.policy)
-        self.metrics = FrontendMetrics(self.model_name, self.group.size)
+        self.metrics = FrontendMetrics(self.model_name, self.group.size,
+                                       config.lora.max_loras if config.lora else 0)
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
         self.generation_defaults = generation_defaults(source, config.model.generation_config)
         self.lora_config = config.lora

@@ -26,8 +26,15 @@ logger = logging.getLogger("vllm_actors.metrics")
 class FrontendMetrics:
     """Args: model_name; num_engines: the data parallel engine cores (labels "0".."N-1")."""
 
-    def __init__(self, model_name: str, num_engines: int = 1) -> None:
+    def __init__(self, model_name: str, num_engines: int = 1, max_loras: int = 0) -> None:
+        """max_loras: --max-loras when LoRA is on (0: off, no LoRA gauge)."""
         self.registry = reg = CollectorRegistry()
+        self.max_loras = max_loras
+        self.lora_info = Gauge("vllm:lora_requests_info", "Running stats on LoRA requests: "
+                               "the adapters of the running and waiting requests (the value "
+                               "is when they were seen).", ["max_lora", "waiting_lora_adapters",
+                                                            "running_lora_adapters"],
+                               registry=reg) if max_loras else None
         self.model_name = model_name
         names = ["model_name", "engine"]
 
@@ -104,6 +111,17 @@ class FrontendMetrics:
             for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
                 self.accepted_per_pos.labels(position=str(pos), **labels).inc(n)
             self.spec_log.observe(spec)
+        if self.lora_info is not None:
+            self._observe_loras()
+
+    def _observe_loras(self) -> None:
+        """One series, the adapters of every engine core's running and waiting requests
+        now (vLLM's labels; older combinations are dropped)."""
+        running = sorted({n for s in self._last for n in s.running_lora_adapters})
+        waiting = sorted({n for s in self._last for n in s.waiting_lora_adapters})
+        self.lora_info.clear()
+        self.lora_info.labels(max_lora=str(self.max_loras), running_lora_adapters=",".join(running),
+                              waiting_lora_adapters=",".join(waiting)).set_to_current_time()
 
     def observe_tokens(self, num_new: int, first_token_s: float | None,
                        since_last_s: float | None, engine: int = 0) -> None:

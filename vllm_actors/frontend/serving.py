@@ -32,6 +32,7 @@ from vllm_actors.frontend.openai_schema import APIError
 from vllm_actors.frontend.preparation import (HEAVY_THREADS, HEAVY_WAITING, LARGE_WORK_BYTES,
                                               PREPARE_THREADS, PREPARE_TIMEOUT_S, PrepareLane,
                                               is_heavy)
+from vllm_actors.lora_request import LoRARequest
 from vllm_actors.outputs import RequestOutput
 from vllm_actors.sampling_params import SamplingParams, short_repr
 
@@ -49,15 +50,27 @@ class ServerState:
     model_name: str
     in_flight: set[str] = field(default_factory=set)
     draining: bool = False
+    startup_error: str | None = None
     light: PrepareLane = field(
         default_factory=lambda: PrepareLane("prepare", PREPARE_THREADS, None))
     heavy: PrepareLane = field(
         default_factory=lambda: PrepareLane("prepare-heavy", HEAVY_THREADS, HEAVY_WAITING))
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names (None: the base model). Raises APIError 404 for
+        a name that is neither."""
+        if model is None or model == self.model_name:
+            return None
+        lora = self.engine.loras.get(model)
+        if lora is None:
+            served = ", ".join(f"`{n}`" for n in [self.model_name, *self.engine.loras])
             raise APIError(404, f"The model `{model}` does not exist; this server serves "
-                                f"`{self.model_name}`", "model", "model_not_found")
+                                f"{served}", "model", "model_not_found")
+        return lora
+
+    def served_name(self, model: str | None) -> str:
+        """What responses report as their model: the adapter's name, else the base's."""
+        return model if model is not None and model in self.engine.loras else self.model_name
 
     def check_chat_template(self, template: str | None) -> None:
         """A chat template sent in a request runs only with --trust-request-chat-template
@@ -108,7 +121,7 @@ class ServerState:
         `prompt_param`, grammar errors `constraint_param`, when given)."""
         try:
             sub.processed = self.engine.input_processor.process(
-                sub.request_id, sub.prompt, sub.params, sub.priority)
+                sub.request_id, sub.prompt, sub.params, sub.priority, sub.lora)
         except ValidationError as e:
             raise APIError(400, str(e), _param(e.param, prompt_param, constraint_param)) \
                 from None
@@ -132,6 +145,7 @@ class SubRequest:
     params: SamplingParams
     priority: int = 0
     processed: ProcessedRequest | None = None
+    lora: LoRARequest | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

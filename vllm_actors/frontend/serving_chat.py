@@ -45,7 +45,7 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_id: str
                  ) -> PreparedChat:
     """Everything a chat request needs before it runs (in the preparation pool): checks,
     tool plan, the rendered and tokenized conversation, validated SamplingParams."""
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     refuse_unsupported(req)
     state.check_chat_template(req.chat_template)
     messages = chat_messages(req)
@@ -75,7 +75,7 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_id: str
                              plan.structured or structured)
     if plan.parser is not None and plan.parser.special_markers:
         params = msgspec.structs.replace(params, skip_special_tokens=False)
-    sub = SubRequest(request_id, prompt, params, req.priority)
+    sub = SubRequest(request_id, prompt, params, req.priority, lora=lora)
     constraint_param = "tools" if plan.structured else constraint_field
     state.process(sub, "messages", constraint_param)
     return PreparedChat(req, sub, plan, constraint_param, _echo_text(req, messages))
@@ -128,7 +128,7 @@ def chat_response(state: ServerState, prepared: PreparedChat, out: RequestOutput
         choices.append(choice)
     completion_tokens = sum(len(c.token_ids) for c in out.outputs)
     body = {"id": sub.request_id, "object": "chat.completion", "created": now(),
-            "model": state.model_name, "choices": choices,
+            "model": state.served_name(req.model), "choices": choices,
             "usage": usage(sub.num_prompt_tokens, completion_tokens, out.num_cached_tokens)}
     if out.prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
@@ -147,7 +147,7 @@ async def _stream(state: ServerState, prepared: PreparedChat,
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
         body: dict[str, Any] = {"id": sub.request_id, "object": "chat.completion.chunk",
-                                "created": created, "model": state.model_name,
+                                "created": created, "model": state.served_name(req.model),
                                 "choices": choices, **extra}
         if continuous:
             body["usage"] = usage(num_prompt, completion_tokens, cached)
@@ -185,6 +185,6 @@ async def _stream(state: ServerState, prepared: PreparedChat,
         yield _json.encode(stream_error(e)).decode()
     if include_usage:
         yield _json.encode({"id": sub.request_id, "object": "chat.completion.chunk",
-                            "created": created, "model": state.model_name, "choices": [],
+                            "created": created, "model": state.served_name(req.model), "choices": [],
                             "usage": usage(num_prompt, completion_tokens, cached)}).decode()
     yield "[DONE]"

@@ -42,7 +42,7 @@ class PreparedCompletion:
 def prepare_completion(state: ServerState, req: CompletionRequest, request_id: str
                        ) -> PreparedCompletion:
     """Checks, tokenized prompts and validated SamplingParams (in the preparation pool)."""
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     refuse_unsupported(req)
     structured, constraint_field = structured_outputs_of(req)
     subs, texts = [], []
@@ -63,7 +63,7 @@ def prepare_completion(state: ServerState, req: CompletionRequest, request_id: s
         whole = req.truncate_prompt_tokens is None and text is not None
         sub = SubRequest(f"{request_id}-{i}", {"prompt": text, "prompt_token_ids": ids,
                                                "cache_salt": req.cache_salt}, params,
-                         req.priority)
+                         req.priority, lora=lora)
         state.process(sub, "prompt", constraint_field)
         subs.append(sub)
         texts.append(text if whole else tokenizer.decode(ids))
@@ -119,7 +119,7 @@ def _completion_body(state: ServerState, prepared: PreparedCompletion,
                 choice.update(prompt_token_ids=out.prompt_token_ids, token_ids=c.token_ids)
             choices.append(choice)
     return {"id": prepared.request_id, "object": "text_completion", "created": now(),
-            "model": state.model_name, "choices": choices,
+            "model": state.served_name(req.model), "choices": choices,
             "usage": usage(prepared.num_prompt_tokens, completion_tokens, cached)}
 
 
@@ -136,7 +136,7 @@ async def _stream(state: ServerState, prepared: PreparedCompletion,
 
     def chunk(choice: dict[str, Any]) -> str:
         body: dict[str, Any] = {"id": request_id, "object": "text_completion",
-                                "created": created, "model": state.model_name,
+                                "created": created, "model": state.served_name(req.model),
                                 "choices": [choice]}
         if continuous:
             body["usage"] = usage(num_prompt, completion_tokens, sum(cached))
@@ -164,7 +164,7 @@ async def _stream(state: ServerState, prepared: PreparedCompletion,
         yield _json.encode(stream_error(e)).decode()
     if include_usage:
         yield _json.encode({"id": request_id, "object": "text_completion", "created": created,
-                            "model": state.model_name, "choices": [],
+                            "model": state.served_name(req.model), "choices": [],
                             "usage": usage(num_prompt, completion_tokens,
                                            sum(cached))}).decode()
     yield "[DONE]"

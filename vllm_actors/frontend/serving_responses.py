@@ -136,7 +136,7 @@ def _prepare_turn(state: ServerState, req: ResponsesRequest,
         e.param = _PARAMS.get(e.param or "", e.param)
         raise
     return _Turn(new_id("resp"), int(time.time()), req, chat.sub, chat.plan, items,
-                 state.model_name, _PARAMS.get(chat.constraint_param or "",
+                 state.served_name(req.model), _PARAMS.get(chat.constraint_param or "",
                                                chat.constraint_param))
 
 
