@@ -12,7 +12,7 @@ from family_models import NEAR_TIE
 from golden_files import GOLDEN
 from model_driver import greedy_tokens, prompt_logits
 from tiny_lora import (LORA_CASES, LORA_GREEDY_PROMPT_LEN, LORA_GREEDY_STEPS, LORA_PROMPT,
-                       attach, write_case, write_peft_adapter)
+                       SMOLLM2_LORA, SMOLLM2_SHAPES, attach, write_case, write_peft_adapter)
 from tiny_models import TINY_CONFIGS, tiny_weights, write_llama_gguf
 from tp_ranks import run_ranks
 
@@ -113,3 +113,16 @@ def test_refused_adapters_name_their_problem(tmp_path, cases):
     for problem, path in bad.items():
         with pytest.raises(LoRAAdapterError, match=problem):
             build_model_lora(model, load_adapter("x", str(path), "llama", 2, 16))
+
+
+def test_smollm2_adapter_matches_peft(tmp_path, smollm2_path):
+    """A rank-16 adapter on every linear of SmolLM2 (its Q4_1 GGUF computed exactly, as
+    transformers dequantizes it): the last prompt row's logits and 32 greedy tokens."""
+    adapter = write_peft_adapter(tmp_path / "a", SMOLLM2_SHAPES, **SMOLLM2_LORA)
+    backend = get_backend("cpu")
+    model = attach(load_model(resolve_model(smollm2_path), backend,
+                              gguf_activations="float32"), adapter)
+    prompt = GOLDENS["smollm2/prompt"].tolist()
+    logits = prompt_logits(model, backend, prompt, first_row=len(prompt) - 1)
+    assert np.abs(logits - GOLDENS["smollm2/logits"]).max() < TOLERANCE
+    check_greedy(greedy_tokens(model, backend, prompt, LORA_GREEDY_STEPS), "smollm2")

@@ -6,8 +6,10 @@ from vllm_actors.config import CacheConfig, EngineConfig, SchedulerConfig
 from vllm_actors.enginecore import core as core_module
 from vllm_actors.enginecore.kv_cache_manager import KVCacheManager
 from vllm_actors.enginecore.request import Request, RequestStatus
+from vllm_actors.enginecore import scheduler as scheduler_module
 from vllm_actors.enginecore.scheduler import Scheduler
 from vllm_actors.errors import ValidationError
+from vllm_actors.lora_request import LoRARequest
 from vllm_actors.protocol.engine import EngineCoreRequest, EngineReady, FinishReason
 from vllm_actors.protocol.step import StepInput, StepOutput
 from vllm_actors.sampling_params import SamplingParams
@@ -16,10 +18,12 @@ BS = 4
 
 
 def make_request(req_id: str, num_prompt: int, *, first: int = 10, priority: int = 0,
-                 arrival: float = 0.0, max_model_len: int = 256, **params) -> Request:
+                 arrival: float = 0.0, max_model_len: int = 256, lora: int = 0,
+                 **params) -> Request:
     sp = SamplingParams(temperature=0.0, **params)
     core = EngineCoreRequest(req_id, list(range(first, first + num_prompt)), sp, [2], arrival,
-                             priority)
+                             priority, lora_request=LoRARequest(f"l{lora}", lora, "/p")
+                             if lora else None)
     return Request(core, max_model_len, BS)
 
 
@@ -279,3 +283,46 @@ def test_a_message_whose_child_id_is_taken_queues_none(monkeypatch):
     with pytest.raises(ValidationError, match="n must be"):
         core.add_request(EngineCoreRequest("t", [1, 2, 3], SamplingParams(), [], 0.0, n=0))
     assert set(core.scheduler.requests) == {"1_s"}
+
+
+def test_max_loras_admits_other_requests_past_a_waiting_adapter():
+    s = make_scheduler(max_num_seqs=8, budget=64)
+    s.max_loras = 2
+    for i, lora in enumerate([1, 2, 3, 0, 1]):
+        s.add_request(make_request(f"r{i}", 4, first=10 * i, lora=lora, max_tokens=3))
+    step, _ = run_step(s)
+    # adapter 3 waits (two adapters run); the base request and adapter 1's second pass it
+    assert list(step.num_scheduled_tokens) == ["r0", "r1", "r3", "r4"]
+    assert [r.request_id for r in s.waiting] == ["r2"]
+    assert s.make_stats().running_lora_adapters == ["l1", "l2"]
+    assert s.make_stats().waiting_lora_adapters == ["l3"]
+    while "r2" not in {r.request_id for r in s.running}:
+        run_step(s)
+    assert not {"r0", "r1"} & set(s.requests)   # it ran once adapter 1 or 2 was done
+
+
+def test_a_waiting_adapter_is_not_starved():
+    """After LORA_MAX_SKIPS passes, nothing overtakes it; it runs once a slot frees."""
+    s = make_scheduler(max_num_seqs=8, budget=64)
+    s.max_loras = 1
+    s.add_request(make_request("long", 4, lora=1, max_tokens=200, ignore_eos=True))
+    s.add_request(make_request("other", 4, first=50, lora=2, max_tokens=2))
+    run_step(s)
+    for i in range(scheduler_module.LORA_MAX_SKIPS + 3):     # adapter 1 keeps arriving
+        s.add_request(make_request(f"late{i}", 4, first=100 + i, lora=1, max_tokens=200,
+                                   ignore_eos=True))
+        run_step(s)
+    admitted = {r.request_id for r in s.running}
+    assert "other" not in admitted
+    late = sorted(int(r[4:]) for r in admitted if r.startswith("late"))
+    # passed over in the first step and by 7 later arrivals; then the queue holds behind it
+    assert late == list(range(scheduler_module.LORA_MAX_SKIPS - 1))
+    s.finish_requests(sorted(admitted), FinishReason.ABORT)
+    run_step(s)
+    assert "other" in {r.request_id for r in s.running}
+
+
+def test_adapters_never_share_prefix_blocks():
+    same = [make_request(f"r{lora}", 8, lora=lora) for lora in (0, 1, 1, 2)]
+    hashes = [r.block_hashes for r in same]
+    assert hashes[1] == hashes[2] and len({tuple(h) for h in hashes}) == 3
