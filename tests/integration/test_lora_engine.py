@@ -1,14 +1,17 @@
 """LoRA through the whole engine on SmolLM2 (compiled CPU backend, --enable-lora):
-PEFT's greedy tokens, a batch of four adapters and the base model giving each request what
+PEFT's greedy tokens, llama.cpp's with a GGUF adapter, a batch of four adapters and the base model giving each request what
 it gets alone while --max-loras 2 makes requests wait and a small KV cache preempts them,
 prefix-cache blocks kept per adapter, and the errors a user can cause."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from golden_files import GOLDEN
-from tiny_lora import SMOLLM2_LORA, SMOLLM2_SHAPES, write_peft_adapter
+from tiny_lora import (SMOLLM2_GGUF_LORA, SMOLLM2_LORA, SMOLLM2_SHAPES, write_gguf_adapter,
+                       write_peft_adapter)
 
 from vllm_actors import LLM, LoRARequest, SamplingParams, ValidationError
 
@@ -87,3 +90,33 @@ def test_adapter_errors(lora_llm, adapters, smollm2_llm, tmp_path):
     assert adapters[3].lora_int_id not in lora_llm.list_loras()
     assert lora_llm.generate("hi", greedy(2), lora_request=adapters[3])[0].finished
     assert lora_llm.generate("hi", greedy(2))[0].finished        # the engine is still up
+
+
+def llamacpp_spread_bound() -> float:
+    """The largest top-2 margin at which llama.cpp parts from itself on SmolLM2 across
+    thread counts and batch shapes (tests/golden/llamacpp_spread.json; flash attention, a
+    different attention algorithm, left out). It never does: the bound is 0, so the tokens
+    must be llama.cpp's exactly."""
+    spread = json.loads((GOLDEN / "llamacpp_spread.json").read_text())["models"]["smollm2"]
+    return max(run["margin_at_divergence"] or 0.0 for case in spread.values()
+               for config, run in case.items() if "flash_attn" not in config)
+
+
+def test_gguf_adapter_gives_llamacpp_tokens(smollm2_path, tmp_path):
+    """A llama.cpp GGUF adapter under the default semantics: llama.cpp's greedy tokens with
+    the same adapter loaded (tests/oracle/make_llamacpp_lora_golden.py), a difference
+    allowed only at a margin below llama.cpp's own spread."""
+    golden = json.loads((GOLDEN / "llamacpp_smollm2_lora.json").read_text())
+    adapter = write_gguf_adapter(tmp_path / "adapter.gguf", SMOLLM2_SHAPES,
+                                 **SMOLLM2_GGUF_LORA)
+    bound = llamacpp_spread_bound()
+    with LLM(str(smollm2_path), device="cpu", enable_lora=True, max_model_len=256,
+             num_gpu_blocks_override=NUM_BLOCKS) as llm:
+        outs = llm.generate([{"prompt_token_ids": c["prompt_token_ids"]}
+                             for c in golden["cases"]], greedy(32),
+                            lora_request=LoRARequest("gguf", 1, str(adapter)))
+    for case, out in zip(golden["cases"], outs):
+        got, want = out.outputs[0].token_ids, case["tokens"]
+        first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        assert first is None or case["top2_margins"][first] < bound, (case["name"], first,
+                                                                      bound)

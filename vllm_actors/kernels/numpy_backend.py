@@ -145,7 +145,13 @@ class NumpyBackend:
     """Implements `kernels.ops.Backend` with numpy on the host."""
 
     name = "numpy"
-    lora_add = staticmethod(lora_add)
+
+    @staticmethod
+    def lora_add(y: np.ndarray, x: np.ndarray, rows: np.ndarray | None, a: np.ndarray,
+                 parts: Sequence[tuple[np.ndarray, int, int, float]], ggml: bool = False
+                 ) -> np.ndarray:
+        """The reference: BLAS's float order under either semantics (`lora_ops`)."""
+        return lora_add(y, x, rows, a, parts)
 
     def __init__(self) -> None:
         self._tables: dict[str, np.ndarray] = {}

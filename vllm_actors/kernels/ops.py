@@ -104,10 +104,11 @@ class Backend(Protocol):
         """x [T, in] -> x @ W.T (+ bias): [T, out]."""
 
     def lora_add(self, y: Array, x: Array, rows: np.ndarray | None, a: Array,
-                 parts: Sequence[tuple[Array, int, int, float]]) -> Array:
+                 parts: Sequence[tuple[Array, int, int, float]], ggml: bool = False) -> Array:
         """A LoRA adapter's delta on `rows` of a linear's output y [T, N] (input x [T, K]):
         `y[rows, col:col+n] += scale * (x[rows] @ a[r0:r0+r].T) @ b.T` per part (b, r0, col,
-        scale); returns y. Host backends (`kernels/lora_ops.py`)."""
+        scale); returns y. `ggml`: in llama.cpp's float order where the backend follows it.
+        Host backends (`kernels/lora_ops.py`)."""
         ...
 
     def rms_norm(self, x: Array, weight: Array, eps: float) -> Array:

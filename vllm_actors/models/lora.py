@@ -52,12 +52,14 @@ class LoRABatch:
 
     groups: tuple[tuple[ModelLoRA, np.ndarray], ...]
 
-    def apply(self, backend: Any, y: Any, x: Any, layer_id: int, linear: str) -> Any:
-        """y (the linear's output for x) plus each group's adapter delta on its rows."""
+    def apply(self, backend: Any, y: Any, x: Any, layer_id: int, linear: str,
+              ggml: bool = False) -> Any:
+        """y (the linear's output for x) plus each group's adapter delta on its rows
+        (`ggml`: in llama.cpp's float order, under its semantics)."""
         for adapter, rows in self.groups:
             lora = adapter.get(layer_id, {}).get(linear)
             if lora is not None:
-                y = backend.lora_add(y, x, rows, lora.a, lora.parts)
+                y = backend.lora_add(y, x, rows, lora.a, lora.parts, ggml)
         return y
 
 

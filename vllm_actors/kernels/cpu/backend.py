@@ -113,7 +113,6 @@ class CpuBackend:
 
     name = "cpu"
     compiles_lazily = True   # the model runner warms every kernel up before it reports ready
-    lora_add = staticmethod(lora_add)
 
     def __init__(self, num_threads: int | None = None, kv_cache_dtype: str = "float32") -> None:
         if kv_cache_dtype not in ("float32", "float16"):
@@ -261,6 +260,19 @@ class CpuBackend:
         if bias is not None:
             y += bias
         return y
+
+    def lora_add(self, y: np.ndarray, x: np.ndarray, rows: np.ndarray | None, a: np.ndarray,
+                 parts: Sequence[tuple[np.ndarray, int, int, float]], ggml: bool = False
+                 ) -> np.ndarray:
+        """`lora_ops.lora_add`; under llama.cpp's semantics in its order, each request's
+        rows as llama.cpp computes them for that request alone."""
+        alone = None
+        if ggml:
+            counts = self._step_rows
+            if counts is None or counts.sum() != len(x):
+                counts = np.array([len(x)])
+            alone = np.repeat(counts == 1, counts)
+        return lora_add(y, x, rows, a, parts, alone)
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         return elementwise.rms_norm(x, weight, eps)

@@ -1,0 +1,77 @@
+"""llama.cpp's greedy tokens for SmolLM2 with a GGUF LoRA adapter (written by
+tests/tiny_lora.py's `write_gguf_adapter` with gguf-py, SMOLLM2_GGUF_LORA), loaded through
+llama-cpp-python's adapter API at scale 1. Run by hand:
+
+    pip install -e ".[oracle]"
+    python tests/oracle/make_llamacpp_lora_golden.py
+
+Writes tests/golden/llamacpp_smollm2_lora.json: per case of the llama.cpp SmolLM2 goldens
+in CASES, 32 greedy tokens and their top-2 margins, with llama.cpp's default settings
+(those of make_llamacpp_golden.py).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import llama_cpp as L
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "oracle")]
+
+from make_llamacpp_golden import (DEFAULT, decode, last_logits, load_model,  # noqa: E402
+                                  model_path, new_context, oracle_string, top2_margin)
+from tiny_lora import SMOLLM2_GGUF_LORA, SMOLLM2_SHAPES, write_gguf_adapter  # noqa: E402
+
+GOLDEN = ROOT / "tests" / "golden" / "llamacpp_smollm2_lora.json"
+CASES = ("chat_capital", "chat_german", "plain_primes", "plain_arith", "plain_japanese",
+         "plain_emoji")
+STEPS = 32
+
+
+def greedy(model, adapter, prompt: list[int], n_vocab: int) -> tuple[list[int], list[float]]:
+    ctx = new_context(model, DEFAULT)
+    try:
+        if L.llama_set_adapter_lora(ctx, adapter, 1.0) != 0:
+            sys.exit("llama.cpp refused the adapter")
+        decode(ctx, prompt)
+        tokens, margins = [], []
+        for _ in range(STEPS):
+            token, margin = top2_margin(last_logits(ctx, n_vocab))
+            tokens.append(token)
+            margins.append(margin)
+            decode(ctx, [token])
+    finally:
+        L.llama_free(ctx)
+    return tokens, margins
+
+
+def main() -> None:
+    L.llama_backend_init()
+    cases = {c["name"]: c for c in json.loads(
+        (GOLDEN.parent / "llamacpp_smollm2_greedy.json").read_text())["cases"]}
+    model = load_model(model_path("smollm2"))
+    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_gguf_adapter(Path(tmp) / "adapter.gguf", SMOLLM2_SHAPES,
+                                  **SMOLLM2_GGUF_LORA)
+        adapter = L.llama_adapter_lora_init(model, str(path).encode())
+        if not adapter:
+            sys.exit("llama.cpp could not load the adapter")
+        for name in CASES:
+            prompt = cases[name]["prompt_token_ids"]
+            tokens, margins = greedy(model, adapter, prompt, n_vocab)
+            out.append({"name": name, "prompt_token_ids": prompt, "tokens": tokens,
+                        "top2_margins": margins})
+            print(f"{name}: {tokens[:8]}..., min margin {min(margins):.3g}")
+    GOLDEN.write_text(json.dumps({"oracle": oracle_string(), "adapter": SMOLLM2_GGUF_LORA,
+                                  "cases": out}, indent=1))
+    print(f"wrote {GOLDEN}")
+
+
+if __name__ == "__main__":
+    main()
