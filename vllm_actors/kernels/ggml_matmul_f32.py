@@ -1,6 +1,6 @@
-"""float32 x float32 matmuls in llama.cpp's CPU order, for the LoRA products under the
-quantized GGUF semantics (a GGUF adapter's A and B are F32; `ggml_mul_mat` multiplies them
-with float32 inputs, vec_dot_type F32).
+"""float32 x float32 products in llama.cpp's CPU order: the LoRA deltas of the compiled
+backend (`lora_delta`), exact under the quantized GGUF semantics (a GGUF adapter's A and B
+are F32; `ggml_mul_mat` multiplies them with float32 inputs, vec_dot_type F32).
 
 - A request with two rows or more in the step and a contraction that is a multiple of 16:
   llamafile's tinyBLAS (ggml tries it first; it leaves one-row products to ggml), one fused
@@ -24,6 +24,8 @@ from numba import prange
 from vllm_actors.kernels.cpu.intrinsics import fma_f32
 
 LANES = 16
+OUT_BLOCK = 256     # outputs of B per task: a block of B (rank x 256 floats) stays in L1
+SERIAL_MAX_WORK = 1 << 18    # multiply-adds below which one thread is faster (measured)
 
 
 @numba.njit(inline="always", cache=True)
@@ -42,53 +44,99 @@ def _reduce16(acc):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(inline="always", cache=True)
-def _tiny_dot(x, w, t, r, acc):  # type: ignore[no-untyped-def]
-    for lane in range(LANES):
-        acc[lane] = np.float32(0.0)
-    for start in range(0, x.shape[1], LANES):
+def _dots(x, xi, wt, w0, c0, k, n, alone, acc, out):  # type: ignore[no-untyped-def]
+    """out[j] = x[xi:xi+k] . wt[w0:w0+k, c0 + j] for j < n (wt: the weights transposed, so each
+    step runs along the outputs), in ggml's order: tinyBLAS (k a multiple of 16, a request of
+    several rows) or ggml_vec_dot_f32. acc: [64, >= n] scratch."""
+    if k % LANES == 0 and not alone:
         for lane in range(LANES):
-            acc[lane] = fma_f32(x[t, start + lane], w[r, start + lane], acc[lane])
-    return _reduce16(acc)
+            for j in range(n):
+                acc[lane, j] = np.float32(0.0)
+        for start in range(0, k, LANES):
+            for lane in range(LANES):
+                xv = x[xi + start + lane]
+                for j in range(n):
+                    acc[lane, j] = fma_f32(xv, wt[w0 + start + lane, c0 + j], acc[lane, j])
+        _reduce_lanes(acc, 0, n, out)
+        return
+    whole = k - k % 64
+    if whole == 0:      # ggml's accumulators reduce to 0: only the element-by-element sum
+        for j in range(n):
+            out[j] = np.float32(0.0)
+    else:
+        for a in range(4 * LANES):
+            for j in range(n):
+                acc[a, j] = np.float32(0.0)
+        for start in range(0, whole, 64):
+            for a in range(4 * LANES):
+                xv = x[xi + start + a]
+                for j in range(n):
+                    acc[a, j] = fma_f32(xv, wt[w0 + start + a, c0 + j], acc[a, j])
+        for lane in range(LANES):
+            for j in range(n):
+                acc[lane, j] = (acc[lane, j] + acc[2 * LANES + lane, j]) + \
+                    (acc[LANES + lane, j] + acc[3 * LANES + lane, j])
+        _reduce_lanes(acc, 0, n, out)
+    for i in range(whole, k):
+        xv = x[xi + i]
+        for j in range(n):
+            out[j] = out[j] + xv * wt[w0 + i, c0 + j]
 
 
 @numba.njit(inline="always", cache=True)
-def _vec_dot(x, w, t, r, acc):  # type: ignore[no-untyped-def]
-    k = x.shape[1]
-    whole = k - k % 64
-    for i in range(4 * LANES):
-        acc[i] = np.float32(0.0)
-    for start in range(0, whole, 64):
-        for j in range(4):
-            for lane in range(LANES):
-                i = start + j * LANES + lane
-                acc[j * LANES + lane] = fma_f32(x[t, i], w[r, i], acc[j * LANES + lane])
-    for lane in range(LANES):
-        acc[lane] = (acc[lane] + acc[2 * LANES + lane]) + \
-            (acc[LANES + lane] + acc[3 * LANES + lane])
-    total = _reduce16(acc)
-    for i in range(whole, k):
-        total = total + x[t, i] * w[r, i]
-    return total
+def _reduce_lanes(acc, a0, n, out):  # type: ignore[no-untyped-def]
+    """out[j] = `_mm512_reduce_add_ps` of acc[a0:a0+16, j]: lanes i + i+8, + i+4, + i+2,
+    + i+1."""
+    for j in range(n):
+        t0 = acc[a0 + 8, j] + acc[a0, j]
+        t1 = acc[a0 + 9, j] + acc[a0 + 1, j]
+        t2 = acc[a0 + 10, j] + acc[a0 + 2, j]
+        t3 = acc[a0 + 11, j] + acc[a0 + 3, j]
+        t4 = acc[a0 + 12, j] + acc[a0 + 4, j]
+        t5 = acc[a0 + 13, j] + acc[a0 + 5, j]
+        t6 = acc[a0 + 14, j] + acc[a0 + 6, j]
+        t7 = acc[a0 + 15, j] + acc[a0 + 7, j]
+        u0, u1, u2, u3 = t4 + t0, t5 + t1, t6 + t2, t7 + t3
+        out[j] = (u0 + u2) + (u1 + u3)
 
 
-@numba.njit(parallel=True, cache=True)
-def matmul_f32(x, w, alone, out):  # type: ignore[no-untyped-def]
-    """out[T, R] = x[T, K] . w[R, K] row by row, in ggml's order (see the module); alone[t]:
-    row t is its request's only row in the step."""
-    tiny = x.shape[1] % LANES == 0
-    for t in prange(x.shape[0]):
-        acc = np.empty(4 * LANES, np.float32)
-        for r in range(w.shape[0]):
-            if tiny and not alone[t]:
-                out[t, r] = _tiny_dot(x, w, t, r, acc)
-            else:
-                out[t, r] = _vec_dot(x, w, t, r, acc)
+def _lora_delta(y, x, rows, a_t, b_t, parts, scales, alone):  # type: ignore[no-untyped-def]
+    """y[t, col:col+n] += scale * (B . (A[r0:r0+r] . x[t])) for each row t in `rows` and each
+    part (r0, r, col, n, b0) of `parts` [P, 5] (its B: b_t[:r, b0:b0+n] transposed; A:
+    a_t[:, r0:r0+r] transposed), both products in ggml's order for a row whose request has
+    `alone[t]` one row in the step (see the module); the scaled product rounded, then added,
+    as `ggml_add(res, ggml_scale(...))`. The B products run in tasks of OUT_BLOCK outputs
+    over every row, so a block of B is read from memory once per step."""
+    k, num_ranks = a_t.shape
+    xa = np.empty((rows.shape[0], num_ranks), np.float32)
+    for ii in prange(rows.shape[0]):
+        acc = np.empty((4 * LANES, num_ranks), np.float32)
+        _dots(x[rows[ii]], 0, a_t, 0, 0, k, num_ranks, alone[rows[ii]], acc, xa[ii])
+    starts = np.zeros(parts.shape[0] + 1, np.int64)
+    for p in range(parts.shape[0]):
+        starts[p + 1] = starts[p] + (parts[p, 3] + OUT_BLOCK - 1) // OUT_BLOCK
+    for task in prange(starts[-1]):
+        p = np.searchsorted(starts, task, side="right") - 1
+        r0, r, col, n, b0 = parts[p, 0], parts[p, 1], parts[p, 2], parts[p, 3], parts[p, 4]
+        j0 = (task - starts[p]) * OUT_BLOCK
+        m = min(OUT_BLOCK, n - j0)
+        acc = np.empty((4 * LANES, OUT_BLOCK), np.float32)
+        delta = np.empty(OUT_BLOCK, np.float32)
+        for ii in range(rows.shape[0]):
+            t = rows[ii]
+            _dots(xa[ii], r0, b_t, 0, b0 + j0, r, m, alone[t], acc, delta)
+            for j in range(m):
+                y[t, col + j0 + j] += delta[j] * scales[p]
 
 
-def ggml_matmul_f32(x: np.ndarray, w: np.ndarray, alone: np.ndarray) -> np.ndarray:
-    """x [T, K] @ w[R, K].T as llama.cpp's `ggml_mul_mat(w, x)` computes it (float32), each
-    row as its request's step would alone (`alone`: bool [T], a one-row request)."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    out = np.empty((x.shape[0], w.shape[0]), np.float32)
-    matmul_f32(x, np.ascontiguousarray(w, dtype=np.float32), alone, out)
-    return out
+lora_delta_parallel = numba.njit(parallel=True, cache=True)(_lora_delta)
+lora_delta_serial = numba.njit(cache=True)(_lora_delta)   # prange runs as range
+
+
+def lora_delta(y, x, rows, a_t, b_t, parts, scales, alone):  # type: ignore[no-untyped-def]
+    """`_lora_delta` on the calling thread when it is small (waking the threads for two
+    parallel loops costs about 20 us), else on numba's threads."""
+    k, num_ranks = a_t.shape
+    work = len(rows) * (k * num_ranks + int((parts[:, 1] * parts[:, 3]).sum()))
+    kernel = lora_delta_serial if work <= SERIAL_MAX_WORK else lora_delta_parallel
+    kernel(y, x, rows, a_t, b_t, parts, scales, alone)

@@ -3,43 +3,53 @@ for one adapter's rows, every part of a fused linear from one product with the s
 
 Float order: x's rows times A, each part's rank columns times its B, that product scaled,
 then added to y: PEFT's `lora_B(lora_A(x)) * scaling` and llama.cpp's `build_lora_mm`
-(`ggml_add(res, ggml_scale(mul_mat(b, mul_mat(a, x)), scale))`) alike."""
+(`ggml_add(res, ggml_scale(mul_mat(b, mul_mat(a, x)), scale))`) alike. The numpy backend
+multiplies with BLAS; the compiled one in one call per adapter and linear, in llama.cpp's
+orders (`lora_add_ggml`, exact under the quantized semantics, and as good as any order
+under float32)."""
 
 from __future__ import annotations
 
-import functools
-from typing import Sequence
+from typing import Any
 
 import numpy as np
 
-from vllm_actors.kernels.ggml_matmul_f32 import ggml_matmul_f32
+from vllm_actors.kernels.ggml_matmul_f32 import (lora_delta, lora_delta_parallel,
+                                                  lora_delta_serial)
 
 
-def _blas(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    return x @ w.T
-
-
-def lora_add(y: np.ndarray, x: np.ndarray, rows: np.ndarray | None, a: np.ndarray,
-             parts: Sequence[tuple[np.ndarray, int, int, float]],
-             alone: np.ndarray | None = None) -> np.ndarray:
+def lora_add(y: np.ndarray, x: np.ndarray, rows: np.ndarray | None, lora: Any) -> np.ndarray:
     """y [T, N] plus the adapter's delta on `rows` (indices into T; None: every row), in
-    place; returns y. a: [R, K] stacked A of the parts; parts: (B [n, r], first rank row in
-    a, first output column, scale). alone: bool [T], whether each row is its request's only
-    row in the step; given, both products follow llama.cpp's float order
-    (`ggml_matmul_f32`), else BLAS's."""
-    if alone is None:
-        matmul = _blas
-    else:
-        flags = alone if rows is None else alone[rows]
-        matmul = functools.partial(ggml_matmul_f32, alone=flags)
+    place, through BLAS; returns y. lora: a `models.lora.LinearLoRA` (a: [R, K] stacked A
+    of the parts; parts: (B [n, r], first rank row in a, first output column, scale))."""
     xs = x if rows is None else x[rows]
-    xa = matmul(xs, a)                                      # [rows, R]
-    for b, r0, col, scale in parts:
-        r = b.shape[1]
-        delta = matmul(xa[:, r0:r0 + r], b)
+    xa = xs @ lora.a.T                                      # [rows, R]
+    for b, r0, col, scale in lora.parts:
+        delta = xa[:, r0:r0 + b.shape[1]] @ b.T
         delta *= np.float32(scale)
         if rows is None:
             y[:, col:col + b.shape[0]] += delta
         else:
             y[rows, col:col + b.shape[0]] += delta
+    return y
+
+
+def warm_up_lora() -> None:
+    """Compile the LoRA kernels (both thread variants) before the first request needs them."""
+    x = np.zeros((2, 16), np.float32)
+    a_t, b_t = np.zeros((16, 16), np.float32), np.zeros((16, 16), np.float32)
+    parts = np.array([[0, 16, 0, 16, 0]], np.int64)
+    for kernel in (lora_delta_serial, lora_delta_parallel):
+        kernel(np.zeros((2, 16), np.float32), x, np.arange(2, dtype=np.int64), a_t, b_t, parts,
+               np.ones(1, np.float32), np.zeros(2, np.bool_))
+
+
+def lora_add_ggml(y: np.ndarray, x: np.ndarray, rows: np.ndarray | None, lora: Any,
+                  alone: np.ndarray) -> np.ndarray:
+    """`lora_add` in one compiled call, both products in llama.cpp's float order
+    (`ggml_matmul_f32.lora_delta`); alone: bool [T], each row its request's only row in the
+    step."""
+    ids = np.arange(len(x), dtype=np.int64) if rows is None else rows.astype(np.int64)
+    lora_delta(y, np.ascontiguousarray(x, dtype=np.float32), ids, lora.a_t, lora.b_t,
+               lora.meta, lora.scales, alone)
     return y

@@ -147,11 +147,10 @@ class NumpyBackend:
     name = "numpy"
 
     @staticmethod
-    def lora_add(y: np.ndarray, x: np.ndarray, rows: np.ndarray | None, a: np.ndarray,
-                 parts: Sequence[tuple[np.ndarray, int, int, float]], ggml: bool = False
-                 ) -> np.ndarray:
+    def lora_add(y: np.ndarray, x: np.ndarray, rows: np.ndarray | None, lora: object,
+                 ggml: bool = False) -> np.ndarray:
         """The reference: BLAS's float order under either semantics (`lora_ops`)."""
-        return lora_add(y, x, rows, a, parts)
+        return lora_add(y, x, rows, lora)
 
     def __init__(self) -> None:
         self._tables: dict[str, np.ndarray] = {}

@@ -103,12 +103,12 @@ class Backend(Protocol):
     def linear(self, x: Array, weight: Any, bias: Array | None = None) -> Array:
         """x [T, in] -> x @ W.T (+ bias): [T, out]."""
 
-    def lora_add(self, y: Array, x: Array, rows: np.ndarray | None, a: Array,
-                 parts: Sequence[tuple[Array, int, int, float]], ggml: bool = False) -> Array:
+    def lora_add(self, y: Array, x: Array, rows: np.ndarray | None, lora: Any,
+                 ggml: bool = False) -> Array:
         """A LoRA adapter's delta on `rows` of a linear's output y [T, N] (input x [T, K]):
-        `y[rows, col:col+n] += scale * (x[rows] @ a[r0:r0+r].T) @ b.T` per part (b, r0, col,
-        scale); returns y. `ggml`: in llama.cpp's float order where the backend follows it.
-        Host backends (`kernels/lora_ops.py`)."""
+        `y[rows, col:col+n] += scale * (x[rows] @ a[r0:r0+r].T) @ b.T` per part of `lora`
+        (a `models.lora.LinearLoRA`); returns y. `ggml`: in llama.cpp's float order where
+        the backend follows it. Host backends (`kernels/lora_ops.py`)."""
         ...
 
     def rms_norm(self, x: Array, weight: Array, eps: float) -> Array:

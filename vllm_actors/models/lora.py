@@ -34,11 +34,18 @@ _UNGATED = {"ffn_up": ("gate_up", 0), "ffn_down": ("down", 0)}
 @dataclass(frozen=True)
 class LinearLoRA:
     """One adapter on one (maybe fused) linear: `a` [sum of ranks, K] (the parts' A
-    stacked), and per part (B [n, r] with the scale folded in at use, its first rank row in
-    `a`, its first output column, its scale)."""
+    stacked), and per part (B [n, r], its first rank row in `a`, its first output column,
+    its scale). The same transposed for one-call kernels that run along the outputs: `a_t`
+    [K, sum of ranks], `b_t` [largest r, sum of n] (each part's B, zero-padded), `meta`
+    int64 [P, 5] (first rank row, rank, first column, n, first column in b_t) and `scales`
+    float32 [P]."""
 
     a: Any
     parts: tuple[tuple[Any, int, int, float], ...]
+    a_t: Any
+    b_t: Any
+    meta: Any
+    scales: Any
 
 
 # an adapter on a model: layer id -> fused linear name -> LinearLoRA
@@ -59,7 +66,7 @@ class LoRABatch:
         for adapter, rows in self.groups:
             lora = adapter.get(layer_id, {}).get(linear)
             if lora is not None:
-                y = backend.lora_add(y, x, rows, lora.a, lora.parts, ggml)
+                y = backend.lora_add(y, x, rows, lora, ggml)
         return y
 
 
@@ -176,12 +183,22 @@ def _stack(model: Any, linear: str, parts: list[tuple[int, np.ndarray, np.ndarra
     widths = _part_widths(model, linear)
     offsets = np.concatenate([[0], np.cumsum(widths)])
     backend = model.backend
-    a_rows, out, r0 = [], [], 0
-    for index, a, b, scale in sorted(parts, key=lambda p: p[0]):
+    parts = sorted(parts, key=lambda p: p[0])
+    width = max(b.shape[1] for _, _, b, _ in parts)
+    b_cat = np.zeros((sum(b.shape[0] for _, _, b, _ in parts), width), np.float32)
+    a_rows, out, meta, r0, b0 = [], [], [], 0, 0
+    for index, a, b, scale in parts:
         a_rows.append(a)
         out.append((backend.upload_array(b), r0, int(offsets[index]), float(scale)))
+        b_cat[b0:b0 + b.shape[0], :b.shape[1]] = b
+        meta.append((r0, a.shape[0], int(offsets[index]), b.shape[0], b0))
         r0 += a.shape[0]
-    return LinearLoRA(backend.upload_array(np.concatenate(a_rows, axis=0)), tuple(out))
+        b0 += b.shape[0]
+    a = np.concatenate(a_rows, axis=0)
+    return LinearLoRA(backend.upload_array(a), tuple(out),
+                      backend.upload_array(np.ascontiguousarray(a.T)),
+                      backend.upload_array(np.ascontiguousarray(b_cat.T)),
+                      np.array(meta, np.int64), np.array([p[3] for p in parts], np.float32))
 
 
 def check_lora_support(model: Any) -> None:

@@ -18,6 +18,9 @@ from vllm_actors.models.lora import LoRABatch, ModelLoRA, build_model_lora, chec
 class LoRAManager:
     def __init__(self, config: LoRAConfig, model: Any) -> None:
         check_lora_support(model)
+        warm_up = getattr(model.backend, "warm_up_lora", None)
+        if warm_up is not None:      # compiled kernels: before READY, not at a first request
+            warm_up()
         self.config = config
         self.model = model
         self.loaded: collections.OrderedDict[int, tuple[LoRARequest, ModelLoRA]] = \

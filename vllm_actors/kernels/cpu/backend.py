@@ -33,7 +33,7 @@ from vllm_actors.kernels.cpu import (
     qmatmul_layout,
     threads,
 )
-from vllm_actors.kernels.lora_ops import lora_add
+from vllm_actors.kernels.lora_ops import lora_add_ggml, warm_up_lora
 from vllm_actors.kernels.numpy_backend import NumpyBackend, available_host_memory
 from vllm_actors.kernels.ops import AttentionMetadata, RopeTables, WeightLike
 
@@ -261,18 +261,16 @@ class CpuBackend:
             y += bias
         return y
 
-    def lora_add(self, y: np.ndarray, x: np.ndarray, rows: np.ndarray | None, a: np.ndarray,
-                 parts: Sequence[tuple[np.ndarray, int, int, float]], ggml: bool = False
-                 ) -> np.ndarray:
-        """`lora_ops.lora_add`; under llama.cpp's semantics in its order, each request's
-        rows as llama.cpp computes them for that request alone."""
-        alone = None
-        if ggml:
-            counts = self._step_rows
-            if counts is None or counts.sum() != len(x):
-                counts = np.array([len(x)])
-            alone = np.repeat(counts == 1, counts)
-        return lora_add(y, x, rows, a, parts, alone)
+    warm_up_lora = staticmethod(warm_up_lora)
+
+    def lora_add(self, y: np.ndarray, x: np.ndarray, rows: np.ndarray | None, lora: Any,
+                 ggml: bool = False) -> np.ndarray:
+        """`lora_ops.lora_add_ggml`: llama.cpp's float order, each request's rows as
+        llama.cpp computes them for that request alone (any order serves float32)."""
+        counts = self._step_rows
+        if counts is None or counts.sum() != len(x):
+            counts = np.array([len(x)])
+        return lora_add_ggml(y, x, rows, lora, np.repeat(counts == 1, counts))
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         return elementwise.rms_norm(x, weight, eps)

@@ -1,0 +1,99 @@
+"""LoRA serving cost, side by side in one run: decode throughput of batch 16 with no adapter
+against batch 16 spread over 4 rank-16 adapters (4 requests each), and single-stream decode
+with and without an adapter, ours (compiled CPU backend, --enable-lora --max-loras 4) and
+llama.cpp's (llama-cpp-python, the same GGUF adapter applied to its whole context).
+
+    python bench/lora.py [--runs 3] [--tokens 64] [--rank 16] [--semantics quantized]
+
+The adapters are GGUF LoRA files written with gguf-py (`tests/tiny_lora.write_gguf_adapter`)
+on SmolLM2. One engine serves every case; the rounds alternate the cases (the machine is
+shared and noisy; medians are reported, with every run). Greedy decoding with ignore_eos, so
+every request generates --tokens tokens; throughput = generated tokens / wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from tiny_lora import SMOLLM2_SHAPES, write_gguf_adapter  # noqa: E402
+
+from vllm_actors import LLM, LoRARequest, SamplingParams  # noqa: E402
+from vllm_actors.loaders.model_files import default_model_path  # noqa: E402
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def ours(llm: LLM, batch: int, loras: list, tokens: int) -> float:
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    lora = [loras[i % len(loras)] for i in range(batch)] if loras else None
+    start = time.perf_counter()
+    outs = llm.generate([PROMPT] * batch, params, lora_request=lora, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+
+
+def llamacpp(model: str, adapter: str | None, tokens: int) -> float:
+    from llama_cpp import Llama
+    kw = {"lora_path": adapter} if adapter else {}
+    llm = Llama(model, n_ctx=512, n_threads=2, verbose=False, **kw)
+    no_eos = {llm.token_eos(): -1e9}                         # every run generates `tokens`
+    llm.create_completion(PROMPT, max_tokens=4, temperature=0.0)          # warm
+    start = time.perf_counter()
+    out = llm.create_completion(PROMPT, max_tokens=tokens, temperature=0.0, logit_bias=no_eos)
+    elapsed = time.perf_counter() - start
+    return out["usage"]["completion_tokens"] / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--semantics", default="quantized", choices=("quantized", "float32"))
+    parser.add_argument("--no-llamacpp", action="store_true")
+    args = parser.parse_args()
+    model = str(default_model_path())
+    results: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = [write_gguf_adapter(Path(tmp) / f"a{i}.gguf", SMOLLM2_SHAPES, rank=args.rank,
+                                    alpha=float(args.rank), seed=i) for i in range(1, 5)]
+        loras = [LoRARequest(f"a{i}", i, str(p)) for i, p in enumerate(paths, 1)]
+        cases = {"batch16 base": (16, []), "batch16 4 adapters": (16, loras),
+                 "single base": (1, []), "single adapter": (1, loras[:1])}
+        with LLM(model, device="cpu", enable_lora=True, max_loras=4, max_lora_rank=64,
+                 max_model_len=1024, gguf_activations=args.semantics) as llm:
+            for lora in loras:
+                llm.add_lora(lora)
+            ours(llm, 16, loras, 8)                                            # warm
+            for run in range(args.runs):
+                order = list(cases) if run % 2 == 0 else list(reversed(cases))
+                for name in order:
+                    batch, use = cases[name]
+                    results.setdefault(name, []).append(ours(llm, batch, use, args.tokens))
+        if not args.no_llamacpp:
+            for run in range(args.runs):
+                results.setdefault("llama.cpp single base", []).append(
+                    llamacpp(model, None, args.tokens))
+                results.setdefault("llama.cpp single adapter", []).append(
+                    llamacpp(model, str(paths[0]), args.tokens))
+    medians = {k: statistics.median(v) for k, v in results.items()}
+    for name, runs in results.items():
+        print(f"{name:28s} {medians[name]:8.1f} tok/s   runs {[round(r, 1) for r in runs]}")
+    print(f"batch 16, 4 adapters / base: {medians['batch16 4 adapters'] / medians['batch16 base']:.2f}")
+    print(f"single stream, adapter / base: {medians['single adapter'] / medians['single base']:.2f}")
+    if "llama.cpp single adapter" in medians:
+        print(f"single stream with an adapter, ours / llama.cpp: "
+              f"{medians['single adapter'] / medians['llama.cpp single adapter']:.2f}")
+    print(json.dumps({"medians": medians, "runs": results}))
+
+
+if __name__ == "__main__":
+    main()
