@@ -1,5 +1,5 @@
 """float32 x float32 products in llama.cpp's CPU order: the LoRA deltas of the compiled
-backend (`lora_delta`), exact under the quantized GGUF semantics (a GGUF adapter's A and B
+backend (`_lora_delta`), exact under the quantized GGUF semantics (a GGUF adapter's A and B
 are F32; `ggml_mul_mat` multiplies them with float32 inputs, vec_dot_type F32).
 
 - A request with two rows or more in the step and a contraction that is a multiple of 16:
@@ -25,7 +25,7 @@ from vllm_actors.kernels.cpu.intrinsics import fma_f32
 
 LANES = 16
 OUT_BLOCK = 256     # outputs of B per task: a block of B (rank x 256 floats) stays in L1
-SERIAL_MAX_WORK = 1 << 18    # multiply-adds below which one thread is faster (measured)
+SERIAL_MAX_WORK = 1 << 18    # multiply-adds below which waking the threads (~20 us) does not pay
 
 
 @numba.njit(inline="always", cache=True)
@@ -132,11 +132,3 @@ def _lora_delta(y, x, rows, a_t, b_t, parts, scales, alone):  # type: ignore[no-
 lora_delta_parallel = numba.njit(parallel=True, cache=True)(_lora_delta)
 lora_delta_serial = numba.njit(cache=True)(_lora_delta)   # prange runs as range
 
-
-def lora_delta(y, x, rows, a_t, b_t, parts, scales, alone):  # type: ignore[no-untyped-def]
-    """`_lora_delta` on the calling thread when it is small (waking the threads for two
-    parallel loops costs about 20 us), else on numba's threads."""
-    k, num_ranks = a_t.shape
-    work = len(rows) * (k * num_ranks + int((parts[:, 1] * parts[:, 3]).sum()))
-    kernel = lora_delta_serial if work <= SERIAL_MAX_WORK else lora_delta_parallel
-    kernel(y, x, rows, a_t, b_t, parts, scales, alone)

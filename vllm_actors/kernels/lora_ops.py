@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_actors.kernels.ggml_matmul_f32 import (lora_delta, lora_delta_parallel,
+from vllm_actors.kernels.ggml_matmul_f32 import (SERIAL_MAX_WORK, lora_delta_parallel,
                                                   lora_delta_serial)
 
 
@@ -44,12 +44,14 @@ def warm_up_lora() -> None:
                np.ones(1, np.float32), np.zeros(2, np.bool_))
 
 
-def lora_add_ggml(y: np.ndarray, x: np.ndarray, rows: np.ndarray | None, lora: Any,
+def lora_add_ggml(y: np.ndarray, x: np.ndarray, rows: np.ndarray, lora: Any,
                   alone: np.ndarray) -> np.ndarray:
-    """`lora_add` in one compiled call, both products in llama.cpp's float order
-    (`ggml_matmul_f32.lora_delta`); alone: bool [T], each row its request's only row in the
-    step."""
-    ids = np.arange(len(x), dtype=np.int64) if rows is None else rows.astype(np.int64)
-    lora_delta(y, np.ascontiguousarray(x, dtype=np.float32), ids, lora.a_t, lora.b_t,
-               lora.meta, lora.scales, alone)
+    """`lora_add` in one compiled call (`ggml_matmul_f32._lora_delta`), both products in
+    llama.cpp's float order; rows: int64 token rows; alone: bool [T], each row its request's
+    only row in the step. On the calling thread when small (waking the threads for two
+    parallel loops costs about 20 us)."""
+    small = len(rows) * lora.work <= SERIAL_MAX_WORK
+    kernel = lora_delta_serial if small else lora_delta_parallel
+    kernel(y, np.ascontiguousarray(x, dtype=np.float32), rows, lora.a_t, lora.b_t, lora.meta,
+           lora.scales, alone)
     return y

@@ -37,8 +37,8 @@ class LinearLoRA:
     stacked), and per part (B [n, r], its first rank row in `a`, its first output column,
     its scale). The same transposed for one-call kernels that run along the outputs: `a_t`
     [K, sum of ranks], `b_t` [largest r, sum of n] (each part's B, zero-padded), `meta`
-    int64 [P, 5] (first rank row, rank, first column, n, first column in b_t) and `scales`
-    float32 [P]."""
+    int64 [P, 5] (first rank row, rank, first column, n, first column in b_t), `scales`
+    float32 [P], and `work`, the multiply-adds per row."""
 
     a: Any
     parts: tuple[tuple[Any, int, int, float], ...]
@@ -46,6 +46,7 @@ class LinearLoRA:
     b_t: Any
     meta: Any
     scales: Any
+    work: int
 
 
 # an adapter on a model: layer id -> fused linear name -> LinearLoRA
@@ -198,7 +199,8 @@ def _stack(model: Any, linear: str, parts: list[tuple[int, np.ndarray, np.ndarra
     return LinearLoRA(backend.upload_array(a), tuple(out),
                       backend.upload_array(np.ascontiguousarray(a.T)),
                       backend.upload_array(np.ascontiguousarray(b_cat.T)),
-                      np.array(meta, np.int64), np.array([p[3] for p in parts], np.float32))
+                      np.array(meta, np.int64), np.array([p[3] for p in parts], np.float32),
+                      a.size + sum(b.size for _, _, b, _ in parts))
 
 
 def check_lora_support(model: Any) -> None:

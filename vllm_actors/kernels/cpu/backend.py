@@ -121,6 +121,8 @@ class CpuBackend:
         # an explicit count is kept; the default follows the machine's load
         self._follower = None if num_threads else threads.LoadFollower(count)
         self._step_rows: np.ndarray | None = None   # each request's rows in this step
+        # the step's (one-row-request flag, index) per token row, for the LoRA kernels
+        self._lora_rows: tuple[np.ndarray, np.ndarray] | None = None
         self.kv_cache_dtype = kv_cache_dtype
         self._tables: dict[str, qmatmul.QuantMatrix] = {}
         # the smallest weight of each kernel choice (type, activation format, repacking)
@@ -267,10 +269,15 @@ class CpuBackend:
                  ggml: bool = False) -> np.ndarray:
         """`lora_ops.lora_add_ggml`: llama.cpp's float order, each request's rows as
         llama.cpp computes them for that request alone (any order serves float32)."""
-        counts = self._step_rows
-        if counts is None or counts.sum() != len(x):
-            counts = np.array([len(x)])
-        return lora_add_ggml(y, x, rows, lora, np.repeat(counts == 1, counts))
+        step = self._lora_rows
+        if step is None or len(step[0]) != len(x):
+            counts = self._step_rows
+            if counts is None or counts.sum() != len(x):
+                counts = np.array([len(x)])
+            step = self._lora_rows = (np.repeat(counts == 1, counts),
+                                      np.arange(len(x), dtype=np.int64))
+        alone, every = step
+        return lora_add_ggml(y, x, every if rows is None else rows, lora, alone)
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         return elementwise.rms_norm(x, weight, eps)
@@ -319,6 +326,7 @@ class CpuBackend:
         if self._follower is not None:       # once per forward: the step's thread count
             self._follower.follow()
         self._step_rows = np.diff(meta.query_start_loc)
+        self._lora_rows = None
         return attention.prepare(meta)
 
     def reshape_and_cache(self, k: np.ndarray, v: np.ndarray, kv_cache: Any, attn: Any) -> None:
