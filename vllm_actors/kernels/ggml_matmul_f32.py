@@ -21,7 +21,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from vllm_actors.kernels.cpu.intrinsics import fma_f32
+from vllm_actors.kernels.cpu.intrinsics import fma16, fma_f32, reduce64
 
 LANES = 16
 OUT_BLOCK = 256     # outputs of B per task: a block of B (rank x 256 floats) stays in L1
@@ -44,20 +44,52 @@ def _reduce16(acc):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(inline="always", cache=True)
+def _rows_dot(x, w, alone, acc, out):  # type: ignore[no-untyped-def]
+    """out[i] = x . w[i] for every row of w (the A product; w C-contiguous) in ggml's order,
+    16 lanes at a time as vector fused multiply-adds (`fma16`). The chunk loop runs outside
+    the rows, so each row's chain is interleaved with the others' (one chain alone waits on
+    its own latency). acc: [rows of w, 64] scratch."""
+    num_rows, k = w.shape
+    tiny = k % LANES == 0 and not alone
+    whole = k if tiny else k - k % 64
+    for i in range(num_rows):
+        for a in range(4 * LANES):
+            acc[i, a] = np.float32(0.0)
+    step = LANES if tiny else 4 * LANES
+    for start in range(0, whole, step):
+        for i in range(num_rows):
+            for j in range(0, step, LANES):
+                fma16(acc, i * 4 * LANES + j, w, i * k + start + j, x, start + j)
+    for i in range(num_rows):
+        if tiny:
+            out[i] = _reduce16(acc[i])
+            continue
+        total = reduce64(acc, i * 4 * LANES) if whole else np.float32(0.0)
+        for d in range(whole, k):
+            total = total + x[d] * w[i, d]
+        out[i] = total
+
+
+@numba.njit(inline="always", cache=True)
 def _dots(x, xi, wt, w0, c0, k, n, alone, acc, out):  # type: ignore[no-untyped-def]
-    """out[j] = x[xi:xi+k] . wt[w0:w0+k, c0 + j] for j < n (wt: the weights transposed, so each
-    step runs along the outputs), in ggml's order: tinyBLAS (k a multiple of 16, a request of
-    several rows) or ggml_vec_dot_f32. acc: [64, >= n] scratch."""
+    """out[j] = x[xi:xi+k] . wt[w0:w0+k, c0 + j] for j < n (wt: the weights transposed, so
+    each step runs along the outputs), in ggml's order: tinyBLAS (k a multiple of 16, a
+    request of several rows) or ggml_vec_dot_f32. acc: [64, >= n] scratch. Rows are sliced
+    before the loops over j: indexing with a run-time offset keeps LLVM from vectorizing
+    them (3x slower, measured)."""
     if k % LANES == 0 and not alone:
         for lane in range(LANES):
+            acc_row = acc[lane]
             for j in range(n):
-                acc[lane, j] = np.float32(0.0)
+                acc_row[j] = np.float32(0.0)
         for start in range(0, k, LANES):
             for lane in range(LANES):
                 xv = x[xi + start + lane]
+                w_row = wt[w0 + start + lane, c0:c0 + n]
+                acc_row = acc[lane]
                 for j in range(n):
-                    acc[lane, j] = fma_f32(xv, wt[w0 + start + lane, c0 + j], acc[lane, j])
-        _reduce_lanes(acc, 0, n, out)
+                    acc_row[j] = fma_f32(xv, w_row[j], acc_row[j])
+        _reduce_lanes(acc, n, out)
         return
     whole = k - k % 64
     if whole == 0:      # ggml's accumulators reduce to 0: only the element-by-element sum
@@ -65,53 +97,57 @@ def _dots(x, xi, wt, w0, c0, k, n, alone, acc, out):  # type: ignore[no-untyped-
             out[j] = np.float32(0.0)
     else:
         for a in range(4 * LANES):
+            acc_row = acc[a]
             for j in range(n):
-                acc[a, j] = np.float32(0.0)
+                acc_row[j] = np.float32(0.0)
         for start in range(0, whole, 64):
             for a in range(4 * LANES):
                 xv = x[xi + start + a]
+                w_row = wt[w0 + start + a, c0:c0 + n]
+                acc_row = acc[a]
                 for j in range(n):
-                    acc[a, j] = fma_f32(xv, wt[w0 + start + a, c0 + j], acc[a, j])
+                    acc_row[j] = fma_f32(xv, w_row[j], acc_row[j])
         for lane in range(LANES):
+            a0, a1, a2, a3 = acc[lane], acc[LANES + lane], acc[2 * LANES + lane], \
+                acc[3 * LANES + lane]
             for j in range(n):
-                acc[lane, j] = (acc[lane, j] + acc[2 * LANES + lane, j]) + \
-                    (acc[LANES + lane, j] + acc[3 * LANES + lane, j])
-        _reduce_lanes(acc, 0, n, out)
+                a0[j] = (a0[j] + a2[j]) + (a1[j] + a3[j])
+        _reduce_lanes(acc, n, out)
     for i in range(whole, k):
         xv = x[xi + i]
+        w_row = wt[w0 + i, c0:c0 + n]
         for j in range(n):
-            out[j] = out[j] + xv * wt[w0 + i, c0 + j]
+            out[j] = out[j] + xv * w_row[j]
 
 
 @numba.njit(inline="always", cache=True)
-def _reduce_lanes(acc, a0, n, out):  # type: ignore[no-untyped-def]
-    """out[j] = `_mm512_reduce_add_ps` of acc[a0:a0+16, j]: lanes i + i+8, + i+4, + i+2,
-    + i+1."""
+def _reduce_lanes(acc, n, out):  # type: ignore[no-untyped-def]
+    """out[j] = `_mm512_reduce_add_ps` of acc[0:16, j]: lanes i + i+8, + i+4, + i+2, + i+1."""
     for j in range(n):
-        t0 = acc[a0 + 8, j] + acc[a0, j]
-        t1 = acc[a0 + 9, j] + acc[a0 + 1, j]
-        t2 = acc[a0 + 10, j] + acc[a0 + 2, j]
-        t3 = acc[a0 + 11, j] + acc[a0 + 3, j]
-        t4 = acc[a0 + 12, j] + acc[a0 + 4, j]
-        t5 = acc[a0 + 13, j] + acc[a0 + 5, j]
-        t6 = acc[a0 + 14, j] + acc[a0 + 6, j]
-        t7 = acc[a0 + 15, j] + acc[a0 + 7, j]
+        t0 = acc[8, j] + acc[0, j]
+        t1 = acc[9, j] + acc[1, j]
+        t2 = acc[10, j] + acc[2, j]
+        t3 = acc[11, j] + acc[3, j]
+        t4 = acc[12, j] + acc[4, j]
+        t5 = acc[13, j] + acc[5, j]
+        t6 = acc[14, j] + acc[6, j]
+        t7 = acc[15, j] + acc[7, j]
         u0, u1, u2, u3 = t4 + t0, t5 + t1, t6 + t2, t7 + t3
         out[j] = (u0 + u2) + (u1 + u3)
 
 
-def _lora_delta(y, x, rows, a_t, b_t, parts, scales, alone):  # type: ignore[no-untyped-def]
+def _lora_delta(y, x, rows, a, b_t, parts, scales, alone):  # type: ignore[no-untyped-def]
     """y[t, col:col+n] += scale * (B . (A[r0:r0+r] . x[t])) for each row t in `rows` and each
-    part (r0, r, col, n, b0) of `parts` [P, 5] (its B: b_t[:r, b0:b0+n] transposed; A:
-    a_t[:, r0:r0+r] transposed), both products in ggml's order for a row whose request has
+    part (r0, r, col, n, b0) of `parts` [P, 5] (its A: a[r0:r0+r]; its B: b_t[:r, b0:b0+n]
+    transposed, so the B product runs along the outputs), both products in ggml's order for a row whose request has
     `alone[t]` one row in the step (see the module); the scaled product rounded, then added,
     as `ggml_add(res, ggml_scale(...))`. The B products run in tasks of OUT_BLOCK outputs
     over every row, so a block of B is read from memory once per step."""
-    k, num_ranks = a_t.shape
+    num_ranks, k = a.shape
     xa = np.empty((rows.shape[0], num_ranks), np.float32)
     for ii in prange(rows.shape[0]):
-        acc = np.empty((4 * LANES, num_ranks), np.float32)
-        _dots(x[rows[ii]], 0, a_t, 0, 0, k, num_ranks, alone[rows[ii]], acc, xa[ii])
+        acc = np.empty((num_ranks, 4 * LANES), np.float32)
+        _rows_dot(x[rows[ii]], a, alone[rows[ii]], acc, xa[ii])
     starts = np.zeros(parts.shape[0] + 1, np.int64)
     for p in range(parts.shape[0]):
         starts[p + 1] = starts[p] + (parts[p, 3] + OUT_BLOCK - 1) // OUT_BLOCK

@@ -37,10 +37,10 @@ def lora_add(y: np.ndarray, x: np.ndarray, rows: np.ndarray | None, lora: Any) -
 def warm_up_lora() -> None:
     """Compile the LoRA kernels (both thread variants) before the first request needs them."""
     x = np.zeros((2, 16), np.float32)
-    a_t, b_t = np.zeros((16, 16), np.float32), np.zeros((16, 16), np.float32)
+    a, b_t = np.zeros((16, 16), np.float32), np.zeros((16, 16), np.float32)
     parts = np.array([[0, 16, 0, 16, 0]], np.int64)
     for kernel in (lora_delta_serial, lora_delta_parallel):
-        kernel(np.zeros((2, 16), np.float32), x, np.arange(2, dtype=np.int64), a_t, b_t, parts,
+        kernel(np.zeros((2, 16), np.float32), x, np.arange(2, dtype=np.int64), a, b_t, parts,
                np.ones(1, np.float32), np.zeros(2, np.bool_))
 
 
@@ -52,6 +52,6 @@ def lora_add_ggml(y: np.ndarray, x: np.ndarray, rows: np.ndarray, lora: Any,
     parallel loops costs about 20 us)."""
     small = len(rows) * lora.work <= SERIAL_MAX_WORK
     kernel = lora_delta_serial if small else lora_delta_parallel
-    kernel(y, np.ascontiguousarray(x, dtype=np.float32), rows, lora.a_t, lora.b_t, lora.meta,
+    kernel(y, np.ascontiguousarray(x, dtype=np.float32), rows, lora.a, lora.b_t, lora.meta,
            lora.scales, alone)
     return y

@@ -35,14 +35,13 @@ _UNGATED = {"ffn_up": ("gate_up", 0), "ffn_down": ("down", 0)}
 class LinearLoRA:
     """One adapter on one (maybe fused) linear: `a` [sum of ranks, K] (the parts' A
     stacked), and per part (B [n, r], its first rank row in `a`, its first output column,
-    its scale). The same transposed for one-call kernels that run along the outputs: `a_t`
-    [K, sum of ranks], `b_t` [largest r, sum of n] (each part's B, zero-padded), `meta`
+    its scale). For one-call kernels that run along the outputs, the parts' B transposed:
+    `b_t` [largest r, sum of n] (each part's B, zero-padded), `meta`
     int64 [P, 5] (first rank row, rank, first column, n, first column in b_t), `scales`
     float32 [P], and `work`, the multiply-adds per row."""
 
     a: Any
     parts: tuple[tuple[Any, int, int, float], ...]
-    a_t: Any
     b_t: Any
     meta: Any
     scales: Any
@@ -197,7 +196,6 @@ def _stack(model: Any, linear: str, parts: list[tuple[int, np.ndarray, np.ndarra
         b0 += b.shape[0]
     a = np.concatenate(a_rows, axis=0)
     return LinearLoRA(backend.upload_array(a), tuple(out),
-                      backend.upload_array(np.ascontiguousarray(a.T)),
                       backend.upload_array(np.ascontiguousarray(b_cat.T)),
                       np.array(meta, np.int64), np.array([p[3] for p in parts], np.float32),
                       a.size + sum(b.size for _, _, b, _ in parts))
