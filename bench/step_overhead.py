@@ -45,10 +45,10 @@ class StubModel:
 
 def measure(num_running: int, num_steps: int) -> tuple[float, float]:
     """(scheduler µs/step, runner µs/step) over num_steps decode steps."""
-    config = EngineConfig(ModelConfig(max_model_len=4096),
-                          CacheConfig(num_gpu_blocks_override=num_running * 64),
-                          SchedulerConfig(max_num_seqs=num_running,
-                                          max_num_batched_tokens=8192))
+    config = EngineConfig(model=ModelConfig(max_model_len=4096),
+                          cache=CacheConfig(num_gpu_blocks_override=num_running * 64),
+                          scheduler=SchedulerConfig(max_num_seqs=num_running,
+                                                    max_num_batched_tokens=8192))
     runner = ModelRunner(config, StubModel())
     kv = KVCacheManager(runner.num_blocks, runner.block_size)
     scheduler = Scheduler(config.scheduler, kv, runner.max_model_len)
