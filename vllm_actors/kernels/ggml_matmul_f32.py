@@ -17,6 +17,8 @@ tokens.
 
 from __future__ import annotations
 
+import types
+
 import numba
 import numpy as np
 from numba import prange
@@ -25,7 +27,7 @@ from vllm_actors.kernels.cpu.intrinsics import fma16, fma_f32, reduce64
 
 LANES = 16
 OUT_BLOCK = 256     # outputs of B per task: a block of B (rank x 256 floats) stays in L1
-SERIAL_MAX_WORK = 1 << 18    # multiply-adds below which waking the threads (~20 us) does not pay
+SERIAL_MAX_WORK = 150_000    # multiply-adds below which one thread is faster (bench: 135k, 172k)
 
 
 @numba.njit(inline="always", cache=True)
@@ -165,6 +167,15 @@ def _lora_delta(y, x, rows, a, b_t, parts, scales, alone):  # type: ignore[no-un
                 y[t, col + j0 + j] += delta[j] * scales[p]
 
 
-lora_delta_parallel = numba.njit(parallel=True, cache=True)(_lora_delta)
-lora_delta_serial = numba.njit(cache=True)(_lora_delta)   # prange runs as range
+def _named(name: str) -> types.FunctionType:
+    """`_lora_delta` under another name: numba's on-disk cache names an entry by the
+    function, not by its compile options, so a serial and a parallel build of one function
+    would load each other's code."""
+    fn = types.FunctionType(_lora_delta.__code__, _lora_delta.__globals__, name)
+    fn.__qualname__ = name
+    return fn
+
+
+lora_delta_parallel = numba.njit(parallel=True, cache=True)(_named("lora_delta_parallel"))
+lora_delta_serial = numba.njit(cache=True)(_named("lora_delta_serial"))   # prange as range
 
