@@ -425,9 +425,6 @@ class EngineArgs:
         if self.lora_dtype not in LORA_DTYPES:
             raise ValidationError(f"--lora-dtype must be one of {', '.join(LORA_DTYPES)}, got "
                                   f"{self.lora_dtype!r}", "lora_dtype")
-        if self.device in ("opencl", "cuda"):
-            raise ValidationError(f"--enable-lora is not built for --device {self.device} yet; "
-                                  "use --device cpu or numpy", "enable_lora")
         return build(LoRAConfig, self)
 
     def _check_not_yet_implemented(self) -> None:

@@ -1,11 +1,14 @@
 """A whole model on each device backend: the tiny random llama (GGUF, llama.cpp layout) in F32
 and with Q8_0 / Q4_1 blocks dequantized inside the device matmul, prompt in chunks over a
-scrambled paged cache, against the numpy backend on the same file."""
+scrambled paged cache, against the numpy backend on the same file; and a LoRA adapter on the
+device against PEFT's golden logits."""
 
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
+from golden_files import GOLDEN
 from model_driver import prompt_logits
+from tiny_lora import LORA_PROMPT, attach, write_case
 from tiny_models import TINY_PROMPT, write_llama_gguf
 
 from vllm_actors.kernels.numpy_backend import NumpyBackend
@@ -56,3 +59,14 @@ def test_model_families_match_numpy(dev, family_dirs, name):
                         block_size=8)
     assert np.abs(got - want).max() <= 1e-4
     assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("name", ["llama", "phi3"])
+def test_lora_adapter_matches_peft(dev, name, tmp_path):
+    """A PEFT adapter on the device (one launch for the stacked A, one per part of B)
+    against PEFT's logits (tests/golden/lora.npz), within the LoRA oracle's 1e-4."""
+    model_dir, adapter = write_case(tmp_path, name)
+    model = attach(load_model(resolve_model(str(model_dir)), dev), adapter)
+    logits = prompt_logits(model, dev, LORA_PROMPT, [17, 1, 30], block_size=8)
+    golden = np.load(GOLDEN / "lora.npz")[f"{name}/logits"]
+    assert np.abs(logits - golden).max() < 1e-4

@@ -360,6 +360,25 @@ class DeviceBackend:
         logits = self.linear(picked, head)
         return logits if on_device else self.to_host(logits)
 
+    # -- LoRA (`models/lora.py`) ---------------------------------------------------------
+    def lora_add(self, y: Any, x: Any, rows: np.ndarray | None, lora: Any,
+                 ggml: bool = False) -> Any:
+        """y[rows] += each part's scale * B (A x[rows]) on the device: one launch for the
+        stacked A, one per part of B (float32 sums in the kernels' own order)."""
+        count = len(x) if rows is None else len(rows)
+        ids = self._put(np.arange(count, dtype=np.int64) if rows is None
+                        else np.asarray(rows, np.int64))
+        ranks, k = lora.a.shape
+        xa = self._empty((count, ranks))
+        self._launch("lora_shrink", (ranks, count), x, ids, lora.a, xa, np.int32(k),
+                     np.int32(ranks))
+        width = lora.b_t.shape[1]
+        for (r0, rank, col, n, b0), scale in zip(lora.meta.tolist(), lora.scales.tolist()):
+            self._launch("lora_expand", (n, count), xa, ids, lora.b_t, y, np.int32(ranks),
+                         np.int32(r0), np.int32(rank), np.int32(width), np.int32(b0),
+                         np.int32(n), np.int32(y.shape[1]), np.int32(col), np.float32(scale))
+        return y
+
     # -- sampling helpers (on device logits [rows, V]) -----------------------------------
     def argmax(self, logits: Any) -> np.ndarray:
         """Greedy ids [rows] (ties to the lowest id, as numpy's argmax); -1 for a row with a

@@ -217,6 +217,30 @@ extern "C" __global__ void gather_rows(const float *x, const int *rows, float *o
     if (i < width) out[(size_t)r * width + i] = x[(size_t)rows[r] * width + i];
 }
 
+// ---- LoRA (models/lora.py): xa [rows, R] = x[rows] @ A^T, then y[rows, col + j] +=
+// scale * xa[:, r0:r0+r] @ B (b_t [r_max, width], this part's columns from b0) ------------
+
+extern "C" __global__ void lora_shrink(const float *x, const long long *rows, const float *a,
+                                       float *xa, int k, int ranks) {
+    const int r = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= ranks) return;
+    const float *xr = x + (size_t)rows[r] * k, *ar = a + (size_t)i * k;
+    float acc = 0.0f;
+    for (int d = 0; d < k; ++d) acc += xr[d] * ar[d];
+    xa[(size_t)r * ranks + i] = acc;
+}
+
+extern "C" __global__ void lora_expand(const float *xa, const long long *rows, const float *b_t,
+                                       float *y, int ranks, int r0, int rank, int width,
+                                       int b0, int n, int n_out, int col, float scale) {
+    const int r = blockIdx.y, j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= n) return;
+    float acc = 0.0f;
+    for (int i = 0; i < rank; ++i)
+        acc += xa[(size_t)r * ranks + r0 + i] * b_t[(size_t)i * width + b0 + j];
+    y[(size_t)rows[r] * n_out + col + j] += acc * scale;
+}
+
 // ---- linear: y [T, N] = x [T, K] @ W^T (+ bias), W [N, K]; grid (ceil(N / THREADS), T) ----
 
 extern "C" __global__ void linear_f32(const float *x, const float *w, const float *bias,

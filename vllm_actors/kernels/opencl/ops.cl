@@ -178,6 +178,31 @@ __kernel void gather_rows(__global const float *x, __global const int *rows,
     out[(size_t)r * width + i] = x[(size_t)rows[r] * width + i];
 }
 
+// ---- LoRA (models/lora.py): xa [rows, R] = x[rows] @ A^T, then y[rows, col + j] +=
+// scale * xa[:, r0:r0+r] @ B (b_t [r_max, width], this part's columns from b0) ------------
+
+__kernel void lora_shrink(__global const float *x, __global const long *rows,
+                          __global const float *a, __global float *xa, const int k,
+                          const int ranks) {
+    const int r = get_global_id(1), i = get_global_id(0);
+    __global const float *xr = x + (size_t)rows[r] * k, *ar = a + (size_t)i * k;
+    float acc = 0.0f;
+    for (int d = 0; d < k; ++d) acc += xr[d] * ar[d];
+    xa[(size_t)r * ranks + i] = acc;
+}
+
+__kernel void lora_expand(__global const float *xa, __global const long *rows,
+                          __global const float *b_t, __global float *y, const int ranks,
+                          const int r0, const int rank, const int width, const int b0,
+                          const int n, const int n_out, const int col, const float scale) {
+    const int r = get_global_id(1), j = get_global_id(0);
+    if (j >= n) return;
+    float acc = 0.0f;
+    for (int i = 0; i < rank; ++i)
+        acc += xa[(size_t)r * ranks + r0 + i] * b_t[(size_t)i * width + b0 + j];
+    y[(size_t)rows[r] * n_out + col + j] += acc * scale;
+}
+
 // ---- linear: y [T, N] = x [T, K] @ W^T (+ bias), W [N, K] -------------------------------
 
 __kernel void linear_f32(__global const float *x, __global const float *w,
