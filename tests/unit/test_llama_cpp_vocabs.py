@@ -16,12 +16,11 @@ from llama_cpp_vocabs import fetch_vocabs, read_texts
 from vllm_actors.errors import UnsupportedModelError
 from vllm_actors.loaders.tokenizer import get_tokenizer
 
-# vocabularies with test texts, by tokenizer kind; the last two need tokenizer models we do
-# not implement (WordPiece 'bert', 'gemma4') and must be refused with a clear error
-SUPPORTED = ["command-r", "deepseek-coder", "deepseek-llm", "falcon", "gpt-2", "llama-bpe",
-             "llama-spm", "mpt", "phi-3", "qwen2", "qwen35", "refact", "starcoder"]
-UNSUPPORTED = {"bert-bge": "tokenizer.ggml.model='bert'",
-               "gemma-4": "tokenizer.ggml.model='gemma4'"}
+# vocabularies with test texts, by tokenizer kind (bert-bge: WordPiece); gemma-4 needs a
+# tokenizer model we do not implement and must be refused with a clear error
+SUPPORTED = ["bert-bge", "command-r", "deepseek-coder", "deepseek-llm", "falcon", "gpt-2",
+             "llama-bpe", "llama-spm", "mpt", "phi-3", "qwen2", "qwen35", "refact", "starcoder"]
+UNSUPPORTED = {"gemma-4": "tokenizer.ggml.model='gemma4'"}
 
 
 @pytest.fixture(scope="module")
@@ -50,3 +49,11 @@ def test_ids_equal_llama_cpp(vocabs, name):
 def test_unimplemented_tokenizer_models_are_refused_clearly(vocabs, name):
     with pytest.raises(UnsupportedModelError, match=UNSUPPORTED[name]):
         get_tokenizer(vocabs / f"ggml-vocab-{name}.gguf")
+
+
+def test_wordpiece_wraps_a_text_in_cls_and_sep(vocabs):
+    """llama.cpp's WordPiece vocabularies add [CLS] before and [SEP] after a text."""
+    tokenizer = get_tokenizer(vocabs / "ggml-vocab-bert-bge.gguf")
+    plain = tokenizer.encode("Hello world", add_special_tokens=False)
+    assert tokenizer.encode("Hello world") == [101, *plain, 102]
+    assert tokenizer.decode(plain) == "hello world"

@@ -151,6 +151,10 @@ def _from_gguf(path: Path) -> Tokenizer:
     bos = meta.get("tokenizer.ggml.bos_token_id")
     eos = meta.get("tokenizer.ggml.eos_token_id")
     is_spm = meta.get("tokenizer.ggml.model") == "llama"
+    is_wpm = meta.get("tokenizer.ggml.model") == "bert"
+    if is_wpm:   # llama.cpp wraps a WordPiece text in [CLS] ... [SEP]
+        bos = meta.get("tokenizer.ggml.cls_token_id", bos)
+        eos = meta.get("tokenizer.ggml.seperator_token_id", eos)
     tokens = meta.get("tokenizer.ggml.tokens") or ()
     eos_ids = (_as_id_tuple(eos) + _as_id_tuple(meta.get("tokenizer.ggml.eot_token_id"))
                + turn_end_ids(tokens, meta.get("tokenizer.ggml.token_type")))
@@ -158,8 +162,8 @@ def _from_gguf(path: Path) -> Tokenizer:
         backend=backend,
         bos_token_id=None if bos is None else int(bos),
         eos_token_id=None if eos is None else int(eos),
-        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", is_spm)),
-        add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", is_spm or is_wpm)),
+        add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", is_wpm)),
         chat_template=meta.get("tokenizer.chat_template") or builtin_template(tokens),
         eos_token_ids=tuple(dict.fromkeys(eos_ids)),
     )

@@ -168,6 +168,33 @@ def _build_llama_spm(meta: dict[str, Any]) -> Tokenizer:
     return tokenizer
 
 
+def _build_bert_wpm(meta: dict[str, Any]) -> Tokenizer:
+    """llama.cpp's WordPiece (`tokenizer.ggml.model = bert`): its vocabulary marks a word's
+    first piece with U+2581 where BERT marks the others with `##`, so it maps back onto
+    `models.WordPiece`. Each character becomes the base of its NFD form (llama.cpp keeps one
+    code point per code point: accents dropped) and lower case, control characters are
+    dropped, the text is split at whitespace, punctuation, ASCII symbols and CJK characters
+    (BERT's normalizer and pre-tokenizer), then matched longest piece first; a word with an
+    unmatched rest is one unknown token (llama.cpp's `llm_tokenizer_wpm`). Unlike llama.cpp,
+    combining marks already decomposed in the input are dropped too."""
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    types = np.asarray(meta.get("tokenizer.ggml.token_type", np.ones(len(tokens))))
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        if types[i] == TOKEN_TYPE_CONTROL or not tok.startswith("\u2581"):
+            name = tok if types[i] == TOKEN_TYPE_CONTROL else "##" + tok
+        else:
+            name = tok[1:]
+        vocab.setdefault(name, i)
+    unk = tokens[int(meta.get("tokenizer.ggml.unknown_token_id", 100))]
+    tokenizer = Tokenizer(models.WordPiece(vocab, unk_token=unk, max_input_chars_per_word=10**6))
+    tokenizer.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True,
+                                                      strip_accents=True, lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = decoders.WordPiece()
+    return tokenizer
+
+
 def tokenizer_from_gguf(meta: dict[str, Any], path: Path) -> Tokenizer:
     """The `tokenizers.Tokenizer` for a GGUF file's `tokenizer.ggml.*` metadata.
 
@@ -181,9 +208,11 @@ def tokenizer_from_gguf(meta: dict[str, Any], path: Path) -> Tokenizer:
         tokenizer = _build_gpt2(meta, path)
     elif kind == "llama":
         tokenizer = _build_llama_spm(meta)
+    elif kind == "bert":
+        tokenizer = _build_bert_wpm(meta)
     else:
         raise UnsupportedModelError(path, f"tokenizer.ggml.model={kind!r} is not supported "
-                                          "(supported: gpt2, llama)")
+                                          "(supported: gpt2, llama, bert)")
     token_types = meta.get("tokenizer.ggml.token_type")
     added = _added_tokens(meta["tokenizer.ggml.tokens"],
                           None if token_types is None else np.asarray(token_types))
