@@ -1,5 +1,6 @@
 """The chat page at / in headless Chromium (Debian's chromium, driven by Playwright): a
-streamed reply, the tokens/s readout, and the stop button aborting the request."""
+streamed reply, the tokens/s readout, the stop button aborting the request, the note on a
+reply cut at max tokens, and the new-chat button."""
 
 import json
 import os
@@ -46,7 +47,7 @@ def test_streams_a_reply(page):
     assert body["temperature"] == 0 and body["max_tokens"] == 48
     reply = page.locator(".msg.assistant").last
     page.wait_for_function(
-        "document.querySelector('.msg.assistant:last-of-type').dataset.state === 'done'",
+        "[...document.querySelectorAll('.msg.assistant')].pop().dataset.state === 'done'",
         timeout=60_000)
     assert "Paris" in reply.inner_text()
     assert page.inner_text("#speed").endswith("tok/s") and page.inner_text("#speed")[0].isdigit()
@@ -58,11 +59,31 @@ def test_stop_button_aborts(page, server):
     page.fill("#prompt", "Count from one to one thousand, one number per line.")
     page.click("#send")
     page.wait_for_function(
-        "document.querySelector('.msg.assistant:last-of-type').textContent.length > 20",
+        "[...document.querySelectorAll('.msg.assistant')].pop().textContent.length > 20",
         timeout=60_000)
     assert page.is_enabled("#stop") and not page.is_enabled("#send")
     page.click("#stop")
     page.wait_for_function(
-        "document.querySelector('.msg.assistant:last-of-type').dataset.state === 'stopped'")
+        "[...document.querySelectorAll('.msg.assistant')].pop().dataset.state === 'stopped'")
     assert page.is_enabled("#send")
     wait_metric(server.url, "vllm:num_requests_running", lambda v: v == 0)
+
+
+def test_cut_reply_is_marked_and_new_chat_forgets(page):
+    page.fill("#max-tokens", "4")
+    page.fill("#prompt", "Tell me a long story about a dragon.")
+    page.click("#send")
+    page.wait_for_function(
+        "[...document.querySelectorAll('.msg.assistant')].pop().dataset.state === 'done'",
+        timeout=60_000)
+    assert page.locator(".msg.assistant").last.get_attribute("data-finish") == "length"
+    assert "max tokens" in page.locator(".msg.note").last.inner_text()
+    page.click("#new-chat")
+    assert page.locator("#log > *").count() == 0
+    page.fill("#prompt", "Hello")
+    with page.expect_request("**/v1/chat/completions") as sent:
+        page.click("#send")
+    assert json.loads(sent.value.post_data)["messages"] == [{"role": "user", "content": "Hello"}]
+    page.wait_for_function(
+        "[...document.querySelectorAll('.msg.assistant')].pop().dataset.state === 'done'",
+        timeout=60_000)

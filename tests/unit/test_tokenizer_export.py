@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from llama_cpp_vocabs import fetch_vocabs
 from tokenizers import Tokenizer as HFTokenizer
 
 from vllm_actors.cli import main
@@ -16,8 +17,9 @@ from vllm_actors.loaders.tokenizer import get_tokenizer
 TEXTS = ["Hello world!", "  The 2024 olympics, ééé 😀\n\nnew line", "<|im_start|>user"]
 
 
-@pytest.mark.parametrize("model", ["smollm2", "gemma3-270m"])   # BOS: added by Gemma's only
-def test_exported_directory_counts_what_the_server_counts(model, tmp_path, capsys):
+@pytest.mark.parametrize("name", ["smollm2", "llama-spm"])   # BOS: added by llama-spm's only
+def test_exported_directory_counts_what_the_server_counts(name, tmp_path, capsys):
+    model = "smollm2" if name == "smollm2" else str(fetch_vocabs() / f"ggml-vocab-{name}.gguf")
     assert main(["export-tokenizer", model, str(tmp_path / "tok")]) == 0
     assert "tokenizer written to" in capsys.readouterr().out
     ours = get_tokenizer(model)
@@ -27,5 +29,5 @@ def test_exported_directory_counts_what_the_server_counts(model, tmp_path, capsy
     assert plain.decode(ours.encode(TEXTS[1], add_special_tokens=False)) == TEXTS[1]
     config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
     assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
-    assert config["eos_token"] == ours.eos_token
-    assert config["chat_template"] == ours.chat_template
+    assert config["eos_token"] == ours.eos_token and config["add_bos_token"] == ours.add_bos_token
+    assert config.get("chat_template") == ours.chat_template

@@ -51,6 +51,7 @@ class ServerState:
     in_flight: set[str] = field(default_factory=set)
     draining: bool = False
     startup_error: str | None = None
+    last_lora_id: int = 0          # LoRA ids are never reused (serving_lora._next_id)
     light: PrepareLane = field(
         default_factory=lambda: PrepareLane("prepare", PREPARE_THREADS, None))
     heavy: PrepareLane = field(

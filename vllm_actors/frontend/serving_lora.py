@@ -41,7 +41,11 @@ class UnloadLoRAAdapterRequest(msgspec.Struct, kw_only=True):
 
 
 def _next_id(state: ServerState) -> int:
-    return max((lora.lora_int_id for lora in state.engine.loras.values()), default=0) + 1
+    """A LoRA id never used before on this server: an unloaded adapter's requests may still
+    be running with its id."""
+    state.last_lora_id = max([state.last_lora_id, *(lora.lora_int_id for lora in
+                                                    state.engine.loras.values())]) + 1
+    return state.last_lora_id
 
 
 async def add_module(state: ServerState, module: LoRAModulePath) -> LoRARequest:

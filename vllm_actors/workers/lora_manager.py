@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from vllm_actors.config import LoRAConfig
-from vllm_actors.loaders.lora import load_adapter
+from vllm_actors.loaders.lora import LoRAAdapterError, load_adapter
 from vllm_actors.lora_request import LoRARequest
 from vllm_actors.models.lora import LoRABatch, ModelLoRA, build_model_lora, check_lora_support
 
@@ -31,15 +31,20 @@ class LoRAManager:
     def add(self, lora: LoRARequest) -> bool:
         """Load `lora` (again, when its path changed). Raises LoRAAdapterError."""
         held = self.loaded.get(lora.lora_int_id)
-        self.removed.discard(lora.lora_int_id)
         if held is not None and held[0].lora_path == lora.lora_path:
+            self.removed.discard(lora.lora_int_id)
             self.loaded.move_to_end(lora.lora_int_id)
             return True
+        if held is not None and self.in_use[lora.lora_int_id]:
+            raise LoRAAdapterError(lora.lora_name, lora.lora_path,
+                                   f"id {lora.lora_int_id} belongs to {held[0].lora_name!r}, "
+                                   "which running requests still use")
         args = self.model.args
         adapter = load_adapter(lora.lora_name, lora.lora_path, args.architecture,
                                args.num_layers, self.config.max_lora_rank,
                                self.config.lora_dtype)
         self.loaded[lora.lora_int_id] = (lora, build_model_lora(self.model, adapter))
+        self.removed.discard(lora.lora_int_id)
         self._evict()
         return True
 
@@ -69,10 +74,14 @@ class LoRAManager:
     def acquire(self, lora: LoRARequest) -> None:
         """A request starts running with `lora` (loaded here if it was dropped).
         Raises LoRAAdapterError when it cannot be loaded."""
-        if lora.lora_int_id not in self.loaded:
-            self.add(lora)
+        self.in_use[lora.lora_int_id] += 1       # first: loading it must not drop it again
+        try:
+            if lora.lora_int_id not in self.loaded:
+                self.add(lora)
+        except LoRAAdapterError:
+            self.release(lora.lora_int_id)
+            raise
         self.loaded.move_to_end(lora.lora_int_id)
-        self.in_use[lora.lora_int_id] += 1
 
     def release(self, lora_id: int) -> None:
         self.in_use[lora_id] -= 1
