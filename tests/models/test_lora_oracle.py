@@ -49,18 +49,11 @@ def run_case(model, backend, name: str) -> None:
                                LORA_GREEDY_STEPS), name)
 
 
-@pytest.mark.parametrize("name", list(LORA_CASES))
-def test_adapter_matches_peft_on_numpy(cases, name):
+@pytest.mark.parametrize("device, name", [*(("numpy", n) for n in LORA_CASES),
+                                          ("cpu", "llama"), ("cpu", "phi3")])
+def test_adapter_matches_peft(cases, device, name):
     model_dir, adapter = cases[name]
-    backend = get_backend("numpy")
-    run_case(attach(load_model(resolve_model(str(model_dir)), backend), adapter), backend,
-             name)
-
-
-@pytest.mark.parametrize("name", ["llama", "phi3"])
-def test_adapter_matches_peft_on_the_compiled_backend(cases, name):
-    model_dir, adapter = cases[name]
-    backend = get_backend("cpu")
+    backend = get_backend(device)
     run_case(attach(load_model(resolve_model(str(model_dir)), backend), adapter), backend,
              name)
 
