@@ -36,6 +36,13 @@ def page(server):
         browser.close()
 
 
+def wait_reply(page, condition: str) -> None:
+    """Until the latest assistant message meets `condition` (a JS expression on it; a note
+    may follow it, so not `:last-of-type`)."""
+    page.wait_for_function(
+        f"[...document.querySelectorAll('.msg.assistant')].pop().{condition}", timeout=60_000)
+
+
 def test_streams_a_reply(page):
     assert page.input_value("#temperature") == "0.7"   # not the server's 1.0
     page.fill("#temperature", "0")
@@ -46,9 +53,7 @@ def test_streams_a_reply(page):
     body = json.loads(sent.value.post_data)
     assert body["temperature"] == 0 and body["max_tokens"] == 48
     reply = page.locator(".msg.assistant").last
-    page.wait_for_function(
-        "[...document.querySelectorAll('.msg.assistant')].pop().dataset.state === 'done'",
-        timeout=60_000)
+    wait_reply(page, "dataset.state === 'done'")
     assert "Paris" in reply.inner_text()
     assert page.inner_text("#speed").endswith("tok/s") and page.inner_text("#speed")[0].isdigit()
     assert page.locator(".msg.user").last.inner_text() == "What is the capital of France?"
@@ -58,13 +63,10 @@ def test_stop_button_aborts(page, server):
     page.fill("#max-tokens", "3000")
     page.fill("#prompt", "Count from one to one thousand, one number per line.")
     page.click("#send")
-    page.wait_for_function(
-        "[...document.querySelectorAll('.msg.assistant')].pop().textContent.length > 20",
-        timeout=60_000)
+    wait_reply(page, "textContent.length > 20")
     assert page.is_enabled("#stop") and not page.is_enabled("#send")
     page.click("#stop")
-    page.wait_for_function(
-        "[...document.querySelectorAll('.msg.assistant')].pop().dataset.state === 'stopped'")
+    wait_reply(page, "dataset.state === 'stopped'")
     assert page.is_enabled("#send")
     wait_metric(server.url, "vllm:num_requests_running", lambda v: v == 0)
 
@@ -73,9 +75,7 @@ def test_cut_reply_is_marked_and_new_chat_forgets(page):
     page.fill("#max-tokens", "4")
     page.fill("#prompt", "Tell me a long story about a dragon.")
     page.click("#send")
-    page.wait_for_function(
-        "[...document.querySelectorAll('.msg.assistant')].pop().dataset.state === 'done'",
-        timeout=60_000)
+    wait_reply(page, "dataset.state === 'done'")
     assert page.locator(".msg.assistant").last.get_attribute("data-finish") == "length"
     assert "max tokens" in page.locator(".msg.note").last.inner_text()
     page.click("#new-chat")
@@ -84,6 +84,4 @@ def test_cut_reply_is_marked_and_new_chat_forgets(page):
     with page.expect_request("**/v1/chat/completions") as sent:
         page.click("#send")
     assert json.loads(sent.value.post_data)["messages"] == [{"role": "user", "content": "Hello"}]
-    page.wait_for_function(
-        "[...document.querySelectorAll('.msg.assistant')].pop().dataset.state === 'done'",
-        timeout=60_000)
+    wait_reply(page, "dataset.state === 'done'")
