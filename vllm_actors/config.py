@@ -35,6 +35,9 @@ class ModelConfig:
     served_model_name: str | None = None
     max_logprobs: int = 20
     gguf_activations: str = "quantized"
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: str | None = None
 
 
 # --gguf-activations: how matmuls over a GGUF file's quantized weights compute. quantized (the
@@ -84,6 +87,14 @@ def kv_cache_dtype(name: str) -> str:
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
+# --runner: generate text, or pool (embeddings, classification, scores); auto: by the model
+RUNNERS = ("auto", "generate", "pooling")
+# --convert: run a decoder as a pooling model (embed: last-token pooling)
+CONVERTS = ("auto", "none", "embed")
+# vLLM's older --task, mapped to --runner
+TASK_RUNNERS = {"auto": "auto", "generate": "generate", "embed": "pooling",
+                "embedding": "pooling", "classify": "pooling", "score": "pooling",
+                "reward": "pooling"}
 DEVICES = ("auto", "cpu", "numpy", "opencl", "cuda")
 # the Python package a device needs and the pip extra that installs it (workers/platform.py)
 DEVICE_EXTRAS = {"opencl": ("pyopencl", "opencl] (or [pocl] for the CPU"),
@@ -355,6 +366,18 @@ class EngineArgs:
     lora_dtype: str = setting("auto", "--enable-lora: the adapters' weights rounded to this "
                                       "(computed in float32); auto: as stored",
                               choices=LORA_DTYPES)
+    runner: str = setting("auto", "generate (text) or pooling (embeddings, classification, "
+                                  "scores); auto: pooling for encoder models and "
+                                  "sentence-transformers directories", choices=RUNNERS)
+    convert: str = setting("auto", "embed: serve a decoder as an embedding model (last-token "
+                                   "pooling; implies --runner pooling)", choices=CONVERTS)
+    task: str | None = setting(None, "vLLM's older name for --runner: generate, or embed / "
+                                     "classify / score / reward (pooling)",
+                               choices=tuple(TASK_RUNNERS))
+    pooler_config: str | None = setting(
+        None, 'pooling: e.g. {"pooling_type": "MEAN", "normalize": true}; pooling_type LAST, '
+              'MEAN, CLS or ALL (default: the model\'s sentence-transformers config, else CLS '
+              'for encoders and LAST for decoders)', metavar="JSON")
     multiprocessing: bool = setting(True, "run the engine core in its own process (off: in a "
                                           "thread, for debugging and profiling)")
 
@@ -401,6 +424,7 @@ class EngineArgs:
             raise ValidationError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                                   f"got {self.scheduling_policy!r}", "scheduling_policy")
         self._check_not_yet_implemented()
+        runner = self._runner()
         parallel = parallel_config(self)
         speculative = speculative_config(self.speculative_config)
         if speculative is not None and parallel.pipeline_parallel_size > 1:
@@ -408,11 +432,36 @@ class EngineArgs:
                                   "--pipeline-parallel-size > 1 yet", "speculative_config")
         return EngineConfig(
             parallel=parallel, speculative=speculative, lora=self._lora_config(),
-            model=build(ModelConfig, self),
+            model=build(ModelConfig, self, runner=runner),
             cache=build(CacheConfig, self, kv_cache_dtype=kv_cache_dtype(self.kv_cache_dtype)),
             scheduler=build(SchedulerConfig, self, policy=self.scheduling_policy),
             device=build(DeviceConfig, self, backend=self.device),
         )
+
+    def _runner(self) -> str:
+        """--runner, with --task and --convert folded in. Raises ValidationError."""
+        runner = self.runner
+        if self.task is not None:
+            if self.task not in TASK_RUNNERS:
+                raise ValidationError(f"--task must be one of {', '.join(TASK_RUNNERS)}, got "
+                                      f"{self.task!r}", "task")
+            mapped = TASK_RUNNERS[self.task]
+            if runner not in ("auto", mapped) and mapped != "auto":
+                raise ValidationError(f"--task {self.task} contradicts --runner {runner}",
+                                      "task")
+            runner = mapped if runner == "auto" else runner
+        if runner not in RUNNERS:
+            raise ValidationError(f"--runner must be one of {', '.join(RUNNERS)}, got "
+                                  f"{runner!r}", "runner")
+        if self.convert not in CONVERTS:
+            raise ValidationError(f"--convert must be one of {', '.join(CONVERTS)}, got "
+                                  f"{self.convert!r}", "convert")
+        if self.convert == "embed":
+            if runner == "generate":
+                raise ValidationError("--convert embed makes a pooling model: it contradicts "
+                                      "--runner generate", "convert")
+            runner = "pooling"
+        return runner
 
     def _lora_config(self) -> LoRAConfig | None:
         """The LoRA settings when --enable-lora is on. Raises ValidationError."""

@@ -8,6 +8,7 @@ applied in submission order."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from typing import Any
 
@@ -42,7 +43,11 @@ class EngineCore:
         self.max_in_flight = config.parallel.pipeline_parallel_size
         self.in_flight: collections.deque[StepInput] = collections.deque()
         drafts = DraftPolicy(config.speculative) if config.speculative else None
-        self.scheduler = Scheduler(config.scheduler, kv, self.ready.max_model_len,
+        scheduling = config.scheduler
+        if self.ready.runner == "pooling":   # a pooling prompt runs whole, never chunked
+            scheduling = dataclasses.replace(scheduling, max_num_batched_tokens=max(
+                scheduling.max_num_batched_tokens, self.ready.max_model_len))
+        self.scheduler = Scheduler(scheduling, kv, self.ready.max_model_len,
                                    pipeline_depth=self.max_in_flight, drafts=drafts,
                                    max_loras=config.lora.max_loras if config.lora else 0)
         self.structured = StructuredOutputManager(config.model.model, self.ready.vocab_size)
@@ -70,9 +75,11 @@ class EngineCore:
         for request_id in req.child_request_ids:
             if request_id in self.scheduler.requests or request_id in self.structured.pending:
                 raise ValidationError(f"request id {request_id!r} is already in use")
-        if not 0 < num_tokens < self.ready.max_model_len:
+        self._check_runner(req)
+        longest = self.ready.max_model_len - (req.pooling_params is None)
+        if not 0 < num_tokens <= longest:
             raise ValidationError(f"the prompt has {num_tokens} tokens; it must have between 1 "
-                                  f"and {self.ready.max_model_len - 1}")
+                                  f"and {longest}")
         if req.lora_request is not None and not self.scheduler.max_loras:
             raise ValidationError(f"LoRA adapter {req.lora_request.lora_name!r}: this engine "
                                   "serves no adapters (start it with --enable-lora)",
@@ -84,6 +91,21 @@ class EngineCore:
                 self.structured.submit(request)   # joins the scheduler once compiled
             else:
                 self.scheduler.add_request(request)
+
+    def _check_runner(self, req: EngineCoreRequest) -> None:
+        """A pooling model takes pooling requests only, a generative one generation only."""
+        pooling = self.ready.runner == "pooling"
+        if pooling and req.pooling_params is None:
+            raise ValidationError("this model serves pooling requests (embeddings, "
+                                  "classification, scores), not generation: it runs with "
+                                  "--runner pooling", "runner")
+        if not pooling and req.pooling_params is not None:
+            raise ValidationError("this model generates text: pooling requests need a "
+                                  "pooling model (--runner pooling)", "runner")
+        if pooling and req.pooling_params.task not in self.ready.pooling_tasks:
+            raise ValidationError(f"this model does not serve the {req.pooling_params.task!r} "
+                                  f"task (it serves {', '.join(self.ready.pooling_tasks)})",
+                                  "task")
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.structured.abort(request_ids)

@@ -57,6 +57,7 @@ class Request:
         self.stop_reason: int | None = None
         self.block_size = block_size
         self.lora = req.lora_request
+        self.pooling = req.pooling_params   # a pooling request: one step, then its output
         # the adapter seeds the hash chain too: two adapters never share KV blocks
         self.cache_salt = cache_key(req.cache_salt, req.lora_request)
         self.lora_skips = 0   # steps it waited while --max-loras other adapters ran

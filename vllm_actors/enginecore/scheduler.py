@@ -189,10 +189,13 @@ class Scheduler:
                 self.waiting.pop(request)
                 passed_over.append(request)
                 continue
-            # prompt logprobs need every prompt position computed: no prefix-cache reads
-            hits, num_hit = (None, 0) if request.params.prompt_logprobs is not None else \
-                self.kv.get_computed_blocks(request)
+            # prompt logprobs need every prompt position computed, and a pooling request
+            # its every hidden state: no prefix-cache reads
+            whole = request.params.prompt_logprobs is not None or request.pooling is not None
+            hits, num_hit = (None, 0) if whole else self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
+            if request.pooling is not None and num_new < request.num_tokens:
+                break   # a pooling prompt runs whole: it waits for a step with room
             lookahead = min(self.num_lookahead_tokens,
                             self.max_model_len - num_hit - num_new)
             if self.kv.allocate_slots(request, num_new, hits, lookahead) is None:
@@ -210,7 +213,7 @@ class Scheduler:
                 _PARAMS_ELSEWHERE if shared else request.params,
                 self.kv.get_block_ids(request.request_id), num_hit, request.num_prompt_tokens,
                 sorted(request.eos_token_ids), request.child_index, first if shared else "",
-                request.lora))
+                request.lora, request.pooling))
             step.num_scheduled_tokens[request.request_id] = num_new
             request.num_tokens_sent = request.num_tokens
             request.num_computed_tokens = num_hit + num_new
@@ -251,6 +254,7 @@ class Scheduler:
                                                 num_cached_tokens=request.num_cached_tokens,
                                                 error=reason,
                                                 error_param=output.failed_params.get(req_id)))
+        outputs.extend(self._finish_pooled(output))
         for req_id, token_ids in zip(output.req_ids, output.sampled_token_ids):
             request = self.requests.get(req_id)
             if request is None or not token_ids:   # aborted meanwhile, or mid-prompt
@@ -282,6 +286,22 @@ class Scheduler:
             if request.finish_reason is not None:
                 self.running.remove(request)
                 self._free(request)
+        return outputs
+
+    def _finish_pooled(self, output: StepOutput) -> list[EngineCoreOutput]:
+        """Pooling requests end with their pooled output (finish reason stop)."""
+        outputs = []
+        for req_id, pooled in output.pooled.items():
+            request = self.requests.get(req_id)
+            if request is None:   # aborted meanwhile
+                continue
+            request.finish_reason = FinishReason.STOP
+            outputs.append(EngineCoreOutput(req_id, [], FinishReason.STOP,
+                                            num_cached_tokens=0,
+                                            scheduled_time=request.scheduled_time,
+                                            pooled=pooled))
+            self.running.remove(request)
+            self._free(request)
         return outputs
 
     def _observe_drafts(self, request: Request, num_drafts: int, num_accepted: int) -> None:

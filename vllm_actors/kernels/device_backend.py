@@ -24,6 +24,7 @@ import numpy as np
 
 from vllm_actors.kernels import activation_quant, kv_quant, quant
 from vllm_actors.kernels.device_kv import KV_KERNEL_NAMES, DeviceKV, decode_tables, kv_defines
+from vllm_actors.kernels.numpy_attention import encoder_attention
 from vllm_actors.kernels.ops import AttentionMetadata, RopeTables, WeightLike
 
 # GGML type id -> (matmul kernel that reads its blocks, values per block): every type whose
@@ -293,6 +294,12 @@ class DeviceBackend:
         t, width = k.shape[0], k.shape[1] * k.shape[2]
         self._launch("reshape_and_cache", (width, t), k, v, kv_cache[0], kv_cache[1],
                      attn.slots, np.int32(width))
+
+    def encoder_attention(self, q: Any, k: Any, v: Any, bounds: np.ndarray,
+                          scale: float) -> Any:
+        """On the host (encoders are small; a device kernel is future work)."""
+        host = [self.to_host(x) for x in (q, k, v)]
+        return self.from_host(encoder_attention(*host, bounds, scale))
 
     def paged_attention(self, q: Any, kv_cache: tuple[Any, Any], attn: StepAttention,
                         scale: float, window: int = 0, softcap: float = 0.0,

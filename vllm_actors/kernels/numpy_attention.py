@@ -206,3 +206,27 @@ def _softmax_values(scores: np.ndarray, sink: np.ndarray | None, values: np.ndar
         return part
     scores *= (1.0 / denom).astype(np.float32)[..., None]
     return round16(scores).reshape(b, hk, nq * g, ctx) @ values
+
+
+def encoder_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, bounds: np.ndarray,
+                      scale: float) -> np.ndarray:
+    """Bidirectional attention of q, k, v [T, H, Dh] within each request's tokens
+    (`bounds`: the step's query_start_loc) -> [T, H * Dh]; an encoder's, with no cache and
+    no mask. Requests of one length are computed in one set of batched matmuls."""
+    t, heads, dh = q.shape
+    out = np.empty((t, heads, dh), np.float32)
+    starts, lengths = bounds[:-1], np.diff(bounds)
+    for n in np.unique(lengths).tolist():
+        first = starts[lengths == n]
+        rows = (first[:, None] + np.arange(n)[None, :]).reshape(-1)          # [b * n]
+        shape = (len(first), n, heads, dh)
+        qb = q[rows].reshape(shape).transpose(0, 2, 1, 3)                    # [b, H, n, Dh]
+        kb = k[rows].reshape(shape).transpose(0, 2, 3, 1)                    # [b, H, Dh, n]
+        vb = v[rows].reshape(shape).transpose(0, 2, 1, 3)
+        scores = np.matmul(qb, kb)
+        scores *= np.float32(scale)
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        out[rows] = np.matmul(scores, vb).transpose(0, 2, 1, 3).reshape(-1, heads, dh)
+    return out.reshape(t, heads * dh)

@@ -17,7 +17,7 @@ import numpy as np
 from vllm_actors.kernels import activation_quant, ggml_attention, ggml_math, kv_quant, quant
 from vllm_actors.kernels.lora_ops import lora_add
 from vllm_actors.kernels.numpy_attention import NumpyAttention, attend as _attend, \
-    decoded_group
+    decoded_group, encoder_attention
 from vllm_actors.kernels.ops import AttentionMetadata, RopeTables, WeightLike
 
 
@@ -336,6 +336,10 @@ class NumpyBackend:
         num_kv_heads, head_dim = k_cache.shape[2:]
         k_cache.reshape(-1, num_kv_heads, head_dim)[attn.slot_mapping] = k
         v_cache.reshape(-1, num_kv_heads, head_dim)[attn.slot_mapping] = v
+
+    def encoder_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                          bounds: np.ndarray, scale: float) -> np.ndarray:
+        return encoder_attention(q, k, v, bounds, scale)
 
     def paged_attention(self, q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray],
                         attn: "NumpyAttention", scale: float, window: int = 0,

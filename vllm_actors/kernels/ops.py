@@ -173,6 +173,11 @@ class Backend(Protocol):
         head whose value is zero, so each head may attend to nothing (gpt-oss).
         """
 
+    def encoder_attention(self, q: Array, k: Array, v: Array, bounds: np.ndarray,
+                          scale: float) -> Array:
+        """Bidirectional attention of q, k, v [T, H, Dh] within each request's tokens
+        (`bounds`: host query_start_loc [B + 1]) -> [T, H * Dh] (encoders: no KV cache)."""
+
     def lm_head(self, hidden: Array, head: Any, rows: np.ndarray, on_device: bool = False
                 ) -> Any:
         """Rows `rows` of hidden [T, D] -> float32 logits [len(rows), V], on the host unless

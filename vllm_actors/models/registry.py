@@ -12,14 +12,14 @@ from vllm_actors.kernels.ops import Backend
 from vllm_actors.loaders.gguf import GGUFFile
 from vllm_actors.loaders.model_files import ModelSource
 from vllm_actors.loaders.weights import gguf_weights, safetensors_weights
-from vllm_actors.models import (gemma, gpt_oss, granite, llama, moe, olmo2, phi3, stablelm,
-                                 starcoder2)
+from vllm_actors.models import (bert, gemma, gpt_oss, granite, llama, moe, olmo2, phi3,
+                                 stablelm, starcoder2)
 from vllm_actors.models.base import CausalLM, ModelArgs, ParallelGroup, PipelineStage
 from vllm_actors.models.family import Family
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, gemma.FAMILY, granite.FAMILY, moe.FAMILY,
                                 olmo2.FAMILY, phi3.FAMILY, stablelm.FAMILY, starcoder2.FAMILY,
-                                gpt_oss.FAMILY)
+                                gpt_oss.FAMILY, bert.FAMILY)
 _BY_HF_NAME = {name: f for f in FAMILIES for name in f.hf_architectures}
 _BY_GGUF_NAME = {name: f for f in FAMILIES for name in f.gguf_architectures}
 

@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from vllm_actors.lora_request import LoRARequest
+from vllm_actors.pooling_params import PoolingParams
 from vllm_actors.sampling_params import SamplingParams
 
 
@@ -47,6 +48,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
             (None: the core builds it), so a large grammar is converted once, off the core.
         lora_request: the LoRA adapter this request runs with (None: the base model); the
             frontend has loaded it on every worker (`add_lora`) before sending the request.
+        pooling_params: set for a pooling request (a pooling model's): its prompt is
+            computed in one step, without the prefix cache, and it finishes with its pooled
+            output (`EngineCoreOutput.pooled`) instead of sampling.
     """
 
     request_id: str
@@ -59,6 +63,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     n: int = 1
     grammar: str | None = None
     lora_request: LoRARequest | None = None
+    pooling_params: PoolingParams | None = None
 
     @property
     def child_request_ids(self) -> list[str]:
@@ -89,6 +94,14 @@ class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
     ranks: list[int]
 
 
+class PooledOutput(msgspec.Struct, array_like=True, gc=False):
+    """A pooling request's output: float32 values, C order, of `shape` ([D] for an
+    embedding or label scores, [n, D] for per-token vectors)."""
+
+    shape: list[int]
+    data: bytes
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """What one request produced in one step.
 
@@ -103,6 +116,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
         error_param: with `error`, the request field at fault when the failure is the
             request's own (an invalid value, a grammar the engine cannot follow: HTTP 400);
             None when the engine failed (HTTP 500).
+        pooled: a pooling request's output (it finishes with it).
     """
 
     request_id: str
@@ -115,6 +129,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: TokenLogprobs | None = None
     error_param: str | None = None
+    pooled: PooledOutput | None = None
 
     @property
     def finished(self) -> bool:
@@ -186,6 +201,13 @@ class EngineReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
         vocab_size: rows of the LM head (token ids must be below it).
         kv_group_windows: the sliding window of each KV cache group (0: full attention);
             block lists travel per group in this order.
+        runner: "generate", or "pooling" for a pooling model (its requests carry
+            PoolingParams and never sample).
+        pooling_tasks: the pooling tasks the model serves (embed, encode, and classify /
+            score with a classifier head).
+        hidden_size: the width of its embeddings.
+        labels: its classifier's labels, in order.
+        matryoshka: whether embeddings may be cut to fewer dimensions.
     """
 
     num_kv_blocks: int
@@ -193,6 +215,11 @@ class EngineReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
     max_model_len: int
     vocab_size: int
     kv_group_windows: list[int] = msgspec.field(default_factory=lambda: [0])
+    runner: str = "generate"
+    pooling_tasks: list[str] = []
+    hidden_size: int = 0
+    labels: list[str] = []
+    matryoshka: bool = False
 
 
 class AbortRequests(msgspec.Struct, array_like=True, gc=False, tag=2):

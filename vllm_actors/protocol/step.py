@@ -8,7 +8,8 @@ from __future__ import annotations
 import msgspec
 
 from vllm_actors.lora_request import LoRARequest
-from vllm_actors.protocol.engine import TokenLogprobs
+from vllm_actors.pooling_params import PoolingParams
+from vllm_actors.protocol.engine import PooledOutput, TokenLogprobs
 from vllm_actors.sampling_params import SamplingParams
 
 
@@ -30,6 +31,8 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             so they travel once; `sampling_params` is then `SamplingParams()`, a
             placeholder. Read them with `StepInput.new_request_params`.
         lora_request: the request's LoRA adapter (None: the base model).
+        pooling_params: a pooling request's (its whole prompt is in this step; it gets a
+            pooled output instead of a sampled token).
     """
 
     req_id: str
@@ -42,6 +45,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     child_index: int = 0
     params_from: str = ""
     lora_request: LoRARequest | None = None
+    pooling_params: PoolingParams | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -113,6 +117,7 @@ class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
             entry per sampled token.
         draft_token_ids: speculative decoding: drafts proposed for the next step, per
             request that sampled (the core may shorten or drop them).
+        pooled: pooling requests' outputs, by request id (they finish with them).
 
     With drafts, sampled_token_ids holds the accepted drafts and one token after them.
     """
@@ -124,3 +129,4 @@ class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     prompt_logprobs: dict[str, TokenLogprobs] = {}
     failed_params: dict[str, str] = {}
     draft_token_ids: dict[str, list[int]] = {}
+    pooled: dict[str, PooledOutput] = {}

@@ -164,8 +164,7 @@ class MultiprocExecutor:
         num_blocks = min(r.ready.num_kv_blocks for r in readies)
         self._call(InitKVCache(num_blocks))
         first = readies[0].ready
-        self.ready = EngineReady(num_blocks, first.block_size, first.max_model_len,
-                                 first.vocab_size, first.kv_group_windows)
+        self.ready = msgspec.structs.replace(first, num_kv_blocks=num_blocks)
         logger.info("%d workers ready (pids %s); %d KV blocks per rank", n,
                     [h.process.pid for h in self.handles], num_blocks)
         return self.ready

@@ -28,6 +28,8 @@ from vllm_actors.protocol.step import StepInput, StepOutput
 from vllm_actors.workers.input_batch import InputBatch
 from vllm_actors.workers.kv_cache import kv_bytes_per_block, num_kv_blocks
 from vllm_actors.workers.lora_manager import LoRAManager
+from vllm_actors.workers.pooling import (Pooling, make_pooling, resolve_runner,
+                                         sentence_max_length)
 from vllm_actors.workers.sampler import (SampledLogprobs, Sampler, apply_token_bitmask,
                                         log_softmax, top_logprobs)
 from vllm_actors.workers.spec_decode.proposers import make_proposer
@@ -78,9 +80,18 @@ class ModelRunner:
             config.cache.kv_cache_dtype, quantized))
         args = self.model.args
         self.local_args = getattr(self.model, "local_args", args)
+        model_dir = self._model_source.path if self._model_source is not None else None
+        self.runner = resolve_runner(config.model.runner, self.model, model_dir)
+        self.pooling: Pooling | None = (make_pooling(self.model, model_dir,
+                                                     config.model.pooler_config)
+                                        if self.runner == "pooling" else None)
+        # an encoder attends within each request's own step: no KV cache at all
+        self.encoder_only = getattr(self.model, "encoder_only", False)
         limit = args.max_position_embeddings
+        if config.model.max_model_len is None and self.pooling is not None:
+            limit = min(limit, sentence_max_length(model_dir) or limit)
         self.max_model_len = config.model.max_model_len or limit
-        if self.max_model_len > limit:
+        if self.max_model_len > args.max_position_embeddings:
             raise ValidationError(f"max_model_len={self.max_model_len} is larger than the "
                                   f"model's context length ({limit})", "max_model_len")
         self.block_size = config.cache.block_size
@@ -94,10 +105,15 @@ class ModelRunner:
         # drafts for speculative decoding come from rank 0
         self.proposer = make_proposer(config, self.backend, args) \
             if config.speculative is not None and self.tp.rank == 0 else None
-        self.num_blocks = num_kv_blocks(cache, self.local_args, self.max_model_len,
-                                        self.backend.free_memory(),
-                                        config.scheduler.max_num_batched_tokens,
-                                        len(self.kv_slots))
+        if self.encoder_only:   # blocks only count tokens for the scheduler
+            budget = max(config.scheduler.max_num_batched_tokens, self.max_model_len)
+            self.num_blocks = (budget + config.scheduler.max_num_seqs * self.block_size
+                               ) // self.block_size
+        else:
+            self.num_blocks = num_kv_blocks(cache, self.local_args, self.max_model_len,
+                                            self.backend.free_memory(),
+                                            config.scheduler.max_num_batched_tokens,
+                                            len(self.kv_slots))
         draft_bytes = self.proposer.kv_bytes_per_block() if self.proposer else 0
         if draft_bytes and config.cache.num_gpu_blocks_override is None:
             # the draft's cache shares the KV budget, block for block
@@ -122,6 +138,11 @@ class ModelRunner:
         one tensor per slot of the KV cache groups, each layer handed its group's slot."""
         local = self.local_args
         self.num_blocks = num_blocks
+        if self.encoder_only:
+            self.kv_caches = [None] * len(self.layer_ids)
+            if getattr(self.backend, "compiles_lazily", False):
+                self._warm_up_encoder()
+            return
         slots = self.backend.allocate_kv_cache(
             len(self.kv_slots), num_blocks + 1, self.block_size, local.num_kv_heads,
             local.head_dim, self.kv_format)
@@ -142,10 +163,26 @@ class ModelRunner:
                 self.backend.name, own.path if own is not None else None,
                 getattr(self.model, "gguf_activations", "float32"))
 
+    def _warm_up_encoder(self) -> None:
+        """Compile an encoder's kernels: one forward pass of two short requests."""
+        counts = np.array([3, 5], np.int32)
+        bounds = np.array([0, 3, 8], np.int32)
+        meta = AttentionMetadata(bounds, counts, np.zeros((2, 1), np.int32),
+                                 np.zeros(8, np.int64), self.block_size)
+        self.model.forward(np.zeros(8, np.int64), np.array([0, 1, 2, 0, 1, 2, 3, 4]), meta,
+                           self.kv_caches)
+
     @property
     def ready(self) -> EngineReady:
-        return EngineReady(self.num_blocks, self.block_size, self.max_model_len,
-                           self.model.args.vocab_size, [g.window for g in self.kv_groups])
+        ready = EngineReady(self.num_blocks, self.block_size, self.max_model_len,
+                            self.model.args.vocab_size, [g.window for g in self.kv_groups],
+                            runner=self.runner)
+        if self.pooling is not None:
+            ready.pooling_tasks = list(self.pooling.tasks)
+            ready.hidden_size = self.model.args.hidden_size
+            ready.labels = list(getattr(self.model.args, "id2label", ()))
+            ready.matryoshka = bool(getattr(self.model.args, "is_matryoshka", False))
+        return ready
 
     def _apply_diffs(self, step: StepInput) -> None:
         batch = self.batch
@@ -154,10 +191,14 @@ class ModelRunner:
             if self.lora is not None and row is not None and batch.lora_ids[row]:
                 self.lora.release(int(batch.lora_ids[row]))
             batch.remove_request(req_id)
+            if self.pooling is not None:
+                self.pooling.params.pop(req_id, None)
             if self.proposer is not None:
                 self.proposer.finish(req_id)
         for new, params in zip(step.new_requests, step.new_request_params()):
             row = batch.add_request(new, params)
+            if self.pooling is not None and new.pooling_params is not None:
+                self.pooling.params[new.req_id] = new.pooling_params
             if new.lora_request is not None:
                 self._acquire_lora(new, row)
         cached = step.cached_requests
@@ -384,6 +425,28 @@ class ModelRunner:
         done_rows = entry_rows[layout.starts[:-1]]
         self._append_accepted(done_rows, accepted_tokens(tokens, layout, drafts), drafts)
 
+    def _token_types(self, req_ids: list[str], positions: np.ndarray,
+                     counts: np.ndarray) -> np.ndarray | None:
+        """Token type ids [T]: 1 from a text pair's second text on (cross-encoders)."""
+        starts = [self.pooling.params[r].token_type_start if self.pooling is not None
+                  and r in self.pooling.params else None for r in req_ids]
+        if all(s is None for s in starts):
+            return None
+        first = np.array([len(positions) + 1 if s is None else s for s in starts], np.int64)
+        return (positions >= np.repeat(first, counts)).astype(np.int64)
+
+    def _pool(self, hidden: Any, rows: np.ndarray, req_ids: list[str],
+              meta: AttentionMetadata) -> StepOutput:
+        """The pooled outputs of the requests whose prompt this step completed."""
+        assert self.pooling is not None
+        batch = self.batch
+        done = np.flatnonzero(batch.num_computed_tokens[rows] >= batch.num_tokens[rows])
+        out = StepOutput(req_ids, [[] for _ in req_ids])
+        if len(done):
+            out.pooled = self.pooling.pool(self.model, self.backend.to_host(hidden), req_ids,
+                                           meta.query_start_loc, done)
+        return out
+
     def execute(self, step: StepInput) -> StepOutput:
         self._apply_diffs(step)
         if not step.num_scheduled_tokens:
@@ -395,7 +458,9 @@ class ModelRunner:
         layouts = self._one_row_verification(metas, rows, counts)
         meta = layouts[0] if len(layouts) == 1 else layouts
         lora = self.lora.batch(self.batch.lora_ids[token_rows]) if self.lora else None
-        extra = {} if lora is None else {"lora": lora}
+        extra: dict[str, Any] = {} if lora is None else {"lora": lora}
+        if self.encoder_only:
+            extra["token_type_ids"] = self._token_types(req_ids, positions, counts)
         if self.stage.first:
             hidden = self.model.forward(token_ids, positions, meta, self.kv_caches, **extra)
         else:
@@ -406,6 +471,8 @@ class ModelRunner:
         if not self.stage.last:
             self.channel.send(self.backend.to_host(hidden))
             return StepOutput()
+        if self.pooling is not None:
+            return self._pool(hidden, rows, req_ids, metas[0])
         self._collect_prompt_logprobs(hidden, positions, token_rows)
         out = StepOutput(req_ids, [[] for _ in req_ids])
         self._sample(hidden, metas[0], rows, req_ids, step, out)

@@ -151,8 +151,7 @@ class RayExecutor:
         num_blocks = min(r.num_kv_blocks for r in readies)
         self._get([a.init_kv_cache.remote(num_blocks) for a in self.actors])
         first = readies[0]
-        self.ready = EngineReady(num_blocks, first.block_size, first.max_model_len,
-                                 first.vocab_size, first.kv_group_windows)
+        self.ready = msgspec.structs.replace(first, num_kv_blocks=num_blocks)
         logger.info("%d Ray actors ready (%d stage(s) of %d); %d KV blocks per rank",
                     tp * pp, pp, tp, num_blocks)
         return self.ready

@@ -34,6 +34,7 @@ from vllm_actors.kernels.cpu import (
     threads,
 )
 from vllm_actors.kernels.lora_ops import lora_add_ggml, warm_up_lora
+from vllm_actors.kernels.numpy_attention import encoder_attention
 from vllm_actors.kernels.numpy_backend import NumpyBackend, available_host_memory
 from vllm_actors.kernels.ops import AttentionMetadata, RopeTables, WeightLike
 
@@ -331,6 +332,10 @@ class CpuBackend:
 
     def reshape_and_cache(self, k: np.ndarray, v: np.ndarray, kv_cache: Any, attn: Any) -> None:
         attention.write_kv(k, v, kv_cache, attn)
+
+    def encoder_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                          bounds: np.ndarray, scale: float) -> np.ndarray:
+        return encoder_attention(q, k, v, bounds, scale)
 
     def paged_attention(self, q: np.ndarray, kv_cache: Any, attn: Any, scale: float,
                         window: int = 0, softcap: float = 0.0,
