@@ -6,7 +6,10 @@ from vllm_actors.frontend.async_llm import AsyncLLM
 from vllm_actors.frontend.llm import LLM
 from vllm_actors.loaders.tokenizer import Tokenizer, get_tokenizer
 from vllm_actors.lora_request import LoRARequest
-from vllm_actors.outputs import CompletionOutput, RequestOutput
+from vllm_actors.outputs import (ClassificationOutput, CompletionOutput, EmbeddingOutput,
+                                 PoolingOutput, PoolingRequestOutput, RequestOutput,
+                                 ScoringOutput)
+from vllm_actors.pooling_params import PoolingParams
 from vllm_actors.sampling_params import (RequestOutputKind, SamplingParams,
                                          StructuredOutputsParams)
 from vllm_actors.version import __version__
@@ -14,5 +17,6 @@ from vllm_actors.version import __version__
 
 __all__ = ["LLM", "AsyncLLM", "CompletionOutput", "EngineArgs", "EngineDeadError", "LoRARequest",
            "RequestOutput", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams",
-           "Tokenizer",
+           "Tokenizer", "PoolingParams", "PoolingRequestOutput", "PoolingOutput",
+           "EmbeddingOutput", "ClassificationOutput", "ScoringOutput",
            "ValidationError", "get_tokenizer", "__version__"]

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 
 @dataclass(slots=True)
@@ -64,3 +67,56 @@ class RequestOutput:
     error: str | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     error_param: str | None = None
+    pooled: Any = None    # a pooling request's `protocol.engine.PooledOutput`
+
+
+# -- pooling (vLLM's `PoolingRequestOutput` and its task views) ----------------------------
+@dataclass
+class PoolingOutput:
+    """A pooling request's raw output: float32 [D] (an embedding, label scores) or [n, D]
+    (one vector per token)."""
+
+    data: np.ndarray
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class PoolingRequestOutput:
+    """One pooling request's result: `outputs` is a PoolingOutput (`encode`), an
+    EmbeddingOutput (`embed`), a ClassificationOutput (`classify`) or a ScoringOutput
+    (`score`)."""
+
+    request_id: str
+    outputs: Any
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+EmbeddingRequestOutput = ClassificationRequestOutput = ScoringRequestOutput = \
+    PoolingRequestOutput

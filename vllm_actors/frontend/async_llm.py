@@ -20,6 +20,8 @@ import logging
 import uuid
 from typing import Any, AsyncIterator, Callable, Sequence
 
+import numpy as np
+
 from vllm_actors.config import EngineArgs
 from vllm_actors.errors import EngineDeadError, ValidationError, VllmActorsError
 from vllm_actors.frontend.collector import RequestOutputCollector
@@ -34,7 +36,8 @@ from vllm_actors.loaders.generation_config import generation_defaults
 from vllm_actors.loaders.model_files import resolve_model
 from vllm_actors.loaders.tokenizer import Tokenizer, load_tokenizer
 from vllm_actors.lora_request import LoRARequest, cache_key
-from vllm_actors.outputs import RequestOutput
+from vllm_actors.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from vllm_actors.pooling_params import PoolingParams
 from vllm_actors.protocol.engine import (AbortRequests, EngineCoreOutputs, EngineDead,
                                          SchedulerStats, UtilityCall, UtilityKind,
                                          UtilityResult)
@@ -297,6 +300,33 @@ class AsyncLLM(EngineWatch):
             if not finished:
                 self.abort_requests([request_id])
 
+    async def encode(self, prompt: PromptType | ProcessedRequest,
+                     pooling_params: PoolingParams | None = None,
+                     request_id: str | None = None, priority: int = 0,
+                     lora_request: LoRARequest | None = None, pair: str | None = None
+                     ) -> AsyncIterator[PoolingRequestOutput]:
+        """A pooling request (vLLM's `AsyncLLM.encode`): yields one finished
+        PoolingRequestOutput whose `outputs.data` is the pooled float32 array. `pair`: a
+        cross-encoder's second text. Raises ValidationError for a request the model cannot
+        serve (also when the engine refuses it), VllmActorsError when the engine failed it,
+        EngineDeadError when the engine is gone. Cancelling the consumer aborts it."""
+        request_id = request_id or uuid.uuid4().hex
+        if not isinstance(prompt, ProcessedRequest):
+            prompt = self.input_processor.process_pooling(
+                request_id, prompt, pooling_params or PoolingParams(), priority,
+                lora_request, pair)
+        collector = self.add_request(request_id, prompt, prompt.request.sampling_params,
+                                     priority, lora_request)
+        finished = False
+        try:
+            while not finished:
+                output = collector.get_nowait() or await collector.get()
+                finished = output.finished
+            yield pooling_output(output)
+        finally:
+            if not finished:
+                self.abort_requests([request_id])
+
     def abort_requests(self, request_ids: list[str]) -> None:
         """Abort now (call from the event loop); see `abort`."""
         engine_ids = self.output_processor.abort_requests(request_ids)
@@ -394,6 +424,20 @@ class AsyncLLM(EngineWatch):
 
     async def list_loras(self) -> set[int]:
         return {lora.lora_int_id for lora in self.loras.values()}
+
+
+def pooling_output(output: RequestOutput) -> PoolingRequestOutput:
+    """A finished pooling request's RequestOutput as vLLM's PoolingRequestOutput. Raises
+    ValidationError (the request's fault) or VllmActorsError when it failed."""
+    if output.pooled is None:
+        reason = output.outputs[0].finish_reason if output.outputs else None
+        message = output.error or f"the request ended ({reason}) without an output"
+        if output.error_param is not None:
+            raise ValidationError(message, output.error_param)
+        raise VllmActorsError(message)
+    data = np.frombuffer(output.pooled.data, np.float32).reshape(output.pooled.shape)
+    return PoolingRequestOutput(output.request_id, PoolingOutput(data),
+                                output.prompt_token_ids)
 
 
 def _sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:

@@ -19,8 +19,9 @@ from vllm_actors.grammar import check_grammar
 from vllm_actors.loaders.chat_template import read_chat_template
 from vllm_actors.loaders.tokenizer import Tokenizer
 from vllm_actors.lora_request import LoRARequest
+from vllm_actors.pooling_params import PoolingParams
 from vllm_actors.protocol.engine import EngineCoreRequest, EngineReady
-from vllm_actors.sampling_params import SamplingParams
+from vllm_actors.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | dict[str, Any]
 
@@ -34,6 +35,8 @@ TEXT_SLACK = 4
 PIECE_CHARS_PER_TOKEN = 4
 PIECE_MARGIN_TOKENS = 4
 MAX_CACHE_SALT_CHARS = 1024
+# what a pooling request carries in place of sampling (it never samples)
+POOLING_SAMPLING = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
 # keyword arguments a chat template receives from the engine itself; chat_template_kwargs
 # may not replace them
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt",
@@ -62,6 +65,7 @@ class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, ready: EngineReady, max_logprobs: int = 20,
                  scheduling_policy: str = "fcfs") -> None:
         self.tokenizer = tokenizer
+        self.ready = ready
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
         self.max_logprobs = max_logprobs
@@ -174,6 +178,10 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise ValidationError("sampling_params must be a SamplingParams, got "
                                   f"{type(params).__name__}", "sampling_params")
+        if self.ready.runner == "pooling":
+            raise ValidationError("this is a pooling model (--runner pooling): it serves "
+                                  "embeddings, classification and scores, not generation",
+                                  "model")
         self._check_priority(priority)
         salt = _cache_salt(prompt)
         text, token_ids = self.prompt_token_ids(prompt, truncate=params.truncate_prompt_tokens)
@@ -193,6 +201,83 @@ class InputProcessor:
         request = EngineCoreRequest(request_id, token_ids, params, eos, time.time(), priority,
                                     salt, grammar=grammar, lora_request=lora_request)
         return ProcessedRequest(text, request)
+
+    def process_pooling(self, request_id: str, prompt: PromptType, params: PoolingParams,
+                        priority: int = 0, lora_request: LoRARequest | None = None,
+                        pair: str | None = None) -> ProcessedRequest:
+        """A pooling request (embed, classify, score, encode) for a pooling model: the
+        prompt may fill max_model_len, and `params.truncate_prompt_tokens` cuts a longer
+        one on the right with its special tokens kept. `pair`: the second text of a
+        cross-encoder's pair (`prompt` is then the first text). Raises ValidationError for
+        a generative model, a task it does not serve, bad dimensions, or a bad prompt."""
+        if not isinstance(params, PoolingParams):
+            raise ValidationError("pooling_params must be a PoolingParams, got "
+                                  f"{type(params).__name__}", "pooling_params")
+        self._check_pooling(params)
+        self._check_priority(priority)
+        if pair is not None:
+            if not isinstance(prompt, str):
+                raise ValidationError("a text pair must be two strings", "text_1")
+            token_ids, start = self.tokenizer.encode_pair(prompt, pair)
+            text: str | None = prompt
+            params = msgspec.structs.replace(params, token_type_start=start)
+        else:
+            text, token_ids = self._pooling_token_ids(prompt, params.truncate_prompt_tokens)
+        if not token_ids:
+            raise ValidationError("the input is empty (0 tokens)", "input")
+        if len(token_ids) > self.max_model_len:
+            raise ValidationError(
+                f"the input has {len(token_ids)} tokens, more than max_model_len "
+                f"({self.max_model_len}); shorten it or set truncate_prompt_tokens", "input")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValidationError(f"token id {bad[0]} is out of range for a vocabulary of "
+                                  f"{self.vocab_size}", "input")
+        request = EngineCoreRequest(request_id, token_ids, POOLING_SAMPLING, [], time.time(),
+                                    priority, lora_request=lora_request,
+                                    pooling_params=params)
+        return ProcessedRequest(text, request)
+
+    def _check_pooling(self, params: PoolingParams) -> None:
+        ready = self.ready
+        if ready.runner != "pooling":
+            raise ValidationError("this model generates text; embeddings, classification "
+                                  "and scores need a pooling model (--runner pooling)",
+                                  "model")
+        if params.task not in ready.pooling_tasks:
+            raise ValidationError(f"this model does not serve the {params.task!r} task "
+                                  f"(it serves {', '.join(ready.pooling_tasks)}); "
+                                  "classification and scores need a "
+                                  "*ForSequenceClassification model", "task")
+        if params.dimensions is not None:
+            if not ready.matryoshka:
+                raise ValidationError("this model does not support Matryoshka "
+                                      "representation: `dimensions` cannot be set",
+                                      "dimensions")
+            if params.dimensions > ready.hidden_size:
+                raise ValidationError(f"dimensions ({params.dimensions}) is more than the "
+                                      f"model's {ready.hidden_size}", "dimensions")
+
+    def _pooling_token_ids(self, prompt: PromptType, keep: int | None
+                           ) -> tuple[str | None, list[int]]:
+        """(text or None, ids) of a pooling input; a text longer than `keep` tokens is cut
+        on the right, its special tokens kept (as a tokenizer's truncation does)."""
+        if keep == -1:
+            keep = self.max_model_len
+        if keep is not None and keep > self.max_model_len:
+            raise ValidationError(f"truncate_prompt_tokens ({keep}) is larger than "
+                                  f"max_model_len ({self.max_model_len})",
+                                  "truncate_prompt_tokens")
+        text = prompt if isinstance(prompt, str) else \
+            prompt.get("prompt") if isinstance(prompt, dict) and \
+            "prompt_token_ids" not in prompt else None
+        if not isinstance(text, str):
+            return self.prompt_token_ids(prompt, truncate=keep)
+        ids = self.encode(text, True, None if keep is not None else self.max_model_len,
+                          "input")
+        if keep is None or len(ids) <= keep:
+            return text, ids
+        return text, _cut_right(ids, self.tokenizer.encode(text, False), keep)
 
     def _check_priority(self, priority: int) -> None:
         if isinstance(priority, bool) or not isinstance(priority, int) or \
@@ -242,6 +327,19 @@ def _cache_salt(prompt: PromptType) -> str | None:
         raise ValidationError(f"cache_salt must be a non-empty string of at most "
                               f"{MAX_CACHE_SALT_CHARS} characters", "cache_salt")
     return salt
+
+
+def _cut_right(with_special: list[int], plain: list[int], keep: int) -> list[int]:
+    """`with_special` (the special tokens around `plain`) cut to `keep` ids by dropping the
+    end of `plain`, its special tokens kept."""
+    n = len(plain)
+    head = next((p for p in range(len(with_special) - n + 1)
+                 if with_special[p:p + n] == plain), 0)
+    tail = len(with_special) - head - n
+    if keep <= head + tail:
+        return with_special[:keep]
+    return with_special[:head] + plain[:keep - head - tail] + \
+        with_special[len(with_special) - tail:]
 
 
 def _piece_end(text: str, start: int, size: int) -> int:

@@ -21,7 +21,10 @@ from vllm_actors.frontend.async_llm import AsyncLLM
 from vllm_actors.frontend.input_processor import PromptType
 from vllm_actors.loaders.tokenizer import Tokenizer
 from vllm_actors.lora_request import LoRARequest
-from vllm_actors.outputs import RequestOutput
+from vllm_actors.frontend.pooling_tasks import encode_all, pair_up, score_pairs
+from vllm_actors.outputs import (ClassificationOutput, EmbeddingOutput, PoolingRequestOutput,
+                                 RequestOutput, ScoringOutput)
+from vllm_actors.pooling_params import PoolingParams
 from vllm_actors.sampling_params import RequestOutputKind, SamplingParams
 
 Messages = list[dict[str, Any]]
@@ -180,6 +183,57 @@ class LLM:
 
         return list(await asyncio.gather(*(finished(c) for c in collectors)))
 
+    # -- pooling models --------------------------------------------------------------------
+    def encode(self, prompts: PromptType | Sequence[PromptType],
+               pooling_params: PoolingParams | None = None, use_tqdm: bool = True,
+               pooling_task: str | None = None) -> list[PoolingRequestOutput]:
+        """A pooling model's raw outputs (`outputs.data`, float32), one per prompt, in
+        order; `pooling_task` overrides the params' task (default: one vector per token,
+        vLLM's "encode"). Raises ValidationError for a generative model or bad inputs."""
+        params = pooling_params or PoolingParams(task="encode")
+        if pooling_task is not None:
+            params = msgspec.structs.replace(params, task=pooling_task)
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        return self._run(encode_all(self.engine, prompts, params))
+
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | None = None, use_tqdm: bool = True,
+              truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+        """One embedding per prompt (`outputs.embedding`), normalized unless the params say
+        otherwise."""
+        params = self._params(pooling_params, "embed", truncate_prompt_tokens)
+        return [_view(o, EmbeddingOutput(o.outputs.data.tolist()))
+                for o in self.encode(prompts, params)]
+
+    def classify(self, prompts: PromptType | Sequence[PromptType],
+                 pooling_params: PoolingParams | None = None, use_tqdm: bool = True,
+                 truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+        """Class probabilities per prompt (`outputs.probs`), for a classifier model."""
+        params = self._params(pooling_params, "classify", truncate_prompt_tokens)
+        return [_view(o, ClassificationOutput(o.outputs.data.tolist()))
+                for o in self.encode(prompts, params)]
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str],
+              pooling_params: PoolingParams | None = None, use_tqdm: bool = True,
+              truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+        """Relevance of each (data_1, data_2) pair (`outputs.score`): one data_1 against
+        every data_2, or the lists zipped. A cross-encoder scores the pair; an embedding
+        model gives the cosine similarity of the two embeddings."""
+        params = self._params(pooling_params, "score", truncate_prompt_tokens)
+        pairs = pair_up(data_1, data_2)
+        scores, _ = self._run(score_pairs(self.engine, pairs, params))
+        return [PoolingRequestOutput(str(i), ScoringOutput(s), [])
+                for i, s in enumerate(scores)]
+
+    @staticmethod
+    def _params(params: PoolingParams | None, task: str,
+                truncate: int | None) -> PoolingParams:
+        params = msgspec.structs.replace(params or PoolingParams(), task=task)
+        if truncate is not None:
+            params = msgspec.structs.replace(params, truncate_prompt_tokens=truncate)
+            params.__post_init__()
+        return params
+
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None
                ) -> Iterator[str]:
         """Generate for one prompt, yielding text as it is produced (our addition to vLLM's
@@ -221,3 +275,9 @@ class LLM:
                                                             add_generation_prompt, tools)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _view(output: PoolingRequestOutput, outputs: object) -> PoolingRequestOutput:
+    """The output with its task's view of the data (an EmbeddingOutput, ...)."""
+    return PoolingRequestOutput(output.request_id, outputs, output.prompt_token_ids,
+                                output.finished)

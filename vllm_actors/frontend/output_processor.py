@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -41,6 +42,7 @@ class ParentRequest:
 
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     sent_prompt_logprobs: bool = False
+    pooled: Any = None     # a pooling request's output, when it arrives
 
     def output_for(self, completion: CompletionOutput, num_cached_tokens: int,
                    error: str | None, error_param: str | None = None) -> RequestOutput | None:
@@ -58,7 +60,8 @@ class ParentRequest:
             prompt_logprobs = None   # deltas carry them once
         self.sent_prompt_logprobs |= prompt_logprobs is not None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions,
-                             finished, num_cached_tokens, error, prompt_logprobs, error_param)
+                             finished, num_cached_tokens, error, prompt_logprobs, error_param,
+                             self.pooled)
 
 
 @dataclass
@@ -228,6 +231,8 @@ class OutputProcessor:
                                                   out.logprobs.token_ids[:used],
                                                   out.logprobs.logprobs[:used],
                                                   out.logprobs.ranks[:used]))
+        if out.pooled is not None:
+            state.parent.pooled = out.pooled
         state.record_timing(out, self.metrics)
         state.record_logprobs(out, self.logprobs_builder, prompt_positions)
         state.token_ids.extend(out.new_token_ids)

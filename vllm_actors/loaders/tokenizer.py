@@ -81,6 +81,15 @@ class Tokenizer:
                 ids.append(self.eos_token_id)
         return ids
 
+    def encode_pair(self, first: str, second: str) -> tuple[list[int], int]:
+        """A text pair as a cross-encoder reads it ([CLS] first [SEP] second [SEP] for
+        BERT): the ids, and where the second text's part (token type 1) starts."""
+        head = self.encode(first, True)
+        tail = self.backend.encode(second, add_special_tokens=False).ids
+        if self.add_eos_token and self.eos_token_id is not None:
+            tail.append(self.eos_token_id)
+        return head + tail, len(head)
+
     def encode_pieces(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text (no special tokens added), tokenized together: one call
         into the tokenizer, which runs without the GIL (bad words, prompt pieces)."""
@@ -191,6 +200,14 @@ def _post_processor_adds(backend: HFTokenizer, bos: int | None) -> bool:
     return bool(ids) and ids[0] == bos
 
 
+def _post_processor_ends(backend: HFTokenizer, eos: int | None) -> bool:
+    """Whether tokenizer.json's post-processor appends `eos` (BERT's [SEP])."""
+    if eos is None:
+        return False
+    ids = backend.encode("a", add_special_tokens=True).ids
+    return bool(ids) and ids[-1] == eos
+
+
 def _from_hf_dir(model_dir: Path) -> Tokenizer:
     tokenizer_file = model_dir / "tokenizer.json"
     if not tokenizer_file.is_file():
@@ -212,6 +229,13 @@ def _from_hf_dir(model_dir: Path) -> Tokenizer:
         return token
 
     bos, eos = token_id("bos_token"), token_id("eos_token")
+    add_eos = config.get("add_eos_token", False)
+    if bos is None and eos is None:   # an encoder's [CLS] text [SEP], as llama.cpp reads it
+        cls, sep = token_id("cls_token"), token_id("sep_token")
+        if _post_processor_adds(backend, cls):
+            bos = cls
+        if _post_processor_ends(backend, sep):
+            eos, add_eos = sep, True
     eos_ids = _as_id_tuple(eos) + _as_id_tuple(generation.get("eos_token_id"))
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
@@ -225,7 +249,7 @@ def _from_hf_dir(model_dir: Path) -> Tokenizer:
     return Tokenizer(
         backend=backend, bos_token_id=bos, eos_token_id=eos,
         add_bos_token=bool(config.get("add_bos_token", _post_processor_adds(backend, bos))),
-        add_eos_token=bool(config.get("add_eos_token", False)),
+        add_eos_token=bool(add_eos),
         chat_template=template, eos_token_ids=tuple(dict.fromkeys(eos_ids)),
         extra_special_tokens=extras,
     )
