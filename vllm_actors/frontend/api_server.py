@@ -33,6 +33,8 @@ from vllm_actors.frontend.openai_schema import APIError
 from vllm_actors.frontend.serving import JSONBody, ServerState
 from vllm_actors.frontend.serving_chat import create_chat_completion
 from vllm_actors.frontend.serving_completion import create_completion
+from vllm_actors.frontend.serving_pooling import (create_classify, create_embedding,
+                                                  create_pooling, create_rerank, create_score)
 from vllm_actors.frontend.serving_lora import (adapter_cards, add_module, load_lora_adapter,
                                                runtime_updates_allowed, unload_lora_adapter)
 from vllm_actors.frontend.serving_responses import (ResponseStore, create_response,
@@ -42,7 +44,8 @@ from vllm_actors.version import __version__
 
 logger = logging.getLogger("vllm_actors.server")
 ENGINE_DEATH_EXIT_DELAY_S = 1.0   # in-flight streams get their error event, then the exit
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/reset_prefix_cache", "/server_info")
+PROTECTED_PREFIXES = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/reset_prefix_cache",
+                      "/server_info", "/pooling", "/classify", "/score", "/rerank")
 
 
 def _error(e: APIError) -> JSONBody:
@@ -173,6 +176,21 @@ class _Routes:
     async def completions(self, raw: Request) -> Response:
         return await create_completion(self.state, raw)
 
+    async def embeddings(self, raw: Request) -> Response:
+        return await create_embedding(self.state, raw)
+
+    async def pooling(self, raw: Request) -> Response:
+        return await create_pooling(self.state, raw)
+
+    async def classify(self, raw: Request) -> Response:
+        return await create_classify(self.state, raw)
+
+    async def score(self, raw: Request) -> Response:
+        return await create_score(self.state, raw)
+
+    async def rerank(self, raw: Request) -> Response:
+        return await create_rerank(self.state, raw)
+
     async def tokenize(self, raw: Request) -> Response:
         return await tokenize(self.state, raw)
 
@@ -192,6 +210,11 @@ class _Routes:
                 ("/v1/models", self.models, ["GET"]),
                 ("/v1/chat/completions", self.chat, ["POST"]),
                 ("/v1/completions", self.completions, ["POST"]),
+                ("/v1/embeddings", self.embeddings, ["POST"]),
+                ("/pooling", self.pooling, ["POST"]), ("/classify", self.classify, ["POST"]),
+                ("/score", self.score, ["POST"]), ("/v1/score", self.score, ["POST"]),
+                *((path, self.rerank, ["POST"]) for path in ("/rerank", "/v1/rerank",
+                                                             "/v2/rerank")),
                 ("/tokenize", self.tokenize, ["POST"]),
                 ("/detokenize", self.detokenize, ["POST"]),
                 ("/v1/responses", self.responses, ["POST"]),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import Any, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import msgspec
 import numpy as np
@@ -35,15 +35,24 @@ def pair_up(first: Any, second: Any) -> list[tuple[Any, Any]]:
     return list(zip(firsts, seconds))
 
 
+def process_all(engine: Any, prompts: Sequence[Any], params: PoolingParams, base: str,
+                pairs: Sequence[str | None] | None = None) -> list[Any]:
+    """Every prompt validated and tokenized (ProcessedRequests). Raises ValidationError."""
+    pairs = pairs or [None] * len(prompts)
+    return [engine.input_processor.process_pooling(f"{base}-{i}", p, params, pair=pair)
+            for i, (p, pair) in enumerate(zip(prompts, pairs))]
+
+
 async def encode_all(engine: Any, prompts: Sequence[Any], params: PoolingParams,
-                     request_id: str | None = None, pairs: Sequence[str | None] | None = None
+                     request_id: str | None = None, pairs: Sequence[str | None] | None = None,
+                     prepare: Callable[..., Awaitable[Any]] | None = None
                      ) -> list[PoolingRequestOutput]:
     """Every prompt's output, in order (submitted together, so they batch); `pairs`: a
-    second text per prompt for a cross-encoder. A failure aborts the others."""
+    second text per prompt for a cross-encoder; `prepare`: runs the tokenization off the
+    event loop (the server's lanes). A failure aborts the others."""
     base = request_id or uuid.uuid4().hex
-    pairs = pairs or [None] * len(prompts)
-    processed = [engine.input_processor.process_pooling(f"{base}-{i}", p, params, pair=pair)
-                 for i, (p, pair) in enumerate(zip(prompts, pairs))]
+    args = (engine, prompts, params, base, pairs)
+    processed = await prepare(process_all, *args) if prepare else process_all(*args)
 
     async def one(i: int) -> PoolingRequestOutput:
         async for out in engine.encode(processed[i], request_id=f"{base}-{i}"):
@@ -59,7 +68,9 @@ async def encode_all(engine: Any, prompts: Sequence[Any], params: PoolingParams,
 
 
 async def score_pairs(engine: Any, pairs: list[tuple[Any, Any]], params: PoolingParams,
-                      request_id: str | None = None) -> tuple[list[float], int]:
+                      request_id: str | None = None,
+                      prepare: Callable[..., Awaitable[Any]] | None = None
+                      ) -> tuple[list[float], int]:
     """(the score of each pair, prompt tokens used)."""
     if "score" in engine.ready.pooling_tasks:
         for a, b in pairs:
@@ -67,12 +78,12 @@ async def score_pairs(engine: Any, pairs: list[tuple[Any, Any]], params: Pooling
                 raise ValidationError("a cross-encoder scores text pairs", "text_1")
         outs = await encode_all(engine, [a for a, _ in pairs],
                                 msgspec.structs.replace(params, task="score"), request_id,
-                                [b for _, b in pairs])
+                                [b for _, b in pairs], prepare)
         return [float(o.outputs.data[0]) for o in outs], \
             sum(o.num_prompt_tokens for o in outs)
     embed = msgspec.structs.replace(params, task="embed", normalize=True)
     texts = [x for pair in pairs for x in pair]
-    outs = await encode_all(engine, texts, embed, request_id)
+    outs = await encode_all(engine, texts, embed, request_id, prepare=prepare)
     vectors = [o.outputs.data for o in outs]
     scores = [float(np.dot(vectors[2 * i], vectors[2 * i + 1])) for i in range(len(pairs))]
     return scores, sum(o.num_prompt_tokens for o in outs)

