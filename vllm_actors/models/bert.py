@@ -33,6 +33,7 @@ from vllm_actors.models.hparams import gguf_common, hf_common
 
 # llama.cpp's `pooling_type` metadata values
 _GGUF_POOLING = {1: "MEAN", 2: "CLS", 3: "LAST"}
+_HF_POOLER = "hf_pooler"   # the HF pooler's name between loading and `sanitize`
 _MAX_LAYERS = 256   # layers the name map covers for `bert.`-prefixed checkpoints
 _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -89,14 +90,30 @@ def args_from_gguf(gguf: GGUFFile) -> BertArgs:
 
 
 def hf_name(name: str) -> str | None:
-    """Names gguf-py's BERT map lacks: the `bert.` prefix of task checkpoints, the pooler
-    (`cls`) and the classifier (`cls.output`), as llama.cpp's converter names them."""
+    """Names gguf-py's BERT map lacks: the `bert.` prefix of task checkpoints, and the
+    pooler, under a name of its own until `sanitize` (the map already takes `classifier`
+    to `cls`, llama.cpp's name of the pooler)."""
     if name.startswith("bert."):
         name = name[len("bert."):]
-    for hf, gguf in (("pooler.dense.", "cls."), ("classifier.", "cls.output.")):
-        if name.startswith(hf):
-            return gguf + name[len(hf):]
+    if name.startswith("pooler.dense."):
+        return _HF_POOLER + name[len("pooler.dense"):]
     return _name_map().get_name(name, try_suffixes=(".weight", ".bias"))
+
+
+def sanitize(weights: WeightSet, args: ModelArgs, kind: str) -> WeightSet:
+    """A safetensors classifier and pooler under llama.cpp's names: the pooler as `cls`,
+    the classifier as `cls.output`."""
+    if kind != "safetensors":
+        return weights
+    tensors = dict(weights.tensors)
+    for part in ("weight", "bias"):
+        classifier = tensors.pop(f"cls.{part}", None)
+        pooler = tensors.pop(f"{_HF_POOLER}.{part}", None)
+        if classifier is not None:
+            tensors[f"cls.output.{part}"] = classifier
+        if pooler is not None:
+            tensors[f"cls.{part}"] = pooler
+    return WeightSet(tensors, weights.path, weights.activations)
 
 
 @functools.cache
@@ -236,5 +253,5 @@ FAMILY = Family(
     name="bert", hf_architectures=("BertModel", "BertForSequenceClassification",
                                    "BertForMaskedLM"),
     gguf_architectures=("bert",), args_from_hf=args_from_hf, args_from_gguf=args_from_gguf,
-    model_class=BertModel, hf_name=hf_name,
+    model_class=BertModel, sanitize=sanitize, hf_name=hf_name,
 )
