@@ -93,9 +93,10 @@ def write_wordpiece_tokenizer(path: Path) -> None:
          "unk_token": "[UNK]", "mask_token": "[MASK]", "do_lower_case": True}))
 
 
-def write_bert_dir(path: Path, classifier: bool = False) -> Path:
+def write_bert_dir(path: Path, classifier: bool = False, matryoshka: bool = False) -> Path:
     config = BERT_CLASSIFIER if classifier else BERT
-    write_checkpoint(path, config, bert_weights(config, "bert." if classifier else ""))
+    weights = bert_weights(config, "bert." if classifier else "")
+    write_checkpoint(path, {**config, "is_matryoshka": True} if matryoshka else config, weights)
     write_wordpiece_tokenizer(path)
     return path
 

@@ -79,6 +79,16 @@ def test_bert_pooling_and_classifier(tmp_path, golden, device):
             np.testing.assert_allclose(out, golden[f"cross_logits_{i}"], atol=TOL)
 
 
+def test_matryoshka_dimensions(tmp_path, golden):
+    """A Matryoshka model's `dimensions`: the first values, normalized after the cut."""
+    core = _core(write_bert_dir(tmp_path / "m", matryoshka=True), "numpy")
+    assert core.ready.matryoshka and core.ready.hidden_size == 64
+    outs = _run(core, [(ids, PoolingParams(dimensions=16)) for ids in ID_INPUTS], True)
+    for i, out in enumerate(outs):
+        want = golden[f"bert_cls_{i}"][:16]
+        np.testing.assert_allclose(out, want / np.linalg.norm(want), atol=TOL)
+
+
 def test_bert_gguf_as_llama_cpp_writes_it(tmp_path, golden):
     """The tiny BERT as a llama.cpp GGUF: its WordPiece vocabulary gives the HF
     tokenizer's ids, and its CLS pooling (the GGUF's pooling type) the oracle's values."""

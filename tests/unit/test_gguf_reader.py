@@ -68,9 +68,10 @@ def test_truncated(tiny_gguf, tmp_path, keep_fraction, message):
 
 
 def test_unsupported_architecture(tmp_path):
-    path = tmp_path / "bert.gguf"
-    write_gguf(path, "bert", lambda w: w.add_tensor("token_embd.weight", np.ones((4, 8), np.float32)))
-    with pytest.raises(UnsupportedModelError, match=r"bert.gguf: architecture 'bert' is not "
+    path = tmp_path / "mamba.gguf"
+    write_gguf(path, "mamba", lambda w: w.add_tensor("token_embd.weight", np.ones((4, 8),
+                                                                                np.float32)))
+    with pytest.raises(UnsupportedModelError, match=r"mamba.gguf: architecture 'mamba' is not "
                                                     r"supported; supported: .*llama"):
         load_model(resolve_model(path), NumpyBackend())
 

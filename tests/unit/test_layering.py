@@ -23,6 +23,7 @@ FORBIDDEN = {
     "vllm_actors.errors": ["vllm_actors."],
     "vllm_actors.sampling_params": ["vllm_actors."],
     "vllm_actors.lora_request": ["vllm_actors."],
+    "vllm_actors.pooling_params": ["vllm_actors."],
     "vllm_actors.frontend": ["vllm_actors.enginecore", "vllm_actors.workers",
                              "vllm_actors.kernels", "vllm_actors.models"],
     "vllm_actors.enginecore": ["vllm_actors.kernels", "vllm_actors.models",
@@ -35,8 +36,9 @@ FORBIDDEN = {
 # module prefix -> imports it may make despite the rule above
 ALLOWED = {
     "vllm_actors.protocol": ["vllm_actors.sampling_params", "vllm_actors.protocol",
-                             "vllm_actors.lora_request"],
+                             "vllm_actors.lora_request", "vllm_actors.pooling_params"],
     "vllm_actors.lora_request": ["vllm_actors.errors"],
+    "vllm_actors.pooling_params": ["vllm_actors.errors"],
     "vllm_actors.config": ["vllm_actors.errors", "vllm_actors.config_parallel",
                            "vllm_actors.config_speculative", "vllm_actors.config_fields"],
     "vllm_actors.sampling_params": ["vllm_actors.errors"],

@@ -326,3 +326,37 @@ def test_adapters_never_share_prefix_blocks():
     same = [make_request(f"r{lora}", 8, lora=lora) for lora in (0, 1, 1, 2)]
     hashes = [r.block_hashes for r in same]
     assert hashes[1] == hashes[2] and len({tuple(h) for h in hashes}) == 3
+
+
+def test_pooling_requests_run_whole_without_the_prefix_cache():
+    """A pooling prompt is never chunked (it waits for a step with room for all of it),
+    reads no prefix-cache blocks (every hidden state is needed), and finishes with its
+    pooled output in the step that computed it."""
+    from vllm_actors.pooling_params import PoolingParams
+    from vllm_actors.protocol.engine import PooledOutput
+
+    def pooling(req_id: str, n: int) -> Request:
+        core = EngineCoreRequest(req_id, list(range(10, 10 + n)), SamplingParams(max_tokens=1),
+                                 [], 0.0, pooling_params=PoolingParams())
+        return Request(core, 256, BS)
+
+    s = make_scheduler(budget=32)
+    s.add_request(make_request("gen", 24))
+    s.add_request(pooling("p1", 16))       # 8 tokens of budget left: waits
+    step = s.schedule()
+    assert step.num_scheduled_tokens == {"gen": 24}
+    s.update_from_output(step, StepOutput(["gen"], [[7]]))
+    s.finish_requests(["gen"], FinishReason.ABORT)
+    pooled = PooledOutput([1], b"\0\0\0\0")
+    step = s.schedule()
+    assert step.num_scheduled_tokens == {"p1": 16}
+    assert step.new_requests[0].pooling_params is not None
+    outs = s.update_from_output(step, StepOutput(["p1"], [[]], pooled={"p1": pooled}))
+    assert [(o.request_id, o.finish_reason, o.pooled) for o in outs] == [
+        ("p1", FinishReason.STOP, pooled)]
+    assert not s.has_requests()
+    # p1's full blocks are cached now: a generation request reads them, a pooling one not
+    s.add_request(pooling("p2", 16))
+    s.add_request(make_request("g2", 16))
+    step = s.schedule()
+    assert {n.req_id: n.num_computed_tokens for n in step.new_requests} == {"p2": 0, "g2": 12}

@@ -105,21 +105,7 @@ class ModelRunner:
         # drafts for speculative decoding come from rank 0
         self.proposer = make_proposer(config, self.backend, args) \
             if config.speculative is not None and self.tp.rank == 0 else None
-        if self.encoder_only:   # blocks only count tokens for the scheduler
-            budget = max(config.scheduler.max_num_batched_tokens, self.max_model_len)
-            self.num_blocks = (budget + config.scheduler.max_num_seqs * self.block_size
-                               ) // self.block_size
-        else:
-            self.num_blocks = num_kv_blocks(cache, self.local_args, self.max_model_len,
-                                            self.backend.free_memory(),
-                                            config.scheduler.max_num_batched_tokens,
-                                            len(self.kv_slots))
-        draft_bytes = self.proposer.kv_bytes_per_block() if self.proposer else 0
-        if draft_bytes and config.cache.num_gpu_blocks_override is None:
-            # the draft's cache shares the KV budget, block for block
-            target_bytes = kv_bytes_per_block(self.local_args, self.block_size, self.kv_groups,
-                                              len(self.kv_slots), cache.kv_cache_dtype)
-            self.num_blocks = self.num_blocks * target_bytes // (target_bytes + draft_bytes)
+        self.num_blocks = self._count_blocks(config, cache)
         self.kv_caches: list = []
         if allocate_kv:
             self.initialize_kv_cache(self.num_blocks)
@@ -132,6 +118,23 @@ class ModelRunner:
         self.follow_tokens = self.stage.size > 1   # sampled ids come in the StepInput
         self.lora = LoRAManager(config.lora, self.model) if config.lora else None
         self._lora_failed: dict[str, str] = {}     # adapters that failed to load, this step
+
+    def _count_blocks(self, config: EngineConfig, cache: Any) -> int:
+        """The KV blocks this rank can hold (`num_kv_blocks`), the draft's share taken out;
+        an encoder's only count tokens for the scheduler (it keeps no KV)."""
+        if self.encoder_only:
+            budget = max(config.scheduler.max_num_batched_tokens, self.max_model_len)
+            return (budget + config.scheduler.max_num_seqs * self.block_size) // self.block_size
+        blocks = num_kv_blocks(cache, self.local_args, self.max_model_len,
+                               self.backend.free_memory(),
+                               config.scheduler.max_num_batched_tokens, len(self.kv_slots))
+        draft_bytes = self.proposer.kv_bytes_per_block() if self.proposer else 0
+        if draft_bytes and config.cache.num_gpu_blocks_override is None:
+            # the draft's cache shares the KV budget, block for block
+            target_bytes = kv_bytes_per_block(self.local_args, self.block_size, self.kv_groups,
+                                              len(self.kv_slots), cache.kv_cache_dtype)
+            blocks = blocks * target_bytes // (target_bytes + draft_bytes)
+        return blocks
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate `num_blocks` usable blocks (plus the null block) of this rank's KV heads:
