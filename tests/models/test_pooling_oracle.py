@@ -13,6 +13,8 @@ import pytest
 from tiny_pooling import GOLDEN, ID_INPUTS, PAIRS, SINGLE_TEXTS, write_bert_dir, \
     write_bert_gguf, write_decoder_dir
 
+from opencl_platform import require_opencl
+
 from vllm_actors.config import EngineArgs
 from vllm_actors.enginecore.core import EngineCore
 from vllm_actors.errors import ValidationError
@@ -52,10 +54,13 @@ def _run(core: EngineCore, inputs: list[tuple[list[int], PoolingParams]],
     return [results[f"r{i}-{batched}"] for i in range(len(inputs))]
 
 
-@pytest.mark.parametrize("device", ["numpy", "cpu"])
+@pytest.mark.parametrize("device", ["numpy", "cpu", "opencl"])
 def test_bert_pooling_and_classifier(tmp_path, golden, device):
     """CLS and MEAN pooling of the encoder; the cross-encoder's logits with token types
-    (pairs) and without (single texts); batched equals alone."""
+    (pairs) and without (single texts); batched equals alone. OpenCL on PoCL (its
+    encoder attention runs on the host)."""
+    if device == "opencl":
+        require_opencl()
     core = _core(write_bert_dir(tmp_path / "bert"), device, runner="pooling")
     assert core.ready.runner == "pooling" and core.ready.pooling_tasks == ["embed", "encode"]
     for kind in ("cls", "mean"):
