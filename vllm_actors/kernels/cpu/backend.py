@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-import numba
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
@@ -26,6 +25,7 @@ from vllm_actors.kernels import ggml_attention, ggml_math, mapped_pages, quant
 from vllm_actors.kernels.cpu import (
     activations,
     attention,
+    blas,
     elementwise,
     isa,
     qmatmul,
@@ -40,8 +40,8 @@ from vllm_actors.kernels.numpy_backend import NumpyBackend, available_host_memor
 from vllm_actors.kernels.ops import AttentionMetadata, RopeTables, WeightLike
 
 _NUMPY = NumpyBackend()   # its view-only ops (split_qkv) serve this backend as they are
-# rows from which a float32 GEMM goes to BLAS on our threads (faster from about 32-64 rows,
-# docs/BENCHMARKS.md "Embeddings"); fewer rows stay in our kernels
+# rows from which a float32 GEMM goes to numpy's BLAS, called on our threads (`cpu/blas.py`;
+# faster from about 32-64 rows, docs/BENCHMARKS.md "Embeddings"); fewer stay in our kernels
 BLAS_MIN_ROWS = 64
 
 # activation format -> (its quantizer, the integer GEMV module that reads what it writes)
@@ -223,30 +223,12 @@ class CpuBackend:
         return out
 
     def _matmul(self, x: np.ndarray, parts: Sequence[qmatmul.QuantMatrix]) -> np.ndarray:
-        if len(x) >= BLAS_MIN_ROWS and all(p.qtype == T.F32 for p in parts):
-            return self._blas_matmul(x, parts)
+        if len(x) >= BLAS_MIN_ROWS and all(p.qtype == T.F32 for p in parts) and \
+                blas.available():
+            return blas.linear(x, [p.planes[0] for p in parts])
         if len(parts) == 1:
             return qmatmul.matmul(parts[0], x)
         return np.concatenate([qmatmul.matmul(p, x) for p in parts], axis=1)
-
-    def _blas_matmul(self, x: np.ndarray, parts: Sequence[qmatmul.QuantMatrix]
-                     ) -> np.ndarray:
-        """float32 weights times many rows: single-threaded BLAS on each of our threads'
-        share of the rows (1.5-3x our GEMM there, docs/BENCHMARKS.md "Embeddings"; BLAS's
-        own threads would spin after the call and slow the kernels that follow)."""
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        out = np.empty((len(x), sum(p.rows for p in parts)), np.float32)
-        bounds = np.linspace(0, len(x), numba.get_num_threads() + 1).astype(int)
-
-        def rows(i: int) -> None:
-            lo, hi = bounds[i], bounds[i + 1]
-            start = 0
-            for p in parts:
-                np.matmul(x[lo:hi], p.planes[0].T, out=out[lo:hi, start:start + p.rows])
-                start += p.rows
-
-        list(threads.host_pool().map(rows, range(len(bounds) - 1)))
-        return out
 
     def _quantized_matmul(self, x: np.ndarray, weight: Linear,
                           requests: np.ndarray | None) -> np.ndarray:

@@ -124,7 +124,7 @@ def gelu_tanh(x):
 _INV_SQRT2 = np.float32(_INV_SQRT2_64)
 
 
-@kernel
+@kernel(inline=True)
 def erfc_pos(a):
     """erfc(a) for float32 a >= 0 through `exp2` (no libm call, so loops vectorize)."""
     t = np.float32(1.0) / (np.float32(1.0) + np.float32(0.5) * a)
@@ -133,7 +133,7 @@ def erfc_pos(a):
     return t * exp2((p - a * a) * _LOG2E)
 
 
-@kernel
+@kernel(inline=True)
 def gelu_erf(x):
     """0.5 x (1 + erf(x / sqrt 2)) = 0.5 x erfc(-x / sqrt 2): erfc of the positive side
     directly (no cancellation for x < 0), 2 - erfc otherwise. 3x the float64 libm path
@@ -295,10 +295,10 @@ def gelu_mul(gate_up: np.ndarray, approximate: bool = True) -> np.ndarray:
 
 
 def gelu(x: np.ndarray, approximate: bool = True) -> np.ndarray:
-    """Elementwise GELU of x [..., n]; in place when x is a writable C-contiguous float32
-    array, else into a new one."""
-    inplace = x.dtype == np.float32 and x.flags.c_contiguous and x.flags.writeable
-    out = x if inplace else np.empty(x.shape, np.float32)
+    """Elementwise GELU of x [..., n] into a new array. (In place, LLVM's runtime alias
+    check sends the loop to its scalar version: 9x slower, docs/BENCHMARKS.md
+    "Embeddings".)"""
+    out = np.empty(x.shape, np.float32)
     rows = _rows(x)
     fn = _gelu_parallel if len(rows) >= PARALLEL_ROWS else _gelu_serial
     fn(rows, out.reshape(rows.shape), bool(approximate))

@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Any
 
 
 def _cgroup_quota() -> float | None:
@@ -77,16 +76,6 @@ def configure(threads: int | None = None) -> int:
             pass
     _STATE["threads"] = count
     return count
-
-
-def host_pool() -> Any:
-    """Host threads for work that releases the GIL (single-threaded BLAS calls on row
-    shares), as many as the CPUs; created once."""
-    pool = _STATE.get("host_pool")
-    if pool is None:
-        from concurrent.futures import ThreadPoolExecutor
-        pool = _STATE["host_pool"] = ThreadPoolExecutor(usable_cpus(), "cpu-host")
-    return pool
 
 
 def _busy_jiffies(cpus: set[int]) -> tuple[int, int]:
