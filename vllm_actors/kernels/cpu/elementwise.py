@@ -167,25 +167,27 @@ def _gelu_mul_parallel(gate_up, out, approximate):
 
 
 @kernel
-def _gelu_row(x, out, approximate):
+def _gelu_row(x, approximate):
+    """In place, with one array: the loop vectorizes (given an output array that may be
+    the input, LLVM's runtime alias check sends it to its scalar version, 9x slower)."""
     if approximate:
         for i in range(x.shape[0]):
-            out[i] = gelu_tanh(x[i])
+            x[i] = gelu_tanh(x[i])
     else:
         for i in range(x.shape[0]):
-            out[i] = gelu_erf(x[i])
+            x[i] = gelu_erf(x[i])
 
 
 @kernel
-def _gelu_serial(x, out, approximate):
+def _gelu_serial(x, approximate):
     for r in range(x.shape[0]):
-        _gelu_row(x[r], out[r], approximate)
+        _gelu_row(x[r], approximate)
 
 
 @kernel(parallel=True)
-def _gelu_parallel(x, out, approximate):
+def _gelu_parallel(x, approximate):
     for r in prange(x.shape[0]):
-        _gelu_row(x[r], out[r], approximate)
+        _gelu_row(x[r], approximate)
 
 
 @kernel
@@ -295,13 +297,13 @@ def gelu_mul(gate_up: np.ndarray, approximate: bool = True) -> np.ndarray:
 
 
 def gelu(x: np.ndarray, approximate: bool = True) -> np.ndarray:
-    """Elementwise GELU of x [..., n] into a new array. (In place, LLVM's runtime alias
-    check sends the loop to its scalar version: 9x slower, docs/BENCHMARKS.md
-    "Embeddings".)"""
-    out = np.empty(x.shape, np.float32)
-    rows = _rows(x)
+    """Elementwise GELU of x [..., n]; in place when x is a writable C-contiguous float32
+    array, else in a copy."""
+    inplace = x.dtype == np.float32 and x.flags.c_contiguous and x.flags.writeable
+    out = x if inplace else np.array(x, np.float32, order="C")
+    rows = _rows(out)
     fn = _gelu_parallel if len(rows) >= PARALLEL_ROWS else _gelu_serial
-    fn(rows, out.reshape(rows.shape), bool(approximate))
+    fn(rows, bool(approximate))
     return out
 
 
