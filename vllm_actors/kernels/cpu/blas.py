@@ -29,19 +29,24 @@ _SYMBOLS = (("scipy_cblas_sgemm64_", ctypes.c_int64), ("cblas_sgemm64_", ctypes.
 
 @functools.cache
 def _sgemm() -> Any:
-    """numpy's `cblas_sgemm` as a ctypes function (pointers passed as integers), or None."""
+    """numpy's `cblas_sgemm` as a ctypes function (pointers passed as integers), or None.
+    Its library is set to one thread (each of our threads calls it on its own share): a
+    process may hold other OpenBLAS copies (scipy's), loaded after `threads.configure`
+    limited the ones then loaded, with their own thread counts."""
     try:
-        from threadpoolctl import threadpool_info
+        from threadpoolctl import ThreadpoolController
     except ImportError:   # pragma: no cover - threadpoolctl is a dependency
         return None
-    for info in threadpool_info():
-        if info.get("user_api") != "blas" or info.get("internal_api") != "openblas":
-            continue
-        lib = ctypes.CDLL(info["filepath"])
+    libs = [lib for lib in ThreadpoolController().lib_controllers
+            if lib.user_api == "blas" and lib.internal_api == "openblas"]
+    libs.sort(key=lambda lib: "numpy" not in lib.filepath)   # numpy's own first
+    for lib in libs:
+        handle = ctypes.CDLL(lib.filepath)
         for symbol, integer in _SYMBOLS:
-            fn = getattr(lib, symbol, None)
+            fn = getattr(handle, symbol, None)
             if fn is None:
                 continue
+            lib.set_num_threads(1)
             fn.restype = None
             ptr = ctypes.c_uint64
             fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, integer, integer, integer,
