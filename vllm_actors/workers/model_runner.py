@@ -167,13 +167,15 @@ class ModelRunner:
                 getattr(self.model, "gguf_activations", "float32"))
 
     def _warm_up_encoder(self) -> None:
-        """Compile an encoder's kernels: one forward pass of two short requests."""
-        counts = np.array([3, 5], np.int32)
-        bounds = np.array([0, 3, 8], np.int32)
-        meta = AttentionMetadata(bounds, counts, np.zeros((2, 1), np.int32),
-                                 np.zeros(8, np.int64), self.block_size)
-        self.model.forward(np.zeros(8, np.int64), np.array([0, 1, 2, 0, 1, 2, 3, 4]), meta,
-                           self.kv_caches)
+        """Compile an encoder's kernels: one forward pass of requests of 3 and twice 40
+        tokens (83 rows, so the float32 linears' BLAS path for many rows compiles too)."""
+        counts = np.array([3] + [min(40, self.max_model_len)] * 2, np.int32)
+        bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        total = int(bounds[-1])
+        meta = AttentionMetadata(bounds, counts, np.zeros((len(counts), 1), np.int32),
+                                 np.zeros(total, np.int64), self.block_size)
+        positions = np.concatenate([np.arange(n) for n in counts])
+        self.model.forward(np.zeros(total, np.int64), positions, meta, self.kv_caches)
 
     @property
     def ready(self) -> EngineReady:
