@@ -159,7 +159,8 @@ def write_bert_gguf(hf_dir: Path, out: Path, weight_type: str = "F32") -> Path:
     BOS and [SEP] as EOS, mean pooling when the directory says so (else CLS), the matrices
     in `weight_type` (F32 or F16), the rest in F32."""
     import gguf
-    from safetensors.numpy import load_file
+
+    from vllm_actors.loaders.safetensors import load_safetensors
     config = json.loads((hf_dir / "config.json").read_text())
     vocab = json.loads((hf_dir / "tokenizer.json").read_text())["model"]["vocab"]
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda item: item[1])]
@@ -186,10 +187,11 @@ def write_bert_gguf(hf_dir: Path, out: Path, weight_type: str = "F32") -> Path:
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(True)
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, config["num_hidden_layers"])
-    for hf, array in load_file(str(hf_dir / "model.safetensors")).items():
+    for hf, entry in load_safetensors(hf_dir).items():
         name = name_map.get_name(hf, try_suffixes=(".weight", ".bias"))
-        if name is None:
+        if name is None or entry.dtype != "F32":   # (position_ids: int64, no GGUF name)
             continue
+        array = np.asarray(entry.data)
         half = weight_type == "F16" and array.ndim == 2 and name.startswith("blk.")
         writer.add_tensor(name, array.astype(np.float16 if half else np.float32))
     writer.write_header_to_file()

@@ -93,7 +93,8 @@ class ModelRunner:
         self.max_model_len = config.model.max_model_len or limit
         if self.max_model_len > args.max_position_embeddings:
             raise ValidationError(f"max_model_len={self.max_model_len} is larger than the "
-                                  f"model's context length ({limit})", "max_model_len")
+                                  f"model's context length ({args.max_position_embeddings})",
+                                  "max_model_len")
         self.block_size = config.cache.block_size
         self.kv_format = kv_format(cache.kv_cache_dtype, ggml_products=quantized)
         # llama.cpp's tokens under speculation: verification rows run as one-row requests
