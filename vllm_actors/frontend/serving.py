@@ -219,7 +219,7 @@ def stream_error(error: Exception) -> dict[str, Any]:
                     type_="service_unavailable_error" if dead else "server_error").body()
 
 
-async def _wait_for_disconnect(raw: Request) -> None:
+async def wait_for_disconnect(raw: Request) -> None:
     while (await raw.receive())["type"] != "http.disconnect":
         pass
 
@@ -239,7 +239,7 @@ async def generate_final(state: ServerState, raw: Request,
     sub-request has been aborted)."""
     state.in_flight.update(s.request_id for s in subs)
     work = asyncio.ensure_future(asyncio.gather(*(_final(state, s) for s in subs)))
-    disconnect = asyncio.ensure_future(_wait_for_disconnect(raw))
+    disconnect = asyncio.ensure_future(wait_for_disconnect(raw))
     try:
         await asyncio.wait({work, disconnect}, return_when=asyncio.FIRST_COMPLETED)
         if not work.done():

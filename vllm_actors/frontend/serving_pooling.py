@@ -24,11 +24,12 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
-from vllm_actors.errors import ValidationError
+from vllm_actors.errors import EngineDeadError, ValidationError, VllmActorsError
 from vllm_actors.frontend.openai_schema import APIError
 from vllm_actors.frontend.pooling_tasks import encode_all, pair_up, score_pairs
 from vllm_actors.frontend.request_body import decode_request, read_body
-from vllm_actors.frontend.serving import JSONBody, ServerState, new_request_id, now
+from vllm_actors.frontend.serving import (JSONBody, ServerState, new_request_id, now,
+                                          wait_for_disconnect)
 from vllm_actors.pooling_params import PoolingParams
 
 Input = Any   # str | list[str] | list[int] | list[list[int]], checked by `_inputs`
@@ -130,7 +131,7 @@ async def _run(state: ServerState, raw: Request, work: Any) -> Any:
     """Await `work`; None when the client went away first (its requests are aborted)."""
     state.admit()
     task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(raw))
+    gone = asyncio.ensure_future(wait_for_disconnect(raw))
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
@@ -141,14 +142,14 @@ async def _run(state: ServerState, raw: Request, work: Any) -> Any:
             return task.result()
         except ValidationError as e:
             raise APIError(400, str(e), e.param) from None
+        except EngineDeadError:
+            raise
+        except VllmActorsError as e:   # the engine failed the request (not its fault)
+            raise APIError(500, f"the engine failed this request: {e}", code="engine_error",
+                           type_="server_error") from None
     finally:
         gone.cancel()
         task.cancel()
-
-
-async def _disconnected(raw: Request) -> None:
-    while (await raw.receive())["type"] != "http.disconnect":
-        pass
 
 
 def _usage(tokens: int) -> dict[str, int]:
