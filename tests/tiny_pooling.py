@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tiny_models import TINY_CONFIGS, det_uniform, tiny_weights, write_checkpoint
+from tiny_models import TINY_CONFIGS, det_uniform, tiny_weights, write_checkpoint, write_gguf
 
 GOLDEN = Path(__file__).parent / "golden" / "pooling.npz"
 
@@ -158,14 +158,19 @@ def write_bert_gguf(hf_dir: Path, out: Path, weight_type: str = "F32") -> Path:
     its WordPiece vocabulary with U+2581 marking word starts (and `##` dropped), [CLS] as
     BOS and [SEP] as EOS, mean pooling when the directory says so (else CLS), the matrices
     in `weight_type` (F32 or F16), the rest in F32."""
-    import gguf
-
-    from vllm_actors.loaders.safetensors import load_safetensors
     config = json.loads((hf_dir / "config.json").read_text())
-    vocab = json.loads((hf_dir / "tokenizer.json").read_text())["model"]["vocab"]
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda item: item[1])]
-    specials = {t for t in tokens if t.startswith("[") and t.endswith("]")}
-    writer = gguf.GGUFWriter(str(out), "bert")
+
+    def fill(writer: Any) -> None:
+        _bert_metadata(writer, config, (hf_dir / "modules.json").is_file())
+        _bert_vocab(writer, json.loads((hf_dir / "tokenizer.json").read_text())["model"]["vocab"])
+        _bert_tensors(writer, hf_dir, config["num_hidden_layers"], weight_type)
+
+    write_gguf(out, "bert", fill)
+    return out
+
+
+def _bert_metadata(writer: Any, config: dict[str, Any], mean: bool) -> None:
+    import gguf
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -173,9 +178,14 @@ def write_bert_gguf(hf_dir: Path, out: Path, weight_type: str = "F32") -> Path:
     writer.add_head_count(config["num_attention_heads"])
     writer.add_layer_norm_eps(config["layer_norm_eps"])
     writer.add_causal_attention(False)
-    mean = (hf_dir / "modules.json").is_file()
     writer.add_pooling_type(gguf.PoolingType.MEAN if mean else gguf.PoolingType.CLS)
     writer.add_token_type_count(config.get("type_vocab_size", 2))
+
+
+def _bert_vocab(writer: Any, vocab: dict[str, int]) -> None:
+    import gguf
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    specials = {t for t in tokens if t.startswith("[") and t.endswith("]")}
     writer.add_tokenizer_model("bert")
     writer.add_token_list([t if t in specials else t[2:] if t.startswith("##") else "\u2581" + t
                            for t in tokens])
@@ -186,7 +196,13 @@ def write_bert_gguf(hf_dir: Path, out: Path, weight_type: str = "F32") -> Path:
         getattr(writer, f"add_{key}_token_id")(vocab[token])
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(True)
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, config["num_hidden_layers"])
+
+
+def _bert_tensors(writer: Any, hf_dir: Path, num_layers: int, weight_type: str) -> None:
+    import gguf
+
+    from vllm_actors.loaders.safetensors import load_safetensors
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, num_layers)
     for hf, entry in load_safetensors(hf_dir).items():
         name = name_map.get_name(hf, try_suffixes=(".weight", ".bias"))
         if name is None or entry.dtype != "F32":   # (position_ids: int64, no GGUF name)
@@ -194,8 +210,3 @@ def write_bert_gguf(hf_dir: Path, out: Path, weight_type: str = "F32") -> Path:
         array = np.asarray(entry.data)
         half = weight_type == "F16" and array.ndim == 2 and name.startswith("blk.")
         writer.add_tensor(name, array.astype(np.float16 if half else np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
