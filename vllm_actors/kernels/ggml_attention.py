@@ -22,20 +22,22 @@ from typing import NamedTuple
 
 import numba
 import numpy as np
-from numba import prange
+from numba import carray, prange, types
 
 from vllm_actors.kernels.cpu.activations import _f16_bits
 from vllm_actors.kernels.cpu.attention_math import half_to_f32
 from vllm_actors.kernels.cpu.intrinsics import (
     HARDWARE_HALF,
     bits_to_f32,
+    call_address,
+    data_pointer,
     f32_to_bits,
     fma16,
     hardware_half_to_f32,
     reduce64,
     stack_f32,
 )
-from vllm_actors.kernels.cpu.jit import kernel
+from vllm_actors.kernels.cpu.jit import callback, kernel
 from vllm_actors.kernels.ggml_math import NORMAL_HIGH, NORMAL_LOW, expf16, expf16_normal
 
 LANES = 16
@@ -287,54 +289,81 @@ def _weighted_values(vc, table, block_size, kvh, pos, one_token, s, acc, vbuf, o
             out[i, d] = _reduce16(lanes)
 
 
-@kernel(parallel=True, exact=True)
-def _attend(q, kc, vc, lut, q_start, q_lens, ctx0, tables, block_size, scale, window, items, out):  # type: ignore[no-untyped-def]
-    """Each work item (request r, KV head, tile of up to TILE query tokens; `_work_items`)
-    on its own: rows are independent, so how items share threads changes no value."""
-    heads, dh = q.shape[1], q.shape[2]
-    hk = kc.shape[2]
+_F32P, _U16P, _I64P = (types.CPointer(t) for t in (types.float32, types.uint16, types.int64))
+
+
+@callback(_F32P, types.int64, types.int64, types.int64,                 # q and its shape
+          _U16P, _U16P, types.int64, types.int64, types.int64,          # k, v cache slots
+          _F32P, _I64P, _I64P, _I64P, types.int64,                      # lut, layout, requests
+          types.CPointer(types.int32), types.int64,                     # block tables
+          types.int64, types.float32, types.int64,                      # block size, scale, window
+          types.int64, types.int64, types.int64, _F32P, exact=True)     # item, out
+def _item(q_p, t, heads, dh, k_p, v_p, blocks, cells, hk, lut_p, qs_p, ql_p, c0_p, reqs,
+          tab_p, width, block_size, scale, window, r, kvh, t0, out_p):  # type: ignore[no-untyped-def]
+    """One work item (request r, KV head kvh, tile of up to TILE query tokens from t0; the
+    arrays as pointers and shapes, `_attend`'s loop body)."""
+    q = carray(q_p, (t, heads, dh))
+    kc = carray(k_p, (blocks, cells, hk, dh))
+    vc = carray(v_p, (blocks, cells, hk, dh))
+    lut = carray(lut_p, (1 << 16,))
+    q_start, q_lens, ctx0 = carray(qs_p, (reqs + 1,)), carray(ql_p, (reqs,)), carray(c0_p, (reqs,))
+    table = carray(tab_p, (reqs, width))[r]
+    out = carray(out_p, (t, heads, dh))
     g = heads // hk
+    one_token = q_lens[r] == 1
+    nt = min(TILE, q_lens[r] - t0)
+    n = nt * g
+    q16 = np.empty((n, dh), np.float32)
+    pos = np.empty(n, np.int64)
+    s = np.empty((n, ctx0[r] + t0 + nt + LANES), np.float32)
+    acc = np.empty(dh * (64 if one_token else LANES), np.float32)
+    vbuf = np.empty((ctx0[r] + t0 + nt) * dh, np.float32)
+    kt = np.empty(dh * LANES, np.float32)
+    dot_acc = np.empty(64 * LANES, np.float32)
+    krow = np.empty(max(dh, LANES), np.float32)
+    out_rows = np.empty((n, dh), np.float32)
+    for ti in range(nt):
+        for gi in range(g):
+            i = ti * g + gi
+            pos[i] = ctx0[r] + t0 + ti
+            for d in range(dh):
+                q16[i, d] = _half(q[q_start[r] + t0 + ti, kvh * g + gi, d], lut)
+    if one_token:
+        _decode_scores(q16, kc, table, block_size, kvh, pos[0], window, scale, s, krow)
+    else:
+        _scores(q16, kc, table, block_size, kvh, pos, window, one_token, scale, s, kt,
+                dot_acc, krow)
+    for i in range(n):
+        m = ((pos[i] + LANES) // LANES) * LANES      # whole 16s; past them exp is 0
+        for j in range(pos[i] + 1, m):
+            s[i, j] = -np.inf
+        _softmax16(s[i], m, lut)
+    if one_token:
+        _decode_values(vc, table, block_size, kvh, pos[0], s, acc, vbuf, kt, out_rows)
+    else:
+        _weighted_values(vc, table, block_size, kvh, pos, one_token, s, acc, vbuf,
+                         out_rows)
+    for ti in range(nt):
+        for gi in range(g):
+            for d in range(dh):
+                out[q_start[r] + t0 + ti, kvh * g + gi, d] = out_rows[ti * g + gi, d]
+
+
+@kernel(parallel=True, exact=True)
+def _attend(item, q, kc, vc, lut, q_start, q_lens, ctx0, tables, block_size, scale, window,
+            items, out):  # type: ignore[no-untyped-def]
+    """Each work item (request r, KV head, tile of up to TILE query tokens; `_work_items`)
+    on its own, by the callback at the address `item` (`_item`): rows are independent, so how items share
+    threads changes no value."""
+    t, heads, dh = q.shape
+    blocks, cells, hk = kc.shape[0], kc.shape[1], kc.shape[2]
     for u in prange(items.shape[0]):
-        r, kvh, t0 = items[u, 0], items[u, 1], items[u, 2]
-        one_token = q_lens[r] == 1
-        nt = min(TILE, q_lens[r] - t0)
-        n = nt * g
-        q16 = np.empty((n, dh), np.float32)
-        pos = np.empty(n, np.int64)
-        s = np.empty((n, ctx0[r] + t0 + nt + LANES), np.float32)
-        acc = np.empty(dh * (64 if one_token else LANES), np.float32)
-        vbuf = np.empty((ctx0[r] + t0 + nt) * dh, np.float32)
-        kt = np.empty(dh * LANES, np.float32)
-        dot_acc = np.empty(64 * LANES, np.float32)
-        krow = np.empty(max(dh, LANES), np.float32)
-        out_rows = np.empty((n, dh), np.float32)
-        for ti in range(nt):
-            for gi in range(g):
-                i = ti * g + gi
-                pos[i] = ctx0[r] + t0 + ti
-                for d in range(dh):
-                    q16[i, d] = _half(q[q_start[r] + t0 + ti, kvh * g + gi, d], lut)
-        if one_token:
-            _decode_scores(q16, kc, tables[r], block_size, kvh, pos[0], window, scale, s,
-                           krow)
-        else:
-            _scores(q16, kc, tables[r], block_size, kvh, pos, window, one_token, scale,
-                    s, kt, dot_acc, krow)
-        for i in range(n):
-            m = ((pos[i] + LANES) // LANES) * LANES      # whole 16s; past them exp is 0
-            for j in range(pos[i] + 1, m):
-                s[i, j] = -np.inf
-            _softmax16(s[i], m, lut)
-        if one_token:
-            _decode_values(vc, tables[r], block_size, kvh, pos[0], s, acc, vbuf, kt,
-                           out_rows)
-        else:
-            _weighted_values(vc, tables[r], block_size, kvh, pos, one_token, s, acc,
-                             vbuf, out_rows)
-        for ti in range(nt):
-            for gi in range(g):
-                for d in range(dh):
-                    out[q_start[r] + t0 + ti, kvh * g + gi, d] = out_rows[ti * g + gi, d]
+        call_address(item, (
+            data_pointer(q), t, heads, dh, data_pointer(kc), data_pointer(vc), blocks, cells,
+            hk, data_pointer(lut), data_pointer(q_start), data_pointer(q_lens),
+            data_pointer(ctx0), q_lens.shape[0], data_pointer(tables), tables.shape[1],
+            block_size, scale, window, items[u, 0], items[u, 1], items[u, 2],
+            data_pointer(out)))
 
 
 def _work_items(q_lens: np.ndarray, ctx0: np.ndarray, hk: int) -> np.ndarray:
@@ -385,7 +414,9 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, query_start_loc: np.ndar
             memo[key] = layout
     q_start, q_lens, ctx0, items = layout
     out = np.empty(q.shape, np.float32)
-    _attend(np.ascontiguousarray(q, np.float32), k, v, HALF_LUT, q_start, q_lens, ctx0,
-            np.ascontiguousarray(block_tables, np.int32), block_size, np.float32(scale),
-            int(window), items, out)
+    if not (k.flags.c_contiguous and v.flags.c_contiguous):
+        raise ValueError("ggml attention reads C-contiguous cache slots")
+    _attend(_item.address, np.ascontiguousarray(q, np.float32), k, v, HALF_LUT, q_start,
+            q_lens, ctx0, np.ascontiguousarray(block_tables, np.int32), int(block_size),
+            np.float32(scale), int(window), items, out)
     return out

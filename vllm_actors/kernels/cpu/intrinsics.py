@@ -113,6 +113,33 @@ def prefetch(typingctx, arr, index):
     return None
 
 
+@intrinsic
+def data_pointer(typingctx, arr):
+    """The data pointer of the C-contiguous `arr`, for passing it to a C callback
+    (`call_address`). Arrays of any other layout are refused when the kernel is typed."""
+    if isinstance(arr, types.Array) and arr.layout == "C":
+        def codegen(context, builder, sig, args):
+            return context.make_array(sig.args[0])(context, builder, args[0]).data
+        return types.CPointer(arr.dtype)(arr), codegen
+    return None
+
+
+@intrinsic
+def call_address(typingctx, address, args):
+    """Call the C function at `address` (an integer: a `jit.Callback`'s) with the tuple
+    `args`, returning nothing. An integer argument keeps the kernel's dispatch on its fast
+    path and its on-disk cache free of the address."""
+    if isinstance(address, types.Integer) and isinstance(args, types.BaseTuple):
+        def codegen(context, builder, sig, llargs):
+            argtys = list(sig.args[1])
+            fnty = ir.FunctionType(ir.VoidType(), [context.get_value_type(t) for t in argtys])
+            fn = builder.inttoptr(llargs[0], fnty.as_pointer())
+            builder.call(fn, [builder.extract_value(llargs[1], i) for i in range(len(argtys))])
+            return context.get_dummy_value()
+        return types.none(address, args), codegen
+    return None
+
+
 def _stack_codegen(dtype, irtype, n):  # type: ignore[no-untyped-def]
     """The typing result of a stack array of `n` (a literal) elements of `dtype`."""
     if not isinstance(n, types.IntegerLiteral):

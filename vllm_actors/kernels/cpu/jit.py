@@ -14,10 +14,12 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import numba
+from numba.core import types
 
 FASTMATH = frozenset({"nsz", "arcp", "contract", "afn", "reassoc"})
 
@@ -33,3 +35,30 @@ def kernel(fn: Callable[..., Any] | None = None, *, parallel: bool = False,
                           error_model="numpy", boundscheck=False,
                           inline="always" if inline else "never")(f)
     return wrap if fn is None else wrap(fn)
+
+
+class Callback:
+    """A kernel's loop body as a C callback of the signature `sig` (pointers and sizes),
+    compiled with the kernels' flags on first use of `address` (and cached on disk); the
+    kernel calls it with `intrinsics.call_address`.
+
+    A parallel kernel that calls an njit function links that function's code into the
+    library of its parallel loop and into its own, and numba optimizes and generates
+    machine code for each library in full: a large body is compiled three times on a cold
+    start. Called through a pointer the kernel receives as an argument, the body is
+    compiled once and the kernel stays small (docs/BENCHMARKS.md, "Cold start")."""
+
+    def __init__(self, fn: Callable[..., Any], sig: Any, exact: bool) -> None:
+        self.fn, self.sig, self.exact = fn, sig, exact
+
+    @functools.cached_property
+    def address(self) -> int:
+        compiled = numba.cfunc(self.sig, cache=True, error_model="numpy", boundscheck=False,
+                               fastmath=set() if self.exact else set(FASTMATH))(self.fn)
+        self._keep = compiled          # the code lives as long as this object
+        return int(compiled.address)
+
+
+def callback(*arg_types: Any, exact: bool = False) -> Callable[[Callable[..., Any]], Callback]:
+    """`@callback(types...)`: the function as a `Callback` returning nothing."""
+    return lambda fn: Callback(fn, types.void(*arg_types), exact)
