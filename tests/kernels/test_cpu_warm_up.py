@@ -1,5 +1,6 @@
 """The cpu backend's warm-up: every step size runs before READY, and a cold first start hands
-the larger-step matmuls to a helper process exactly once per kernel-source state."""
+the larger-step matmuls and attention to a helper process exactly once per kernel-source
+state, waited for after the 1-row step."""
 
 import json
 import subprocess
@@ -7,6 +8,7 @@ import sys
 
 import numpy as np
 
+from vllm_actors.kernels import ggml_attention
 from vllm_actors.workers import warm_up as wu
 
 
@@ -28,21 +30,35 @@ def test_cold_start_starts_one_helper_then_the_marker_skips_it(tmp_path, monkeyp
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
     started = []
     monkeypatch.setattr(wu, "_helper_fits", lambda path: True)
-    monkeypatch.setattr(wu, "_start_helper", lambda path, sizes, semantics: started.append(sizes))
     model = StubModel()
-    wu.warm_up(model, [], 16, 4096, "cpu", tmp_path / "model.gguf")
-    assert started == [(16, 64)]
+
+    class Helper:
+        def __init__(self, path, sizes, semantics, ggml):
+            started.append((sizes, ggml))
+
+        def wait(self, timeout):
+            assert model.sizes == [1]           # waited for after the 1-row step only
+
+    monkeypatch.setattr(wu, "_start_helper", Helper)
+    cache = ggml_attention.GgmlCache(np.zeros((2, 16, 1, 16), np.uint16),
+                                     np.zeros((2, 16, 1, 16), np.uint16))
+    wu.warm_up(model, [cache], 16, 4096, "cpu", tmp_path / "model.gguf")
+    assert started == [((16, 64), True)]
     assert model.sizes == [1, 3, 16, 64] and model.logit_rows == [1, 3, 16, 64]
     assert wu.marker_path().parent == tmp_path and wu.marker_path().exists()
     wu.warm_up(StubModel(), [], 16, 4096, "cpu", tmp_path / "model.gguf")
-    assert started == [(16, 64)]                 # warm: no second helper
+    assert started == [((16, 64), True)]         # warm: no second helper
+    wu.marker_path().unlink()
+    model = StubModel()
+    wu.warm_up(model, [], 16, 4096, "cpu", tmp_path / "model.gguf")
+    assert started[-1] == ((16, 64), False)      # a cache of another format
 
 
 def test_no_helper_without_a_model_path_and_sizes_capped_by_the_context(tmp_path,
                                                                          monkeypatch):
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
     started = []
-    monkeypatch.setattr(wu, "_start_helper", lambda path, sizes, semantics: started.append(sizes))
+    monkeypatch.setattr(wu, "_start_helper", lambda *args: started.append(args))
     model = StubModel()
     wu.warm_up(model, [], 16, 10, "cpu", None)
     assert started == [] and model.sizes == [1, 3, 10]
@@ -50,15 +66,20 @@ def test_no_helper_without_a_model_path_and_sizes_capped_by_the_context(tmp_path
 
 def test_helper_compiles_each_weight_types_matmul_paths(smollm2_path):
     """The helper process (as the engine starts it, under the default semantics) leaves the
-    integer kernels of SmolLM2's Q4_1 and Q8_0 weights compiled: the ones the engine runs."""
+    integer kernels of SmolLM2's Q4_1 and Q8_0 weights compiled, the ones the engine runs,
+    and the attention work item of steps of several tokens, not the one-token one."""
     script = (
         "import json, sys\n"
         "from vllm_actors.workers import warm_up\n"
         "warm_up.main(sys.argv[1:])\n"
         "from vllm_actors.kernels.cpu import qmatmul_int\n"
-        "print(json.dumps([str(s) for s in qmatmul_int.gemv.signatures]))\n")
+        "from vllm_actors.kernels import ggml_attention as ga\n"
+        "print(json.dumps([[str(s) for s in qmatmul_int.gemv.signatures],\n"
+        "                  ['address' in vars(c) for c in (ga._PREFILL_ITEM, ga._DECODE_ITEM)]]))\n")
     done = subprocess.run([sys.executable, "-c", script, str(smollm2_path), "16,64",
-                           "quantized"], capture_output=True, text=True, timeout=600)
+                           "quantized", wu.GGML_ATTENTION], capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    signatures = json.loads(done.stdout.strip().splitlines()[-1])
+    signatures, compiled = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(signatures) >= 2, signatures     # one per weight type (literal kinds)
+    assert compiled == [True, False]

@@ -18,7 +18,7 @@ them bit for bit on llama.cpp's inputs.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numba
 import numpy as np
@@ -37,7 +37,7 @@ from vllm_actors.kernels.cpu.intrinsics import (
     reduce64,
     stack_f32,
 )
-from vllm_actors.kernels.cpu.jit import callback, kernel
+from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
 from vllm_actors.kernels.ggml_math import NORMAL_HIGH, NORMAL_LOW, expf16, expf16_normal
 
 LANES = 16
@@ -290,80 +290,87 @@ def _weighted_values(vc, table, block_size, kvh, pos, one_token, s, acc, vbuf, o
 
 
 _F32P, _U16P, _I64P = (types.CPointer(t) for t in (types.float32, types.uint16, types.int64))
+_I64 = types.int64
+# A work item's arguments: q and its shape; the K and V cache slots and their shape; the float16
+# table; query starts, lengths, context before the step, requests; block tables and their
+# width; block size, scale, window; the item (request, KV head, first token); out
+_ITEM_ARGS = (_F32P, _I64, _I64, _I64, _U16P, _U16P, _I64, _I64, _I64, _F32P, _I64P, _I64P,
+              _I64P, _I64, types.CPointer(types.int32), _I64, _I64, types.float32, _I64,
+              _I64, _I64, _I64, _F32P)
 
 
-@callback(_F32P, types.int64, types.int64, types.int64,                 # q and its shape
-          _U16P, _U16P, types.int64, types.int64, types.int64,          # k, v cache slots
-          _F32P, _I64P, _I64P, _I64P, types.int64,                      # lut, layout, requests
-          types.CPointer(types.int32), types.int64,                     # block tables
-          types.int64, types.float32, types.int64,                      # block size, scale, window
-          types.int64, types.int64, types.int64, _F32P, exact=True)     # item, out
-def _item(q_p, t, heads, dh, k_p, v_p, blocks, cells, hk, lut_p, qs_p, ql_p, c0_p, reqs,
-          tab_p, width, block_size, scale, window, r, kvh, t0, out_p):  # type: ignore[no-untyped-def]
-    """One work item (request r, KV head kvh, tile of up to TILE query tokens from t0; the
-    arrays as pointers and shapes, `_attend`'s loop body)."""
-    q = carray(q_p, (t, heads, dh))
-    kc = carray(k_p, (blocks, cells, hk, dh))
-    vc = carray(v_p, (blocks, cells, hk, dh))
-    lut = carray(lut_p, (1 << 16,))
-    q_start, q_lens, ctx0 = carray(qs_p, (reqs + 1,)), carray(ql_p, (reqs,)), carray(c0_p, (reqs,))
-    table = carray(tab_p, (reqs, width))[r]
-    out = carray(out_p, (t, heads, dh))
-    g = heads // hk
-    one_token = q_lens[r] == 1
-    nt = min(TILE, q_lens[r] - t0)
-    n = nt * g
-    q16 = np.empty((n, dh), np.float32)
-    pos = np.empty(n, np.int64)
-    s = np.empty((n, ctx0[r] + t0 + nt + LANES), np.float32)
-    acc = np.empty(dh * (64 if one_token else LANES), np.float32)
-    vbuf = np.empty((ctx0[r] + t0 + nt) * dh, np.float32)
-    kt = np.empty(dh * LANES, np.float32)
-    dot_acc = np.empty(64 * LANES, np.float32)
-    krow = np.empty(max(dh, LANES), np.float32)
-    out_rows = np.empty((n, dh), np.float32)
-    for ti in range(nt):
-        for gi in range(g):
-            i = ti * g + gi
-            pos[i] = ctx0[r] + t0 + ti
-            for d in range(dh):
-                q16[i, d] = _half(q[q_start[r] + t0 + ti, kvh * g + gi, d], lut)
-    if one_token:
-        _decode_scores(q16, kc, table, block_size, kvh, pos[0], window, scale, s, krow)
-    else:
-        _scores(q16, kc, table, block_size, kvh, pos, window, one_token, scale, s, kt,
-                dot_acc, krow)
-    for i in range(n):
-        m = ((pos[i] + LANES) // LANES) * LANES      # whole 16s; past them exp is 0
-        for j in range(pos[i] + 1, m):
-            s[i, j] = -np.inf
-        _softmax16(s[i], m, lut)
-    if one_token:
-        _decode_values(vc, table, block_size, kvh, pos[0], s, acc, vbuf, kt, out_rows)
-    else:
-        _weighted_values(vc, table, block_size, kvh, pos, one_token, s, acc, vbuf,
-                         out_rows)
-    for ti in range(nt):
-        for gi in range(g):
-            for d in range(dh):
-                out[q_start[r] + t0 + ti, kvh * g + gi, d] = out_rows[ti * g + gi, d]
+def _item_for(one_token: bool) -> Callback:
+    """`_attend`'s loop body for the items of one-token steps (`one_token`) or of steps of
+    several tokens, as two callbacks: a process compiles only the paths its steps take (the
+    cold-start helper of `workers.warm_up` compiles the second while the engine runs its
+    one-token step). The arrays come as pointers and shapes."""
+    def item(q_p, t, heads, dh, k_p, v_p, blocks, cells, hk, lut_p, qs_p, ql_p, c0_p, reqs,
+             tab_p, width, block_size, scale, window, r, kvh, t0, out_p):  # type: ignore[no-untyped-def]
+        q, out = carray(q_p, (t, heads, dh)), carray(out_p, (t, heads, dh))
+        kc, vc = carray(k_p, (blocks, cells, hk, dh)), carray(v_p, (blocks, cells, hk, dh))
+        lut, table = carray(lut_p, (1 << 16,)), carray(tab_p, (reqs, width))[r]
+        first = carray(qs_p, (reqs + 1,))[r] + t0      # the tile's first query row
+        ctx = carray(c0_p, (reqs,))[r] + t0           # its position
+        g = heads // hk
+        nt = min(TILE, carray(ql_p, (reqs,))[r] - t0)
+        n = nt * g
+        q16 = np.empty((n, dh), np.float32)
+        pos = np.empty(n, np.int64)
+        s = np.empty((n, ctx + nt + LANES), np.float32)
+        acc = np.empty(dh * (64 if one_token else LANES), np.float32)
+        vbuf = np.empty((ctx + nt) * dh, np.float32)
+        kt = np.empty(dh * LANES, np.float32)
+        krow = np.empty(max(dh, LANES), np.float32)
+        out_rows = np.empty((n, dh), np.float32)
+        for ti in range(nt):
+            for gi in range(g):
+                pos[ti * g + gi] = ctx + ti
+                for d in range(dh):
+                    q16[ti * g + gi, d] = _half(q[first + ti, kvh * g + gi, d], lut)
+        if one_token:
+            _decode_scores(q16, kc, table, block_size, kvh, pos[0], window, scale, s, krow)
+        else:
+            _scores(q16, kc, table, block_size, kvh, pos, window, False, scale, s, kt,
+                    np.empty(64 * LANES, np.float32), krow)
+        for i in range(n):
+            m = ((pos[i] + LANES) // LANES) * LANES      # whole 16s; past them exp is 0
+            for j in range(pos[i] + 1, m):
+                s[i, j] = -np.inf
+            _softmax16(s[i], m, lut)
+        if one_token:
+            _decode_values(vc, table, block_size, kvh, pos[0], s, acc, vbuf, kt, out_rows)
+        else:
+            _weighted_values(vc, table, block_size, kvh, pos, False, s, acc, vbuf, out_rows)
+        for ti in range(nt):
+            for gi in range(g):
+                for d in range(dh):
+                    out[first + ti, kvh * g + gi, d] = out_rows[ti * g + gi, d]
+    return callback(*_ITEM_ARGS, exact=True)(item)
+
+
+_DECODE_ITEM, _PREFILL_ITEM = _item_for(True), _item_for(False)
 
 
 @kernel(parallel=True, exact=True)
-def _attend(item, q, kc, vc, lut, q_start, q_lens, ctx0, tables, block_size, scale, window,
-            items, out):  # type: ignore[no-untyped-def]
+def _attend(decode, prefill, q, kc, vc, lut, q_start, q_lens, ctx0, tables, block_size, scale,
+            window, items, out):  # type: ignore[no-untyped-def]
     """Each work item (request r, KV head, tile of up to TILE query tokens; `_work_items`)
-    on its own, by the callback at the address `item` (`_item`): rows are independent, so how items share
-    threads changes no value."""
+    on its own, by the callback at the address `decode` (a one-token request) or `prefill`:
+    rows are independent, so how items share threads changes no value."""
     t, heads, dh = q.shape
     blocks, cells, hk = kc.shape[0], kc.shape[1], kc.shape[2]
     for u in prange(items.shape[0]):
-        call_address(item, (
+        r = items[u, 0]
+        call_address(decode if q_lens[r] == 1 else prefill, (
             data_pointer(q), t, heads, dh, data_pointer(kc), data_pointer(vc), blocks, cells,
             hk, data_pointer(lut), data_pointer(q_start), data_pointer(q_lens),
             data_pointer(ctx0), q_lens.shape[0], data_pointer(tables), tables.shape[1],
-            block_size, scale, window, items[u, 0], items[u, 1], items[u, 2],
-            data_pointer(out)))
+            block_size, scale, window, r, items[u, 1], items[u, 2], data_pointer(out)))
+
+
+def compile_prefill() -> None:
+    """Compile (or load from the cache) the work item of steps of several tokens."""
+    _PREFILL_ITEM.address   # noqa: B018
 
 
 def _work_items(q_lens: np.ndarray, ctx0: np.ndarray, hk: int) -> np.ndarray:
@@ -390,12 +397,16 @@ def reads(fmt, head_dim: int, softcap: float = 0.0, sinks=None) -> bool:  # type
 
 
 def _layout(query_start_loc: np.ndarray, seq_lens: np.ndarray, hk: int
-            ) -> tuple[np.ndarray, ...]:
-    """(query starts, query lengths, context before the step, work items) of a step."""
+            ) -> tuple[Any, ...]:
+    """(query starts, query lengths, context before the step, work items, the addresses of
+    the one-token and several-token items' callbacks, 0 where no item takes it) of a step."""
     q_start = np.asarray(query_start_loc, np.int64)
     q_lens = np.diff(q_start)
     ctx0 = np.asarray(seq_lens, np.int64) - q_lens
-    return q_start, q_lens, ctx0, _work_items(q_lens, ctx0, hk)
+    one = q_lens == 1
+    decode = _DECODE_ITEM.address if one.any() else 0
+    prefill = 0 if one.all() else _PREFILL_ITEM.address
+    return q_start, q_lens, ctx0, _work_items(q_lens, ctx0, hk), decode, prefill
 
 
 def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, query_start_loc: np.ndarray,
@@ -412,11 +423,11 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, query_start_loc: np.ndar
         layout = _layout(query_start_loc, seq_lens, k.shape[2])
         if memo is not None:
             memo[key] = layout
-    q_start, q_lens, ctx0, items = layout
+    q_start, q_lens, ctx0, items, decode, prefill = layout
     out = np.empty(q.shape, np.float32)
     if not (k.flags.c_contiguous and v.flags.c_contiguous):
         raise ValueError("ggml attention reads C-contiguous cache slots")
-    _attend(_item.address, np.ascontiguousarray(q, np.float32), k, v, HALF_LUT, q_start,
+    _attend(decode, prefill, np.ascontiguousarray(q, np.float32), k, v, HALF_LUT, q_start,
             q_lens, ctx0, np.ascontiguousarray(block_tables, np.int32), int(block_size),
             np.float32(scale), int(window), items, out)
     return out

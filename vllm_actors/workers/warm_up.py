@@ -4,16 +4,17 @@ reports ready, the model runs on dummy tokens whose KV goes to the null block (n
 the blocked GEMM, prefill attention), with logits for every row so the LM head takes each
 path too.
 
-The first start compiles every kernel: numba, one core, about 50 s for SmolLM2 on this 2-core
-machine. When the kernel cache is cold, a second CPU is free and memory allows a second copy
-of the weights, a helper process (`python -m vllm_actors.workers.warm_up`) loads the weights
-and compiles the multi-row (2..15 rows) and 16/64-row matmul kernels of each weight type
-(`CpuBackend.compile_matmuls`) into the same on-disk cache while this process runs 1 and 3
-rows (GEMV, attention, elementwise); this process then runs 16 and 64 rows, loading the
-matmuls the helper compiled.
-The helper runs no attention: both processes running the whole forward compiled attention's
-large entry points twice (measured: 42.4 s alone, 40.1 s with such a helper). A marker file
-per kernel-source state records a finished warm-up, so warm starts (3-4 s) start no helper.
+The first start compiles every kernel: numba, one core. When the kernel cache is cold, a
+second CPU is free and memory allows a second copy of the weights, a helper process (`python
+-m vllm_actors.workers.warm_up`) compiles into the same on-disk cache while this process runs
+its 1-row step (the one-row GEMVs, one-token attention, the elementwise kernels): first the
+attention work item of steps of several tokens (`ggml_attention.compile_prefill`, where the
+cache takes llama.cpp's attention), then, with the weights loaded, the multi-row (2..15 rows)
+and 16/64-row matmul kernels of each weight type (`CpuBackend.compile_matmuls`). This process
+then waits for it and runs 3, 16 and 64 rows, loading what the helper compiled. The two
+processes compile different kernels: where both ran the same steps, attention compiled
+twice (measured: 42.4 s alone, 40.1 s with such a helper). A marker file per kernel-source
+state records a finished warm-up, so warm starts (2-3 s) start no helper.
 """
 
 from __future__ import annotations
@@ -29,14 +30,17 @@ from typing import Any
 
 import numpy as np
 
+from vllm_actors.kernels import ggml_attention
 from vllm_actors.kernels.ops import AttentionMetadata
 from vllm_actors.version import __version__
 
 logger = logging.getLogger(__name__)
 
-DECODE_SIZES = (1, 3)
-STEP_SIZES = (16, 64)
+FIRST_SIZES = (1,)          # before the helper is waited for
+STEP_SIZES = (3, 16, 64)    # after it
+HELPER_SIZES = (16, 64)     # the helper's matmuls (3 rows take the 16-row kernels)
 HELPER_TIMEOUT_S = 600
+GGML_ATTENTION = "ggml-attention"
 
 
 def run_sizes(model: Any, kv_caches: list, block_size: int, sizes: tuple[int, ...]) -> None:
@@ -75,12 +79,13 @@ def marker_path() -> Path:
     return Path(root) / f"cpu-kernels-{key}.ready"
 
 
-def _start_helper(model_path: str, sizes: tuple[int, ...], gguf_activations: str
-                  ) -> subprocess.Popen | None:
+def _start_helper(model_path: str, sizes: tuple[int, ...], gguf_activations: str,
+                  ggml_attention: bool) -> subprocess.Popen | None:
     try:
         return subprocess.Popen(
             [sys.executable, "-m", "vllm_actors.workers.warm_up", model_path,
-             ",".join(map(str, sizes)), gguf_activations],
+             ",".join(map(str, sizes)), gguf_activations,
+             GGML_ATTENTION if ggml_attention else "-"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     except OSError as e:            # no helper: this process compiles everything itself
         logger.warning("kernel compile helper did not start: %s", e)
@@ -107,16 +112,19 @@ def warm_up(model: Any, kv_caches: list, block_size: int, max_model_len: int,
     start = time.perf_counter()
     logger.info("preparing %s kernels (compiled on the first start, then loaded from the "
                 "cache)", backend_name)
-    small = tuple(min(n, max_model_len) for n in DECODE_SIZES)
-    large = tuple(min(n, max_model_len) for n in STEP_SIZES)
+    first = tuple(min(n, max_model_len) for n in FIRST_SIZES)
+    rest = tuple(min(n, max_model_len) for n in STEP_SIZES)
     marker = marker_path()
     helper = None
     if backend_name == "cpu" and model_path is not None and not marker.exists() \
             and _helper_fits(Path(model_path)):
         logger.info("first start: a helper process compiles the larger-step kernels")
-        helper = _start_helper(str(model_path), large, gguf_activations)
+        ggml = any(isinstance(c, ggml_attention.GgmlCache) for c in kv_caches)
+        helper = _start_helper(str(model_path), tuple(min(n, max_model_len)
+                                                      for n in HELPER_SIZES),
+                               gguf_activations, ggml)
     try:
-        run_sizes(model, kv_caches, block_size, small)
+        run_sizes(model, kv_caches, block_size, first)
     finally:
         if helper is not None:
             try:
@@ -124,7 +132,7 @@ def warm_up(model: Any, kv_caches: list, block_size: int, max_model_len: int,
             except subprocess.TimeoutExpired:
                 helper.kill()
                 helper.wait()
-    run_sizes(model, kv_caches, block_size, large)
+    run_sizes(model, kv_caches, block_size, rest)
     try:
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.touch()
@@ -134,12 +142,16 @@ def warm_up(model: Any, kv_caches: list, block_size: int, max_model_len: int,
 
 
 def main(argv: list[str]) -> None:
-    """The helper: load the model's weights on the cpu backend and compile its matmuls at
-    `sizes` rows (argv: model path, comma-separated sizes, --gguf-activations)."""
+    """The helper: compile the attention of steps of several tokens where the engine's cache
+    takes llama.cpp's, then load the model's weights on the cpu backend and compile its
+    matmuls at `sizes` rows (argv: model path, comma-separated sizes, --gguf-activations,
+    `GGML_ATTENTION` or -)."""
     from vllm_actors.kernels.cpu.backend import CpuBackend
     from vllm_actors.loaders.model_files import resolve_model
     from vllm_actors.models.registry import load_model
 
+    if argv[3:4] == [GGML_ATTENTION]:
+        ggml_attention.compile_prefill()
     path, sizes = argv[0], tuple(int(s) for s in argv[1].split(","))
     backend = CpuBackend()
     load_model(resolve_model(path), backend, gguf_activations=argv[2])

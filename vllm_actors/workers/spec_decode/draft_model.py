@@ -70,8 +70,8 @@ class DraftModelProposer:
                                                         self.block_size, args.num_kv_heads,
                                                         args.head_dim)
         if getattr(self.backend, "compiles_lazily", False):
-            from vllm_actors.workers.warm_up import DECODE_SIZES, STEP_SIZES, run_sizes
-            run_sizes(self.model, self.kv_caches, self.block_size, DECODE_SIZES + STEP_SIZES)
+            from vllm_actors.workers.warm_up import FIRST_SIZES, STEP_SIZES, run_sizes
+            run_sizes(self.model, self.kv_caches, self.block_size, FIRST_SIZES + STEP_SIZES)
 
     def finish(self, req_id: str) -> None:
         self.proposed.pop(req_id, None)
