@@ -66,20 +66,23 @@ def test_no_helper_without_a_model_path_and_sizes_capped_by_the_context(tmp_path
 
 def test_helper_compiles_each_weight_types_matmul_paths(smollm2_path):
     """The helper process (as the engine starts it, under the default semantics) leaves the
-    integer kernels of SmolLM2's Q4_1 and Q8_0 weights compiled, the ones the engine runs,
-    and the attention work item of steps of several tokens, not the one-token one."""
+    integer kernels of SmolLM2's Q4_1 and Q8_0 weights for its larger steps compiled, the
+    ones the engine runs, and the attention work item of steps of several tokens."""
     script = (
         "import json, sys\n"
         "from vllm_actors.workers import warm_up\n"
         "warm_up.main(sys.argv[1:])\n"
-        "from vllm_actors.kernels.cpu import qmatmul_int\n"
+        "from vllm_actors.kernels.cpu import isa, qmatmul_int as qi\n"
         "from vllm_actors.kernels import ggml_attention as ga\n"
-        "print(json.dumps([[str(s) for s in qmatmul_int.gemv.signatures],\n"
-        "                  ['address' in vars(c) for c in (ga._PREFILL_ITEM, ga._DECODE_ITEM)]]))\n")
+        "bodies = [qi.body(isa.selected_code(), kind, group)\n"
+        "          for kind in (4, 8) for group in (1, qi.GROUP)]\n"
+        "print(json.dumps(['address' in vars(c) for c in\n"
+        "                  bodies + [ga._PREFILL_ITEM, ga._DECODE_ITEM]]))\n")
     done = subprocess.run([sys.executable, "-c", script, str(smollm2_path), "16,64",
                            "quantized", wu.GGML_ATTENTION], capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    signatures, compiled = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(signatures) >= 2, signatures     # one per weight type (literal kinds)
-    assert compiled == [True, False]
+    compiled = json.loads(done.stdout.strip().splitlines()[-1])
+    # Q4_1 (kind 4) and Q8_0 (kind 8) for the groups of 4 rows the larger steps take, not
+    # the one-row forms; the attention of several tokens, not the one-token one
+    assert compiled == [False, True, False, True, True, False]

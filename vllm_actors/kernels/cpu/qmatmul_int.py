@@ -8,23 +8,26 @@ ggml's x86 `vec_dot_*_q8_*`: per block acc = fma(d_w * d_x, lanes, acc) (Q4_0/Q5
 their offset inside the integers), Q4_1/Q5_1's min term summed as summs = fma(m_w, s_x,
 summs) with s_x Q8_1's stored sum, and the result hsum(acc) (+ summs), the 8 lanes added as
 ggml's `hsum_float_8` adds them. Compiled without fast math, so the floats are ggml's bit
-for bit (bench/llamacpp_tensors.py). Parallel over pairs of weight rows.
+for bit (bench/llamacpp_tensors.py). Parallel over pairs of weight rows: a small parallel
+kernel calls the body compiled per (SIMD path, type, x-row group) as a C callback
+(`jit.Callback`), so each body is compiled once and the parallel kernel once per array
+types.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import numba
 import numpy as np
 from gguf import GGMLQuantizationType
-from numba import prange, types
-from numba.extending import overload
+from numba import carray, prange, types
 
 from vllm_actors.kernels.cpu import activations, isa
-from vllm_actors.kernels.cpu.jit import kernel
-from vllm_actors.kernels.cpu.intrinsics import fma_f32
+from vllm_actors.kernels.cpu.intrinsics import call_address, data_pointer, fma_f32
+from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
 from vllm_actors.kernels.cpu.qdot import qdot
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix, prefetch_rows
 from vllm_actors.kernels.cpu.qmatmul_prims import (
@@ -70,67 +73,85 @@ def _total(has_min, acc, summs, i, j):  # type: ignore[no-untyped-def]
 _MIN_KINDS = (KINDS[T.Q4_1], KINDS[T.Q5_1])
 
 
-def _has_min(kind: int) -> bool:
-    """Whether qdot's `kind` has mins (Q4_1, Q5_1), as a compile-time constant in kernels."""
-    return kind in _MIN_KINDS
+PAIRS = 8          # pairs of weight rows per call of a kernel body
 
 
-@overload(_has_min)
-def _has_min_constant(kind):  # type: ignore[no-untyped-def]
-    if not isinstance(kind, types.IntegerLiteral):
-        return None
-    value = kind.literal_value in _MIN_KINDS
-    return lambda kind: value
+@functools.cache
+def body(path: int, kind: int, group: int) -> Callback:
+    """`gemv`'s loop body for one SIMD path, weight kind and x-row group (compile-time
+    constants): pairs of weight rows [g0, g1), all rows of x. x's rows go in groups of
+    `group` (1 or 4; M a multiple of it), each group's sums in registers; a pair of weight
+    rows is read from memory once, then from L1. `xs` is Q8_1's stored sum s_x (read only
+    for types with mins)."""
+    has_min = kind in _MIN_KINDS          # constants: no min or fifth-bit code for the rest
+    has_bits = kind in (5, 50)
+    qs_type = types.int8 if kind == 8 else types.uint8
+
+    def pairs(qs_p, n, rb, qh_p, d_p, mn_p, lut_p, xq_p, m, k, xd_p, xs_p, out_p, dist, g0,
+              g1):  # type: ignore[no-untyped-def]
+        nb = k // 32
+        step = rb // nb                   # quant bytes per block: 16 or 32
+        qs, d = carray(qs_p, (n, rb)), carray(d_p, (n, nb))
+        qh = carray(qh_p, (n if has_bits else 0, nb))
+        mn = carray(mn_p, (n if has_min else 0, nb))
+        lut, xq = carray(lut_p, (1 << 16,)), carray(xq_p, (m, k))
+        xd, xs, out = carray(xd_p, (m, nb)), carray(xs_p, (m, nb)), carray(out_p, (m, n))
+        acc = stack_f32(64)
+        summs = stack_f32(8)
+        for g in range(g0, g1):
+            r0 = 2 * g
+            r1 = min(r0 + 1, n - 1)
+            p0 = min(r0 + dist, n - 1) * rb
+            p1 = min(r0 + dist + 1, n - 1) * rb
+            for m0 in range(0, m, group):
+                for i in range(16 * group):
+                    acc[i] = 0
+                for i in range(2 * group):
+                    summs[i] = 0
+                for b in range(nb):
+                    prefetch(qs, p0 + b * step)
+                    prefetch(qs, p1 + b * step)
+                    d0 = lut[d[r0, b]]
+                    d1 = lut[d[r1, b]]
+                    h0 = qh[r0, b] if has_bits else 0
+                    h1 = qh[r1, b] if has_bits else 0
+                    for j in range(group):
+                        dx = xd[m0 + j, b]
+                        xo = (m0 + j) * k + 32 * b
+                        qdot(path, kind, acc, 16 * j, qs, r0 * rb + b * step, h0, xq, xo,
+                             d0 * dx)
+                        qdot(path, kind, acc, 16 * j + 8, qs, r1 * rb + b * step, h1, xq,
+                             xo, d1 * dx)
+                        if has_min:
+                            summs[2 * j] = fma_f32(lut[mn[r0, b]], xs[m0 + j, b],
+                                                   summs[2 * j])
+                            summs[2 * j + 1] = fma_f32(lut[mn[r1, b]], xs[m0 + j, b],
+                                                       summs[2 * j + 1])
+                for j in range(group):
+                    out[m0 + j, r0] = _total(has_min, acc, summs, 16 * j, 2 * j)
+                    if r0 + 1 < n:
+                        out[m0 + j, r0 + 1] = _total(has_min, acc, summs, 16 * j + 8,
+                                                     2 * j + 1)
+    f32, i64 = types.CPointer(types.float32), types.int64
+    u16 = types.CPointer(types.uint16)
+    return callback(types.CPointer(qs_type), i64, i64, types.CPointer(types.uint32), u16, u16,
+                    f32, types.CPointer(types.int8), i64, i64, f32, f32, f32, i64, i64, i64,
+                    exact=True)(pairs)
 
 
 @kernel(parallel=True, exact=True)
-def gemv(path, kind, group, qs, qh, d, mn, lut, xq, xd, xs, out, dist, threads):  # type: ignore[no-untyped-def]
-    """out[M, N] = the quantized semantics' x @ W.T; `xs` is Q8_1's stored sum s_x (read
-    only for types with mins). x's rows go in groups of `group` (a literal, 1 or 4; M a
-    multiple of it), each group's sums in registers; a pair of weight rows is read from
-    memory once, then from L1."""
-    numba.literally(path)
-    numba.literally(kind)
-    numba.literally(group)
+def gemv(fn, qs, qh, d, mn, lut, xq, xd, xs, out, dist, threads):  # type: ignore[no-untyped-def]
+    """out[M, N] = the quantized semantics' x @ W.T: the body at the address `fn` (`body`)
+    on chunks of PAIRS pairs of weight rows, in parallel. Each output is computed the same
+    way whichever thread takes its chunk."""
     prev = limit_threads(threads)
-    n, rb = qs.shape
-    k = xq.shape[1]
-    nb = k // 32
-    step = rb // nb                     # quant bytes per block: 16 or 32
-    has_min = _has_min(kind)            # a constant: no min code for the other types
-    for g in prange((n + 1) // 2):
-        r0 = 2 * g
-        r1 = min(r0 + 1, n - 1)
-        p0 = min(r0 + dist, n - 1) * rb
-        p1 = min(r0 + dist + 1, n - 1) * rb
-        acc = stack_f32(64)
-        summs = stack_f32(8)
-        for m0 in range(0, xq.shape[0], group):
-            for i in range(16 * group):
-                acc[i] = 0
-            for i in range(2 * group):
-                summs[i] = 0
-            for b in range(nb):
-                prefetch(qs, p0 + b * step)
-                prefetch(qs, p1 + b * step)
-                d0 = lut[d[r0, b]]
-                d1 = lut[d[r1, b]]
-                h0 = qh[r0, b] if kind == 5 or kind == 50 else 0
-                h1 = qh[r1, b] if kind == 5 or kind == 50 else 0
-                for m in range(group):
-                    dx = xd[m0 + m, b]
-                    xo = (m0 + m) * k + 32 * b
-                    qdot(path, kind, acc, 16 * m, qs, r0 * rb + b * step, h0, xq, xo, d0 * dx)
-                    qdot(path, kind, acc, 16 * m + 8, qs, r1 * rb + b * step, h1, xq, xo,
-                         d1 * dx)
-                    if has_min:
-                        summs[2 * m] = fma_f32(lut[mn[r0, b]], xs[m0 + m, b], summs[2 * m])
-                        summs[2 * m + 1] = fma_f32(lut[mn[r1, b]], xs[m0 + m, b],
-                                                   summs[2 * m + 1])
-            for m in range(group):
-                out[m0 + m, r0] = _total(has_min, acc, summs, 16 * m, 2 * m)
-                if r0 + 1 < n:
-                    out[m0 + m, r0 + 1] = _total(has_min, acc, summs, 16 * m + 8, 2 * m + 1)
+    n = qs.shape[0]
+    pairs = (n + 1) // 2
+    for c in prange((pairs + PAIRS - 1) // PAIRS):
+        call_address(fn, (data_pointer(qs), n, qs.shape[1], data_pointer(qh), data_pointer(d),
+                          data_pointer(mn), data_pointer(lut), data_pointer(xq), xq.shape[0],
+                          xq.shape[1], data_pointer(xd), data_pointer(xs), data_pointer(out),
+                          dist, c * PAIRS, min(pairs, (c + 1) * PAIRS)))
     restore_threads(prev)
 
 
@@ -202,8 +223,8 @@ def matmul(w: QuantMatrix, x: activations.Q8Rows, path: str | None = None,
     x = pad_rows(x, group)
     out = np.empty((x.qs.shape[0], w.rows), np.float32)
     threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
-    call(gemv, isa.code(path) if path else isa.selected_code(), kind, group, planes,
-         (HALF_LUT, x.qs, x.d, x.s, out, prefetch_rows(w), threads), w.memo)
+    fn = body(isa.code(path) if path else isa.selected_code(), kind, group).address
+    gemv(fn, *planes, HALF_LUT, x.qs, x.d, x.s, out, prefetch_rows(w), threads)
     return out[:m]
 
 
