@@ -155,41 +155,6 @@ def gemv(fn, qs, qh, d, mn, lut, xq, xd, xs, out, dist, threads):  # type: ignor
     restore_threads(prev)
 
 
-_ENTRIES: dict[tuple[Any, ...], Any] = {}
-
-
-def _types_key(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """What numba's typing of `args` depends on, as a hashable key."""
-    return tuple(_array_key(a) if isinstance(a, np.ndarray) else type(a) for a in args)
-
-
-def _array_key(a: np.ndarray) -> tuple[int, int, bool, bool]:
-    flags = a.flags
-    return a.dtype.num, a.ndim, flags.c_contiguous, flags.writeable
-
-
-def call(fn: Any, path: int, kind: int, group: int, planes: tuple[Any, ...],
-         tail: tuple[Any, ...], memo: dict[Any, Any] | None = None) -> None:
-    """fn(path, kind, group, *planes, *tail) through the compiled entry point of its
-    signature: numba's literal dispatch (`numba.literally`) retypes every call, about 50 ms.
-    `memo` (the weight's `QuantMatrix.memo`) keeps the planes' part of the key, which a
-    weight never changes: a decode step makes hundreds of these calls."""
-    pkey = None if memo is None else memo.get((fn, kind))
-    if pkey is None:
-        pkey = _types_key(planes)
-        if memo is not None:
-            memo[(fn, kind)] = pkey
-    key = (fn, path, kind, group, pkey, _types_key(tail))
-    entry = _ENTRIES.get(key)
-    if entry is None:
-        fn(path, kind, group, *planes, *tail)      # compiles, or loads from the cache
-        sig = (types.literal(path), types.literal(kind), types.literal(group)) + tuple(
-            fn.typeof_pyval(a) for a in planes + tail)
-        _ENTRIES[key] = fn.overloads[sig].entry_point
-        return
-    entry(path, kind, group, *planes, *tail)
-
-
 def pad_rows(x: Any, group: int) -> Any:
     """x's quantized rows (a `Q8Rows` or `Q8KRows`) padded with zero rows to a multiple of
     `group`: a zero row has scale 0 and sums 0, so its outputs are 0 and are cut off."""

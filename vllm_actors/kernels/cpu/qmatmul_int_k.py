@@ -13,22 +13,24 @@ in 4 float lanes, Q5_K's in one sum, Q6_K's offset per integer lane, and the lan
 `hsum_float_8` adds them. llama.cpp computes some matmuls with other kernels, whose float
 orders `matmul` takes where they would run (`row_kinds`): the GEMV and GEMM of Q4_K repacked
 into 8-row blocks, and the tiled K-quant matmul at 8+ rows. Compiled without fast math:
-ggml's floats bit for bit. Parallel over pairs of weight rows, as the other GEMVs.
+ggml's floats bit for bit. Parallel over pairs of weight rows, a body per (SIMD path, kind,
+x-row group) called as a C callback, as the other integer GEMVs (`qmatmul_int`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numba
 import numpy as np
 from gguf import GGMLQuantizationType
-from numba import prange, types
+from numba import carray, prange, types
 from numba.extending import overload
 
 from vllm_actors.kernels.cpu import activations, isa
-from vllm_actors.kernels.cpu.intrinsics import fma_f32, stack_i32
-from vllm_actors.kernels.cpu.jit import kernel
+from vllm_actors.kernels.cpu.intrinsics import call_address, data_pointer, fma_f32, stack_i32
+from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
 from vllm_actors.kernels.cpu.ktotals import (
     FLUSH_REPACKED,
     FLUSH_TILED,
@@ -42,7 +44,7 @@ from vllm_actors.kernels.cpu.ktotals import (
 )
 from vllm_actors.kernels.cpu.qdot import kflush
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix, prefetch_rows
-from vllm_actors.kernels.cpu.qmatmul_int import GROUP, MAX_ROWS, call, hsum8, pad_rows
+from vllm_actors.kernels.cpu.qmatmul_int import GROUP, MAX_ROWS, PAIRS, hsum8, pad_rows
 from vllm_actors.kernels.cpu.qmatmul_prims import (
     HALF_LUT,
     limit_threads,
@@ -70,46 +72,72 @@ _NO_BITS = np.zeros((0, 0), np.uint8)
 _NO_U16 = np.zeros((0, 0), np.uint16)
 
 
-@kernel(parallel=True, exact=True)
-def gemv(path, kind, group, qs, qh, sc, mn, d, dmin, lut, xq, xd, xb, out, dist, threads):  # type: ignore[no-untyped-def]
-    """out[M, N] = x @ W.T under the quantized semantics, W Q4_K (kind 4: qh empty), Q5_K
-    (5) or Q6_K (6: qs its low quants, sc its int8 scales, mn and dmin empty). x's rows go in
-    groups of `group` (a literal, 1 or 4; M a multiple of it), each group's sums in
-    registers; a pair of weight rows is read from memory once, then from L1."""
-    numba.literally(path)
-    numba.literally(kind)
-    numba.literally(group)
-    prev = limit_threads(threads)
-    n, rb = qs.shape
-    k = xq.shape[1]
-    hb = qh.shape[1]
-    for g in prange((n + 1) // 2):
-        r0 = 2 * g
-        r1 = min(r0 + 1, n - 1)
-        p0 = min(r0 + dist, n - 1) * rb
-        p1 = min(r0 + dist + 1, n - 1) * rb
+@functools.cache
+def body(path: int, kind: int, group: int, dtypes: tuple[str, ...]) -> Callback:
+    """`gemv`'s loop body for one SIMD path, kind and x-row group (compile-time constants),
+    the planes of `dtypes` (qs, qh, sc, mn, d, dmin): pairs of weight rows [g0, g1), all
+    rows of x, in groups of `group` (1 or 4; M a multiple of it), each group's sums in
+    registers; a pair of weight rows is read from memory once, then from L1. W is Q4_K
+    (kind 4: qh empty), Q5_K (5) or Q6_K (6: qs its low quants, sc its int8 scales, mn and
+    dmin empty), or another kind's order of them (module constants)."""
+    def pairs(qs_p, n, rb, qh_p, qh_r, hb, sc_p, sc_r, sc_c, mn_p, mn_r, mn_c, d_p, d_r, d_c,
+              dm_p, dm_r, dm_c, lut_p, xq_p, m, k, xd_p, xd_c, xb_p, xb_c, out_p, dist, g0,
+              g1):  # type: ignore[no-untyped-def]
+        qs, qh, sc = carray(qs_p, (n, rb)), carray(qh_p, (qh_r, hb)), carray(sc_p, (sc_r, sc_c))
+        mn, d, dmin = carray(mn_p, (mn_r, mn_c)), carray(d_p, (d_r, d_c)), carray(dm_p, (dm_r, dm_c))
+        lut, xq, out = carray(lut_p, (1 << 16,)), carray(xq_p, (m, k)), carray(out_p, (m, n))
+        xd, xb = carray(xd_p, (m, xd_c)), carray(xb_p, (m, xb_c))
         acc = stack_f32(64)
         iacc = stack_i32(64)
         am = stack_f32(32)          # Q4_K/Q5_K's min terms: 4 lanes per (x row, weight row)
         fw = stack_f32(24)          # the one-total kinds' factors per pair (`_pair_scales`)
         iw = stack_i32(40)          # their integer totals (0:8) and min terms (8:40)
-        for i in range(24):
-            fw[i] = 0
-        for m0 in range(0, xq.shape[0], group):
-            for i in range(16 * group):
-                acc[i] = 0
-            for i in range(8 * group):
-                am[i] = 0
-            for sb in range(rb // 128):
-                for o in range(128 * sb, 128 * sb + 128, 32):
-                    prefetch(qs, p0 + o)
-                    prefetch(qs, p1 + o)
-                _step(path, kind, group, iacc, acc, am, fw, iw, qs, qh, sc, mn, d, dmin, lut,
-                      r0, r1, rb, hb, sb, xq, m0 * k + 256 * sb, k, xd, xb, m0)
-            for m in range(group):
-                out[m0 + m, r0] = _total(kind, acc, am, 16 * m, 8 * m)
-                if r0 + 1 < n:
-                    out[m0 + m, r0 + 1] = _total(kind, acc, am, 16 * m + 8, 8 * m + 4)
+        for g in range(g0, g1):
+            r0 = 2 * g
+            r1 = min(r0 + 1, n - 1)
+            p0 = min(r0 + dist, n - 1) * rb
+            p1 = min(r0 + dist + 1, n - 1) * rb
+            for i in range(24):
+                fw[i] = 0
+            for m0 in range(0, m, group):
+                for i in range(16 * group):
+                    acc[i] = 0
+                for i in range(8 * group):
+                    am[i] = 0
+                for sb in range(rb // 128):
+                    for o in range(128 * sb, 128 * sb + 128, 32):
+                        prefetch(qs, p0 + o)
+                        prefetch(qs, p1 + o)
+                    _step(path, kind, group, iacc, acc, am, fw, iw, qs, qh, sc, mn, d, dmin,
+                          lut, r0, r1, rb, hb, sb, xq, m0 * k + 256 * sb, k, xd, xb, m0)
+                for j in range(group):
+                    out[m0 + j, r0] = _total(kind, acc, am, 16 * j, 8 * j)
+                    if r0 + 1 < n:
+                        out[m0 + j, r0 + 1] = _total(kind, acc, am, 16 * j + 8, 8 * j + 4)
+    i64, f32 = types.int64, types.CPointer(types.float32)
+    plane = [types.CPointer(numba.from_dtype(np.dtype(t))) for t in dtypes]
+    return callback(plane[0], i64, i64, plane[1], i64, i64, plane[2], i64, i64, plane[3], i64,
+                    i64, plane[4], i64, i64, plane[5], i64, i64, f32,
+                    types.CPointer(types.int8), i64, i64, f32, i64,
+                    types.CPointer(types.int16), i64, f32, i64, i64, i64, exact=True)(pairs)
+
+
+@kernel(parallel=True, exact=True)
+def gemv(fn, qs, qh, sc, mn, d, dmin, lut, xq, xd, xb, out, dist, threads):  # type: ignore[no-untyped-def]
+    """out[M, N] = x @ W.T under the quantized semantics: the body at the address `fn`
+    (`body`) on chunks of PAIRS pairs of weight rows, in parallel. Each output is computed
+    the same way whichever thread takes its chunk."""
+    prev = limit_threads(threads)
+    n = qs.shape[0]
+    pairs = (n + 1) // 2
+    for c in prange((pairs + PAIRS - 1) // PAIRS):
+        call_address(fn, (
+            data_pointer(qs), n, qs.shape[1], data_pointer(qh), qh.shape[0], qh.shape[1],
+            data_pointer(sc), sc.shape[0], sc.shape[1], data_pointer(mn), mn.shape[0],
+            mn.shape[1], data_pointer(d), d.shape[0], d.shape[1], data_pointer(dmin),
+            dmin.shape[0], dmin.shape[1], data_pointer(lut), data_pointer(xq), xq.shape[0],
+            xq.shape[1], data_pointer(xd), xd.shape[1], data_pointer(xb), xb.shape[1],
+            data_pointer(out), dist, c * PAIRS, min(pairs, (c + 1) * PAIRS)))
     restore_threads(prev)
 
 
@@ -312,5 +340,8 @@ def _run(w: QuantMatrix, x: activations.Q8KRows, kind: int, path: str | None) ->
         planes = (w.planes[1], w.planes[0], *w.planes[2:])
     else:                   # qs, sc, mn, d, dmin (Q4_K, as stored or repacked)
         planes = (w.planes[0], _NO_BITS, *w.planes[1:])
-    call(gemv, code, kind, group, planes, tail, w.memo)
+    dtypes = w.memo.get(("int_k", kind))
+    if dtypes is None:
+        dtypes = w.memo[("int_k", kind)] = tuple(a.dtype.str for a in planes)
+    gemv(body(code, kind, group, dtypes).address, *planes, *tail)
     return out[:m]
