@@ -80,12 +80,12 @@ def marker_path() -> Path:
 
 
 def _start_helper(model_path: str, sizes: tuple[int, ...], gguf_activations: str,
-                  ggml_attention: bool) -> subprocess.Popen | None:
+                  ggml: bool) -> subprocess.Popen | None:
     try:
         return subprocess.Popen(
             [sys.executable, "-m", "vllm_actors.workers.warm_up", model_path,
              ",".join(map(str, sizes)), gguf_activations,
-             GGML_ATTENTION if ggml_attention else "-"],
+             GGML_ATTENTION if ggml else "-"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     except OSError as e:            # no helper: this process compiles everything itself
         logger.warning("kernel compile helper did not start: %s", e)

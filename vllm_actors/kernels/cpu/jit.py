@@ -50,13 +50,14 @@ class Callback:
 
     def __init__(self, fn: Callable[..., Any], sig: Any, exact: bool) -> None:
         self.fn, self.sig, self.exact = fn, sig, exact
+        self.compiled: Any = None      # numba's CFunc: the code lives as long as it does
 
     @functools.cached_property
     def address(self) -> int:
-        compiled = numba.cfunc(self.sig, cache=True, error_model="numpy", boundscheck=False,
-                               fastmath=set() if self.exact else set(FASTMATH))(self.fn)
-        self._keep = compiled          # the code lives as long as this object
-        return int(compiled.address)
+        self.compiled = numba.cfunc(self.sig, cache=True, error_model="numpy",
+                                    boundscheck=False,
+                                    fastmath=set() if self.exact else set(FASTMATH))(self.fn)
+        return int(self.compiled.address)
 
 
 def callback(*arg_types: Any, exact: bool = False) -> Callable[[Callable[..., Any]], Callback]:
