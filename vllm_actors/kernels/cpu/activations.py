@@ -105,8 +105,8 @@ def _q8_0_blocks(x_p, m, k, lut_p, qs_p, d_p, s_p, dsum_p, i, b0, b1):  # type: 
 @numba.njit(**_EXACT)
 def _q8_0_serial(x, lut, qs, d, s, dsum):  # type: ignore[no-untyped-def]
     """Q8_0/Q8_1 blocks of x `[M, K]` on the calling thread. A kernel of its own, not the
-    callback: the callback's blocks measured 10 % slower here (22.0 against 25.0 us for 16
-    rows of 576), and decode steps quantize on this path."""
+    callback, which measured slower on this path, the one decode steps take
+    (docs/BENCHMARKS.md, "Cold start")."""
     m, k = x.shape
     for i in range(m):
         for b in range(k // 32):

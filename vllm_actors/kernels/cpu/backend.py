@@ -302,7 +302,8 @@ class CpuBackend:
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Contiguous copies: one array layout at every step size (a 1-row view is
         contiguous, a larger one strided), so the kernels that take q, k and v (RoPE, the KV
-        write) compile once; about 0.3 % of a 512-token prefill step."""
+        write) compile once. The copies are a small part of a prefill step and none of a
+        decode step (docs/BENCHMARKS.md, "Cold start")."""
         return tuple(np.ascontiguousarray(a)           # type: ignore[return-value]
                      for a in _NUMPY.split_qkv(qkv, num_heads, num_kv_heads, head_dim))
 
