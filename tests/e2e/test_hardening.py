@@ -357,10 +357,13 @@ def test_heavy_requests_wait_in_their_own_lane(server, auth):
     heavy = json.dumps({"prompt": "x", "max_tokens": 1, "guided_grammar": grammar}).encode()
     light = {"prompt": "Hello there"}
 
-    def send_heavy():   # encoded once: forty client threads encoding 107 KB each would
-        # hold this process's GIL and delay the light request's client, not the server
-        return httpx.post(server.url + "/v1/completions", content=heavy, timeout=120,
-                          headers={**auth, "Content-Type": "application/json"})
+    def send_heavy():   # on the wire before the timed requests start: forty client threads
+        # (each building an httpx client and its TLS context) once held this process's GIL
+        # and delayed the light request's client, not the server
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+        conn.request("POST", "/v1/completions", body=heavy,
+                     headers={**auth, "Content-Type": "application/json"})
+        return conn
 
     def timed(path, body):
         start = time.monotonic()
@@ -368,8 +371,8 @@ def test_heavy_requests_wait_in_their_own_lane(server, auth):
         return time.monotonic() - start
 
     alone = min(timed("/tokenize", light) for _ in range(3))
-    with ThreadPoolExecutor(40) as pool, health_probe(server) as slowest:
-        futures = [pool.submit(send_heavy) for _ in range(40)]
+    with health_probe(server) as slowest:
+        conns = [send_heavy() for _ in range(40)]
         time.sleep(0.5)   # all forty have arrived; the heavy lane is busy for seconds more
         during = []
         for _ in range(3):
@@ -377,7 +380,9 @@ def test_heavy_requests_wait_in_their_own_lane(server, auth):
             time.sleep(0.2)
         timed("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
                                        "max_tokens": 1})
-        statuses = [f.result().status_code for f in futures]
+        statuses = [conn.getresponse().status for conn in conns]
+        for conn in conns:
+            conn.close()
     assert max(during) < alone + 0.5, f"/tokenize {during} with heavy ones, {alone:.2f}s alone"
     assert set(statuses) == {200, 503}, statuses
     assert slowest[0] < 0.5, f"/health took {slowest[0]:.2f}s"
