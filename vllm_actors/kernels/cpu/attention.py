@@ -32,9 +32,10 @@ import numpy as np
 
 from vllm_actors.kernels import ggml_attention, kv_quant
 from vllm_actors.kernels.cpu.attention_kernels import (
+    lane_callback,
     merge_range,
     run_items,
-    run_lane,
+    run_one_lane,
     write_kv_rows,
 )
 from vllm_actors.kernels.cpu.attention_kv import encode_rows
@@ -46,6 +47,7 @@ _LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 40       # the window the kernels get for "none": past any context
 _NO_CAP = np.float32(0.0)
 _NO_SINKS = np.zeros(0, np.float32)
+_NO_LUT, _NO_LAYOUT = np.zeros(0, np.float32), np.zeros(0, np.int64)   # a float cache's
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
@@ -262,15 +264,16 @@ def paged_attention(q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray],
         raise ValueError(f"{len(sk)} sink logits for {num_heads} heads")
     kc, vc = k_cache.reshape(-1), v_cache.reshape(-1)
     if quantized:
-        kc = (kc, kv_cache.k_lut, kv_cache.layout)
-        vc = (vc, kv_cache.v_lut, kv_cache.layout)
+        caches = (kc, kv_cache.k_lut, kv_cache.layout, vc, kv_cache.v_lut, kv_cache.layout)
+    else:
+        caches = (kc, _NO_LUT, _NO_LAYOUT, vc, _NO_LUT, _NO_LAYOUT)
+    lane = lane_callback(kc.dtype.name, quantized).address
+    args = (q, *caches, attn.block_tables, shift, num_kv_heads, plan.items, g, plan.rows_max,
+            qscale, wnd, cap, sk, out, pm, pl, pacc)
     if plan.lanes > 1:
-        run_items(q, kc, vc, attn.block_tables, shift, num_kv_heads, plan.items, plan.lanes, g,
-                  plan.rows_max, qscale, wnd, cap, sk, out, pm, pl, pacc)
+        run_items(lane, plan.lanes, *args)
     else:   # one item (or one thread): no parallel region to start
-        run_lane(q, kc, vc, attn.block_tables, shift, num_kv_heads, plan.items,
-                 np.zeros(1, np.int64), g, plan.rows_max, qscale, wnd, cap, sk, out, pm, pl,
-                 pacc)
+        run_one_lane(lane, *args)
     if len(plan.merges):
         merge_range(plan.merges, 0, len(plan.merges), g, pm, pl, pacc, out, sk)
     if quantized and kv_cache.rotation is not None:

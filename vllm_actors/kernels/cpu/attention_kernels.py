@@ -11,12 +11,17 @@ fewer items instead of holding the step up; items come sorted by decreasing cost
 Items with many query rows of one KV head (prefill) run `attention_prefill.attend_prefill`
 (register-blocked, transposed); the others (decode: one token, all KV heads) `attend_item`
 (dot products over `attention_tiles`).
+
+A thread's loop (`run_lane`, with those inlined) is compiled once per cache variant as a C
+callback (`lane_callback`) that the parallel entry and the one-thread entry call by address.
 """
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
-from numba import prange
+from numba import carray, prange, types
 
 from vllm_actors.kernels.cpu.attention_math import (
     exp2,
@@ -36,8 +41,8 @@ from vllm_actors.kernels.cpu.attention_tiles import (
     tile_pv,
     tile_scores,
 )
-from vllm_actors.kernels.cpu.intrinsics import fetch_add
-from vllm_actors.kernels.cpu.jit import kernel
+from vllm_actors.kernels.cpu.intrinsics import call_address, data_pointer, fetch_add
+from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
 
 # columns of a work item
 TOK0, NQ, POS0, KVH0, KVH1, K0, K1, PART, REQ = range(9)
@@ -46,7 +51,7 @@ ITEM_COLS = 9
 M_TOK0, M_NQ, M_KVH0, M_KVH1, M_PART0, M_PARTS = range(6)
 
 
-@kernel
+@kernel(inline=True)
 def attend_item(q, kc, vc, table, shift, hk, tok0, pos0, nq, g, kvh0, kvh1, k0, k1, qscale,
                 window, cap, qt, kbuf, vbuf, offs, s, m, l, acc):
     """The item's rows over keys k0..k1-1, causal (query token i sits at position pos0 + i)
@@ -83,7 +88,7 @@ def attend_item(q, kc, vc, table, shift, hk, tok0, pos0, nq, g, kvh0, kvh1, k0, 
             tile_pv(s, r0, rows, vsrc, offs, n, acc)
 
 
-@kernel
+@kernel(inline=True)
 def finish_rows(tok0, nq, g, kvh0, kvh1, m, l, acc, part, out, pm, pl, pacc, sinks):
     """Normalized rows into `out` (sinks as in `sink_scale`), or the raw state into partial
     slot `part` (the merge adds the sinks)."""
@@ -104,7 +109,7 @@ def finish_rows(tok0, nq, g, kvh0, kvh1, m, l, acc, part, out, pm, pl, pacc, sin
                         pacc[part, r, d] = acc[r, d]
 
 
-@kernel
+@kernel(inline=True)
 def run_lane(q, kc, vc, block_tables, shift, hk, items, counter, g, rows_max, qscale, window,
              cap, sinks, out, pm, pl, pacc):
     """One thread's share: items taken in order from the shared `counter` until none is left.
@@ -154,14 +159,91 @@ def run_lane(q, kc, vc, block_tables, shift, hk, items, counter, g, rows_max, qs
         it = fetch_add(counter, 1)
 
 
+_F32P, _I64P, _I64, _F32 = (types.CPointer(types.float32), types.CPointer(types.int64),
+                            types.int64, types.float32)
+
+
+@kernel(inline=True)
+def _lane(q_p, t, heads, dh, kc, vc, tab_p, reqs, width, shift, hk, items_p, n_items,
+          counter_p, g, rows_max, qscale, window, cap, sinks_p, n_sinks, out_p, pm_p, pl_p,
+          pacc_p, parts):  # type: ignore[no-untyped-def]
+    """`run_lane` on arrays made from the callback's pointers and shapes."""
+    run_lane(carray(q_p, (t, heads, dh)), kc, vc, carray(tab_p, (reqs, width)), shift, hk,
+             carray(items_p, (n_items, ITEM_COLS)), carray(counter_p, (1,)), g, rows_max,
+             qscale, window, cap, carray(sinks_p, (n_sinks,)), carray(out_p, (t, heads, dh)),
+             carray(pm_p, (parts, rows_max)), carray(pl_p, (parts, rows_max)),
+             carray(pacc_p, (parts, rows_max, dh)))
+
+
+def _flat_lane(q_p, t, heads, dh, k_p, nk, kl_p, nkl, ky_p, nky, v_p, nv, vl_p, nvl, vy_p, nvy,
+               tab_p, reqs, width, shift, hk, items_p, n_items, counter_p, g, rows_max, qscale,
+               window, cap, sinks_p, n_sinks, out_p, pm_p, pl_p, pacc_p, parts):  # type: ignore[no-untyped-def]
+    """The callback body for a float32 or float16 cache: flat arrays (no tables)."""
+    _lane(q_p, t, heads, dh, carray(k_p, (nk,)), carray(v_p, (nv,)), tab_p, reqs, width,
+          shift, hk, items_p, n_items, counter_p, g, rows_max, qscale, window, cap, sinks_p,
+          n_sinks, out_p, pm_p, pl_p, pacc_p, parts)
+
+
+def _quantized_lane(q_p, t, heads, dh, k_p, nk, kl_p, nkl, ky_p, nky, v_p, nv, vl_p, nvl, vy_p,
+                    nvy, tab_p, reqs, width, shift, hk, items_p, n_items, counter_p, g,
+                    rows_max, qscale, window, cap, sinks_p, n_sinks, out_p, pm_p, pl_p, pacc_p,
+                    parts):  # type: ignore[no-untyped-def]
+    """The callback body for a quantized cache: (data, lut, layout), see `attention_kv`."""
+    _lane(q_p, t, heads, dh, (carray(k_p, (nk,)), carray(kl_p, (nkl,)), carray(ky_p, (nky,))),
+          (carray(v_p, (nv,)), carray(vl_p, (nvl,)), carray(vy_p, (nvy,))), tab_p, reqs,
+          width, shift, hk, items_p, n_items, counter_p, g, rows_max, qscale, window, cap,
+          sinks_p, n_sinks, out_p, pm_p, pl_p, pacc_p, parts)
+
+
+@functools.cache
+def lane_callback(cache_dtype: str, quantized: bool) -> Callback:
+    """`run_lane` as a C callback for caches of `cache_dtype` (float32, uint16 for float16
+    bits; uint8 or uint16 when `quantized`, with a float32 table and an int64 layout): one
+    compile serves the parallel entry and the one-thread call, where a parallel kernel
+    calling `run_lane` compiled its body again (docs/BENCHMARKS.md, "Cold start"). Module
+    functions, not closures: a closure over a dispatcher missed numba's cache every start."""
+    cache = (types.CPointer(getattr(types, cache_dtype)), _I64, _F32P, _I64, _I64P, _I64)
+    return callback(_F32P, _I64, _I64, _I64, *cache, *cache, types.CPointer(types.int32), _I64,
+                    _I64, _I64, _I64, _I64P, _I64, _I64P, _I64, _I64, _F32, _I64, _F32, _F32P,
+                    _I64, _F32P, _F32P, _F32P, _F32P, _I64)(
+        _quantized_lane if quantized else _flat_lane)
+
+
+@kernel(inline=True)
+def _call_lane(lane, q, kd, klut, klay, vd, vlut, vlay, tables, shift, hk, items, counter, g,
+               rows_max, qscale, window, cap, sinks, out, pm, pl, pacc):  # type: ignore[no-untyped-def]
+    """One thread's `run_lane` through the callback at `lane` (`lane_callback`)."""
+    t, heads, dh = q.shape
+    call_address(lane, (
+        data_pointer(q), t, heads, dh,
+        data_pointer(kd), kd.shape[0], data_pointer(klut), klut.shape[0], data_pointer(klay),
+        klay.shape[0], data_pointer(vd), vd.shape[0], data_pointer(vlut), vlut.shape[0],
+        data_pointer(vlay), vlay.shape[0], data_pointer(tables), tables.shape[0],
+        tables.shape[1], shift, hk, data_pointer(items), items.shape[0], data_pointer(counter),
+        g, rows_max, qscale, window, cap, data_pointer(sinks), sinks.shape[0],
+        data_pointer(out), data_pointer(pm), data_pointer(pl), data_pointer(pacc),
+        pm.shape[0]))
+
+
 @kernel(parallel=True)
-def run_items(q, kc, vc, block_tables, shift, hk, items, lanes, g, rows_max, qscale, window,
-              cap, sinks, out, pm, pl, pacc):
-    """Every item, on `lanes` threads sharing one counter."""
+def run_items(lane, lanes, q, kd, klut, klay, vd, vlut, vlay, tables, shift, hk, items, g,
+              rows_max, qscale, window, cap, sinks, out, pm, pl, pacc):  # type: ignore[no-untyped-def]
+    """Every item, on `lanes` threads sharing one counter, each running the `run_lane`
+    callback at `lane`. A cache is its data, table and layout (empty but for a quantized
+    cache)."""
     counter = np.zeros(1, np.int64)
     for _lane in prange(lanes):
-        run_lane(q, kc, vc, block_tables, shift, hk, items, counter, g, rows_max, qscale,
-                 window, cap, sinks, out, pm, pl, pacc)
+        _call_lane(lane, q, kd, klut, klay, vd, vlut, vlay, tables, shift, hk, items, counter,
+                   g, rows_max, qscale, window, cap, sinks, out, pm, pl, pacc)
+
+
+@kernel
+def run_one_lane(lane, q, kd, klut, klay, vd, vlut, vlay, tables, shift, hk, items, g,
+                 rows_max, qscale, window, cap, sinks, out, pm, pl, pacc):  # type: ignore[no-untyped-def]
+    """Every item on the calling thread (one item, or one thread): no parallel region."""
+    _call_lane(lane, q, kd, klut, klay, vd, vlut, vlay, tables, shift, hk, items,
+               np.zeros(1, np.int64), g, rows_max, qscale, window, cap, sinks, out, pm, pl,
+               pacc)
 
 
 @kernel

@@ -151,7 +151,7 @@ def softmax_t(sT, rows_p, m, l, accT, tmax):
             l[r] += p
 
 
-@kernel
+@kernel(inline=True)
 def attend_prefill(q, kc, vc, table, shift, hk, tok0, pos0, nq, g, kvh, k0, k1, qscale, window,
                    cap, qT, accT, sT, m, l, mref, kbuf, vbuf, offs):
     """Rows of query tokens tok0..tok0+nq-1 (positions pos0..) under KV head kvh over keys
@@ -209,7 +209,7 @@ def attend_prefill(q, kc, vc, table, shift, hk, tok0, pos0, nq, g, kvh, k0, k1, 
             block_pv(vsrc, offs, n, sf, ld, d0, rows_p, af)
 
 
-@kernel
+@kernel(inline=True)
 def finish_prefill(tok0, nq, g, kvh, m, l, accT, part, out, pm, pl, pacc, sinks):
     """Normalized rows into `out` (sinks as in `sink_scale`), or the raw state into partial
     slot `part`."""
