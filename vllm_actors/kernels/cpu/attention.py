@@ -214,6 +214,15 @@ def _write_quantized(k: np.ndarray, v: np.ndarray, cache: kv_quant.QuantizedKV,
                     np.float32(1.0 / scale), table, mids_high, mids_low, books, layout)
 
 
+def _lane_caches(kv_cache, k_cache: np.ndarray, v_cache: np.ndarray) -> tuple:  # type: ignore[no-untyped-def]
+    """K and V as the lane callback takes them: flat data, table and layout each (the last two
+    empty for a float32 or float16 cache)."""
+    kc, vc = k_cache.reshape(-1), v_cache.reshape(-1)
+    if isinstance(kv_cache, kv_quant.QuantizedKV):
+        return kc, kv_cache.k_lut, kv_cache.layout, vc, kv_cache.v_lut, kv_cache.layout
+    return kc, _NO_LUT, _NO_LAYOUT, vc, _NO_LUT, _NO_LAYOUT
+
+
 def paged_attention(q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray],
                     attn: CpuAttention, scale: float, out: np.ndarray | None = None,
                     window: int = 0, softcap: float = 0.0,
@@ -262,12 +271,8 @@ def paged_attention(q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray],
           else _NO_SINKS)
     if len(sk) not in (0, num_heads):
         raise ValueError(f"{len(sk)} sink logits for {num_heads} heads")
-    kc, vc = k_cache.reshape(-1), v_cache.reshape(-1)
-    if quantized:
-        caches = (kc, kv_cache.k_lut, kv_cache.layout, vc, kv_cache.v_lut, kv_cache.layout)
-    else:
-        caches = (kc, _NO_LUT, _NO_LAYOUT, vc, _NO_LUT, _NO_LAYOUT)
-    lane = lane_callback(kc.dtype.name, quantized).address
+    caches = _lane_caches(kv_cache, k_cache, v_cache)
+    lane = lane_callback(k_cache.dtype.name, quantized).address
     args = (q, *caches, attn.block_tables, shift, num_kv_heads, plan.items, g, plan.rows_max,
             qscale, wnd, cap, sk, out, pm, pl, pacc)
     if plan.lanes > 1:
