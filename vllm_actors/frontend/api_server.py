@@ -12,6 +12,7 @@ import dataclasses
 import gc
 import importlib.resources
 import logging
+import sys
 import time
 from typing import Any, AsyncIterator
 
@@ -44,6 +45,7 @@ from vllm_actors.version import __version__
 
 logger = logging.getLogger("vllm_actors.server")
 ENGINE_DEATH_EXIT_DELAY_S = 1.0   # in-flight streams get their error event, then the exit
+EVENT_LOOP_SWITCH_S = 0.001   # the server process's GIL switch interval (CPython's: 5 ms)
 PROTECTED_PREFIXES = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/reset_prefix_cache",
                       "/server_info", "/pooling", "/classify", "/score", "/rerank")
 
@@ -331,6 +333,11 @@ def run_server(engine_args: dict[str, Any], config: ServerConfig) -> int:
     # logprobs, measured: docs/BENCHMARKS.md)
     gc.collect()
     gc.freeze()
+    # a thread wanting the GIL waits a whole switch interval for each handoff, and the event
+    # loop hands it off at every socket wait: beside two heavy preparation threads, /health
+    # took up to 0.44 s at CPython's 5 ms, 0.03 s at 1 ms (docs/BENCHMARKS.md, "The event
+    # loop and the GIL's switch interval")
+    sys.setswitchinterval(EVENT_LOOP_SWITCH_S)
     try:
         import uvloop  # noqa: F401
         loop = "uvloop"
