@@ -25,6 +25,7 @@ import zmq
 from vllm_actors.config import EngineConfig
 from vllm_actors.enginecore.core import EngineCore
 from vllm_actors.errors import ValidationError, VllmActorsError
+from vllm_actors.process_exit import exit_process
 from vllm_actors.protocol.engine import (AbortRequests, EngineCoreOutput, EngineCoreOutputs,
                                          EngineCoreRequest, EngineDead, EngineStartupError,
                                          FinishReason, FrontendMessage, Shutdown, UtilityCall,
@@ -178,9 +179,13 @@ class EngineCoreProc:
                 if socket.poll(POLL_MS):
                     frames = socket.recv_multipart(copy=False)
                     try:
-                        self.input_queue.put(decoder.decode(frames))
+                        message = decoder.decode(frames)
                     except (msgspec.ValidationError, msgspec.DecodeError) as e:
                         self._undecodable(frames, e)
+                        continue
+                    self.input_queue.put(message)
+                    if isinstance(message, Shutdown):   # nothing follows; the loop's join
+                        return                          # need not wait out a poll
                 elif self.parent_pid is not None and os.getppid() != self.parent_pid:
                     logger.warning("frontend process %d is gone; engine core exits",
                                    self.parent_pid)
@@ -245,7 +250,7 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the frontend decides on Ctrl-C
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     logging.basicConfig(level=logging.INFO, format="(EngineCore) %(levelname)s %(message)s")
-    sys.exit(0 if serve(IpcAddresses(ipc_dir), parent_pid) else 1)
+    exit_process(0 if serve(IpcAddresses(ipc_dir), parent_pid) else 1)
 
 
 if __name__ == "__main__":

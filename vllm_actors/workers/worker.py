@@ -26,6 +26,7 @@ import zmq
 from vllm_actors.config import EngineConfig
 from vllm_actors.errors import VllmActorsError
 from vllm_actors.models.base import PipelineStage
+from vllm_actors.process_exit import exit_process
 from vllm_actors.protocol.engine import EngineStartupError
 from vllm_actors.protocol.worker import (CallMethod, ExecuteStep, InitKVCache, RpcDone,
                                          StepDone, WorkerCall, WorkerFailed, WorkerInit,
@@ -142,7 +143,7 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # the frontend decides on Ctrl-C
     logging.basicConfig(level=logging.INFO,
                         format=f"(Worker rank {rank}) %(levelname)s %(message)s")
-    sys.exit(serve(ipc_dir, rank, parent_pid))
+    exit_process(serve(ipc_dir, rank, parent_pid))
 
 
 if __name__ == "__main__":
