@@ -21,6 +21,20 @@ os.environ["TMPDIR"] = SESSION_TMP
 tempfile.tempdir = None
 
 
+def _compile_the_package() -> None:
+    """Bytecode for the package, written once: the suite starts a few hundred Python processes
+    (engine cores, workers, servers, CLIs), and with PYTHONDONTWRITEBYTECODE set each compiled
+    the ~150 modules it imports from source, 0.2 s a process (docs/BENCHMARKS.md, "Test
+    suite"). Quiet and harmless where the package's directory is read-only."""
+    import compileall
+    import vllm_actors
+    compileall.compile_dir(os.path.dirname(vllm_actors.__file__), quiet=2)
+
+
+if sys.dont_write_bytecode:
+    _compile_the_package()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_leftover_ipc_dirs():
     """Every engine started by the suite removes its ipc directory."""
