@@ -172,8 +172,9 @@ def test_hybrid_pool_invariants(ops):
         elif op == "grow" and name in live:
             r = live[name]
             r.append_output_token(length)
+            # the blocks behind the window go back even when the new block does not fit
+            step_start[name] = r.num_computed_tokens
             if kv.allocate_slots(r, 1) is not None:
-                step_start[name] = r.num_computed_tokens
                 r.num_computed_tokens += 1
         elif op == "free" and name in live:
             kv.free(live.pop(name))
