@@ -35,6 +35,50 @@ if sys.dont_write_bytecode:
     _compile_the_package()
 
 
+# Kernel tests whose time is mostly numba compiling kernels nothing earlier in the suite
+# compiles (about 100 s on a clean clone). A background pytest at the lowest CPU priority runs
+# them first, so the kernels are in numba's disk cache by the time this session gets there;
+# it takes only the CPU the engines and servers of the earlier tests leave idle.
+KERNEL_WARM_TESTS = ("tests/kernels/test_activation_quant.py",
+                     "tests/kernels/test_cpu_qmatmul.py",
+                     "tests/kernels/test_cpu_backend.py::test_fused_linear_of_parts_in_different_formats")
+WARMING_ENV = "VLLM_ACTORS_TESTS_WARMING"   # set in the background run: it starts no other
+WARM_AFTER_ITEMS = 200   # only when this many tests come before the first of them
+_warmer: list = []
+
+
+def pytest_collection_finish(session) -> None:
+    """Start the background run of KERNEL_WARM_TESTS when this session runs them late."""
+    if os.environ.get(WARMING_ENV) or session.config.option.collectonly:
+        return
+    ids = [item.nodeid for item in session.items]
+    first = next((i for i, n in enumerate(ids) if n.startswith(KERNEL_WARM_TESTS)), None)
+    if first is None or first < WARM_AFTER_ITEMS:
+        return
+    import subprocess
+    _warmer.append(subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_WARM_TESTS],
+        cwd=TESTS.parent, env={**os.environ, WARMING_ENV: "1"}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, preexec_fn=_lowest_priority))
+
+
+def _lowest_priority() -> None:
+    """nice 19, and killed with this session (Linux's parent-death signal)."""
+    import ctypes
+    import signal
+    os.nice(19)
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    for proc in _warmer:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_leftover_ipc_dirs():
     """Every engine started by the suite removes its ipc directory."""
