@@ -1,16 +1,14 @@
 """Paged attention and KV-cache writes of the compiled CPU backend.
 
-The cache of a layer is a pair (K, V) of `[num_blocks, block_size, Hk, Dh]` arrays, float32,
-or float16 stored as its uint16 bits (numba has no float16 on the CPU; the kernels convert,
-see `attention_math`). Attention reads keys and values straight from the cache through each
-request's block table (no gathered copy of a context), with an online softmax, decode rows and
-chunked-prefill rows in one call, and the g query heads of a KV head computed together.
+A layer's cache is a pair (K, V) of `[num_blocks, block_size, Hk, Dh]` arrays, float32, or
+float16 as its uint16 bits (numba has no CPU float16; `attention_math` converts). Keys and
+values are read in place through each request's block table, with an online softmax, decode
+and chunked-prefill rows in one call, and a KV head's g query heads computed together.
 
-Modules: `attention_plan` (the step's work items and their balance over threads),
-`attention_kernels` (parallel entry points, decode items, merges, cache writes),
-`attention_tiles` (decode tile steps), `attention_prefill` (register-blocked prefill items),
-`attention_math` (float16 conversions, exp2, cache-dtype dispatch), `intrinsics` (shared with
-the matmuls).
+Modules: `attention_plan` (work items, their balance over threads), `attention_kernels`
+(parallel entries, decode items, merges, cache writes), `attention_tiles` (decode tiles),
+`attention_prefill` (register-blocked prefill items), `attention_math` (float16, exp2,
+cache-dtype dispatch), `intrinsics` (shared with the matmuls).
 
     attn = prepare(meta)                          # once per step
     write_kv(k, v, kv_cache[layer], attn)         # per layer

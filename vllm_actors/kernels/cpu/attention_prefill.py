@@ -1,20 +1,17 @@
 """Prefill work items (many query rows of one KV head): register-blocked micro-kernels over a
 transposed layout, so the arithmetic runs across query rows. Tiles of PK keys.
 
-The item's queries are held transposed, qT[d, r] (row r = i * g + j: query token i, query head
-j of the KV head's group; rows padded to a multiple of 16 with zeros), its accumulator too,
-accT[d, r]. Per tile of PK keys:
+Queries and accumulator are held transposed, qT[d, r] and accT[d, r] (row r = i * g + j:
+query token i, head j of the KV head's group; rows zero-padded to a multiple of 16). Per tile:
 
 - scores sT[i, r] = key i . q_r: blocks of 4 keys x 16 rows, whose 8 vector accumulators stay
   in registers (`stack_f32`) across the head dim; each step broadcasts 4 key elements and
   loads 16 query values: 8 FMAs for 6 loads, no horizontal sums;
-- softmax step across rows: key kk = t0 + i is visible to rows r with r // g >= kk - pos0
-  and, under a sliding window, r // g < kk - pos0 + window, so the mask leaves a range
-  [cut, cutw) of each key's row (a block of rows wholly inside its window takes the one-sided
-  test); soft-capping, where asked, is a pass over the masked tile (-inf stays); the tile
-  max, rescale and exponentials are all elementwise across r, and the accumulator is
-  rescaled only when some row's max grew by more than 2^LAZY (a reference point that lags
-  the max is as exact; it saves a pass over accT);
+- softmax step across rows: key kk = t0 + i is visible to rows with kk - pos0 <= r // g
+  (< kk - pos0 + window under a sliding window), a range [cut, cutw) of each key's row;
+  soft-capping is a pass over the masked tile (-inf stays); max, rescale and exponentials
+  run elementwise across r, and accT is rescaled only when some row's max grew by more than
+  2^LAZY (a lagging reference point is as exact and saves a pass over accT);
 - accT[d, r] += sum_i v_i[d] p[i, r]: blocks of 4 dims x 16 rows, registers again, summed
   over the tile's keys before touching accT.
 
