@@ -3,12 +3,14 @@ B sequences each at context C running Q query tokens (Q=1: decode; B=1, Q=C: a p
 
     python bench/profile_step.py --batch 32 --context 160            # 32-way decode step
     python bench/profile_step.py --batch 1 --context 2048 --query 2048   # 2048-token prefill
+    python bench/profile_step.py --batch 1 --gguf-activations float32    # the exact semantics
 
 The KV cache is filled with random values (attention cost does not depend on them). Each
 backend method is wrapped with a timer; "(other)" is model code between ops. Medians over
 --steps steps after 2 warm-up steps. On a device backend (--device opencl / cuda) launches
 are asynchronous, so only the step total (which ends by copying logits to the host) is
-reported (the host backends, cpu and numpy, are timed per op). To compare two versions, run this on both checkouts
+reported (the host backends, cpu and numpy, are timed per op). `--gguf-activations` picks
+the GGUF semantics as the engine's flag does (default quantized, with its float16 cache). To compare two versions, run this on both checkouts
 alternately (`PYTHONPATH=<checkout> python bench/profile_step.py ...`): the host is noisy.
 """
 
@@ -21,7 +23,9 @@ import time
 
 import numpy as np
 
+from vllm_actors.config import resolve_kv_dtype
 from vllm_actors.kernels import get_backend
+from vllm_actors.kernels.kv_quant import kv_format
 from vllm_actors.kernels.ops import AttentionMetadata
 from vllm_actors.loaders.model_files import ModelSource, default_model_path
 from vllm_actors.models.registry import load_model
@@ -39,20 +43,26 @@ def main() -> None:
     parser.add_argument("--query", type=int, default=1)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--device", default="cpu", choices=("cpu", "numpy", "opencl", "cuda"))
+    parser.add_argument("--gguf-activations", default="quantized",
+                        choices=("quantized", "float32"))
     args = parser.parse_args()
     if not 1 <= args.query <= args.context:
         parser.error("need 1 <= --query <= --context")
 
     backend = get_backend(args.device)
     per_op_timing = args.device in ("cpu", "numpy")
-    model = load_model(ModelSource("gguf", args.model or default_model_path()), backend)
+    model = load_model(ModelSource("gguf", args.model or default_model_path()), backend,
+                       gguf_activations=args.gguf_activations)
+    quantized = args.gguf_activations == "quantized"
+    fmt = kv_format(resolve_kv_dtype("auto", quantized), ggml_products=quantized)
     a, bs, b, c, q = model.args, 16, args.batch, args.context, args.query
     nb = -(-c // bs)
     rng = np.random.default_rng(0)
-    kv = backend.allocate_kv_cache(a.num_layers, b * nb + 1, bs, a.num_kv_heads, a.head_dim)
+    kv = backend.allocate_kv_cache(a.num_layers, b * nb + 1, bs, a.num_kv_heads, a.head_dim,
+                                   fmt)
     if per_op_timing:   # device caches stay zero: attention's cost does not depend on values
         for k_cache, v_cache in kv:
-            if k_cache.dtype == np.float32:
+            if k_cache.dtype in (np.float32, np.float16):
                 k_cache[:] = rng.random(k_cache.shape, np.float32)
                 v_cache[:] = rng.random(v_cache.shape, np.float32)
     tables = np.arange(b * nb, dtype=np.int32).reshape(b, nb) + 1
@@ -88,7 +98,8 @@ def main() -> None:
                 per_op[name].append(times.get(name, 0.0))
             per_op["(other)"].append(total - sum(times.values()))
     step = statistics.median(per_step)
-    print(f"{args.device}: batch {b}, context {c}, query {q}: {step * 1e3:.1f} ms/step "
+    print(f"{args.device}, {args.gguf_activations}: batch {b}, context {c}, query {q}: "
+          f"{step * 1e3:.1f} ms/step "
           f"({b * q / step:.0f} tok/s), median of {args.steps}")
     if not per_op_timing:
         return

@@ -93,8 +93,9 @@ _F32P, _I64 = types.CPointer(types.float32), types.int64
 
 @callback(_F32P, _I64, _I64, _F32P, types.CPointer(types.int8), _F32P, _F32P, _F32P, _I64,
           _I64, _I64, exact=True)
-def _q8_0_blocks(x_p, m, k, lut_p, qs_p, d_p, s_p, dsum_p, i, b0, b1):  # type: ignore[no-untyped-def]
-    """Blocks b0..b1 of row i of x `[M, K]` (`_q8_0_block`), the arrays as pointers."""
+def q8_0_blocks(x_p, m, k, lut_p, qs_p, d_p, s_p, dsum_p, i, b0, b1):  # type: ignore[no-untyped-def]
+    """Blocks b0..b1 of row i of x `[M, K]` (`_q8_0_block`), the arrays as pointers (also
+    called inside `qmatmul_int.gemv`, which quantizes a decode step's rows itself)."""
     nb = k // 32
     x, lut, qs = carray(x_p, (m, k)), carray(lut_p, (1 << 16,)), carray(qs_p, (m, k))
     d, s, dsum = carray(d_p, (m, nb)), carray(s_p, (m, nb)), carray(dsum_p, (m, nb))
@@ -115,7 +116,7 @@ def _q8_0_serial(x, lut, qs, d, s, dsum):  # type: ignore[no-untyped-def]
 
 @numba.njit(parallel=True, **_EXACT)
 def _q8_0(fn, x, lut, qs, d, s, dsum):  # type: ignore[no-untyped-def]
-    """`_q8_0_serial` by the callback at `fn` (`_q8_0_blocks`) on chunks of up to
+    """`_q8_0_serial` by the callback at `fn` (`q8_0_blocks`) on chunks of up to
     BLOCKS_PER_CALL blocks of a row, shared among the threads. Each block is quantized
     alone, so the split changes no value."""
     m, k = x.shape
@@ -156,7 +157,7 @@ def quantize_q8(x: np.ndarray) -> Q8Rows:
     if m * k <= SERIAL_MAX:
         _q8_0_serial(x, HALF_LUT, rows.qs, rows.d, rows.s, rows.dsum)
     else:
-        _q8_0(_q8_0_blocks.address, x, HALF_LUT, rows.qs, rows.d, rows.s, rows.dsum)
+        _q8_0(q8_0_blocks.address, x, HALF_LUT, rows.qs, rows.d, rows.s, rows.dsum)
     return rows
 
 

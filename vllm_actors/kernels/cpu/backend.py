@@ -45,6 +45,7 @@ _NUMPY = NumpyBackend()   # its view-only ops (split_qkv) serve this backend as 
 BLAS_MIN_ROWS = 64
 
 # activation format -> (its quantizer, the integer GEMV module that reads what it writes)
+_Q8 = ("q8_0", "q8_1")      # the formats `qmatmul_int` reads
 _INTEGER = {"q8_0": (activations.quantize_q8, qmatmul_int),
             "q8_1": (activations.quantize_q8, qmatmul_int),
             "q8_k": (activations.quantize_q8_k, qmatmul_int_k)}
@@ -126,6 +127,9 @@ class CpuBackend:
         # an explicit count is kept; the default follows the machine's load
         self._follower = None if num_threads else threads.LoadFollower(count)
         self._step_rows: np.ndarray | None = None   # each request's rows in this step
+        self._step_total = -1                         # their sum
+        # the integer kernels' SIMD path, resolved once (VLLM_ACTORS_CPU_ISA is read here)
+        self._isa = isa.selected()
         # the step's (one-row-request flag, index) per token row, for the LoRA kernels
         self._lora_rows: tuple[np.ndarray, np.ndarray] | None = None
         self.kv_cache_dtype = kv_cache_dtype
@@ -236,7 +240,11 @@ class CpuBackend:
         blocks where one serves the part (`qmatmul_int` for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0,
         `qmatmul_int_k` for Q4_K/Q5_K/Q6_K: llama.cpp's floats, each request's rows in the
         order llama.cpp gives them alone), else x~ through the float kernels
-        (`activations.simulate`). Each quantizer runs once per call."""
+        (`activations.simulate`). Each quantizer runs once per call. A decode step's
+        one-part linear quantizes inside its GEMV (`qmatmul_int.matmul_float`)."""
+        if len(weight.parts) == 1 and weight.formats[0] in _Q8 and \
+                qmatmul_int.quantizes_inside(weight.parts[0], len(x)):
+            return qmatmul_int.matmul_float(weight.parts[0], x, self._isa)
         inputs: dict[Any, Any] = {}
         outs = []
         for part, fmt in zip(weight.parts, weight.formats):
@@ -244,7 +252,8 @@ class CpuBackend:
             if integer is not None and integer.supports(part.qtype, len(x)):
                 if quantize not in inputs:
                     inputs[quantize] = quantize(x)
-                outs.append(integer.matmul(part, inputs[quantize], requests=requests))
+                outs.append(integer.matmul(part, inputs[quantize], path=self._isa,
+                                           requests=requests))
                 continue
             if fmt not in inputs:
                 inputs[fmt] = (x, None) if fmt is None else activations.simulate(x, fmt)
@@ -257,9 +266,8 @@ class CpuBackend:
 
     def linear(self, x: np.ndarray, weight: Linear, bias: np.ndarray | None = None
                ) -> np.ndarray:
-        rows = self._step_rows
         return self._linear(x, weight, bias,
-                            rows if rows is not None and rows.sum() == len(x) else None)
+                            self._step_rows if self._step_total == len(x) else None)
 
     def _linear(self, x: np.ndarray, weight: Linear, bias: np.ndarray | None,
                 requests: np.ndarray | None) -> np.ndarray:
@@ -280,7 +288,7 @@ class CpuBackend:
         step = self._lora_rows
         if step is None or len(step[0]) != len(x):
             counts = self._step_rows
-            if counts is None or counts.sum() != len(x):
+            if self._step_total != len(x):
                 counts = np.array([len(x)])
             step = self._lora_rows = (np.repeat(counts == 1, counts),
                                       np.arange(len(x), dtype=np.int64))
@@ -339,6 +347,7 @@ class CpuBackend:
         if self._follower is not None:       # once per forward: the step's thread count
             self._follower.follow()
         self._step_rows = np.diff(meta.query_start_loc)
+        self._step_total = int(self._step_rows.sum())
         self._lora_rows = None
         return attention.prepare(meta)
 

@@ -50,6 +50,7 @@ GROUP = 4         # x rows per register group beyond one row (the kernels' stack
 
 _NO_U32 = np.zeros((0, 0), np.uint32)
 _NO_U16 = np.zeros((0, 0), np.uint16)
+_NO_F32 = np.zeros((0, 0), np.float32)
 
 
 @numba.njit(inline="always", cache=True)
@@ -140,10 +141,18 @@ def body(path: int, kind: int, group: int) -> Callback:
 
 
 @kernel(parallel=True, exact=True)
-def gemv(fn, qs, qh, d, mn, lut, xq, xd, xs, out, dist, threads):  # type: ignore[no-untyped-def]
+def gemv(fn, qs, qh, d, mn, lut, xq, xd, xs, out, dist, threads, quantize, x, xdsum):  # type: ignore[no-untyped-def]
     """out[M, N] = the quantized semantics' x @ W.T: the body at the address `fn` (`body`)
     on chunks of PAIRS pairs of weight rows, in parallel. Each output is computed the same
-    way whichever thread takes its chunk."""
+    way whichever thread takes its chunk. With `quantize` (the address of
+    `activations.q8_0_blocks`, else 0) x's float rows are first quantized into xq/xd/xs/
+    xdsum on this thread: one call from Python for a decode step's linear."""
+    if quantize != 0:
+        nb = x.shape[1] // 32
+        for i in range(x.shape[0]):
+            call_address(quantize, (data_pointer(x), x.shape[0], x.shape[1],
+                                    data_pointer(lut), data_pointer(xq), data_pointer(xd),
+                                    data_pointer(xs), data_pointer(xdsum), i, 0, nb))
     prev = limit_threads(threads)
     n = qs.shape[0]
     pairs = (n + 1) // 2
@@ -182,23 +191,49 @@ def matmul(w: QuantMatrix, x: activations.Q8Rows, path: str | None = None,
     `KINDS`. `path` forces a SIMD path (default `isa.selected()`). `requests` (the rows of
     each request) changes nothing here: llama.cpp computes these types in one float order
     at every row count (its vec_dot, and llamafile's GEMM for Q4_0/Q5_0/Q8_0 alike)."""
-    kind, planes = w.memo.get("int") or _plan(w)
+    kind, planes, dist = w.memo.get("int") or _plan(w)
     m = x.qs.shape[0]
     group = 1 if m == 1 else GROUP
     x = pad_rows(x, group)
     out = np.empty((x.qs.shape[0], w.rows), np.float32)
     threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
     fn = body(isa.code(path) if path else isa.selected_code(), kind, group).address
-    gemv(fn, *planes, HALF_LUT, x.qs, x.d, x.s, out, prefetch_rows(w), threads)
+    gemv(fn, *planes, HALF_LUT, x.qs, x.d, x.s, out, dist, threads, 0, _NO_F32, _NO_F32)
     return out[:m]
 
 
-def _plan(w: QuantMatrix) -> tuple[int, tuple[np.ndarray, ...]]:
-    """(qdot's kind, the planes as `gemv` takes them) of a weight, kept in its memo."""
+def quantizes_inside(w: QuantMatrix, rows: int) -> bool:
+    """Whether `matmul_float` takes `rows` rows for W: few enough that quantizing them on
+    one thread (as `activations.quantize_q8` then does too) costs less than a call."""
+    return w.qtype in FASTER and rows * w.cols <= activations.SERIAL_MAX
+
+
+def matmul_float(w: QuantMatrix, x: np.ndarray, path: str | None = None) -> np.ndarray:
+    """`matmul(w, activations.quantize_q8(x))` in one kernel call, for `quantizes_inside`
+    row counts: x float32 `[M, K]` is quantized inside `gemv`. `path` as `matmul`'s. The
+    same bytes and floats as the two calls, without the quantizer's own call and its
+    `Q8Rows` (a few us of Python per linear, much of a decode step's overhead)."""
+    kind, planes, dist = w.memo.get("int") or _plan(w)
+    m, k = x.shape
+    group = 1 if m == 1 else GROUP
+    padded = -(-m // group) * group
+    xq = np.empty((padded, k), np.int8)
+    xf = np.zeros((3, padded, k // 32), np.float32)   # a padding row: scale and sums 0
+    out = np.empty((padded, w.rows), np.float32)
+    threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
+    fn = body(isa.code(path) if path else isa.selected_code(), kind, group).address
+    gemv(fn, *planes, HALF_LUT, xq, xf[0], xf[1], out, dist, threads,
+         activations.q8_0_blocks.address, np.ascontiguousarray(x, np.float32), xf[2])
+    return out[:m]
+
+
+def _plan(w: QuantMatrix) -> tuple[int, tuple[np.ndarray, ...], int]:
+    """(qdot's kind, the planes as `gemv` takes them, its prefetch distance) of a weight,
+    kept in its memo."""
     qs, rest = w.planes[0], w.planes[1:]
     has_bits = w.qtype in (T.Q5_0, T.Q5_1)
     qh = rest[0] if has_bits else _NO_U32
     d = rest[1] if has_bits else rest[0]
     mn = rest[-1] if w.qtype in (T.Q4_1, T.Q5_1) else _NO_U16
-    w.memo["int"] = KINDS[w.qtype], (qs, qh, d, mn)
+    w.memo["int"] = KINDS[w.qtype], (qs, qh, d, mn), prefetch_rows(w)
     return w.memo["int"]
