@@ -136,11 +136,15 @@ def test_every_simd_path_gives_the_same_floats_and_ggml_vec_dot(monkeypatch):
             rows = quantize(x.astype(np.float32))
             for path in paths:
                 assert np.array_equal(integer.matmul(matrix, rows, path=path), got), path
-                if integer is qmatmul_int:      # x quantized inside the GEMV's own call
-                    inside = integer.matmul_float(matrix, x.astype(np.float32), path)
-                    assert np.array_equal(inside, got), path
-                    assert np.array_equal(integer.matmul_float(
-                        matrix, x[1:2].astype(np.float32), path), alone), path
+                # x quantized inside the GEMV's own call, as decode steps take it (three
+                # one-row requests, the group's padding, and a row alone)
+                ones = np.ones(len(x), np.int64)
+                assert integer.quantizes_inside(matrix, len(x), ones)
+                inside = integer.matmul_float(matrix, x.astype(np.float32), path, ones)
+                assert np.array_equal(inside, integer.matmul(matrix, rows, path=path,
+                                                             requests=ones)), path
+                assert np.array_equal(integer.matmul_float(
+                    matrix, x[1:2].astype(np.float32), path), alone), path
         if qtype == QT.Q4_K:
             repacked = integer.matmul(replace(matrix, ggml_repacked=True),
                                       quantize(x.astype(np.float32)))

@@ -189,8 +189,9 @@ def _q8_k_block(x, qs, d, bsums, i, b):  # type: ignore[no-untyped-def]
 
 @callback(_F32P, _I64, _I64, types.CPointer(types.int8), _F32P, types.CPointer(types.int16),
           _I64, _I64, _I64, exact=True)
-def _q8_k_blocks(x_p, m, k, qs_p, d_p, bsums_p, i, b0, b1):  # type: ignore[no-untyped-def]
-    """Blocks b0..b1 of row i of x `[M, K]` (`_q8_k_block`), the arrays as pointers."""
+def q8_k_blocks(x_p, m, k, qs_p, d_p, bsums_p, i, b0, b1):  # type: ignore[no-untyped-def]
+    """Blocks b0..b1 of row i of x `[M, K]` (`_q8_k_block`), the arrays as pointers (also
+    called inside `qmatmul_int_k.gemv`, as `q8_0_blocks`)."""
     x, qs = carray(x_p, (m, k)), carray(qs_p, (m, k))
     d, bsums = carray(d_p, (m, k // 256)), carray(bsums_p, (m, k // 16))
     for b in range(b0, b1):
@@ -209,7 +210,7 @@ def _q8_k_serial(x, qs, d, bsums):  # type: ignore[no-untyped-def]
 
 @numba.njit(parallel=True, **_EXACT)
 def _q8_k(fn, x, qs, d, bsums):  # type: ignore[no-untyped-def]
-    """`_q8_k_serial` by the callback at `fn` (`_q8_k_blocks`) on chunks of up to
+    """`_q8_k_serial` by the callback at `fn` (`q8_k_blocks`) on chunks of up to
     BLOCKS_PER_CALL / 8 blocks of a row, shared among the threads, as `_q8_0`."""
     m, k = x.shape
     nb = k // 256
@@ -239,7 +240,7 @@ def quantize_q8_k(x: np.ndarray) -> Q8KRows:
     if m * k <= SERIAL_MAX:
         _q8_k_serial(x, rows.qs, rows.d, rows.bsums)
     else:
-        _q8_k(_q8_k_blocks.address, x, rows.qs, rows.d, rows.bsums)
+        _q8_k(q8_k_blocks.address, x, rows.qs, rows.d, rows.bsums)
     return rows
 
 

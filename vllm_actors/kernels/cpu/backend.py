@@ -45,7 +45,6 @@ _NUMPY = NumpyBackend()   # its view-only ops (split_qkv) serve this backend as 
 BLAS_MIN_ROWS = 64
 
 # activation format -> (its quantizer, the integer GEMV module that reads what it writes)
-_Q8 = ("q8_0", "q8_1")      # the formats `qmatmul_int` reads
 _INTEGER = {"q8_0": (activations.quantize_q8, qmatmul_int),
             "q8_1": (activations.quantize_q8, qmatmul_int),
             "q8_k": (activations.quantize_q8_k, qmatmul_int_k)}
@@ -241,10 +240,12 @@ class CpuBackend:
         `qmatmul_int_k` for Q4_K/Q5_K/Q6_K: llama.cpp's floats, each request's rows in the
         order llama.cpp gives them alone), else x~ through the float kernels
         (`activations.simulate`). Each quantizer runs once per call. A decode step's
-        one-part linear quantizes inside its GEMV (`qmatmul_int.matmul_float`)."""
-        if len(weight.parts) == 1 and weight.formats[0] in _Q8 and \
-                qmatmul_int.quantizes_inside(weight.parts[0], len(x)):
-            return qmatmul_int.matmul_float(weight.parts[0], x, self._isa)
+        one-part linear quantizes inside its GEMV (`matmul_float`)."""
+        if len(weight.parts) == 1:
+            integer = _INTEGER.get(weight.formats[0], (None, None))[1]
+            if integer is not None and integer.quantizes_inside(weight.parts[0], len(x),
+                                                                requests):
+                return integer.matmul_float(weight.parts[0], x, self._isa, requests)
         inputs: dict[Any, Any] = {}
         outs = []
         for part, fmt in zip(weight.parts, weight.formats):

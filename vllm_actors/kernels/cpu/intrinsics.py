@@ -95,7 +95,9 @@ def fetch_add(typingctx, counter, value):
 @intrinsic
 def prefetch(typingctx, arr, index):
     """Hint the cache line holding element `index` (a flat index) of the C-contiguous `arr`
-    into the caches."""
+    into L2 (`prefetcht1`). Into L1 (`prefetcht0`) every streamed line also held one of
+    L1's few miss buffers: a SmolLM2 decode's weights streamed at half the bandwidth
+    (docs/BENCHMARKS.md, "Prefetching into L2")."""
     if isinstance(arr, types.Array) and isinstance(index, types.Integer):
         def codegen(context, builder, sig, args):
             ary = context.make_array(sig.args[0])(context, builder, args[0])
@@ -104,10 +106,10 @@ def prefetch(typingctx, arr, index):
             i32 = ir.IntType(32)
             byte_ptr = ir.IntType(8).as_pointer()
             fnty = ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32])
-            # (read, keep in all cache levels, data); the name is mangled for the pointer
-            # type: llvm.prefetch.p0 (opaque pointers) or .p0i8 (older LLVM)
+            # (read, locality 2 = L2 and outer levels, data); the name is mangled for the
+            # pointer type: llvm.prefetch.p0 (opaque pointers) or .p0i8 (older LLVM)
             fn = builder.module.declare_intrinsic("llvm.prefetch", [byte_ptr], fnty)
-            builder.call(fn, [builder.bitcast(ptr, byte_ptr), i32(0), i32(3), i32(1)])
+            builder.call(fn, [builder.bitcast(ptr, byte_ptr), i32(0), i32(2), i32(1)])
             return context.get_dummy_value()
         return types.none(arr, index), codegen
     return None

@@ -202,13 +202,15 @@ def matmul(w: QuantMatrix, x: activations.Q8Rows, path: str | None = None,
     return out[:m]
 
 
-def quantizes_inside(w: QuantMatrix, rows: int) -> bool:
+def quantizes_inside(w: QuantMatrix, rows: int, requests: Any = None) -> bool:
     """Whether `matmul_float` takes `rows` rows for W: few enough that quantizing them on
-    one thread (as `activations.quantize_q8` then does too) costs less than a call."""
+    one thread (as `activations.quantize_q8` then does too) costs less than a call.
+    `requests` changes nothing (see `matmul`)."""
     return w.qtype in FASTER and rows * w.cols <= activations.SERIAL_MAX
 
 
-def matmul_float(w: QuantMatrix, x: np.ndarray, path: str | None = None) -> np.ndarray:
+def matmul_float(w: QuantMatrix, x: np.ndarray, path: str | None = None,
+                 requests: Any = None) -> np.ndarray:
     """`matmul(w, activations.quantize_q8(x))` in one kernel call, for `quantizes_inside`
     row counts: x float32 `[M, K]` is quantized inside `gemv`. `path` as `matmul`'s. The
     same bytes and floats as the two calls, without the quantizer's own call and its

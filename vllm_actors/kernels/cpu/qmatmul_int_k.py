@@ -70,6 +70,7 @@ TILED = 90
 TILED_MIN_ROWS = 8
 _NO_BITS = np.zeros((0, 0), np.uint8)
 _NO_U16 = np.zeros((0, 0), np.uint16)
+_NO_F32 = np.zeros((0, 0), np.float32)
 
 
 @functools.cache
@@ -123,10 +124,17 @@ def body(path: int, kind: int, group: int, dtypes: tuple[str, ...]) -> Callback:
 
 
 @kernel(parallel=True, exact=True)
-def gemv(fn, qs, qh, sc, mn, d, dmin, lut, xq, xd, xb, out, dist, threads):  # type: ignore[no-untyped-def]
+def gemv(fn, qs, qh, sc, mn, d, dmin, lut, xq, xd, xb, out, dist, threads, quantize, x):  # type: ignore[no-untyped-def]
     """out[M, N] = x @ W.T under the quantized semantics: the body at the address `fn`
     (`body`) on chunks of PAIRS pairs of weight rows, in parallel. Each output is computed
-    the same way whichever thread takes its chunk."""
+    the same way whichever thread takes its chunk. With `quantize` (the address of
+    `activations.q8_k_blocks`, else 0) x's float rows are first quantized into xq/xd/xb on
+    this thread, as `qmatmul_int.gemv` does."""
+    if quantize != 0:
+        for i in range(x.shape[0]):
+            call_address(quantize, (data_pointer(x), x.shape[0], x.shape[1], data_pointer(xq),
+                                    data_pointer(xd), data_pointer(xb), i, 0,
+                                    x.shape[1] // 256))
     prev = limit_threads(threads)
     n = qs.shape[0]
     pairs = (n + 1) // 2
@@ -326,14 +334,44 @@ def _row_slice(x: activations.Q8KRows, start: int, stop: int) -> activations.Q8K
     return activations.Q8KRows(x.qs[start:stop], x.d[start:stop], x.bsums[start:stop])
 
 
-def _run(w: QuantMatrix, x: activations.Q8KRows, kind: int, path: str | None) -> np.ndarray:
-    m = x.qs.shape[0]
+def quantizes_inside(w: QuantMatrix, rows: int, requests: np.ndarray | None) -> bool:
+    """Whether `matmul_float` takes these rows: few (as `qmatmul_int.quantizes_inside`),
+    and each a request of one row (a decode step), so that every row takes one kernel."""
+    return (w.qtype in KINDS and rows * w.cols <= activations.SERIAL_MAX
+            and (rows == 1 or (requests is not None and len(requests) == rows)))
+
+
+def matmul_float(w: QuantMatrix, x: np.ndarray, path: str | None = None,
+                 requests: np.ndarray | None = None) -> np.ndarray:
+    """`matmul(w, activations.quantize_q8_k(x), path, requests)` in one kernel call, for
+    `quantizes_inside` rows: x float32 `[M, K]` is quantized inside `gemv` (the same bytes
+    and floats, without the quantizer's call and the row-kind bookkeeping)."""
+    kind = w.memo.get("int_k_one_row")
+    if kind is None:
+        kind = w.memo["int_k_one_row"] = int(row_kinds(w, [1])[0])
+    m, k = x.shape
     group = 1 if m == 1 else GROUP
-    x = pad_rows(x, group)
+    padded = -(-m // group) * group
+    rows = activations.Q8KRows(np.empty((padded, k), np.int8),
+                               np.zeros((padded, k // 256), np.float32),
+                               np.zeros((padded, k // 16), np.int16))   # padding: zero sums
+    return _run(w, rows, kind, path, np.ascontiguousarray(x, np.float32))
+
+
+def _run(w: QuantMatrix, x: activations.Q8KRows, kind: int, path: str | None,
+         floats: np.ndarray | None = None) -> np.ndarray:
+    """`kind`'s GEMV on x's blocks; with `floats`, x holds scratch for their blocks (its
+    rows padded to the group), which `gemv` fills from `floats` first."""
+    m = x.qs.shape[0] if floats is None else len(floats)
+    group = 1 if m == 1 else GROUP
+    if floats is None:
+        x = pad_rows(x, group)
     out = np.empty((x.qs.shape[0], w.rows), np.float32)
     threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
     code = isa.code(path) if path else isa.selected_code()
-    tail = (HALF_LUT, x.qs, x.d, x.bsums, out, prefetch_rows(w), threads)
+    quantize = 0 if floats is None else activations.q8_k_blocks.address
+    tail = (HALF_LUT, x.qs, x.d, x.bsums, out, prefetch_rows(w), threads, quantize,
+            _NO_F32 if floats is None else floats)
     if kind % 10 == 6:      # ql, qh, scales, d
         planes = (w.planes[0], w.planes[1], w.planes[2], _NO_BITS, w.planes[3], _NO_U16)
     elif kind % 10 == 5:    # qh, qs, sc, mn, d, dmin
