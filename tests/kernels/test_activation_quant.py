@@ -113,10 +113,15 @@ def _integer(qtype: int):
     return None
 
 
+# The types run on every SIMD path: one per way `qdot` forms its lanes (Q4_1 unsigned, Q5_0
+# unsigned less an offset, Q8_0 signed) and the K-quants' kernel.
+EVERY_PATH = (QT.Q4_1, QT.Q5_0, QT.Q8_0, QT.Q4_K)
+
+
 def test_every_simd_path_gives_the_same_floats_and_ggml_vec_dot(monkeypatch):
-    """Every type on the host's path against ggml's dot; on one type of each kernel a row
-    alone as in a group, and every path (the SIMD code is shared by the types of a kernel,
-    the decoding by the paths: each compile costs seconds). Q4_K in the float order of
+    """Every type on the host's path against ggml's dot; on `EVERY_PATH` a row alone as in a
+    group, and every path (the SIMD code is shared by the types of a form, the decoding by
+    the paths: each compile costs seconds). Q4_K in the float order of
     llama.cpp's repacked kernels: ggml's dot up to that order (no golden of those kernels)."""
     paths = isa.available()
     assert paths[0] == "portable"
@@ -130,7 +135,7 @@ def test_every_simd_path_gives_the_same_floats_and_ggml_vec_dot(monkeypatch):
         matrix = qmatmul.pack(w, qtype, (len(w), x.shape[1]))
         got = integer.matmul(matrix, quantize(x.astype(np.float32)))
         assert np.array_equal(got, want), name          # ggml's float order, bit for bit
-        if qtype in (QT.Q4_1, QT.Q4_K):     # one type per kernel: each compile costs seconds
+        if qtype in EVERY_PATH:     # each compile costs seconds
             alone = integer.matmul(matrix, quantize(x[1:2].astype(np.float32)))   # one row
             assert len(x) > 1 and np.array_equal(alone[0], got[1]), name
             rows = quantize(x.astype(np.float32))

@@ -10,9 +10,11 @@ intrinsic: `qdot(isa, kind, acc, ai, q, qi, bits, x, xi, scale)` adds
 - `isa` (a literal, `isa.code`) picks the instructions: portable widening multiplies,
   AVX2's `vpmaddubsw` + `vpmaddwd`, or VNNI's `vpdpbusd`. Each gives int32 lane i = the sum
   of the products of bytes 4i..4i+3, exactly, so every path produces the same floats.
-- x is int8 at x.flat[xi]. Signed weights (Q8_0, Q4_0, Q5_0): the AVX2 and VNNI paths
-  multiply |w| by x with w's sign (llama.cpp's trick), exact unless x holds -128 (only a NaN
-  block does).
+- x is int8 at x.flat[xi]. Signed weights (Q4_0, Q5_0, and Q8_0 with VNNI) multiply the
+  stored unsigned bytes (Q8_0's plus 128) and take offset * (x's sums of 4) off the lanes:
+  no per-block sign work, and the sums serve every weight row of the x block. Q8_0 on AVX2
+  multiplies |w| by x with w's sign (llama.cpp's trick: `vpmaddubsw` would saturate on
+  w + 128), exact unless x holds -128 (only a NaN block does, whose scale is NaN anyway).
 
 One block per call, with the accumulator in a stack array that LLVM keeps in a register:
 the kernels' loops stay numba code, and nothing moves between numba tuples and vectors.
@@ -44,7 +46,8 @@ def _call(builder, name, ret, args):  # type: ignore[no-untyped-def]
 
 
 def _weights(context, builder, sig, args, kind):  # type: ignore[no-untyped-def]
-    """The block's 32 weights as <32 x i8> (unsigned nibbles/5-bit values, or int8)."""
+    """The block's 32 weights as <32 x i8> as stored: unsigned nibbles or 5-bit values (Q4_0
+    and Q5_0 still with their offset), or int8."""
     if kind == 8:
         p = vector_ptr(context, builder, sig.args[4], args[4], sig.args[5], args[5], _B32)
         return builder.load(p, align=1)
@@ -58,8 +61,6 @@ def _weights(context, builder, sig, args, kind):  # type: ignore[no-untyped-def]
         mask = builder.bitcast(bits, ir.VectorType(ir.IntType(1), 32))
         fifth = builder.select(mask, ir.Constant(_B32, [16] * 32), ir.Constant(_B32, [0] * 32))
         w = builder.or_(w, fifth)
-    if kind in SIGNED_OFFSET:       # Q4_0 / Q5_0: the offset inside the integers, as ggml
-        w = builder.sub(w, ir.Constant(_B32, [SIGNED_OFFSET[kind]] * 32))
     return w
 
 
@@ -73,18 +74,40 @@ def _lanes_portable(builder, w, x, signed_w):  # type: ignore[no-untyped-def]
                        builder.add(quarters[2], quarters[3]))
 
 
-def _lanes(builder, isa, w, x, signed_w):  # type: ignore[no-untyped-def]
-    """int32 lane i = sum over t < 4 of w[4i+t] * x[4i+t]."""
+def _offset_lanes(builder, isa, w, x, offset):  # type: ignore[no-untyped-def]
+    """int32 lane i = sum over t < 4 of (w[4i+t] - offset) * x[4i+t] for unsigned w: the
+    products of the stored bytes less offset * (x's sums of 4), whose product with a
+    constant LLVM computes once per x block. Exact: `vpdpbusd` does not saturate, and
+    `vpmaddubsw`'s int16 pairs stay within +-2 * 31 * 128 (AVX2 takes only w <= 31)."""
+    off = ir.Constant(_B32, [offset] * 32)
+    if isa == AVX512:
+        zero = ir.Constant(_L8, [0] * 8)
+        sums = _call(builder, "llvm.x86.avx512.vpdpbusd.256", _L8,
+                     [zero, builder.bitcast(off, _L8), builder.bitcast(x, _L8)])
+        return _call(builder, "llvm.x86.avx512.vpdpbusd.256", _L8,
+                     [builder.sub(zero, sums), builder.bitcast(w, _L8), builder.bitcast(x, _L8)])
+    pairs = builder.sub(_call(builder, "llvm.x86.avx2.pmadd.ub.sw", _W16, [w, x]),
+                        _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _W16, [off, x]))
+    return _call(builder, "llvm.x86.avx2.pmadd.wd", _L8, [pairs, ir.Constant(_W16, [1] * 16)])
+
+
+def _lanes(builder, isa, w, x, kind):  # type: ignore[no-untyped-def]
+    """int32 lane i = sum over t < 4 of w[4i+t] * x[4i+t], w the block's signed values
+    (Q4_0 and Q5_0 less their offset)."""
+    if kind in SIGNED_OFFSET and isa != PORTABLE:
+        return _offset_lanes(builder, isa, w, x, SIGNED_OFFSET[kind])
+    if kind == 8 and isa == AVX512:        # int8 w + 128 is unsigned: the same identity
+        return _offset_lanes(builder, isa, builder.xor(w, ir.Constant(_B32, [0x80] * 32)),
+                             x, 128)
+    if kind in SIGNED_OFFSET:               # portable: the offset inside the integers
+        w = builder.sub(w, ir.Constant(_B32, [SIGNED_OFFSET[kind]] * 32))
+    signed_w = kind in (8, 40, 50)
     if isa == PORTABLE:
         return _lanes_portable(builder, w, x, signed_w)
-    if signed_w:      # |w| unsigned, x carrying w's sign
+    if signed_w:      # Q8_0 on AVX2: |w| unsigned, x carrying w's sign (llama.cpp's trick)
         neg = builder.icmp_signed("<", w, ir.Constant(_B32, [0] * 32))
         w = builder.select(neg, builder.neg(w), w)
         x = builder.select(neg, builder.neg(x), x)
-    if isa == AVX512:
-        return _call(builder, "llvm.x86.avx512.vpdpbusd.256", _L8,
-                     [ir.Constant(_L8, [0] * 8), builder.bitcast(w, _L8),
-                      builder.bitcast(x, _L8)])
     pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _W16, [w, x])
     return _call(builder, "llvm.x86.avx2.pmadd.wd", _L8,
                  [pairs, ir.Constant(_W16, [1] * 16)])
@@ -104,7 +127,7 @@ def qdot(typingctx, isa, kind, acc, ai, q, qi, bits, x, xi, scale):  # type: ign
         w = _weights(context, builder, sig, args, form)
         xv = builder.load(vector_ptr(context, builder, sig.args[7], args[7], sig.args[8],
                                      args[8], _B32), align=1)
-        lanes = builder.sitofp(_lanes(builder, path, w, xv, form in (8, 40, 50)), _F8)
+        lanes = builder.sitofp(_lanes(builder, path, w, xv, form), _F8)
         s = splat(builder, context.cast(builder, args[9], sig.args[9], types.float32), _F8)
         pa = vector_ptr(context, builder, sig.args[2], args[2], sig.args[3], args[3], _F8)
         builder.store(fmuladd(builder, lanes, s, builder.load(pa, align=4)), pa, align=4)
