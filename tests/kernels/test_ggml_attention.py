@@ -1,5 +1,5 @@
-"""The llama.cpp-order attention's branch-free pieces equal the exact forms they replace
-(end to end, tests/models/test_llamacpp_parity.py shows the tokens bit for bit)."""
+"""The llama.cpp-order attention's and SwiGLU's branch-free pieces equal the exact forms they
+replace (end to end, tests/models/test_llamacpp_parity.py shows the tokens bit for bit)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,37 @@ def test_probability_rounding_and_softmax_exp_equal_the_exact_forms():
     _both(xs, HALF_LUT, *out)
     assert np.array_equal(out[0].view(np.uint32), out[1].view(np.uint32))
     assert np.array_equal(out[2].view(np.uint32), out[3].view(np.uint32))
+
+
+@numba.njit(cache=True)
+def _swiglu_per_element(gate_up, out, width):  # type: ignore[no-untyped-def]
+    """ggml's SwiGLU element by element (`expf` of the vector width on whole vectors, libm's
+    on the tail): the form `ggml_math.swiglu` vectorizes."""
+    f = out.shape[1]
+    whole = f - f % width
+    for r in range(out.shape[0]):
+        for i in range(f):
+            x = gate_up[r, i]
+            e = ggml_math.expf(-x, width, i < whole)
+            out[r, i] = np.float32(x / np.float32(np.float32(1.0) + e)) * gate_up[r, f + i]
+
+
+def test_vectorized_swiglu_equals_it_element_by_element(monkeypatch):
+    """On both widths, one row and many (the parallel kernel), a tail past the last vector,
+    and the elements the branch-free loop must redo: outside exp's normal range, at its
+    ends, NaN and infinities."""
+    rng = np.random.default_rng(0)
+    gate_up = (rng.standard_normal((9, 2 * 1541)) * 30).astype(np.float32)
+    below, above = (np.nextafter(np.float32(v), np.float32(0)) for v in (-87.0, 88.0))
+    gate_up[0, :16] = [np.nan, np.inf, -np.inf, 87.0, -88.0, 87.5, -88.5, 89.0, -89.0,
+                       150.0, -150.0, 0.0, 1e-40, -1e-40, below, above]
+    for width in (8, 16):
+        monkeypatch.setattr(ggml_math, "ggml_width", lambda width=width: width)
+        for rows in (gate_up[:1], gate_up):
+            want = np.empty((len(rows), 1541), np.float32)
+            _swiglu_per_element(rows, want, width)
+            got = ggml_math.swiglu(rows)
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (width, len(rows))
 
 
 def _per_lane_decode(q, k, v, tables, ctx, bs, scale, window):  # type: ignore[no-untyped-def]

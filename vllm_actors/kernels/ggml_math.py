@@ -70,6 +70,7 @@ def expf16(x):  # type: ignore[no-untyped-def]
 
 
 NORMAL_LOW, NORMAL_HIGH = -87.0, 88.0
+_NORMAL_LOW32, _NORMAL_HIGH32 = np.float32(NORMAL_LOW), np.float32(NORMAL_HIGH)
 
 
 @numba.njit(inline="always", cache=True)
@@ -118,21 +119,77 @@ def expf(x, width, vector):  # type: ignore[no-untyped-def]
     return expf16(x) if width == 16 else expf8(x)
 
 
-@numba.njit(cache=True)
-def _swiglu_rows(gate_up, out, width):  # type: ignore[no-untyped-def]
+@numba.njit(inline="always", cache=True)
+def expf8_normal(x):  # type: ignore[no-untyped-def]
+    """`expf8(x)` for NORMAL_LOW <= x <= NORMAL_HIGH (|n| <= 126): no branch, as
+    `expf16_normal`."""
+    z, n, b = _reduce(np.float32(x))
+    e = (f32_to_bits(z) << np.uint32(23)) & np.uint32(0xFFFFFFFF)
+    k = bits_to_f32((e + np.uint32(0x3F800000)) & np.uint32(0xFFFFFFFF))
+    u = np.float32(b * b)
+    j = fma_f32(fma_f32(fma_f32(_C5, b, _C4), u, fma_f32(_C3, b, _C2)), u,
+                np.float32(_C1 * b))
+    return fma_f32(j, k, k)
+
+
+@numba.njit(inline="always", cache=True)
+def _clamp(x):  # type: ignore[no-untyped-def]
+    """x within [NORMAL_LOW, NORMAL_HIGH] (NaN anywhere: its element is redone)."""
+    return min(max(x, np.float32(NORMAL_LOW)), np.float32(NORMAL_HIGH))
+
+
+@numba.njit(inline="always", cache=True)
+def _silu_times(x, e, up):  # type: ignore[no-untyped-def]
+    return np.float32(x / np.float32(np.float32(1.0) + e)) * up
+
+
+@numba.njit(inline="always", cache=True)
+def _swiglu_row(gate_up, out, r, width):  # type: ignore[no-untyped-def]
+    """Row r: the whole vectors branch-free (clamped into the normal range, so the loop
+    vectorizes), then the rare elements outside it again through `expf`, then the tail
+    through libm's, as ggml's loop leaves it."""
     f = out.shape[1]
     whole = f - f % width
+    g, u, o = gate_up[r, :whole], gate_up[r, f:f + whole], out[r, :whole]
+    if width == 16:          # a loop per width: a branch inside would keep it scalar
+        for i in range(whole):
+            o[i] = _silu_times(g[i], expf16_normal(_clamp(-g[i])), u[i])
+    else:
+        for i in range(whole):
+            o[i] = _silu_times(g[i], expf8_normal(_clamp(-g[i])), u[i])
+    outside = 0                 # counted first: a loop with the exact call inside is slow
+    for i in range(whole):
+        outside += np.int32(not _NORMAL_LOW32 <= -g[i] <= _NORMAL_HIGH32)     # NaN too
+    if outside:
+        for i in range(whole):
+            if not _NORMAL_LOW32 <= -g[i] <= _NORMAL_HIGH32:
+                o[i] = _silu_times(g[i], expf(-g[i], width, True), u[i])
+    for i in range(whole, f):
+        out[r, i] = _silu_times(gate_up[r, i], expf(-gate_up[r, i], width, False),
+                                gate_up[r, f + i])
+
+
+# error_model="numpy": no zero-division check in the loops, so they vectorize
+@numba.njit(cache=True, error_model="numpy")
+def _swiglu_rows(gate_up, out, width):  # type: ignore[no-untyped-def]
     for r in range(out.shape[0]):
-        for i in range(f):
-            x = gate_up[r, i]
-            e = expf(-x, width, i < whole)
-            out[r, i] = np.float32(x / np.float32(np.float32(1.0) + e)) * gate_up[r, f + i]
+        _swiglu_row(gate_up, out, r, width)
+
+
+@numba.njit(parallel=True, cache=True, error_model="numpy")
+def _swiglu_rows_parallel(gate_up, out, width):  # type: ignore[no-untyped-def]
+    for r in numba.prange(out.shape[0]):
+        _swiglu_row(gate_up, out, r, width)
+
+
+PARALLEL_ROWS = 8       # fewer rows: one thread (a decode step's row takes about 1 us)
 
 
 def swiglu(gate_up: np.ndarray) -> np.ndarray:
     """gate_up [T, 2F] -> silu(gate) * up [T, F] as ggml's `ggml_vec_swiglu_f32`."""
     out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
-    _swiglu_rows(np.ascontiguousarray(gate_up, np.float32), out, ggml_width())
+    rows = _swiglu_rows_parallel if len(out) >= PARALLEL_ROWS else _swiglu_rows
+    rows(np.ascontiguousarray(gate_up, np.float32), out, ggml_width())
     return out
 
 
@@ -161,22 +218,34 @@ def gelu_table() -> np.ndarray:
     return table
 
 
+@numba.njit(inline="always", cache=True)
+def _geglu_row(gate_up, table, out, r):  # type: ignore[no-untyped-def]
+    f = out.shape[1]
+    for i in range(f):
+        x, g = gate_up[r, i], gate_up[r, f + i]
+        if x <= -10.0:
+            out[r, i] = 0.0
+        elif x >= 10.0:
+            out[r, i] = x * g
+        else:
+            out[r, i] = table[_f16_bits(x)] * g
+
+
 @numba.njit(cache=True)
 def _geglu_rows(gate_up, table, out):  # type: ignore[no-untyped-def]
-    f = out.shape[1]
     for r in range(out.shape[0]):
-        for i in range(f):
-            x, g = gate_up[r, i], gate_up[r, f + i]
-            if x <= -10.0:
-                out[r, i] = 0.0
-            elif x >= 10.0:
-                out[r, i] = x * g
-            else:
-                out[r, i] = table[_f16_bits(x)] * g
+        _geglu_row(gate_up, table, out, r)
+
+
+@numba.njit(parallel=True, cache=True)
+def _geglu_rows_parallel(gate_up, table, out):  # type: ignore[no-untyped-def]
+    for r in numba.prange(out.shape[0]):
+        _geglu_row(gate_up, table, out, r)
 
 
 def geglu(gate_up: np.ndarray) -> np.ndarray:
     """gate_up [T, 2F] -> gelu_tanh(gate) * up [T, F] as ggml's `ggml_vec_geglu_f32`."""
     out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
-    _geglu_rows(np.ascontiguousarray(gate_up, np.float32), gelu_table(), out)
+    rows = _geglu_rows_parallel if len(out) >= PARALLEL_ROWS else _geglu_rows
+    rows(np.ascontiguousarray(gate_up, np.float32), gelu_table(), out)
     return out
