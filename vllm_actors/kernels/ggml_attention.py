@@ -279,13 +279,15 @@ def _weighted_values(vc, table, block_size, kvh, pos, one_token, s, acc, vbuf, o
                 base = (j % width) * dh
                 for d0 in range(0, dh, LANES):
                     fma16(acc, base + d0, vbuf, j * dh + d0, p, 0)
+        if not one_token:       # the 16 lanes of every dimension at once, along d
+            _tree16(acc, dh, out[i])
+            continue
         for d in range(dh):
             for lane in range(width):
                 lanes[lane] = acc[lane * dh + d]
-            if one_token:
-                for lane in range(LANES):
-                    lanes[lane] = (lanes[lane] + lanes[32 + lane]) + (lanes[16 + lane]
-                                                                      + lanes[48 + lane])
+            for lane in range(LANES):
+                lanes[lane] = (lanes[lane] + lanes[32 + lane]) + (lanes[16 + lane]
+                                                                  + lanes[48 + lane])
             out[i, d] = _reduce16(lanes)
 
 
