@@ -125,6 +125,7 @@ def _scores(q16, kc, table, block_size, kvh, pos, window, one_token, scale, s, k
     `one_token` form here is that path's reference in the tests)."""
     rows, dh = q16.shape
     last = pos.max()
+    tiny = stack_f32(256)        # 16 x 16: tinyBLAS's 16 accumulators of 16 keys, in registers
     for j0 in range(0, last + 1, LANES):
         for lane in range(LANES):
             j = j0 + lane
@@ -136,7 +137,10 @@ def _scores(q16, kc, table, block_size, kvh, pos, window, one_token, scale, s, k
                 for d in range(dh):
                     kt[d * LANES + lane] = 0.0
         for i in range(rows):
-            _dots16(q16, i, kt, dh, one_token, acc, krow)
+            if one_token:
+                _dots16(q16, i, kt, dh, one_token, acc, krow)
+            else:
+                _tiny_dots16(q16, i, kt, dh, tiny, krow)
             for lane in range(LANES):
                 j = j0 + lane
                 if j > pos[i] or (window > 0 and j <= pos[i] - window):
@@ -174,6 +178,20 @@ def _dots16(q, i, kt, dh, one_token, acc, out):  # type: ignore[no-untyped-def]
         for d in range(whole, dh):
             total += np.float64(q[i, d] * kt[d * LANES + lane])
         out[lane] = np.float32(total)
+
+
+@numba.njit(inline="always", cache=True)
+def _tiny_dots16(q, i, kt, dh, acc, out):  # type: ignore[no-untyped-def]
+    """`_dots16`'s tinyBLAS order (element d into accumulator d % 16, a chain over d // 16)
+    with acc a stack array of 16 x 16 indexed by constants only: each chain's 16 steps are
+    unrolled, so the accumulators stay in registers."""
+    for a in range(LANES):
+        for lane in range(LANES):
+            acc[a * LANES + lane] = 0.0
+    for d0 in range(0, dh, LANES):
+        for a in range(LANES):
+            fma16(acc, a * LANES, kt, (d0 + a) * LANES, q[i, d0 + a], 0)
+    _tree16(acc, LANES, out)
 
 
 @numba.njit(inline="always", cache=True)
