@@ -93,14 +93,21 @@ def _pow2(n):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(inline="always", cache=True)
-def expf8(x):  # type: ignore[no-untyped-def]
-    """exp(x) as ggml's AVX2 `ggml_v_expf` (2^n built in the exponent bits)."""
+def _expf8_parts(x):  # type: ignore[no-untyped-def]
+    """(n, 2^n's exponent bits e, the polynomial j, 2^n as k) of ggml's AVX2 exp."""
     z, n, b = _reduce(np.float32(x))
     e = (f32_to_bits(z) << np.uint32(23)) & np.uint32(0xFFFFFFFF)
     k = bits_to_f32((e + np.uint32(0x3F800000)) & np.uint32(0xFFFFFFFF))
     u = np.float32(b * b)
     j = fma_f32(fma_f32(fma_f32(_C5, b, _C4), u, fma_f32(_C3, b, _C2)), u,
                 np.float32(_C1 * b))
+    return n, e, j, k
+
+
+@numba.njit(inline="always", cache=True)
+def expf8(x):  # type: ignore[no-untyped-def]
+    """exp(x) as ggml's AVX2 `ggml_v_expf` (2^n built in the exponent bits)."""
+    n, e, j, k = _expf8_parts(x)
     if abs(n) <= 126:
         return fma_f32(j, k, k)
     g = np.uint32(0x82000000) if n <= 0 else np.uint32(0)
@@ -123,12 +130,7 @@ def expf(x, width, vector):  # type: ignore[no-untyped-def]
 def expf8_normal(x):  # type: ignore[no-untyped-def]
     """`expf8(x)` for NORMAL_LOW <= x <= NORMAL_HIGH (|n| <= 126): no branch, as
     `expf16_normal`."""
-    z, n, b = _reduce(np.float32(x))
-    e = (f32_to_bits(z) << np.uint32(23)) & np.uint32(0xFFFFFFFF)
-    k = bits_to_f32((e + np.uint32(0x3F800000)) & np.uint32(0xFFFFFFFF))
-    u = np.float32(b * b)
-    j = fma_f32(fma_f32(fma_f32(_C5, b, _C4), u, fma_f32(_C3, b, _C2)), u,
-                np.float32(_C1 * b))
+    _, _, j, k = _expf8_parts(x)
     return fma_f32(j, k, k)
 
 
