@@ -137,7 +137,7 @@ def expf8_normal(x):  # type: ignore[no-untyped-def]
 @numba.njit(inline="always", cache=True)
 def _clamp(x):  # type: ignore[no-untyped-def]
     """x within [NORMAL_LOW, NORMAL_HIGH] (NaN anywhere: its element is redone)."""
-    return min(max(x, np.float32(NORMAL_LOW)), np.float32(NORMAL_HIGH))
+    return min(max(x, _NORMAL_LOW32), _NORMAL_HIGH32)
 
 
 @numba.njit(inline="always", cache=True)
@@ -178,20 +178,10 @@ def _swiglu_rows(gate_up, out, width):  # type: ignore[no-untyped-def]
         _swiglu_row(gate_up, out, r, width)
 
 
-@numba.njit(parallel=True, cache=True, error_model="numpy")
-def _swiglu_rows_parallel(gate_up, out, width):  # type: ignore[no-untyped-def]
-    for r in numba.prange(out.shape[0]):
-        _swiglu_row(gate_up, out, r, width)
-
-
-PARALLEL_ROWS = 8       # fewer rows: one thread (a decode step's row takes about 1 us)
-
-
 def swiglu(gate_up: np.ndarray) -> np.ndarray:
     """gate_up [T, 2F] -> silu(gate) * up [T, F] as ggml's `ggml_vec_swiglu_f32`."""
     out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
-    rows = _swiglu_rows_parallel if len(out) >= PARALLEL_ROWS else _swiglu_rows
-    rows(np.ascontiguousarray(gate_up, np.float32), out, ggml_width())
+    _swiglu_rows(np.ascontiguousarray(gate_up, np.float32), out, ggml_width())
     return out
 
 
@@ -220,34 +210,22 @@ def gelu_table() -> np.ndarray:
     return table
 
 
-@numba.njit(inline="always", cache=True)
-def _geglu_row(gate_up, table, out, r):  # type: ignore[no-untyped-def]
-    f = out.shape[1]
-    for i in range(f):
-        x, g = gate_up[r, i], gate_up[r, f + i]
-        if x <= -10.0:
-            out[r, i] = 0.0
-        elif x >= 10.0:
-            out[r, i] = x * g
-        else:
-            out[r, i] = table[_f16_bits(x)] * g
-
-
 @numba.njit(cache=True)
 def _geglu_rows(gate_up, table, out):  # type: ignore[no-untyped-def]
+    f = out.shape[1]
     for r in range(out.shape[0]):
-        _geglu_row(gate_up, table, out, r)
-
-
-@numba.njit(parallel=True, cache=True)
-def _geglu_rows_parallel(gate_up, table, out):  # type: ignore[no-untyped-def]
-    for r in numba.prange(out.shape[0]):
-        _geglu_row(gate_up, table, out, r)
+        for i in range(f):
+            x, g = gate_up[r, i], gate_up[r, f + i]
+            if x <= -10.0:
+                out[r, i] = 0.0
+            elif x >= 10.0:
+                out[r, i] = x * g
+            else:
+                out[r, i] = table[_f16_bits(x)] * g
 
 
 def geglu(gate_up: np.ndarray) -> np.ndarray:
     """gate_up [T, 2F] -> gelu_tanh(gate) * up [T, F] as ggml's `ggml_vec_geglu_f32`."""
     out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
-    rows = _geglu_rows_parallel if len(out) >= PARALLEL_ROWS else _geglu_rows
-    rows(np.ascontiguousarray(gate_up, np.float32), gelu_table(), out)
+    _geglu_rows(np.ascontiguousarray(gate_up, np.float32), gelu_table(), out)
     return out

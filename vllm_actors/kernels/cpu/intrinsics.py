@@ -97,7 +97,7 @@ def prefetch(typingctx, arr, index):
     """Hint the cache line holding element `index` (a flat index) of the C-contiguous `arr`
     into L2 (`prefetcht1`). Into L1 (`prefetcht0`) every streamed line also held one of
     L1's few miss buffers: a SmolLM2 decode's weights streamed at half the bandwidth
-    (docs/BENCHMARKS.md, "Prefetching into L2")."""
+    (docs/BENCHMARKS.md, "Decode overheads, prefetching into L2, ...")."""
     if isinstance(arr, types.Array) and isinstance(index, types.Integer):
         def codegen(context, builder, sig, args):
             ary = context.make_array(sig.args[0])(context, builder, args[0])
