@@ -50,7 +50,7 @@ def test_compare_llamacpp_quick(tmp_path):
 def test_profile_step_counts_every_op():
     done = run_bench(str(BENCH / "profile_step.py"), "--batch", "2", "--context", "24",
                      "--query", "3", "--steps", "1")
-    assert "cpu: batch 2, context 24, query 3" in done.stdout
+    assert "cpu, quantized: batch 2, context 24, query 3" in done.stdout
     ops = {line.split("|")[1].strip() for line in done.stdout.splitlines()
            if line.startswith("| ") and not line.startswith("| op")}
     assert {"linear", "paged_attention", "rope", "add_rms_norm", "lm_head", "(other)"} <= ops
