@@ -10,8 +10,9 @@ backend method is wrapped with a timer; "(other)" is model code between ops. Med
 --steps steps after 2 warm-up steps. On a device backend (--device opencl / cuda) launches
 are asynchronous, so only the step total (which ends by copying logits to the host) is
 reported (the host backends, cpu and numpy, are timed per op). `--gguf-activations` picks
-the GGUF semantics as the engine's flag does (default quantized, with its float16 cache). To compare two versions, run this on both checkouts
-alternately (`PYTHONPATH=<checkout> python bench/profile_step.py ...`): the host is noisy.
+the GGUF semantics as the engine's flag does (default quantized, with its float16 cache).
+To compare two versions, run this on both checkouts alternately
+(`PYTHONPATH=<checkout> python bench/profile_step.py ...`): the host is noisy.
 """
 
 from __future__ import annotations

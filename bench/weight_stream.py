@@ -7,8 +7,8 @@ Every layer's linears, in order, on one row of x (what a single-stream decode st
 without attention or norms), then the LM head, timed apart; the pair repeated --runs times,
 medians. As in a step, the head runs after the layers' weights have passed through the
 caches, so both read their weights from memory: GB/s = the weights' bytes / the time (a head
-timed alone, over and over, would stay in a 32 MiB L3). The bound beside it is `big_model.read_bandwidth` on the same
-threads (numpy OR-reductions over 1 GiB).
+timed alone, over and over, would stay in a 32 MiB L3). The bound beside it is
+`big_model.read_bandwidth` on the same threads (numpy OR-reductions over 1 GiB).
 """
 
 from __future__ import annotations
