@@ -191,15 +191,8 @@ def matmul(w: QuantMatrix, x: activations.Q8Rows, path: str | None = None,
     `KINDS`. `path` forces a SIMD path (default `isa.selected()`). `requests` (the rows of
     each request) changes nothing here: llama.cpp computes these types in one float order
     at every row count (its vec_dot, and llamafile's GEMM for Q4_0/Q5_0/Q8_0 alike)."""
-    kind, planes, dist = w.memo.get("int") or _plan(w)
     m = x.qs.shape[0]
-    group = 1 if m == 1 else GROUP
-    x = pad_rows(x, group)
-    out = np.empty((x.qs.shape[0], w.rows), np.float32)
-    threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
-    fn = body(isa.code(path) if path else isa.selected_code(), kind, group).address
-    gemv(fn, *planes, HALF_LUT, x.qs, x.d, x.s, out, dist, threads, 0, _NO_F32, _NO_F32)
-    return out[:m]
+    return _run(w, pad_rows(x, 1 if m == 1 else GROUP), m, path)
 
 
 def quantizes_inside(w: QuantMatrix, rows: int, requests: Any = None) -> bool:
@@ -215,17 +208,26 @@ def matmul_float(w: QuantMatrix, x: np.ndarray, path: str | None = None,
     row counts: x float32 `[M, K]` is quantized inside `gemv`. `path` as `matmul`'s. The
     same bytes and floats as the two calls, without the quantizer's own call and its
     `Q8Rows` (a few us of Python per linear, much of a decode step's overhead)."""
-    kind, planes, dist = w.memo.get("int") or _plan(w)
     m, k = x.shape
     group = 1 if m == 1 else GROUP
     padded = -(-m // group) * group
-    xq = np.empty((padded, k), np.int8)
-    xf = np.zeros((3, padded, k // 32), np.float32)   # a padding row: scale and sums 0
-    out = np.empty((padded, w.rows), np.float32)
+    scratch = activations.Q8Rows(np.empty((padded, k), np.int8),   # padding rows: all 0
+                                 *np.zeros((3, padded, k // 32), np.float32))
+    return _run(w, scratch, m, path, np.ascontiguousarray(x, np.float32))
+
+
+def _run(w: QuantMatrix, x: activations.Q8Rows, m: int, path: str | None,
+         floats: np.ndarray | None = None) -> np.ndarray:
+    """`gemv` on x's blocks (rows padded to the group) for the first m rows; with `floats`,
+    x is scratch that `gemv` fills from `floats` first."""
+    kind, planes, dist = w.memo.get("int") or _plan(w)
+    out = np.empty((x.qs.shape[0], w.rows), np.float32)
     threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
-    fn = body(isa.code(path) if path else isa.selected_code(), kind, group).address
-    gemv(fn, *planes, HALF_LUT, xq, xf[0], xf[1], out, dist, threads,
-         activations.q8_0_blocks.address, np.ascontiguousarray(x, np.float32), xf[2])
+    fn = body(isa.code(path) if path else isa.selected_code(), kind,
+              1 if m == 1 else GROUP).address
+    quantize = 0 if floats is None else activations.q8_0_blocks.address
+    gemv(fn, *planes, HALF_LUT, x.qs, x.d, x.s, out, dist, threads, quantize,
+         *((_NO_F32, _NO_F32) if floats is None else (floats, x.dsum)))
     return out[:m]
 
 

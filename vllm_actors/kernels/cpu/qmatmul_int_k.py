@@ -309,7 +309,9 @@ def matmul(w: QuantMatrix, x: activations.Q8KRows, path: str | None = None,
     out = np.empty((m, w.rows), np.float32)
     bounds = [0, *(np.flatnonzero(np.diff(kinds)) + 1).tolist(), m]    # spans of one kind
     for start, stop in zip(bounds[:-1], bounds[1:]):
-        out[start:stop] = _run(w, _row_slice(x, start, stop), int(kinds[start]), path)
+        rows = stop - start
+        span = pad_rows(_row_slice(x, start, stop), 1 if rows == 1 else GROUP)
+        out[start:stop] = _run(w, span, rows, int(kinds[start]), path)
     return out
 
 
@@ -355,17 +357,14 @@ def matmul_float(w: QuantMatrix, x: np.ndarray, path: str | None = None,
     rows = activations.Q8KRows(np.empty((padded, k), np.int8),
                                np.zeros((padded, k // 256), np.float32),
                                np.zeros((padded, k // 16), np.int16))   # padding: zero sums
-    return _run(w, rows, kind, path, np.ascontiguousarray(x, np.float32))
+    return _run(w, rows, m, kind, path, np.ascontiguousarray(x, np.float32))
 
 
-def _run(w: QuantMatrix, x: activations.Q8KRows, kind: int, path: str | None,
+def _run(w: QuantMatrix, x: activations.Q8KRows, m: int, kind: int, path: str | None,
          floats: np.ndarray | None = None) -> np.ndarray:
-    """`kind`'s GEMV on x's blocks; with `floats`, x holds scratch for their blocks (its
-    rows padded to the group), which `gemv` fills from `floats` first."""
-    m = x.qs.shape[0] if floats is None else len(floats)
+    """`kind`'s GEMV on x's blocks (rows padded to the group) for the first m rows; with
+    `floats`, x is scratch that `gemv` fills from `floats` first."""
     group = 1 if m == 1 else GROUP
-    if floats is None:
-        x = pad_rows(x, group)
     out = np.empty((x.qs.shape[0], w.rows), np.float32)
     threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
     code = isa.code(path) if path else isa.selected_code()
