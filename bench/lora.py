@@ -4,6 +4,11 @@ with and without an adapter, ours (compiled CPU backend, --enable-lora --max-lor
 llama.cpp's (llama-cpp-python, the same GGUF adapter applied to its whole context).
 
     python bench/lora.py [--runs 3] [--tokens 64] [--rank 16] [--semantics quantized]
+    python bench/lora.py --kernel [--rank 16]
+
+--kernel times only the deltas of one single-stream decode step on SmolLM2's shapes (its 30
+layers' fused qkv, o, gate+up and down linears, one row) in the compiled backend's kernel,
+after streaming 96 MB as the base model's weights do between them, median of 40 steps.
 
 The adapters are GGUF LoRA files written with gguf-py (`tests/tiny_lora.write_gguf_adapter`)
 on SmolLM2. One engine serves every case; the rounds alternate the cases (the machine is
@@ -52,6 +57,42 @@ def llamacpp(model: str, adapter: str | None, tokens: int) -> float:
     return out["usage"]["completion_tokens"] / elapsed
 
 
+def kernel_step(rank: int, steps: int = 40) -> float:
+    """ms of one decode step's LoRA deltas at SmolLM2's shapes, caches flushed first."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from vllm_actors.kernels.ggml_matmul_f32 import pack
+    from vllm_actors.kernels.lora_ops import lora_add_ggml
+    rng = np.random.default_rng(0)
+
+    def linear(k: int, widths: list[int]) -> SimpleNamespace:
+        cols = np.cumsum([0] + widths)
+        meta = np.array([(p * rank, rank, cols[p], n, cols[p]) for p, n in enumerate(widths)],
+                        np.int64)
+        a, b_t, meta = pack(rng.standard_normal((rank * len(widths), k), np.float32),
+                            rng.standard_normal((rank, sum(widths)), np.float32), meta)
+        return SimpleNamespace(a=a, b_t=b_t, meta=meta, work=rank * (len(widths) * k + cols[-1]),
+                               scales=np.ones(len(widths), np.float32))
+
+    shapes = [(576, [576, 192, 192]), (576, [576]), (576, [1536, 1536]), (1536, [576])]
+    # x and y hot in cache, as a step's activations are; the adapters' weights streamed
+    layers = [[(np.ones((1, k), np.float32), np.zeros((1, sum(w)), np.float32))
+               for k, w in shapes]] * 30
+    layers = [[(x, y, linear(k, w)) for (x, y), (k, w) in zip(row, shapes)] for row in layers]
+    flush, rows, alone = np.ones(96 << 18, np.float32), np.zeros(1, np.int64), np.ones(1, bool)
+    times = []
+    for _ in range(steps + 3):
+        flush.sum()
+        start = time.perf_counter()
+        for layer in layers:
+            for x, y, lora in layer:
+                lora_add_ggml(y, x, rows, lora, alone)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times[3:])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
@@ -59,7 +100,12 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--semantics", default="quantized", choices=("quantized", "float32"))
     parser.add_argument("--no-llamacpp", action="store_true")
+    parser.add_argument("--kernel", action="store_true")
     args = parser.parse_args()
+    if args.kernel:
+        print(f"one decode step's deltas (rank {args.rank}, SmolLM2 shapes): "
+              f"{kernel_step(args.rank):.3f} ms")
+        return
     model = str(default_model_path())
     results: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from vllm_actors.kernels.ggml_matmul_f32 import (SERIAL_MAX_WORK, lora_delta_parallel,
-                                                  lora_delta_serial)
+                                                  lora_delta_serial, pack)
 
 
 def lora_add(y: np.ndarray, x: np.ndarray, rows: np.ndarray | None, lora: Any) -> np.ndarray:
@@ -37,19 +37,19 @@ def lora_add(y: np.ndarray, x: np.ndarray, rows: np.ndarray | None, lora: Any) -
 def warm_up_lora() -> None:
     """Compile the LoRA kernels (both thread variants) before the first request needs them."""
     x = np.zeros((2, 16), np.float32)
-    a, b_t = np.zeros((16, 16), np.float32), np.zeros((16, 16), np.float32)
-    parts = np.array([[0, 16, 0, 16, 0]], np.int64)
+    a_t, tiles, parts = pack(np.zeros((16, 16), np.float32), np.zeros((16, 16), np.float32),
+                             np.array([[0, 16, 0, 16, 0]], np.int64))
     for kernel in (lora_delta_serial, lora_delta_parallel):
-        kernel(np.zeros((2, 16), np.float32), x, np.arange(2, dtype=np.int64), a, b_t, parts,
-               np.ones(1, np.float32), np.zeros(2, np.bool_))
+        kernel(np.zeros((2, 16), np.float32), x, np.arange(2, dtype=np.int64), a_t, tiles,
+               parts, np.ones(1, np.float32), np.zeros(2, np.bool_))
 
 
 def lora_add_ggml(y: np.ndarray, x: np.ndarray, rows: np.ndarray, lora: Any,
                   alone: np.ndarray) -> np.ndarray:
-    """`lora_add` in one compiled call (`ggml_matmul_f32._lora_delta`), both products in
-    llama.cpp's float order; rows: int64 token rows; alone: bool [T], each row its request's
-    only row in the step. On the calling thread when small (waking the threads for two
-    parallel loops costs about 20 us)."""
+    """`lora_add` in one compiled call (`ggml_matmul_f32._lora_delta`, `lora` in the
+    layout of `ggml_matmul_f32.pack`), both products in llama.cpp's float order; rows: int64
+    token rows; alone: bool [T], each row its request's only row in the step. On the calling
+    thread when small (waking the threads for two parallel loops costs about 20 us)."""
     small = len(rows) * lora.work <= SERIAL_MAX_WORK
     kernel = lora_delta_serial if small else lora_delta_parallel
     kernel(y, np.ascontiguousarray(x, dtype=np.float32), rows, lora.a, lora.b_t, lora.meta,

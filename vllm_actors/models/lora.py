@@ -38,7 +38,9 @@ class LinearLoRA:
     its scale). For one-call kernels that run along the outputs, the parts' B transposed:
     `b_t` [largest r, sum of n] (each part's B, zero-padded), `meta`
     int64 [P, 5] (first rank row, rank, first column, n, first column in b_t), `scales`
-    float32 [P], and `work`, the multiply-adds per row."""
+    float32 [P], and `work`, the multiply-adds per row. A backend with a `pack_lora` keeps
+    `a`, `b_t` and `meta` in its own layout instead (the compiled CPU backend:
+    `ggml_matmul_f32.pack`)."""
 
     a: Any
     parts: tuple[tuple[Any, int, int, float], ...]
@@ -194,10 +196,13 @@ def _stack(model: Any, linear: str, parts: list[tuple[int, np.ndarray, np.ndarra
         meta.append((r0, a.shape[0], int(offsets[index]), b.shape[0], b0))
         r0 += a.shape[0]
         b0 += b.shape[0]
-    a = np.concatenate(a_rows, axis=0)
-    return LinearLoRA(backend.upload_array(a), tuple(out),
-                      backend.upload_array(np.ascontiguousarray(b_cat.T)),
-                      np.array(meta, np.int64), np.array([p[3] for p in parts], np.float32),
+    a, b_t, meta = np.concatenate(a_rows, axis=0), np.ascontiguousarray(b_cat.T), \
+        np.array(meta, np.int64)
+    pack = getattr(backend, "pack_lora", None)
+    if pack is not None:
+        a, b_t, meta = pack(a, b_t, meta)
+    return LinearLoRA(backend.upload_array(a), tuple(out), backend.upload_array(b_t), meta,
+                      np.array([p[3] for p in parts], np.float32),
                       a.size + sum(b.size for _, _, b, _ in parts))
 
 

@@ -34,6 +34,7 @@ from vllm_actors.kernels.cpu import (
     qmatmul_layout,
     threads,
 )
+from vllm_actors.kernels.ggml_matmul_f32 import pack as pack_lora
 from vllm_actors.kernels.lora_ops import lora_add_ggml, warm_up_lora
 from vllm_actors.kernels.numpy_attention import encoder_attention
 from vllm_actors.kernels.numpy_backend import NumpyBackend, available_host_memory
@@ -281,6 +282,7 @@ class CpuBackend:
         return y
 
     warm_up_lora = staticmethod(warm_up_lora)
+    pack_lora = staticmethod(pack_lora)
 
     def lora_add(self, y: np.ndarray, x: np.ndarray, rows: np.ndarray | None, lora: Any,
                  ggml: bool = False) -> np.ndarray:
