@@ -20,17 +20,17 @@ from vllm_actors.kernels.ggml_matmul_f32 import (SERIAL_MAX_WORK, lora_delta_par
 
 def lora_add(y: np.ndarray, x: np.ndarray, rows: np.ndarray | None, lora: Any) -> np.ndarray:
     """y [T, N] plus the adapter's delta on `rows` (indices into T; None: every row), in
-    place, through BLAS; returns y. lora: a `models.lora.LinearLoRA` (a: [R, K] stacked A
-    of the parts; parts: (B [n, r], first rank row in a, first output column, scale))."""
+    place, through BLAS; returns y. lora: a `models.lora.LinearLoRA` in its plain layout
+    (a: [R, K] stacked A of the parts; each part's B transposed in b_t's columns)."""
     xs = x if rows is None else x[rows]
     xa = xs @ lora.a.T                                      # [rows, R]
-    for b, r0, col, scale in lora.parts:
-        delta = xa[:, r0:r0 + b.shape[1]] @ b.T
-        delta *= np.float32(scale)
+    for (r0, r, col, n, b0), scale in zip(lora.meta.tolist(), lora.scales):
+        delta = xa[:, r0:r0 + r] @ lora.b_t[:r, b0:b0 + n]
+        delta *= scale
         if rows is None:
-            y[:, col:col + b.shape[0]] += delta
+            y[:, col:col + n] += delta
         else:
-            y[rows, col:col + b.shape[0]] += delta
+            y[rows, col:col + n] += delta
     return y
 
 

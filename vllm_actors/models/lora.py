@@ -34,16 +34,13 @@ _UNGATED = {"ffn_up": ("gate_up", 0), "ffn_down": ("down", 0)}
 @dataclass(frozen=True)
 class LinearLoRA:
     """One adapter on one (maybe fused) linear: `a` [sum of ranks, K] (the parts' A
-    stacked), and per part (B [n, r], its first rank row in `a`, its first output column,
-    its scale). For one-call kernels that run along the outputs, the parts' B transposed:
-    `b_t` [largest r, sum of n] (each part's B, zero-padded), `meta`
-    int64 [P, 5] (first rank row, rank, first column, n, first column in b_t), `scales`
-    float32 [P], and `work`, the multiply-adds per row. A backend with a `pack_lora` keeps
-    `a`, `b_t` and `meta` in its own layout instead (the compiled CPU backend:
-    `ggml_matmul_f32.pack`)."""
+    stacked), the parts' B transposed side by side in `b_t` [largest r, sum of n]
+    (zero-padded), `meta` int64 [P, 5] per part (first rank row in `a`, rank, first output
+    column, n, first column in b_t), `scales` float32 [P], and `work`, the multiply-adds per
+    row. A backend with a `pack_lora` keeps `a`, `b_t` and `meta` in its own layout instead
+    (the compiled CPU backend: `ggml_matmul_f32.pack`)."""
 
     a: Any
-    parts: tuple[tuple[Any, int, int, float], ...]
     b_t: Any
     meta: Any
     scales: Any
@@ -188,10 +185,9 @@ def _stack(model: Any, linear: str, parts: list[tuple[int, np.ndarray, np.ndarra
     parts = sorted(parts, key=lambda p: p[0])
     width = max(b.shape[1] for _, _, b, _ in parts)
     b_cat = np.zeros((sum(b.shape[0] for _, _, b, _ in parts), width), np.float32)
-    a_rows, out, meta, r0, b0 = [], [], [], 0, 0
-    for index, a, b, scale in parts:
+    a_rows, meta, r0, b0 = [], [], 0, 0
+    for index, a, b, _ in parts:
         a_rows.append(a)
-        out.append((backend.upload_array(b), r0, int(offsets[index]), float(scale)))
         b_cat[b0:b0 + b.shape[0], :b.shape[1]] = b
         meta.append((r0, a.shape[0], int(offsets[index]), b.shape[0], b0))
         r0 += a.shape[0]
@@ -201,7 +197,7 @@ def _stack(model: Any, linear: str, parts: list[tuple[int, np.ndarray, np.ndarra
     pack = getattr(backend, "pack_lora", None)
     if pack is not None:
         a, b_t, meta = pack(a, b_t, meta)
-    return LinearLoRA(backend.upload_array(a), tuple(out), backend.upload_array(b_t), meta,
+    return LinearLoRA(backend.upload_array(a), backend.upload_array(b_t), meta,
                       np.array([p[3] for p in parts], np.float32),
                       a.size + sum(b.size for _, _, b, _ in parts))
 
