@@ -4,13 +4,15 @@ with and without an adapter, ours (compiled CPU backend, --enable-lora --max-lor
 llama.cpp's (llama-cpp-python, the same GGUF adapter applied to its whole context).
 
     python bench/lora.py [--runs 3] [--tokens 64] [--rank 16] [--semantics quantized]
-    python bench/lora.py --kernel [--rank 16]
+                         [--dtype F32|F16]
+    python bench/lora.py --kernel [--rank 16] [--dtype F32|F16]
 
 --kernel times only the deltas of one single-stream decode step on SmolLM2's shapes (its 30
 layers' fused qkv, o, gate+up and down linears, one row) in the compiled backend's kernel,
 after streaming 96 MB as the base model's weights do between them, median of 40 steps.
 
-The adapters are GGUF LoRA files written with gguf-py (`tests/tiny_lora.write_gguf_adapter`)
+The adapters are GGUF LoRA files (F32, or F16 as `convert_lora_to_gguf.py` writes by
+default) written with gguf-py (`tests/tiny_lora.write_gguf_adapter`)
 on SmolLM2. One engine serves every case; the rounds alternate the cases (the machine is
 shared and noisy; medians are reported, with every run). Greedy decoding with ignore_eos, so
 every request generates --tokens tokens; throughput = generated tokens / wall time.
@@ -57,7 +59,7 @@ def llamacpp(model: str, adapter: str | None, tokens: int) -> float:
     return out["usage"]["completion_tokens"] / elapsed
 
 
-def kernel_step(rank: int, steps: int = 40) -> float:
+def kernel_step(rank: int, half: bool, steps: int = 40) -> float:
     """ms of one decode step's LoRA deltas at SmolLM2's shapes, caches flushed first."""
     from types import SimpleNamespace
 
@@ -72,7 +74,7 @@ def kernel_step(rank: int, steps: int = 40) -> float:
         meta = np.array([(p * rank, rank, cols[p], n, cols[p]) for p, n in enumerate(widths)],
                         np.int64)
         a, b_t, meta = pack(rng.standard_normal((rank * len(widths), k), np.float32),
-                            rng.standard_normal((rank, sum(widths)), np.float32), meta)
+                            rng.standard_normal((rank, sum(widths)), np.float32), meta, half)
         return SimpleNamespace(a=a, b_t=b_t, meta=meta, work=rank * (len(widths) * k + cols[-1]),
                                scales=np.ones(len(widths), np.float32))
 
@@ -88,7 +90,7 @@ def kernel_step(rank: int, steps: int = 40) -> float:
         start = time.perf_counter()
         for layer in layers:
             for x, y, lora in layer:
-                lora_add_ggml(y, x, rows, lora, alone)
+                lora_add_ggml(y, x, rows, lora, alone, half)
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times[3:])
 
@@ -101,16 +103,18 @@ def main() -> None:
     parser.add_argument("--semantics", default="quantized", choices=("quantized", "float32"))
     parser.add_argument("--no-llamacpp", action="store_true")
     parser.add_argument("--kernel", action="store_true")
+    parser.add_argument("--dtype", default="F32", choices=("F32", "F16"))
     args = parser.parse_args()
     if args.kernel:
-        print(f"one decode step's deltas (rank {args.rank}, SmolLM2 shapes): "
-              f"{kernel_step(args.rank):.3f} ms")
+        print(f"one decode step's deltas (rank {args.rank}, {args.dtype}, SmolLM2 shapes): "
+              f"{kernel_step(args.rank, args.dtype == 'F16'):.3f} ms")
         return
     model = str(default_model_path())
     results: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         paths = [write_gguf_adapter(Path(tmp) / f"a{i}.gguf", SMOLLM2_SHAPES, rank=args.rank,
-                                    alpha=float(args.rank), seed=i) for i in range(1, 5)]
+                                    alpha=float(args.rank), seed=i, dtype=args.dtype)
+                 for i in range(1, 5)]
         loras = [LoRARequest(f"a{i}", i, str(p)) for i, p in enumerate(paths, 1)]
         cases = {"batch16 base": (16, []), "batch16 4 adapters": (16, loras),
                  "single base": (1, []), "single adapter": (1, loras[:1])}

@@ -118,10 +118,12 @@ def attach(model, adapter: Path, name: str = "a", max_rank: int = 64):
 
 def write_gguf_adapter(path: Path, hf_shapes: dict[str, tuple[int, int]], arch: str = "llama",
                        num_layers: int = 30, rank: int = 8, alpha: float = 16.0,
-                       seed: int = 1, targets: tuple[str, ...] = ATTN_MLP) -> Path:
+                       seed: int = 1, targets: tuple[str, ...] = ATTN_MLP,
+                       dtype: str = "F32") -> Path:
     """A llama.cpp LoRA adapter (general.type = adapter, `blk.N.<name>.weight.lora_a` /
-    `lora_b`, F32) over the linears of `hf_shapes`, written with gguf-py; random values,
-    so their rows are simply in the GGUF base's order."""
+    `lora_b`, F32 or F16 as `convert_lora_to_gguf.py` writes by default) over the linears of
+    `hf_shapes`, written with gguf-py; random values, so their rows are simply in the GGUF
+    base's order."""
     import gguf
 
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, num_layers)
@@ -132,7 +134,8 @@ def write_gguf_adapter(path: Path, hf_shapes: dict[str, tuple[int, int]], arch: 
     for hf_name, tensors in peft_tensors(hf_shapes, targets, rank, seed * 1000).items():
         module, ab = hf_name.removeprefix("base_model.model.").rsplit(".lora_", 1)
         base = name_map.get_name(module + ".weight", try_suffixes=(".weight",))
-        writer.add_tensor(f"{base}.lora_{ab[0].lower()}", tensors)
+        writer.add_tensor(f"{base}.lora_{ab[0].lower()}",
+                          tensors.astype(np.float16) if dtype == "F16" else tensors)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

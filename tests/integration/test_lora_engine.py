@@ -102,21 +102,28 @@ def llamacpp_spread_bound() -> float:
                for config, run in case.items() if "flash_attn" not in config)
 
 
-def test_gguf_adapter_gives_llamacpp_tokens(smollm2_path, tmp_path):
-    """A llama.cpp GGUF adapter under the default semantics: llama.cpp's greedy tokens with
-    the same adapter loaded (tests/oracle/make_llamacpp_lora_golden.py), a difference
-    allowed only at a margin below llama.cpp's own spread."""
-    golden = json.loads((GOLDEN / "llamacpp_smollm2_lora.json").read_text())
-    adapter = write_gguf_adapter(tmp_path / "adapter.gguf", SMOLLM2_SHAPES,
-                                 **SMOLLM2_GGUF_LORA)
+def test_gguf_adapters_give_llamacpp_tokens(smollm2_path, tmp_path):
+    """llama.cpp GGUF adapters, F32 and F16 (`convert_lora_to_gguf.py`'s default), under the
+    default semantics, side by side in one batch: llama.cpp's greedy tokens with the same
+    adapter loaded (tests/oracle/make_llamacpp_lora_golden.py), a difference allowed only at
+    a margin below llama.cpp's own spread."""
+    cases, loras = [], []
+    for lora_id, (dtype, name) in enumerate((("F32", "llamacpp_smollm2_lora.json"),
+                                             ("F16", "llamacpp_smollm2_lora_f16.json")), 1):
+        golden = json.loads((GOLDEN / name).read_text())
+        adapter = write_gguf_adapter(tmp_path / f"{dtype}.gguf", SMOLLM2_SHAPES,
+                                     **SMOLLM2_GGUF_LORA, dtype=dtype)
+        cases += [(dtype, c) for c in golden["cases"]]
+        loras += [LoRARequest(dtype, lora_id, str(adapter))] * len(golden["cases"])
     bound = llamacpp_spread_bound()
-    with LLM(str(smollm2_path), device="cpu", enable_lora=True, max_model_len=256,
-             num_gpu_blocks_override=NUM_BLOCKS) as llm:
-        outs = llm.generate([{"prompt_token_ids": c["prompt_token_ids"]}
-                             for c in golden["cases"]], greedy(32),
-                            lora_request=LoRARequest("gguf", 1, str(adapter)))
-    for case, out in zip(golden["cases"], outs):
+    # blocks for all 12 at once: a preempted request's recomputed tokens would take the
+    # multi-row order, which llama.cpp, decoding them one by one, never used
+    with LLM(str(smollm2_path), device="cpu", enable_lora=True, max_loras=2,
+             max_model_len=256, num_gpu_blocks_override=96) as llm:
+        outs = llm.generate([{"prompt_token_ids": c["prompt_token_ids"]} for _, c in cases],
+                            greedy(32), lora_request=loras)
+    for (dtype, case), out in zip(cases, outs):
         got, want = out.outputs[0].token_ids, case["tokens"]
         first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
-        assert first is None or case["top2_margins"][first] < bound, (case["name"], first,
-                                                                      bound)
+        assert first is None or case["top2_margins"][first] < bound, (dtype, case["name"],
+                                                                      first, bound)

@@ -3,15 +3,17 @@ tests/tiny_lora.py's `write_gguf_adapter` with gguf-py, SMOLLM2_GGUF_LORA), load
 llama-cpp-python's adapter API at scale 1. Run by hand:
 
     pip install -e ".[oracle]"
-    python tests/oracle/make_llamacpp_lora_golden.py
+    python tests/oracle/make_llamacpp_lora_golden.py [--dtype F32|F16]
 
-Writes tests/golden/llamacpp_smollm2_lora.json: per case of the llama.cpp SmolLM2 goldens
-in CASES, 32 greedy tokens and their top-2 margins, with llama.cpp's default settings
-(those of make_llamacpp_golden.py).
+Writes tests/golden/llamacpp_smollm2_lora.json (F32 adapter weights) or
+llamacpp_smollm2_lora_f16.json (F16, `convert_lora_to_gguf.py`'s default): per case of the
+llama.cpp SmolLM2 goldens in CASES, 32 greedy tokens and their top-2 margins, with llama.cpp's
+default settings (those of make_llamacpp_golden.py).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import tempfile
@@ -26,7 +28,8 @@ from make_llamacpp_golden import (DEFAULT, decode, last_logits, load_model,  # n
                                   model_path, new_context, oracle_string, top2_margin)
 from tiny_lora import SMOLLM2_GGUF_LORA, SMOLLM2_SHAPES, write_gguf_adapter  # noqa: E402
 
-GOLDEN = ROOT / "tests" / "golden" / "llamacpp_smollm2_lora.json"
+GOLDEN = {"F32": ROOT / "tests" / "golden" / "llamacpp_smollm2_lora.json",
+          "F16": ROOT / "tests" / "golden" / "llamacpp_smollm2_lora_f16.json"}
 CASES = ("chat_capital", "chat_german", "plain_primes", "plain_arith", "plain_japanese",
          "plain_emoji")
 STEPS = 32
@@ -50,15 +53,18 @@ def greedy(model, adapter, prompt: list[int], n_vocab: int) -> tuple[list[int], 
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="F32", choices=sorted(GOLDEN))
+    dtype = parser.parse_args().dtype
     L.llama_backend_init()
     cases = {c["name"]: c for c in json.loads(
-        (GOLDEN.parent / "llamacpp_smollm2_greedy.json").read_text())["cases"]}
+        (GOLDEN["F32"].parent / "llamacpp_smollm2_greedy.json").read_text())["cases"]}
     model = load_model(model_path("smollm2"))
     n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         path = write_gguf_adapter(Path(tmp) / "adapter.gguf", SMOLLM2_SHAPES,
-                                  **SMOLLM2_GGUF_LORA)
+                                  **SMOLLM2_GGUF_LORA, dtype=dtype)
         adapter = L.llama_adapter_lora_init(model, str(path).encode())
         if not adapter:
             sys.exit("llama.cpp could not load the adapter")
@@ -68,9 +74,10 @@ def main() -> None:
             out.append({"name": name, "prompt_token_ids": prompt, "tokens": tokens,
                         "top2_margins": margins})
             print(f"{name}: {tokens[:8]}..., min margin {min(margins):.3g}")
-    GOLDEN.write_text(json.dumps({"oracle": oracle_string(), "adapter": SMOLLM2_GGUF_LORA,
-                                  "cases": out}, indent=1))
-    print(f"wrote {GOLDEN}")
+    info = SMOLLM2_GGUF_LORA if dtype == "F32" else {**SMOLLM2_GGUF_LORA, "dtype": dtype}
+    GOLDEN[dtype].write_text(json.dumps({"oracle": oracle_string(), "adapter": info,
+                                         "cases": out}, indent=1))
+    print(f"wrote {GOLDEN[dtype]}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,11 @@
-"""float32 x float32 products in llama.cpp's CPU order: the LoRA deltas of the compiled
-backend (`_lora_delta`), exact under the quantized GGUF semantics (a GGUF adapter's A and B
-are F32; `ggml_mul_mat` multiplies them with float32 inputs, vec_dot_type F32).
+"""float32 and float16 products in llama.cpp's CPU order: the LoRA deltas of the compiled
+backend (`_lora_delta`), exact under the quantized GGUF semantics. A GGUF adapter's A and B
+are F32 or F16. `ggml_mul_mat` multiplies F32 weights with float32 inputs. For F16 weights
+it first rounds the input to float16 (vec_dot_type F16; for B, A's float32 output), then
+goes the same two ways with float32 lanes, except that `ggml_vec_dot_f16` adds its leftovers
+in float64. (llama-cpp-python 0.3.36's tinyBLAS multiplies F16 by F16; newer ggml releases
+give it the float32 input unrounded. Rounding only in vec_dot parts from 0.3.36's tokens on
+the F16 adapter golden at step 7, margin 0.125.)
 
 - A request with two rows or more in the step and a contraction that is a multiple of 16:
   llamafile's tinyBLAS (ggml tries it first; it leaves one-row products to ggml), one fused
@@ -22,7 +27,10 @@ import types
 import numba
 import numpy as np
 from numba import prange
+from numba.core import types as nbtypes
+from numba.extending import overload
 
+from vllm_actors.kernels.cpu.attention_math import f32_to_half, read_half
 from vllm_actors.kernels.cpu.intrinsics import fma_f32
 
 LANES = 16
@@ -30,19 +38,27 @@ OUT_BLOCK = 256     # outputs of B per task: a block of B (rank x 256 floats) st
 SERIAL_MAX_WORK = 150_000    # multiply-adds below which one thread is faster (bench: 135k, 172k)
 
 
-@numba.njit(inline="always", cache=True)
-def _reduce16(acc):  # type: ignore[no-untyped-def]
-    t0 = acc[8] + acc[0]
-    t1 = acc[9] + acc[1]
-    t2 = acc[10] + acc[2]
-    t3 = acc[11] + acc[3]
-    t4 = acc[12] + acc[4]
-    t5 = acc[13] + acc[5]
-    t6 = acc[14] + acc[6]
-    t7 = acc[15] + acc[7]
-    u0, u1, u2, u3 = t4 + t0, t5 + t1, t6 + t2, t7 + t3
-    v0, v1 = u0 + u2, u1 + u3
-    return v0 + v1
+def _weight(v):  # type: ignore[no-untyped-def]
+    """A stored weight as float32: float32 as is, float16 bits (uint16) converted."""
+    raise NotImplementedError("numba only")
+
+
+@overload(_weight, inline="always")
+def _weight_impl(v):  # type: ignore[no-untyped-def]
+    if isinstance(v, nbtypes.Float):
+        return lambda v: v
+    return lambda v: read_half(v)
+
+
+def _is_half(wt):  # type: ignore[no-untyped-def]
+    """Whether `wt` holds float16 bits: a constant where compiled."""
+    raise NotImplementedError("numba only")
+
+
+@overload(_is_half, inline="always")
+def _is_half_impl(wt):  # type: ignore[no-untyped-def]
+    half = isinstance(wt.dtype, nbtypes.Integer)
+    return lambda wt: half
 
 
 @numba.njit(inline="always", cache=True)
@@ -63,7 +79,7 @@ def _dots(x, xi, wt, w0, c0, k, n, alone, acc, out):  # type: ignore[no-untyped-
                 w_row = wt[w0 + start + lane, c0:c0 + n]
                 acc_row = acc[lane]
                 for j in range(n):
-                    acc_row[j] = fma_f32(xv, w_row[j], acc_row[j])
+                    acc_row[j] = fma_f32(xv, _weight(w_row[j]), acc_row[j])
         _reduce_lanes(acc, n, out)
         return
     whole = k - k % 64
@@ -81,13 +97,25 @@ def _dots(x, xi, wt, w0, c0, k, n, alone, acc, out):  # type: ignore[no-untyped-
                 w_row = wt[w0 + start + a, c0:c0 + n]
                 acc_row = acc[a]
                 for j in range(n):
-                    acc_row[j] = fma_f32(xv, w_row[j], acc_row[j])
+                    acc_row[j] = fma_f32(xv, _weight(w_row[j]), acc_row[j])
         for lane in range(LANES):
             a0, a1, a2, a3 = acc[lane], acc[LANES + lane], acc[2 * LANES + lane], \
                 acc[3 * LANES + lane]
             for j in range(n):
                 a0[j] = (a0[j] + a2[j]) + (a1[j] + a3[j])
         _reduce_lanes(acc, n, out)
+    if _is_half(wt):        # ggml_vec_dot_f16: the leftovers in float64 (exact products)
+        total = np.empty(n, np.float64)
+        for j in range(n):
+            total[j] = np.float64(out[j])
+        for i in range(whole, k):
+            xv = x[xi + i]
+            w_row = wt[w0 + i, c0:c0 + n]
+            for j in range(n):
+                total[j] += np.float64(xv * _weight(w_row[j]))
+        for j in range(n):
+            out[j] = np.float32(total[j])
+        return
     for i in range(whole, k):
         xv = x[xi + i]
         w_row = wt[w0 + i, c0:c0 + n]
@@ -111,19 +139,23 @@ def _reduce_lanes(acc, n, out):  # type: ignore[no-untyped-def]
         out[j] = (u0 + u2) + (u1 + u3)
 
 
-def _lora_delta(y, x, rows, a_t, tiles, parts, scales, alone):  # type: ignore[no-untyped-def]
+def _lora_delta(y, x, rows, a_t, tiles, parts, scales, alone, round_x):  # type: ignore[no-untyped-def]
     """y[t, col:col+n] += scale * (B . (A[r0:r0+r] . x[t])) for each row t in `rows` and each
     part (r0, r, col, n, tile0) of `parts` [P, 5], in the layout of `pack`: A transposed
     (a_t [K, sum of ranks]) and each part's B in tiles of OUT_BLOCK outputs from tiles[tile0]
-    on. Both products run along their outputs in ggml's order for a row whose request has
-    `alone[t]` one row in the step (see the module); the scaled product rounded, then added,
-    as `ggml_add(res, ggml_scale(...))`. The B products run in tasks of one tile over every
+    on, float32 or float16 bits. Both products run along their outputs in ggml's order for a
+    row whose request has `alone[t]` one row in the step (see the module), with their inputs
+    rounded to float16 first where `round_x`; the scaled product rounded, then added, as
+    `ggml_add(res, ggml_scale(...))`. The B products run in tasks of one tile over every
     row, so a tile is read from memory once per step, as one contiguous run."""
     k, num_ranks = a_t.shape
     xa = np.empty((rows.shape[0], num_ranks), np.float32)
     for ii in prange(rows.shape[0]):
         acc = np.empty((4 * LANES, num_ranks), np.float32)
-        _dots(x[rows[ii]], 0, a_t, 0, 0, k, num_ranks, alone[rows[ii]], acc, xa[ii])
+        xr = x[rows[ii]]
+        if round_x:
+            xr = _half_rounded(xr)
+        _dots(xr, 0, a_t, 0, 0, k, num_ranks, alone[rows[ii]], acc, xa[ii])
     starts = np.zeros(parts.shape[0] + 1, np.int64)
     for p in range(parts.shape[0]):
         starts[p + 1] = starts[p] + (parts[p, 3] + OUT_BLOCK - 1) // OUT_BLOCK
@@ -137,16 +169,30 @@ def _lora_delta(y, x, rows, a_t, tiles, parts, scales, alone):  # type: ignore[n
         delta = np.empty(OUT_BLOCK, np.float32)
         for ii in range(rows.shape[0]):
             t = rows[ii]
-            _dots(xa[ii], r0, wt, 0, 0, r, m, alone[t], acc, delta)
+            xr = xa[ii]
+            if round_x:
+                xr = _half_rounded(xr)
+            _dots(xr, r0, wt, 0, 0, r, m, alone[t], acc, delta)
             for j in range(m):
                 y[t, col + j0 + j] += delta[j] * scales[p]
 
 
-def pack(a: np.ndarray, b_t: np.ndarray, meta: np.ndarray
+@numba.njit(inline="always", cache=True)
+def _half_rounded(x):  # type: ignore[no-untyped-def]
+    """A copy of x with each value rounded to the nearest float16 (ties to even), as ggml
+    converts a matmul's float32 input for F16 weights."""
+    out = np.empty(x.shape[0], np.float32)
+    for i in range(x.shape[0]):
+        out[i] = read_half(f32_to_half(x[i]))
+    return out
+
+
+def pack(a: np.ndarray, b_t: np.ndarray, meta: np.ndarray, half: bool = False
          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The layout `_lora_delta` streams: A [sum of ranks, K] transposed, and each part's B
     (b_t [largest rank, sum of n], part p's at columns meta[p, 4]:) cut into zero-padded
     tiles [largest rank, OUT_BLOCK]; meta's last column becomes each part's first tile.
+    `half` (every value a float16 one): both stored as float16 bits, half the bytes to read.
     Both products then read one contiguous run each (as columns of b_t, a tile was 16 runs of
     1 KB, which the hardware prefetchers followed poorly: 1.8-2.3 -> 1.6-1.9 ms a SmolLM2
     token at rank 16, docs/BENCHMARKS.md)."""
@@ -158,7 +204,10 @@ def pack(a: np.ndarray, b_t: np.ndarray, meta: np.ndarray
             m = min(OUT_BLOCK, n - j0)
             tile[:, :m] = b_t[:, b0 + j0:b0 + j0 + m]
             tiles.append(tile)
-    return np.ascontiguousarray(a.T), np.stack(tiles), out
+    a_t, tiles = np.ascontiguousarray(a.T), np.stack(tiles)
+    if half:
+        a_t, tiles = (w.astype(np.float16).view(np.uint16) for w in (a_t, tiles))
+    return a_t, tiles, out
 
 
 def _named(name: str) -> types.FunctionType:

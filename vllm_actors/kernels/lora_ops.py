@@ -37,21 +37,24 @@ def lora_add(y: np.ndarray, x: np.ndarray, rows: np.ndarray | None, lora: Any) -
 def warm_up_lora() -> None:
     """Compile the LoRA kernels (both thread variants) before the first request needs them."""
     x = np.zeros((2, 16), np.float32)
-    a_t, tiles, parts = pack(np.zeros((16, 16), np.float32), np.zeros((16, 16), np.float32),
-                             np.array([[0, 16, 0, 16, 0]], np.int64))
-    for kernel in (lora_delta_serial, lora_delta_parallel):
-        kernel(np.zeros((2, 16), np.float32), x, np.arange(2, dtype=np.int64), a_t, tiles,
-               parts, np.ones(1, np.float32), np.zeros(2, np.bool_))
+    for half in (False, True):      # float32 and float16 weights
+        a_t, tiles, parts = pack(np.zeros((16, 16), np.float32),
+                                 np.zeros((16, 16), np.float32),
+                                 np.array([[0, 16, 0, 16, 0]], np.int64), half)
+        for kernel in (lora_delta_serial, lora_delta_parallel):
+            kernel(np.zeros((2, 16), np.float32), x, np.arange(2, dtype=np.int64), a_t, tiles,
+                   parts, np.ones(1, np.float32), np.zeros(2, np.bool_), half)
 
 
 def lora_add_ggml(y: np.ndarray, x: np.ndarray, rows: np.ndarray, lora: Any,
-                  alone: np.ndarray) -> np.ndarray:
+                  alone: np.ndarray, round_x: bool = False) -> np.ndarray:
     """`lora_add` in one compiled call (`ggml_matmul_f32._lora_delta`, `lora` in the
     layout of `ggml_matmul_f32.pack`), both products in llama.cpp's float order; rows: int64
-    token rows; alone: bool [T], each row its request's only row in the step. On the calling
-    thread when small (waking the threads for two parallel loops costs about 20 us)."""
+    token rows; alone: bool [T], each row its request's only row in the step; round_x: F16
+    weights under llama.cpp's semantics (its vec_dot rounds their inputs to float16). On the
+    calling thread when small (waking the threads for two parallel loops costs about 20 us)."""
     small = len(rows) * lora.work <= SERIAL_MAX_WORK
     kernel = lora_delta_serial if small else lora_delta_parallel
     kernel(y, np.ascontiguousarray(x, dtype=np.float32), rows, lora.a, lora.b_t, lora.meta,
-           lora.scales, alone)
+           lora.scales, alone, round_x)
     return y

@@ -149,7 +149,8 @@ class NumpyBackend:
     @staticmethod
     def lora_add(y: np.ndarray, x: np.ndarray, rows: np.ndarray | None, lora: object,
                  ggml: bool = False) -> np.ndarray:
-        """The reference: BLAS's float order under either semantics (`lora_ops`)."""
+        """The reference: BLAS's float order on float32 inputs under either semantics
+        (`lora_ops`; llama.cpp's F16 input rounding is the compiled backend's)."""
         return lora_add(y, x, rows, lora)
 
     def __init__(self) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from gguf import get_tensor_name_map
+from gguf import GGMLQuantizationType, get_tensor_name_map
 
 from vllm_actors.errors import ValidationError
 from vllm_actors.kernels import quant
@@ -46,13 +46,16 @@ class LoRAAdapterError(ValidationError):
 class LoRAAdapter:
     """modules: GGUF linear name -> (A [r, in], B [out, r], scale), float32.
     row_order: "hf" when Q/K rows follow the HF checkpoint (PEFT), "gguf" when they follow
-    a GGUF base's permuted order (llama.cpp adapters)."""
+    a GGUF base's permuted order (llama.cpp adapters). half: every weight is a float16 value
+    (an F16 GGUF adapter, or --lora-dtype float16): kept as float16, and under llama.cpp's
+    semantics multiplied with inputs rounded to float16, as ggml's F16 matmul does."""
 
     name: str
     path: str
     rank: int
     row_order: str
     modules: dict[str, tuple[np.ndarray, np.ndarray, float]] = field(default_factory=dict)
+    half: bool = False
 
 
 def load_adapter(name: str, path: str, gguf_arch: str, num_layers: int, max_rank: int,
@@ -73,6 +76,7 @@ def load_adapter(name: str, path: str, gguf_arch: str, num_layers: int, max_rank
                                            f"{max_rank}")
     for module, (a, b, scale) in adapter.modules.items():
         adapter.modules[module] = (_rounded(a, dtype), _rounded(b, dtype), scale)
+    adapter.half = dtype == "float16" or (dtype == "auto" and adapter.half)
     return adapter
 
 
@@ -186,6 +190,7 @@ def _load_gguf(name: str, path: Path) -> LoRAAdapter:
                                                     "= lora)")
         alpha = float(gguf.get("adapter.lora.alpha") or 0.0)
         pairs: dict[str, dict[str, np.ndarray]] = {}
+        half = all(info.ggml_type == GGMLQuantizationType.F16 for info in gguf.tensors.values())
         for tensor_name, info in gguf.tensors.items():
             match = _GGUF_TENSOR.match(tensor_name)
             if match is None:
@@ -196,7 +201,7 @@ def _load_gguf(name: str, path: Path) -> LoRAAdapter:
                 np.array(values, dtype=np.float32)
     finally:
         gguf.close()
-    adapter = LoRAAdapter(name, str(path), 0, "gguf")
+    adapter = LoRAAdapter(name, str(path), 0, "gguf", half=half)
     for module, ab in pairs.items():
         a, b = _pair(name, str(path), module, ab.get("A"), ab.get("B"))
         r = a.shape[0]

@@ -36,15 +36,17 @@ class LinearLoRA:
     """One adapter on one (maybe fused) linear: `a` [sum of ranks, K] (the parts' A
     stacked), the parts' B transposed side by side in `b_t` [largest r, sum of n]
     (zero-padded), `meta` int64 [P, 5] per part (first rank row in `a`, rank, first output
-    column, n, first column in b_t), `scales` float32 [P], and `work`, the multiply-adds per
-    row. A backend with a `pack_lora` keeps `a`, `b_t` and `meta` in its own layout instead
-    (the compiled CPU backend: `ggml_matmul_f32.pack`)."""
+    column, n, first column in b_t), `scales` float32 [P], `work`, the multiply-adds per
+    row, and `half`: the weights are float16 values (`loaders.lora.LoRAAdapter.half`). A
+    backend with a `pack_lora` keeps `a`, `b_t` and `meta` in its own layout instead (the
+    compiled CPU backend: `ggml_matmul_f32.pack`, float16 where `half`)."""
 
     a: Any
     b_t: Any
     meta: Any
     scales: Any
     work: int
+    half: bool = False
 
 
 # an adapter on a model: layer id -> fused linear name -> LinearLoRA
@@ -96,7 +98,8 @@ def build_model_lora(model: Any, adapter: LoRAAdapter) -> ModelLoRA:
         a, b = _shard(model, adapter, kind, a, b)
         staged.setdefault(layer_id, {}).setdefault(target[0], []).append(
             (target[1], a, b, scale))
-    return {layer: {linear: _stack(model, linear, parts) for linear, parts in linears.items()}
+    return {layer: {linear: _stack(model, linear, parts, adapter.half)
+                    for linear, parts in linears.items()}
             for layer, linears in staged.items()}
 
 
@@ -177,8 +180,8 @@ def _part_widths(model: Any, linear: str) -> list[int]:
     return [local.hidden_size]
 
 
-def _stack(model: Any, linear: str, parts: list[tuple[int, np.ndarray, np.ndarray, float]]
-           ) -> LinearLoRA:
+def _stack(model: Any, linear: str, parts: list[tuple[int, np.ndarray, np.ndarray, float]],
+           half: bool) -> LinearLoRA:
     widths = _part_widths(model, linear)
     offsets = np.concatenate([[0], np.cumsum(widths)])
     backend = model.backend
@@ -195,11 +198,13 @@ def _stack(model: Any, linear: str, parts: list[tuple[int, np.ndarray, np.ndarra
     a, b_t, meta = np.concatenate(a_rows, axis=0), np.ascontiguousarray(b_cat.T), \
         np.array(meta, np.int64)
     pack = getattr(backend, "pack_lora", None)
-    if pack is not None:
-        a, b_t, meta = pack(a, b_t, meta)
-    return LinearLoRA(backend.upload_array(a), backend.upload_array(b_t), meta,
+    if pack is not None:          # the backend's own layout, its arrays as they are
+        a, b_t, meta = pack(a, b_t, meta, half)
+    else:
+        a, b_t = backend.upload_array(a), backend.upload_array(b_t)
+    return LinearLoRA(a, b_t, meta,
                       np.array([p[3] for p in parts], np.float32),
-                      a.size + sum(b.size for _, _, b, _ in parts))
+                      a.size + sum(b.size for _, _, b, _ in parts), half)
 
 
 def check_lora_support(model: Any) -> None:

@@ -287,7 +287,8 @@ class CpuBackend:
     def lora_add(self, y: np.ndarray, x: np.ndarray, rows: np.ndarray | None, lora: Any,
                  ggml: bool = False) -> np.ndarray:
         """`lora_ops.lora_add_ggml`: llama.cpp's float order, each request's rows as
-        llama.cpp computes them for that request alone (any order serves float32)."""
+        llama.cpp computes them for that request alone (any order serves float32); under
+        its semantics (`ggml`), float16 weights take float16-rounded inputs."""
         step = self._lora_rows
         if step is None or len(step[0]) != len(x):
             counts = self._step_rows
@@ -296,7 +297,8 @@ class CpuBackend:
             step = self._lora_rows = (np.repeat(counts == 1, counts),
                                       np.arange(len(x), dtype=np.int64))
         alone, every = step
-        return lora_add_ggml(y, x, every if rows is None else rows, lora, alone)
+        return lora_add_ggml(y, x, every if rows is None else rows, lora, alone,
+                             ggml and lora.half)
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         return elementwise.rms_norm(x, weight, eps)
