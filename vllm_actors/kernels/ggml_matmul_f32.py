@@ -61,13 +61,15 @@ def _is_half_impl(wt):  # type: ignore[no-untyped-def]
     return lambda wt: half
 
 
-@numba.njit(inline="always", cache=True)
+@numba.njit(cache=True)
 def _dots(x, xi, wt, w0, c0, k, n, alone, acc, out):  # type: ignore[no-untyped-def]
     """out[j] = x[xi:xi+k] . wt[w0:w0+k, c0 + j] for j < n (wt: the weights transposed, so
-    each step runs along the outputs), in ggml's order: tinyBLAS (k a multiple of 16, a
-    request of several rows) or ggml_vec_dot_f32. acc: [64, >= n] scratch. Rows are sliced
-    before the loops over j: indexing with a run-time offset keeps LLVM from vectorizing
-    them (3x slower, measured)."""
+    each step runs along the outputs; float32, or float16 bits), in ggml's order: tinyBLAS
+    (k a multiple of 16, a request of several rows) or ggml_vec_dot_f32 / _f16. acc:
+    [64, >= n] scratch. Rows are sliced before the loops over j: indexing with a run-time
+    offset keeps LLVM from vectorizing them (3x slower, measured). Not inlined: inlined at
+    both call sites, the two builds of `_lora_delta` took 20 s to compile, against 13 s (and
+    a step's deltas 1-6 % faster)."""
     if k % LANES == 0 and not alone:
         for lane in range(LANES):
             acc_row = acc[lane]
@@ -149,13 +151,13 @@ def _lora_delta(y, x, rows, a_t, tiles, parts, scales, alone, round_x):  # type:
     `ggml_add(res, ggml_scale(...))`. The B products run in tasks of one tile over every
     row, so a tile is read from memory once per step, as one contiguous run."""
     k, num_ranks = a_t.shape
+    xr = _inputs(x, rows, round_x)
     xa = np.empty((rows.shape[0], num_ranks), np.float32)
     for ii in prange(rows.shape[0]):
         acc = np.empty((4 * LANES, num_ranks), np.float32)
-        xr = x[rows[ii]]
-        if round_x:
-            xr = _half_rounded(xr)
-        _dots(xr, 0, a_t, 0, 0, k, num_ranks, alone[rows[ii]], acc, xa[ii])
+        _dots(xr[ii], 0, a_t, 0, 0, k, num_ranks, alone[rows[ii]], acc, xa[ii])
+    if round_x:
+        xa = _inputs(xa, np.arange(rows.shape[0]), True)
     starts = np.zeros(parts.shape[0] + 1, np.int64)
     for p in range(parts.shape[0]):
         starts[p + 1] = starts[p] + (parts[p, 3] + OUT_BLOCK - 1) // OUT_BLOCK
@@ -169,21 +171,19 @@ def _lora_delta(y, x, rows, a_t, tiles, parts, scales, alone, round_x):  # type:
         delta = np.empty(OUT_BLOCK, np.float32)
         for ii in range(rows.shape[0]):
             t = rows[ii]
-            xr = xa[ii]
-            if round_x:
-                xr = _half_rounded(xr)
-            _dots(xr, r0, wt, 0, 0, r, m, alone[t], acc, delta)
+            _dots(xa[ii], r0, wt, 0, 0, r, m, alone[t], acc, delta)
             for j in range(m):
                 y[t, col + j0 + j] += delta[j] * scales[p]
 
 
-@numba.njit(inline="always", cache=True)
-def _half_rounded(x):  # type: ignore[no-untyped-def]
-    """A copy of x with each value rounded to the nearest float16 (ties to even), as ggml
-    converts a matmul's float32 input for F16 weights."""
-    out = np.empty(x.shape[0], np.float32)
-    for i in range(x.shape[0]):
-        out[i] = read_half(f32_to_half(x[i]))
+@numba.njit(cache=True)
+def _inputs(x, rows, round_x):  # type: ignore[no-untyped-def]
+    """x's `rows`, each value rounded to the nearest float16 (ties to even) where `round_x`,
+    as ggml converts a matmul's float32 input for F16 weights."""
+    out = np.empty((rows.shape[0], x.shape[1]), np.float32)
+    for ii in range(rows.shape[0]):
+        for d in range(x.shape[1]):
+            out[ii, d] = read_half(f32_to_half(x[rows[ii], d])) if round_x else x[rows[ii], d]
     return out
 
 

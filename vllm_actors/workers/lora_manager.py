@@ -18,9 +18,9 @@ from vllm_actors.models.lora import LoRABatch, ModelLoRA, build_model_lora, chec
 class LoRAManager:
     def __init__(self, config: LoRAConfig, model: Any) -> None:
         check_lora_support(model)
-        warm_up = getattr(model.backend, "warm_up_lora", None)
-        if warm_up is not None:      # compiled kernels: before READY, not at a first request
-            warm_up()
+        self._warm_up = getattr(model.backend, "warm_up_lora", None)
+        if self._warm_up is not None:   # compiled kernels: before READY, not at a first request
+            self._warm_up(half=False)
         self.config = config
         self.model = model
         self.loaded: collections.OrderedDict[int, tuple[LoRARequest, ModelLoRA]] = \
@@ -43,6 +43,8 @@ class LoRAManager:
         adapter = load_adapter(lora.lora_name, lora.lora_path, args.architecture,
                                args.num_layers, self.config.max_lora_rank,
                                self.config.lora_dtype)
+        if adapter.half and self._warm_up is not None:
+            self._warm_up(half=True)     # float16 weights' kernels, once, at the first such load
         self.loaded[lora.lora_int_id] = (lora, build_model_lora(self.model, adapter))
         self.removed.discard(lora.lora_int_id)
         self._evict()
