@@ -11,8 +11,8 @@ llama.cpp's (llama-cpp-python, the same GGUF adapter applied to its whole contex
 layers' fused qkv, o, gate+up and down linears, one row) in the compiled backend's kernel,
 after streaming 96 MB as the base model's weights do between them, median of 40 steps.
 
-The adapters are GGUF LoRA files (F32, or F16 as `convert_lora_to_gguf.py` writes by
-default) written with gguf-py (`tests/tiny_lora.write_gguf_adapter`)
+The adapters are GGUF LoRA files (F32, or F16 as `convert_lora_to_gguf.py --outtype f16`
+writes them) written with gguf-py (`tests/tiny_lora.write_gguf_adapter`)
 on SmolLM2. One engine serves every case; the rounds alternate the cases (the machine is
 shared and noisy; medians are reported, with every run). Greedy decoding with ignore_eos, so
 every request generates --tokens tokens; throughput = generated tokens / wall time.

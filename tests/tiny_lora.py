@@ -121,7 +121,7 @@ def write_gguf_adapter(path: Path, hf_shapes: dict[str, tuple[int, int]], arch: 
                        seed: int = 1, targets: tuple[str, ...] = ATTN_MLP,
                        dtype: str = "F32") -> Path:
     """A llama.cpp LoRA adapter (general.type = adapter, `blk.N.<name>.weight.lora_a` /
-    `lora_b`, F32 or F16 as `convert_lora_to_gguf.py` writes by default) over the linears of
+    `lora_b`, F32 or F16, `convert_lora_to_gguf.py --outtype f32|f16`) over the linears of
     `hf_shapes`, written with gguf-py; random values, so their rows are simply in the GGUF
     base's order."""
     import gguf

@@ -103,7 +103,7 @@ def llamacpp_spread_bound() -> float:
 
 
 def test_gguf_adapters_give_llamacpp_tokens(smollm2_path, tmp_path):
-    """llama.cpp GGUF adapters, F32 and F16 (`convert_lora_to_gguf.py`'s default), under the
+    """llama.cpp GGUF adapters, F32 and F16 (`convert_lora_to_gguf.py`'s outtypes), under the
     default semantics, side by side in one batch: llama.cpp's greedy tokens with the same
     adapter loaded (tests/oracle/make_llamacpp_lora_golden.py), a difference allowed only at
     a margin below llama.cpp's own spread."""
