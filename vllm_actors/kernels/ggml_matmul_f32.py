@@ -30,8 +30,9 @@ from numba import prange
 from numba.core import types as nbtypes
 from numba.extending import overload
 
-from vllm_actors.kernels.cpu.attention_math import f32_to_half, read_half
-from vllm_actors.kernels.cpu.intrinsics import fma_f32
+from vllm_actors.kernels.cpu.attention_math import f32_to_half, half_to_f32, read_half
+from vllm_actors.kernels.cpu.intrinsics import (HARDWARE_HALF, fma16, fma_f32,
+                                                hardware_round_half, reduce64, stack_f32)
 
 LANES = 16
 OUT_BLOCK = 256     # outputs of B per task: a block of B (rank x 256 floats) stays in L1
@@ -141,21 +142,107 @@ def _reduce_lanes(acc, n, out):  # type: ignore[no-untyped-def]
         out[j] = (u0 + u2) + (u1 + u3)
 
 
-def _lora_delta(y, x, rows, a_t, tiles, parts, scales, alone, round_x):  # type: ignore[no-untyped-def]
+@numba.njit(inline="always", cache=True)
+def _at(i, d, k):  # type: ignore[no-untyped-def]
+    """Where `pack` puts A[i, d] (K = k): rows in pairs, each pair's chunks of 64 side by
+    side (chunk c of the first row, then of the second), then the pair's leftovers."""
+    whole = k - k % 64
+    base = (i // 2) * 2 * k
+    if d < whole:
+        return base + (d // 64) * 128 + (i % 2) * 64 + d % 64
+    return base + 2 * whole + (i % 2) * (k - whole) + (d - whole)
+
+
+@numba.njit(inline="always", cache=True)
+def _leftovers(x, a, i, whole, k, total):  # type: ignore[no-untyped-def]
+    """`total` plus x[d] * A[i, d] for d in whole..k one by one: float32 sums for float32
+    weights (`ggml_vec_dot_f32`), float64 ones for float16 (`ggml_vec_dot_f16`)."""
+    start = _at(i, whole, k) - whole
+    if _is_half(a):
+        wide = np.float64(total)
+        for d in range(whole, k):
+            wide += np.float64(x[d] * _weight(a[start + d]))
+        return np.float32(wide)
+    for d in range(whole, k):
+        total = total + x[d] * a[start + d]
+    return total
+
+
+@numba.njit(cache=True)
+def _vec_dot_rows(x, a, num_rows, out):  # type: ignore[no-untyped-def]
+    """out[i] = x . A[i] for the num_rows rows of A (`pack`'s layout) in ggml_vec_dot's
+    order: four 16-lane chains over chunks of 64, folded and reduced (`reduce64`), then
+    `_leftovers`. A pair of rows at a time, read as one run, their eight chains in
+    registers."""
+    k = x.shape[0]
+    whole = k - k % 64
+    for i0 in range(0, num_rows, 2):
+        acc = stack_f32(128)
+        for lane in range(128):
+            acc[lane] = np.float32(0.0)
+        for s in range(0, whole, 64):
+            at = _at(i0, s, k)
+            for c in range(8):
+                fma16(acc, c * LANES, a, at + c * LANES, x, s + (c % 4) * LANES)
+        zero = np.float32(0.0)
+        out[i0] = _leftovers(x, a, i0, whole, k, reduce64(acc, 0) if whole else zero)
+        if i0 + 1 < num_rows:
+            out[i0 + 1] = _leftovers(x, a, i0 + 1, whole, k,
+                                     reduce64(acc, 64) if whole else zero)
+
+
+@numba.njit(inline="always", cache=True)
+def _reduce16_at(acc, base):  # type: ignore[no-untyped-def]
+    """`_mm512_reduce_add_ps` of acc[base:base+16] (`_reduce_lanes`' tree)."""
+    t0 = acc[base + 8] + acc[base + 0]
+    t1 = acc[base + 9] + acc[base + 1]
+    t2 = acc[base + 10] + acc[base + 2]
+    t3 = acc[base + 11] + acc[base + 3]
+    t4 = acc[base + 12] + acc[base + 4]
+    t5 = acc[base + 13] + acc[base + 5]
+    t6 = acc[base + 14] + acc[base + 6]
+    t7 = acc[base + 15] + acc[base + 7]
+    u0, u1, u2, u3 = t4 + t0, t5 + t1, t6 + t2, t7 + t3
+    return (u0 + u2) + (u1 + u3)
+
+
+@numba.njit(cache=True)
+def _tiny_rows(x, a, num_rows, out):  # type: ignore[no-untyped-def]
+    """out[i] = x . A[i] for the num_rows rows of A (`pack`'s layout; K a multiple of 16)
+    in tinyBLAS's order: one 16-lane chain per row, then `_mm512_reduce_add_ps`. Eight rows
+    at a time (the last one repeated to fill a group), their chains in registers."""
+    k = x.shape[0]
+    last = num_rows - 1
+    for i0 in range(0, num_rows, 8):
+        acc = stack_f32(128)
+        for lane in range(128):
+            acc[lane] = np.float32(0.0)
+        for s in range(0, k, LANES):
+            for g in range(8):
+                fma16(acc, g * LANES, a, _at(min(i0 + g, last), s, k), x, s)
+        for g in range(8):
+            if i0 + g < num_rows:
+                out[i0 + g] = _reduce16_at(acc, g * LANES)
+
+
+def _lora_delta(y, x, rows, a, tiles, parts, scales, alone, round_x):  # type: ignore[no-untyped-def]
     """y[t, col:col+n] += scale * (B . (A[r0:r0+r] . x[t])) for each row t in `rows` and each
-    part (r0, r, col, n, tile0) of `parts` [P, 5], in the layout of `pack`: A transposed
-    (a_t [K, sum of ranks]) and each part's B in tiles of OUT_BLOCK outputs from tiles[tile0]
-    on, float32 or float16 bits. Both products run along their outputs in ggml's order for a
-    row whose request has `alone[t]` one row in the step (see the module), with their inputs
+    part (r0, r, col, n, tile0) of `parts` [P, 5] (parts in rank order), in the layout of
+    `pack`: A flat with rows in pairs and each part's B in tiles of OUT_BLOCK outputs from tiles[tile0] on, float32 or
+    float16 bits. Both products in ggml's order for a row whose request has `alone[t]` one
+    row in the step (see the module), with their inputs
     rounded to float16 first where `round_x`; the scaled product rounded, then added, as
     `ggml_add(res, ggml_scale(...))`. The B products run in tasks of one tile over every
     row, so a tile is read from memory once per step, as one contiguous run."""
-    k, num_ranks = a_t.shape
+    k = x.shape[1]
+    num_ranks = parts[-1, 0] + parts[-1, 1]
     xr = _inputs(x, rows, round_x)
     xa = np.empty((rows.shape[0], num_ranks), np.float32)
     for ii in prange(rows.shape[0]):
-        acc = np.empty((4 * LANES, num_ranks), np.float32)
-        _dots(xr[ii], 0, a_t, 0, 0, k, num_ranks, alone[rows[ii]], acc, xa[ii])
+        if alone[rows[ii]] or k % LANES:
+            _vec_dot_rows(xr[ii], a, num_ranks, xa[ii])
+        else:
+            _tiny_rows(xr[ii], a, num_ranks, xa[ii])
     if round_x:
         xa = _inputs(xa, np.arange(rows.shape[0]), True)
     starts = np.zeros(parts.shape[0] + 1, np.int64)
@@ -176,6 +263,18 @@ def _lora_delta(y, x, rows, a_t, tiles, parts, scales, alone, round_x):  # type:
                 y[t, col + j0 + j] += delta[j] * scales[p]
 
 
+if HARDWARE_HALF:
+    @numba.njit(inline="always", cache=True)
+    def _round_half(v):  # type: ignore[no-untyped-def]
+        """v rounded to the nearest float16 (ties to even), in hardware."""
+        return hardware_round_half(v)
+else:
+    @numba.njit(inline="always", cache=True)
+    def _round_half(v):  # type: ignore[no-untyped-def]
+        """v rounded to the nearest float16 (ties to even), on the bits."""
+        return half_to_f32(f32_to_half(v))
+
+
 @numba.njit(cache=True)
 def _inputs(x, rows, round_x):  # type: ignore[no-untyped-def]
     """x's `rows`, each value rounded to the nearest float16 (ties to even) where `round_x`,
@@ -183,19 +282,18 @@ def _inputs(x, rows, round_x):  # type: ignore[no-untyped-def]
     out = np.empty((rows.shape[0], x.shape[1]), np.float32)
     for ii in range(rows.shape[0]):
         for d in range(x.shape[1]):
-            out[ii, d] = read_half(f32_to_half(x[rows[ii], d])) if round_x else x[rows[ii], d]
+            out[ii, d] = _round_half(x[rows[ii], d]) if round_x else x[rows[ii], d]
     return out
 
 
 def pack(a: np.ndarray, b_t: np.ndarray, meta: np.ndarray, half: bool = False
          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The layout `_lora_delta` streams: A [sum of ranks, K] transposed, and each part's B
+    """The layout `_lora_delta` streams: A [sum of ranks, K] flat with rows in pairs (`_at`),
+    and each part's B
     (b_t [largest rank, sum of n], part p's at columns meta[p, 4]:) cut into zero-padded
-    tiles [largest rank, OUT_BLOCK]; meta's last column becomes each part's first tile.
-    `half` (every value a float16 one): both stored as float16 bits, half the bytes to read.
-    Both products then read one contiguous run each (as columns of b_t, a tile was 16 runs of
-    1 KB, which the hardware prefetchers followed poorly: 1.8-2.3 -> 1.6-1.9 ms a SmolLM2
-    token at rank 16, docs/BENCHMARKS.md)."""
+    tiles [largest rank, OUT_BLOCK], one contiguous run each (as columns of b_t, a tile was
+    16 runs of 1 KB); meta's last column becomes each part's first tile. `half` (every value
+    a float16 one): both stored as float16 bits where the CPU converts them in hardware."""
     tiles, out = [], meta.copy()
     for p, (_, _, _, n, b0) in enumerate(meta.tolist()):
         out[p, 4] = len(tiles)
@@ -204,10 +302,22 @@ def pack(a: np.ndarray, b_t: np.ndarray, meta: np.ndarray, half: bool = False
             m = min(OUT_BLOCK, n - j0)
             tile[:, :m] = b_t[:, b0 + j0:b0 + j0 + m]
             tiles.append(tile)
-    a_t, tiles = np.ascontiguousarray(a.T), np.stack(tiles)
-    if half:
-        a_t, tiles = (w.astype(np.float16).view(np.uint16) for w in (a_t, tiles))
-    return a_t, tiles, out
+    a, tiles = _paired(np.asarray(a, np.float32)), np.stack(tiles)
+    if half and HARDWARE_HALF:
+        a, tiles = (w.astype(np.float16).view(np.uint16) for w in (a, tiles))
+    return a, tiles, out
+
+
+def _paired(a: np.ndarray) -> np.ndarray:
+    """A [R, K] flat in `_at`'s order (an odd R's last pair padded with a zero row)."""
+    rows, k = a.shape
+    whole = k - k % 64
+    a = np.concatenate([a, np.zeros((rows % 2, k), np.float32)])
+    pairs = a.reshape(-1, 2, k)
+    chunks = pairs[:, :, :whole].reshape(len(pairs), 2, whole // 64, 64).transpose(0, 2, 1, 3)
+    return np.ascontiguousarray(np.concatenate(
+        [chunks.reshape(len(pairs), -1), pairs[:, :, whole:].reshape(len(pairs), -1)],
+        axis=1).reshape(-1))
 
 
 def _named(name: str) -> types.FunctionType:

@@ -77,6 +77,18 @@ def hardware_half_to_f32(typingctx, x):
 
 
 @intrinsic
+def hardware_round_half(typingctx, x):
+    """float32 x rounded to the nearest float16 (ties to even) and back, by LLVM's fptrunc
+    and fpext (only where HARDWARE_HALF; a loop of them vectorizes)."""
+    if isinstance(x, types.Float):
+        def codegen(context, builder, sig, args):
+            value = context.cast(builder, args[0], sig.args[0], types.float32)
+            return builder.fpext(builder.fptrunc(value, ir.HalfType()), ir.FloatType())
+        return types.float32(x), codegen
+    return None
+
+
+@intrinsic
 def fetch_add(typingctx, counter, value):
     """Atomically add `value` to counter[0] (an int64 array) and return the old value."""
     if isinstance(counter, types.Array) and counter.dtype == types.int64 and \
@@ -152,7 +164,7 @@ def _stack_codegen(dtype, irtype, n):  # type: ignore[no-untyped-def]
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
         ptr = cgutils.alloca_once(builder, irtype, size=size)
         ary = make_array(arrty)(context, builder)
-        itemsize = context.get_constant(types.intp, 4)
+        itemsize = context.get_constant(types.intp, dtype.bitwidth // 8)
         populate_array(ary, data=ptr, shape=[context.get_constant(types.intp, size)],
                        strides=[itemsize], itemsize=itemsize, meminfo=None)
         return ary._getvalue()
@@ -201,6 +213,31 @@ def _vec16(context, builder, aryty, ary, idxty, idx):  # type: ignore[no-untyped
     return builder.bitcast(builder.gep(a.data, [i]), _F16X.as_pointer())
 
 
+def _is_f32_or_half(ty) -> bool:  # type: ignore[no-untyped-def]
+    """A float32 array, or one of float16 bits (uint16) where the CPU converts them."""
+    return isinstance(ty, types.Array) and (ty.dtype == types.float32 or (
+        HARDWARE_HALF and ty.dtype == types.uint16))
+
+
+def _load16(context, builder, aryty, ary, idxty, idx):  # type: ignore[no-untyped-def]
+    """16 lanes from a float32 array, or from one of float16 bits, widened exactly."""
+    if aryty.dtype == types.float32:
+        return builder.load(_vec16(context, builder, aryty, ary, idxty, idx), align=4)
+    a = context.make_array(aryty)(context, builder, ary)
+    i = context.cast(builder, idx, idxty, types.intp)
+    ptr = builder.bitcast(builder.gep(a.data, [i]), ir.VectorType(ir.IntType(16), 16)
+                          .as_pointer())
+    half = builder.bitcast(builder.load(ptr, align=2), ir.VectorType(ir.HalfType(), 16))
+    return builder.fpext(half, _F16X)
+
+
+def _splat16(context, builder, value, ty):  # type: ignore[no-untyped-def]
+    value = context.cast(builder, value, ty, types.float32)
+    y = builder.insert_element(ir.Constant(_F16X, ir.Undefined), value, ir.IntType(32)(0))
+    return builder.shuffle_vector(y, ir.Constant(_F16X, ir.Undefined),
+                                  ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
+
+
 def _fma16(builder, a, b, c):  # type: ignore[no-untyped-def]
     fn = builder.module.globals.get("llvm.fma.v16f32") or ir.Function(
         builder.module, ir.FunctionType(_F16X, [_F16X] * 3), "llvm.fma.v16f32")
@@ -211,22 +248,17 @@ def _fma16(builder, a, b, c):  # type: ignore[no-untyped-def]
 def fma16(typingctx, acc, ai, a, xi, b, bi):  # type: ignore[no-untyped-def]
     """acc[ai:ai+16] = fma(a[xi:xi+16], b, acc[ai:ai+16]) lane by lane, one rounding each
     (16 independent chains, as ggml's 16-lane loops); `b` a float32 array (b[bi:bi+16]) or
-    a scalar (splat). Arrays float32, flat indices."""
+    a scalar (splat). acc and b float32, `a` float32 or float16 bits; flat indices."""
     scalar = isinstance(b, types.Float)
-    if not (all(isinstance(t, types.Array) and t.dtype == types.float32 for t in (acc, a))
+    if not (isinstance(acc, types.Array) and acc.dtype == types.float32 and _is_f32_or_half(a)
             and (scalar or (isinstance(b, types.Array) and b.dtype == types.float32))):
         return None
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
         pa = _vec16(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-        x = builder.load(_vec16(context, builder, sig.args[2], args[2], sig.args[3], args[3]),
-                         align=4)
+        x = _load16(context, builder, sig.args[2], args[2], sig.args[3], args[3])
         if scalar:
-            value = context.cast(builder, args[4], sig.args[4], types.float32)
-            y = builder.insert_element(ir.Constant(_F16X, ir.Undefined), value,
-                                       ir.IntType(32)(0))
-            y = builder.shuffle_vector(y, ir.Constant(_F16X, ir.Undefined),
-                                       ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
+            y = _splat16(context, builder, args[4], sig.args[4])
         else:
             y = builder.load(_vec16(context, builder, sig.args[4], args[4], sig.args[5],
                                     args[5]), align=4)
