@@ -60,7 +60,8 @@ def test_lora_kernel_layouts_and_float16_weights(k):
     x = rng.standard_normal((5, k)).astype(np.float32)
     y0 = rng.standard_normal((5, 7 + sum(WIDTHS) + 3)).astype(np.float32)
     a_p, tiles, packed = pack(a, b_t, meta)
-    assert a_p.shape == ((len(a) + 1) // 2 * 2 * k,) and tiles.shape[1:] == (max(RANKS), OUT_BLOCK)
+    assert a_p.shape == ((len(a) + 1) // 2 * 2 * k,)
+    assert tiles.shape[1:] == (OUT_BLOCK // 16, max(RANKS), 16) and tiles.flags.c_contiguous
     assert packed[:, 4].tolist() == [0, 2]            # 300 outputs take tiles 0 and 1
     for half in (False, True):
         a_p, tiles, packed = pack(a, b_t, meta, half)

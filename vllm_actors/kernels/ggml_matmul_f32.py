@@ -31,8 +31,9 @@ from numba.core import types as nbtypes
 from numba.extending import overload
 
 from vllm_actors.kernels.cpu.attention_math import f32_to_half, half_to_f32, read_half
-from vllm_actors.kernels.cpu.intrinsics import (HARDWARE_HALF, fma16, fma_f32,
-                                                hardware_round_half, reduce64, stack_f32)
+from vllm_actors.kernels.cpu.intrinsics import (HARDWARE_HALF, fma16, hardware_round_half,
+                                                muladd16, muladd16_f64, reduce64, stack_f32,
+                                                stack_f64)
 
 LANES = 16
 OUT_BLOCK = 256     # outputs of B per task: a block of B (rank x 256 floats) stays in L1
@@ -62,84 +63,73 @@ def _is_half_impl(wt):  # type: ignore[no-untyped-def]
     return lambda wt: half
 
 
-@numba.njit(cache=True)
-def _dots(x, xi, wt, w0, c0, k, n, alone, acc, out):  # type: ignore[no-untyped-def]
-    """out[j] = x[xi:xi+k] . wt[w0:w0+k, c0 + j] for j < n (wt: the weights transposed, so
-    each step runs along the outputs; float32, or float16 bits), in ggml's order: tinyBLAS
-    (k a multiple of 16, a request of several rows) or ggml_vec_dot_f32 / _f16. acc:
-    [64, >= n] scratch. Rows are sliced before the loops over j: indexing with a run-time
-    offset keeps LLVM from vectorizing them (3x slower, measured). Not inlined: inlined at
-    both call sites, the two builds of `_lora_delta` took 20 s to compile, against 13 s (and
-    a step's deltas 1-6 % faster)."""
-    if k % LANES == 0 and not alone:
-        for lane in range(LANES):
-            acc_row = acc[lane]
-            for j in range(n):
-                acc_row[j] = np.float32(0.0)
-        for start in range(0, k, LANES):
-            for lane in range(LANES):
-                xv = x[xi + start + lane]
-                w_row = wt[w0 + start + lane, c0:c0 + n]
-                acc_row = acc[lane]
-                for j in range(n):
-                    acc_row[j] = fma_f32(xv, _weight(w_row[j]), acc_row[j])
-        _reduce_lanes(acc, n, out)
-        return
-    whole = k - k % 64
-    if whole == 0:      # ggml's accumulators reduce to 0: only the element-by-element sum
-        for j in range(n):
-            out[j] = np.float32(0.0)
-    else:
-        for a in range(4 * LANES):
-            acc_row = acc[a]
-            for j in range(n):
-                acc_row[j] = np.float32(0.0)
-        for start in range(0, whole, 64):
-            for a in range(4 * LANES):
-                xv = x[xi + start + a]
-                w_row = wt[w0 + start + a, c0:c0 + n]
-                acc_row = acc[a]
-                for j in range(n):
-                    acc_row[j] = fma_f32(xv, _weight(w_row[j]), acc_row[j])
-        for lane in range(LANES):
-            a0, a1, a2, a3 = acc[lane], acc[LANES + lane], acc[2 * LANES + lane], \
-                acc[3 * LANES + lane]
-            for j in range(n):
-                a0[j] = (a0[j] + a2[j]) + (a1[j] + a3[j])
-        _reduce_lanes(acc, n, out)
-    if _is_half(wt):        # ggml_vec_dot_f16: the leftovers in float64 (exact products)
-        total = np.empty(n, np.float64)
-        for j in range(n):
-            total[j] = np.float64(out[j])
-        for i in range(whole, k):
-            xv = x[xi + i]
-            w_row = wt[w0 + i, c0:c0 + n]
-            for j in range(n):
-                total[j] += np.float64(xv * _weight(w_row[j]))
-        for j in range(n):
-            out[j] = np.float32(total[j])
-        return
-    for i in range(whole, k):
-        xv = x[xi + i]
-        w_row = wt[w0 + i, c0:c0 + n]
-        for j in range(n):
-            out[j] = out[j] + xv * w_row[j]
-
-
 @numba.njit(inline="always", cache=True)
-def _reduce_lanes(acc, n, out):  # type: ignore[no-untyped-def]
-    """out[j] = `_mm512_reduce_add_ps` of acc[0:16, j]: lanes i + i+8, + i+4, + i+2, + i+1."""
-    for j in range(n):
-        t0 = acc[8, j] + acc[0, j]
-        t1 = acc[9, j] + acc[1, j]
-        t2 = acc[10, j] + acc[2, j]
-        t3 = acc[11, j] + acc[3, j]
-        t4 = acc[12, j] + acc[4, j]
-        t5 = acc[13, j] + acc[5, j]
-        t6 = acc[14, j] + acc[6, j]
-        t7 = acc[15, j] + acc[7, j]
+def _lane_tree(acc, stride, out, o0):  # type: ignore[no-untyped-def]
+    """out[o0 + c] = `_mm512_reduce_add_ps` over l of acc[l * stride + c], for the 16
+    columns c: lanes l + l+8, then + l+4, + l+2, + l+1."""
+    for c in range(LANES):
+        t0 = acc[8 * stride + c] + acc[c]
+        t1 = acc[9 * stride + c] + acc[stride + c]
+        t2 = acc[10 * stride + c] + acc[2 * stride + c]
+        t3 = acc[11 * stride + c] + acc[3 * stride + c]
+        t4 = acc[12 * stride + c] + acc[4 * stride + c]
+        t5 = acc[13 * stride + c] + acc[5 * stride + c]
+        t6 = acc[14 * stride + c] + acc[6 * stride + c]
+        t7 = acc[15 * stride + c] + acc[7 * stride + c]
         u0, u1, u2, u3 = t4 + t0, t5 + t1, t6 + t2, t7 + t3
-        out[j] = (u0 + u2) + (u1 + u3)
+        out[o0 + c] = (u0 + u2) + (u1 + u3)
+
+
+@numba.njit(cache=True)
+def _tile_dots(x, xi, tile, r, alone, out):  # type: ignore[no-untyped-def]
+    """out[j] = x[xi:xi+r] . B[:r, j] for the OUT_BLOCK outputs of one tile (`pack`'s
+    layout: blocks of 16 outputs, each [largest rank, 16]; float32 or float16 bits), in
+    ggml's order: tinyBLAS (r a multiple of 16, a request of several rows: 16 chains) or
+    ggml_vec_dot (64 chains over chunks of 64, folded, then the leftovers one by one, in
+    float32 for float32 weights and float64 for float16). Each block's chains are vectors
+    across its 16 outputs, so a tile is read once, in order."""
+    rows = tile.shape[1]
+    tiny = r % LANES == 0 and not alone
+    whole = r - r % 64
+    for jb in range(OUT_BLOCK // LANES):
+        base = jb * rows * LANES
+        if tiny:
+            acc = stack_f32(256)
+            for lane in range(256):
+                acc[lane] = np.float32(0.0)
+            for s in range(0, r, LANES):
+                for c in range(LANES):
+                    fma16(acc, c * LANES, tile, base + (s + c) * LANES, x[xi + s + c], 0)
+            _lane_tree(acc, LANES, out, jb * LANES)
+            continue
+        if whole:
+            chains = np.zeros(64 * LANES, np.float32)
+            for s in range(0, whole, 64):
+                for c in range(64):
+                    fma16(chains, c * LANES, tile, base + (s + c) * LANES, x[xi + s + c], 0)
+            for c in range(LANES * LANES):      # chain v*16 + l: (v0 + v2) + (v1 + v3)
+                chains[c] = (chains[c] + chains[2 * 256 + c]) + (chains[256 + c]
+                                                                 + chains[3 * 256 + c])
+            _lane_tree(chains, LANES, out, jb * LANES)
+        else:
+            for c in range(LANES):
+                out[jb * LANES + c] = np.float32(0.0)
+        if _is_half(tile):
+            wide = stack_f64(16)
+            for c in range(LANES):
+                wide[c] = np.float64(out[jb * LANES + c])
+            for i in range(whole, r):
+                muladd16_f64(wide, 0, tile, base + i * LANES, x[xi + i])
+            for c in range(LANES):
+                out[jb * LANES + c] = np.float32(wide[c])
+        else:
+            acc = stack_f32(16)
+            for c in range(LANES):
+                acc[c] = out[jb * LANES + c]
+            for i in range(whole, r):
+                muladd16(acc, 0, tile, base + i * LANES, x[xi + i])
+            for c in range(LANES):
+                out[jb * LANES + c] = acc[c]
 
 
 @numba.njit(inline="always", cache=True)
@@ -253,12 +243,11 @@ def _lora_delta(y, x, rows, a, tiles, parts, scales, alone, round_x):  # type: i
         r0, r, col, n, tile0 = parts[p, 0], parts[p, 1], parts[p, 2], parts[p, 3], parts[p, 4]
         j0 = (task - starts[p]) * OUT_BLOCK
         m = min(OUT_BLOCK, n - j0)
-        wt = tiles[tile0 + task - starts[p]]
-        acc = np.empty((4 * LANES, OUT_BLOCK), np.float32)
+        tile = tiles[tile0 + task - starts[p]]
         delta = np.empty(OUT_BLOCK, np.float32)
         for ii in range(rows.shape[0]):
             t = rows[ii]
-            _dots(xa[ii], r0, wt, 0, 0, r, m, alone[t], acc, delta)
+            _tile_dots(xa[ii], r0, tile, r, alone[t], delta)
             for j in range(m):
                 y[t, col + j0 + j] += delta[j] * scales[p]
 
@@ -301,8 +290,8 @@ def pack(a: np.ndarray, b_t: np.ndarray, meta: np.ndarray, half: bool = False
             tile = np.zeros((b_t.shape[0], OUT_BLOCK), np.float32)
             m = min(OUT_BLOCK, n - j0)
             tile[:, :m] = b_t[:, b0 + j0:b0 + j0 + m]
-            tiles.append(tile)
-    a, tiles = _paired(np.asarray(a, np.float32)), np.stack(tiles)
+            tiles.append(tile.reshape(-1, OUT_BLOCK // LANES, LANES).transpose(1, 0, 2))
+    a, tiles = _paired(np.asarray(a, np.float32)), np.ascontiguousarray(np.stack(tiles))
     if half and HARDWARE_HALF:
         a, tiles = (w.astype(np.float16).view(np.uint16) for w in (a, tiles))
     return a, tiles, out

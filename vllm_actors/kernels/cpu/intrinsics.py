@@ -189,6 +189,12 @@ def stack_i32(typingctx, n):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
+def stack_f64(typingctx, n):  # type: ignore[no-untyped-def]
+    """`stack_f32` for float64 (ggml's float64 sums)."""
+    return _stack_codegen(types.float64, ir.DoubleType(), n)
+
+
+@intrinsic
 def fma_f32(typingctx, a, b, c):  # type: ignore[no-untyped-def]
     """a * b + c in float32 with one rounding (`llvm.fma.f32`): what a C compiler's
     contraction (-ffp-contract=fast, GCC's default) makes of ggml's `s += a * b`."""
@@ -265,6 +271,45 @@ def fma16(typingctx, acc, ai, a, xi, b, bi):  # type: ignore[no-untyped-def]
         builder.store(_fma16(builder, x, y, builder.load(pa, align=4)), pa, align=4)
         return context.get_dummy_value()
     return types.none(acc, ai, a, xi, b, bi), codegen
+
+
+@intrinsic
+def muladd16(typingctx, acc, ai, w, wi, x):  # type: ignore[no-untyped-def]
+    """acc[ai:ai+16] += w[wi:wi+16] * x, the product rounded to float32 and then the sum
+    (ggml's uncontracted `sumf += x[i]*y[i]`, 16 outputs side by side); acc float32, w
+    float32 or float16 bits, x a scalar; flat indices."""
+    if not (isinstance(acc, types.Array) and acc.dtype == types.float32 and _is_f32_or_half(w)
+            and isinstance(x, types.Float)):
+        return None
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        pa = _vec16(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        product = builder.fmul(_load16(context, builder, sig.args[2], args[2], sig.args[3],
+                                       args[3]), _splat16(context, builder, args[4], sig.args[4]))
+        builder.store(builder.fadd(builder.load(pa, align=4), product), pa, align=4)
+        return context.get_dummy_value()
+    return types.none(acc, ai, w, wi, x), codegen
+
+
+@intrinsic
+def muladd16_f64(typingctx, acc, ai, w, wi, x):  # type: ignore[no-untyped-def]
+    """`muladd16` with float64 sums: acc[ai:ai+16] (float64) += float64(w[wi:wi+16] * x), the
+    product rounded to float32 first (`ggml_vec_dot_f16`'s leftovers)."""
+    if not (isinstance(acc, types.Array) and acc.dtype == types.float64 and _is_f32_or_half(w)
+            and isinstance(x, types.Float)):
+        return None
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        f64x = ir.VectorType(ir.DoubleType(), 16)
+        a = context.make_array(sig.args[0])(context, builder, args[0])
+        i = context.cast(builder, args[1], sig.args[1], types.intp)
+        pa = builder.bitcast(builder.gep(a.data, [i]), f64x.as_pointer())
+        product = builder.fmul(_load16(context, builder, sig.args[2], args[2], sig.args[3],
+                                       args[3]), _splat16(context, builder, args[4], sig.args[4]))
+        builder.store(builder.fadd(builder.load(pa, align=8), builder.fpext(product, f64x)),
+                      pa, align=8)
+        return context.get_dummy_value()
+    return types.none(acc, ai, w, wi, x), codegen
 
 
 def _halves(builder, v, width):  # type: ignore[no-untyped-def]
