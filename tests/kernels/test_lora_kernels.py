@@ -1,14 +1,16 @@
 """The compiled backend's LoRA kernel (`ggml_matmul_f32`) against a float64 reference on
-random adapters: two parts of ranks 7 and 16 (a fused linear), contractions with and without
-vec_dot's leftovers (K = 200 and 64), requests of one row and of several, the parallel and
-the serial build, weights stored as float32 and as float16.
+random adapters: three parts of ranks 7, 16 and 70 (a fused linear; B's products then take
+vec_dot's leftovers only, tinyBLAS, and vec_dot's chunks of 64), contractions of A with and
+without chunks and leftovers (K = 200, 64, 48), requests of one row and of several, the
+parallel and the serial build, weights stored as float32 and as float16.
 
 The reference is exact math on the same inputs (float64), so the bound is float32 summation
 order: 1e-5 of sum |B| |A| |x| per output, well above float32's rounding of one sum of a few
 hundred terms (about sqrt(K) * 2^-24 = 1e-6 of it) and far below what a wrong layout or a
 dropped part gives. `round_x` (F16 weights under llama.cpp's semantics) must equal the
-reference on float16-rounded inputs, and miss the bound against the unrounded one; the bit-exact float order
-itself is checked on llama.cpp's tokens (tests/integration/test_lora_engine.py).
+reference on float16-rounded inputs, and miss the bound against the unrounded one; the
+bit-exact float order itself is checked on llama.cpp's tokens
+(tests/integration/test_lora_engine.py).
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ import pytest
 from vllm_actors.kernels.ggml_matmul_f32 import OUT_BLOCK, pack
 from vllm_actors.kernels.lora_ops import lora_add_ggml
 
-RANKS = (7, 16)          # 23 rows of A: the last pair padded
-WIDTHS = (300, 40)           # the first part spans two tiles of B
+RANKS = (7, 16, 70)      # 93 rows of A: the last pair padded
+WIDTHS = (300, 40, 20)       # the first part spans two tiles of B
 
 
 def _adapter(k: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -35,7 +37,7 @@ def _adapter(k: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.
         b_t[:r, col:col + n] = rng.standard_normal((r, n)).astype(np.float16)
         meta.append((r0, r, col + 7, n, col))         # outputs start at column 7 of y
         r0, col = r0 + r, col + n
-    return a, b_t, np.array(meta, np.int64), np.array([0.5, 2.0], np.float32)
+    return a, b_t, np.array(meta, np.int64), np.array([0.5, 2.0, 1.0], np.float32)
 
 
 def _reference(y, x, a, b_t, meta, scales, half_inputs):  # type: ignore[no-untyped-def]
@@ -52,7 +54,7 @@ def _reference(y, x, a, b_t, meta, scales, half_inputs):  # type: ignore[no-unty
     return out, size
 
 
-@pytest.mark.parametrize("k", [200, 64])
+@pytest.mark.parametrize("k", [200, 64, 48])
 def test_lora_kernel_layouts_and_float16_weights(k):
     a, b_t, meta, scales = _adapter(k, seed=k)
     rng = np.random.default_rng(1)
@@ -62,7 +64,7 @@ def test_lora_kernel_layouts_and_float16_weights(k):
     a_p, tiles, packed = pack(a, b_t, meta)
     assert a_p.shape == ((len(a) + 1) // 2 * 2 * k,)
     assert tiles.shape[1:] == (OUT_BLOCK // 16, max(RANKS), 16) and tiles.flags.c_contiguous
-    assert packed[:, 4].tolist() == [0, 2]            # 300 outputs take tiles 0 and 1
+    assert packed[:, 4].tolist() == [0, 2, 3]         # 300 outputs take tiles 0 and 1
     for half in (False, True):
         a_p, tiles, packed = pack(a, b_t, meta, half)
         assert a_p.dtype == (np.uint16 if half else np.float32)

@@ -36,7 +36,7 @@ from vllm_actors.kernels.cpu.intrinsics import (HARDWARE_HALF, fma16, hardware_r
                                                 stack_f64)
 
 LANES = 16
-OUT_BLOCK = 256     # outputs of B per task: a block of B (rank x 256 floats) stays in L1
+OUT_BLOCK = 256     # outputs of B per task: a tile (rank x 256 weights) stays in L1
 SERIAL_MAX_WORK = 150_000    # multiply-adds below which one thread is faster (bench: 135k, 172k)
 
 
@@ -183,7 +183,7 @@ def _vec_dot_rows(x, a, num_rows, out):  # type: ignore[no-untyped-def]
 
 @numba.njit(inline="always", cache=True)
 def _reduce16_at(acc, base):  # type: ignore[no-untyped-def]
-    """`_mm512_reduce_add_ps` of acc[base:base+16] (`_reduce_lanes`' tree)."""
+    """`_mm512_reduce_add_ps` of acc[base:base+16] (`_lane_tree`'s tree, for one sum)."""
     t0 = acc[base + 8] + acc[base + 0]
     t1 = acc[base + 9] + acc[base + 1]
     t2 = acc[base + 10] + acc[base + 2]
@@ -217,13 +217,13 @@ def _tiny_rows(x, a, num_rows, out):  # type: ignore[no-untyped-def]
 
 def _lora_delta(y, x, rows, a, tiles, parts, scales, alone, round_x):  # type: ignore[no-untyped-def]
     """y[t, col:col+n] += scale * (B . (A[r0:r0+r] . x[t])) for each row t in `rows` and each
-    part (r0, r, col, n, tile0) of `parts` [P, 5] (parts in rank order), in the layout of
-    `pack`: A flat with rows in pairs and each part's B in tiles of OUT_BLOCK outputs from tiles[tile0] on, float32 or
-    float16 bits. Both products in ggml's order for a row whose request has `alone[t]` one
-    row in the step (see the module), with their inputs
-    rounded to float16 first where `round_x`; the scaled product rounded, then added, as
-    `ggml_add(res, ggml_scale(...))`. The B products run in tasks of one tile over every
-    row, so a tile is read from memory once per step, as one contiguous run."""
+    part (r0, r, col, n, tile0) of `parts` [P, 5] (parts in rank order), in `pack`'s layout
+    (float32 or float16 bits): A's rows in pairs, each part's B in tiles of OUT_BLOCK
+    outputs from tiles[tile0] on. Both products in ggml's order for a row whose request has
+    `alone[t]` one row in the step (see the module), their inputs rounded to float16 first
+    where `round_x`; the scaled product rounded, then added, as `ggml_add(res,
+    ggml_scale(...))`. The B products run in tasks of one tile over every row, so a tile is
+    read from memory once per step."""
     k = x.shape[1]
     num_ranks = parts[-1, 0] + parts[-1, 1]
     xr = _inputs(x, rows, round_x)
@@ -277,12 +277,12 @@ def _inputs(x, rows, round_x):  # type: ignore[no-untyped-def]
 
 def pack(a: np.ndarray, b_t: np.ndarray, meta: np.ndarray, half: bool = False
          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The layout `_lora_delta` streams: A [sum of ranks, K] flat with rows in pairs (`_at`),
-    and each part's B
-    (b_t [largest rank, sum of n], part p's at columns meta[p, 4]:) cut into zero-padded
-    tiles [largest rank, OUT_BLOCK], one contiguous run each (as columns of b_t, a tile was
-    16 runs of 1 KB); meta's last column becomes each part's first tile. `half` (every value
-    a float16 one): both stored as float16 bits where the CPU converts them in hardware."""
+    """The layout `_lora_delta` reads in order: A [sum of ranks, K] flat with its rows in
+    pairs (`_at`), and each part's B (b_t [largest rank, sum of n], part p's at columns
+    meta[p, 4]:) cut into zero-padded tiles of OUT_BLOCK outputs, each stored as blocks of
+    16 outputs [largest rank, 16] (`_tile_dots`); meta's last column becomes each part's
+    first tile. `half` (every value a float16 one): both stored as float16 bits where the
+    CPU converts them in hardware. All C-contiguous: the kernels index them flat."""
     tiles, out = [], meta.copy()
     for p, (_, _, _, n, b0) in enumerate(meta.tolist()):
         out[p, 4] = len(tiles)
