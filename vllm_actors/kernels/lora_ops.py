@@ -38,10 +38,10 @@ def warm_up_lora(half: bool = False) -> None:
     """Compile the LoRA kernels (both thread variants) for float32 or float16 weights before
     the first request needs them (compiled once, then read from numba's cache)."""
     x = np.zeros((2, 16), np.float32)
-    a_t, tiles, parts = pack(np.zeros((16, 16), np.float32), np.zeros((16, 16), np.float32),
-                             np.array([[0, 16, 0, 16, 0]], np.int64), half)
+    a, tiles, parts = pack(np.zeros((16, 16), np.float32), np.zeros((16, 16), np.float32),
+                           np.array([[0, 16, 0, 16, 0]], np.int64), half)
     for kernel in (lora_delta_serial, lora_delta_parallel):
-        kernel(np.zeros((2, 16), np.float32), x, np.arange(2, dtype=np.int64), a_t, tiles,
+        kernel(np.zeros((2, 16), np.float32), x, np.arange(2, dtype=np.int64), a, tiles,
                parts, np.ones(1, np.float32), np.zeros(2, np.bool_), half)
 
 
