@@ -34,6 +34,7 @@ from vllm_actors.kernels.cpu.attention_math import f32_to_half, half_to_f32, rea
 from vllm_actors.kernels.cpu.intrinsics import (HARDWARE_HALF, fma16, hardware_round_half,
                                                 muladd16, muladd16_f64, reduce64, stack_f32,
                                                 stack_f64)
+from vllm_actors.kernels.ggml_attention import _tree16
 
 LANES = 16
 OUT_BLOCK = 256     # outputs of B per task: a tile (rank x 256 weights) stays in L1
@@ -63,23 +64,6 @@ def _is_half_impl(wt):  # type: ignore[no-untyped-def]
     return lambda wt: half
 
 
-@numba.njit(inline="always", cache=True)
-def _lane_tree(acc, stride, out, o0):  # type: ignore[no-untyped-def]
-    """out[o0 + c] = `_mm512_reduce_add_ps` over l of acc[l * stride + c], for the 16
-    columns c: lanes l + l+8, then + l+4, + l+2, + l+1."""
-    for c in range(LANES):
-        t0 = acc[8 * stride + c] + acc[c]
-        t1 = acc[9 * stride + c] + acc[stride + c]
-        t2 = acc[10 * stride + c] + acc[2 * stride + c]
-        t3 = acc[11 * stride + c] + acc[3 * stride + c]
-        t4 = acc[12 * stride + c] + acc[4 * stride + c]
-        t5 = acc[13 * stride + c] + acc[5 * stride + c]
-        t6 = acc[14 * stride + c] + acc[6 * stride + c]
-        t7 = acc[15 * stride + c] + acc[7 * stride + c]
-        u0, u1, u2, u3 = t4 + t0, t5 + t1, t6 + t2, t7 + t3
-        out[o0 + c] = (u0 + u2) + (u1 + u3)
-
-
 @numba.njit(cache=True)
 def _tile_dots(x, xi, tile, r, alone, out):  # type: ignore[no-untyped-def]
     """out[j] = x[xi:xi+r] . B[:r, j] for the OUT_BLOCK outputs of one tile (`pack`'s
@@ -100,7 +84,7 @@ def _tile_dots(x, xi, tile, r, alone, out):  # type: ignore[no-untyped-def]
             for s in range(0, r, LANES):
                 for c in range(LANES):
                     fma16(acc, c * LANES, tile, base + (s + c) * LANES, x[xi + s + c], 0)
-            _lane_tree(acc, LANES, out, jb * LANES)
+            _tree16(acc, LANES, out[jb * LANES:])
             continue
         if whole:
             chains = np.zeros(64 * LANES, np.float32)
@@ -110,7 +94,7 @@ def _tile_dots(x, xi, tile, r, alone, out):  # type: ignore[no-untyped-def]
             for c in range(LANES * LANES):      # chain v*16 + l: (v0 + v2) + (v1 + v3)
                 chains[c] = (chains[c] + chains[2 * 256 + c]) + (chains[256 + c]
                                                                  + chains[3 * 256 + c])
-            _lane_tree(chains, LANES, out, jb * LANES)
+            _tree16(chains, LANES, out[jb * LANES:])
         else:
             for c in range(LANES):
                 out[jb * LANES + c] = np.float32(0.0)
@@ -183,7 +167,7 @@ def _vec_dot_rows(x, a, num_rows, out):  # type: ignore[no-untyped-def]
 
 @numba.njit(inline="always", cache=True)
 def _reduce16_at(acc, base):  # type: ignore[no-untyped-def]
-    """`_mm512_reduce_add_ps` of acc[base:base+16] (`_lane_tree`'s tree, for one sum)."""
+    """`_mm512_reduce_add_ps` of acc[base:base+16] (`_tree16`'s tree, for one sum)."""
     t0 = acc[base + 8] + acc[base + 0]
     t1 = acc[base + 9] + acc[base + 1]
     t2 = acc[base + 10] + acc[base + 2]
