@@ -217,8 +217,10 @@ def _lora_delta(y, x, rows, a, tiles, parts, scales, alone, round_x):  # type: i
             _vec_dot_rows(xr[ii], a, num_ranks, xa[ii])
         else:
             _tiny_rows(xr[ii], a, num_ranks, xa[ii])
-    if round_x:
-        xa = _inputs(xa, np.arange(rows.shape[0]), True)
+    if round_x:             # B's input, A's float32 output, rounded as ggml converts it
+        for ii in range(rows.shape[0]):
+            for c in range(num_ranks):
+                xa[ii, c] = _round_half(xa[ii, c])
     starts = np.zeros(parts.shape[0] + 1, np.int64)
     for p in range(parts.shape[0]):
         starts[p + 1] = starts[p] + (parts[p, 3] + OUT_BLOCK - 1) // OUT_BLOCK
