@@ -32,6 +32,7 @@ from vllm_actors.kernels.cpu.qdot import qdot
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix, prefetch_rows
 from vllm_actors.kernels.cpu.qmatmul_prims import (
     HALF_LUT,
+    kept,
     limit_threads,
     prefetch,
     restore_threads,
@@ -148,11 +149,7 @@ def gemv(fn, qs, qh, d, mn, lut, xq, xd, xs, out, dist, threads, quantize, x, xd
     `activations.q8_0_blocks`, else 0) x's float rows are first quantized into xq/xd/xs/
     xdsum on this thread: one call from Python for a decode step's linear."""
     if quantize != 0:
-        nb = x.shape[1] // 32
-        for i in range(x.shape[0]):
-            call_address(quantize, (data_pointer(x), x.shape[0], x.shape[1],
-                                    data_pointer(lut), data_pointer(xq), data_pointer(xd),
-                                    data_pointer(xs), data_pointer(xdsum), i, 0, nb))
+        _quantize(quantize, x, lut, xq, xd, xs, xdsum)
     prev = limit_threads(threads)
     n = qs.shape[0]
     pairs = (n + 1) // 2
@@ -162,6 +159,25 @@ def gemv(fn, qs, qh, d, mn, lut, xq, xd, xs, out, dist, threads, quantize, x, xd
                           xq.shape[1], data_pointer(xd), data_pointer(xs), data_pointer(out),
                           dist, c * PAIRS, min(pairs, (c + 1) * PAIRS)))
     restore_threads(prev)
+
+
+@kernel(inline=True, exact=True)
+def _quantize(quantize, x, lut, xq, xd, xs, xdsum):  # type: ignore[no-untyped-def]
+    """x's float rows into Q8_0/Q8_1 blocks (xq, xd, xs, xdsum) by the quantizer at the
+    address `quantize`."""
+    nb = x.shape[1] // 32
+    for i in range(x.shape[0]):
+        call_address(quantize, (data_pointer(x), x.shape[0], x.shape[1], data_pointer(lut),
+                                data_pointer(xq), data_pointer(xd), data_pointer(xs),
+                                data_pointer(xdsum), i, 0, nb))
+
+
+def _scratch(rows: int, k: int) -> tuple[np.ndarray, ...]:
+    """This thread's Q8 blocks (qs, d, s, dsum) for `rows` rows of K = k (`kept`). The
+    quantizer rewrites x's rows; padding rows keep zeros or an earlier call's blocks, whose
+    outputs are cut off (each output row depends on its own x row alone)."""
+    return kept(("q8", rows, k), lambda: (np.zeros((rows, k), np.int8),
+                                          *np.zeros((3, rows, k // 32), np.float32)))
 
 
 def pad_rows(x: Any, group: int) -> Any:
@@ -211,24 +227,35 @@ def matmul_float(w: QuantMatrix, x: np.ndarray, path: str | None = None,
     m, k = x.shape
     group = 1 if m == 1 else GROUP
     padded = -(-m // group) * group
-    scratch = activations.Q8Rows(np.empty((padded, k), np.int8),   # padding rows: all 0
-                                 *np.zeros((3, padded, k // 32), np.float32))
-    return _run(w, scratch, m, path, np.ascontiguousarray(x, np.float32))
+    fn, planes, dist = _decode_plan(w, path, group)
+    out = np.empty((padded, w.rows), np.float32)
+    threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
+    xq, xd, xs, xdsum = _scratch(padded, k)
+    gemv(fn, *planes, HALF_LUT, xq, xd, xs, out, dist, threads,
+         activations.q8_0_blocks.address, np.ascontiguousarray(x, np.float32), xdsum)
+    return out[:m] if padded != m else out
 
 
-def _run(w: QuantMatrix, x: activations.Q8Rows, m: int, path: str | None,
-         floats: np.ndarray | None = None) -> np.ndarray:
-    """`gemv` on x's blocks (rows padded to the group) for the first m rows; with `floats`,
-    x is scratch that `gemv` fills from `floats` first."""
-    kind, planes, dist = w.memo.get("int") or _plan(w)
+def _run(w: QuantMatrix, x: activations.Q8Rows, m: int, path: str | None) -> np.ndarray:
+    """`gemv` on x's blocks (rows padded to the group) for the first m rows."""
+    fn, planes, dist = _decode_plan(w, path, 1 if m == 1 else GROUP)
     out = np.empty((x.qs.shape[0], w.rows), np.float32)
     threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
-    fn = body(isa.code(path) if path else isa.selected_code(), kind,
-              1 if m == 1 else GROUP).address
-    quantize = 0 if floats is None else activations.q8_0_blocks.address
-    gemv(fn, *planes, HALF_LUT, x.qs, x.d, x.s, out, dist, threads, quantize,
-         *((_NO_F32, _NO_F32) if floats is None else (floats, x.dsum)))
+    gemv(fn, *planes, HALF_LUT, x.qs, x.d, x.s, out, dist, threads, 0, _NO_F32, _NO_F32)
     return out[:m]
+
+
+def _decode_plan(w: QuantMatrix, path: str | None, group: int
+                 ) -> tuple[int, tuple[np.ndarray, ...], int]:
+    """(the body's address for `path` (default `isa.selected()`) and x-row group, the
+    planes as `gemv` takes them, its prefetch distance), kept in w's memo: looked up at
+    every call, it must cost little."""
+    code = isa.code(path) if path else isa.selected_code()
+    plan = w.memo.get(("int", code, group))
+    if plan is None:
+        kind, planes, dist = w.memo.get("int") or _plan(w)
+        plan = w.memo[("int", code, group)] = (body(code, kind, group).address, planes, dist)
+    return plan
 
 
 def _plan(w: QuantMatrix) -> tuple[int, tuple[np.ndarray, ...], int]:

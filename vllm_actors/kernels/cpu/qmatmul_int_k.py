@@ -47,6 +47,7 @@ from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix, prefet
 from vllm_actors.kernels.cpu.qmatmul_int import GROUP, MAX_ROWS, PAIRS, hsum8, pad_rows
 from vllm_actors.kernels.cpu.qmatmul_prims import (
     HALF_LUT,
+    kept,
     limit_threads,
     prefetch,
     restore_threads,
@@ -347,38 +348,53 @@ def matmul_float(w: QuantMatrix, x: np.ndarray, path: str | None = None,
                  requests: np.ndarray | None = None) -> np.ndarray:
     """`matmul(w, activations.quantize_q8_k(x), path, requests)` in one kernel call, for
     `quantizes_inside` rows: x float32 `[M, K]` is quantized inside `gemv` (the same bytes
-    and floats, without the quantizer's call and the row-kind bookkeeping)."""
+    and floats, without the quantizer's call and the row-kind bookkeeping), into this
+    thread's kept scratch (`_scratch`)."""
     kind = w.memo.get("int_k_one_row")
     if kind is None:
         kind = w.memo["int_k_one_row"] = int(row_kinds(w, [1])[0])
     m, k = x.shape
     group = 1 if m == 1 else GROUP
     padded = -(-m // group) * group
-    rows = activations.Q8KRows(np.empty((padded, k), np.int8),
-                               np.zeros((padded, k // 256), np.float32),
-                               np.zeros((padded, k // 16), np.int16))   # padding: zero sums
-    return _run(w, rows, m, kind, path, np.ascontiguousarray(x, np.float32))
+    return _run(w, _scratch(padded, k), m, kind, path, np.ascontiguousarray(x, np.float32))
 
 
 def _run(w: QuantMatrix, x: activations.Q8KRows, m: int, kind: int, path: str | None,
          floats: np.ndarray | None = None) -> np.ndarray:
     """`kind`'s GEMV on x's blocks (rows padded to the group) for the first m rows; with
     `floats`, x is scratch that `gemv` fills from `floats` first."""
-    group = 1 if m == 1 else GROUP
+    fn, planes, dist = _decode_plan(w, kind, path, 1 if m == 1 else GROUP)
     out = np.empty((x.qs.shape[0], w.rows), np.float32)
     threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
-    code = isa.code(path) if path else isa.selected_code()
     quantize = 0 if floats is None else activations.q8_k_blocks.address
-    tail = (HALF_LUT, x.qs, x.d, x.bsums, out, prefetch_rows(w), threads, quantize,
-            _NO_F32 if floats is None else floats)
-    if kind % 10 == 6:      # ql, qh, scales, d
-        planes = (w.planes[0], w.planes[1], w.planes[2], _NO_BITS, w.planes[3], _NO_U16)
-    elif kind % 10 == 5:    # qh, qs, sc, mn, d, dmin
-        planes = (w.planes[1], w.planes[0], *w.planes[2:])
-    else:                   # qs, sc, mn, d, dmin (Q4_K, as stored or repacked)
-        planes = (w.planes[0], _NO_BITS, *w.planes[1:])
-    dtypes = w.memo.get(("int_k", kind))
-    if dtypes is None:
-        dtypes = w.memo[("int_k", kind)] = tuple(a.dtype.str for a in planes)
-    gemv(body(code, kind, group, dtypes).address, *planes, *tail)
-    return out[:m]
+    gemv(fn, *planes, HALF_LUT, x.qs, x.d, x.bsums, out, dist, threads, quantize,
+         _NO_F32 if floats is None else floats)
+    return out[:m] if x.qs.shape[0] != m else out
+
+
+def _decode_plan(w: QuantMatrix, kind: int, path: str | None, group: int
+                 ) -> tuple[int, tuple[np.ndarray, ...], int]:
+    """(the body's address for `kind`, `path` (default `isa.selected()`) and x-row group,
+    the planes as `gemv` takes them, the prefetch distance), kept in w's memo: looked up at
+    every call, it must cost little."""
+    code = isa.code(path) if path else isa.selected_code()
+    plan = w.memo.get(("int_k", kind, code, group))
+    if plan is None:
+        if kind % 10 == 6:      # ql, qh, scales, d
+            planes = (w.planes[0], w.planes[1], w.planes[2], _NO_BITS, w.planes[3], _NO_U16)
+        elif kind % 10 == 5:    # qh, qs, sc, mn, d, dmin
+            planes = (w.planes[1], w.planes[0], *w.planes[2:])
+        else:                   # qs, sc, mn, d, dmin (Q4_K, as stored or repacked)
+            planes = (w.planes[0], _NO_BITS, *w.planes[1:])
+        dtypes = tuple(a.dtype.str for a in planes)
+        plan = w.memo[("int_k", kind, code, group)] = (
+            body(code, kind, group, dtypes).address, planes, prefetch_rows(w))
+    return plan
+
+
+def _scratch(rows: int, k: int) -> activations.Q8KRows:
+    """This thread's Q8_K blocks for `rows` rows of K = k (`kept`; padding rows as in
+    `qmatmul_int._scratch`)."""
+    return kept(("q8_k", rows, k), lambda: activations.Q8KRows(
+        np.zeros((rows, k), np.int8), np.zeros((rows, k // 256), np.float32),
+        np.zeros((rows, k // 16), np.int16)))

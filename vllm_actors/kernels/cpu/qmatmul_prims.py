@@ -23,6 +23,10 @@ faster than the conversion instruction (Q8_0: 0.062 vs 0.078 ns/weight).
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Hashable
+from typing import TypeVar
+
 import numba
 import numpy as np
 from llvmlite import ir
@@ -33,12 +37,31 @@ from numba.extending import intrinsic
 from vllm_actors.kernels.cpu.intrinsics import HARDWARE_HALF, bits_to_f32, prefetch, stack_f32
 from vllm_actors.kernels.cpu.jit import kernel
 
-__all__ = ["HALF_LUT", "bf16_to_float", "block_sums", "half_to_float",
+__all__ = ["HALF_LUT", "bf16_to_float", "block_sums", "half_to_float", "kept",
            "limit_threads", "restore_threads",
            "prefetch", "shl32", "shr32", "stack_f32"]
 
 HALF_LUT = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
 HALF_LUT.setflags(write=False)
+
+
+T = TypeVar("T")
+
+
+def kept(key: Hashable, make: Callable[[], T]) -> T:
+    """This Python thread's scratch for `key` (made by `make` at the first call), reused by
+    every later call: a decode step's GEMVs spent more on allocating their scratch than
+    some spend computing. Each kernel call rewrites what it reads."""
+    cache = getattr(_KEPT, "cache", None)
+    if cache is None:
+        cache = _KEPT.cache = {}
+    value = cache.get(key)
+    if value is None:
+        value = cache[key] = make()
+    return value
+
+
+_KEPT = threading.local()
 
 # Rows of x summed in runs of this many weights (`block_sums`): the offset and min terms of
 # the quantized types become one multiply per (sub-)block.
