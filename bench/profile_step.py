@@ -4,6 +4,7 @@ B sequences each at context C running Q query tokens (Q=1: decode; B=1, Q=C: a p
     python bench/profile_step.py --batch 32 --context 160            # 32-way decode step
     python bench/profile_step.py --batch 1 --context 2048 --query 2048   # 2048-token prefill
     python bench/profile_step.py --batch 1 --gguf-activations float32    # the exact semantics
+    python bench/profile_step.py --batch 1 --lora 16 [--lora-dtype F16]  # every row on a LoRA
 
 The KV cache is filled with random values (attention cost does not depend on them). Each
 backend method is wrapped with a timer; "(other)" is model code between ops. Medians over
@@ -11,6 +12,8 @@ backend method is wrapped with a timer; "(other)" is model code between ops. Med
 are asynchronous, so only the step total (which ends by copying logits to the host) is
 reported (the host backends, cpu and numpy, are timed per op). `--gguf-activations` picks
 the GGUF semantics as the engine's flag does (default quantized, with its float16 cache).
+`--lora R` runs every row with a random rank-R GGUF adapter on SmolLM2's attention and MLP
+linears (`tests/tiny_lora.write_gguf_adapter`, F32 or F16), its deltas timed as `lora_add`.
 To compare two versions, run this on both checkouts alternately
 (`PYTHONPATH=<checkout> python bench/profile_step.py ...`): the host is noisy.
 """
@@ -20,7 +23,12 @@ from __future__ import annotations
 import argparse
 import collections
 import statistics
+import sys
+import tempfile
 import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -33,35 +41,40 @@ from vllm_actors.models.registry import load_model
 
 OPS = ("embedding", "linear", "rms_norm", "layer_norm", "add", "add_rms_norm", "scale",
        "silu_mul", "gelu_mul", "gelu", "prepare_rope", "rope", "prepare_attention",
-       "reshape_and_cache", "paged_attention", "lm_head")
+       "reshape_and_cache", "paged_attention", "lm_head", "lora_add", "linear_lora")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="GGUF file (default: SmolLM2 Q4_1)")
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--context", type=int, default=160)
-    parser.add_argument("--query", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--device", default="cpu", choices=("cpu", "numpy", "opencl", "cuda"))
-    parser.add_argument("--gguf-activations", default="quantized",
-                        choices=("quantized", "float32"))
-    args = parser.parse_args()
-    if not 1 <= args.query <= args.context:
-        parser.error("need 1 <= --query <= --context")
+def attach_lora(model: object, rank: int, dtype: str) -> object:
+    """A LoRABatch running every row with a random rank-`rank` GGUF adapter (SmolLM2's
+    shapes) on `model`."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from tiny_lora import SMOLLM2_SHAPES, write_gguf_adapter
 
-    backend = get_backend(args.device)
-    per_op_timing = args.device in ("cpu", "numpy")
-    model = load_model(ModelSource("gguf", args.model or default_model_path()), backend,
-                       gguf_activations=args.gguf_activations)
-    quantized = args.gguf_activations == "quantized"
+    from vllm_actors.loaders.lora import load_adapter
+    from vllm_actors.models.lora import LoRABatch, build_model_lora
+    args = model.args                                       # type: ignore[attr-defined]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_gguf_adapter(Path(tmp) / "a.gguf", SMOLLM2_SHAPES, rank=rank,
+                                  alpha=float(rank), dtype=dtype)
+        adapter = load_adapter("a", str(path), args.architecture, args.num_layers, rank)
+    warm = getattr(model.backend, "warm_up_lora", None)      # type: ignore[attr-defined]
+    if warm is not None:
+        warm(adapter.half)
+    return LoRABatch(((build_model_lora(model, adapter), None),))
+
+
+def decode_step(model: Any, b: int, c: int, q: int, quantized: bool, fill: bool = True
+                ) -> Callable[[Any], None]:
+    """A step of B sequences each at context C running Q query tokens on `model`, as a
+    function of the step's LoRA batch (or None): the KV cache allocated (filled with random
+    values where `fill`: attention's cost does not depend on them), the rest fixed."""
+    backend, a, bs = model.backend, model.args, 16
     fmt = kv_format(resolve_kv_dtype("auto", quantized), ggml_products=quantized)
-    a, bs, b, c, q = model.args, 16, args.batch, args.context, args.query
     nb = -(-c // bs)
     rng = np.random.default_rng(0)
     kv = backend.allocate_kv_cache(a.num_layers, b * nb + 1, bs, a.num_kv_heads, a.head_dim,
                                    fmt)
-    if per_op_timing:   # device caches stay zero: attention's cost does not depend on values
+    if fill:
         for k_cache, v_cache in kv:
             if k_cache.dtype in (np.float32, np.float16):
                 k_cache[:] = rng.random(k_cache.shape, np.float32)
@@ -74,10 +87,40 @@ def main() -> None:
                              tables, slots, bs)
     ids = rng.integers(0, 1000, b * q)
     last = np.arange(b) * q + q - 1
+    return lambda lora: model.compute_logits(model.forward(ids, pos, meta, kv, lora=lora),
+                                             last)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="GGUF file (default: SmolLM2 Q4_1)")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--context", type=int, default=160)
+    parser.add_argument("--query", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "numpy", "opencl", "cuda"))
+    parser.add_argument("--gguf-activations", default="quantized",
+                        choices=("quantized", "float32"))
+    parser.add_argument("--lora", type=int, default=0, help="adapter rank (0: none)")
+    parser.add_argument("--lora-dtype", default="F32", choices=("F32", "F16"))
+    args = parser.parse_args()
+    if not 1 <= args.query <= args.context:
+        parser.error("need 1 <= --query <= --context")
+
+    backend = get_backend(args.device)
+    per_op_timing = args.device in ("cpu", "numpy")
+    model = load_model(ModelSource("gguf", args.model or default_model_path()), backend,
+                       gguf_activations=args.gguf_activations)
+    step = decode_step(model, args.batch, args.context, args.query,
+                       args.gguf_activations == "quantized", fill=per_op_timing)
+    lora = attach_lora(model, args.lora, args.lora_dtype) if args.lora else None
+    b = args.batch
 
     times: dict[str, float] = collections.defaultdict(float)
     for name in OPS if per_op_timing else ():
-        fn = getattr(backend, name)
+        fn = getattr(backend, name, None)
+        if fn is None:
+            continue
 
         def timed(*a_, _fn=fn, _name=name, **kw):
             start = time.perf_counter()
@@ -91,17 +134,18 @@ def main() -> None:
     for i in range(args.steps + 2):
         times.clear()
         start = time.perf_counter()
-        model.compute_logits(model.forward(ids, pos, meta, kv), last)
+        step(lora)
         total = time.perf_counter() - start
         if i >= 2:
             per_step.append(total)
             for name in OPS:
                 per_op[name].append(times.get(name, 0.0))
             per_op["(other)"].append(total - sum(times.values()))
-    step = statistics.median(per_step)
-    print(f"{args.device}, {args.gguf_activations}: batch {b}, context {c}, query {q}: "
-          f"{step * 1e3:.1f} ms/step "
-          f"({b * q / step:.0f} tok/s), median of {args.steps}")
+    step_s = statistics.median(per_step)
+    print(f"{args.device}, {args.gguf_activations}: batch {b}, context {args.context}, "
+          f"query {args.query}: {step_s * 1e3:.1f} ms/step "
+          f"({b * args.query / step_s:.0f} tok/s), median of {args.steps}"
+          + (f", rank-{args.lora} {args.lora_dtype} adapter" if args.lora else ""))
     if not per_op_timing:
         return
     print("| op | ms/step |")
