@@ -6,10 +6,17 @@ llama.cpp's (llama-cpp-python, the same GGUF adapter applied to its whole contex
     python bench/lora.py [--runs 3] [--tokens 64] [--rank 16] [--semantics quantized]
                          [--dtype F32|F16]
     python bench/lora.py --kernel [--rank 16] [--dtype F32|F16]
+    python bench/lora.py --step [--rounds 25] [--rank 16] [--dtype F32|F16]
 
 --kernel times only the deltas of one single-stream decode step on SmolLM2's shapes (its 30
 layers' fused qkv, o, gate+up and down linears, one row) in the compiled backend's kernel,
 after streaming 96 MB as the base model's weights do between them, median of 40 steps.
+
+--step times whole single-row decode steps of SmolLM2 in process (`profile_step.decode_step`,
+context 160), alternating three cases step by step: no adapter, one rank-16 adapter with its
+deltas as separate calls after each GEMV (`lora_ops.lora_add_ggml`), and with each delta
+inside its GEMV (`CpuBackend.linear_lora`, the engine's path); medians of --rounds x 5 steps
+each, and each adapted case's speed as a ratio of the base's.
 
 The adapters are GGUF LoRA files (F32, or F16 as `convert_lora_to_gguf.py --outtype f16`
 writes them) written with gguf-py (`tests/tiny_lora.write_gguf_adapter`)
@@ -95,6 +102,32 @@ def kernel_step(rank: int, half: bool, steps: int = 40) -> float:
     return statistics.median(times[3:])
 
 
+def step_ratios(rank: int, dtype: str, rounds: int) -> dict[str, float]:
+    """Median ms of a single-row decode step: base, deltas apart, deltas inside the GEMV."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from profile_step import attach_lora, decode_step
+
+    from vllm_actors.kernels import get_backend
+    from vllm_actors.loaders.model_files import ModelSource
+    from vllm_actors.models.registry import load_model
+    backend = get_backend("cpu")
+    model = load_model(ModelSource("gguf", default_model_path()), backend,
+                       gguf_activations="quantized")
+    step, lora = decode_step(model, 1, 160, 1, True), attach_lora(model, rank, dtype)
+    fused = backend.linear_lora
+    cases = {"base": None, "separate": lora, "inside the GEMV": lora}
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for i in range(rounds + 1):
+        for name, batch in cases.items():
+            backend.linear_lora = fused if name != "separate" else (lambda *a, **k: None)
+            for _ in range(5):
+                start = time.perf_counter()
+                step(batch)
+                if i:                                      # the first round warms up
+                    times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
@@ -104,7 +137,14 @@ def main() -> None:
     parser.add_argument("--no-llamacpp", action="store_true")
     parser.add_argument("--kernel", action="store_true")
     parser.add_argument("--dtype", default="F32", choices=("F32", "F16"))
+    parser.add_argument("--step", action="store_true")
+    parser.add_argument("--rounds", type=int, default=25)
     args = parser.parse_args()
+    if args.step:
+        ms = step_ratios(args.rank, args.dtype, args.rounds)
+        for name, value in ms.items():
+            print(f"{name}: {value:.2f} ms a step, {ms['base'] / value:.3f} of the base speed")
+        return
     if args.kernel:
         print(f"one decode step's deltas (rank {args.rank}, {args.dtype}, SmolLM2 shapes): "
               f"{kernel_step(args.rank, args.dtype == 'F16'):.3f} ms")

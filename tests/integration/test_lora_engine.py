@@ -118,10 +118,15 @@ def test_gguf_adapters_give_llamacpp_tokens(smollm2_path, tmp_path):
     bound = llamacpp_spread_bound()
     # blocks for all 12 at once: a preempted request's recomputed tokens would take the
     # multi-row order, which llama.cpp, decoding them one by one, never used
+    prompts = [{"prompt_token_ids": c["prompt_token_ids"]} for _, c in cases]
     with LLM(str(smollm2_path), device="cpu", enable_lora=True, max_loras=2,
              max_model_len=256, num_gpu_blocks_override=96) as llm:
-        outs = llm.generate([{"prompt_token_ids": c["prompt_token_ids"]} for _, c in cases],
-                            greedy(32), lora_request=loras)
+        outs = llm.generate(prompts, greedy(32), lora_request=loras)
+        # a request alone decodes with the delta inside each GEMV (`lora_gemv`)
+        alone = [len(cases) // 2 - 1, len(cases) - 1]           # the last of each dtype
+        for i in alone:
+            outs += llm.generate(prompts[i], greedy(32), lora_request=loras[i])
+        cases += [cases[i] for i in alone]
     for (dtype, case), out in zip(cases, outs):
         got, want = out.outputs[0].token_ids, case["tokens"]
         first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)

@@ -38,6 +38,7 @@ from vllm_actors.kernels.ggml_attention import _tree16
 
 LANES = 16
 OUT_BLOCK = 256     # outputs of B per task: a tile (rank x 256 weights) stays in L1
+GROUP_BLOCKS = 4    # blocks of 16 outputs whose leftover chains run side by side (64 lanes)
 SERIAL_MAX_WORK = 150_000    # multiply-adds below which one thread is faster (bench: 135k, 172k)
 
 
@@ -65,9 +66,10 @@ def _is_half_impl(wt):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(cache=True)
-def _tile_dots(x, xi, tile, r, alone, out):  # type: ignore[no-untyped-def]
-    """out[j] = x[xi:xi+r] . B[:r, j] for the OUT_BLOCK outputs of one tile (`pack`'s
-    layout: blocks of 16 outputs, each [largest rank, 16]; float32 or float16 bits), in
+def _tile_dots(x, xi, tile, r, alone, out, jb0=0, jb1=OUT_BLOCK // LANES):  # type: ignore[no-untyped-def]
+    """out[j] = x[xi:xi+r] . B[:r, j] for the outputs of blocks jb0..jb1 (16 each; all
+    OUT_BLOCK by default) of one tile (`pack`'s layout: blocks of 16 outputs, each
+    [largest rank, 16]; float32 or float16 bits), in
     ggml's order: tinyBLAS (r a multiple of 16, a request of several rows: 16 chains) or
     ggml_vec_dot (64 chains over chunks of 64, folded, then the leftovers one by one, in
     float32 for float32 weights and float64 for float16). Each block's chains are vectors
@@ -75,7 +77,7 @@ def _tile_dots(x, xi, tile, r, alone, out):  # type: ignore[no-untyped-def]
     rows = tile.shape[1]
     tiny = r % LANES == 0 and not alone
     whole = r - r % 64
-    for jb in range(OUT_BLOCK // LANES):
+    for jb in range(jb0, jb1):
         base = jb * rows * LANES
         if tiny:
             acc = stack_f32(256)
@@ -98,22 +100,49 @@ def _tile_dots(x, xi, tile, r, alone, out):  # type: ignore[no-untyped-def]
         else:
             for c in range(LANES):
                 out[jb * LANES + c] = np.float32(0.0)
-        if _is_half(tile):
-            wide = stack_f64(16)
-            for c in range(LANES):
-                wide[c] = np.float64(out[jb * LANES + c])
-            for i in range(whole, r):
-                muladd16_f64(wide, 0, tile, base + i * LANES, x[xi + i])
-            for c in range(LANES):
-                out[jb * LANES + c] = np.float32(wide[c])
-        else:
-            acc = stack_f32(16)
-            for c in range(LANES):
-                acc[c] = out[jb * LANES + c]
-            for i in range(whole, r):
-                muladd16(acc, 0, tile, base + i * LANES, x[xi + i])
-            for c in range(LANES):
-                out[jb * LANES + c] = acc[c]
+    if not tiny and whole < r:
+        _leftover_blocks(x, xi, tile, whole, r, out, jb0, jb1)
+
+
+@numba.njit(inline="always", cache=True)
+def _leftover_blocks(x, xi, tile, whole, r, out, jb0, jb1):  # type: ignore[no-untyped-def]
+    """out[j] += x[xi+i] * B[i, j] for i in whole..r one by one (ggml_vec_dot's leftovers)
+    over blocks jb0..jb1: GROUP_BLOCKS blocks of 16 outputs at a time, since each output's
+    sum is one dependent chain and the blocks' chains can run side by side, then the rest
+    one by one."""
+    jb = jb0
+    while jb + GROUP_BLOCKS <= jb1:
+        _leftover_group(x, xi, tile, whole, r, out, jb, GROUP_BLOCKS)
+        jb += GROUP_BLOCKS
+    while jb < jb1:
+        _leftover_group(x, xi, tile, whole, r, out, jb, 1)
+        jb += 1
+
+
+@numba.njit(inline="always", cache=True)
+def _leftover_group(x, xi, tile, whole, r, out, jb, count):  # type: ignore[no-untyped-def]
+    """`_leftover_blocks` on blocks jb..jb+count (count <= GROUP_BLOCKS, a constant where
+    inlined): float32 sums for float32 weights, float64 ones for float16."""
+    rows = tile.shape[1]
+    base = jb * rows * LANES
+    if _is_half(tile):
+        wide = stack_f64(64)
+        for c in range(count * LANES):
+            wide[c] = np.float64(out[jb * LANES + c])
+        for i in range(whole, r):
+            for g in range(count):
+                muladd16_f64(wide, g * LANES, tile, base + (g * rows + i) * LANES, x[xi + i])
+        for c in range(count * LANES):
+            out[jb * LANES + c] = np.float32(wide[c])
+    else:
+        acc = stack_f32(64)
+        for c in range(count * LANES):
+            acc[c] = out[jb * LANES + c]
+        for i in range(whole, r):
+            for g in range(count):
+                muladd16(acc, g * LANES, tile, base + (g * rows + i) * LANES, x[xi + i])
+        for c in range(count * LANES):
+            out[jb * LANES + c] = acc[c]
 
 
 @numba.njit(inline="always", cache=True)
@@ -143,14 +172,15 @@ def _leftovers(x, a, i, whole, k, total):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(cache=True)
-def _vec_dot_rows(x, a, num_rows, out):  # type: ignore[no-untyped-def]
+def _vec_dot_rows(x, a, num_rows, out, q0=0, q1=-1):  # type: ignore[no-untyped-def]
     """out[i] = x . A[i] for the num_rows rows of A (`pack`'s layout) in ggml_vec_dot's
     order: four 16-lane chains over chunks of 64, folded and reduced (`reduce64`), then
-    `_leftovers`. A pair of rows at a time, read as one run, their eight chains in
-    registers."""
+    `_leftovers`. A pair of rows at a time (pairs q0..q1; all by default), read as one run,
+    their eight chains in registers."""
     k = x.shape[0]
     whole = k - k % 64
-    for i0 in range(0, num_rows, 2):
+    q1 = (num_rows + 1) // 2 if q1 < 0 else q1
+    for i0 in range(2 * q0, min(2 * q1, num_rows), 2):
         acc = stack_f32(128)
         for lane in range(128):
             acc[lane] = np.float32(0.0)

@@ -15,7 +15,7 @@ would, without a second collective.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -37,7 +37,8 @@ class LinearLoRA:
     stacked), the parts' B transposed side by side in `b_t` [largest r, sum of n]
     (zero-padded), `meta` int64 [P, 5] per part (first rank row in `a`, rank, first output
     column, n, first column in b_t), `scales` float32 [P], `work`, the multiply-adds per
-    row, and `half`: the weights are float16 values (`loaders.lora.LoRAAdapter.half`). A
+    row, `half`: the weights are float16 values (`loaders.lora.LoRAAdapter.half`), and
+    `memo`, what a backend derives from them once (`lora_gemv.lora_args`). A
     backend with a `pack_lora` keeps `a`, `b_t` and `meta` in its own layout instead (the
     compiled CPU backend: `ggml_matmul_f32.pack`, float16 where `half`)."""
 
@@ -47,6 +48,7 @@ class LinearLoRA:
     scales: Any
     work: int
     half: bool = False
+    memo: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
 
 # an adapter on a model: layer id -> fused linear name -> LinearLoRA
@@ -59,6 +61,20 @@ class LoRABatch:
     (indices into the step's flat tokens) that run with it."""
 
     groups: tuple[tuple[ModelLoRA, np.ndarray], ...]
+
+    def linear(self, backend: Any, x: Any, weight: Any, bias: Any, layer_id: int,
+               linear: str, ggml: bool = False) -> Any:
+        """`backend.linear(x, weight, bias)` with the adapters' deltas (`apply`). A step
+        whose rows all use one adapter, on a backend that fuses the delta into the GEMV
+        (`linear_lora`), takes one call where there is no bias."""
+        if bias is None and len(self.groups) == 1 and self.groups[0][1] is None:
+            lora = self.groups[0][0].get(layer_id, {}).get(linear)
+            fused = getattr(backend, "linear_lora", None)
+            if lora is not None and fused is not None:
+                y = fused(x, weight, lora, ggml)
+                if y is not None:
+                    return y
+        return self.apply(backend, backend.linear(x, weight, bias), x, layer_id, linear, ggml)
 
     def apply(self, backend: Any, y: Any, x: Any, layer_id: int, linear: str,
               ggml: bool = False) -> Any:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -44,6 +45,8 @@ _NUMPY = NumpyBackend()   # its view-only ops (split_qkv) serve this backend as 
 # rows from which a float32 GEMM goes to numpy's BLAS, called on our threads (`cpu/blas.py`;
 # faster from about 32-64 rows, docs/BENCHMARKS.md "Embeddings"); fewer stay in our kernels
 BLAS_MIN_ROWS = 64
+
+_ONE_ROW = np.ones(1, np.int64)       # a one-row step's rows per request
 
 # activation format -> (its quantizer, the integer GEMV module that reads what it writes)
 _INTEGER = {"q8_0": (activations.quantize_q8, qmatmul_int),
@@ -281,8 +284,21 @@ class CpuBackend:
             y += bias
         return y
 
-    warm_up_lora = staticmethod(warm_up_lora)
     pack_lora = staticmethod(pack_lora)
+
+    def warm_up_lora(self, half: bool = False) -> None:
+        """Compile the LoRA kernels for float32 or float16 adapter weights: the separate
+        delta's (`lora_ops.warm_up_lora`), and the single-row GEMV with its delta inside
+        (`linear_lora`) for each weight type uploaded so far that takes it."""
+        warm_up_lora(half)
+        for linear in self._smallest.values():
+            m = linear.parts[0]
+            a, tiles, meta = pack_lora(np.zeros((16, m.cols), np.float32),
+                                       np.zeros((16, m.rows), np.float32),
+                                       np.array([[0, 16, 0, m.rows, 0]], np.int64), half)
+            lora = SimpleNamespace(a=a, b_t=tiles, meta=meta, scales=np.ones(1, np.float32),
+                                   half=half, memo={})
+            self.linear_lora(np.zeros((1, m.cols), np.float32), linear, lora, True)
 
     def lora_add(self, y: np.ndarray, x: np.ndarray, rows: np.ndarray | None, lora: Any,
                  ggml: bool = False) -> np.ndarray:
@@ -299,6 +315,19 @@ class CpuBackend:
         alone, every = step
         return lora_add_ggml(y, x, every if rows is None else rows, lora, alone,
                              ggml and lora.half)
+
+    def linear_lora(self, x: np.ndarray, weight: Linear, lora: Any, ggml: bool
+                    ) -> np.ndarray | None:
+        """`linear(x, weight)` plus `lora`'s delta (a `models.lora.LinearLoRA`) on x's one
+        row in one kernel call (`lora_gemv`), where an integer GEMV takes that row; else
+        None. `ggml`: under llama.cpp's semantics (float16 weights round their inputs)."""
+        if len(x) != 1 or len(weight.parts) != 1 or not weight.formats:
+            return None
+        integer = _INTEGER.get(weight.formats[0], (None, None))[1]
+        fused = getattr(integer, "matmul_float_lora", None)
+        if fused is None or not integer.quantizes_inside(weight.parts[0], 1, _ONE_ROW):
+            return None
+        return fused(weight.parts[0], x, lora, ggml and lora.half, self._isa)
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         return elementwise.rms_norm(x, weight, eps)

@@ -28,6 +28,7 @@ from numba import carray, prange, types
 from vllm_actors.kernels.cpu import activations, isa
 from vllm_actors.kernels.cpu.intrinsics import call_address, data_pointer, fma_f32
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
+from vllm_actors.kernels.cpu.lora_gemv import CHUNK_PAIRS, lora_args, lora_chunk, lora_start
 from vllm_actors.kernels.cpu.qdot import qdot
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix, prefetch_rows
 from vllm_actors.kernels.cpu.qmatmul_prims import (
@@ -180,6 +181,28 @@ def _scratch(rows: int, k: int) -> tuple[np.ndarray, ...]:
                                           *np.zeros((3, rows, k // 32), np.float32)))
 
 
+@kernel(parallel=True, exact=True)
+def gemv_lora(fn, qs, qh, d, mn, lut, xq, xd, xs, out, dist, threads, quantize, x, xdsum,  # type: ignore[no-untyped-def]
+              a_fn, a, xr, xa, ready, b_fn, tiles, parts, scales, round_x):
+    """`gemv` on one row of x (quantized here) plus a LoRA delta, in one parallel loop
+    (`lora_gemv`): each chunk of CHUNK_PAIRS pairs of weight rows computes its rows, then
+    adds B's products to them."""
+    _quantize(quantize, x, lut, xq, xd, xs, xdsum)
+    lora_start(x, xr, ready, round_x)
+    prev = limit_threads(threads)
+    n = qs.shape[0]
+    pairs = (n + 1) // 2
+    for c in prange((pairs + CHUNK_PAIRS - 1) // CHUNK_PAIRS):
+        g0, g1 = c * CHUNK_PAIRS, min(pairs, (c + 1) * CHUNK_PAIRS)
+        lora_chunk(a_fn, xr, a, xa, ready, b_fn, tiles, parts, scales, out, 2 * g0,
+                   min(n, 2 * g1), round_x, fn,
+                   (data_pointer(qs), n, qs.shape[1], data_pointer(qh), data_pointer(d),
+                    data_pointer(mn), data_pointer(lut), data_pointer(xq), xq.shape[0],
+                    xq.shape[1], data_pointer(xd), data_pointer(xs), data_pointer(out), dist,
+                    g0, g1))
+    restore_threads(prev)
+
+
 def pad_rows(x: Any, group: int) -> Any:
     """x's quantized rows (a `Q8Rows` or `Q8KRows`) padded with zero rows to a multiple of
     `group`: a zero row has scale 0 and sums 0, so its outputs are 0 and are cut off."""
@@ -234,6 +257,20 @@ def matmul_float(w: QuantMatrix, x: np.ndarray, path: str | None = None,
     gemv(fn, *planes, HALF_LUT, xq, xd, xs, out, dist, threads,
          activations.q8_0_blocks.address, np.ascontiguousarray(x, np.float32), xdsum)
     return out[:m] if padded != m else out
+
+
+def matmul_float_lora(w: QuantMatrix, x: np.ndarray, lora: Any, round_x: bool,
+                      path: str | None = None) -> np.ndarray:
+    """`matmul_float` of one row plus its LoRA delta (`lora_gemv`) in one call."""
+    k = x.shape[1]
+    fn, planes, dist = _decode_plan(w, path, 1)
+    out = np.empty((1, w.rows), np.float32)
+    threads = 1 if w.rows * w.cols <= SERIAL_MAX_WORK else 0
+    xq, xd, xs, xdsum = _scratch(1, k)
+    gemv_lora(fn, *planes, HALF_LUT, xq, xd, xs, out, dist, threads,
+              activations.q8_0_blocks.address, np.ascontiguousarray(x, np.float32), xdsum,
+              *lora_args(lora, k, round_x))
+    return out
 
 
 def _run(w: QuantMatrix, x: activations.Q8Rows, m: int, path: str | None) -> np.ndarray:
