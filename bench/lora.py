@@ -6,13 +6,13 @@ llama.cpp's (llama-cpp-python, the same GGUF adapter applied to its whole contex
     python bench/lora.py [--runs 3] [--tokens 64] [--rank 16] [--semantics quantized]
                          [--dtype F32|F16]
     python bench/lora.py --kernel [--rank 16] [--dtype F32|F16]
-    python bench/lora.py --step [--rounds 25] [--rank 16] [--dtype F32|F16]
+    python bench/lora.py --step [--rounds 25] [--rank 16] [--dtype F32|F16] [--model GGUF]
 
 --kernel times only the deltas of one single-stream decode step on SmolLM2's shapes (its 30
 layers' fused qkv, o, gate+up and down linears, one row) in the compiled backend's kernel,
 after streaming 96 MB as the base model's weights do between them, median of 40 steps.
 
---step times whole single-row decode steps of SmolLM2 in process (`profile_step.decode_step`,
+--step times whole single-row decode steps of SmolLM2 (or --model) in process (`profile_step.decode_step`,
 context 160), alternating three cases step by step: no adapter, one rank-16 adapter with its
 deltas as separate calls after each GEMV (`lora_ops.lora_add_ggml`), and with each delta
 inside its GEMV (`CpuBackend.linear_lora`, the engine's path); medians of --rounds x 5 steps
@@ -102,7 +102,8 @@ def kernel_step(rank: int, half: bool, steps: int = 40) -> float:
     return statistics.median(times[3:])
 
 
-def step_ratios(rank: int, dtype: str, rounds: int) -> dict[str, float]:
+def step_ratios(rank: int, dtype: str, rounds: int, model_path: str | None = None
+                ) -> dict[str, float]:
     """Median ms of a single-row decode step: base, deltas apart, deltas inside the GEMV."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from profile_step import attach_lora, decode_step
@@ -111,7 +112,7 @@ def step_ratios(rank: int, dtype: str, rounds: int) -> dict[str, float]:
     from vllm_actors.loaders.model_files import ModelSource
     from vllm_actors.models.registry import load_model
     backend = get_backend("cpu")
-    model = load_model(ModelSource("gguf", default_model_path()), backend,
+    model = load_model(ModelSource("gguf", model_path or default_model_path()), backend,
                        gguf_activations="quantized")
     step, lora = decode_step(model, 1, 160, 1, True), attach_lora(model, rank, dtype)
     fused = backend.linear_lora
@@ -139,9 +140,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="F32", choices=("F32", "F16"))
     parser.add_argument("--step", action="store_true")
     parser.add_argument("--rounds", type=int, default=25)
+    parser.add_argument("--model", default=None, help="GGUF file for --step (default SmolLM2)")
     args = parser.parse_args()
     if args.step:
-        ms = step_ratios(args.rank, args.dtype, args.rounds)
+        ms = step_ratios(args.rank, args.dtype, args.rounds, args.model)
         for name, value in ms.items():
             print(f"{name}: {value:.2f} ms a step, {ms['base'] / value:.3f} of the base speed")
         return

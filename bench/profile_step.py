@@ -44,20 +44,22 @@ OPS = ("embedding", "linear", "rms_norm", "layer_norm", "add", "add_rms_norm", "
        "reshape_and_cache", "paged_attention", "lm_head", "lora_add", "linear_lora")
 
 
-def attach_lora(model: object, rank: int, dtype: str) -> object:
-    """A LoRABatch running every row with a random rank-`rank` GGUF adapter (SmolLM2's
-    shapes) on `model`."""
+def attach_lora(model: Any, rank: int, dtype: str) -> Any:
+    """A LoRABatch running every row with a random rank-`rank` GGUF adapter on every
+    attention and MLP linear of `model` (shapes from its config)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from tiny_lora import SMOLLM2_SHAPES, write_gguf_adapter
+    from tiny_lora import llama_shapes, write_gguf_adapter
 
     from vllm_actors.loaders.lora import load_adapter
     from vllm_actors.models.lora import LoRABatch, build_model_lora
-    args = model.args                                       # type: ignore[attr-defined]
+    a = model.args
+    shapes = llama_shapes(a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads,
+                          a.intermediate_size, a.head_dim)
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_gguf_adapter(Path(tmp) / "a.gguf", SMOLLM2_SHAPES, rank=rank,
-                                  alpha=float(rank), dtype=dtype)
-        adapter = load_adapter("a", str(path), args.architecture, args.num_layers, rank)
-    warm = getattr(model.backend, "warm_up_lora", None)      # type: ignore[attr-defined]
+        path = write_gguf_adapter(Path(tmp) / "a.gguf", shapes, num_layers=a.num_layers,
+                                  rank=rank, alpha=float(rank), dtype=dtype)
+        adapter = load_adapter("a", str(path), a.architecture, a.num_layers, rank)
+    warm = getattr(model.backend, "warm_up_lora", None)
     if warm is not None:
         warm(adapter.half)
     return LoRABatch(((build_model_lora(model, adapter), None),))

@@ -15,10 +15,11 @@ from tiny_models import det_uniform, write_safetensors
 ATTN_MLP = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def llama_shapes(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int
-                 ) -> dict[str, tuple[int, int]]:
-    """The HF names and shapes of a llama checkpoint's linears (SmolLM2's, from its GGUF)."""
-    dh = hidden // heads
+def llama_shapes(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int,
+                 head_dim: int | None = None) -> dict[str, tuple[int, int]]:
+    """The HF names and shapes of a llama checkpoint's linears (SmolLM2's, from its GGUF;
+    `head_dim` where it is not hidden / heads, as Gemma 3's)."""
+    dh = head_dim or hidden // heads
     shapes = {}
     for i in range(layers):
         p = f"model.layers.{i}."

@@ -15,9 +15,10 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf import quants
 from model_driver import prompt_logits
+import quant_blocks
 from tiny_models import TINY_PROMPT, write_llama_gguf
 
-from vllm_actors.kernels import get_backend, quant
+from vllm_actors.kernels import get_backend
 from vllm_actors.kernels.cpu import elementwise
 from vllm_actors.kernels.cpu.backend import CpuBackend
 from vllm_actors.kernels.numpy_backend import NumpyBackend
@@ -182,14 +183,7 @@ def test_embedding_and_tied_lm_head_share_one_table(cpu):
 
 
 def random_blocks(qtype: QT, rows: int, cols: int) -> np.ndarray:
-    """Random blocks of a quant type with finite float16 scales in [0.001, 0.01]."""
-    block_size, type_size = quant.block_layout(qtype)
-    blocks = RNG.integers(0, 256, (rows * cols // block_size, type_size), dtype=np.uint8)
-    for name, offset in quant.BLOCK_OFFSETS[qtype].items():
-        if name in ("d", "m", "dmin"):
-            scales = RNG.uniform(0.001, 0.01, len(blocks)).astype(np.float16)
-            blocks[:, offset:offset + 2] = scales.view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(rows, -1)
+    return quant_blocks.random_blocks(qtype, rows, cols, RNG)
 
 
 def test_fused_linear_of_parts_in_different_formats(cpu):

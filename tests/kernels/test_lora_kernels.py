@@ -81,28 +81,28 @@ def test_lora_kernel_layouts_and_float16_weights(k):
                     assert not np.all(np.abs(got - plain) <= 1e-5 * size + 1e-6)
 
 
-@pytest.mark.parametrize("k", [96, 768])
-def test_delta_inside_the_gemv_is_the_gemv_then_the_delta(k):
-    """A one-row step's adapted linear in one call (`qmatmul_int.matmul_float_lora`) gives
-    the base GEMV followed by the separate delta call bit for bit: parts whose outputs start
-    off the GEMV's 32-row chunks (column 7), on one thread (K = 96) and two (K = 768),
-    float32 and float16 weights with and without rounded inputs."""
+@pytest.mark.parametrize("qtype,k", [("Q4_1", 96), ("Q4_1", 768), ("Q4_K", 768)])
+def test_delta_inside_the_gemv_is_the_gemv_then_the_delta(qtype, k):
+    """A one-row step's adapted linear in one call (`matmul_float_lora` of `qmatmul_int` and
+    `qmatmul_int_k`) gives the base GEMV followed by the separate delta call bit for bit:
+    parts whose outputs start off the GEMV's 32-row chunks (column 7), on one thread (K =
+    96) and two (K = 768), float32 and float16 weights with and without rounded inputs."""
     from gguf import GGMLQuantizationType as T
-    from gguf.quants import quantize
+    from quant_blocks import random_blocks
 
-    from vllm_actors.kernels.cpu import qmatmul, qmatmul_int
+    from vllm_actors.kernels.cpu import qmatmul, qmatmul_int, qmatmul_int_k
     a, b_t, meta, scales = _adapter(k, seed=k)
     rng = np.random.default_rng(2)
-    n = 7 + sum(WIDTHS) + 3
-    w = qmatmul.pack(quantize(rng.standard_normal((n, k)).astype(np.float32), T.Q4_1),
-                     T.Q4_1, (n, k))
+    n, qtype = 7 + sum(WIDTHS) + 3, T[qtype]
+    w = qmatmul.pack(random_blocks(qtype, n, k, rng), qtype, (n, k))
+    integer = qmatmul_int_k if qtype == T.Q4_K else qmatmul_int
     x = rng.standard_normal((1, k)).astype(np.float32)
-    base = qmatmul_int.matmul_float(w, x)
+    base = integer.matmul_float(w, x)
     for half, round_x in ((False, False), (True, False), (True, True)):
         a_p, tiles, packed = pack(a, b_t, meta, half)
         lora = SimpleNamespace(a=a_p, b_t=tiles, meta=packed, scales=scales, work=1,
                                half=half, memo={})
         want = lora_add_ggml(base.copy(), x, np.zeros(1, np.int64), lora, np.ones(1, bool),
                              round_x)
-        got = qmatmul_int.matmul_float_lora(w, x, lora, round_x)
+        got = integer.matmul_float_lora(w, x, lora, round_x)
         assert np.array_equal(got, want), (half, round_x)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import numba
 import numpy as np
@@ -31,6 +32,7 @@ from numba.extending import overload
 from vllm_actors.kernels.cpu import activations, isa
 from vllm_actors.kernels.cpu.intrinsics import call_address, data_pointer, fma_f32, stack_i32
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
+from vllm_actors.kernels.cpu.lora_gemv import CHUNK_PAIRS, lora_args, lora_chunk, lora_start
 from vllm_actors.kernels.cpu.ktotals import (
     FLUSH_REPACKED,
     FLUSH_TILED,
@@ -132,22 +134,50 @@ def gemv(fn, qs, qh, sc, mn, d, dmin, lut, xq, xd, xb, out, dist, threads, quant
     `activations.q8_k_blocks`, else 0) x's float rows are first quantized into xq/xd/xb on
     this thread, as `qmatmul_int.gemv` does."""
     if quantize != 0:
-        for i in range(x.shape[0]):
-            call_address(quantize, (data_pointer(x), x.shape[0], x.shape[1], data_pointer(xq),
-                                    data_pointer(xd), data_pointer(xb), i, 0,
-                                    x.shape[1] // 256))
+        _quantize(quantize, x, xq, xd, xb)
+    prev = limit_threads(threads)
+    pairs = (qs.shape[0] + 1) // 2
+    for c in prange((pairs + PAIRS - 1) // PAIRS):
+        call_address(fn, _body_args(qs, qh, sc, mn, d, dmin, lut, xq, xd, xb, out, dist,
+                                    c * PAIRS, min(pairs, (c + 1) * PAIRS)))
+    restore_threads(prev)
+
+
+@kernel(parallel=True, exact=True)
+def gemv_lora(fn, qs, qh, sc, mn, d, dmin, lut, xq, xd, xb, out, dist, threads, quantize, x,  # type: ignore[no-untyped-def]
+              a_fn, a, xr, xa, ready, b_fn, tiles, parts, scales, round_x):
+    """`gemv` on one row of x (quantized here) plus a LoRA delta in one parallel loop, as
+    `qmatmul_int.gemv_lora` (`lora_gemv`)."""
+    _quantize(quantize, x, xq, xd, xb)
+    lora_start(x, xr, ready, round_x)
     prev = limit_threads(threads)
     n = qs.shape[0]
     pairs = (n + 1) // 2
-    for c in prange((pairs + PAIRS - 1) // PAIRS):
-        call_address(fn, (
-            data_pointer(qs), n, qs.shape[1], data_pointer(qh), qh.shape[0], qh.shape[1],
-            data_pointer(sc), sc.shape[0], sc.shape[1], data_pointer(mn), mn.shape[0],
-            mn.shape[1], data_pointer(d), d.shape[0], d.shape[1], data_pointer(dmin),
-            dmin.shape[0], dmin.shape[1], data_pointer(lut), data_pointer(xq), xq.shape[0],
-            xq.shape[1], data_pointer(xd), xd.shape[1], data_pointer(xb), xb.shape[1],
-            data_pointer(out), dist, c * PAIRS, min(pairs, (c + 1) * PAIRS)))
+    for c in prange((pairs + CHUNK_PAIRS - 1) // CHUNK_PAIRS):
+        g0, g1 = c * CHUNK_PAIRS, min(pairs, (c + 1) * CHUNK_PAIRS)
+        lora_chunk(a_fn, xr, a, xa, ready, b_fn, tiles, parts, scales, out, 2 * g0,
+                   min(n, 2 * g1), round_x, fn,
+                   _body_args(qs, qh, sc, mn, d, dmin, lut, xq, xd, xb, out, dist, g0, g1))
     restore_threads(prev)
+
+
+@kernel(inline=True, exact=True)
+def _quantize(quantize, x, xq, xd, xb):  # type: ignore[no-untyped-def]
+    """x's float rows into Q8_K blocks (xq, xd, xb) by the quantizer at `quantize`."""
+    for i in range(x.shape[0]):
+        call_address(quantize, (data_pointer(x), x.shape[0], x.shape[1], data_pointer(xq),
+                                data_pointer(xd), data_pointer(xb), i, 0, x.shape[1] // 256))
+
+
+@kernel(inline=True, exact=True)
+def _body_args(qs, qh, sc, mn, d, dmin, lut, xq, xd, xb, out, dist, g0, g1):  # type: ignore[no-untyped-def]
+    """The body's arguments for pairs of weight rows g0..g1."""
+    return (data_pointer(qs), qs.shape[0], qs.shape[1], data_pointer(qh), qh.shape[0],
+            qh.shape[1], data_pointer(sc), sc.shape[0], sc.shape[1], data_pointer(mn),
+            mn.shape[0], mn.shape[1], data_pointer(d), d.shape[0], d.shape[1],
+            data_pointer(dmin), dmin.shape[0], dmin.shape[1], data_pointer(lut),
+            data_pointer(xq), xq.shape[0], xq.shape[1], data_pointer(xd), xd.shape[1],
+            data_pointer(xb), xb.shape[1], data_pointer(out), dist, g0, g1)
 
 
 def _step(path, kind, group, iacc, acc, am, fw, iw, qs, qh, sc, mn, d, dmin, lut, r0, r1, rb, hb, sb, xq, xo, k, xd, xb, m0):  # type: ignore[no-untyped-def]
@@ -357,6 +387,23 @@ def matmul_float(w: QuantMatrix, x: np.ndarray, path: str | None = None,
     group = 1 if m == 1 else GROUP
     padded = -(-m // group) * group
     return _run(w, _scratch(padded, k), m, kind, path, np.ascontiguousarray(x, np.float32))
+
+
+def matmul_float_lora(w: QuantMatrix, x: np.ndarray, lora: Any, round_x: bool,
+                      path: str | None = None) -> np.ndarray:
+    """`matmul_float` of one row plus its LoRA delta (`lora_gemv`) in one call."""
+    kind = w.memo.get("int_k_one_row")
+    if kind is None:
+        kind = w.memo["int_k_one_row"] = int(row_kinds(w, [1])[0])
+    k = x.shape[1]
+    fn, planes, dist = _decode_plan(w, kind, path, 1)
+    blocks = _scratch(1, k)
+    out = np.empty((1, w.rows), np.float32)
+    threads = 1 if w.rows * w.cols <= SERIAL_MAX_WORK else 0
+    gemv_lora(fn, *planes, HALF_LUT, blocks.qs, blocks.d, blocks.bsums, out, dist, threads,
+              activations.q8_k_blocks.address, np.ascontiguousarray(x, np.float32),
+              *lora_args(lora, k, round_x))
+    return out
 
 
 def _run(w: QuantMatrix, x: activations.Q8KRows, m: int, kind: int, path: str | None,
