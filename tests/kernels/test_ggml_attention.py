@@ -3,6 +3,8 @@ replace (end to end, tests/models/test_llamacpp_parity.py shows the tokens bit f
 
 from __future__ import annotations
 
+import math
+
 import numba
 import numpy as np
 
@@ -43,7 +45,7 @@ def _swiglu_per_element(gate_up, out, width):  # type: ignore[no-untyped-def]
     for r in range(out.shape[0]):
         for i in range(f):
             x = gate_up[r, i]
-            e = ggml_math.expf(-x, width, i < whole)
+            e = ggml_math.expf(-x, width) if i < whole else np.float32(math.exp(-x))
             out[r, i] = np.float32(x / np.float32(np.float32(1.0) + e)) * gate_up[r, f + i]
 
 

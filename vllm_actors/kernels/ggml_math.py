@@ -119,10 +119,8 @@ def expf8(x):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(inline="always", cache=True)
-def expf(x, width, vector):  # type: ignore[no-untyped-def]
-    """ggml's exp of an element: the vector version of `width` where `vector`, else libm."""
-    if not vector:
-        return np.float32(math.exp(np.float32(x)))
+def expf(x, width):  # type: ignore[no-untyped-def]
+    """ggml's vector exp of an element, in `width` lanes (16: AVX-512, 8: AVX2)."""
     return expf16(x) if width == 16 else expf8(x)
 
 
@@ -162,9 +160,10 @@ def _swiglu_row(gate_up, out, r, width):  # type: ignore[no-untyped-def]
     outside = 0                 # counted first: a loop with the exact call inside is slow
     for i in range(whole):
         outside += np.int32(not _NORMAL_LOW32 <= -g[i] <= _NORMAL_HIGH32)     # NaN too
-    for i in range(whole if outside else 0):
-        if not _NORMAL_LOW32 <= -g[i] <= _NORMAL_HIGH32:
-            o[i] = _silu_times(g[i], expf(-g[i], width, True), u[i])
+    if outside:
+        for i in range(whole):
+            if not _NORMAL_LOW32 <= -g[i] <= _NORMAL_HIGH32:
+                o[i] = _silu_times(g[i], expf(-g[i], width), u[i])
     # the tail through libm's exp, called directly: each inlined `expf` costs 0.4 s of a
     # cold start's compile
     for i in range(whole, f):
