@@ -172,15 +172,14 @@ def _leftovers(x, a, i, whole, k, total):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(cache=True)
-def _vec_dot_rows(x, a, num_rows, out, q0=0, q1=-1):  # type: ignore[no-untyped-def]
+def _vec_dot_rows(x, a, num_rows, out):  # type: ignore[no-untyped-def]
     """out[i] = x . A[i] for the num_rows rows of A (`pack`'s layout) in ggml_vec_dot's
     order: four 16-lane chains over chunks of 64, folded and reduced (`reduce64`), then
-    `_leftovers`. A pair of rows at a time (pairs q0..q1; all by default), read as one run,
-    their eight chains in registers."""
+    `_leftovers`. A pair of rows at a time, read as one run, their eight chains in
+    registers."""
     k = x.shape[0]
     whole = k - k % 64
-    q1 = (num_rows + 1) // 2 if q1 < 0 else q1
-    for i0 in range(2 * q0, min(2 * q1, num_rows), 2):
+    for i0 in range(0, num_rows, 2):
         acc = stack_f32(128)
         for lane in range(128):
             acc[lane] = np.float32(0.0)

@@ -1,6 +1,7 @@
 """A LoRA delta inside its linear's GEMV: a single-row decode step's adapted linear in one
-kernel call and one parallel loop (`qmatmul_int.gemv_lora`), the same floats as the base
-GEMV followed by the separate delta call (`ggml_matmul_f32._lora_delta` for a row alone).
+kernel call and one parallel loop (`gemv_lora` of `qmatmul_int` and `qmatmul_int_k`), the
+same floats as the base GEMV followed by the separate delta call
+(`ggml_matmul_f32._lora_delta` for a row alone).
 
 Apart, a step's 120 deltas on SmolLM2 are 120 more calls, each on one thread. Inside the
 GEMV, each chunk of its parallel loop (CHUNK_PAIRS pairs of weight rows)
