@@ -139,17 +139,21 @@ class CpuBackend:
         self._tables: dict[str, qmatmul.QuantMatrix] = {}
         # the smallest weight of each kernel choice (type, activation format, repacking)
         self._smallest: dict[tuple[Any, ...], Linear] = {}
+        self._adaptable: set[tuple[Any, ...]] = set()    # keys of linears LoRA can adapt
         self.weight_bytes = 0
 
     def _keep(self, m: qmatmul.QuantMatrix) -> qmatmul.QuantMatrix:
         self.weight_bytes += m.nbytes
         return m
 
-    def _note(self, linear: Linear) -> Linear:
-        """Remember `linear`'s parts by the kernels they run on, for `compile_matmuls`."""
+    def _note(self, linear: Linear, adaptable: bool = True) -> Linear:
+        """Remember `linear`'s parts by the kernels they run on, for `compile_matmuls` (and,
+        unless it is the LM head, for `warm_up_lora`)."""
         formats = linear.formats or (None,) * len(linear.parts)
         for m, fmt in zip(linear.parts, formats):
             key = (m.qtype, fmt, m.ggml_repacked)
+            if adaptable:
+                self._adaptable.add(key)
             old = self._smallest.get(key)
             if old is None or m.rows * m.cols < old.parts[0].rows * old.parts[0].cols:
                 self._smallest[key] = Linear((m,), (fmt,) if linear.formats else ())
@@ -200,7 +204,7 @@ class CpuBackend:
             if getattr(weight, "activations", None) and _llama_repacks(weight):
                 table = replace(table, ggml_repacked=True)
         fmt = _format(weight, table)
-        return self._note(Linear((table,), (fmt,) if fmt else ()))
+        return self._note(Linear((table,), (fmt,) if fmt else ()), adaptable=False)
 
     def upload_vector(self, weight: WeightLike) -> np.ndarray:
         return np.ascontiguousarray(
@@ -289,9 +293,10 @@ class CpuBackend:
     def warm_up_lora(self, half: bool = False) -> None:
         """Compile the LoRA kernels for float32 or float16 adapter weights: the separate
         delta's (`lora_ops.warm_up_lora`), and the single-row GEMV with its delta inside
-        (`linear_lora`) for each weight type uploaded so far that takes it."""
+        (`linear_lora`) for each type of the linears uploaded so far that takes it (not the
+        LM head's: adapters never reach it)."""
         warm_up_lora(half)
-        for linear in self._smallest.values():
+        for linear in (self._smallest[key] for key in self._adaptable):
             m = linear.parts[0]
             a, tiles, meta = pack_lora(np.zeros((16, m.cols), np.float32),
                                        np.zeros((16, m.rows), np.float32),
