@@ -22,11 +22,11 @@ from typing import Any
 
 import numba
 import numpy as np
-from numba import carray, types
+from numba import carray, prange, types
 
 from vllm_actors.kernels.cpu.intrinsics import call_address, data_pointer, stack_f32
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
-from vllm_actors.kernels.cpu.qmatmul_prims import kept
+from vllm_actors.kernels.cpu.qmatmul_prims import kept, limit_threads, restore_threads
 from vllm_actors.kernels.ggml_matmul_f32 import (LANES, OUT_BLOCK, _round_half, _tile_dots,
                                                   _vec_dot_rows)
 
@@ -95,13 +95,23 @@ def lora_chunk(a_fn, xr, a, xa, ready, b_fn, tiles, parts, scales, out, j0, j1, 
 
 
 @kernel(inline=True, exact=True)
-def lora_start(x, xr, ready, round_x):  # type: ignore[no-untyped-def]
-    """Before `gemv_lora`'s loop: xr = x's one row, rounded to float16 where `round_x`
-    (ggml's input for F16 weights); no thread's xa computed yet."""
+def lora_loop(fn, prefix, n, threads, x, a_fn, xr, a, xa, ready, b_fn, tiles, parts, scales,
+              out, round_x):  # type: ignore[no-untyped-def]
+    """`gemv_lora`'s loop over n weight rows in chunks of CHUNK_PAIRS pairs (`lora_chunk`),
+    in parallel where inlined into a parallel kernel: the base body at `fn` takes `prefix`
+    and the chunk's first and end pairs. First xr = x's one row, rounded to float16 where
+    `round_x` (ggml's input for F16 weights), and no thread's xa computed yet."""
     for d in range(xr.shape[0]):
         xr[d] = _round_half(x[0, d]) if round_x else x[0, d]
     for t in range(ready.shape[0]):
         ready[t] = 0
+    prev = limit_threads(threads)
+    pairs = (n + 1) // 2
+    for c in prange((pairs + CHUNK_PAIRS - 1) // CHUNK_PAIRS):
+        g0, g1 = c * CHUNK_PAIRS, min(pairs, (c + 1) * CHUNK_PAIRS)
+        lora_chunk(a_fn, xr, a, xa, ready, b_fn, tiles, parts, scales, out, 2 * g0,
+                   min(n, 2 * g1), round_x, fn, prefix + (g0, g1))
+    restore_threads(prev)
 
 
 def lora_args(lora: Any, k: int, round_x: bool) -> tuple[Any, ...]:

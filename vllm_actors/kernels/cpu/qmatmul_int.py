@@ -28,7 +28,7 @@ from numba import carray, prange, types
 from vllm_actors.kernels.cpu import activations, isa
 from vllm_actors.kernels.cpu.intrinsics import call_address, data_pointer, fma_f32
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
-from vllm_actors.kernels.cpu.lora_gemv import CHUNK_PAIRS, lora_args, lora_chunk, lora_start
+from vllm_actors.kernels.cpu.lora_gemv import lora_args, lora_loop
 from vllm_actors.kernels.cpu.qdot import qdot
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix, prefetch_rows
 from vllm_actors.kernels.cpu.qmatmul_prims import (
@@ -185,22 +185,13 @@ def _scratch(rows: int, k: int) -> tuple[np.ndarray, ...]:
 def gemv_lora(fn, qs, qh, d, mn, lut, xq, xd, xs, out, dist, threads, quantize, x, xdsum,  # type: ignore[no-untyped-def]
               a_fn, a, xr, xa, ready, b_fn, tiles, parts, scales, round_x):
     """`gemv` on one row of x (quantized here) plus a LoRA delta, in one parallel loop
-    (`lora_gemv`): each chunk of CHUNK_PAIRS pairs of weight rows computes its rows, then
-    adds B's products to them."""
+    (`lora_gemv`): each chunk of weight rows computes its rows, then adds B's products."""
     _quantize(quantize, x, lut, xq, xd, xs, xdsum)
-    lora_start(x, xr, ready, round_x)
-    prev = limit_threads(threads)
     n = qs.shape[0]
-    pairs = (n + 1) // 2
-    for c in prange((pairs + CHUNK_PAIRS - 1) // CHUNK_PAIRS):
-        g0, g1 = c * CHUNK_PAIRS, min(pairs, (c + 1) * CHUNK_PAIRS)
-        lora_chunk(a_fn, xr, a, xa, ready, b_fn, tiles, parts, scales, out, 2 * g0,
-                   min(n, 2 * g1), round_x, fn,
-                   (data_pointer(qs), n, qs.shape[1], data_pointer(qh), data_pointer(d),
-                    data_pointer(mn), data_pointer(lut), data_pointer(xq), xq.shape[0],
-                    xq.shape[1], data_pointer(xd), data_pointer(xs), data_pointer(out), dist,
-                    g0, g1))
-    restore_threads(prev)
+    lora_loop(fn, (data_pointer(qs), n, qs.shape[1], data_pointer(qh), data_pointer(d),
+                   data_pointer(mn), data_pointer(lut), data_pointer(xq), xq.shape[0],
+                   xq.shape[1], data_pointer(xd), data_pointer(xs), data_pointer(out), dist),
+              n, threads, x, a_fn, xr, a, xa, ready, b_fn, tiles, parts, scales, out, round_x)
 
 
 def pad_rows(x: Any, group: int) -> Any:

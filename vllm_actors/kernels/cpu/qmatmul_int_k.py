@@ -32,7 +32,7 @@ from numba.extending import overload
 from vllm_actors.kernels.cpu import activations, isa
 from vllm_actors.kernels.cpu.intrinsics import call_address, data_pointer, fma_f32, stack_i32
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
-from vllm_actors.kernels.cpu.lora_gemv import CHUNK_PAIRS, lora_args, lora_chunk, lora_start
+from vllm_actors.kernels.cpu.lora_gemv import lora_args, lora_loop
 from vllm_actors.kernels.cpu.ktotals import (
     FLUSH_REPACKED,
     FLUSH_TILED,
@@ -138,8 +138,8 @@ def gemv(fn, qs, qh, sc, mn, d, dmin, lut, xq, xd, xb, out, dist, threads, quant
     prev = limit_threads(threads)
     pairs = (qs.shape[0] + 1) // 2
     for c in prange((pairs + PAIRS - 1) // PAIRS):
-        call_address(fn, _body_args(qs, qh, sc, mn, d, dmin, lut, xq, xd, xb, out, dist,
-                                    c * PAIRS, min(pairs, (c + 1) * PAIRS)))
+        call_address(fn, _body_args(qs, qh, sc, mn, d, dmin, lut, xq, xd, xb, out, dist)
+                     + (c * PAIRS, min(pairs, (c + 1) * PAIRS)))
     restore_threads(prev)
 
 
@@ -149,16 +149,8 @@ def gemv_lora(fn, qs, qh, sc, mn, d, dmin, lut, xq, xd, xb, out, dist, threads, 
     """`gemv` on one row of x (quantized here) plus a LoRA delta in one parallel loop, as
     `qmatmul_int.gemv_lora` (`lora_gemv`)."""
     _quantize(quantize, x, xq, xd, xb)
-    lora_start(x, xr, ready, round_x)
-    prev = limit_threads(threads)
-    n = qs.shape[0]
-    pairs = (n + 1) // 2
-    for c in prange((pairs + CHUNK_PAIRS - 1) // CHUNK_PAIRS):
-        g0, g1 = c * CHUNK_PAIRS, min(pairs, (c + 1) * CHUNK_PAIRS)
-        lora_chunk(a_fn, xr, a, xa, ready, b_fn, tiles, parts, scales, out, 2 * g0,
-                   min(n, 2 * g1), round_x, fn,
-                   _body_args(qs, qh, sc, mn, d, dmin, lut, xq, xd, xb, out, dist, g0, g1))
-    restore_threads(prev)
+    lora_loop(fn, _body_args(qs, qh, sc, mn, d, dmin, lut, xq, xd, xb, out, dist), qs.shape[0],
+              threads, x, a_fn, xr, a, xa, ready, b_fn, tiles, parts, scales, out, round_x)
 
 
 @kernel(inline=True, exact=True)
@@ -170,14 +162,14 @@ def _quantize(quantize, x, xq, xd, xb):  # type: ignore[no-untyped-def]
 
 
 @kernel(inline=True, exact=True)
-def _body_args(qs, qh, sc, mn, d, dmin, lut, xq, xd, xb, out, dist, g0, g1):  # type: ignore[no-untyped-def]
-    """The body's arguments for pairs of weight rows g0..g1."""
+def _body_args(qs, qh, sc, mn, d, dmin, lut, xq, xd, xb, out, dist):  # type: ignore[no-untyped-def]
+    """The body's arguments but the last two (the pairs of weight rows g0..g1)."""
     return (data_pointer(qs), qs.shape[0], qs.shape[1], data_pointer(qh), qh.shape[0],
             qh.shape[1], data_pointer(sc), sc.shape[0], sc.shape[1], data_pointer(mn),
             mn.shape[0], mn.shape[1], data_pointer(d), d.shape[0], d.shape[1],
             data_pointer(dmin), dmin.shape[0], dmin.shape[1], data_pointer(lut),
             data_pointer(xq), xq.shape[0], xq.shape[1], data_pointer(xd), xd.shape[1],
-            data_pointer(xb), xb.shape[1], data_pointer(out), dist, g0, g1)
+            data_pointer(xb), xb.shape[1], data_pointer(out), dist)
 
 
 def _step(path, kind, group, iacc, acc, am, fw, iw, qs, qh, sc, mn, d, dmin, lut, r0, r1, rb, hb, sb, xq, xo, k, xd, xb, m0):  # type: ignore[no-untyped-def]
