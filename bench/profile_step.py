@@ -58,7 +58,7 @@ def attach_lora(model: Any, rank: int, dtype: str) -> Any:
     with tempfile.TemporaryDirectory() as tmp:
         path = write_gguf_adapter(Path(tmp) / "a.gguf", shapes, num_layers=a.num_layers,
                                   rank=rank, alpha=float(rank), dtype=dtype)
-        adapter = load_adapter("a", str(path), a.architecture, a.num_layers, rank)
+        adapter = load_adapter("a", str(path), a, rank)
     warm = getattr(model.backend, "warm_up_lora", None)
     if warm is not None:
         warm(adapter.half)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +46,7 @@ def peft_tensors(base: dict[str, object], targets: tuple[str, ...], rank: int, s
         module = name.removesuffix(".weight")
         shape = tuple(getattr(weight, "shape", weight))
         if not name.endswith(".weight") or module.rsplit(".", 1)[-1] not in targets \
-                or len(shape) != 2:
+                or len(shape) != 2 or _EXPERT.match(name):
             continue
         out, inp = shape
         seed += 2
@@ -56,19 +57,70 @@ def peft_tensors(base: dict[str, object], targets: tuple[str, ...], rank: int, s
     return tensors
 
 
+_EXPERT = re.compile(r"^(?P<block>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|"
+                     r"down_proj|w1|w3|w2)\.weight$")
+STACKED_EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
+
+
+def expert_tensors(base: dict[str, object], rank: int, seed: int, form: str
+                   ) -> dict[str, np.ndarray]:
+    """Random adapters on every routed expert of `base` (per-expert HF names, as MoE
+    checkpoints hold them). form "stacked": PEFT's `target_parameters` on transformers 5's
+    stacked experts (per layer, gate_up_proj wrapped innermost (`.base_layer`): A [E r, in]
+    with expert e's rows at e r, B [out, r E] with its columns at e, e + E, ...); "per_expert":
+    the same numbers as older PEFT writes them, one module per expert and projection, gate
+    and up each holding the expert's A."""
+    blocks: dict[str, dict[str, tuple[int, ...]]] = {}
+    for name, weight in base.items():
+        match = _EXPERT.match(name)
+        if match and match["e"] == "0":
+            blocks.setdefault(match["block"], {})[match["proj"]] = \
+                tuple(getattr(weight, "shape", weight))
+    tensors = {}
+    for block, shapes in sorted(blocks.items()):
+        gate, up, down = ("w1", "w3", "w2") if "w1" in shapes else ("gate_proj", "up_proj",
+                                                                    "down_proj")
+        f, d = shapes[gate]
+        num = sum(1 for n in base if n.startswith(block + ".") and n.endswith(f".{gate}.weight"))
+        seed += 4
+        pairs = {}
+        for name, out, inp, s in (("gate_up", 2 * f, d, seed), ("down", d, f, seed + 2)):
+            pairs[name] = (det_uniform((num * rank, inp), s) * np.float32(1.0 / math.sqrt(inp)),
+                           det_uniform((out, rank * num), s + 1) * np.float32(1 / math.sqrt(rank)))
+        if form == "stacked":
+            stacked = "base_model.model." + block.replace("block_sparse_moe.", "mlp.")
+            for wrapper, (a, b) in ((".base_layer", pairs["gate_up"]), ("", pairs["down"])):
+                tensors[f"{stacked}{wrapper}.lora_A.weight"] = a
+                tensors[f"{stacked}{wrapper}.lora_B.weight"] = b
+            continue
+        for e in range(num):
+            for proj, (a, b), lo, hi in ((gate, pairs["gate_up"], 0, f),
+                                         (up, pairs["gate_up"], f, 2 * f),
+                                         (down, pairs["down"], 0, d)):
+                module = f"base_model.model.{block}.{e}.{proj}"
+                tensors[module + ".lora_A.weight"] = np.ascontiguousarray(a[e * rank:(e + 1) * rank])
+                tensors[module + ".lora_B.weight"] = np.ascontiguousarray(b[lo:hi, e::num])
+    return tensors
+
+
 def write_peft_adapter(path: Path, base: dict[str, object], targets: tuple[str, ...] = ATTN_MLP,
                        rank: int = 8, alpha: float = 16.0, rslora: bool = False, seed: int = 1,
-                       **config: object) -> Path:
-    """A PEFT LoRA directory over the HF-named weights (or shapes) `base`; extra `config` keys (e.g.
-    use_dora) are written into adapter_config.json as they are."""
+                       experts: str | None = None, **config: object) -> Path:
+    """A PEFT LoRA directory over the HF-named weights (or shapes) `base`; `experts`: also
+    on every routed expert, in `expert_tensors`' form; extra `config` keys (e.g. use_dora)
+    are written into adapter_config.json as they are."""
     path.mkdir(parents=True, exist_ok=True)
     settings = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
                 "target_modules": list(targets), "use_rslora": rslora, "lora_dropout": 0.0,
                 "bias": "none", "fan_in_fan_out": False, "use_dora": False,
                 "modules_to_save": None, "init_lora_weights": False, **config}
+    tensors = peft_tensors(base, targets, rank, seed * 1000)
+    if experts:
+        tensors.update(expert_tensors(base, rank, seed * 1000 + 500, experts))
+    if experts == "stacked":
+        settings["target_parameters"] = STACKED_EXPERTS
     (path / "adapter_config.json").write_text(json.dumps(settings, indent=1))
-    write_safetensors(path / "adapter_model.safetensors",
-                      peft_tensors(base, targets, rank, seed * 1000))
+    write_safetensors(path / "adapter_model.safetensors", tensors)
     return path
 
 
@@ -80,8 +132,12 @@ LORA_CASES: dict[str, tuple[str, str, dict]] = {
     "gemma3": ("family", "gemma3", {"rank": 8, "alpha": 16.0}),
     "phi3": ("family", "phi3", {"rank": 8, "alpha": 16.0,
                                 "targets": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}),
-    "qwen3_moe": ("family", "qwen3_moe", {"rank": 16, "alpha": 16.0,
+    "qwen3_moe": ("family", "qwen3_moe", {"rank": 16, "alpha": 16.0, "experts": "stacked",
                                           "targets": ("q_proj", "k_proj", "v_proj", "o_proj")}),
+    # gate/up/down_proj reach only the shared expert: transformers 5 stacks the routed ones
+    "qwen2_moe": ("family", "qwen2_moe", {"rank": 8, "alpha": 16.0, "experts": "stacked"}),
+    "mixtral": ("family", "mixtral", {"rank": 4, "alpha": 8.0, "experts": "stacked",
+                                      "targets": ("q_proj", "v_proj")}),
 }
 LORA_PROMPT = [(i * 53 + 7) % 251 + 3 for i in range(48)]
 LORA_GREEDY_PROMPT_LEN = 17
@@ -110,8 +166,8 @@ def attach(model, adapter: Path, name: str = "a", max_rank: int = 64):
     from vllm_actors.models.lora import LoRABatch, build_model_lora
 
     args = model.args
-    lora = build_model_lora(model, load_adapter(name, str(adapter), args.architecture,
-                                                args.num_layers, max_rank))
+    lora = build_model_lora(model, load_adapter(name, str(adapter), args, max_rank,
+                                                extra_names=model.extra_names))
     forward = model.forward
     model.forward = lambda *a, **kw: forward(*a, lora=LoRABatch(((lora, None),)), **kw)
     return model

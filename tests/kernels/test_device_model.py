@@ -61,10 +61,11 @@ def test_model_families_match_numpy(dev, family_dirs, name):
     assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
-@pytest.mark.parametrize("name", ["llama", "phi3"])
+@pytest.mark.parametrize("name", ["llama", "phi3", "qwen2_moe"])
 def test_lora_adapter_matches_peft(dev, name, tmp_path):
-    """A PEFT adapter on the device (one launch for the stacked A, one per part of B)
-    against PEFT's logits (tests/golden/lora.npz), within the LoRA oracle's 1e-4."""
+    """A PEFT adapter on the device (one launch for the stacked A, one per part of B; on
+    qwen2_moe also each routed expert's rows and the shared expert) against PEFT's logits
+    (tests/golden/lora.npz), within the LoRA oracle's 1e-4."""
     model_dir, adapter = write_case(tmp_path, name)
     model = attach(load_model(resolve_model(str(model_dir)), dev), adapter)
     logits = prompt_logits(model, dev, LORA_PROMPT, [17, 1, 30], block_size=8)

@@ -5,6 +5,11 @@ pairs keyed by the GGUF name of the linear they adapt (`blk.3.attn_q`).
   `target_modules`) and `adapter_model.safetensors` (`...q_proj.lora_A.weight` [r, in],
   `...lora_B.weight` [out, r]); module names mapped with gguf-py's map, as checkpoints are.
   Q/K rows are in the HF checkpoint's order (`LoRAAdapter.row_order` "hf").
+  Routed experts come in either of PEFT's forms: one module per expert (`mlp.experts.E.
+  gate_proj`, mixtral's `block_sparse_moe.experts.E.w1`), or transformers 5's stacked
+  `experts.gate_up_proj` / `experts.down_proj` under `target_parameters` (A [E r, in] with
+  expert e's rows at e r, B [out, r E] with expert e's columns at e, e + E, ...; gate and up
+  share A). Both become one pair per expert and projection: `blk.N.ffn_gate.E`.
 - GGUF (`general.type = adapter`, `adapter.type = lora`): `blk.N.<name>.weight.lora_a` /
   `.lora_b`, scaled by `adapter.lora.alpha / rank` as llama.cpp does; rows in the GGUF base's
   order ("gguf").
@@ -19,6 +24,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 from gguf import GGMLQuantizationType, get_tensor_name_map
@@ -32,6 +38,8 @@ from vllm_actors.loaders.weights import _model_arch
 _PEFT_PREFIX = "base_model.model."
 _PEFT_TENSOR = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
 _GGUF_TENSOR = re.compile(r"^(?P<module>.+)\.weight\.lora_(?P<ab>[ab])$")
+_STACKED = re.compile(r"^(?:model\.)?layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\.experts"
+                      r"(?:\.base_layer)*$")
 
 
 class LoRAAdapterError(ValidationError):
@@ -58,13 +66,15 @@ class LoRAAdapter:
     half: bool = False
 
 
-def load_adapter(name: str, path: str, gguf_arch: str, num_layers: int, max_rank: int,
-                 dtype: str = "auto") -> LoRAAdapter:
-    """Read the adapter at `path` (a PEFT directory or a .gguf file) for a model of GGUF
-    architecture `gguf_arch`. Raises LoRAAdapterError."""
+def load_adapter(name: str, path: str, args: Any, max_rank: int, dtype: str = "auto",
+                 extra_names: Callable[[str], str | None] | None = None) -> LoRAAdapter:
+    """Read the adapter at `path` (a PEFT directory or a .gguf file) for a model of
+    ModelArgs `args` (its GGUF architecture, layers and experts); `extra_names`: its
+    family's GGUF names for HF weights gguf-py's map lacks (`Family.hf_name`: per-expert
+    linears). Raises LoRAAdapterError."""
     p = Path(path)
     if p.is_dir():
-        adapter = _load_peft(name, p, gguf_arch, num_layers)
+        adapter = _load_peft(name, p, args, extra_names)
     elif p.is_file() and p.suffix == ".gguf":
         adapter = _load_gguf(name, p)
     else:
@@ -117,7 +127,8 @@ def _peft_config(name: str, path: Path) -> dict:
     return config
 
 
-def _load_peft(name: str, path: Path, gguf_arch: str, num_layers: int) -> LoRAAdapter:
+def _load_peft(name: str, path: Path, args: Any,
+               extra_names: Callable[[str], str | None] | None) -> LoRAAdapter:
     config = _peft_config(name, path)
     weights = path / "adapter_model.safetensors"
     if not weights.is_file():
@@ -125,8 +136,9 @@ def _load_peft(name: str, path: Path, gguf_arch: str, num_layers: int) -> LoRAAd
                    if (path / "adapter_model.bin").is_file() else
                    "no adapter_model.safetensors")
         raise LoRAAdapterError(name, str(path), problem)
-    name_map = get_tensor_name_map(_model_arch(gguf_arch), num_layers)
+    name_map = get_tensor_name_map(_model_arch(args.architecture), args.num_layers)
     pairs: dict[str, dict[str, np.ndarray]] = {}
+    stacked: dict[str, dict[str, np.ndarray]] = {}
     for tensor_name, entry in _open_file(weights).items():
         if "lora_embedding" in tensor_name or "lora_magnitude" in tensor_name:
             raise LoRAAdapterError(name, str(path), f"tensor {tensor_name!r}: embedding and "
@@ -136,13 +148,17 @@ def _load_peft(name: str, path: Path, gguf_arch: str, num_layers: int) -> LoRAAd
             raise LoRAAdapterError(name, str(path), f"tensor {tensor_name!r} is not a LoRA "
                                                     "A/B weight")
         module = match["module"].removeprefix(_PEFT_PREFIX)
-        target = name_map.get_name(module + ".weight", try_suffixes=(".weight",))
-        if target is None:
-            raise LoRAAdapterError(name, str(path), f"target module {module!r}: the model "
-                                                    "has no such linear layer")
         data = entry.data
         values = (data.astype(np.uint32) << 16).view(np.float32) if entry.dtype == "BF16" \
             else data.astype(np.float32)
+        if _STACKED.match(module):
+            stacked.setdefault(module, {})[match["ab"]] = values
+            continue
+        target = name_map.get_name(module + ".weight", try_suffixes=(".weight",)) or \
+            (extra_names and extra_names(module + ".weight"))
+        if target is None:
+            raise LoRAAdapterError(name, str(path), f"target module {module!r}: the model "
+                                                    "has no such linear layer")
         pairs.setdefault(target.removesuffix(".weight"), {})[match["ab"]] = values
     alpha = float(config.get("lora_alpha", 8))
     alpha_pattern = config.get("alpha_pattern") or {}
@@ -151,11 +167,45 @@ def _load_peft(name: str, path: Path, gguf_arch: str, num_layers: int) -> LoRAAd
     for module, ab in pairs.items():
         a, b = _pair(name, str(path), module, ab.get("A"), ab.get("B"))
         module_alpha = _pattern_value(alpha_pattern, module, alpha, name_map)
-        r = a.shape[0]
-        scale = module_alpha / math.sqrt(r) if rslora else module_alpha / r
-        adapter.modules[module] = (a, b, scale)
-        adapter.rank = max(adapter.rank, r)
+        _add(adapter, module, a, b, module_alpha, rslora)
+    for module, ab in stacked.items():
+        for expert_module, a, b in _split_stacked(adapter, module, ab, args):
+            _add(adapter, expert_module, a, b, alpha, rslora)
     return adapter
+
+
+def _add(adapter: LoRAAdapter, module: str, a: np.ndarray, b: np.ndarray, alpha: float,
+         rslora: bool) -> None:
+    r = a.shape[0]
+    adapter.modules[module] = (a, b, alpha / math.sqrt(r) if rslora else alpha / r)
+    adapter.rank = max(adapter.rank, r)
+
+
+def _split_stacked(adapter: LoRAAdapter, module: str, ab: dict[str, np.ndarray], args: Any
+                   ) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """One of transformers 5's stacked expert parameters under PEFT's `target_parameters`
+    -> (module, A, B) per expert and projection. Which parameter a wrapper holds is told
+    by its shapes (gate_up: [E r, D] / [2F, E r]; down: [E r, F] / [D, E r]), which never
+    agree, as PEFT's nesting order (`.base_layer`) does not say."""
+    a, b = _pair(adapter.name, adapter.path, module, ab.get("A"), ab.get("B"))
+    num, d, f = args.num_experts, args.hidden_size, args.moe_intermediate_size
+    layer = _STACKED.match(module)["layer"]
+    if num and a.shape[0] % num == 0 and (a.shape[1], b.shape[0]) == (d, 2 * f):
+        projections = (("ffn_gate", 0), ("ffn_up", f))
+    elif num and a.shape[0] % num == 0 and (a.shape[1], b.shape[0]) == (f, d):
+        projections = (("ffn_down", 0),)
+    else:
+        raise LoRAAdapterError(adapter.name, adapter.path, f"{module}: lora_A {a.shape} / "
+                               f"lora_B {b.shape} fit neither stacked expert parameter of "
+                               f"this model ({num} experts, hidden {d}, expert width {f})")
+    r = a.shape[0] // num
+    out = []
+    for e in range(num):
+        a_e, b_e = a[e * r:(e + 1) * r], b[:, e::num]
+        for proj, lo in projections:
+            rows = b_e.shape[0] // len(projections)
+            out.append((f"blk.{layer}.{proj}.{e}", a_e, np.ascontiguousarray(b_e[lo:lo + rows])))
+    return out
 
 
 def _pattern_value(patterns: dict, module: str, default: float, name_map) -> float:

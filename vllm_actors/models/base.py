@@ -195,6 +195,7 @@ class CausalLM(Protocol):
     args: ModelArgs
     local_args: ModelArgs
     gguf_activations: str   # "quantized" (llama.cpp's semantics) or "float32"; set by the loader
+    extra_names: Any        # the family's `hf_name` (GGUF names gguf-py lacks); set by the loader
 
     def forward(self, token_ids: np.ndarray, positions: np.ndarray, meta: AttentionMetadata,
                 kv_caches: list[Any]) -> Any:

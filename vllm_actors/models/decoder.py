@@ -29,7 +29,7 @@ from vllm_actors.loaders.weights import RawTensor, WeightSet
 from vllm_actors.models.base import (ModelArgs, ParallelGroup, PipelineStage, SingleRank,
                                      rope_attention_factor, rope_cos_sin, rope_inv_freq,
                                      rope_kind)
-from vllm_actors.models.experts import Experts, load_experts, run_experts
+from vllm_actors.models.experts import ExpertLoRA, Experts, load_experts, run_experts
 from vllm_actors.models.kv_layout import kv_cache_groups, layer_slots
 from vllm_actors.models.lora import LoRABatch
 from vllm_actors.models.sharding import ShardPlan
@@ -313,7 +313,7 @@ class DecoderLM:
              layer_id: int = 0) -> Any:
         b, act, mlp = self.backend, self.args.hidden_act, layer.mlp
         if isinstance(mlp, Experts):
-            out = run_experts(mlp, x, self.args, b)
+            out = run_experts(mlp, x, self.args, b, ExpertLoRA(lora, layer_id, self.ggml))
         else:
             up = b.linear(x, mlp.gate_up, mlp.gate_up_bias) if lora is None else \
                 lora.linear(b, x, mlp.gate_up, mlp.gate_up_bias, layer_id, "gate_up",

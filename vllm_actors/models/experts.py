@@ -12,11 +12,14 @@ step's activations each way per sparse layer.
 
 Under tensor parallelism each rank holds its slice of every expert's MLP width (and of the
 shared expert's); the decoder's all-reduce after the MLP sums the slices.
+
+LoRA adapters on the experts (`models/lora.py`) add their deltas inside each expert's
+matmuls, over the rows of its tokens that run with an adapter.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -24,6 +27,7 @@ import numpy as np
 from vllm_actors.kernels.ops import Backend
 from vllm_actors.loaders.weights import RawTensor, WeightSet
 from vllm_actors.models.base import ModelArgs
+from vllm_actors.models.lora import LoRABatch, linear
 
 
 @dataclass
@@ -117,19 +121,46 @@ def clamped_swiglu(gate_up: np.ndarray, limit: float, alpha: float) -> np.ndarra
     return ((up + np.float32(1.0)) * glu).astype(np.float32)
 
 
-def _expert_mlp(experts: Experts, e: int, x: Any, args: ModelArgs, b: Backend) -> np.ndarray:
+@dataclass(frozen=True)
+class ExpertLoRA:
+    """The step's adapters (`LoRABatch`, None: none) as layer `layer_id`'s experts see them."""
+
+    batch: LoRABatch | None = None
+    layer_id: int = 0
+    ggml: bool = False
+
+    def on(self, rows: np.ndarray) -> ExpertLoRA:
+        """The adapters of the step's `rows` (one expert's tokens), renumbered into them."""
+        return self if self.batch is None else replace(self, batch=self.batch.select(rows))
+
+    def linear(self, b: Backend, x: Any, weight: Any, bias: Any, name: str) -> Any:
+        return linear(b, x, weight, bias, self.batch, self.layer_id, name, self.ggml)
+
+
+def _expert_mlp(experts: Experts, e: int, x: Any, args: ModelArgs, b: Backend,
+                lora: ExpertLoRA) -> np.ndarray:
     bias = experts.gate_up_bias[e] if experts.gate_up_bias else None
-    gate_up = b.linear(x, experts.gate_up[e], bias)
+    gate_up = lora.linear(b, x, experts.gate_up[e], bias, f"gate_up.{e}")
     if args.swiglu_limit:
         h = b.from_host(clamped_swiglu(np.asarray(b.to_host(gate_up), np.float32),
                                        args.swiglu_limit, args.swiglu_alpha))
     else:
         h = b.silu_mul(gate_up)
-    return b.to_host(b.linear(h, experts.down[e],
-                              experts.down_bias[e] if experts.down_bias else None))
+    return b.to_host(lora.linear(b, h, experts.down[e],
+                                 experts.down_bias[e] if experts.down_bias else None,
+                                 f"down.{e}"))
 
 
-def run_experts(experts: Experts, x: Any, args: ModelArgs, backend: Backend) -> Any:
+def _shared_expert(experts: Experts, x: Any, b: Backend, lora: ExpertLoRA) -> np.ndarray:
+    up = lora.linear(b, x, experts.shared_gate_up, None, "shared_gate_up")
+    shared = b.to_host(lora.linear(b, b.silu_mul(up), experts.shared_down, None,
+                                   "shared_down"))
+    gate = b.to_host(b.linear(x, experts.shared_gate))
+    return shared * (np.float32(1.0) / (np.float32(1.0) + np.exp(-gate)))
+
+
+def run_experts(experts: Experts, x: Any, args: ModelArgs, backend: Backend,
+                lora: ExpertLoRA = ExpertLoRA()) -> Any:
     """The routed MLP of x [T, D] -> [T, D] (this rank's partial sum under TP)."""
     b, k = backend, args.num_experts_per_tok
     host_x = b.to_host(x)
@@ -145,11 +176,9 @@ def run_experts(experts: Experts, x: Any, args: ModelArgs, backend: Backend) -> 
         if not len(picks):
             continue
         tokens = picks // k                                   # each token once per expert
-        y = _expert_mlp(experts, e, b.from_host(np.ascontiguousarray(host_x[tokens])), args, b)
+        y = _expert_mlp(experts, e, b.from_host(np.ascontiguousarray(host_x[tokens])), args, b,
+                        lora.on(tokens))
         out[tokens] += y * weights.reshape(-1)[picks][:, None]
     if experts.shared_gate_up is not None:
-        shared = b.to_host(b.linear(b.silu_mul(b.linear(x, experts.shared_gate_up)),
-                                    experts.shared_down))
-        gate = b.to_host(b.linear(x, experts.shared_gate))
-        out += shared * (np.float32(1.0) / (np.float32(1.0) + np.exp(-gate)))
+        out += _shared_expert(experts, x, b, lora)
     return b.from_host(out)

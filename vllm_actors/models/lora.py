@@ -5,6 +5,9 @@ The base weights are never merged or copied: each linear of a layer with an adap
 `scale * B(A x)` to the rows of the requests that use it (punica's batched form, one group
 per adapter); rows without an adapter pay nothing. A fused linear (QKV, gate+up) takes its
 parts' A stacked, so x is read once per group, and each part's B writes its columns.
+Routed experts (`gate_up.E`, `down.E`) and qwen2_moe's shared expert (`shared_gate_up`,
+`shared_down`) are linears of their own; an expert's rows are the step's rows routed to it
+(`LoRABatch.select`).
 
 Under tensor parallelism A and B are sharded as vLLM shards them: B along the output of the
 column-parallel layers (QKV, gate+up), A along the input of the row-parallel ones (output
@@ -60,7 +63,20 @@ class LoRABatch:
     """One step's adapters: per adapter used in the step, its ModelLoRA and the token rows
     (indices into the step's flat tokens) that run with it."""
 
-    groups: tuple[tuple[ModelLoRA, np.ndarray], ...]
+    groups: tuple[tuple[ModelLoRA, np.ndarray | None], ...]
+
+    def select(self, rows: np.ndarray) -> LoRABatch | None:
+        """The groups on the sub-batch of the step's `rows` (an expert's tokens), their
+        rows renumbered into it; None where no row of it has an adapter."""
+        groups = []
+        for adapter, mine in self.groups:
+            if mine is not None:
+                picked = np.flatnonzero(np.isin(rows, mine))
+                if not len(picked):
+                    continue
+                mine = None if len(picked) == len(rows) else picked
+            groups.append((adapter, mine))
+        return LoRABatch(tuple(groups)) if groups else None
 
     def linear(self, backend: Any, x: Any, weight: Any, bias: Any, layer_id: int,
                linear: str, ggml: bool = False) -> Any:
@@ -87,11 +103,29 @@ class LoRABatch:
         return y
 
 
+def linear(backend: Any, x: Any, weight: Any, bias: Any, lora: LoRABatch | None,
+           layer_id: int, name: str, ggml: bool = False) -> Any:
+    """`backend.linear`, with the step's adapter deltas on linear `name` where there are."""
+    if lora is None:
+        return backend.linear(x, weight, bias)
+    return lora.linear(backend, x, weight, bias, layer_id, name, ggml)
+
+
 def _targets(model: Any, layer: int) -> dict[str, tuple[str, int]]:
     args = model.args
-    if args.is_sparse(layer):
+    if not args.is_sparse(layer):
+        return {**_ATTN, **(_GATED if args.gated_mlp else _UNGATED)}
+    if args.moe_bias:        # gpt-oss: interleaved, biased experts; not adaptable
         return dict(_ATTN)
-    return {**_ATTN, **(_GATED if args.gated_mlp else _UNGATED)}
+    targets = dict(_ATTN)
+    for e in range(args.num_experts):
+        targets.update({f"ffn_gate.{e}": (f"gate_up.{e}", 0), f"ffn_up.{e}": (f"gate_up.{e}", 1),
+                        f"ffn_down.{e}": (f"down.{e}", 0)})
+    if args.shared_expert_size:
+        targets.update({"ffn_gate_shexp": ("shared_gate_up", 0),
+                        "ffn_up_shexp": ("shared_gate_up", 1),
+                        "ffn_down_shexp": ("shared_down", 0)})
+    return targets
 
 
 def build_model_lora(model: Any, adapter: LoRAAdapter) -> ModelLoRA:
@@ -100,15 +134,16 @@ def build_model_lora(model: Any, adapter: LoRAAdapter) -> ModelLoRA:
     args = model.args
     staged: dict[int, dict[str, list[tuple[int, np.ndarray, np.ndarray, float]]]] = {}
     for module, (a, b, scale) in _split_fused(args, adapter.modules).items():
-        layer, _, kind = module.rpartition(".")
+        _, layer, kind = (module.split(".", 2) + ["", ""])[:3]
         target = None
-        if layer.startswith("blk.") and layer[4:].isdigit() and int(layer[4:]) < args.num_layers:
-            target = _targets(model, int(layer[4:])).get(kind)
+        if module.startswith("blk.") and layer.isdigit() and int(layer) < args.num_layers:
+            target = _targets(model, int(layer)).get(kind)
         if target is None:
             raise LoRAAdapterError(adapter.name, adapter.path, f"target module {module!r} is "
                                    "not a linear layer LoRA can adapt in this model "
-                                   "(attention q/k/v/o and dense MLP projections)")
-        layer_id = int(layer[4:])
+                                   "(attention q/k/v/o, dense MLP projections, routed and "
+                                   "shared experts' projections but gpt-oss's)")
+        layer_id = int(layer)
         if layer_id not in model.layer_ids:
             continue          # another pipeline stage's layer
         a, b = _shard(model, adapter, kind, a, b)
@@ -127,7 +162,7 @@ def _split_fused(args: Any, modules: dict[str, tuple[np.ndarray, np.ndarray, flo
     out = {}
     f = args.intermediate_size
     for module, (a, b, scale) in modules.items():
-        prefix, _, kind = module.rpartition(".")
+        prefix, _, kind = module.rpartition(".")     # (an expert's `blk.N.ffn_up.E`: kind E)
         if kind == "attn_qkv" and b.shape[0] == args.q_size + 2 * args.kv_size:
             cuts = np.cumsum([0, args.q_size, args.kv_size, args.kv_size])
             for name, lo, hi in zip(("attn_q", "attn_k", "attn_v"), cuts[:-1], cuts[1:]):
@@ -159,6 +194,9 @@ def _shard(model: Any, adapter: LoRAAdapter, kind: str, a: np.ndarray, b: np.nda
            ) -> tuple[np.ndarray, np.ndarray]:
     """A and B of one module as this rank holds them, Q/K rows in the model's order."""
     args, plan, dh = model.args, model.plan, model.args.head_dim
+    proj, _, expert = kind.partition(".")
+    if expert or proj.endswith("_shexp"):
+        return _shard_expert(model, adapter, kind, a, b)
     rows = {"attn_q": args.q_size, "attn_k": args.kv_size, "attn_v": args.kv_size,
             "attn_output": args.hidden_size, "ffn_gate": args.intermediate_size,
             "ffn_up": args.intermediate_size, "ffn_down": args.hidden_size}[kind]
@@ -186,13 +224,33 @@ def _shard(model: Any, adapter: LoRAAdapter, kind: str, a: np.ndarray, b: np.nda
     return np.ascontiguousarray(ta.data), np.ascontiguousarray(tb.data)
 
 
+def _shard_expert(model: Any, adapter: LoRAAdapter, kind: str, a: np.ndarray, b: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """A routed or shared expert's pair as this rank holds it: experts are sharded along
+    their MLP width (`models/experts.py`), so gate/up take their slice of B's rows and down
+    its slice of A's columns."""
+    args, plan = model.args, model.plan
+    width = args.shared_expert_size if "_shexp" in kind else args.moe_intermediate_size
+    down = kind.startswith("ffn_down")
+    _check_shape(adapter, kind, a, b, args.hidden_size if down else width,
+                 width if down else args.hidden_size)
+    per = width // plan.size
+    lo, hi = per * plan.rank, per * (plan.rank + 1)
+    a, b = (a[:, lo:hi], b) if down else (a, b[lo:hi])
+    return np.ascontiguousarray(a), np.ascontiguousarray(b)
+
+
 def _part_widths(model: Any, linear: str) -> list[int]:
     """Output columns of each part of one of this rank's fused linears."""
-    local = model.local_args
+    local, size = model.local_args, model.plan.size
     if linear == "qkv":
         return [local.q_size, local.kv_size, local.kv_size]
     if linear == "gate_up":
         return [local.intermediate_size] * (2 if local.gated_mlp else 1)
+    if linear.startswith("gate_up."):
+        return [local.moe_intermediate_size // size] * 2
+    if linear == "shared_gate_up":
+        return [local.shared_expert_size // size] * 2
     return [local.hidden_size]
 
 

@@ -102,4 +102,5 @@ def load_model(source: ModelSource, backend: Backend, tp: ParallelGroup | None =
     else:
         model = info.family.model_class(info.args, weights, backend, tp)
     model.gguf_activations = gguf_activations if kind == "gguf" else "float32"
+    model.extra_names = info.family.hf_name     # LoRA adapters name HF modules
     return model

@@ -40,9 +40,9 @@ class LoRAManager:
                                    f"id {lora.lora_int_id} belongs to {held[0].lora_name!r}, "
                                    "which running requests still use")
         args = self.model.args
-        adapter = load_adapter(lora.lora_name, lora.lora_path, args.architecture,
-                               args.num_layers, self.config.max_lora_rank,
-                               self.config.lora_dtype)
+        adapter = load_adapter(lora.lora_name, lora.lora_path, args,
+                               self.config.max_lora_rank, self.config.lora_dtype,
+                               getattr(self.model, "extra_names", None))
         if adapter.half and self._warm_up is not None:
             self._warm_up(half=True)     # float16 weights' kernels, once, at the first such load
         self.loaded[lora.lora_int_id] = (lora, build_model_lora(self.model, adapter))
