@@ -114,11 +114,12 @@ def _gpt_oss_layout(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
-def write_family_gguf(path: Path, name: str, qtype: Any = None, dequantized: Any = None
-                      ) -> None:
+def write_family_gguf(path: Path, name: str, qtype: Any = None, dequantized: Any = None,
+                      no_vocab: bool = False) -> None:
     """FAMILY_CONFIGS[name] as a GGUF file; `qtype` quantizes the 2-D and 3-D weights (MXFP4:
     the experts only, as gpt-oss ships); `dequantized` stores them in float32 after a round
-    trip through that type instead."""
+    trip through that type instead. `no_vocab`: tokenizer.ggml.model "none", which llama.cpp
+    needs to load a file without a vocabulary (it then takes token ids)."""
     config = FAMILY_CONFIGS[name]
     arch = GGUF_ARCH[name]
     weights = family_weights(config)
@@ -127,6 +128,8 @@ def write_family_gguf(path: Path, name: str, qtype: Any = None, dequantized: Any
     name_map = gguf.get_tensor_name_map(model_arch, config["num_hidden_layers"])
     writer = gguf.GGUFWriter(str(path), arch)
     _metadata(writer, name, config)
+    if no_vocab:
+        writer.add_tokenizer_model("none")
     rope = config.get("rope_parameters") or {}
     if rope.get("rope_type") == "longrope":
         for kind in ("long", "short"):

@@ -173,14 +173,30 @@ def attach(model, adapter: Path, name: str = "a", max_rank: int = 64):
     return model
 
 
-def write_gguf_adapter(path: Path, hf_shapes: dict[str, tuple[int, int]], arch: str = "llama",
+def gguf_expert_tensors(base: dict[str, object], rank: int, seed: int
+                        ) -> dict[str, np.ndarray]:
+    """`expert_tensors`' numbers as llama.cpp's converter stacks them: per layer and
+    projection `blk.N.ffn_gate_exps.weight.lora_a` [E, r, in] and `.lora_b` [E, out, r]."""
+    stacks: dict[str, dict[int, np.ndarray]] = {}
+    for name, t in expert_tensors(base, rank, seed, "per_expert").items():
+        match = re.match(r"base_model\.model\..*layers\.(\d+)\..*experts\.(\d+)\.(\w+)\."
+                         r"lora_([AB])\.weight$", name)
+        proj = {"gate_proj": "ffn_gate", "w1": "ffn_gate", "up_proj": "ffn_up", "w3": "ffn_up",
+                "down_proj": "ffn_down", "w2": "ffn_down"}[match[3]]
+        key = f"blk.{match[1]}.{proj}_exps.weight.lora_{match[4].lower()}"
+        stacks.setdefault(key, {})[int(match[2])] = t
+    return {k: np.stack([v[e] for e in sorted(v)]) for k, v in stacks.items()}
+
+
+def write_gguf_adapter(path: Path, hf_shapes: dict[str, object], arch: str = "llama",
                        num_layers: int = 30, rank: int = 8, alpha: float = 16.0,
                        seed: int = 1, targets: tuple[str, ...] = ATTN_MLP,
-                       dtype: str = "F32") -> Path:
+                       dtype: str = "F32", experts: bool = False) -> Path:
     """A llama.cpp LoRA adapter (general.type = adapter, `blk.N.<name>.weight.lora_a` /
     `lora_b`, F32 or F16, `convert_lora_to_gguf.py --outtype f32|f16`) over the linears of
-    `hf_shapes`, written with gguf-py; random values, so their rows are simply in the GGUF
-    base's order."""
+    `hf_shapes` (HF names to shapes or weights), written with gguf-py; random values, so
+    their rows are simply in the GGUF base's order. `experts`: also on every routed expert,
+    the numbers of `write_peft_adapter(..., experts=...)` with the same seed."""
     import gguf
 
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, num_layers)
@@ -193,6 +209,9 @@ def write_gguf_adapter(path: Path, hf_shapes: dict[str, tuple[int, int]], arch: 
         base = name_map.get_name(module + ".weight", try_suffixes=(".weight",))
         writer.add_tensor(f"{base}.lora_{ab[0].lower()}",
                           tensors.astype(np.float16) if dtype == "F16" else tensors)
+    stacked = gguf_expert_tensors(hf_shapes, rank, seed * 1000 + 500) if experts else {}
+    for name, tensors in stacked.items():
+        writer.add_tensor(name, tensors.astype(np.float16) if dtype == "F16" else tensors)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -201,3 +220,19 @@ def write_gguf_adapter(path: Path, hf_shapes: dict[str, tuple[int, int]], arch: 
 
 
 SMOLLM2_GGUF_LORA = {"rank": 16, "alpha": 8.0, "seed": 11}
+
+
+def write_gguf_moe_case(workdir: Path, no_vocab: bool = False) -> tuple[Path, Path]:
+    """The tiny qwen3_moe as a GGUF and a GGUF adapter holding LORA_CASES["qwen3_moe"]'s
+    numbers (attention and stacked experts); `no_vocab` as `write_family_gguf`'s."""
+    from family_gguf import write_family_gguf
+    from family_models import FAMILY_CONFIGS, family_weights
+
+    _, model, settings = LORA_CASES["qwen3_moe"]
+    config = FAMILY_CONFIGS[model]
+    write_family_gguf(workdir / "qwen3_moe.gguf", model, no_vocab=no_vocab)
+    adapter = write_gguf_adapter(workdir / "qwen3_moe-lora.gguf", family_weights(config),
+                                 arch="qwen3moe", num_layers=config["num_hidden_layers"],
+                                 rank=settings["rank"], alpha=settings["alpha"],
+                                 targets=settings["targets"], experts=True)
+    return workdir / "qwen3_moe.gguf", adapter

@@ -14,7 +14,8 @@ from family_models import NEAR_TIE, write_family_dir
 from golden_files import GOLDEN
 from model_driver import greedy_tokens, prompt_logits
 from tiny_lora import (LORA_CASES, LORA_GREEDY_PROMPT_LEN, LORA_GREEDY_STEPS, LORA_PROMPT,
-                       SMOLLM2_LORA, SMOLLM2_SHAPES, attach, write_case, write_peft_adapter)
+                       SMOLLM2_LORA, SMOLLM2_SHAPES, attach, write_case, write_gguf_moe_case,
+                       write_peft_adapter)
 from tiny_models import TINY_CONFIGS, tiny_weights, write_llama_gguf
 from tp_ranks import run_ranks
 
@@ -86,6 +87,21 @@ def test_hf_adapter_on_a_gguf_base(tmp_path, cases, semantics):
                                   gguf_activations=semantics), adapter)
         logits = prompt_logits(model, backend, LORA_PROMPT)
         assert np.abs(logits - GOLDENS["llama/logits"]).max() < TOLERANCE, device
+
+
+def test_gguf_expert_adapter_matches_llamacpp(tmp_path):
+    """llama.cpp's GGUF adapter layout for stacked experts (`blk.N.ffn_gate_exps.weight.
+    lora_a` [E, r, in]) on the tiny qwen3_moe as a GGUF: llama.cpp's logits (tests/golden/
+    llamacpp_qwen3_moe_lora.npz) on both backends under its semantics. The adapter holds
+    the numbers of PEFT's qwen3_moe case, and llama.cpp's logits are PEFT's within 4e-6."""
+    model_path, adapter = write_gguf_moe_case(tmp_path)
+    want = np.load(GOLDEN / "llamacpp_qwen3_moe_lora.npz")["logits"]
+    assert np.abs(want - GOLDENS["qwen3_moe/logits"]).max() < TOLERANCE
+    for device in ("numpy", "cpu"):
+        backend = get_backend(device)
+        model = attach(load_model(resolve_model(str(model_path)), backend), adapter)
+        logits = prompt_logits(model, backend, LORA_PROMPT, [17, 1, 30], block_size=8)
+        assert np.abs(logits - want).max() < TOLERANCE, device
 
 
 def test_experts_one_module_each_match_peft(tmp_path, cases):

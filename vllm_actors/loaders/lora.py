@@ -12,7 +12,9 @@ pairs keyed by the GGUF name of the linear they adapt (`blk.3.attn_q`).
   share A). Both become one pair per expert and projection: `blk.N.ffn_gate.E`.
 - GGUF (`general.type = adapter`, `adapter.type = lora`): `blk.N.<name>.weight.lora_a` /
   `.lora_b`, scaled by `adapter.lora.alpha / rank` as llama.cpp does; rows in the GGUF base's
-  order ("gguf").
+  order ("gguf"). Stacked experts (`blk.N.ffn_gate_exps`: A [E, r, in], B [E, out, r], as
+  llama.cpp's `convert_lora_to_gguf.py` writes them and its `build_lora_mm_id` reads them)
+  become one pair per expert.
 Everything else PEFT can express (DoRA, `modules_to_save`, bias training, embedding
 adapters) is refused with a message naming it.
 """
@@ -252,9 +254,24 @@ def _load_gguf(name: str, path: Path) -> LoRAAdapter:
     finally:
         gguf.close()
     adapter = LoRAAdapter(name, str(path), 0, "gguf", half=half)
-    for module, ab in pairs.items():
+    for module, ab in _per_expert(pairs).items():
         a, b = _pair(name, str(path), module, ab.get("A"), ab.get("B"))
         r = a.shape[0]
         adapter.modules[module] = (a, b, alpha / r if alpha else 1.0)
         adapter.rank = max(adapter.rank, r)
     return adapter
+
+
+def _per_expert(pairs: dict[str, dict[str, np.ndarray]]) -> dict[str, dict[str, np.ndarray]]:
+    """A GGUF adapter's stacked expert pairs (`blk.N.ffn_up_exps`, [E, ...] each) split into
+    one per expert (`blk.N.ffn_up.E`); other modules as they are."""
+    out = {}
+    for module, ab in pairs.items():
+        stacked = module.endswith("_exps") and all(v.ndim == 3 for v in ab.values())
+        if not stacked or len({len(v) for v in ab.values()}) != 1:     # _pair refuses it
+            out[module] = ab
+            continue
+        base = module.removesuffix("_exps")
+        for e in range(len(next(iter(ab.values())))):
+            out[f"{base}.{e}"] = {k: np.ascontiguousarray(v[e]) for k, v in ab.items()}
+    return out
