@@ -10,6 +10,7 @@ from typing import Any
 import gguf
 import numpy as np
 from family_models import FAMILY_CONFIGS, family_weights
+from quant_blocks import quantize_iq4_nl
 from tiny_models import llama_cpp_permute
 
 from vllm_actors.models import moe
@@ -152,7 +153,8 @@ def write_family_gguf(path: Path, name: str, qtype: Any = None, dequantized: Any
         kind = qtype or dequantized
         if kind is not None and w.ndim >= 2 and "gate_inp" not in gguf_name and \
                 (kind != gguf.GGMLQuantizationType.MXFP4 or "_exps" in gguf_name):
-            packed = gguf.quants.quantize(w, kind)
+            packed = quantize_iq4_nl(w.reshape(-1, w.shape[-1])).reshape(*w.shape[:-1], -1) \
+                if kind == gguf.GGMLQuantizationType.IQ4_NL else gguf.quants.quantize(w, kind)
             if qtype is not None:
                 writer.add_tensor(gguf_name, packed, raw_dtype=qtype)
             else:

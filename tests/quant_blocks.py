@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
 
 from vllm_actors.kernels import quant
 
@@ -19,3 +20,19 @@ def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int,
             scales = rng.uniform(0.001, 0.01, len(blocks)).astype(np.float16)
             blocks[:, offset:offset + 2] = scales.view(np.uint8).reshape(-1, 2)
     return blocks.reshape(rows, -1)
+
+
+def quantize_iq4_nl(w: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] -> IQ4_NL blocks [rows, bytes per row] (gguf-py has no IQ4_NL
+    quantizer): per 32 weights d = the largest-magnitude weight / -127, each weight the
+    nearest of the table's values times d. A valid encoding, not llama.cpp's search."""
+    table = np.array(gguf_quants.IQ4_NL.kvalues, np.float32)
+    x = np.asarray(w, np.float32).reshape(-1, 32)
+    peak = x[np.arange(len(x)), np.abs(x).argmax(axis=1)]
+    d = (peak / np.float32(-127.0)).astype(np.float16)
+    scale = d.astype(np.float32)
+    inverse = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale != 0)
+    index = np.abs(x[:, :, None] * inverse[:, None, None] - table).argmin(axis=-1)
+    index = index.astype(np.uint8)
+    qs = index[:, :16] | (index[:, 16:] << 4)
+    return np.concatenate([d[:, None].view(np.uint8), qs], axis=1).reshape(w.shape[0], -1)

@@ -173,10 +173,13 @@ def write_gguf(path: Path, arch: str, fill: Any) -> None:
     writer.close()
 
 
-def write_llama_gguf(path: Path, qtype: Any = None) -> None:
+def write_llama_gguf(path: Path, qtype: Any = None, no_vocab: bool = False) -> None:
     """TINY_CONFIGS["llama"] as a llama.cpp-style GGUF: GGUF names, Q/K rows permuted, llama3
-    scaling as rope_freqs factors. `qtype` (a GGMLQuantizationType) quantizes the 2-D weights."""
+    scaling as rope_freqs factors. `qtype` (a GGMLQuantizationType) quantizes the 2-D weights
+    (IQ4_NL with `quant_blocks.quantize_iq4_nl`). `no_vocab`: tokenizer.ggml.model "none",
+    which llama.cpp needs to load a file without a vocabulary."""
     import gguf
+    from quant_blocks import quantize_iq4_nl
 
     config = TINY_CONFIGS["llama"]
     weights = tiny_weights(config)
@@ -194,6 +197,8 @@ def write_llama_gguf(path: Path, qtype: Any = None) -> None:
     writer.add_vocab_size(config["vocab_size"])
     writer.add_rope_dimension_count(config["hidden_size"] // config["num_attention_heads"])
     writer.add_tensor("rope_freqs.weight", llama3_freq_factors(config))
+    if no_vocab:
+        writer.add_tokenizer_model("none")
     for hf_name, w in weights.items():
         name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name.endswith("attn_q.weight"):
@@ -201,7 +206,9 @@ def write_llama_gguf(path: Path, qtype: Any = None) -> None:
         elif name.endswith("attn_k.weight"):
             w = llama_cpp_permute(w, config["num_key_value_heads"])
         if qtype is not None and w.ndim == 2:
-            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+            packed = quantize_iq4_nl(w) if qtype == gguf.GGMLQuantizationType.IQ4_NL \
+                else gguf.quants.quantize(w, qtype)
+            writer.add_tensor(name, packed, raw_dtype=qtype)
         else:
             writer.add_tensor(name, w)
     writer.write_header_to_file()

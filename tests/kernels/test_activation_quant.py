@@ -118,6 +118,31 @@ def _integer(qtype: int):
 EVERY_PATH = (QT.Q4_1, QT.Q5_0, QT.Q8_0, QT.Q4_K)
 
 
+def test_iq4_nl_gives_ggml_vec_dot_for_one_row_requests():
+    """IQ4_NL in its exact Q8_0 form: a request of one row in `vec_dot_iq4_nl_q8_0`'s order
+    (two chains; an odd last block apart, K = 1056) bit for bit on every SIMD path, alone, as
+    a batch of one-row requests, and quantized inside the GEMV's call; a request of three rows
+    in Q8_0's (tinyBLAS's) order, another float order."""
+    for key in ("dot", "dot_odd"):
+        w, x, want = (GOLDEN[f"{key}/IQ4_NL/{k}"] for k in ("w", "x", "out"))
+        matrix = qmatmul.pack(w, QT.IQ4_NL, (len(w), x.shape[1]))
+        assert (matrix.qtype, matrix.stored_as) == (QT.Q8_0, QT.IQ4_NL)
+        rows = activations.quantize_q8(x.astype(np.float32))
+        ones = np.ones(len(x), np.int64)
+        for path in isa.available():
+            alone = np.concatenate([qmatmul_int.matmul(matrix, activations.quantize_q8(
+                x[i:i + 1].astype(np.float32)), path=path) for i in range(len(x))])
+            assert np.array_equal(alone, want), (key, path)
+        host = isa.selected()
+        assert np.array_equal(qmatmul_int.matmul(matrix, rows, host, ones), want), key
+        assert np.array_equal(qmatmul_int.matmul_float(matrix, x.astype(np.float32), host,
+                                                       ones), want), key
+        together = qmatmul_int.matmul(matrix, rows, host)
+        q8 = replace(matrix, stored_as=None)
+        assert np.array_equal(together, qmatmul_int.matmul(q8, rows, host)), key
+        assert not np.array_equal(together, want), key
+
+
 def test_every_simd_path_gives_the_same_floats_and_ggml_vec_dot(monkeypatch):
     """Every type on the host's path against ggml's dot; on `EVERY_PATH` a row alone as in a
     group, and every path (the SIMD code is shared by the types of a form, the decoding by

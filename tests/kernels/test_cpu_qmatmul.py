@@ -153,10 +153,10 @@ def test_concat_stacks_rows(qt):
         qm.concat([parts[0], other])
 
 
-def iq4_nl_blocks(n: int, k: int) -> np.ndarray:
-    """Random IQ4_NL blocks (a float16 d at byte 0, then 16 bytes of 4-bit indices)."""
+def d_first_blocks(qtype: int, n: int, k: int) -> np.ndarray:
+    """Random blocks of a type whose float16 d is at byte 0 (IQ4_NL, IQ4_XS)."""
     rng = np.random.default_rng(3)
-    block_size, type_size = quant.block_layout(T.IQ4_NL)
+    block_size, type_size = quant.block_layout(qtype)
     blocks = rng.integers(0, 256, (n * k // block_size, type_size), dtype=np.uint8)
     blocks[:, :2] = rng.uniform(1e-3, 1e-1, (len(blocks), 1)).astype(np.float16).view(np.uint8)
     return blocks.reshape(n, -1)
@@ -164,19 +164,25 @@ def iq4_nl_blocks(n: int, k: int) -> np.ndarray:
 
 def test_types_without_kernels_are_converted(monkeypatch):
     n, k = 9, 256
-    data = iq4_nl_blocks(n, k)
-    exact = quant.dequantize(data, T.IQ4_NL, (n, k))
-    small = qm.pack(data, T.IQ4_NL, (n, k))            # small: kept as float32, exactly
+    data = d_first_blocks(T.IQ4_XS, n, k)
+    exact = quant.dequantize(data, T.IQ4_XS, (n, k))
+    small = qm.pack(data, T.IQ4_XS, (n, k))            # small: kept as float32, exactly
     assert small.qtype == T.F32
     np.testing.assert_array_equal(small.planes[0], exact)
 
     monkeypatch.setattr(layout, "CONVERT_F32_MAX", 0)   # large: requantized to Q8_0
-    big = qm.pack(data, T.IQ4_NL, (n, k))
+    big = qm.pack(data, T.IQ4_XS, (n, k))
     assert big.qtype == T.Q8_0
     got = np.empty((n, k), dtype=np.float32)
     qm.dequantize_rows(big, 0, n, got)
     block_max = np.abs(exact.reshape(-1, 32)).max(axis=1, keepdims=True)
     assert np.all(np.abs(got - exact).reshape(-1, 32) <= block_max / 226)
+
+    nl = d_first_blocks(T.IQ4_NL, n, k)                 # IQ4_NL: its exact Q8_0 form
+    lossless = qm.pack(nl, T.IQ4_NL, (n, k))
+    assert lossless.qtype == T.Q8_0
+    qm.dequantize_rows(lossless, 0, n, got)
+    np.testing.assert_array_equal(got, quant.dequantize(nl, T.IQ4_NL, (n, k)))
 
     ternary = gguf_quants.quantize(np.random.default_rng(4).standard_normal(
         (4, 256), dtype=np.float32), T.TQ2_0)

@@ -16,6 +16,8 @@ Writes tests/golden/ggml_quant.npz:
     dot/{TYPE}/x, dot/{TYPE}/xq     float32 [3, 1024] activations, uint8 [3, bytes] quantized
     dot/{TYPE}/vec_dot_type         int, ggml type id of xq
     dot/{TYPE}/out                  float32 [3, 8] vec_dot(w[j], xq[i])
+    dot_odd/{TYPE}/...              the same at K = ODD_K (an odd count of 32-blocks), for
+                                    the types whose vec_dot ends such a row apart (IQ4_NL)
     meta/llama_cpp_version, meta/cpu_flags, meta/ggml_cpu_features
 
 SIMD paths differ from the scalar reference (rounding of ties, summation order), so the goldens
@@ -43,10 +45,12 @@ N_ACT_ROWS = 3
 # ggml_type ids (ggml/include/ggml.h)
 TYPE_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8,
             "Q8_1": 9, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
-            "Q8_K": 15, "BF16": 30}
+            "Q8_K": 15, "IQ4_NL": 20, "BF16": 30}
 ACT_TYPES = ("Q8_0", "Q8_1", "Q8_K", "F16", "BF16")
 WEIGHT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
-                "Q6_K", "F16", "BF16")
+                "Q6_K", "F16", "BF16", "IQ4_NL")     # new types last: the others keep their draws
+ODD_K = 1056
+ODD_TYPES = ("IQ4_NL",)
 CPUINFO_FLAGS = ("sse3", "ssse3", "avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw",
                  "avx512dq", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512vbmi", "avx_vnni",
                  "amx_int8", "amx_bf16", "amx_tile")
@@ -213,21 +217,26 @@ def activation_goldens(ggml: Ggml, cases: dict[str, np.ndarray]) -> dict[str, np
 
 def dot_goldens(ggml: Ggml, rng: np.random.Generator) -> dict[str, np.ndarray]:
     arrays = {}
-    for t in WEIGHT_TYPES:
-        tid = TYPE_IDS[t]
-        traits = ggml.traits(tid)
-        row_scale = 10.0 ** rng.uniform(-1, 1, (N_WEIGHT_ROWS, 1))
-        w_f = (rng.standard_normal((N_WEIGHT_ROWS, K)) * row_scale).astype(np.float32)
-        x = rng.standard_normal((N_ACT_ROWS, K)).astype(np.float32)
-        w = np.stack([ggml.from_float(tid, row) for row in w_f])
-        xq = np.stack([ggml.from_float(traits.vec_dot_type, row) for row in x])
-        out = np.array([[ggml.vec_dot(tid, K, wr, xr) for wr in w] for xr in xq], np.float32)
-        arrays.update({f"dot/{t}/w": w, f"dot/{t}/x": x, f"dot/{t}/xq": xq,
-                       f"dot/{t}/vec_dot_type": np.array(traits.vec_dot_type),
-                       f"dot/{t}/out": out, f"dot/{t}/w_f32": w_f})
-        print(f"dot {t:5s}: vec_dot_type {traits.vec_dot_type:2d}, nrows {traits.nrows}, "
-              f"row bytes {w.shape[1]}, out[0,:3] {out[0, :3]}")
+    for prefix, k, types in (("dot", K, WEIGHT_TYPES), ("dot_odd", ODD_K, ODD_TYPES)):
+        for t in types:
+            arrays.update(_dot_case(ggml, rng, f"{prefix}/{t}", TYPE_IDS[t], k))
     return arrays
+
+
+def _dot_case(ggml: Ggml, rng: np.random.Generator, key: str, tid: int, k: int
+              ) -> dict[str, np.ndarray]:
+    traits = ggml.traits(tid)
+    row_scale = 10.0 ** rng.uniform(-1, 1, (N_WEIGHT_ROWS, 1))
+    w_f = (rng.standard_normal((N_WEIGHT_ROWS, k)) * row_scale).astype(np.float32)
+    x = rng.standard_normal((N_ACT_ROWS, k)).astype(np.float32)
+    w = np.stack([ggml.from_float(tid, row) for row in w_f])
+    xq = np.stack([ggml.from_float(traits.vec_dot_type, row) for row in x])
+    out = np.array([[ggml.vec_dot(tid, k, wr, xr) for wr in w] for xr in xq], np.float32)
+    print(f"{key:12s}: vec_dot_type {traits.vec_dot_type:2d}, nrows {traits.nrows}, "
+          f"row bytes {w.shape[1]}, out[0,:3] {out[0, :3]}")
+    return {f"{key}/w": w, f"{key}/x": x, f"{key}/xq": xq,
+            f"{key}/vec_dot_type": np.array(traits.vec_dot_type), f"{key}/out": out,
+            f"{key}/w_f32": w_f}
 
 
 # ---- informational comparison with gguf-py ----------------------------------------------------

@@ -19,7 +19,7 @@ T = GGMLQuantizationType
 
 # weight type -> the activation format its dot product takes (ggml-cpu's vec_dot_type)
 ACTIVATION_FORMAT: dict[int, str] = {
-    T.Q4_0: "q8_0", T.Q5_0: "q8_0", T.Q8_0: "q8_0",
+    T.Q4_0: "q8_0", T.Q5_0: "q8_0", T.Q8_0: "q8_0", T.IQ4_NL: "q8_0",
     T.Q4_1: "q8_1", T.Q5_1: "q8_1",
     T.Q2_K: "q8_k", T.Q3_K: "q8_k", T.Q4_K: "q8_k", T.Q5_K: "q8_k", T.Q6_K: "q8_k",
     T.F16: "f16", T.BF16: "bf16",

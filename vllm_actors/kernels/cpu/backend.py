@@ -81,9 +81,12 @@ class StepRope:
 
 def _format(weight: WeightLike, matrix: qmatmul.QuantMatrix) -> str | None:
     """The activation format of `weight` under the quantized semantics; None when it computes
-    in float32, or when `pack` converted its type (IQ*, ...: no llama.cpp semantics here)."""
+    in float32, or when `pack` converted its type approximately (IQ2.., MXFP4, ...: no
+    llama.cpp semantics here). A lossless form (IQ4_NL as Q8_0) keeps it."""
     fmt = getattr(weight, "activations", None)
-    return fmt if fmt is not None and matrix.qtype == weight.qtype else None
+    kept = matrix.qtype == weight.qtype or \
+        qmatmul_layout.LOSSLESS.get(int(weight.qtype)) == matrix.qtype
+    return fmt if fmt is not None and kept else None
 
 
 def _shape(weight: WeightLike) -> tuple[int, int]:

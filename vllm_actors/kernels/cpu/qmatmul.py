@@ -77,6 +77,9 @@ class QuantMatrix:
     # under the quantized semantics: a Q4_K weight llama.cpp would repack (x86 AVX2, rows a
     # multiple of 8, a matmul weight), whose float order the integer kernels then follow
     ggml_repacked: bool = False
+    # the GGUF type the planes hold exactly in `qtype`'s form (IQ4_NL as Q8_0,
+    # `qmatmul_layout.LOSSLESS`), whose llama.cpp float order the integer kernels follow
+    stored_as: int | None = None
     # what the kernels reading this matrix prepared once for their calls (argument type
     # keys, prefetch distance); never part of its value, and not copied by `replace`
     memo: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -168,9 +171,9 @@ def min_plane(w: QuantMatrix) -> np.ndarray:
 
 
 def supports_fused(parts: Sequence[QuantMatrix]) -> bool:
-    """Whether `concat` can stack these matrices (same type and columns)."""
+    """Whether `concat` can stack these matrices (same type, source type and columns)."""
     return len(parts) > 0 and all(p.qtype == parts[0].qtype and p.cols == parts[0].cols
-                                  for p in parts)
+                                  and p.stored_as == parts[0].stored_as for p in parts)
 
 
 def concat(parts: Sequence[QuantMatrix]) -> QuantMatrix:
@@ -181,7 +184,8 @@ def concat(parts: Sequence[QuantMatrix]) -> QuantMatrix:
         return parts[0]
     planes = tuple(np.concatenate([p.planes[i] for p in parts], axis=0)
                    for i in range(len(parts[0].planes)))
-    return QuantMatrix(parts[0].qtype, sum(p.rows for p in parts), parts[0].cols, planes)
+    return QuantMatrix(parts[0].qtype, sum(p.rows for p in parts), parts[0].cols, planes,
+                       stored_as=parts[0].stored_as)
 
 
 def _raw(data: np.ndarray, qtype: int, shape: tuple[int, int]) -> np.ndarray:
@@ -198,7 +202,8 @@ def pack(data: np.ndarray, qtype: int, shape: tuple[int, int]) -> QuantMatrix:
     if qtype in layout.SUPPORTED:
         return pack_stacked([data], qtype, [rows], cols)
     new_type, planes = layout.convert(_raw(data, qtype, (rows, cols)), qtype, rows, cols)
-    return QuantMatrix(int(new_type), rows, cols, planes)
+    exact = int(qtype) if layout.LOSSLESS.get(int(qtype)) == new_type else None
+    return QuantMatrix(int(new_type), rows, cols, planes, stored_as=exact)
 
 
 def pack_stacked(parts: Sequence[np.ndarray], qtype: int, rows: Sequence[int], cols: int

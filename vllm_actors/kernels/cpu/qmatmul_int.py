@@ -7,7 +7,11 @@ Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (the 32-weight blocks), each in the float or
 ggml's x86 `vec_dot_*_q8_*`: per block acc = fma(d_w * d_x, lanes, acc) (Q4_0/Q5_0 with
 their offset inside the integers), Q4_1/Q5_1's min term summed as summs = fma(m_w, s_x,
 summs) with s_x Q8_1's stored sum, and the result hsum(acc) (+ summs), the 8 lanes added as
-ggml's `hsum_float_8` adds them. Compiled without fast math, so the floats are ggml's bit
+ggml's `hsum_float_8` adds them. IQ4_NL runs in its exact Q8_0 form (`qmatmul_layout.
+iq4_nl_as_q8_0`), in that order where llama.cpp takes tinyBLAS (a request of two rows or
+more), and for a request of one row in `vec_dot_iq4_nl_q8_0`'s (`IQ4_NL_ROW`: even and odd
+blocks in two chains, hsum(even + odd), an odd last block added as fma(d_w * d_x, its
+integer sum, total)). Compiled without fast math, so the floats are ggml's bit
 for bit (bench/llamacpp_tensors.py). Parallel over pairs of weight rows: a small parallel
 kernel calls the body compiled per (SIMD path, type, x-row group) as a C callback
 (`jit.Callback`), so each body is compiled once and the parallel kernel once per array
@@ -44,6 +48,7 @@ T = GGMLQuantizationType
 
 # type -> qdot's kind
 KINDS: dict[int, int] = {T.Q4_0: 40, T.Q4_1: 4, T.Q5_0: 50, T.Q5_1: 5, T.Q8_0: 8}
+IQ4_NL_ROW = 48   # the body's kind for a one-row request of an IQ4_NL weight in Q8_0 form
 # Up to this many rows of x, `matmul` runs the integer kernels; beyond, x~ through the float
 # kernels (`activations.simulate`: the same numbers up to summation order). Every step: only
 # the integer kernels give llama.cpp's floats bit for bit.
@@ -76,6 +81,23 @@ def _total(has_min, acc, summs, i, j):  # type: ignore[no-untyped-def]
 _MIN_KINDS = (KINDS[T.Q4_1], KINDS[T.Q5_1])
 
 
+@numba.njit(inline="always", cache=True)
+def _two_chains(acc, odd, i, odd_count, tail):  # type: ignore[no-untyped-def]
+    """`vec_dot_iq4_nl_q8_0`'s result for the row whose even blocks' lanes are at acc[i:i+8]
+    and odd blocks' at odd[i:i+8]: hsum(even + odd); for an odd block count the last block's
+    integer lanes (odd[64+i:72+i], exact in float32 below 2^24) then add fma(d_w * d_x of
+    that block, their sum, total)."""
+    for t in range(8):
+        odd[128 + t] = acc[i + t] + odd[i + t]
+    total = hsum8(odd, 128)
+    if odd_count:
+        whole = np.float32(0.0)
+        for t in range(8):
+            whole += odd[64 + i + t]
+        total = fma_f32(tail, whole, total)
+    return total
+
+
 PAIRS = 8          # pairs of weight rows per call of a kernel body
 
 
@@ -88,6 +110,8 @@ def body(path: int, kind: int, group: int) -> Callback:
     for types with mins)."""
     has_min = kind in _MIN_KINDS          # constants: no min or fifth-bit code for the rest
     has_bits = kind in (5, 50)
+    chains = 2 if kind == IQ4_NL_ROW else 1
+    kind = 8 if kind == IQ4_NL_ROW else kind
     qs_type = types.int8 if kind == 8 else types.uint8
 
     def pairs(qs_p, n, rb, qh_p, d_p, mn_p, lut_p, xq_p, m, k, xd_p, xs_p, out_p, dist, g0,
@@ -101,6 +125,7 @@ def body(path: int, kind: int, group: int) -> Callback:
         xd, xs, out = carray(xd_p, (m, nb)), carray(xs_p, (m, nb)), carray(out_p, (m, n))
         acc = stack_f32(64)
         summs = stack_f32(8)
+        odd = stack_f32(136)     # two chains: the odd blocks' [0:64], a last block's [64:128]
         for g in range(g0, g1):
             r0 = 2 * g
             r1 = min(r0 + 1, n - 1)
@@ -111,6 +136,10 @@ def body(path: int, kind: int, group: int) -> Callback:
                     acc[i] = 0
                 for i in range(2 * group):
                     summs[i] = 0
+                if chains == 2:
+                    for i in range(16 * group):
+                        odd[i] = 0
+                        odd[64 + i] = 0
                 for b in range(nb):
                     prefetch(qs, p0 + b * step)
                     prefetch(qs, p1 + b * step)
@@ -121,15 +150,36 @@ def body(path: int, kind: int, group: int) -> Callback:
                     for j in range(group):
                         dx = xd[m0 + j, b]
                         xo = (m0 + j) * k + 32 * b
-                        qdot(path, kind, acc, 16 * j, qs, r0 * rb + b * step, h0, xq, xo,
-                             d0 * dx)
-                        qdot(path, kind, acc, 16 * j + 8, qs, r1 * rb + b * step, h1, xq,
-                             xo, d1 * dx)
+                        if chains == 2 and b + 1 == nb and nb % 2 == 1:   # integer lanes
+                            qdot(path, kind, odd, 64 + 16 * j, qs, r0 * rb + b * step, h0, xq,
+                                 xo, np.float32(1.0))
+                            qdot(path, kind, odd, 72 + 16 * j, qs, r1 * rb + b * step, h1, xq,
+                                 xo, np.float32(1.0))
+                        elif chains == 2 and b % 2 == 1:
+                            qdot(path, kind, odd, 16 * j, qs, r0 * rb + b * step, h0, xq, xo,
+                                 d0 * dx)
+                            qdot(path, kind, odd, 16 * j + 8, qs, r1 * rb + b * step, h1, xq,
+                                 xo, d1 * dx)
+                        else:
+                            qdot(path, kind, acc, 16 * j, qs, r0 * rb + b * step, h0, xq, xo,
+                                 d0 * dx)
+                            qdot(path, kind, acc, 16 * j + 8, qs, r1 * rb + b * step, h1,
+                                 xq, xo, d1 * dx)
                         if has_min:
                             summs[2 * j] = fma_f32(lut[mn[r0, b]], xs[m0 + j, b],
                                                    summs[2 * j])
                             summs[2 * j + 1] = fma_f32(lut[mn[r1, b]], xs[m0 + j, b],
                                                        summs[2 * j + 1])
+                if chains == 2:
+                    for j in range(group):
+                        dx = xd[m0 + j, nb - 1]
+                        out[m0 + j, r0] = _two_chains(acc, odd, 16 * j, nb % 2 == 1,
+                                                      lut[d[r0, nb - 1]] * dx)
+                        if r0 + 1 < n:
+                            out[m0 + j, r0 + 1] = _two_chains(acc, odd, 16 * j + 8,
+                                                              nb % 2 == 1,
+                                                              lut[d[r1, nb - 1]] * dx)
+                    continue
                 for j in range(group):
                     out[m0 + j, r0] = _total(has_min, acc, summs, 16 * j, 2 * j)
                     if r0 + 1 < n:
@@ -210,6 +260,17 @@ def pad_rows(x: Any, group: int) -> Any:
 FASTER = frozenset(KINDS)
 
 
+def row_kinds(w: QuantMatrix, requests: Any) -> np.ndarray:
+    """Each row's body kind, as llama.cpp computes a request of L rows alone: IQ4_NL (in its
+    Q8_0 form) takes `vec_dot_iq4_nl_q8_0` for a request of one row and tinyBLAS (Q8_0's
+    order) for more; the other types one order at every row count."""
+    n = np.asarray(requests, np.int64)
+    kind = KINDS[w.qtype]
+    if w.stored_as != T.IQ4_NL:
+        return np.full(int(n.sum()), kind, np.int64)
+    return np.repeat(np.where(n == 1, IQ4_NL_ROW, kind), n)
+
+
 def supports(qtype: int, rows: int) -> bool:
     """Whether the backend should take `matmul` for a weight of `qtype` at `rows` rows of x."""
     return qtype in FASTER and rows <= MAX_ROWS
@@ -222,14 +283,25 @@ def matmul(w: QuantMatrix, x: activations.Q8Rows, path: str | None = None,
     each request) changes nothing here: llama.cpp computes these types in one float order
     at every row count (its vec_dot, and llamafile's GEMM for Q4_0/Q5_0/Q8_0 alike)."""
     m = x.qs.shape[0]
-    return _run(w, pad_rows(x, 1 if m == 1 else GROUP), m, path)
+    kinds = row_kinds(w, [m] if requests is None else requests)
+    out = np.empty((m, w.rows), np.float32)
+    bounds = [0, *(np.flatnonzero(np.diff(kinds)) + 1).tolist(), m]    # spans of one kind
+    for start, stop in zip(bounds[:-1], bounds[1:]):
+        rows = stop - start
+        span = x if rows == m else activations.Q8Rows(*(
+            getattr(x, f.name)[start:stop] for f in dataclasses.fields(x)))
+        out[start:stop] = _run(w, pad_rows(span, 1 if rows == 1 else GROUP), rows,
+                               int(kinds[start]), path)
+    return out
 
 
 def quantizes_inside(w: QuantMatrix, rows: int, requests: Any = None) -> bool:
     """Whether `matmul_float` takes `rows` rows for W: few enough that quantizing them on
-    one thread (as `activations.quantize_q8` then does too) costs less than a call.
-    `requests` changes nothing (see `matmul`)."""
-    return w.qtype in FASTER and rows * w.cols <= activations.SERIAL_MAX
+    one thread (as `activations.quantize_q8` then does too) costs less than a call, and of
+    one row kind (`row_kinds`: for IQ4_NL, each a request of one row, or one request)."""
+    one_kind = w.stored_as is None or rows == 1 or requests is None or \
+        len(requests) == rows
+    return w.qtype in FASTER and rows * w.cols <= activations.SERIAL_MAX and one_kind
 
 
 def matmul_float(w: QuantMatrix, x: np.ndarray, path: str | None = None,
@@ -241,7 +313,9 @@ def matmul_float(w: QuantMatrix, x: np.ndarray, path: str | None = None,
     m, k = x.shape
     group = 1 if m == 1 else GROUP
     padded = -(-m // group) * group
-    fn, planes, dist = _decode_plan(w, path, group)
+    one_row = w.stored_as is not None and (m == 1 or (requests is not None
+                                                      and len(requests) == m))
+    fn, planes, dist = _decode_plan(w, path, group, IQ4_NL_ROW if one_row else None)
     out = np.empty((padded, w.rows), np.float32)
     threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
     xq, xd, xs, xdsum = _scratch(padded, k)
@@ -254,7 +328,7 @@ def matmul_float_lora(w: QuantMatrix, x: np.ndarray, lora: Any, round_x: bool,
                       path: str | None = None) -> np.ndarray:
     """`matmul_float` of one row plus its LoRA delta (`lora_gemv`) in one call."""
     k = x.shape[1]
-    fn, planes, dist = _decode_plan(w, path, 1)
+    fn, planes, dist = _decode_plan(w, path, 1, IQ4_NL_ROW if w.stored_as else None)
     out = np.empty((1, w.rows), np.float32)
     threads = 1 if w.rows * w.cols <= SERIAL_MAX_WORK else 0
     xq, xd, xs, xdsum = _scratch(1, k)
@@ -264,25 +338,28 @@ def matmul_float_lora(w: QuantMatrix, x: np.ndarray, lora: Any, round_x: bool,
     return out
 
 
-def _run(w: QuantMatrix, x: activations.Q8Rows, m: int, path: str | None) -> np.ndarray:
-    """`gemv` on x's blocks (rows padded to the group) for the first m rows."""
-    fn, planes, dist = _decode_plan(w, path, 1 if m == 1 else GROUP)
+def _run(w: QuantMatrix, x: activations.Q8Rows, m: int, kind: int, path: str | None
+         ) -> np.ndarray:
+    """`gemv` with the body of `kind` on x's blocks (rows padded to the group) for the first
+    m rows."""
+    fn, planes, dist = _decode_plan(w, path, 1 if m == 1 else GROUP, kind)
     out = np.empty((x.qs.shape[0], w.rows), np.float32)
     threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
     gemv(fn, *planes, HALF_LUT, x.qs, x.d, x.s, out, dist, threads, 0, _NO_F32, _NO_F32)
     return out[:m]
 
 
-def _decode_plan(w: QuantMatrix, path: str | None, group: int
+def _decode_plan(w: QuantMatrix, path: str | None, group: int, kind: int | None = None
                  ) -> tuple[int, tuple[np.ndarray, ...], int]:
-    """(the body's address for `path` (default `isa.selected()`) and x-row group, the
-    planes as `gemv` takes them, its prefetch distance), kept in w's memo: looked up at
-    every call, it must cost little."""
+    """(the body's address for `path` (default `isa.selected()`), x-row group and body
+    kind (`row_kinds`; None: the weight type's), the planes as `gemv` takes them, its
+    prefetch distance), kept in w's memo: looked up at every call, it must cost little."""
     code = isa.code(path) if path else isa.selected_code()
-    plan = w.memo.get(("int", code, group))
+    plan = w.memo.get(("int", code, group, kind))
     if plan is None:
-        kind, planes, dist = w.memo.get("int") or _plan(w)
-        plan = w.memo[("int", code, group)] = (body(code, kind, group).address, planes, dist)
+        base, planes, dist = w.memo.get("int") or _plan(w)
+        plan = w.memo[("int", code, group, kind)] = (
+            body(code, base if kind is None else kind, group).address, planes, dist)
     return plan
 
 

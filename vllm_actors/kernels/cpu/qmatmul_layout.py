@@ -39,6 +39,8 @@ _SIGNED = {(T.Q8_0, "qs"), (T.Q6_K, "scales")}
 # Types without kernels are converted once: tensors up to this many weights to F32 (exact),
 # larger ones requantized to Q8_0 (see `convert`).
 CONVERT_F32_MAX = 1 << 20
+# Types whose blocks a supported type holds exactly, block for block (see `convert`)
+LOSSLESS: dict[int, int] = {T.IQ4_NL: T.Q8_0}
 
 
 @kernel
@@ -125,7 +127,10 @@ def convert(raw: np.ndarray, qtype: int, rows: int, cols: int
     `quant.dequantize` (gguf-py's reference); up to `CONVERT_F32_MAX` weights kept as F32
     (no error), else requantized to Q8_0 per 32 weights with `gguf.quants.quantize`: each
     weight moves by at most half a Q8_0 step plus the float16 rounding of the scale, i.e.
-    <= 0.504 * max|block| / 127 + 2^-11 * max|block| < max|block| / 226."""
+    <= 0.504 * max|block| / 127 + 2^-11 * max|block| < max|block| / 226.
+    `LOSSLESS` types instead become their exact form at every size (IQ4_NL: `iq4_nl_as_q8_0`)."""
+    if qtype == T.IQ4_NL:
+        return T.Q8_0, split(iq4_nl_as_q8_0(raw), T.Q8_0, rows, cols)
     if cols * rows <= CONVERT_F32_MAX:
         dense = quant.dequantize(raw, qtype, (rows, cols))
         return T.F32, (np.ascontiguousarray(dense, dtype=np.float32),)
@@ -139,6 +144,22 @@ def convert(raw: np.ndarray, qtype: int, rows: int, cols: int
         dense = quant.dequantize(raw[r0 * row_bytes:r1 * row_bytes], qtype, (r1 - r0, cols))
         out[r0:r1] = gguf_quants.quantize(dense, T.Q8_0).reshape(r1 - r0, -1)
     return T.Q8_0, split(out.reshape(-1), T.Q8_0, rows, cols)
+
+
+def iq4_nl_as_q8_0(raw: np.ndarray) -> np.ndarray:
+    """IQ4_NL blocks (float16 d, 16 bytes of nibbles: weight j < 16 the low nibble of byte j,
+    j >= 16 the high nibble of byte j - 16) -> Q8_0 blocks holding the same weights exactly:
+    the same d, and each nibble's int8 value from IQ4_NL's table. Under the quantized
+    semantics both types take Q8_0 inputs, and the integer sums and d_w * d_x are unchanged,
+    so the Q8_0 kernel gives the floats of llama.cpp's IQ4_NL matmul where it runs in
+    tinyBLAS's order (the same template as Q8_0's); 8.5 bits a weight instead of 4.5."""
+    blocks = np.ascontiguousarray(raw).reshape(-1, 18)
+    table = np.array(gguf_quants.IQ4_NL.kvalues, np.int8).view(np.uint8)
+    out = np.empty((len(blocks), 34), np.uint8)
+    out[:, :2] = blocks[:, :2]
+    out[:, 2:18] = table[blocks[:, 2:] & 15]
+    out[:, 18:] = table[blocks[:, 2:] >> 4]
+    return out.reshape(-1)
 
 
 def nbytes_gguf(qtype: int, rows: int, cols: int) -> int:
