@@ -5,8 +5,10 @@ intrinsic: `qdot(isa, kind, acc, ai, q, qi, bits, x, xi, scale)` adds
 - `kind` (a literal) says how the block's 32 weights are stored at q.flat[qi]: 4 = 16 bytes
   of nibbles, element j < 16 the low nibble of byte j and j >= 16 the high nibble of byte
   j - 16 (Q4_1); 5 = the same plus the fifth bit j of `bits` (Q5_1); 40 and 50 = the same
-  less the offset 8 or 16 (Q4_0, Q5_0: signed, as ggml's dots); 8 = 32 int8 (Q8_0). Mins are
-  not applied here: the caller adds them through the activation block's sum.
+  less the offset 8 or 16 (Q4_0, Q5_0: signed, as ggml's dots); 8 = 32 int8 (Q8_0); 41 = the
+  nibbles of kind 4 as indices into IQ4_NL's table of int8 values (`vpshufb` on the x86
+  paths, as ggml's IQ4_NL dots). Mins are not applied here: the caller adds them through the
+  activation block's sum.
 - `isa` (a literal, `isa.code`) picks the instructions: portable widening multiplies,
   AVX2's `vpmaddubsw` + `vpmaddwd`, or VNNI's `vpdpbusd`. Each gives int32 lane i = the sum
   of the products of bytes 4i..4i+3, exactly, so every path produces the same floats.
@@ -37,6 +39,8 @@ _L8 = ir.VectorType(_I32, 8)
 _F8 = ir.VectorType(ir.FloatType(), 8)
 PORTABLE, AVX2, AVX512 = code("portable"), code("avx2"), code("avx512")
 SIGNED_OFFSET = {40: 8, 50: 16}    # kinds whose quants are stored with an offset (Q4_0, Q5_0)
+SIGNED = (8, 41)                    # kinds whose weights are int8 values (Q8_0, IQ4_NL)
+IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 def _call(builder, name, ret, args):  # type: ignore[no-untyped-def]
@@ -45,9 +49,22 @@ def _call(builder, name, ret, args):  # type: ignore[no-untyped-def]
     return builder.call(fn, args)
 
 
+def _lookup(builder, isa, w):  # type: ignore[no-untyped-def]
+    """IQ4_NL's int8 value of each index 0..15 in w (<32 x i8>): `vpshufb` within each
+    128-bit half on x86 paths, a chain of selects on the portable one."""
+    table = [v & 0xFF for v in IQ4_NL_VALUES]
+    if isa != PORTABLE:
+        return _call(builder, "llvm.x86.avx2.pshuf.b", _B32, [ir.Constant(_B32, table * 2), w])
+    out = ir.Constant(_B32, [table[0]] * 32)
+    for i in range(1, 16):
+        hit = builder.icmp_unsigned("==", w, ir.Constant(_B32, [i] * 32))
+        out = builder.select(hit, ir.Constant(_B32, [table[i]] * 32), out)
+    return out
+
+
 def _weights(context, builder, sig, args, kind):  # type: ignore[no-untyped-def]
     """The block's 32 weights as <32 x i8> as stored: unsigned nibbles or 5-bit values (Q4_0
-    and Q5_0 still with their offset), or int8."""
+    and Q5_0 still with their offset), or int8 (Q8_0; IQ4_NL's indices still unlooked)."""
     if kind == 8:
         p = vector_ptr(context, builder, sig.args[4], args[4], sig.args[5], args[5], _B32)
         return builder.load(p, align=1)
@@ -94,17 +111,19 @@ def _offset_lanes(builder, isa, w, x, offset):  # type: ignore[no-untyped-def]
 def _lanes(builder, isa, w, x, kind):  # type: ignore[no-untyped-def]
     """int32 lane i = sum over t < 4 of w[4i+t] * x[4i+t], w the block's signed values
     (Q4_0 and Q5_0 less their offset)."""
+    if kind == 41:
+        w = _lookup(builder, isa, w)
     if kind in SIGNED_OFFSET and isa != PORTABLE:
         return _offset_lanes(builder, isa, w, x, SIGNED_OFFSET[kind])
-    if kind == 8 and isa == AVX512:        # int8 w + 128 is unsigned: the same identity
+    if kind in SIGNED and isa == AVX512:   # int8 w + 128 is unsigned: the same identity
         return _offset_lanes(builder, isa, builder.xor(w, ir.Constant(_B32, [0x80] * 32)),
                              x, 128)
     if kind in SIGNED_OFFSET:               # portable: the offset inside the integers
         w = builder.sub(w, ir.Constant(_B32, [SIGNED_OFFSET[kind]] * 32))
-    signed_w = kind in (8, 40, 50)
+    signed_w = kind in (*SIGNED, 40, 50)
     if isa == PORTABLE:
         return _lanes_portable(builder, w, x, signed_w)
-    if signed_w:      # Q8_0 on AVX2: |w| unsigned, x carrying w's sign (llama.cpp's trick)
+    if signed_w:      # Q8_0, IQ4_NL on AVX2: |w| unsigned, x carrying w's sign (ggml's trick)
         neg = builder.icmp_signed("<", w, ir.Constant(_B32, [0] * 32))
         w = builder.select(neg, builder.neg(w), w)
         x = builder.select(neg, builder.neg(x), x)
@@ -117,7 +136,7 @@ def _lanes(builder, isa, w, x, kind):  # type: ignore[no-untyped-def]
 def qdot(typingctx, isa, kind, acc, ai, q, qi, bits, x, xi, scale):  # type: ignore[no-untyped-def]
     """acc[ai:ai+8] += scale * lanes(block of q . block of x); see the module docstring."""
     if not (isinstance(isa, types.IntegerLiteral) and isinstance(kind, types.IntegerLiteral)
-            and kind.literal_value in (4, 5, 8, 40, 50) and isinstance(acc, types.Array)
+            and kind.literal_value in (4, 5, 8, 40, 41, 50) and isinstance(acc, types.Array)
             and acc.dtype == types.float32 and isinstance(x, types.Array)
             and x.dtype == types.int8 and isinstance(q, types.Array)):
         return None

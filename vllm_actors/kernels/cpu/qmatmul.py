@@ -206,6 +206,15 @@ def pack(data: np.ndarray, qtype: int, shape: tuple[int, int]) -> QuantMatrix:
     return QuantMatrix(int(new_type), rows, cols, planes, stored_as=exact)
 
 
+def pack_iq4_nl(data: np.ndarray, shape: tuple[int, int]) -> QuantMatrix:
+    """An IQ4_NL weight kept as IQ4_NL (4.5 bits a weight), for the integer kernels of the
+    quantized semantics only (`qmatmul_int`); `pack` gives the exact Q8_0 form every kernel
+    reads."""
+    rows, cols = int(shape[0]), int(shape[1])
+    planes = layout.iq4_nl_planes(_raw(data, T.IQ4_NL, (rows, cols)), rows, cols)
+    return QuantMatrix(int(T.IQ4_NL), rows, cols, planes)
+
+
 def pack_stacked(parts: Sequence[np.ndarray], qtype: int, rows: Sequence[int], cols: int
                  ) -> QuantMatrix:
     """Stored data of several matrices of one supported type and column count, stacked

@@ -7,11 +7,11 @@ Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (the 32-weight blocks), each in the float or
 ggml's x86 `vec_dot_*_q8_*`: per block acc = fma(d_w * d_x, lanes, acc) (Q4_0/Q5_0 with
 their offset inside the integers), Q4_1/Q5_1's min term summed as summs = fma(m_w, s_x,
 summs) with s_x Q8_1's stored sum, and the result hsum(acc) (+ summs), the 8 lanes added as
-ggml's `hsum_float_8` adds them. IQ4_NL runs in its exact Q8_0 form (`qmatmul_layout.
-iq4_nl_as_q8_0`), in that order where llama.cpp takes tinyBLAS (a request of two rows or
-more), and for a request of one row in `vec_dot_iq4_nl_q8_0`'s (`IQ4_NL_ROW`: even and odd
-blocks in two chains, hsum(even + odd), an odd last block added as fma(d_w * d_x, its
-integer sum, total)). Compiled without fast math, so the floats are ggml's bit
+ggml's `hsum_float_8` adds them. IQ4_NL (its table's values, or its exact Q8_0 form
+`qmatmul_layout.iq4_nl_as_q8_0` for tables) takes that order where llama.cpp takes tinyBLAS
+(a request of two rows or more), and for a request of one row `vec_dot_iq4_nl_q8_0`'s
+(`ONE_ROW`: even and odd blocks in two chains, hsum(even + odd), an odd last block added as
+fma(d_w * d_x, its integer sum, total)). Compiled without fast math, so the floats are ggml's bit
 for bit (bench/llamacpp_tensors.py). Parallel over pairs of weight rows: a small parallel
 kernel calls the body compiled per (SIMD path, type, x-row group) as a C callback
 (`jit.Callback`), so each body is compiled once and the parallel kernel once per array
@@ -47,8 +47,12 @@ from vllm_actors.kernels.cpu.qmatmul_prims import (
 T = GGMLQuantizationType
 
 # type -> qdot's kind
-KINDS: dict[int, int] = {T.Q4_0: 40, T.Q4_1: 4, T.Q5_0: 50, T.Q5_1: 5, T.Q8_0: 8}
-IQ4_NL_ROW = 48   # the body's kind for a one-row request of an IQ4_NL weight in Q8_0 form
+KINDS: dict[int, int] = {T.Q4_0: 40, T.Q4_1: 4, T.Q5_0: 50, T.Q5_1: 5, T.Q8_0: 8,
+                         T.IQ4_NL: 41}
+# the body's kind for a one-row request of an IQ4_NL weight (as itself, or in Q8_0 form) ->
+# the lanes' kind
+ONE_ROW: dict[int, int] = {49: 41, 48: 8}
+_ONE_ROW_OF = {41: 49, 8: 48}
 # Up to this many rows of x, `matmul` runs the integer kernels; beyond, x~ through the float
 # kernels (`activations.simulate`: the same numbers up to summation order). Every step: only
 # the integer kernels give llama.cpp's floats bit for bit.
@@ -110,8 +114,8 @@ def body(path: int, kind: int, group: int) -> Callback:
     for types with mins)."""
     has_min = kind in _MIN_KINDS          # constants: no min or fifth-bit code for the rest
     has_bits = kind in (5, 50)
-    chains = 2 if kind == IQ4_NL_ROW else 1
-    kind = 8 if kind == IQ4_NL_ROW else kind
+    chains = 2 if kind in ONE_ROW else 1
+    kind = ONE_ROW.get(kind, kind)
     qs_type = types.int8 if kind == 8 else types.uint8
 
     def pairs(qs_p, n, rb, qh_p, d_p, mn_p, lut_p, xq_p, m, k, xd_p, xs_p, out_p, dist, g0,
@@ -266,9 +270,13 @@ def row_kinds(w: QuantMatrix, requests: Any) -> np.ndarray:
     order) for more; the other types one order at every row count."""
     n = np.asarray(requests, np.int64)
     kind = KINDS[w.qtype]
-    if w.stored_as != T.IQ4_NL:
+    if not _iq4_nl(w):
         return np.full(int(n.sum()), kind, np.int64)
-    return np.repeat(np.where(n == 1, IQ4_NL_ROW, kind), n)
+    return np.repeat(np.where(n == 1, _ONE_ROW_OF[kind], kind), n)
+
+
+def _iq4_nl(w: QuantMatrix) -> bool:
+    return w.qtype == T.IQ4_NL or w.stored_as == T.IQ4_NL
 
 
 def supports(qtype: int, rows: int) -> bool:
@@ -299,8 +307,7 @@ def quantizes_inside(w: QuantMatrix, rows: int, requests: Any = None) -> bool:
     """Whether `matmul_float` takes `rows` rows for W: few enough that quantizing them on
     one thread (as `activations.quantize_q8` then does too) costs less than a call, and of
     one row kind (`row_kinds`: for IQ4_NL, each a request of one row, or one request)."""
-    one_kind = w.stored_as is None or rows == 1 or requests is None or \
-        len(requests) == rows
+    one_kind = not _iq4_nl(w) or rows == 1 or requests is None or len(requests) == rows
     return w.qtype in FASTER and rows * w.cols <= activations.SERIAL_MAX and one_kind
 
 
@@ -313,9 +320,9 @@ def matmul_float(w: QuantMatrix, x: np.ndarray, path: str | None = None,
     m, k = x.shape
     group = 1 if m == 1 else GROUP
     padded = -(-m // group) * group
-    one_row = w.stored_as is not None and (m == 1 or (requests is not None
-                                                      and len(requests) == m))
-    fn, planes, dist = _decode_plan(w, path, group, IQ4_NL_ROW if one_row else None)
+    one_row = _iq4_nl(w) and (m == 1 or (requests is not None and len(requests) == m))
+    fn, planes, dist = _decode_plan(w, path, group, _ONE_ROW_OF[KINDS[w.qtype]] if one_row
+                                    else None)
     out = np.empty((padded, w.rows), np.float32)
     threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
     xq, xd, xs, xdsum = _scratch(padded, k)
@@ -328,7 +335,8 @@ def matmul_float_lora(w: QuantMatrix, x: np.ndarray, lora: Any, round_x: bool,
                       path: str | None = None) -> np.ndarray:
     """`matmul_float` of one row plus its LoRA delta (`lora_gemv`) in one call."""
     k = x.shape[1]
-    fn, planes, dist = _decode_plan(w, path, 1, IQ4_NL_ROW if w.stored_as else None)
+    fn, planes, dist = _decode_plan(w, path, 1, _ONE_ROW_OF[KINDS[w.qtype]] if _iq4_nl(w)
+                                    else None)
     out = np.empty((1, w.rows), np.float32)
     threads = 1 if w.rows * w.cols <= SERIAL_MAX_WORK else 0
     xq, xd, xs, xdsum = _scratch(1, k)

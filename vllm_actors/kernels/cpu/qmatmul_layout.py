@@ -162,6 +162,14 @@ def iq4_nl_as_q8_0(raw: np.ndarray) -> np.ndarray:
     return out.reshape(-1)
 
 
+def iq4_nl_planes(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, ...]:
+    """IQ4_NL blocks -> the planes its integer kernels read, as Q4_0's: the nibbles
+    (uint8 [rows, cols / 2]) and the float16 scales' bits (uint16 [rows, cols / 32])."""
+    blocks = np.ascontiguousarray(raw).reshape(rows, cols // 32, 18)
+    return (np.ascontiguousarray(blocks[:, :, 2:].reshape(rows, -1)),
+            np.ascontiguousarray(blocks[:, :, :2]).view(np.uint16).reshape(rows, -1))
+
+
 def nbytes_gguf(qtype: int, rows: int, cols: int) -> int:
     block_size, type_size = quant.block_layout(qtype)
     return rows * cols // block_size * type_size
