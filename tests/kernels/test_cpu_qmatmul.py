@@ -182,7 +182,13 @@ def test_types_without_kernels_are_converted(monkeypatch):
     lossless = qm.pack(nl, T.IQ4_NL, (n, k))
     assert lossless.qtype == T.Q8_0
     qm.dequantize_rows(lossless, 0, n, got)
-    np.testing.assert_array_equal(got, quant.dequantize(nl, T.IQ4_NL, (n, k)))
+    want = quant.dequantize(nl, T.IQ4_NL, (n, k))
+    np.testing.assert_array_equal(got, want)
+    native = qm.pack_iq4_nl(nl, (n, k))                 # or as itself: its rows
+    ids = np.array([3, 0, 8, 3])
+    picked = np.empty((len(ids), k), np.float32)
+    qm.take_rows(native, ids, picked)
+    np.testing.assert_array_equal(picked, want[ids])
 
     ternary = gguf_quants.quantize(np.random.default_rng(4).standard_normal(
         (4, 256), dtype=np.float32), T.TQ2_0)

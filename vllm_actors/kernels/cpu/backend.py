@@ -96,11 +96,11 @@ def _shape(weight: WeightLike) -> tuple[int, int]:
     return int(shape[0]), int(shape[1])
 
 
-def _matrix(weight: WeightLike, matmul: bool = False) -> qmatmul.QuantMatrix:
+def _matrix(weight: WeightLike) -> qmatmul.QuantMatrix:
     """One weight packed into planes; the file pages it was read from are given back.
-    `matmul`: a weight only the matmuls read, which keeps IQ4_NL as itself under the
-    quantized semantics (its integer kernels); elsewhere IQ4_NL takes its Q8_0 form."""
-    if matmul and weight.qtype == T.IQ4_NL and getattr(weight, "activations", None):
+    IQ4_NL stays itself under the quantized semantics (its integer kernels, and row lookups
+    for a tied embedding); under the float32 semantics it takes its exact Q8_0 form."""
+    if weight.qtype == T.IQ4_NL and getattr(weight, "activations", None):
         matrix = qmatmul.pack_iq4_nl(weight.data, _shape(weight))
         mapped_pages.release(weight.data)
         return matrix
@@ -192,7 +192,7 @@ class CpuBackend:
                 mapped_pages.release(p.data)
             formats = [_format(parts[0], mats[0])]
         else:
-            mats = [_matrix(p, matmul=True) for p in parts]
+            mats = [_matrix(p) for p in parts]
             formats = [_format(p, m) for p, m in zip(parts, mats)]
             if len(mats) > 1 and qmatmul.supports_fused(mats) and len(set(formats)) == 1:
                 mats, formats = [qmatmul.concat(mats)], formats[:1]   # converted types
@@ -209,7 +209,7 @@ class CpuBackend:
     def upload_lm_head(self, weight: WeightLike) -> Linear:
         table = self._tables.get(weight.name)   # the tied embedding, already uploaded
         if table is None:     # a head of its own is a matmul weight llama.cpp may repack
-            table = self._keep(_matrix(weight, matmul=True))
+            table = self._keep(_matrix(weight))
             if getattr(weight, "activations", None) and _llama_repacks(weight):
                 table = replace(table, ggml_repacked=True)
         fmt = _format(weight, table)

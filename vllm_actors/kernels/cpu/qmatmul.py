@@ -57,6 +57,7 @@ from vllm_actors.kernels.cpu.qmatmul_legacy import (
     gemv_q4,
     gemv_q5,
     gemv_q8_0,
+    rows_iq4_nl,
     rows_q4,
     rows_q5,
     rows_q8_0,
@@ -208,8 +209,8 @@ def pack(data: np.ndarray, qtype: int, shape: tuple[int, int]) -> QuantMatrix:
 
 def pack_iq4_nl(data: np.ndarray, shape: tuple[int, int]) -> QuantMatrix:
     """An IQ4_NL weight kept as IQ4_NL (4.5 bits a weight), for the integer kernels of the
-    quantized semantics only (`qmatmul_int`); `pack` gives the exact Q8_0 form every kernel
-    reads."""
+    quantized semantics (`qmatmul_int`) and row lookups (`take_rows`) only; `pack` gives the
+    exact Q8_0 form every kernel reads."""
     rows, cols = int(shape[0]), int(shape[1])
     planes = layout.iq4_nl_planes(_raw(data, T.IQ4_NL, (rows, cols)), rows, cols)
     return QuantMatrix(int(T.IQ4_NL), rows, cols, planes)
@@ -280,7 +281,7 @@ def dequantize_rows(w: QuantMatrix, r0: int, r1: int, out: np.ndarray) -> None:
         raise ValueError(f"dequantize_rows [{r0}, {r1}) of {w.rows} rows")
     _check_f32("out", out, (r1 - r0, w.cols))
     ids = _row_ids(w.rows)[r0:r1]
-    _KERNELS[w.qtype][1](*_kernel_args(w, rows=True), HALF_LUT, ids, out, ROW_RUN)
+    _rows(w, ids, out)
 
 
 def take_rows(w: QuantMatrix, ids: np.ndarray, out: np.ndarray) -> None:
@@ -289,7 +290,16 @@ def take_rows(w: QuantMatrix, ids: np.ndarray, out: np.ndarray) -> None:
     _check_f32("out", out, (ids.size, w.cols))
     if ids.size and (ids.min() < 0 or ids.max() >= w.rows):
         raise IndexError(f"row ids out of range [0, {w.rows})")
-    _KERNELS[w.qtype][1](*_kernel_args(w, rows=True), HALF_LUT, ids, out, ROW_RUN)
+    _rows(w, ids, out)
+
+
+def _rows(w: QuantMatrix, ids: np.ndarray, out: np.ndarray) -> None:
+    """The type's rows kernel (IQ4_NL kept as itself: `rows_iq4_nl`; it has no other float
+    kernel, so only tables and the integer kernels meet it)."""
+    if w.qtype == T.IQ4_NL:
+        rows_iq4_nl(w.planes[0], w.planes[1], HALF_LUT, ids, out, ROW_RUN)
+    else:
+        _KERNELS[w.qtype][1](*_kernel_args(w, rows=True), HALF_LUT, ids, out, ROW_RUN)
 
 
 def _gemm_tile(w: QuantMatrix, threads: int) -> int:

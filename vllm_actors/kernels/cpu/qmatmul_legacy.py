@@ -155,6 +155,25 @@ def rows_q4(qs, d, mn, lut, ids, out, run):  # type: ignore[no-untyped-def]
                 out[t, 32 * b + 16 + j] = dv * np.float32((q >> 4) - bias) + mv
 
 
+IQ4_NL_TABLE = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
+                         113], np.float32)
+
+
+@kernel
+def rows_iq4_nl(qs, d, lut, ids, out, run):  # type: ignore[no-untyped-def]
+    """IQ4_NL rows as float32 (embedding lookups): w = d * table[nibble], as ggml's
+    `dequantize_row_iq4_nl`; the planes are Q4_0's."""
+    half = run // 2
+    for t in range(ids.size):
+        r = ids[t]
+        for b in range(qs.shape[1] // 16):
+            dv = lut[d[r, b]]
+            for j in range(half):
+                q = qs[r, 16 * b + j]
+                out[t, 32 * b + j] = dv * IQ4_NL_TABLE[q & 15]
+                out[t, 32 * b + 16 + j] = dv * IQ4_NL_TABLE[q >> 4]
+
+
 # FIFTH_BIT[byte, i] = 16 * bit i of byte: eight fifth bits spread to eight lanes by one
 # 8-byte load (per-lane variable shifts cost five instructions per 8 weights).
 FIFTH_BIT = ((np.arange(256)[:, None] >> np.arange(8)[None, :]) & 1).astype(np.uint8) << 4
