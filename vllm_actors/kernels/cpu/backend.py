@@ -110,9 +110,11 @@ def _matrix(weight: WeightLike) -> qmatmul.QuantMatrix:
 
 
 def _llama_repacks(weight: WeightLike) -> bool:
-    """Whether llama.cpp's x86 CPU backend repacks this matmul weight (Q4_K into 8-row
-    interleaved blocks, with AVX2 and a multiple of 8 rows), which sets its float order."""
-    return weight.qtype == T.Q4_K and _shape(weight)[0] % 8 == 0 and "avx2" in isa.available()
+    """Whether llama.cpp's x86 CPU backend repacks this matmul weight (Q4_K, Q4_0 and IQ4_NL
+    into 8-row interleaved blocks, with AVX2 and a multiple of 8 rows), which sets its float
+    order."""
+    return weight.qtype in (T.Q4_K, T.Q4_0, T.IQ4_NL) and _shape(weight)[0] % 8 == 0 \
+        and "avx2" in isa.available()
 
 
 def _stackable(parts: Sequence[WeightLike]) -> bool:

@@ -62,19 +62,22 @@ def _lookup(builder, isa, w):  # type: ignore[no-untyped-def]
     return out
 
 
-def _weights(context, builder, sig, args, kind):  # type: ignore[no-untyped-def]
+def _weights(context, builder, sig, args, kind, at=4):  # type: ignore[no-untyped-def]
     """The block's 32 weights as <32 x i8> as stored: unsigned nibbles or 5-bit values (Q4_0
-    and Q5_0 still with their offset), or int8 (Q8_0; IQ4_NL's indices still unlooked)."""
+    and Q5_0 still with their offset), or int8 (Q8_0; IQ4_NL's indices still unlooked).
+    q, its offset and the fifth bits are arguments at, at + 1 and at + 2."""
     if kind == 8:
-        p = vector_ptr(context, builder, sig.args[4], args[4], sig.args[5], args[5], _B32)
+        p = vector_ptr(context, builder, sig.args[at], args[at], sig.args[at + 1],
+                       args[at + 1], _B32)
         return builder.load(p, align=1)
-    p = vector_ptr(context, builder, sig.args[4], args[4], sig.args[5], args[5], _B16)
+    p = vector_ptr(context, builder, sig.args[at], args[at], sig.args[at + 1], args[at + 1],
+                   _B16)
     packed = builder.load(p, align=1)
     lo = builder.and_(packed, ir.Constant(_B16, [15] * 16))
     hi = builder.lshr(packed, ir.Constant(_B16, [4] * 16))
     w = builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
     if kind in (5, 50):
-        bits = context.cast(builder, args[6], sig.args[6], types.uint32)
+        bits = context.cast(builder, args[at + 2], sig.args[at + 2], types.uint32)
         mask = builder.bitcast(bits, ir.VectorType(ir.IntType(1), 32))
         fifth = builder.select(mask, ir.Constant(_B32, [16] * 32), ir.Constant(_B32, [0] * 32))
         w = builder.or_(w, fifth)
@@ -152,6 +155,26 @@ def qdot(typingctx, isa, kind, acc, ai, q, qi, bits, x, xi, scale):  # type: ign
         builder.store(fmuladd(builder, lanes, s, builder.load(pa, align=4)), pa, align=4)
         return context.get_dummy_value()
     return types.none(isa, kind, acc, ai, q, qi, bits, x, xi, scale), codegen
+
+
+@intrinsic
+def qsum(typingctx, isa, kind, q, qi, bits, x, xi):  # type: ignore[no-untyped-def]
+    """The block's whole integer dot product (int32, exact) of q's block with x's: llama.cpp's
+    repacked Q4_0 / IQ4_NL kernels scale one such sum per block (see `qdot` for the
+    arguments)."""
+    if not (isinstance(isa, types.IntegerLiteral) and isinstance(kind, types.IntegerLiteral)
+            and kind.literal_value in (40, 41) and isinstance(x, types.Array)
+            and x.dtype == types.int8 and isinstance(q, types.Array)):
+        return None
+    path, form = isa.literal_value, kind.literal_value
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        w = _weights(context, builder, sig, args, form, at=2)
+        xv = builder.load(vector_ptr(context, builder, sig.args[5], args[5], sig.args[6],
+                                     args[6], _B32), align=1)
+        return _call(builder, "llvm.vector.reduce.add.v8i32", _I32,
+                     [_lanes(builder, path, w, xv, form)])
+    return types.int32(isa, kind, q, qi, bits, x, xi), codegen
 
 
 # -- K-quants (Q4_K, Q5_K, Q6_K) with Q8_K activations ---------------------------------------

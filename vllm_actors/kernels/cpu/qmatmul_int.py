@@ -11,7 +11,10 @@ ggml's `hsum_float_8` adds them. IQ4_NL (its table's values, or its exact Q8_0 f
 `qmatmul_layout.iq4_nl_as_q8_0` for tables) takes that order where llama.cpp takes tinyBLAS
 (a request of two rows or more), and for a request of one row `vec_dot_iq4_nl_q8_0`'s
 (`ONE_ROW`: even and odd blocks in two chains, hsum(even + odd), an odd last block added as
-fma(d_w * d_x, its integer sum, total)). Compiled without fast math, so the floats are ggml's bit
+fma(d_w * d_x, its integer sum, total)). Q4_0 and IQ4_NL weights llama.cpp repacks (x86 with
+AVX2, rows a multiple of 8; `QuantMatrix.ggml_repacked`) take the order of its 8-row
+interleaved kernels at every row count (`REPACKED`): per block the whole block's integer
+sum, acc = fma(sum, d_w * d_x, acc), one chain per output. Compiled without fast math, so the floats are ggml's bit
 for bit (bench/llamacpp_tensors.py). Parallel over pairs of weight rows: a small parallel
 kernel calls the body compiled per (SIMD path, type, x-row group) as a C callback
 (`jit.Callback`), so each body is compiled once and the parallel kernel once per array
@@ -33,7 +36,7 @@ from vllm_actors.kernels.cpu import activations, isa
 from vllm_actors.kernels.cpu.intrinsics import call_address, data_pointer, fma_f32
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
 from vllm_actors.kernels.cpu.lora_gemv import lora_args, lora_loop
-from vllm_actors.kernels.cpu.qdot import qdot
+from vllm_actors.kernels.cpu.qdot import qdot, qsum
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix, prefetch_rows
 from vllm_actors.kernels.cpu.qmatmul_prims import (
     HALF_LUT,
@@ -53,6 +56,8 @@ KINDS: dict[int, int] = {T.Q4_0: 40, T.Q4_1: 4, T.Q5_0: 50, T.Q5_1: 5, T.Q8_0: 8
 # the lanes' kind
 ONE_ROW: dict[int, int] = {49: 41, 48: 8}
 _ONE_ROW_OF = {41: 49, 8: 48}
+# the body's kind for a Q4_0 / IQ4_NL weight llama.cpp repacks -> the lanes' kind
+REPACKED: dict[int, int] = {140: 40, 141: 41}
 # Up to this many rows of x, `matmul` runs the integer kernels; beyond, x~ through the float
 # kernels (`activations.simulate`: the same numbers up to summation order). Every step: only
 # the integer kernels give llama.cpp's floats bit for bit.
@@ -115,7 +120,8 @@ def body(path: int, kind: int, group: int) -> Callback:
     has_min = kind in _MIN_KINDS          # constants: no min or fifth-bit code for the rest
     has_bits = kind in (5, 50)
     chains = 2 if kind in ONE_ROW else 1
-    kind = ONE_ROW.get(kind, kind)
+    scalar = kind in REPACKED
+    kind = ONE_ROW.get(kind, REPACKED.get(kind, kind))
     qs_type = types.int8 if kind == 8 else types.uint8
 
     def pairs(qs_p, n, rb, qh_p, d_p, mn_p, lut_p, xq_p, m, k, xd_p, xs_p, out_p, dist, g0,
@@ -154,7 +160,14 @@ def body(path: int, kind: int, group: int) -> Callback:
                     for j in range(group):
                         dx = xd[m0 + j, b]
                         xo = (m0 + j) * k + 32 * b
-                        if chains == 2 and b + 1 == nb and nb % 2 == 1:   # integer lanes
+                        if scalar:      # one chain per output, summs holding it
+                            summs[2 * j] = fma_f32(np.float32(qsum(
+                                path, kind, qs, r0 * rb + b * step, h0, xq, xo)), d0 * dx,
+                                summs[2 * j])
+                            summs[2 * j + 1] = fma_f32(np.float32(qsum(
+                                path, kind, qs, r1 * rb + b * step, h1, xq, xo)), d1 * dx,
+                                summs[2 * j + 1])
+                        elif chains == 2 and b + 1 == nb and nb % 2 == 1:   # integer lanes
                             qdot(path, kind, odd, 64 + 16 * j, qs, r0 * rb + b * step, h0, xq,
                                  xo, np.float32(1.0))
                             qdot(path, kind, odd, 72 + 16 * j, qs, r1 * rb + b * step, h1, xq,
@@ -174,6 +187,12 @@ def body(path: int, kind: int, group: int) -> Callback:
                                                    summs[2 * j])
                             summs[2 * j + 1] = fma_f32(lut[mn[r1, b]], xs[m0 + j, b],
                                                        summs[2 * j + 1])
+                if scalar:
+                    for j in range(group):
+                        out[m0 + j, r0] = summs[2 * j]
+                        if r0 + 1 < n:
+                            out[m0 + j, r0 + 1] = summs[2 * j + 1]
+                    continue
                 if chains == 2:
                     for j in range(group):
                         dx = xd[m0 + j, nb - 1]
@@ -269,14 +288,21 @@ def row_kinds(w: QuantMatrix, requests: Any) -> np.ndarray:
     Q8_0 form) takes `vec_dot_iq4_nl_q8_0` for a request of one row and tinyBLAS (Q8_0's
     order) for more; the other types one order at every row count."""
     n = np.asarray(requests, np.int64)
-    kind = KINDS[w.qtype]
-    if not _iq4_nl(w):
+    kind = _base_kind(w)
+    if not _iq4_nl(w) or kind in REPACKED:
         return np.full(int(n.sum()), kind, np.int64)
     return np.repeat(np.where(n == 1, _ONE_ROW_OF[kind], kind), n)
 
 
 def _iq4_nl(w: QuantMatrix) -> bool:
     return w.qtype == T.IQ4_NL or w.stored_as == T.IQ4_NL
+
+
+def _base_kind(w: QuantMatrix) -> int:
+    """The body's kind for a weight whatever the request: its type's, or llama.cpp's
+    repacked order's."""
+    kind = KINDS[w.qtype]
+    return kind + 100 if w.ggml_repacked and kind + 100 in REPACKED else kind
 
 
 def supports(qtype: int, rows: int) -> bool:
@@ -307,7 +333,8 @@ def quantizes_inside(w: QuantMatrix, rows: int, requests: Any = None) -> bool:
     """Whether `matmul_float` takes `rows` rows for W: few enough that quantizing them on
     one thread (as `activations.quantize_q8` then does too) costs less than a call, and of
     one row kind (`row_kinds`: for IQ4_NL, each a request of one row, or one request)."""
-    one_kind = not _iq4_nl(w) or rows == 1 or requests is None or len(requests) == rows
+    one_kind = not _iq4_nl(w) or w.ggml_repacked or rows == 1 or requests is None or \
+        len(requests) == rows
     return w.qtype in FASTER and rows * w.cols <= activations.SERIAL_MAX and one_kind
 
 
@@ -320,7 +347,8 @@ def matmul_float(w: QuantMatrix, x: np.ndarray, path: str | None = None,
     m, k = x.shape
     group = 1 if m == 1 else GROUP
     padded = -(-m // group) * group
-    one_row = _iq4_nl(w) and (m == 1 or (requests is not None and len(requests) == m))
+    one_row = _iq4_nl(w) and not w.ggml_repacked and (
+        m == 1 or (requests is not None and len(requests) == m))
     fn, planes, dist = _decode_plan(w, path, group, _ONE_ROW_OF[KINDS[w.qtype]] if one_row
                                     else None)
     out = np.empty((padded, w.rows), np.float32)
@@ -335,7 +363,8 @@ def matmul_float_lora(w: QuantMatrix, x: np.ndarray, lora: Any, round_x: bool,
                       path: str | None = None) -> np.ndarray:
     """`matmul_float` of one row plus its LoRA delta (`lora_gemv`) in one call."""
     k = x.shape[1]
-    fn, planes, dist = _decode_plan(w, path, 1, _ONE_ROW_OF[KINDS[w.qtype]] if _iq4_nl(w)
+    one_row = _iq4_nl(w) and not w.ggml_repacked
+    fn, planes, dist = _decode_plan(w, path, 1, _ONE_ROW_OF[KINDS[w.qtype]] if one_row
                                     else None)
     out = np.empty((1, w.rows), np.float32)
     threads = 1 if w.rows * w.cols <= SERIAL_MAX_WORK else 0
@@ -379,5 +408,5 @@ def _plan(w: QuantMatrix) -> tuple[int, tuple[np.ndarray, ...], int]:
     qh = rest[0] if has_bits else _NO_U32
     d = rest[1] if has_bits else rest[0]
     mn = rest[-1] if w.qtype in (T.Q4_1, T.Q5_1) else _NO_U16
-    w.memo["int"] = KINDS[w.qtype], (qs, qh, d, mn), prefetch_rows(w)
+    w.memo["int"] = _base_kind(w), (qs, qh, d, mn), prefetch_rows(w)
     return w.memo["int"]
