@@ -98,7 +98,8 @@ def expert_tensors(base: dict[str, object], rank: int, seed: int, form: str
                                          (up, pairs["gate_up"], f, 2 * f),
                                          (down, pairs["down"], 0, d)):
                 module = f"base_model.model.{block}.{e}.{proj}"
-                tensors[module + ".lora_A.weight"] = np.ascontiguousarray(a[e * rank:(e + 1) * rank])
+                tensors[module + ".lora_A.weight"] = np.ascontiguousarray(
+                    a[e * rank:(e + 1) * rank])
                 tensors[module + ".lora_B.weight"] = np.ascontiguousarray(b[lo:hi, e::num])
     return tensors
 

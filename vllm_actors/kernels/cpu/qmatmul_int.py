@@ -8,14 +8,14 @@ ggml's x86 `vec_dot_*_q8_*`: per block acc = fma(d_w * d_x, lanes, acc) (Q4_0/Q5
 their offset inside the integers), Q4_1/Q5_1's min term summed as summs = fma(m_w, s_x,
 summs) with s_x Q8_1's stored sum, and the result hsum(acc) (+ summs), the 8 lanes added as
 ggml's `hsum_float_8` adds them. IQ4_NL (its table's values, or its exact Q8_0 form
-`qmatmul_layout.iq4_nl_as_q8_0` for tables) takes that order where llama.cpp takes tinyBLAS
-(a request of two rows or more), and for a request of one row `vec_dot_iq4_nl_q8_0`'s
-(`ONE_ROW`: even and odd blocks in two chains, hsum(even + odd), an odd last block added as
-fma(d_w * d_x, its integer sum, total)). Q4_0 and IQ4_NL weights llama.cpp repacks (x86 with
-AVX2, rows a multiple of 8; `QuantMatrix.ggml_repacked`) take the order of its 8-row
-interleaved kernels at every row count (`REPACKED`): per block the whole block's integer
-sum, acc = fma(sum, d_w * d_x, acc), one chain per output. Compiled without fast math, so the floats are ggml's bit
-for bit (bench/llamacpp_tensors.py). Parallel over pairs of weight rows: a small parallel
+`qmatmul_layout.iq4_nl_as_q8_0`) takes that order where llama.cpp takes tinyBLAS (a request
+of two rows or more), and for a request of one row `vec_dot_iq4_nl_q8_0`'s (`ONE_ROW`: even
+and odd blocks in two chains, hsum(even + odd), an odd last block added as fma(d_w * d_x,
+its integer sum, total)). Q4_0 and IQ4_NL weights llama.cpp repacks (x86 with AVX2, rows a
+multiple of 8; `QuantMatrix.ggml_repacked`) take the order of its 8-row interleaved kernels
+at every row count (`REPACKED`): per block the whole block's integer sum, acc = fma(sum,
+d_w * d_x, acc), one chain per output. Compiled without fast math, so the floats are ggml's
+bit for bit (bench/llamacpp_tensors.py). Parallel over pairs of weight rows: a small parallel
 kernel calls the body compiled per (SIMD path, type, x-row group) as a C callback
 (`jit.Callback`), so each body is compiled once and the parallel kernel once per array
 types.
@@ -284,9 +284,9 @@ FASTER = frozenset(KINDS)
 
 
 def row_kinds(w: QuantMatrix, requests: Any) -> np.ndarray:
-    """Each row's body kind, as llama.cpp computes a request of L rows alone: IQ4_NL (in its
-    Q8_0 form) takes `vec_dot_iq4_nl_q8_0` for a request of one row and tinyBLAS (Q8_0's
-    order) for more; the other types one order at every row count."""
+    """Each row's body kind, as llama.cpp computes a request of L rows alone: unrepacked
+    IQ4_NL takes `vec_dot_iq4_nl_q8_0` for a request of one row and tinyBLAS (Q8_0's order)
+    for more; the other types (repacked ones too) one order at every row count."""
     n = np.asarray(requests, np.int64)
     kind = _base_kind(w)
     if not _iq4_nl(w) or kind in REPACKED:
@@ -296,6 +296,11 @@ def row_kinds(w: QuantMatrix, requests: Any) -> np.ndarray:
 
 def _iq4_nl(w: QuantMatrix) -> bool:
     return w.qtype == T.IQ4_NL or w.stored_as == T.IQ4_NL
+
+
+def _one_row_kind(w: QuantMatrix) -> int | None:
+    """The body's kind for a request of one row where it differs from `_base_kind`."""
+    return _ONE_ROW_OF[KINDS[w.qtype]] if _iq4_nl(w) and not w.ggml_repacked else None
 
 
 def _base_kind(w: QuantMatrix) -> int:
@@ -314,8 +319,9 @@ def matmul(w: QuantMatrix, x: activations.Q8Rows, path: str | None = None,
            requests: Any = None) -> np.ndarray:
     """x's Q8 blocks `[M, K]` -> `[M, N]` under the quantized semantics, W of a type in
     `KINDS`. `path` forces a SIMD path (default `isa.selected()`). `requests` (the rows of
-    each request) changes nothing here: llama.cpp computes these types in one float order
-    at every row count (its vec_dot, and llamafile's GEMM for Q4_0/Q5_0/Q8_0 alike)."""
+    each request, in order; None: one request) matters to unrepacked IQ4_NL alone
+    (`row_kinds`): llama.cpp computes the other types in one float order at every row
+    count (its vec_dot, and llamafile's GEMM for Q4_0/Q5_0/Q8_0 alike)."""
     m = x.qs.shape[0]
     kinds = row_kinds(w, [m] if requests is None else requests)
     out = np.empty((m, w.rows), np.float32)
@@ -347,10 +353,8 @@ def matmul_float(w: QuantMatrix, x: np.ndarray, path: str | None = None,
     m, k = x.shape
     group = 1 if m == 1 else GROUP
     padded = -(-m // group) * group
-    one_row = _iq4_nl(w) and not w.ggml_repacked and (
-        m == 1 or (requests is not None and len(requests) == m))
-    fn, planes, dist = _decode_plan(w, path, group, _ONE_ROW_OF[KINDS[w.qtype]] if one_row
-                                    else None)
+    one_rows = m == 1 or (requests is not None and len(requests) == m)
+    fn, planes, dist = _decode_plan(w, path, group, _one_row_kind(w) if one_rows else None)
     out = np.empty((padded, w.rows), np.float32)
     threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
     xq, xd, xs, xdsum = _scratch(padded, k)
@@ -363,9 +367,7 @@ def matmul_float_lora(w: QuantMatrix, x: np.ndarray, lora: Any, round_x: bool,
                       path: str | None = None) -> np.ndarray:
     """`matmul_float` of one row plus its LoRA delta (`lora_gemv`) in one call."""
     k = x.shape[1]
-    one_row = _iq4_nl(w) and not w.ggml_repacked
-    fn, planes, dist = _decode_plan(w, path, 1, _ONE_ROW_OF[KINDS[w.qtype]] if one_row
-                                    else None)
+    fn, planes, dist = _decode_plan(w, path, 1, _one_row_kind(w))
     out = np.empty((1, w.rows), np.float32)
     threads = 1 if w.rows * w.cols <= SERIAL_MAX_WORK else 0
     xq, xd, xs, xdsum = _scratch(1, k)
