@@ -107,6 +107,58 @@ def _two_chains(acc, odd, i, odd_count, tail):  # type: ignore[no-untyped-def]
     return total
 
 
+_LANES, _CHAINS, _SCALAR = 0, 1, 2      # how a body sums a row: `_order`
+
+
+def _order(kind: int) -> int:
+    """The float order a body kind sums in: 8 lanes and hsum (ggml's vec_dot, tinyBLAS),
+    two chains of lanes (`ONE_ROW`), or one scalar chain (`REPACKED`)."""
+    return _CHAINS if kind in ONE_ROW else _SCALAR if kind in REPACKED else _LANES
+
+
+@numba.njit(inline="always", cache=True)
+def _clear(acc, odd, summs, group, order):  # type: ignore[no-untyped-def]
+    """Zero the sums a body keeps for one group of x rows (`odd` only with two chains)."""
+    for i in range(16 * group):
+        acc[i] = 0
+        if order == _CHAINS:
+            odd[i] = 0
+            odd[64 + i] = 0
+    for i in range(2 * group):
+        summs[i] = 0
+
+
+@numba.njit(inline="always", cache=True)
+def _result(order, has_min, acc, odd, summs, i, j, tail, odd_count):  # type: ignore[no-untyped-def]
+    """One output of a body: lanes at acc[i:i+8] (and odd[i:i+8] with two chains), or
+    the scalar chain in summs[j]."""
+    if order == _SCALAR:
+        return summs[j]
+    if order == _CHAINS:
+        return _two_chains(acc, odd, i, odd_count, tail)
+    return _total(has_min, acc, summs, i, j)
+
+
+@numba.njit(inline="always", cache=True)
+def _store(out, m0, group, r0, n, order, has_min, acc, odd, summs, lut, d, xd):  # type: ignore[no-untyped-def]
+    """A pair of weight rows' outputs for x rows m0 .. m0 + group."""
+    nb = d.shape[1]
+    for j in range(group):
+        dx = xd[m0 + j, nb - 1]
+        out[m0 + j, r0] = _result(order, has_min, acc, odd, summs, 16 * j, 2 * j,
+                                  lut[d[r0, nb - 1]] * dx, nb % 2 == 1)
+        if r0 + 1 < n:
+            out[m0 + j, r0 + 1] = _result(order, has_min, acc, odd, summs, 16 * j + 8,
+                                          2 * j + 1, lut[d[r0 + 1, nb - 1]] * dx, nb % 2 == 1)
+
+
+@numba.njit(inline="always", cache=True)
+def _add_mins(summs, j, m_0, m_1, s_x):  # type: ignore[no-untyped-def]
+    """Q4_1/Q5_1's min terms of a block: summs = fma(m_w, s_x, summs), per weight row."""
+    summs[2 * j] = fma_f32(m_0, s_x, summs[2 * j])
+    summs[2 * j + 1] = fma_f32(m_1, s_x, summs[2 * j + 1])
+
+
 PAIRS = 8          # pairs of weight rows per call of a kernel body
 
 
@@ -115,12 +167,11 @@ def body(path: int, kind: int, group: int) -> Callback:
     """`gemv`'s loop body for one SIMD path, weight kind and x-row group (compile-time
     constants): pairs of weight rows [g0, g1), all rows of x. x's rows go in groups of
     `group` (1 or 4; M a multiple of it), each group's sums in registers; a pair of weight
-    rows is read from memory once, then from L1. `xs` is Q8_1's stored sum s_x (read only
-    for types with mins)."""
+    rows is read from memory once, then from L1. `xs`: Q8_1's stored sums s_x (types with
+    mins). `kind`: `KINDS`' or `ONE_ROW`'s / `REPACKED`'s (`_order`)."""
     has_min = kind in _MIN_KINDS          # constants: no min or fifth-bit code for the rest
     has_bits = kind in (5, 50)
-    chains = 2 if kind in ONE_ROW else 1
-    scalar = kind in REPACKED
+    order = _order(kind)
     kind = ONE_ROW.get(kind, REPACKED.get(kind, kind))
     qs_type = types.int8 if kind == 8 else types.uint8
 
@@ -133,81 +184,40 @@ def body(path: int, kind: int, group: int) -> Callback:
         mn = carray(mn_p, (n if has_min else 0, nb))
         lut, xq = carray(lut_p, (1 << 16,)), carray(xq_p, (m, k))
         xd, xs, out = carray(xd_p, (m, nb)), carray(xs_p, (m, nb)), carray(out_p, (m, n))
-        acc = stack_f32(64)
-        summs = stack_f32(8)
+        acc, summs = stack_f32(64), stack_f32(8)
         odd = stack_f32(136)     # two chains: the odd blocks' [0:64], a last block's [64:128]
         for g in range(g0, g1):
             r0 = 2 * g
             r1 = min(r0 + 1, n - 1)
-            p0 = min(r0 + dist, n - 1) * rb
-            p1 = min(r0 + dist + 1, n - 1) * rb
+            p0, p1 = min(r0 + dist, n - 1) * rb, min(r0 + dist + 1, n - 1) * rb
             for m0 in range(0, m, group):
-                for i in range(16 * group):
-                    acc[i] = 0
-                for i in range(2 * group):
-                    summs[i] = 0
-                if chains == 2:
-                    for i in range(16 * group):
-                        odd[i] = 0
-                        odd[64 + i] = 0
+                _clear(acc, odd, summs, group, order)
                 for b in range(nb):
                     prefetch(qs, p0 + b * step)
                     prefetch(qs, p1 + b * step)
-                    d0 = lut[d[r0, b]]
-                    d1 = lut[d[r1, b]]
+                    d0, d1 = lut[d[r0, b]], lut[d[r1, b]]
                     h0 = qh[r0, b] if has_bits else 0
                     h1 = qh[r1, b] if has_bits else 0
+                    o0, o1 = r0 * rb + b * step, r1 * rb + b * step
                     for j in range(group):
                         dx = xd[m0 + j, b]
                         xo = (m0 + j) * k + 32 * b
-                        if scalar:      # one chain per output, summs holding it
+                        if order == _SCALAR:     # one chain per output, in summs
                             summs[2 * j] = fma_f32(np.float32(qsum(
-                                path, kind, qs, r0 * rb + b * step, h0, xq, xo)), d0 * dx,
-                                summs[2 * j])
+                                path, kind, qs, o0, h0, xq, xo)), d0 * dx, summs[2 * j])
                             summs[2 * j + 1] = fma_f32(np.float32(qsum(
-                                path, kind, qs, r1 * rb + b * step, h1, xq, xo)), d1 * dx,
-                                summs[2 * j + 1])
-                        elif chains == 2 and b + 1 == nb and nb % 2 == 1:   # integer lanes
-                            qdot(path, kind, odd, 64 + 16 * j, qs, r0 * rb + b * step, h0, xq,
-                                 xo, np.float32(1.0))
-                            qdot(path, kind, odd, 72 + 16 * j, qs, r1 * rb + b * step, h1, xq,
-                                 xo, np.float32(1.0))
-                        elif chains == 2 and b % 2 == 1:
-                            qdot(path, kind, odd, 16 * j, qs, r0 * rb + b * step, h0, xq, xo,
-                                 d0 * dx)
-                            qdot(path, kind, odd, 16 * j + 8, qs, r1 * rb + b * step, h1, xq,
-                                 xo, d1 * dx)
-                        else:
-                            qdot(path, kind, acc, 16 * j, qs, r0 * rb + b * step, h0, xq, xo,
-                                 d0 * dx)
-                            qdot(path, kind, acc, 16 * j + 8, qs, r1 * rb + b * step, h1,
-                                 xq, xo, d1 * dx)
+                                path, kind, qs, o1, h1, xq, xo)), d1 * dx, summs[2 * j + 1])
+                            continue
+                        last = order == _CHAINS and b + 1 == nb and nb % 2 == 1   # integers
+                        to = odd if order == _CHAINS and (last or b % 2 == 1) else acc
+                        at = 16 * j + (64 if last else 0)
+                        one = np.float32(1.0)
+                        qdot(path, kind, to, at, qs, o0, h0, xq, xo, one if last else d0 * dx)
+                        qdot(path, kind, to, at + 8, qs, o1, h1, xq, xo,
+                             one if last else d1 * dx)
                         if has_min:
-                            summs[2 * j] = fma_f32(lut[mn[r0, b]], xs[m0 + j, b],
-                                                   summs[2 * j])
-                            summs[2 * j + 1] = fma_f32(lut[mn[r1, b]], xs[m0 + j, b],
-                                                       summs[2 * j + 1])
-                if scalar:
-                    for j in range(group):
-                        out[m0 + j, r0] = summs[2 * j]
-                        if r0 + 1 < n:
-                            out[m0 + j, r0 + 1] = summs[2 * j + 1]
-                    continue
-                if chains == 2:
-                    for j in range(group):
-                        dx = xd[m0 + j, nb - 1]
-                        out[m0 + j, r0] = _two_chains(acc, odd, 16 * j, nb % 2 == 1,
-                                                      lut[d[r0, nb - 1]] * dx)
-                        if r0 + 1 < n:
-                            out[m0 + j, r0 + 1] = _two_chains(acc, odd, 16 * j + 8,
-                                                              nb % 2 == 1,
-                                                              lut[d[r1, nb - 1]] * dx)
-                    continue
-                for j in range(group):
-                    out[m0 + j, r0] = _total(has_min, acc, summs, 16 * j, 2 * j)
-                    if r0 + 1 < n:
-                        out[m0 + j, r0 + 1] = _total(has_min, acc, summs, 16 * j + 8,
-                                                     2 * j + 1)
+                            _add_mins(summs, j, lut[mn[r0, b]], lut[mn[r1, b]], xs[m0 + j, b])
+                _store(out, m0, group, r0, n, order, has_min, acc, odd, summs, lut, d, xd)
     f32, i64 = types.CPointer(types.float32), types.int64
     u16 = types.CPointer(types.uint16)
     return callback(types.CPointer(qs_type), i64, i64, types.CPointer(types.uint32), u16, u16,
