@@ -6,16 +6,14 @@ intrinsic: `qdot(isa, kind, acc, ai, q, qi, bits, x, xi, scale)` adds
   of nibbles, element j < 16 the low nibble of byte j and j >= 16 the high nibble of byte
   j - 16 (Q4_1); 5 = the same plus the fifth bit j of `bits` (Q5_1); 40 and 50 = the same
   less the offset 8 or 16 (Q4_0, Q5_0: signed, as ggml's dots); 8 = 32 int8 (Q8_0); 41 = the
-  nibbles of kind 4 as indices into IQ4_NL's table of int8 values (`vpshufb` on the x86
-  paths, as ggml's IQ4_NL dots). Mins are not applied here: the caller adds them through the
-  activation block's sum.
+  nibbles as indices into IQ4_NL's int8 table (`vpshufb`). Mins are the caller's.
 - `isa` (a literal, `isa.code`) picks the instructions: portable widening multiplies,
   AVX2's `vpmaddubsw` + `vpmaddwd`, or VNNI's `vpdpbusd`. Each gives int32 lane i = the sum
   of the products of bytes 4i..4i+3, exactly, so every path produces the same floats.
-- x is int8 at x.flat[xi]. Signed weights (Q4_0, Q5_0, and Q8_0 with VNNI) multiply the
+- x is int8 at x.flat[xi]. Signed weights (Q4_0, Q5_0; Q8_0, IQ4_NL with VNNI) multiply the
   stored unsigned bytes (Q8_0's plus 128) and take offset * (x's sums of 4) off the lanes:
-  no per-block sign work, and the sums serve every weight row of the x block. Q8_0 on AVX2
-  multiplies |w| by x with w's sign (llama.cpp's trick: `vpmaddubsw` would saturate on
+  no per-block sign work, and the sums serve every weight row of the x block. Q8_0 / IQ4_NL
+  on AVX2 multiply |w| by x with w's sign (llama.cpp's trick: `vpmaddubsw` would saturate on
   w + 128), exact unless x holds -128 (only a NaN block does, whose scale is NaN anyway).
 
 One block per call, with the accumulator in a stack array that LLVM keeps in a register:
