@@ -31,7 +31,7 @@ from vllm_actors.models.base import (ModelArgs, ParallelGroup, PipelineStage, Si
                                      rope_kind)
 from vllm_actors.models.experts import ExpertLoRA, Experts, load_experts, run_experts
 from vllm_actors.models.kv_layout import kv_cache_groups, layer_slots
-from vllm_actors.models.lora import LoRABatch
+from vllm_actors.models.lora import LoRABatch, linear
 from vllm_actors.models.sharding import ShardPlan
 
 # the GGUF architectures whose llama.cpp graph scales Q before attention (`query_scale`)
@@ -286,8 +286,7 @@ class DecoderLM:
                    kv_cache: Any, lora: LoRABatch | None = None, layer_id: int = 0) -> Any:
         b, a = self.backend, self.local_args
         num_tokens = len(x)
-        qkv = b.linear(x, layer.qkv, layer.qkv_bias) if lora is None else \
-            lora.linear(b, x, layer.qkv, layer.qkv_bias, layer_id, "qkv", self.ggml)
+        qkv = linear(b, x, layer.qkv, layer.qkv_bias, lora, layer_id, "qkv", self.ggml)
         q, k, v = b.split_qkv(qkv, a.num_heads, a.num_kv_heads, a.head_dim)
         if layer.q_norm is not None:
             q = self._qk_norm(q, layer.q_norm)
@@ -302,9 +301,8 @@ class DecoderLM:
         out = b.paged_attention(q, kv_cache, attn, scale, layer.window,
                                 self.args.attn_logit_softcap, layer.sinks)
         out = out.reshape(num_tokens, a.q_size)
-        o = b.linear(out, layer.attn_out, layer.attn_out_bias) if lora is None else \
-            lora.linear(b, out, layer.attn_out, layer.attn_out_bias, layer_id, "attn_out",
-                        self.ggml)
+        o = linear(b, out, layer.attn_out, layer.attn_out_bias, lora, layer_id, "attn_out",
+                   self.ggml)
         out = self.tp.all_reduce(o)
         return out if layer.post_attn_norm is None else self._apply_norm(out,
                                                                          layer.post_attn_norm)
@@ -315,17 +313,16 @@ class DecoderLM:
         if isinstance(mlp, Experts):
             out = run_experts(mlp, x, self.args, b, ExpertLoRA(lora, layer_id, self.ggml))
         else:
-            up = b.linear(x, mlp.gate_up, mlp.gate_up_bias) if lora is None else \
-                lora.linear(b, x, mlp.gate_up, mlp.gate_up_bias, layer_id, "gate_up",
-                            self.ggml)
+            up = linear(b, x, mlp.gate_up, mlp.gate_up_bias, lora, layer_id, "gate_up",
+                        self.ggml)
             if not self.args.gated_mlp:
                 hidden = b.gelu(up, act == "gelu_tanh")
             elif act == "silu":
                 hidden = b.silu_mul(up, self.ggml)
             else:
                 hidden = b.gelu_mul(up, act == "gelu_tanh", self.ggml)
-            out = b.linear(hidden, mlp.down, mlp.down_bias) if lora is None else \
-                lora.linear(b, hidden, mlp.down, mlp.down_bias, layer_id, "down", self.ggml)
+            out = linear(b, hidden, mlp.down, mlp.down_bias, lora, layer_id, "down",
+                         self.ggml)
         out = self.tp.all_reduce(out)
         return out if layer.post_ffn_norm is None else self._apply_norm(out, layer.post_ffn_norm)
 

@@ -22,6 +22,7 @@ the kernels' loops stay numba code, and nothing moves between numba tuples and v
 
 from __future__ import annotations
 
+from gguf import quants as gguf_quants
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
@@ -38,7 +39,6 @@ _F8 = ir.VectorType(ir.FloatType(), 8)
 PORTABLE, AVX2, AVX512 = code("portable"), code("avx2"), code("avx512")
 SIGNED_OFFSET = {40: 8, 50: 16}    # kinds whose quants are stored with an offset (Q4_0, Q5_0)
 SIGNED = (8, 41)                    # kinds whose weights are int8 values (Q8_0, IQ4_NL)
-IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 def _call(builder, name, ret, args):  # type: ignore[no-untyped-def]
@@ -50,7 +50,7 @@ def _call(builder, name, ret, args):  # type: ignore[no-untyped-def]
 def _lookup(builder, isa, w):  # type: ignore[no-untyped-def]
     """IQ4_NL's int8 value of each index 0..15 in w (<32 x i8>): `vpshufb` within each
     128-bit half on x86 paths, a chain of selects on the portable one."""
-    table = [v & 0xFF for v in IQ4_NL_VALUES]
+    table = [v & 0xFF for v in gguf_quants.IQ4_NL.kvalues]
     if isa != PORTABLE:
         return _call(builder, "llvm.x86.avx2.pshuf.b", _B32, [ir.Constant(_B32, table * 2), w])
     out = ir.Constant(_B32, [table[0]] * 32)

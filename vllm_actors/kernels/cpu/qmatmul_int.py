@@ -333,6 +333,8 @@ def matmul(w: QuantMatrix, x: activations.Q8Rows, path: str | None = None,
     (`row_kinds`): llama.cpp computes the other types in one float order at every row
     count (its vec_dot, and llamafile's GEMM for Q4_0/Q5_0/Q8_0 alike)."""
     m = x.qs.shape[0]
+    if not _iq4_nl(w):                   # one order at every row count: one call
+        return _run(w, pad_rows(x, 1 if m == 1 else GROUP), m, _base_kind(w), path)
     kinds = row_kinds(w, [m] if requests is None else requests)
     out = np.empty((m, w.rows), np.float32)
     bounds = [0, *(np.flatnonzero(np.diff(kinds)) + 1).tolist(), m]    # spans of one kind

@@ -21,6 +21,7 @@ widened with `np.int32(...)` before the float conversion and variable shifts go 
 from __future__ import annotations
 
 import numpy as np
+from gguf import quants as gguf_quants
 from numba import prange
 
 from vllm_actors.kernels.cpu.jit import kernel
@@ -155,8 +156,7 @@ def rows_q4(qs, d, mn, lut, ids, out, run):  # type: ignore[no-untyped-def]
                 out[t, 32 * b + 16 + j] = dv * np.float32((q >> 4) - bias) + mv
 
 
-IQ4_NL_TABLE = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
-                         113], np.float32)
+IQ4_NL_TABLE = np.array(gguf_quants.IQ4_NL.kvalues, np.float32)
 
 
 @kernel
