@@ -230,9 +230,15 @@ def test_gelu_table_is_ggml_s():
     ours = ggml_math.gelu_table()
     table = golden.view(np.float16).astype(np.float32)
     assert np.array_equal(ours, table, equal_nan=True)    # NaN inputs: NaN, payload aside
-    gate = np.float32([[-12.0, -0.5, 0.0, 0.7, 3.0, 11.0, 1e-3, -3.5]])
+    edges = np.float32([-12.0, -10.0, -0.5, 0.0, 0.7, 3.0, 10.0, 10.003, 11.0, 1e-3, -3.5,
+                        6e-8, 65519.0, 65520.0, -1e5, np.inf, -np.inf])
+    gate = (np.random.default_rng(0).standard_normal((17, 2 * len(edges))) * 6).astype(np.float32)
+    gate[:, :len(edges)] = edges               # every row: one row alone and the parallel form
     up = np.full_like(gate, 1.5)
-    got = ggml_math.geglu(np.concatenate([gate, up], axis=1))[0]
-    want = [0.0 if g <= -10 else g * 1.5 if g >= 10
-            else table[np.float16(g).view(np.uint16)] * np.float32(1.5) for g in gate[0]]
-    assert np.array_equal(got, np.float32(want))
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = np.where(gate <= -10, np.float32(0), np.where(
+            gate >= 10, gate * np.float32(1.5),
+            table[gate.astype(np.float16).view(np.uint16)] * np.float32(1.5)))
+        for rows in (slice(0, 1), slice(None)):
+            got = ggml_math.geglu(np.concatenate([gate[rows], up[rows]], axis=1))
+            assert np.array_equal(got, want[rows], equal_nan=True)

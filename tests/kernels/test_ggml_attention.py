@@ -50,11 +50,11 @@ def _swiglu_per_element(gate_up, out, width):  # type: ignore[no-untyped-def]
 
 
 def test_vectorized_swiglu_equals_it_element_by_element(monkeypatch):
-    """On both widths, one row and several, a tail past the last vector,
+    """On both widths, one row and a prefill's (the parallel form), a tail past the last vector,
     and the elements the branch-free loop must redo: outside exp's normal range, at its
     ends, NaN and infinities."""
     rng = np.random.default_rng(0)
-    gate_up = (rng.standard_normal((9, 2 * 1541)) * 30).astype(np.float32)
+    gate_up = (rng.standard_normal((17, 2 * 1541)) * 30).astype(np.float32)
     below, above = (np.nextafter(np.float32(v), np.float32(0)) for v in (-87.0, 88.0))
     gate_up[0, :16] = [np.nan, np.inf, -np.inf, 87.0, -88.0, 87.5, -88.5, 89.0, -89.0,
                        150.0, -150.0, 0.0, 1e-40, -1e-40, below, above]

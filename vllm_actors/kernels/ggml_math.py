@@ -18,9 +18,17 @@ import os
 import numba
 import numpy as np
 
+from numba import prange
+
 from vllm_actors.kernels.cpu.activations import _f16_bits
-from vllm_actors.kernels.cpu.intrinsics import bits_to_f32, f32_to_bits, fma_f32
+from vllm_actors.kernels.cpu.elementwise import PARALLEL_ROWS
+from vllm_actors.kernels.cpu.intrinsics import (HARDWARE_HALF, bits_to_f32, f32_to_bits,
+                                                fma_f32, hardware_half_bits)
 from vllm_actors.kernels.cpu.isa import host_features
+from vllm_actors.kernels.cpu.jit import kernel
+
+# a float32's float16 bits, ties to even: F16C's one instruction where the host has it
+_half_index = hardware_half_bits if HARDWARE_HALF else _f16_bits
 
 _R, _LOG2E, _LN2_HI, _LN2_LO, _C5, _C4, _C3, _C2, _C1 = (np.float32(float.fromhex(h)) for h in (
     "0x1.8p23", "0x1.715476p+0", "0x1.62e4p-1", "0x1.7f7d1cp-20",     # ggml's constants
@@ -171,17 +179,26 @@ def _swiglu_row(gate_up, out, r, width):  # type: ignore[no-untyped-def]
         out[r, i] = _silu_times(gate_up[r, i], e, gate_up[r, f + i])
 
 
-# error_model="numpy": no zero-division check in the loops, so they vectorize
-@numba.njit(cache=True, error_model="numpy")
+# exact (no fast math), error_model="numpy": no zero-division check in the loops, so they
+# vectorize. The parallel forms take a prefill's rows: each row's floats do not depend on
+# which thread computes it.
+@kernel(exact=True)
 def _swiglu_rows(gate_up, out, width):  # type: ignore[no-untyped-def]
     for r in range(out.shape[0]):
+        _swiglu_row(gate_up, out, r, width)
+
+
+@kernel(parallel=True, exact=True)
+def _swiglu_rows_parallel(gate_up, out, width):  # type: ignore[no-untyped-def]
+    for r in prange(out.shape[0]):
         _swiglu_row(gate_up, out, r, width)
 
 
 def swiglu(gate_up: np.ndarray) -> np.ndarray:
     """gate_up [T, 2F] -> silu(gate) * up [T, F] as ggml's `ggml_vec_swiglu_f32`."""
     out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
-    _swiglu_rows(np.ascontiguousarray(gate_up, np.float32), out, ggml_width())
+    fn = _swiglu_rows_parallel if len(out) >= PARALLEL_ROWS else _swiglu_rows
+    fn(np.ascontiguousarray(gate_up, np.float32), out, ggml_width())
     return out
 
 
@@ -210,22 +227,32 @@ def gelu_table() -> np.ndarray:
     return table
 
 
-@numba.njit(cache=True)
-def _geglu_rows(gate_up, table, out):  # type: ignore[no-untyped-def]
+@kernel(inline=True, exact=True)
+def _geglu_row(gate_up, table, out, r):  # type: ignore[no-untyped-def]
+    """Row r in ggml's three cases. The table is read for every element (a float16 index is
+    always within it), then the cases select: no branch, so the loop vectorizes."""
     f = out.shape[1]
+    for i in range(f):
+        x, g = gate_up[r, i], gate_up[r, f + i]
+        looked_up = table[_half_index(x)] * g
+        out[r, i] = np.float32(0.0) if x <= -10.0 else (x * g if x >= 10.0 else looked_up)
+
+
+@kernel(exact=True)
+def _geglu_rows(gate_up, table, out):  # type: ignore[no-untyped-def]
     for r in range(out.shape[0]):
-        for i in range(f):
-            x, g = gate_up[r, i], gate_up[r, f + i]
-            if x <= -10.0:
-                out[r, i] = 0.0
-            elif x >= 10.0:
-                out[r, i] = x * g
-            else:
-                out[r, i] = table[_f16_bits(x)] * g
+        _geglu_row(gate_up, table, out, r)
+
+
+@kernel(parallel=True, exact=True)
+def _geglu_rows_parallel(gate_up, table, out):  # type: ignore[no-untyped-def]
+    for r in prange(out.shape[0]):
+        _geglu_row(gate_up, table, out, r)
 
 
 def geglu(gate_up: np.ndarray) -> np.ndarray:
     """gate_up [T, 2F] -> gelu_tanh(gate) * up [T, F] as ggml's `ggml_vec_geglu_f32`."""
     out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
-    _geglu_rows(np.ascontiguousarray(gate_up, np.float32), gelu_table(), out)
+    fn = _geglu_rows_parallel if len(out) >= PARALLEL_ROWS else _geglu_rows
+    fn(np.ascontiguousarray(gate_up, np.float32), gelu_table(), out)
     return out

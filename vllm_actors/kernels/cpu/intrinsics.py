@@ -89,6 +89,18 @@ def hardware_round_half(typingctx, x):
 
 
 @intrinsic
+def hardware_half_bits(typingctx, x):
+    """float32 x -> the bits (uint16) of the nearest float16 (ties to even), by LLVM's
+    fptrunc (only where HARDWARE_HALF): F16C's one instruction where `activations._f16_bits`
+    takes a dozen branches. NaNs keep their payload's top bits, as F16C's do."""
+    if isinstance(x, types.Float) and x.bitwidth == 32:
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+        return types.uint16(x), codegen
+    return None
+
+
+@intrinsic
 def fetch_add(typingctx, counter, value):
     """Atomically add `value` to counter[0] (an int64 array) and return the old value."""
     if isinstance(counter, types.Array) and counter.dtype == types.int64 and \
@@ -186,6 +198,12 @@ def stack_f32(typingctx, n):  # type: ignore[no-untyped-def]
 def stack_i32(typingctx, n):  # type: ignore[no-untyped-def]
     """`stack_f32` for int32 (the integer kernels' exact accumulators)."""
     return _stack_codegen(types.int32, ir.IntType(32), n)
+
+
+@intrinsic
+def stack_i64(typingctx, n):  # type: ignore[no-untyped-def]
+    """`stack_f32` for int64 (offsets a kernel hands an intrinsic)."""
+    return _stack_codegen(types.int64, ir.IntType(64), n)
 
 
 @intrinsic
