@@ -1,16 +1,18 @@
 """Numba intrinsics that hold the K-quant integer kernels' lanes in registers
 (`qmatmul_int_k`: Q4_K, Q5_K, Q6_K on x's Q8_K blocks). numba stack arrays indexed in a loop
 stay in memory, a store and a reload around every multiply-add; here the 8-lane int32
-accumulators are LLVM values for a whole superblock (or a pair of sub-blocks).
+accumulators are LLVM values for a whole superblock.
 
 The kernels work on two weight rows and up to 4 rows of x at once: 8 pairs, c = 2m + r.
 - `superblock_lanes`: every pair's 8 integer lanes over a superblock, stored apart (ggml's
   vec_dot scales them per lane); `q6_offsets` takes Q6_K's -32 offset off them.
 - `pair_totals`: the same reduced to one integer per pair by a transposing add tree (lane c =
-  pair c), for llama.cpp's repacked Q4_K GEMV and GEMM and its tiled matmul;
-  `lane_totals` the same tree over lanes a kernel kept in memory.
-- `min_terms`: every pair's mins against x's sub-block sums, per superblock or per pair of
-  sub-blocks, as 8-lane vectors.
+  pair c), for llama.cpp's repacked Q4_K GEMV; `lane_totals` the same tree over lanes a
+  kernel kept in memory (its tiled matmul on Q6_K below `ktiled`'s row count).
+- `Planes` and `blocks`: a weight row's 32-weight blocks as byte vectors (`ktiled` decodes
+  with them too).
+- `min_terms`: every pair's mins against x's sub-block sums per superblock, as 8-lane
+  vectors.
 - `pair_flush`: the float epilogue of all 8 pairs as 8-lane fused multiply-adds. Each lane
   computes what ggml computes for its pair, so the floats are ggml's bit for bit.
 """
@@ -28,8 +30,8 @@ _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntTyp
 _B32 = ir.VectorType(_I8, 32)
 _L8 = ir.VectorType(_I32, 8)
 _F8 = ir.VectorType(ir.FloatType(), 8)
-# pair_flush's modes: the repacked Q4_K (acc and mins apart), the tiled Q4_K/Q5_K, tiled Q6_K
-FLUSH_REPACKED, FLUSH_TILED, FLUSH_TILED_NO_MINS = 0, 1, 2
+# pair_flush's modes: the repacked Q4_K (acc and mins apart), the tiled Q6_K
+FLUSH_REPACKED, FLUSH_TILED_NO_MINS = 0, 2
 
 
 _at = vector_ptr
@@ -94,43 +96,57 @@ def _bits(builder, v, shift, mask):  # type: ignore[no-untyped-def]
                         ir.Constant(_B32, [mask] * 32))
 
 
-def _scale(context, builder, sig, args, idx):  # type: ignore[no-untyped-def]
-    """sc[idx] as i32 (sc: arg 10; Q6_K's scales are signed)."""
-    a = context.make_array(sig.args[10])(context, builder, args[10])
-    v = builder.load(builder.gep(a.data, [idx]))
-    return (builder.sext if sig.args[10].dtype.signed else builder.zext)(v, _I32)
+class Planes:
+    """How `blocks` reads a weight row: 32 bytes of its quants (`q`) or high bits (`h`) at a
+    flat index, and a scale as i32 (`scale`; Q6_K's scales are signed), from the intrinsic's
+    arguments at positions `qi`, `hi` and `si`."""
+
+    def __init__(self, context, builder, sig, args, qi, hi, si):  # type: ignore[no-untyped-def]
+        self.context, self.builder, self.sig, self.args = context, builder, sig, args
+        self.qi, self.hi, self.si = qi, hi, si
+
+    def q(self, idx):  # type: ignore[no-untyped-def]
+        return _load32(self.context, self.builder, self.sig, self.args, self.qi, idx)
+
+    def h(self, idx):  # type: ignore[no-untyped-def]
+        return _load32(self.context, self.builder, self.sig, self.args, self.hi, idx)
+
+    def scale(self, idx):  # type: ignore[no-untyped-def]
+        ty = self.sig.args[self.si]
+        a = self.context.make_array(ty)(self.context, self.builder, self.args[self.si])
+        v = self.builder.load(self.builder.gep(a.data, [idx]))
+        return (self.builder.sext if ty.dtype.signed else self.builder.zext)(v, _I32)
 
 
-def _blocks(context, builder, sig, args, form, npairs, qo, ho, so):  # type: ignore[no-untyped-def]
+def blocks(builder, planes, form, npairs, qo, ho, so):  # type: ignore[no-untyped-def]
     """One weight row's blocks of 32 as (weights <32 x i8>, scale of the first 16, of the
     last 16, offset into x's row): `npairs` pairs of Q4_K/Q5_K sub-blocks (the low then the
     high nibbles of 32 bytes; Q5_K's fifth bits 2p and 2p + 1 of its 32 qh bytes), or a
     whole Q6_K superblock (two halves of 64 ql and 32 qh bytes; quarter t the nibbles t // 2
-    of ql's 32 bytes t % 2, bits 2t and 2t + 1 of qh, scales 2t and 2t + 1 of the half's 8)."""
+    of ql's 32 bytes t % 2, bits 2t and 2t + 1 of qh, scales 2t and 2t + 1 of the half's 8),
+    read through `planes` (a `Planes`)."""
     out = []
     if form == 6:
         for half in range(2):
-            high = _load32(context, builder, sig, args, 7, _add(builder, ho, 32 * half))
+            high = planes.h(_add(builder, ho, 32 * half))
             for t in range(4):
-                low = _load32(context, builder, sig, args, 4,
-                              _add(builder, qo, 64 * half + 32 * (t % 2)))
+                low = planes.q(_add(builder, qo, 64 * half + 32 * (t % 2)))
                 w = builder.or_(_bits(builder, low, 4 * (t // 2), 15),
                                 builder.shl(_bits(builder, high, 2 * t, 3),
                                             ir.Constant(_B32, [4] * 32)))
                 j = 8 * half + 2 * t
-                out.append((w, _scale(context, builder, sig, args, _add(builder, so, j)),
-                            _scale(context, builder, sig, args, _add(builder, so, j + 1)),
-                            128 * half + 32 * t))
+                out.append((w, planes.scale(_add(builder, so, j)),
+                            planes.scale(_add(builder, so, j + 1)), 128 * half + 32 * t))
         return out
-    high = _load32(context, builder, sig, args, 7, ho) if form == 5 else None
+    high = planes.h(ho) if form == 5 else None
     for p in range(npairs):
-        packed = _load32(context, builder, sig, args, 4, _add(builder, qo, 32 * p))
+        packed = planes.q(_add(builder, qo, 32 * p))
         for nib in range(2):
             w = _bits(builder, packed, 4 * nib, 15)
             if form == 5:
                 w = builder.or_(w, builder.shl(_bits(builder, high, 2 * p + nib, 1),
                                                ir.Constant(_B32, [4] * 32)))
-            sc = _scale(context, builder, sig, args, _add(builder, so, 2 * p + nib))
+            sc = planes.scale(_add(builder, so, 2 * p + nib))
             out.append((w, sc, sc, 64 * p + 32 * nib))
     return out
 
@@ -139,9 +155,10 @@ def _accumulate(context, builder, sig, args, path, form, rows, npairs):  # type:
     """The 8 integer lanes of every (x row m, weight row r) pair, c = 2m + r, in registers."""
     qo0, qo1, ho0, ho1, so0, so1, xo, k = _ints(context, builder, sig, args,
                                                 (5, 6, 8, 9, 11, 12, 14, 15))
+    planes = Planes(context, builder, sig, args, 4, 7, 10)
     accs = [ir.Constant(_L8, [0] * 8)] * (2 * rows)
     for r, (qo, ho, so) in enumerate(((qo0, ho0, so0), (qo1, ho1, so1))):
-        for w, sa, sb, off in _blocks(context, builder, sig, args, form, npairs, qo, ho, so):
+        for w, sa, sb, off in blocks(builder, planes, form, npairs, qo, ho, so):
             for m in range(rows):
                 at = builder.add(xo, builder.mul(k, ir.Constant(k.type, m)))
                 xv = _load32(context, builder, sig, args, 13, _add(builder, at, off))
@@ -197,50 +214,35 @@ def superblock_lanes(typingctx, isa, form, group, npairs, q, qo0, qo1, h, ho0, h
 
 
 @intrinsic
-def min_terms(typingctx, group, per_pair, mn, mo0, mo1, xb, bo, kb, out, oi):  # type: ignore[no-untyped-def]
-    """The mins of one superblock: with v_c[s] = mn[mo_r + s] * (xb[bo + m kb + 2s] +
-    xb[... + 2s + 1]) for pair c = 2m + r (s < 8 sub-blocks; xb x's sums of 16), either
-    out[oi + c] = sum_s v_c[s] (`per_pair` 0), or out[oi + 8g + c] = v_c[2g] + v_c[2g + 1]
-    for each pair of sub-blocks g < 4 (`per_pair` 1). Both literals."""
-    if not (isinstance(group, types.IntegerLiteral) and isinstance(per_pair, types.IntegerLiteral)
-            and 1 <= group.literal_value <= 4 and isinstance(out, types.Array)
-            and out.dtype == types.int32 and isinstance(xb, types.Array)
-            and xb.dtype == types.int16):
+def min_terms(typingctx, group, mn, mo0, mo1, xb, bo, kb, out, oi):  # type: ignore[no-untyped-def]
+    """The mins of one superblock: out[oi + c] = sum over its 8 sub-blocks s of mn[mo_r + s]
+    * (xb[bo + m kb + 2s] + xb[... + 2s + 1]) for pair c = 2m + r (xb x's sums of 16; `group`
+    a literal)."""
+    if not (isinstance(group, types.IntegerLiteral) and 1 <= group.literal_value <= 4
+            and isinstance(out, types.Array) and out.dtype == types.int32
+            and isinstance(xb, types.Array) and xb.dtype == types.int16):
         return None
-    rows, split = group.literal_value, per_pair.literal_value
+    rows = group.literal_value
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        mo0_, mo1_, bo_, kb_, oi_ = _ints(context, builder, sig, args, (3, 4, 6, 7, 9))
-        mins = [builder.zext(builder.load(_at(context, builder, sig.args[2], args[2],
+        mo0_, mo1_, bo_, kb_, oi_ = _ints(context, builder, sig, args, (2, 3, 5, 6, 8))
+        mins = [builder.zext(builder.load(_at(context, builder, sig.args[1], args[1],
                                               types.intp, mo, ir.VectorType(_I8, 8)), align=1),
                              _L8) for mo in (mo0_, mo1_)]
         vs = []
         for m in range(rows):
             at = builder.add(bo_, builder.mul(kb_, ir.Constant(kb_.type, m)))
-            b16 = builder.sext(builder.load(_at(context, builder, sig.args[5], args[5],
+            b16 = builder.sext(builder.load(_at(context, builder, sig.args[4], args[4],
                                                 types.intp, at, ir.VectorType(_I16, 16)),
                                             align=2), ir.VectorType(_I32, 16))
             sums = builder.add(
                 builder.shuffle_vector(b16, b16, ir.Constant(_L8, list(range(0, 16, 2)))),
                 builder.shuffle_vector(b16, b16, ir.Constant(_L8, list(range(1, 16, 2)))))
             vs += [builder.mul(mins[0], sums), builder.mul(mins[1], sums)]
-        vs = _padded(vs)
-        if split:
-            pairs = [_pairwise(builder, vs[i], vs[i + 1]) for i in range(0, 8, 2)]
-            results = []
-            for g in range(4):
-                pick = ir.Constant(ir.VectorType(_I32, 4), [g, 4 + g, 8 + g, 12 + g])
-                a = builder.shuffle_vector(pairs[0], pairs[1], pick)
-                b = builder.shuffle_vector(pairs[2], pairs[3], pick)
-                results.append(builder.shuffle_vector(a, b, ir.Constant(_L8, list(range(8)))))
-        else:
-            results = [_tree(builder, vs)]
-        for g, v in enumerate(results):
-            p = _at(context, builder, sig.args[8], args[8], types.intp, _add(builder, oi_, 8 * g),
-                    _L8)
-            builder.store(v, p, align=4)
+        p = _at(context, builder, sig.args[7], args[7], types.intp, oi_, _L8)
+        builder.store(_tree(builder, _padded(vs)), p, align=4)
         return context.get_dummy_value()
-    return types.none(group, per_pair, mn, mo0, mo1, xb, bo, kb, out, oi), codegen
+    return types.none(group, mn, mo0, mo1, xb, bo, kb, out, oi), codegen
 
 
 def _fma8(builder, a, b, c):  # type: ignore[no-untyped-def]
@@ -257,7 +259,6 @@ def pair_flush(typingctx, mode, acc, am, tot, mins, mi, fw):  # type: ignore[no-
     """The float epilogue of 8 pairs (lane c: pair c), t = float(tot[0:8]), n =
     float(mins[mi:mi+8]), fw's factors (`qmatmul_int_k._pair_scales`):
     FLUSH_REPACKED: acc = fma(t, fw[0:8], acc), am = fma(n, fw[8:16], am);
-    FLUSH_TILED: acc = fma(fma(-fw[16:24], n, t * fw[0:8]), fw[8:16], acc);
     FLUSH_TILED_NO_MINS: acc = fma(t * fw[0:8], fw[8:16], acc)."""
     if not (isinstance(mode, types.IntegerLiteral) and isinstance(tot, types.Array)
             and tot.dtype == types.int32 and isinstance(fw, types.Array)
@@ -272,7 +273,7 @@ def pair_flush(typingctx, mode, acc, am, tot, mins, mi, fw):  # type: ignore[no-
         mi_ = _ints(context, builder, sig, args, (5,))[0]
         t = builder.sitofp(builder.load(ptr(3, _I64(0), _L8), align=4), _F8)
         n = builder.sitofp(builder.load(ptr(4, mi_, _L8), align=4), _F8)
-        f = [builder.load(ptr(6, _I64(8 * i), _F8), align=4) for i in range(3)]
+        f = [builder.load(ptr(6, _I64(8 * i), _F8), align=4) for i in range(2)]
         pa = ptr(1, _I64(0), _F8)
         acc_ = builder.load(pa, align=4)
         if how == FLUSH_REPACKED:
@@ -280,11 +281,7 @@ def pair_flush(typingctx, mode, acc, am, tot, mins, mi, fw):  # type: ignore[no-
             pm = ptr(2, _I64(0), _F8)
             builder.store(_fma8(builder, n, f[1], builder.load(pm, align=4)), pm, align=4)
         else:
-            r = builder.fmul(t, f[0])
-            if how == FLUSH_TILED:
-                neg = builder.fsub(ir.Constant(_F8, [-0.0] * 8), f[2])
-                r = _fma8(builder, neg, n, r)
-            builder.store(_fma8(builder, r, f[1], acc_), pa, align=4)
+            builder.store(_fma8(builder, builder.fmul(t, f[0]), f[1], acc_), pa, align=4)
         return context.get_dummy_value()
     return types.none(mode, acc, am, tot, mins, mi, fw), codegen
 

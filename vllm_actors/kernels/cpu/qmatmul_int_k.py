@@ -12,8 +12,9 @@ order of ggml's x86 (AVX2) dots: acc = fma(d_w d_x, lanes, acc) per superblock, 
 in 4 float lanes, Q5_K's in one sum, Q6_K's offset per integer lane, and the lanes added as
 `hsum_float_8` adds them. llama.cpp computes some matmuls with other kernels, whose float
 orders `matmul` takes where they would run (`row_kinds`): the GEMV and GEMM of Q4_K repacked
-into 8-row blocks, and the tiled K-quant matmul at 8+ rows. Compiled without fast math:
-ggml's floats bit for bit. Parallel over pairs of weight rows, a body per (SIMD path, kind,
+into 8-row blocks, and the tiled K-quant matmul at 8+ rows (`ktiled` runs the GEMM and most
+of the tiled matmul: its decoded weight rows serve many rows of x). Compiled without fast
+math: ggml's floats bit for bit. Parallel over pairs of weight rows, a body per (SIMD path, kind,
 x-row group) called as a C callback, as the other integer GEMVs (`qmatmul_int`).
 """
 
@@ -29,13 +30,12 @@ from gguf import GGMLQuantizationType
 from numba import carray, prange, types
 from numba.extending import overload
 
-from vllm_actors.kernels.cpu import activations, isa
+from vllm_actors.kernels.cpu import activations, isa, ktiled
 from vllm_actors.kernels.cpu.intrinsics import call_address, data_pointer, fma_f32, stack_i32
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
 from vllm_actors.kernels.cpu.lora_gemv import lora_args, lora_loop
 from vllm_actors.kernels.cpu.ktotals import (
     FLUSH_REPACKED,
-    FLUSH_TILED,
     FLUSH_TILED_NO_MINS,
     lane_totals,
     min_terms,
@@ -65,12 +65,19 @@ KINDS = {T.Q4_K: 4, T.Q5_K: 5, T.Q6_K: 6}
 # superblock the whole integer dot in one sum, acc = fma(sum, d_w d_x, acc), the mins
 # likewise, acc - mins at the end.
 REPACKED_Q4_K = 44
-# 84: the same weights' GEMM (4+ rows of x, in groups of 4): as 44 per pair of sub-blocks.
+# 84: the same weights' GEMM (4+ rows of x, in groups of 4): as 44 per pair of sub-blocks
+# (`ktiled.GEMM`).
 REPACKED_GEMM_Q4_K = 84
 # 94, 95, 96: ggml's tiled K-quant matmul (`ggml-cpu/tiled`: 8+ rows of x, weights not
 # repacked): per superblock r = fnmadd(dmin_w, mins, float(sum) * d_w), acc = fma(r, d_x, acc).
 TILED = 90
 TILED_MIN_ROWS = 8
+# kind -> (`ktiled`'s float order, the fewest rows of x it takes): its weight rows, decoded
+# once as the lanes of a vector, serve every row of x where the kernels here decode them again
+# for each group of 4; below those counts the decoding costs more than it saves (Q6_K's six
+# bits the most). docs/BENCHMARKS.md, "The K-quant matmuls of many rows".
+_WIDE = {TILED + 4: (ktiled.TILED, 8), TILED + 5: (ktiled.TILED, 8),
+         TILED + 6: (ktiled.TILED, 32), REPACKED_GEMM_Q4_K: (ktiled.GEMM, 4)}
 _NO_BITS = np.zeros((0, 0), np.uint8)
 _NO_U16 = np.zeros((0, 0), np.uint16)
 _NO_F32 = np.zeros((0, 0), np.float32)
@@ -185,9 +192,9 @@ def _step_for(path, kind, group, iacc, acc, am, fw, iw, qs, qh, sc, mn, d, dmin,
     code = kind.literal_value
     if code < 10 or code == TILED + 6:
         return _lanes_step(code % 10, code == TILED + 6)
-    if code == REPACKED_GEMM_Q4_K:
-        return _gemm_step
-    return _totals_step(code % 10, FLUSH_REPACKED if code == REPACKED_Q4_K else FLUSH_TILED)
+    if code == REPACKED_Q4_K:
+        return _repacked_step
+    raise ValueError(f"kind {code} has no superblock step here (`ktiled` computes it)")
 
 
 def _lanes_step(form: int, tiled: bool):  # type: ignore[no-untyped-def]
@@ -215,49 +222,31 @@ def _lanes_step(form: int, tiled: bool):  # type: ignore[no-untyped-def]
     return step
 
 
-def _totals_step(form: int, mode: int):  # type: ignore[no-untyped-def]
-    """The repacked Q4_K GEMV (44) and the tiled matmul on Q4_K/Q5_K (94, 95): one integer
-    total per pair and superblock, then its float epilogue (`form` and `mode` constants)."""
-    def step(path, kind, group, iacc, acc, am, fw, iw, qs, qh, sc, mn, d, dmin, lut, r0, r1, rb, hb, sb, xq, xo, k, xd, xb, m0):  # type: ignore[no-untyped-def]
-        ns = sc.shape[1]
-        _pair_scales(kind, group, fw, r0, r1, sb, d, dmin, lut, xd, m0)
-        min_terms(group, 0, mn, r0 * ns + 8 * sb, r1 * ns + 8 * sb, xb,
-                  m0 * xb.shape[1] + 16 * sb, xb.shape[1], iw, 8)
-        pair_totals(path, form, group, 4, qs, r0 * rb + 128 * sb, r1 * rb + 128 * sb, qh,
-                    r0 * hb + 32 * sb, r1 * hb + 32 * sb, sc, r0 * ns + 8 * sb,
-                    r1 * ns + 8 * sb, xq, xo, k, iw)
-        pair_flush(mode, acc, am, iw, iw, 8, fw)
-    return step
-
-
-def _gemm_step(path, kind, group, iacc, acc, am, fw, iw, qs, qh, sc, mn, d, dmin, lut, r0, r1, rb, hb, sb, xq, xo, k, xd, xb, m0):  # type: ignore[no-untyped-def]
-    """The repacked Q4_K GEMM (84): as 44 per pair of sub-blocks."""
+def _repacked_step(path, kind, group, iacc, acc, am, fw, iw, qs, qh, sc, mn, d, dmin, lut, r0, r1, rb, hb, sb, xq, xo, k, xd, xb, m0):  # type: ignore[no-untyped-def]
+    """The repacked Q4_K GEMV (44): one integer total per pair and superblock, then its
+    float epilogue."""
     ns = sc.shape[1]
     _pair_scales(kind, group, fw, r0, r1, sb, d, dmin, lut, xd, m0)
-    min_terms(group, 1, mn, r0 * ns + 8 * sb, r1 * ns + 8 * sb, xb, m0 * xb.shape[1] + 16 * sb,
+    min_terms(group, mn, r0 * ns + 8 * sb, r1 * ns + 8 * sb, xb, m0 * xb.shape[1] + 16 * sb,
               xb.shape[1], iw, 8)
-    for gg in range(4):
-        pair_totals(path, 4, group, 1, qs, r0 * rb + 128 * sb + 32 * gg,
-                    r1 * rb + 128 * sb + 32 * gg, qh, 0, 0, sc, r0 * ns + 8 * sb + 2 * gg,
-                    r1 * ns + 8 * sb + 2 * gg, xq, xo + 64 * gg, k, iw)
-        pair_flush(FLUSH_REPACKED, acc, am, iw, iw, 8 + 8 * gg, fw)
+    pair_totals(path, 4, group, 4, qs, r0 * rb + 128 * sb, r1 * rb + 128 * sb, qh, 0, 0, sc,
+                r0 * ns + 8 * sb, r1 * ns + 8 * sb, xq, xo, k, iw)
+    pair_flush(FLUSH_REPACKED, acc, am, iw, iw, 8, fw)
 
 
 @numba.njit(inline="always", cache=True)
 def _pair_scales(kind, group, fw, r0, r1, sb, d, dmin, lut, xd, m0):  # type: ignore[no-untyped-def]
     """For each pair c = 2m + r of x row m and weight row r (r0, r1) in superblock sb, the
     factors of `ktotals.pair_flush`: fw[c] = d_w d_x and fw[8 + c] = dmin_w d_x (repacked
-    Q4_K), or fw[c] = d_w, fw[8 + c] = d_x, fw[16 + c] = dmin_w (tiled)."""
+    Q4_K), or fw[c] = d_w, fw[8 + c] = d_x (tiled Q6_K)."""
     for m in range(group):
         dx = xd[m0 + m, sb]
         for r in range(2):
             row = r1 if r else r0
             c = 2 * m + r
-            if kind // 10 * 10 == TILED:
+            if kind == TILED + 6:
                 fw[c] = lut[d[row, sb]]
                 fw[8 + c] = dx
-                if kind != TILED + 6:
-                    fw[16 + c] = lut[dmin[row, sb]]
             else:
                 fw[c] = lut[d[row, sb]] * dx
                 fw[8 + c] = lut[dmin[row, sb]] * dx
@@ -299,7 +288,7 @@ def _total(kind, acc, am, i, j):  # type: ignore[no-untyped-def]
     """A row's result: its 8 float lanes added as ggml adds them, plus (Q4_K/Q5_K) the mins;
     a repacked Q4_K row keeps one float and one min sum (at pair i // 8), as ggml's 8x8
     kernels; a tiled one one float."""
-    if kind == REPACKED_Q4_K or kind == REPACKED_GEMM_Q4_K:
+    if kind == REPACKED_Q4_K:
         return acc[i // 8] - am[i // 8]
     if kind // 10 * 10 == TILED:
         return acc[i // 8]
@@ -332,9 +321,13 @@ def matmul(w: QuantMatrix, x: activations.Q8KRows, path: str | None = None,
     out = np.empty((m, w.rows), np.float32)
     bounds = [0, *(np.flatnonzero(np.diff(kinds)) + 1).tolist(), m]    # spans of one kind
     for start, stop in zip(bounds[:-1], bounds[1:]):
-        rows = stop - start
+        rows, kind = stop - start, int(kinds[start])
+        order, fewest = _WIDE.get(kind, (None, rows + 1))
+        if rows >= fewest:
+            out[start:stop] = ktiled.matmul(w, _row_slice(x, start, stop), order, path)
+            continue
         span = pad_rows(_row_slice(x, start, stop), 1 if rows == 1 else GROUP)
-        out[start:stop] = _run(w, span, rows, int(kinds[start]), path)
+        out[start:stop] = _run(w, span, rows, kind, path)
     return out
 
 

@@ -1,0 +1,113 @@
+"""`kernels/cpu/ktiled.py`, the K-quant matmuls of many rows of x (ggml's tiled matmul on Q4_K,
+Q5_K and Q6_K, and its repacked Q4_K GEMM), against a direct computation: each weight's
+integer code, scale and min unpacked from the planes with numpy, the exact integer sums in
+int64, then the float epilogue of that order element by element with one rounding per fused
+multiply-add. Bit for bit, on every SIMD path this host runs, with a partial chunk of weight
+rows and a row count that fills no vector. `qmatmul_int_k.matmul` must send such spans there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numba
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+from quant_blocks import random_blocks
+
+from vllm_actors.kernels.cpu import activations, isa, ktiled, qmatmul, qmatmul_int_k
+from vllm_actors.kernels.cpu.intrinsics import fma_f32
+from vllm_actors.kernels.cpu.qmatmul_prims import HALF_LUT
+
+
+def _codes(w: qmatmul.QuantMatrix) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(codes [N, nsb, S, 256 / S], scales [N, nsb, S], mins [N, nsb, 8] or None): S sub-blocks
+    per superblock, the codes unsigned (Q6_K's still with its offset of 32)."""
+    n, nsb = w.rows, w.cols // 256
+    if w.qtype == QT.Q6_K:
+        ql, qh, sc, _ = w.planes
+        low = ql.reshape(n, nsb, 2, 2, 32)
+        high = qh.reshape(n, nsb, 2, 1, 32)
+        quarters = [((low[:, :, :, t % 2] >> (4 * (t // 2))) & 15)
+                    | (((high[:, :, :, 0] >> (2 * t)) & 3) << 4) for t in range(4)]
+        codes = np.stack(quarters, axis=3).reshape(n, nsb, 16, 16)     # [half, quarter, j]
+        return codes, sc.reshape(n, nsb, 16), None
+    planes = w.planes if w.qtype == QT.Q4_K else w.planes[1:]
+    qs, sc, mn = planes[0], planes[1], planes[2]
+    pairs = qs.reshape(n, nsb, 4, 1, 32)
+    codes = np.concatenate([pairs & 15, pairs >> 4], axis=3).reshape(n, nsb, 8, 32)
+    if w.qtype == QT.Q5_K:
+        qh = w.planes[0].reshape(n, nsb, 1, 32)
+        codes = codes | (((qh >> np.arange(8).reshape(1, 1, 8, 1)) & 1) << 4)
+    return codes, sc.reshape(n, nsb, 8), mn.reshape(n, nsb, 8)
+
+
+def _integers(w: qmatmul.QuantMatrix, x: activations.Q8KRows, per: int
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """(totals, min sums) [N, M, nsb, 8 / per] int64: per `per` sub-blocks of 32 weights (8: a
+    superblock), sum of scale * (codes . x - 32 x's sum [Q6_K]) and sum of min * x's sum."""
+    codes, scales, mins = _codes(w)
+    n, nsb, subs, size = codes.shape
+    m = x.qs.shape[0]
+    xq = x.qs.astype(np.int64).reshape(m, nsb, subs, size)
+    xs = x.bsums.astype(np.int64).reshape(m, nsb, subs, -1).sum(axis=3)
+    dots = np.einsum("nbsj,mbsj->nmbs", codes.astype(np.int64), xq)
+    if w.qtype == QT.Q6_K:
+        dots -= 32 * xs[None]
+    totals = (dots * scales.astype(np.int64)[:, None]).reshape(n, m, nsb, -1, subs * per // 8)
+    if mins is None:
+        return totals.sum(axis=4), np.zeros_like(totals.sum(axis=4))
+    min_sums = (mins.astype(np.int64)[:, None] * xs[None]).reshape(n, m, nsb, -1, per)
+    return totals.sum(axis=4), min_sums.sum(axis=4)
+
+
+@numba.njit(cache=True)
+def _epilogue(gemm, totals, mins, dw, dm, dx):  # type: ignore[no-untyped-def]
+    """out[M, N] from the integers: TILED acc = fma(fnmadd(dmin, mins, total * d), d_x, acc)
+    per superblock; GEMM acc = fma(total, d d_x, acc), am = fma(mins, dmin d_x, am) per
+    part, acc - am."""
+    n, m, nsb, parts = totals.shape
+    out = np.zeros((m, n), np.float32)
+    for i in range(n):
+        for j in range(m):
+            acc, am = np.float32(0.0), np.float32(0.0)
+            for b in range(nsb):
+                for p in range(parts):
+                    t, s = np.float32(totals[i, j, b, p]), np.float32(mins[i, j, b, p])
+                    if gemm:
+                        acc = fma_f32(t, np.float32(dw[i, b] * dx[j, b]), acc)
+                        am = fma_f32(s, np.float32(dm[i, b] * dx[j, b]), am)
+                    else:
+                        r = fma_f32(-dm[i, b], s, np.float32(t * dw[i, b]))
+                        acc = fma_f32(r, dx[j, b], acc)
+            out[j, i] = acc - am if gemm else acc
+    return out
+
+
+def _direct(w: qmatmul.QuantMatrix, x: activations.Q8KRows, order: int) -> np.ndarray:
+    gemm = order == ktiled.GEMM
+    totals, mins = _integers(w, x, 2 if gemm else 8)
+    d_plane = w.planes[3] if w.qtype == QT.Q6_K else w.planes[-2]
+    dw = HALF_LUT[d_plane]
+    dm = HALF_LUT[w.planes[-1]] if w.qtype != QT.Q6_K else np.zeros_like(dw)
+    return _epilogue(gemm, totals, mins, dw, dm, x.d)
+
+
+@pytest.mark.parametrize("qtype, order", [(QT.Q4_K, ktiled.TILED), (QT.Q5_K, ktiled.TILED),
+                                          (QT.Q6_K, ktiled.TILED), (QT.Q4_K, ktiled.GEMM)])
+def test_equals_the_direct_computation_on_every_path(qtype, order):
+    rng = np.random.default_rng(int(qtype) + 10 * order)
+    n, k, m = 37, 512, 19                  # 37 rows: two full chunks of 16 and a partial one
+    w = qmatmul.pack(random_blocks(qtype, n, k, rng), qtype, (n, k))
+    x = activations.quantize_q8_k((rng.standard_normal((m, k)) * 4).astype(np.float32))
+    want = _direct(w, x, order)
+    for path in isa.available():
+        got = ktiled.matmul(w, x, order, path)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), path
+    if "avx2" in isa.available():      # where llama.cpp runs these kernels, so do we:
+        repacked = replace(w, ggml_repacked=order == ktiled.GEMM)   # a request of 19 rows
+        got = qmatmul_int_k.matmul(repacked, x, requests=np.array([m]))
+        if order == ktiled.GEMM:        # its GEMM takes 16 rows, the GEMV the last 3
+            got, want = got[:16], want[:16]
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))

@@ -1,0 +1,327 @@
+"""ggml's tiled K-quant matmul (`ggml-cpu/tiled`; Q4_K, Q5_K, Q6_K weights llama.cpp does not
+repack, 8+ rows of x: `qmatmul_int_k.TILED`) computed the way it computes it. Per superblock,
+16 weight rows are decoded once into bytes, interleaved 4 codes per row, so that one
+`vpdpbusd` multiplies 4 codes of all 16 rows by 4 of x's int8 quants (broadcast): the 16
+rows are the lanes, no horizontal sum is ever taken, and the decoded rows serve every row
+of x from L1. Per (weight row, x row, superblock), with s the sub-blocks (32 weights for
+Q4_K/Q5_K, 16 for Q6_K) and b x's sums over them:
+
+    s1 = sum_s sc_s (w_s . q_s - 32 b_s [Q6_K])       s2 = sum_s mn_s b_s [Q4_K, Q5_K]
+    r = fnmadd(dmin_w, s2, s1 * d_w),  acc = fma(r, d_x, acc)
+
+exact integers, then ggml's float epilogue per superblock, so the floats are ggml's bit for
+bit (the order `qmatmul_int_k`'s vec_dot kernels verify against llama.cpp, and
+`tests/kernels/test_ktiled.py` against a direct computation). The 4-byte dot products are
+`vpdpbusd` with VNNI, `vpmaddubsw` + `vpmaddwd` on AVX2, widening multiplies elsewhere: the
+same integers on every path. Parallel over fixed chunks of 16 weight rows, so the result does
+not depend on the thread count.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import carray, prange, types
+from numba.extending import intrinsic
+
+from vllm_actors.kernels.cpu import activations, isa
+from vllm_actors.kernels.cpu.intrinsics import (call_address, data_pointer, stack_f32, stack_i32,
+                                                stack_i64)
+from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
+from vllm_actors.kernels.cpu.ktotals import Planes, blocks
+from vllm_actors.kernels.cpu.qdot import AVX2, AVX512
+from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix
+from vllm_actors.kernels.cpu.qmatmul_prims import HALF_LUT, limit_threads, restore_threads
+from vllm_actors.kernels.cpu.qmatmul_simd import splat, vector_ptr
+
+LANES = 16                  # weight rows per chunk: one 512-bit vector of int32 sums
+TILED, GEMM = 0, 1          # float orders: ggml's tiled matmul, its repacked Q4_K GEMM
+_I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_B64 = ir.VectorType(_I8, 64)
+_B32 = ir.VectorType(_I8, 32)
+_L16 = ir.VectorType(_I32, 16)
+_L8 = ir.VectorType(_I32, 8)
+_F16 = ir.VectorType(ir.FloatType(), 16)
+_W16 = ir.VectorType(_I16, 16)
+_NO_BITS = np.zeros((0, 0), np.uint8)
+_NO_U16 = np.zeros((0, 0), np.uint16)
+
+
+def _call(builder, name, ret, args):  # type: ignore[no-untyped-def]
+    fn = builder.module.globals.get(name) or ir.Function(
+        builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+def _dot4(builder, path, acc, w, x):  # type: ignore[no-untyped-def]
+    """acc + lane i of (sum over t < 4 of w[4i+t] x[4i+t]), w unsigned bytes <= 63, x int8,
+    exact on every path (`vpmaddubsw`'s int16 pairs stay within 2 * 63 * 128)."""
+    if path == AVX512:
+        return _call(builder, "llvm.x86.avx512.vpdpbusd.512", _L16,
+                     [acc, builder.bitcast(w, _L16), builder.bitcast(x, _L16)])
+    if path == AVX2:
+        halves = []
+        for h in range(2):
+            pick = ir.Constant(ir.VectorType(_I32, 32), list(range(32 * h, 32 * h + 32)))
+            wh, xh = (builder.shuffle_vector(v, v, pick) for v in (w, x))
+            pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _W16, [wh, xh])
+            halves.append(_call(builder, "llvm.x86.avx2.pmadd.wd", _L8,
+                                [pairs, ir.Constant(_W16, [1] * 16)]))
+        both = builder.shuffle_vector(halves[0], halves[1], ir.Constant(_L16, list(range(16))))
+        return builder.add(acc, both)
+    wide = ir.VectorType(_I32, 64)
+    p = builder.mul(builder.zext(w, wide), builder.sext(x, wide))
+    for t in range(4):
+        acc = builder.add(acc, builder.shuffle_vector(
+            p, p, ir.Constant(_L16, list(range(t, 64, 4)))))
+    return acc
+
+
+def _ptr(context, builder, sig, args, i, idx, vecty):  # type: ignore[no-untyped-def]
+    return vector_ptr(context, builder, sig.args[i], args[i], types.intp, idx, vecty)
+
+
+def _index(context, builder, sig, args, i):  # type: ignore[no-untyped-def]
+    return context.cast(builder, args[i], sig.args[i], types.intp)
+
+
+def _fma16(builder, a, b, c):  # type: ignore[no-untyped-def]
+    """a * b + c per lane, one rounding (`llvm.fma`: never a multiply and an add)."""
+    return _call(builder, "llvm.fma.v16f32", _F16, [a, b, c])
+
+
+def _transpose(builder, rows):  # type: ignore[no-untyped-def]
+    """16 vectors <8 x i32> (row r's words) -> 8 vectors <16 x i32> (word t of every row):
+    rows paired into <8 x i64>, then an 8 x 8 transpose of those pairs in three butterfly
+    stages of two-source shuffles."""
+    i64x8 = ir.VectorType(_I64, 8)
+    zip_ = ir.Constant(_L16, [v for t in range(8) for v in (t, 8 + t)])
+    vs = [builder.bitcast(builder.shuffle_vector(rows[2 * i], rows[2 * i + 1], zip_), i64x8)
+          for i in range(8)]
+    for d in (1, 2, 4):
+        low = ir.Constant(_L8, [t if t & d == 0 else 8 + t - d for t in range(8)])
+        high = ir.Constant(_L8, [t + d if t & d == 0 else 8 + t for t in range(8)])
+        for i in range(8):
+            if i & d == 0:
+                a, b = vs[i], vs[i + d]
+                vs[i] = builder.shuffle_vector(a, b, low)
+                vs[i + d] = builder.shuffle_vector(a, b, high)
+    return [builder.bitcast(v, _L16) for v in vs]
+
+
+@intrinsic
+def decode_rows(typingctx, form, q, h, qoff, hoff, codes):  # type: ignore[no-untyped-def]
+    """16 weight rows' superblocks (row l's quants at q.flat[qoff[l]], high bits at
+    h.flat[hoff[l]]; layouts `ktotals.blocks`) into codes: the 4 codes of group g (weights
+    4g .. 4g+3, as bytes) of row l at codes[16 g + l] (int32)."""
+    if not (isinstance(form, types.IntegerLiteral) and form.literal_value in (4, 5, 6)
+            and isinstance(codes, types.Array) and codes.dtype == types.int32):
+        return None
+    kind = form.literal_value
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        planes = Planes(context, builder, sig, args, 1, 2, 1)   # no scales are read
+        per_row = []
+        for lane in range(LANES):
+            qo, ho = (builder.load(_ptr(context, builder, sig, args, i, ir.Constant(_I64, lane),
+                                        _I64)) for i in (3, 4))
+            per_row.append(blocks(builder, planes, kind, 4, qo, ho, ir.Constant(_I64, 0)))
+        for j, (_, _, _, off) in enumerate(per_row[0]):
+            words = _transpose(builder, [builder.bitcast(row[j][0], _L8) for row in per_row])
+            for t, v in enumerate(words):
+                at = ir.Constant(_I64, LANES * (off // 4 + t))
+                builder.store(v, _ptr(context, builder, sig, args, 5, at, _L16), align=4)
+        return context.get_dummy_value()
+    return types.none(form, q, h, qoff, hoff, codes), codegen
+
+
+@intrinsic
+def widen_rows(typingctx, src, offs, count, out):  # type: ignore[no-untyped-def]
+    """16 rows' `count` (a literal, 8 or 16) one-byte values (row l's at src.flat[offs[l]],
+    signed or not as src's dtype) as int32, transposed: value s of row l at out[16 s + l]."""
+    if not (isinstance(count, types.IntegerLiteral) and count.literal_value in (8, 16)
+            and isinstance(src, types.Array) and src.dtype.bitwidth == 8):
+        return None
+    n = count.literal_value
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        extend = builder.sext if sig.args[0].dtype.signed else builder.zext
+        halves = [[], []]
+        for lane in range(LANES):
+            o = builder.load(_ptr(context, builder, sig, args, 1, ir.Constant(_I64, lane), _I64))
+            for h in range(n // 8):
+                p = _ptr(context, builder, sig, args, 0, builder.add(o, ir.Constant(_I64, 8 * h)),
+                         ir.VectorType(_I8, 8))
+                halves[h].append(extend(builder.load(p, align=1), _L8))
+        for h in range(n // 8):
+            for t, v in enumerate(_transpose(builder, halves[h])):
+                at = ir.Constant(_I64, LANES * (8 * h + t))
+                builder.store(v, _ptr(context, builder, sig, args, 3, at, _L16), align=4)
+        return context.get_dummy_value()
+    return types.none(src, offs, count, out), codegen
+
+
+def _flush(builder, order, total, mins, dw, dm, dx, acc, am):  # type: ignore[no-untyped-def]
+    """A superblock's (TILED) or a pair of sub-blocks' (GEMM) float epilogue onto the
+    accumulators (16 lanes each): TILED acc = fma(fnmadd(dmin_w, mins, total * d_w), d_x,
+    acc); GEMM acc = fma(total, d_w d_x, acc), am = fma(mins, dmin_w d_x, am)."""
+    t = builder.sitofp(total, _F16)
+    if order == GEMM:
+        n = builder.sitofp(mins, _F16)
+        return (_fma16(builder, t, builder.fmul(dw, dx), acc),
+                _fma16(builder, n, builder.fmul(dm, dx), am))
+    r = builder.fmul(t, dw)
+    if mins is not None:
+        r = _fma16(builder, builder.fsub(ir.Constant(_F16, [-0.0] * 16), dm),
+                   builder.sitofp(mins, _F16), r)
+    return _fma16(builder, r, dx, acc), am
+
+
+@intrinsic
+def tile_row(typingctx, isa_, form, order, codes, sc, mn, dw, dm, x, xo, xb, bo, dx, out, am, oo):  # type: ignore[no-untyped-def]
+    """One row of x against the superblock of 16 decoded weight rows (`decode_rows`; their
+    scales at sc[16 s + i], mins at mn[16 s + i], d_w and dmin_w at dw[i], dm[i]): x's quants
+    at x.flat[xo], its sums of 16 at xb.flat[bo] (int16), its d_x `dx`; the results onto
+    out.flat[oo : oo+16] (and am's, GEMM's min sums), lane i for weight row i, in the float
+    order `order` (a literal, TILED or GEMM)."""
+    if not (isinstance(isa_, types.IntegerLiteral) and isinstance(form, types.IntegerLiteral)
+            and isinstance(order, types.IntegerLiteral) and form.literal_value in (4, 5, 6)
+            and isinstance(x, types.Array) and x.dtype == types.int8
+            and isinstance(xb, types.Array) and xb.dtype == types.int16):
+        return None
+    path, kind, how = isa_.literal_value, form.literal_value, order.literal_value
+    subs, groups = (16, 4) if kind == 6 else (8, 8)      # sub-blocks, groups of 4 in each
+    flush_every = 2 if how == GEMM else subs            # sub-blocks per float epilogue
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        xo_, bo_, oo_ = (_index(context, builder, sig, args, i) for i in (9, 11, 15))
+
+        def load(i, idx, vecty, align=4):  # type: ignore[no-untyped-def]
+            return builder.load(_ptr(context, builder, sig, args, i, idx, vecty), align=align)
+
+        def at(n):  # type: ignore[no-untyped-def]
+            return ir.Constant(_I64, n)
+
+        def xsum(u):  # type: ignore[no-untyped-def]
+            v = builder.sext(load(10, builder.add(bo_, at(u)), _I16, 2), _I32)
+            return splat(builder, v, _L16)
+
+        dx = splat(builder, context.cast(builder, args[12], sig.args[12], types.float32), _F16)
+        dw, dm = load(6, at(0), _F16), load(7, at(0), _F16)
+        p_acc, p_am = (_ptr(context, builder, sig, args, i, oo_, _F16) for i in (13, 14))
+        acc, am = builder.load(p_acc, align=4), builder.load(p_am, align=4)
+        zero = ir.Constant(_L16, [0] * 16)
+        total, mins = zero, zero
+        for s in range(subs):
+            a = zero
+            for g in range(groups):
+                kg = s * groups + g
+                xv = builder.bitcast(splat(builder, load(8, builder.add(xo_, at(4 * kg)), _I32, 1),
+                                           _L16), _B64)
+                a = _dot4(builder, path, a, load(3, at(LANES * kg), _B64), xv)
+            if kind == 6:
+                a = builder.sub(a, builder.shl(xsum(s), ir.Constant(_L16, [5] * 16)))
+            total = builder.add(total, builder.mul(a, load(4, at(LANES * s), _L16)))
+            if kind != 6:
+                b = builder.add(xsum(2 * s), xsum(2 * s + 1))
+                mins = builder.add(mins, builder.mul(b, load(5, at(LANES * s), _L16)))
+            if (s + 1) % flush_every == 0:
+                acc, am = _flush(builder, how, total, mins if kind != 6 else None, dw, dm, dx,
+                                 acc, am)
+                total, mins = zero, zero
+        builder.store(acc, p_acc, align=4)
+        if how == GEMM:
+            builder.store(am, p_am, align=4)
+        return context.get_dummy_value()
+    return types.none(isa_, form, order, codes, sc, mn, dw, dm, x, xo, xb, bo, dx, out, am,
+                      oo), codegen
+
+
+@functools.cache
+def body(path: int, form: int, order: int, sc_dtype: str) -> Callback:
+    """The work of one chunk of 16 weight rows (all superblocks, all rows of x) for a SIMD
+    path, form (4, 5, 6: Q4_K, Q5_K, Q6_K) and float order, compiled once as a C callback."""
+    hq = 64 if form == 6 else 32          # high-bit bytes per superblock
+    nsc = 16 if form == 6 else 8          # scales per superblock
+
+    def chunk(q_p, n, rb, h_p, hb, sc_p, mn_p, d_p, dm_p, lut_p, x_p, m, k, xb_p, xd_p,
+              out_p, am_p, n16, c):  # type: ignore[no-untyped-def]
+        nsb = k // 256
+        q, h = carray(q_p, (n * rb,)), carray(h_p, (n * hb if form != 4 else 0,))
+        sc = carray(sc_p, (n * nsc * nsb,))
+        mn = carray(mn_p, (n * 8 * nsb if form != 6 else 0,))
+        d, dmin = carray(d_p, (n, nsb)), carray(dm_p, (n if form != 6 else 0, nsb))
+        lut, x = carray(lut_p, (1 << 16,)), carray(x_p, (m * k,))
+        xb, xd = carray(xb_p, (m * k // 16,)), carray(xd_p, (m, nsb))
+        out, am = carray(out_p, (m * n16,)), carray(am_p, (m * n16 if order == GEMM else 0,))
+        codes, scales, mins = stack_i32(1024), stack_i32(256), stack_i32(128)   # 16 rows each
+        dw, dm = stack_f32(16), stack_f32(16)
+        qoff, hoff, soff, moff = stack_i64(16), stack_i64(16), stack_i64(16), stack_i64(16)
+        i0 = LANES * c
+        for sb in range(nsb):
+            for lane in range(LANES):
+                r = min(i0 + lane, n - 1)
+                qoff[lane], hoff[lane] = r * rb + 128 * sb, r * hb + hq * sb
+                soff[lane], moff[lane] = nsc * (r * nsb + sb), 8 * (r * nsb + sb)
+                dw[lane] = lut[d[r, sb]]
+                if form != 6:
+                    dm[lane] = lut[dmin[r, sb]]
+            decode_rows(form, q, h, qoff, hoff, codes)
+            widen_rows(sc, soff, nsc, scales)
+            if form != 6:
+                widen_rows(mn, moff, 8, mins)
+            for mm in range(m):
+                tile_row(path, form, order, codes, scales, mins, dw, dm, x, mm * k + 256 * sb,
+                         xb, mm * (k // 16) + 16 * sb, xd[mm, sb], out,
+                         am if order == GEMM else out, mm * n16 + i0)
+    u8, i64, f32 = types.CPointer(types.uint8), types.int64, types.CPointer(types.float32)
+    u16 = types.CPointer(types.uint16)
+    sc_t = types.CPointer(numba.from_dtype(np.dtype(sc_dtype)))
+    return callback(u8, i64, i64, u8, i64, sc_t, u8, u16, u16, f32, types.CPointer(types.int8),
+                    i64, i64, types.CPointer(types.int16), f32, f32, f32, i64, i64,
+                    exact=True)(chunk)
+
+
+@kernel(parallel=True, exact=True)
+def _tiled(fn, q, h, sc, mn, d, dmin, lut, xq, xb, xd, out, am, threads):  # type: ignore[no-untyped-def]
+    """out (and am) += the body at `fn` on every chunk of 16 weight rows."""
+    prev = limit_threads(threads)
+    n = q.shape[0]
+    for c in prange((n + LANES - 1) // LANES):
+        call_address(fn, (data_pointer(q), n, q.shape[1], data_pointer(h), h.shape[1],
+                          data_pointer(sc), data_pointer(mn), data_pointer(d),
+                          data_pointer(dmin), data_pointer(lut), data_pointer(xq),
+                          xq.shape[0], xq.shape[1], data_pointer(xb), data_pointer(xd),
+                          data_pointer(out), data_pointer(am), out.shape[1], c))
+    restore_threads(prev)
+
+
+FORMS = {12: 4, 13: 5, 14: 6}       # GGML type (Q4_K, Q5_K, Q6_K) -> form
+
+
+def matmul(w: QuantMatrix, x: activations.Q8KRows, order: int, path: str | None = None
+           ) -> np.ndarray:
+    """x's Q8_K blocks `[M, K]` -> `[M, N]` in the float order `order`: TILED (W Q4_K, Q5_K
+    or Q6_K as llama.cpp keeps them) or GEMM (W Q4_K that llama.cpp repacks). `path` forces
+    a SIMD path (default `isa.selected()`)."""
+    form = FORMS[int(w.qtype)]
+    if form == 6:        # ql, qh, scales, d
+        (q, h, sc, d), mn, dmin = w.planes, _NO_BITS, _NO_U16
+    elif form == 5:      # qh, qs, sc, mn, d, dmin
+        h, q, sc, mn, d, dmin = w.planes
+    else:                # qs, sc, mn, d, dmin
+        (q, sc, mn, d, dmin), h = w.planes, _NO_BITS
+    code = isa.code(path) if path else isa.selected_code()
+    fn = body(code, form, order, sc.dtype.str).address
+    m = x.qs.shape[0]
+    n16 = -(-w.rows // LANES) * LANES
+    out = np.zeros((m, n16), np.float32)
+    am = np.zeros((m, n16) if order == GEMM else (0, 0), np.float32)
+    threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
+    _tiled(fn, q, h, sc, mn, d, dmin, HALF_LUT, x.qs, x.bsums, x.d, out, am, threads)
+    if order == GEMM:
+        out -= am            # ggml's 8x8 kernels: the sums less the min sums, once at the end
+    return out if n16 == w.rows else np.ascontiguousarray(out[:, :w.rows])
