@@ -66,16 +66,18 @@ def test_no_helper_without_a_model_path_and_sizes_capped_by_the_context(tmp_path
 
 def test_helper_compiles_each_weight_types_matmul_paths(smollm2_path):
     """The helper process (as the engine starts it, under the default semantics) leaves the
-    integer kernels of SmolLM2's Q4_1 and Q8_0 weights for its larger steps compiled, the
-    ones the engine runs, and the attention work item of steps of several tokens."""
+    integer kernels of SmolLM2's Q4_1 and Q8_0 weights for its larger steps compiled (`qwide`),
+    the ones the engine runs, and the attention work item of steps of several tokens."""
     script = (
         "import json, sys\n"
         "from vllm_actors.workers import warm_up\n"
         "warm_up.main(sys.argv[1:])\n"
-        "from vllm_actors.kernels.cpu import isa, qmatmul_int as qi\n"
+        "from vllm_actors.kernels.cpu import isa, qmatmul_int as qi, qwide\n"
         "from vllm_actors.kernels import ggml_attention as ga\n"
-        "bodies = [qi.body(isa.selected_code(), kind, group)\n"
-        "          for kind in (4, 8) for group in (1, qi.GROUP)]\n"
+        "code = isa.selected_code()\n"
+        "bodies = [qi.body(code, kind, group) for kind in (4, 8) for group in (1, qi.GROUP)]\n"
+        "bodies += [qwide.body(code, 4, qwide.LANES_ORDER, '|u1'),\n"
+        "           qwide.body(code, 8, qwide.LANES_ORDER, '|i1')]\n"
         "print(json.dumps(['address' in vars(c) for c in\n"
         "                  bodies + [ga._PREFILL_ITEM, ga._DECODE_ITEM]]))\n")
     done = subprocess.run([sys.executable, "-c", script, str(smollm2_path), "16,64",
@@ -83,6 +85,6 @@ def test_helper_compiles_each_weight_types_matmul_paths(smollm2_path):
                           timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     compiled = json.loads(done.stdout.strip().splitlines()[-1])
-    # Q4_1 (kind 4) and Q8_0 (kind 8) for the groups of 4 rows the larger steps take, not
-    # the one-row forms; the attention of several tokens, not the one-token one
-    assert compiled == [False, True, False, True, True, False]
+    # Q4_1 (kind 4) and Q8_0 (kind 8) in `qwide`, which the larger steps take, not the GEMV's
+    # one-row or 4-row forms; the attention of several tokens, not the one-token one
+    assert compiled == [False, False, False, False, True, True, True, False]

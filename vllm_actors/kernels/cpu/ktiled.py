@@ -56,7 +56,7 @@ def _call(builder, name, ret, args):  # type: ignore[no-untyped-def]
     return builder.call(fn, args)
 
 
-def _dot4(builder, path, acc, w, x):  # type: ignore[no-untyped-def]
+def dot4(builder, path, acc, w, x):  # type: ignore[no-untyped-def]
     """acc + lane i of (sum over t < 4 of w[4i+t] x[4i+t]), w unsigned bytes <= 63, x int8,
     exact on every path (`vpmaddubsw`'s int16 pairs stay within 2 * 63 * 128)."""
     if path == AVX512:
@@ -88,12 +88,12 @@ def _index(context, builder, sig, args, i):  # type: ignore[no-untyped-def]
     return context.cast(builder, args[i], sig.args[i], types.intp)
 
 
-def _fma16(builder, a, b, c):  # type: ignore[no-untyped-def]
+def fma16(builder, a, b, c):  # type: ignore[no-untyped-def]
     """a * b + c per lane, one rounding (`llvm.fma`: never a multiply and an add)."""
     return _call(builder, "llvm.fma.v16f32", _F16, [a, b, c])
 
 
-def _transpose(builder, rows):  # type: ignore[no-untyped-def]
+def transpose_rows(builder, rows):  # type: ignore[no-untyped-def]
     """16 vectors <8 x i32> (row r's words) -> 8 vectors <16 x i32> (word t of every row):
     rows paired into <8 x i64>, then an 8 x 8 transpose of those pairs in three butterfly
     stages of two-source shuffles."""
@@ -130,7 +130,7 @@ def decode_rows(typingctx, form, q, h, qoff, hoff, codes):  # type: ignore[no-un
                                         _I64)) for i in (3, 4))
             per_row.append(blocks(builder, planes, kind, 4, qo, ho, ir.Constant(_I64, 0)))
         for j, (_, _, _, off) in enumerate(per_row[0]):
-            words = _transpose(builder, [builder.bitcast(row[j][0], _L8) for row in per_row])
+            words = transpose_rows(builder, [builder.bitcast(row[j][0], _L8) for row in per_row])
             for t, v in enumerate(words):
                 at = ir.Constant(_I64, LANES * (off // 4 + t))
                 builder.store(v, _ptr(context, builder, sig, args, 5, at, _L16), align=4)
@@ -157,7 +157,7 @@ def widen_rows(typingctx, src, offs, count, out):  # type: ignore[no-untyped-def
                          ir.VectorType(_I8, 8))
                 halves[h].append(extend(builder.load(p, align=1), _L8))
         for h in range(n // 8):
-            for t, v in enumerate(_transpose(builder, halves[h])):
+            for t, v in enumerate(transpose_rows(builder, halves[h])):
                 at = ir.Constant(_I64, LANES * (8 * h + t))
                 builder.store(v, _ptr(context, builder, sig, args, 3, at, _L16), align=4)
         return context.get_dummy_value()
@@ -171,13 +171,13 @@ def _flush(builder, order, total, mins, dw, dm, dx, acc, am):  # type: ignore[no
     t = builder.sitofp(total, _F16)
     if order == GEMM:
         n = builder.sitofp(mins, _F16)
-        return (_fma16(builder, t, builder.fmul(dw, dx), acc),
-                _fma16(builder, n, builder.fmul(dm, dx), am))
+        return (fma16(builder, t, builder.fmul(dw, dx), acc),
+                fma16(builder, n, builder.fmul(dm, dx), am))
     r = builder.fmul(t, dw)
     if mins is not None:
-        r = _fma16(builder, builder.fsub(ir.Constant(_F16, [-0.0] * 16), dm),
+        r = fma16(builder, builder.fsub(ir.Constant(_F16, [-0.0] * 16), dm),
                    builder.sitofp(mins, _F16), r)
-    return _fma16(builder, r, dx, acc), am
+    return fma16(builder, r, dx, acc), am
 
 
 @intrinsic
@@ -221,7 +221,7 @@ def tile_row(typingctx, isa_, form, order, codes, sc, mn, dw, dm, x, xo, xb, bo,
                 kg = s * groups + g
                 xv = builder.bitcast(splat(builder, load(8, builder.add(xo_, at(4 * kg)), _I32, 1),
                                            _L16), _B64)
-                a = _dot4(builder, path, a, load(3, at(LANES * kg), _B64), xv)
+                a = dot4(builder, path, a, load(3, at(LANES * kg), _B64), xv)
             if kind == 6:
                 a = builder.sub(a, builder.shl(xsum(s), ir.Constant(_L16, [5] * 16)))
             total = builder.add(total, builder.mul(a, load(4, at(LANES * s), _L16)))

@@ -32,7 +32,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from numba import carray, prange, types
 
-from vllm_actors.kernels.cpu import activations, isa
+from vllm_actors.kernels.cpu import activations, isa, qwide
 from vllm_actors.kernels.cpu.intrinsics import call_address, data_pointer, fma_f32
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
 from vllm_actors.kernels.cpu.lora_gemv import lora_args, lora_loop
@@ -334,7 +334,7 @@ def matmul(w: QuantMatrix, x: activations.Q8Rows, path: str | None = None,
     count (its vec_dot, and llamafile's GEMM for Q4_0/Q5_0/Q8_0 alike)."""
     m = x.qs.shape[0]
     if not _iq4_nl(w):                   # one order at every row count: one call
-        return _run(w, pad_rows(x, 1 if m == 1 else GROUP), m, _base_kind(w), path)
+        return _span(w, x, m, _base_kind(w), path)
     kinds = row_kinds(w, [m] if requests is None else requests)
     out = np.empty((m, w.rows), np.float32)
     bounds = [0, *(np.flatnonzero(np.diff(kinds)) + 1).tolist(), m]    # spans of one kind
@@ -342,9 +342,31 @@ def matmul(w: QuantMatrix, x: activations.Q8Rows, path: str | None = None,
         rows = stop - start
         span = x if rows == m else activations.Q8Rows(*(
             getattr(x, f.name)[start:stop] for f in dataclasses.fields(x)))
-        out[start:stop] = _run(w, pad_rows(span, 1 if rows == 1 else GROUP), rows,
-                               int(kinds[start]), path)
+        out[start:stop] = _span(w, span, rows, int(kinds[start]), path)
     return out
+
+
+# From this many rows of x on, `qwide` takes a matmul in the lanes' and the repacked order:
+# its weight rows, decoded once, serve every row of x (docs/BENCHMARKS.md, "The 32-weight
+# block types' matmuls of many rows"). Fewer stay the GEMV's, which streams the weights
+# faster than `qwide` decodes them: one row of any type, up to 7 of Q8_0's 8.5 bits.
+WIDE_ROWS = {8: 8}
+_WIDE_ORDERS = {_LANES: qwide.LANES_ORDER, _SCALAR: qwide.SCALAR_ORDER}
+
+
+def _wide(kind: int, m: int) -> bool:
+    """Whether `qwide` takes m rows of body `kind`."""
+    return _order(kind) in _WIDE_ORDERS and m >= WIDE_ROWS.get(REPACKED.get(kind, kind), 2)
+
+
+def _span(w: QuantMatrix, x: activations.Q8Rows, m: int, kind: int, path: str | None
+          ) -> np.ndarray:
+    """m rows of x in the order of body `kind`: `qwide` where it is faster, else `_run`."""
+    order = _WIDE_ORDERS.get(_order(kind))
+    if not _wide(kind, m):
+        return _run(w, pad_rows(x, 1 if m == 1 else GROUP), m, kind, path)
+    planes = (w.memo.get("int") or _plan(w))[1]
+    return qwide.matmul(w, planes, x, REPACKED.get(kind, kind), order, path)
 
 
 def quantizes_inside(w: QuantMatrix, rows: int, requests: Any = None) -> bool:
@@ -358,15 +380,19 @@ def quantizes_inside(w: QuantMatrix, rows: int, requests: Any = None) -> bool:
 
 def matmul_float(w: QuantMatrix, x: np.ndarray, path: str | None = None,
                  requests: Any = None) -> np.ndarray:
-    """`matmul(w, activations.quantize_q8(x))` in one kernel call, for `quantizes_inside`
-    row counts: x float32 `[M, K]` is quantized inside `gemv`. `path` as `matmul`'s. The
-    same bytes and floats as the two calls, without the quantizer's own call and its
-    `Q8Rows` (a few us of Python per linear, much of a decode step's overhead)."""
+    """`matmul(w, activations.quantize_q8(x))`, for `quantizes_inside` row counts: x float32
+    `[M, K]` is quantized inside `gemv` where one call computes it (a row, or rows `qwide`
+    does not take). `path` as `matmul`'s. The same bytes and floats as the two calls,
+    without the quantizer's own call and its `Q8Rows` (a few us of Python per linear, much
+    of a decode step's overhead)."""
     m, k = x.shape
+    one_rows = m == 1 or (requests is not None and len(requests) == m)
+    kind = _one_row_kind(w) if one_rows else None
+    if _wide(kind or _base_kind(w), m):
+        return matmul(w, activations.quantize_q8(x), path, requests)
     group = 1 if m == 1 else GROUP
     padded = -(-m // group) * group
-    one_rows = m == 1 or (requests is not None and len(requests) == m)
-    fn, planes, dist = _decode_plan(w, path, group, _one_row_kind(w) if one_rows else None)
+    fn, planes, dist = _decode_plan(w, path, group, kind)
     out = np.empty((padded, w.rows), np.float32)
     threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
     xq, xd, xs, xdsum = _scratch(padded, k)

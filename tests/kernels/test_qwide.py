@@ -1,0 +1,49 @@
+"""`kernels/cpu/qwide.py`, the 32-weight block types' matmuls of many rows, against the
+integer GEMV computing each row of x alone (`qmatmul_int`'s one-row body, which
+`test_activation_quant.py` holds to ggml's `vec_dot` bit for bit): every type, llama.cpp's
+repacked order for Q4_0 and IQ4_NL, every SIMD path this host runs, a partial chunk of
+weight rows and a row count that fills no vector. Bit for bit: a row's floats must not
+depend on the rows computed beside it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+from quant_blocks import quantize_iq4_nl, random_blocks
+
+from vllm_actors.kernels.cpu import activations, isa, qmatmul, qmatmul_int, qwide
+
+
+def _matrix(qtype: QT, n: int, k: int, rng: np.random.Generator) -> qmatmul.QuantMatrix:
+    if qtype == QT.IQ4_NL:
+        return qmatmul.pack_iq4_nl(quantize_iq4_nl(rng.standard_normal((n, k)).astype(
+            np.float32)), (n, k))
+    return qmatmul.pack(random_blocks(qtype, n, k, rng), qtype, (n, k))
+
+
+@pytest.mark.parametrize("qtype, repacked", [(QT.Q4_0, False), (QT.Q4_1, False),
+                                             (QT.Q5_0, False), (QT.Q5_1, False),
+                                             (QT.Q8_0, False), (QT.IQ4_NL, False),
+                                             (QT.Q4_0, True), (QT.IQ4_NL, True)])
+def test_rows_together_equal_each_row_alone(qtype, repacked):
+    rng = np.random.default_rng(int(qtype) + repacked)
+    n, k, m = 37, 320, 19          # two full chunks of 16 weight rows and a partial one
+    w = replace(_matrix(qtype, n, k, rng), ggml_repacked=repacked)
+    x = (rng.standard_normal((m, k)) * 3).astype(np.float32)
+    x[3] = 0.0                     # a zero row: scale 0
+    x[4, :32] = 127.0              # a block of ties at the largest quant
+    rows = activations.quantize_q8(x)
+    base, planes, _ = qmatmul_int._plan(w)
+    kind, order = qmatmul_int.REPACKED.get(base, base), (
+        qwide.SCALAR_ORDER if base in qmatmul_int.REPACKED else qwide.LANES_ORDER)
+    for path in isa.available():
+        alone = np.concatenate([qmatmul_int._run(w, activations.quantize_q8(x[i:i + 1]), 1,
+                                                 base, path) for i in range(m)])
+        got = qwide.matmul(w, planes, rows, kind, order, path)
+        assert np.array_equal(got.view(np.uint32), alone.view(np.uint32)), path
+    # the integer kernels send a request of several rows there, in that order
+    together = qmatmul_int.matmul(w, rows, requests=np.array([m]))
+    assert np.array_equal(together.view(np.uint32), got.view(np.uint32))
