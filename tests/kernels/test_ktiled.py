@@ -65,8 +65,8 @@ def _integers(w: qmatmul.QuantMatrix, x: activations.Q8KRows, per: int
 @numba.njit(cache=True)
 def _epilogue(gemm, totals, mins, dw, dm, dx):  # type: ignore[no-untyped-def]
     """out[M, N] from the integers: TILED acc = fma(fnmadd(dmin, mins, total * d), d_x, acc)
-    per superblock; GEMM acc = fma(total, d d_x, acc), am = fma(mins, dmin d_x, am) per
-    part, acc - am."""
+    per superblock; the repacked kernels (`gemm`) acc = fma(total, d d_x, acc), am =
+    fma(mins, dmin d_x, am) per part (a pair of sub-blocks, or a superblock), acc - am."""
     n, m, nsb, parts = totals.shape
     out = np.zeros((m, n), np.float32)
     for i in range(n):
@@ -86,8 +86,8 @@ def _epilogue(gemm, totals, mins, dw, dm, dx):  # type: ignore[no-untyped-def]
 
 
 def _direct(w: qmatmul.QuantMatrix, x: activations.Q8KRows, order: int) -> np.ndarray:
-    gemm = order == ktiled.GEMM
-    totals, mins = _integers(w, x, 2 if gemm else 8)
+    gemm = order != ktiled.TILED          # the repacked kernels' epilogue
+    totals, mins = _integers(w, x, 2 if order == ktiled.GEMM else 8)
     d_plane = w.planes[3] if w.qtype == QT.Q6_K else w.planes[-2]
     dw = HALF_LUT[d_plane]
     dm = HALF_LUT[w.planes[-1]] if w.qtype != QT.Q6_K else np.zeros_like(dw)
@@ -95,7 +95,8 @@ def _direct(w: qmatmul.QuantMatrix, x: activations.Q8KRows, order: int) -> np.nd
 
 
 @pytest.mark.parametrize("qtype, order", [(QT.Q4_K, ktiled.TILED), (QT.Q5_K, ktiled.TILED),
-                                          (QT.Q6_K, ktiled.TILED), (QT.Q4_K, ktiled.GEMM)])
+                                          (QT.Q6_K, ktiled.TILED), (QT.Q4_K, ktiled.GEMM),
+                                          (QT.Q4_K, ktiled.GEMV)])
 def test_equals_the_direct_computation_on_every_path(qtype, order):
     rng = np.random.default_rng(int(qtype) + 10 * order)
     n, k, m = 37, 512, 19                  # 37 rows: two full chunks of 16 and a partial one
@@ -106,8 +107,10 @@ def test_equals_the_direct_computation_on_every_path(qtype, order):
         got = ktiled.matmul(w, x, order, path)
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), path
     if "avx2" in isa.available():      # where llama.cpp runs these kernels, so do we:
-        repacked = replace(w, ggml_repacked=order == ktiled.GEMM)   # a request of 19 rows
-        got = qmatmul_int_k.matmul(repacked, x, requests=np.array([m]))
-        if order == ktiled.GEMM:        # its GEMM takes 16 rows, the GEMV the last 3
+        # a request of 19 rows (the repacked GEMM on 16 of them), or 19 one-row requests
+        repacked = replace(w, ggml_repacked=order != ktiled.TILED)
+        requests = np.ones(m, np.int64) if order == ktiled.GEMV else np.array([m])
+        got = qmatmul_int_k.matmul(repacked, x, requests=requests)
+        if order == ktiled.GEMM:
             got, want = got[:16], want[:16]
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32))

@@ -1,20 +1,22 @@
-"""ggml's tiled K-quant matmul (`ggml-cpu/tiled`; Q4_K, Q5_K, Q6_K weights llama.cpp does not
-repack, 8+ rows of x: `qmatmul_int_k.TILED`) computed the way it computes it. Per superblock,
-16 weight rows are decoded once into bytes, interleaved 4 codes per row, so that one
-`vpdpbusd` multiplies 4 codes of all 16 rows by 4 of x's int8 quants (broadcast): the 16
-rows are the lanes, no horizontal sum is ever taken, and the decoded rows serve every row
-of x from L1. Per (weight row, x row, superblock), with s the sub-blocks (32 weights for
-Q4_K/Q5_K, 16 for Q6_K) and b x's sums over them:
+"""The K-quant matmuls of many rows of x (Q4_K, Q5_K, Q6_K on Q8_K blocks) in the float orders
+of llama.cpp's kernels for them: its tiled matmul (`ggml-cpu/tiled`, weights it does not
+repack, 8+ rows: `qmatmul_int_k.TILED`) and its repacked Q4_K GEMM and GEMV (`q4_K_8x8`:
+`qmatmul_int_k.REPACKED_GEMM_Q4_K`, `REPACKED_Q4_K`). Per superblock, 16 weight rows are
+decoded once into bytes, interleaved 4 codes per row, so that one `vpdpbusd` multiplies 4
+codes of all 16 rows by 4 of x's int8 quants (broadcast): the 16 rows are the lanes, no
+horizontal sum is ever taken, and the decoded rows serve every row of x from L1. With s the
+sub-blocks (32 weights for Q4_K/Q5_K, 16 for Q6_K) and b x's sums over them, the integers
 
-    s1 = sum_s sc_s (w_s . q_s - 32 b_s [Q6_K])       s2 = sum_s mn_s b_s [Q4_K, Q5_K]
-    r = fnmadd(dmin_w, s2, s1 * d_w),  acc = fma(r, d_x, acc)
+    total = sum_s sc_s (w_s . q_s - 32 b_s [Q6_K])       mins = sum_s mn_s b_s [Q4_K, Q5_K]
 
-exact integers, then ggml's float epilogue per superblock, so the floats are ggml's bit for
-bit (the order `qmatmul_int_k`'s vec_dot kernels verify against llama.cpp, and
-`tests/kernels/test_ktiled.py` against a direct computation). The 4-byte dot products are
-`vpdpbusd` with VNNI, `vpmaddubsw` + `vpmaddwd` on AVX2, widening multiplies elsewhere: the
-same integers on every path. Parallel over fixed chunks of 16 weight rows, so the result does
-not depend on the thread count.
+are exact, and the float epilogue is ggml's (`_flush`): per superblock r = fnmadd(dmin_w,
+mins, total * d_w), acc = fma(r, d_x, acc) (TILED); per pair of sub-blocks (GEMM) or per
+superblock (GEMV) acc = fma(total, d_w d_x, acc), am = fma(mins, dmin_w d_x, am), the result
+acc - am. Bit for bit the floats of `qmatmul_int_k`'s pair kernels (verified against
+llama.cpp) and of a direct computation (`tests/kernels/test_ktiled.py`). The 4-byte dot
+products are `vpdpbusd` with VNNI, `vpmaddubsw` + `vpmaddwd` on AVX2, widening multiplies
+elsewhere: the same integers on every path. Parallel over fixed chunks of 16 weight rows, so
+the result does not depend on the thread count.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from vllm_actors.kernels.cpu.qmatmul_prims import HALF_LUT, limit_threads, resto
 from vllm_actors.kernels.cpu.qmatmul_simd import splat, vector_ptr
 
 LANES = 16                  # weight rows per chunk: one 512-bit vector of int32 sums
-TILED, GEMM = 0, 1          # float orders: ggml's tiled matmul, its repacked Q4_K GEMM
+TILED, GEMM, GEMV = 0, 1, 2  # float orders: ggml's tiled matmul, its repacked Q4_K GEMM, GEMV
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _B64 = ir.VectorType(_I8, 64)
 _B32 = ir.VectorType(_I8, 32)
@@ -165,11 +167,11 @@ def widen_rows(typingctx, src, offs, count, out):  # type: ignore[no-untyped-def
 
 
 def _flush(builder, order, total, mins, dw, dm, dx, acc, am):  # type: ignore[no-untyped-def]
-    """A superblock's (TILED) or a pair of sub-blocks' (GEMM) float epilogue onto the
+    """A superblock's (TILED, GEMV) or a pair of sub-blocks' (GEMM) float epilogue onto the
     accumulators (16 lanes each): TILED acc = fma(fnmadd(dmin_w, mins, total * d_w), d_x,
-    acc); GEMM acc = fma(total, d_w d_x, acc), am = fma(mins, dmin_w d_x, am)."""
+    acc); GEMM, GEMV acc = fma(total, d_w d_x, acc), am = fma(mins, dmin_w d_x, am)."""
     t = builder.sitofp(total, _F16)
-    if order == GEMM:
+    if order != TILED:
         n = builder.sitofp(mins, _F16)
         return (fma16(builder, t, builder.fmul(dw, dx), acc),
                 fma16(builder, n, builder.fmul(dm, dx), am))
@@ -185,8 +187,8 @@ def tile_row(typingctx, isa_, form, order, codes, sc, mn, dw, dm, x, xo, xb, bo,
     """One row of x against the superblock of 16 decoded weight rows (`decode_rows`; their
     scales at sc[16 s + i], mins at mn[16 s + i], d_w and dmin_w at dw[i], dm[i]): x's quants
     at x.flat[xo], its sums of 16 at xb.flat[bo] (int16), its d_x `dx`; the results onto
-    out.flat[oo : oo+16] (and am's, GEMM's min sums), lane i for weight row i, in the float
-    order `order` (a literal, TILED or GEMM)."""
+    out.flat[oo : oo+16] (and am's, the repacked kernels' min sums), lane i for weight row
+    i, in the float order `order` (a literal: TILED, GEMM or GEMV)."""
     if not (isinstance(isa_, types.IntegerLiteral) and isinstance(form, types.IntegerLiteral)
             and isinstance(order, types.IntegerLiteral) and form.literal_value in (4, 5, 6)
             and isinstance(x, types.Array) and x.dtype == types.int8
@@ -233,7 +235,7 @@ def tile_row(typingctx, isa_, form, order, codes, sc, mn, dw, dm, x, xo, xb, bo,
                                  acc, am)
                 total, mins = zero, zero
         builder.store(acc, p_acc, align=4)
-        if how == GEMM:
+        if how != TILED:
             builder.store(am, p_am, align=4)
         return context.get_dummy_value()
     return types.none(isa_, form, order, codes, sc, mn, dw, dm, x, xo, xb, bo, dx, out, am,
@@ -256,7 +258,7 @@ def body(path: int, form: int, order: int, sc_dtype: str) -> Callback:
         d, dmin = carray(d_p, (n, nsb)), carray(dm_p, (n if form != 6 else 0, nsb))
         lut, x = carray(lut_p, (1 << 16,)), carray(x_p, (m * k,))
         xb, xd = carray(xb_p, (m * k // 16,)), carray(xd_p, (m, nsb))
-        out, am = carray(out_p, (m * n16,)), carray(am_p, (m * n16 if order == GEMM else 0,))
+        out, am = carray(out_p, (m * n16,)), carray(am_p, (m * n16 if order != TILED else 0,))
         codes, scales, mins = stack_i32(1024), stack_i32(256), stack_i32(128)   # 16 rows each
         dw, dm = stack_f32(16), stack_f32(16)
         qoff, hoff, soff, moff = stack_i64(16), stack_i64(16), stack_i64(16), stack_i64(16)
@@ -276,7 +278,7 @@ def body(path: int, form: int, order: int, sc_dtype: str) -> Callback:
             for mm in range(m):
                 tile_row(path, form, order, codes, scales, mins, dw, dm, x, mm * k + 256 * sb,
                          xb, mm * (k // 16) + 16 * sb, xd[mm, sb], out,
-                         am if order == GEMM else out, mm * n16 + i0)
+                         am if order != TILED else out, mm * n16 + i0)
     u8, i64, f32 = types.CPointer(types.uint8), types.int64, types.CPointer(types.float32)
     u16 = types.CPointer(types.uint16)
     sc_t = types.CPointer(numba.from_dtype(np.dtype(sc_dtype)))
@@ -305,7 +307,8 @@ FORMS = {12: 4, 13: 5, 14: 6}       # GGML type (Q4_K, Q5_K, Q6_K) -> form
 def matmul(w: QuantMatrix, x: activations.Q8KRows, order: int, path: str | None = None
            ) -> np.ndarray:
     """x's Q8_K blocks `[M, K]` -> `[M, N]` in the float order `order`: TILED (W Q4_K, Q5_K
-    or Q6_K as llama.cpp keeps them) or GEMM (W Q4_K that llama.cpp repacks). `path` forces
+    or Q6_K as llama.cpp keeps them), GEMM or GEMV (W Q4_K that llama.cpp repacks: its
+    8x8 kernels, per pair of sub-blocks or per superblock). `path` forces
     a SIMD path (default `isa.selected()`)."""
     form = FORMS[int(w.qtype)]
     if form == 6:        # ql, qh, scales, d
@@ -319,9 +322,9 @@ def matmul(w: QuantMatrix, x: activations.Q8KRows, order: int, path: str | None 
     m = x.qs.shape[0]
     n16 = -(-w.rows // LANES) * LANES
     out = np.zeros((m, n16), np.float32)
-    am = np.zeros((m, n16) if order == GEMM else (0, 0), np.float32)
+    am = np.zeros((m, n16) if order != TILED else (0, 0), np.float32)
     threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
     _tiled(fn, q, h, sc, mn, d, dmin, HALF_LUT, x.qs, x.bsums, x.d, out, am, threads)
-    if order == GEMM:
+    if order != TILED:
         out -= am            # ggml's 8x8 kernels: the sums less the min sums, once at the end
     return out if n16 == w.rows else np.ascontiguousarray(out[:, :w.rows])

@@ -77,7 +77,8 @@ TILED_MIN_ROWS = 8
 # for each group of 4; below those counts the decoding costs more than it saves (Q6_K's six
 # bits the most). docs/BENCHMARKS.md, "The K-quant matmuls of many rows".
 _WIDE = {TILED + 4: (ktiled.TILED, 8), TILED + 5: (ktiled.TILED, 8),
-         TILED + 6: (ktiled.TILED, 32), REPACKED_GEMM_Q4_K: (ktiled.GEMM, 4)}
+         TILED + 6: (ktiled.TILED, 32), REPACKED_GEMM_Q4_K: (ktiled.GEMM, 4),
+         REPACKED_Q4_K: (ktiled.GEMV, 8)}
 _NO_BITS = np.zeros((0, 0), np.uint8)
 _NO_U16 = np.zeros((0, 0), np.uint16)
 _NO_F32 = np.zeros((0, 0), np.float32)
@@ -369,6 +370,8 @@ def matmul_float(w: QuantMatrix, x: np.ndarray, path: str | None = None,
     if kind is None:
         kind = w.memo["int_k_one_row"] = int(row_kinds(w, [1])[0])
     m, k = x.shape
+    if m >= _WIDE.get(kind, (None, m + 1))[1]:      # one-row requests `ktiled` takes together
+        return matmul(w, activations.quantize_q8_k(x), path, requests)
     group = 1 if m == 1 else GROUP
     padded = -(-m // group) * group
     return _run(w, _scratch(padded, k), m, kind, path, np.ascontiguousarray(x, np.float32))
