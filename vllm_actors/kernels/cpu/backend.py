@@ -175,7 +175,9 @@ class CpuBackend:
         so far at each row count in `rows` (the cold-start compile helper of
         `workers.warm_up` runs this beside the engine's own warm-up), the multi-row GEMVs
         (`qmatmul.multi_gemv`) first: the engine reaches them at 3 rows, after its 1-row
-        step, and then loads them from the cache instead of compiling them itself."""
+        step, and then loads them from the cache instead of compiling them itself. Under the
+        quantized semantics both a request of n rows and n one-row requests: llama.cpp's
+        kernel, so ours, depends on the request's size."""
         for linear in self._smallest.values():
             m = linear.parts[0]
             if not linear.formats and m.qtype in qmatmul.MULTI_MAX_ROWS:
@@ -183,7 +185,10 @@ class CpuBackend:
                                    np.empty((2, m.rows), np.float32))
         for linear in self._smallest.values():
             for n in rows:
-                self.linear(np.zeros((n, linear.parts[0].cols), np.float32), linear)
+                x = np.zeros((n, linear.parts[0].cols), np.float32)
+                self._linear(x, linear, None, None)           # a request of n rows
+                if linear.formats:                            # n one-row requests (decodes)
+                    self._linear(x, linear, None, np.ones(n, np.int64))
 
     # -- weights and buffers -------------------------------------------------------------
     def upload_linear(self, parts: Sequence[WeightLike]) -> Linear:

@@ -347,10 +347,10 @@ def matmul(w: QuantMatrix, x: activations.Q8Rows, path: str | None = None,
 
 
 # From this many rows of x on, `qwide` takes a matmul in the lanes' and the repacked order:
-# its weight rows, decoded once, serve every row of x (docs/BENCHMARKS.md, "The 32-weight
-# block types' matmuls of many rows"). Fewer stay the GEMV's, which streams the weights
-# faster than `qwide` decodes them: one row of any type, up to 7 of Q8_0's 8.5 bits.
-WIDE_ROWS = {8: 8}
+# its weight rows, decoded once, serve every row of x (docs/BENCHMARKS.md, "The matmuls of
+# many rows"). Fewer stay the GEMV's, which streams the weights faster than `qwide` decodes
+# them: one row of any type, up to 15 of Q8_0's 8.5 bits (a 262144-row LM head).
+WIDE_ROWS = {8: 16}
 _WIDE_ORDERS = {_LANES: qwide.LANES_ORDER, _SCALAR: qwide.SCALAR_ORDER}
 
 

@@ -144,7 +144,8 @@ def _dot_signed(builder, path, w, x):  # type: ignore[no-untyped-def]
     p = builder.mul(builder.sext(w, wide), builder.sext(x, wide))
     acc = ir.Constant(_L16, [0] * 16)
     for t in range(4):
-        acc = builder.add(acc, builder.shuffle_vector(p, p, ir.Constant(_L16, list(range(t, 64, 4)))))
+        pick = ir.Constant(_L16, list(range(t, 64, 4)))
+        acc = builder.add(acc, builder.shuffle_vector(p, p, pick))
     return acc
 
 
