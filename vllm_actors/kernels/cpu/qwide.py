@@ -187,20 +187,7 @@ def row_dots(typingctx, isa_, kind, order, codes, nb, dw, mw, x, xo, xc, co, xd,
             sb = builder.add(so_, b)
             scale = builder.fmul(load(5, builder.mul(b, ir.Constant(_I64, LANES)), _F16),
                                  splat(builder, load(11, sb, ir.FloatType()), _F16))
-            lanes = []
-            for t in range(8):
-                k4 = builder.add(builder.mul(b, ir.Constant(_I64, 8)), ir.Constant(_I64, t))
-                xw = load(7, builder.add(xo_, builder.mul(k4, ir.Constant(_I64, 4))), _I32, 1)
-                xv = builder.bitcast(splat(builder, xw, _L16), _B64)
-                w = load(3, builder.mul(k4, ir.Constant(_I64, LANES)), _B64)
-                if signed:
-                    v = _dot_signed(builder, path, w, xv)
-                else:
-                    init = ir.Constant(_L16, [0] * 16)
-                    if offset:
-                        init = splat(builder, load(9, builder.add(co_, k4), _I32), _L16)
-                    v = dot4(builder, path, init, w, xv)
-                lanes.append(v)
+            lanes = _block_lanes(builder, path, signed, offset, load, b, xo_, co_)
             if how == SCALAR_ORDER:
                 whole = lanes[0]
                 for v in lanes[1:]:
@@ -225,6 +212,26 @@ def row_dots(typingctx, isa_, kind, order, codes, nb, dw, mw, x, xo, xc, co, xd,
         return context.get_dummy_value()
     return types.none(isa_, kind, order, codes, nb, dw, mw, x, xo, xc, co, xd, xs, so, out,
                       oo), codegen
+
+
+def _block_lanes(builder, path, signed, offset, load, b, xo, co):  # type: ignore[no-untyped-def]
+    """Block b's 8 integer lanes of all 16 rows (`row_dots`' arguments through `load`): group
+    t's 4 codes against x's 4 quants broadcast, less the offset term where the codes carry
+    one."""
+    lanes = []
+    for t in range(8):
+        k4 = builder.add(builder.mul(b, ir.Constant(_I64, 8)), ir.Constant(_I64, t))
+        xw = load(7, builder.add(xo, builder.mul(k4, ir.Constant(_I64, 4))), _I32, 1)
+        xv = builder.bitcast(splat(builder, xw, _L16), _B64)
+        w = load(3, builder.mul(k4, ir.Constant(_I64, LANES)), _B64)
+        if signed:
+            lanes.append(_dot_signed(builder, path, w, xv))
+            continue
+        init = ir.Constant(_L16, [0] * 16)
+        if offset:
+            init = splat(builder, load(9, builder.add(co, k4), _I32), _L16)
+        lanes.append(dot4(builder, path, init, w, xv))
+    return lanes
 
 
 def _fma(builder, a, b, c):  # type: ignore[no-untyped-def]
