@@ -233,7 +233,7 @@ def test_gelu_table_is_ggml_s():
     edges = np.float32([-12.0, -10.0, -0.5, 0.0, 0.7, 3.0, 10.0, 10.003, 11.0, 1e-3, -3.5,
                         6e-8, 65519.0, 65520.0, -1e5, np.inf, -np.inf])
     gate = (np.random.default_rng(0).standard_normal((17, 2 * len(edges))) * 6).astype(np.float32)
-    gate[:, :len(edges)] = edges               # every row: one row alone and the parallel form
+    gate[:, :len(edges)] = edges               # in every row: one row alone, and 17 rows
     up = np.full_like(gate, 1.5)
     with np.errstate(over="ignore", invalid="ignore"):
         want = np.where(gate <= -10, np.float32(0), np.where(

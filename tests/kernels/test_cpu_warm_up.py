@@ -43,15 +43,15 @@ def test_cold_start_starts_one_helper_then_the_marker_skips_it(tmp_path, monkeyp
     cache = ggml_attention.GgmlCache(np.zeros((2, 16, 1, 16), np.uint16),
                                      np.zeros((2, 16, 1, 16), np.uint16))
     wu.warm_up(model, [cache], 16, 4096, "cpu", tmp_path / "model.gguf")
-    assert started == [((16, 64), True)]
+    assert started == [((3, 16, 64), True)]
     assert model.sizes == [1, 3, 16, 64] and model.logit_rows == [1, 3, 16, 64]
     assert wu.marker_path().parent == tmp_path and wu.marker_path().exists()
     wu.warm_up(StubModel(), [], 16, 4096, "cpu", tmp_path / "model.gguf")
-    assert started == [((16, 64), True)]         # warm: no second helper
+    assert started == [((3, 16, 64), True)]         # warm: no second helper
     wu.marker_path().unlink()
     model = StubModel()
     wu.warm_up(model, [], 16, 4096, "cpu", tmp_path / "model.gguf")
-    assert started[-1] == ((16, 64), False)      # a cache of another format
+    assert started[-1] == ((3, 16, 64), False)   # a cache of another format
 
 
 def test_no_helper_without_a_model_path_and_sizes_capped_by_the_context(tmp_path,

@@ -50,7 +50,7 @@ def _swiglu_per_element(gate_up, out, width):  # type: ignore[no-untyped-def]
 
 
 def test_vectorized_swiglu_equals_it_element_by_element(monkeypatch):
-    """On both widths, one row and a prefill's (the parallel form), a tail past the last vector,
+    """On both widths, one row and several, a tail past the last vector,
     and the elements the branch-free loop must redo: outside exp's normal range, at its
     ends, NaN and infinities."""
     rng = np.random.default_rng(0)

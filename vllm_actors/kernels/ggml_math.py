@@ -18,10 +18,7 @@ import os
 import numba
 import numpy as np
 
-from numba import prange
-
 from vllm_actors.kernels.cpu.activations import _f16_bits
-from vllm_actors.kernels.cpu.elementwise import PARALLEL_ROWS
 from vllm_actors.kernels.cpu.intrinsics import (HARDWARE_HALF, bits_to_f32, f32_to_bits,
                                                 fma_f32, hardware_half_bits)
 from vllm_actors.kernels.cpu.isa import host_features
@@ -180,25 +177,18 @@ def _swiglu_row(gate_up, out, r, width):  # type: ignore[no-untyped-def]
 
 
 # exact (no fast math), error_model="numpy": no zero-division check in the loops, so they
-# vectorize. The parallel forms take a prefill's rows: each row's floats do not depend on
-# which thread computes it.
+# vectorize. One thread: a parallel form halved a 512-row prefill's SwiGLU (0.34 -> 0.17 ms)
+# and cost 1.5-2 s of compiling on a cold start (docs/BENCHMARKS.md, "The matmuls of many rows").
 @kernel(exact=True)
 def _swiglu_rows(gate_up, out, width):  # type: ignore[no-untyped-def]
     for r in range(out.shape[0]):
         _swiglu_row(gate_up, out, r, width)
 
 
-@kernel(parallel=True, exact=True)
-def _swiglu_rows_parallel(gate_up, out, width):  # type: ignore[no-untyped-def]
-    for r in prange(out.shape[0]):
-        _swiglu_row(gate_up, out, r, width)
-
-
 def swiglu(gate_up: np.ndarray) -> np.ndarray:
     """gate_up [T, 2F] -> silu(gate) * up [T, F] as ggml's `ggml_vec_swiglu_f32`."""
     out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
-    fn = _swiglu_rows_parallel if len(out) >= PARALLEL_ROWS else _swiglu_rows
-    fn(np.ascontiguousarray(gate_up, np.float32), out, ggml_width())
+    _swiglu_rows(np.ascontiguousarray(gate_up, np.float32), out, ggml_width())
     return out
 
 
@@ -244,15 +234,8 @@ def _geglu_rows(gate_up, table, out):  # type: ignore[no-untyped-def]
         _geglu_row(gate_up, table, out, r)
 
 
-@kernel(parallel=True, exact=True)
-def _geglu_rows_parallel(gate_up, table, out):  # type: ignore[no-untyped-def]
-    for r in prange(out.shape[0]):
-        _geglu_row(gate_up, table, out, r)
-
-
 def geglu(gate_up: np.ndarray) -> np.ndarray:
     """gate_up [T, 2F] -> gelu_tanh(gate) * up [T, F] as ggml's `ggml_vec_geglu_f32`."""
     out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
-    fn = _geglu_rows_parallel if len(out) >= PARALLEL_ROWS else _geglu_rows
-    fn(np.ascontiguousarray(gate_up, np.float32), gelu_table(), out)
+    _geglu_rows(np.ascontiguousarray(gate_up, np.float32), gelu_table(), out)
     return out

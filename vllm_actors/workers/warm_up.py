@@ -10,7 +10,7 @@ second CPU is free and memory allows a second copy of the weights, a helper proc
 its 1-row step (the one-row GEMVs, one-token attention, the elementwise kernels): first the
 attention work item of steps of several tokens (`ggml_attention.compile_prefill`, where the
 cache takes llama.cpp's attention), then, with the weights loaded, the multi-row (2..15 rows)
-and 16/64-row matmul kernels of each weight type (`CpuBackend.compile_matmuls`). This process
+and 3/16/64-row matmul kernels of each weight type (`CpuBackend.compile_matmuls`). This process
 then waits for it and runs 3, 16 and 64 rows, loading what the helper compiled. The two
 processes compile different kernels: where both ran the same steps, attention compiled
 twice (measured: 42.4 s alone, 40.1 s with such a helper). A marker file per kernel-source
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 FIRST_SIZES = (1,)          # before the helper is waited for
 STEP_SIZES = (3, 16, 64)    # after it
-HELPER_SIZES = (16, 64)     # the helper's matmuls (3 rows take the 16-row kernels)
+HELPER_SIZES = (3, 16, 64)  # the helper's matmuls (3 rows: Q8_0's GEMV of 4 rows, below `qwide`)
 HELPER_TIMEOUT_S = 600
 GGML_ATTENTION = "ggml-attention"
 
