@@ -52,7 +52,8 @@ _NO_BITS = np.zeros((0, 0), np.uint8)
 _NO_U16 = np.zeros((0, 0), np.uint16)
 
 
-def _call(builder, name, ret, args):  # type: ignore[no-untyped-def]
+def llvm_call(builder, name, ret, args):  # type: ignore[no-untyped-def]
+    """A call of the LLVM intrinsic `name` (declared once per module)."""
     fn = builder.module.globals.get(name) or ir.Function(
         builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
     return builder.call(fn, args)
@@ -62,15 +63,15 @@ def dot4(builder, path, acc, w, x):  # type: ignore[no-untyped-def]
     """acc + lane i of (sum over t < 4 of w[4i+t] x[4i+t]), w unsigned bytes <= 63, x int8,
     exact on every path (`vpmaddubsw`'s int16 pairs stay within 2 * 63 * 128)."""
     if path == AVX512:
-        return _call(builder, "llvm.x86.avx512.vpdpbusd.512", _L16,
+        return llvm_call(builder, "llvm.x86.avx512.vpdpbusd.512", _L16,
                      [acc, builder.bitcast(w, _L16), builder.bitcast(x, _L16)])
     if path == AVX2:
         halves = []
         for h in range(2):
             pick = ir.Constant(ir.VectorType(_I32, 32), list(range(32 * h, 32 * h + 32)))
             wh, xh = (builder.shuffle_vector(v, v, pick) for v in (w, x))
-            pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _W16, [wh, xh])
-            halves.append(_call(builder, "llvm.x86.avx2.pmadd.wd", _L8,
+            pairs = llvm_call(builder, "llvm.x86.avx2.pmadd.ub.sw", _W16, [wh, xh])
+            halves.append(llvm_call(builder, "llvm.x86.avx2.pmadd.wd", _L8,
                                 [pairs, ir.Constant(_W16, [1] * 16)]))
         both = builder.shuffle_vector(halves[0], halves[1], ir.Constant(_L16, list(range(16))))
         return builder.add(acc, both)
@@ -82,7 +83,8 @@ def dot4(builder, path, acc, w, x):  # type: ignore[no-untyped-def]
     return acc
 
 
-def _ptr(context, builder, sig, args, i, idx, vecty):  # type: ignore[no-untyped-def]
+def array_ptr(context, builder, sig, args, i, idx, vecty):  # type: ignore[no-untyped-def]
+    """Element idx of the intrinsic's array argument i, as a pointer to `vecty`."""
     return vector_ptr(context, builder, sig.args[i], args[i], types.intp, idx, vecty)
 
 
@@ -92,7 +94,7 @@ def _index(context, builder, sig, args, i):  # type: ignore[no-untyped-def]
 
 def fma16(builder, a, b, c):  # type: ignore[no-untyped-def]
     """a * b + c per lane, one rounding (`llvm.fma`: never a multiply and an add)."""
-    return _call(builder, "llvm.fma.v16f32", _F16, [a, b, c])
+    return llvm_call(builder, "llvm.fma.v16f32", _F16, [a, b, c])
 
 
 def transpose_rows(builder, rows):  # type: ignore[no-untyped-def]
@@ -128,14 +130,15 @@ def decode_rows(typingctx, form, q, h, qoff, hoff, codes):  # type: ignore[no-un
         planes = Planes(context, builder, sig, args, 1, 2, 1)   # no scales are read
         per_row = []
         for lane in range(LANES):
-            qo, ho = (builder.load(_ptr(context, builder, sig, args, i, ir.Constant(_I64, lane),
-                                        _I64)) for i in (3, 4))
+            at = ir.Constant(_I64, lane)
+            qo, ho = (builder.load(array_ptr(context, builder, sig, args, i, at, _I64))
+                      for i in (3, 4))
             per_row.append(blocks(builder, planes, kind, 4, qo, ho, ir.Constant(_I64, 0)))
         for j, (_, _, _, off) in enumerate(per_row[0]):
             words = transpose_rows(builder, [builder.bitcast(row[j][0], _L8) for row in per_row])
             for t, v in enumerate(words):
                 at = ir.Constant(_I64, LANES * (off // 4 + t))
-                builder.store(v, _ptr(context, builder, sig, args, 5, at, _L16), align=4)
+                builder.store(v, array_ptr(context, builder, sig, args, 5, at, _L16), align=4)
         return context.get_dummy_value()
     return types.none(form, q, h, qoff, hoff, codes), codegen
 
@@ -153,15 +156,16 @@ def widen_rows(typingctx, src, offs, count, out):  # type: ignore[no-untyped-def
         extend = builder.sext if sig.args[0].dtype.signed else builder.zext
         halves = [[], []]
         for lane in range(LANES):
-            o = builder.load(_ptr(context, builder, sig, args, 1, ir.Constant(_I64, lane), _I64))
+            o = builder.load(array_ptr(context, builder, sig, args, 1, ir.Constant(_I64, lane),
+                                       _I64))
             for h in range(n // 8):
-                p = _ptr(context, builder, sig, args, 0, builder.add(o, ir.Constant(_I64, 8 * h)),
-                         ir.VectorType(_I8, 8))
+                at = builder.add(o, ir.Constant(_I64, 8 * h))
+                p = array_ptr(context, builder, sig, args, 0, at, ir.VectorType(_I8, 8))
                 halves[h].append(extend(builder.load(p, align=1), _L8))
         for h in range(n // 8):
             for t, v in enumerate(transpose_rows(builder, halves[h])):
                 at = ir.Constant(_I64, LANES * (8 * h + t))
-                builder.store(v, _ptr(context, builder, sig, args, 3, at, _L16), align=4)
+                builder.store(v, array_ptr(context, builder, sig, args, 3, at, _L16), align=4)
         return context.get_dummy_value()
     return types.none(src, offs, count, out), codegen
 
@@ -202,7 +206,7 @@ def tile_row(typingctx, isa_, form, order, codes, sc, mn, dw, dm, x, xo, xb, bo,
         xo_, bo_, oo_ = (_index(context, builder, sig, args, i) for i in (9, 11, 15))
 
         def load(i, idx, vecty, align=4):  # type: ignore[no-untyped-def]
-            return builder.load(_ptr(context, builder, sig, args, i, idx, vecty), align=align)
+            return builder.load(array_ptr(context, builder, sig, args, i, idx, vecty), align=align)
 
         def at(n):  # type: ignore[no-untyped-def]
             return ir.Constant(_I64, n)
@@ -213,7 +217,7 @@ def tile_row(typingctx, isa_, form, order, codes, sc, mn, dw, dm, x, xo, xb, bo,
 
         dx = splat(builder, context.cast(builder, args[12], sig.args[12], types.float32), _F16)
         dw, dm = load(6, at(0), _F16), load(7, at(0), _F16)
-        p_acc, p_am = (_ptr(context, builder, sig, args, i, oo_, _F16) for i in (13, 14))
+        p_acc, p_am = (array_ptr(context, builder, sig, args, i, oo_, _F16) for i in (13, 14))
         acc, am = builder.load(p_acc, align=4), builder.load(p_am, align=4)
         zero = ir.Constant(_L16, [0] * 16)
         total, mins = zero, zero

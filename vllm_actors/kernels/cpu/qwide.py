@@ -28,11 +28,12 @@ from numba.extending import intrinsic
 from vllm_actors.kernels.cpu import activations, isa
 from vllm_actors.kernels.cpu.intrinsics import call_address, data_pointer, stack_i64
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
-from vllm_actors.kernels.cpu.ktiled import LANES, dot4, transpose_rows
+from vllm_actors.kernels.cpu.ktiled import (LANES, array_ptr, dot4, fma16, llvm_call,
+                                            transpose_rows)
 from vllm_actors.kernels.cpu.qdot import AVX2, AVX512, PORTABLE
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix
 from vllm_actors.kernels.cpu.qmatmul_prims import HALF_LUT, limit_threads, restore_threads
-from vllm_actors.kernels.cpu.qmatmul_simd import fmuladd, splat, vector_ptr
+from vllm_actors.kernels.cpu.qmatmul_simd import fmuladd, splat
 
 _I1, _I8, _I16, _I32, _I64 = (ir.IntType(n) for n in (1, 8, 16, 32, 64))
 _B64, _B32, _B16 = ir.VectorType(_I8, 64), ir.VectorType(_I8, 32), ir.VectorType(_I8, 16)
@@ -47,16 +48,6 @@ _LOG2 = {8: 3, 16: 4, 128: 7}
 def signed_codes(path: int, kind: int) -> bool:
     """Whether codes stay int8 (Q8_0, IQ4_NL off the VNNI path) instead of biased bytes."""
     return kind in (8, 41) and path != AVX512
-
-
-def _call(builder, name, ret, args):  # type: ignore[no-untyped-def]
-    fn = builder.module.globals.get(name) or ir.Function(
-        builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
-    return builder.call(fn, args)
-
-
-def _ptr(context, builder, sig, args, i, idx, vecty):  # type: ignore[no-untyped-def]
-    return vector_ptr(context, builder, sig.args[i], args[i], types.intp, idx, vecty)
 
 
 def _block(builder, path, kind, packed, bits):  # type: ignore[no-untyped-def]
@@ -83,7 +74,7 @@ def _block(builder, path, kind, packed, bits):  # type: ignore[no-untyped-def]
                     out = builder.select(hit, ir.Constant(_B32, [table[i]] * 32), out)
                 w = out
             else:
-                w = _call(builder, "llvm.x86.avx2.pshuf.b", _B32,
+                w = llvm_call(builder, "llvm.x86.avx2.pshuf.b", _B32,
                           [ir.Constant(_B32, table * 2), w])
     if kind in (8, 41) and not signed_codes(path, kind):
         w = builder.xor(w, ir.Constant(_B32, [0x80] * 32))
@@ -103,23 +94,25 @@ def decode_blocks(typingctx, isa_, kind, q, qoff, step, qh, hoff, nb, codes):  #
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
         step_, nb_ = (context.cast(builder, args[i], sig.args[i], types.intp) for i in (4, 7))
-        bases = [[builder.load(_ptr(context, builder, sig, args, i, ir.Constant(_I64, lane), _I64))
+        bases = [[builder.load(array_ptr(context, builder, sig, args, i,
+                                         ir.Constant(_I64, lane), _I64))
                   for lane in range(LANES)] for i in (3, 6)]
         with cgutils.for_range(builder, nb_) as loop:
             b = loop.index
             rows = []
             for lane in range(LANES):
                 at = builder.add(bases[0][lane], builder.mul(b, step_))
-                packed = builder.load(_ptr(context, builder, sig, args, 2, at, width), align=1)
+                packed = builder.load(array_ptr(context, builder, sig, args, 2, at, width),
+                                      align=1)
                 bits = None
                 if form in (5, 50):
-                    bits = builder.load(_ptr(context, builder, sig, args, 5,
+                    bits = builder.load(array_ptr(context, builder, sig, args, 5,
                                              builder.add(bases[1][lane], b), _I32), align=4)
                 rows.append(builder.bitcast(_block(builder, path, form, packed, bits), _L8))
             for t, v in enumerate(transpose_rows(builder, rows)):
                 at = builder.mul(builder.add(builder.mul(b, ir.Constant(_I64, 8)),
                                              ir.Constant(_I64, t)), ir.Constant(_I64, LANES))
-                builder.store(v, _ptr(context, builder, sig, args, 8, at, _L16), align=4)
+                builder.store(v, array_ptr(context, builder, sig, args, 8, at, _L16), align=4)
         return context.get_dummy_value()
     return types.none(isa_, kind, q, qoff, step, qh, hoff, nb, codes), codegen
 
@@ -136,8 +129,8 @@ def _dot_signed(builder, path, w, x):  # type: ignore[no-untyped-def]
             neg = builder.icmp_signed("<", wh, ir.Constant(_B32, [0] * 32))
             aw = builder.select(neg, builder.neg(wh), wh)
             sx = builder.select(neg, builder.neg(xh), xh)
-            pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _W16, [aw, sx])
-            halves.append(_call(builder, "llvm.x86.avx2.pmadd.wd", _L8,
+            pairs = llvm_call(builder, "llvm.x86.avx2.pmadd.ub.sw", _W16, [aw, sx])
+            halves.append(llvm_call(builder, "llvm.x86.avx2.pmadd.wd", _L8,
                                 [pairs, ir.Constant(_W16, [1] * 16)]))
         return builder.shuffle_vector(halves[0], halves[1], ir.Constant(_L16, list(range(16))))
     wide = ir.VectorType(_I32, 64)
@@ -180,7 +173,7 @@ def row_dots(typingctx, isa_, kind, order, codes, nb, dw, mw, x, xo, xc, co, xd,
         chain = cgutils.alloca_once_value(builder, zero)      # min sums, or the one chain
 
         def load(i, idx, ty, align=4):  # type: ignore[no-untyped-def]
-            return builder.load(_ptr(context, builder, sig, args, i, idx, ty), align=align)
+            return builder.load(array_ptr(context, builder, sig, args, i, idx, ty), align=align)
 
         with cgutils.for_range(builder, nb_) as loop:
             b = loop.index
@@ -192,7 +185,7 @@ def row_dots(typingctx, isa_, kind, order, codes, nb, dw, mw, x, xo, xc, co, xd,
                 whole = lanes[0]
                 for v in lanes[1:]:
                     whole = builder.add(whole, v)
-                builder.store(_fma(builder, builder.sitofp(whole, _F16), scale,
+                builder.store(fma16(builder, builder.sitofp(whole, _F16), scale,
                                    builder.load(chain)), chain)
             else:
                 for t, v in enumerate(lanes):
@@ -201,14 +194,14 @@ def row_dots(typingctx, isa_, kind, order, codes, nb, dw, mw, x, xo, xc, co, xd,
                 if mins:
                     m_w = load(6, builder.mul(b, ir.Constant(_I64, LANES)), _F16)
                     s_x = splat(builder, load(12, sb, ir.FloatType()), _F16)
-                    builder.store(_fma(builder, m_w, s_x, builder.load(chain)), chain)
+                    builder.store(fma16(builder, m_w, s_x, builder.load(chain)), chain)
         if how == SCALAR_ORDER:
             total = builder.load(chain)
         else:
             total = _hsum8(builder, [builder.load(a) for a in accs])
             if mins:
                 total = builder.fadd(total, builder.load(chain))
-        builder.store(total, _ptr(context, builder, sig, args, 14, oo_, _F16), align=4)
+        builder.store(total, array_ptr(context, builder, sig, args, 14, oo_, _F16), align=4)
         return context.get_dummy_value()
     return types.none(isa_, kind, order, codes, nb, dw, mw, x, xo, xc, co, xd, xs, so, out,
                       oo), codegen
@@ -232,11 +225,6 @@ def _block_lanes(builder, path, signed, offset, load, b, xo, co):  # type: ignor
             init = splat(builder, load(9, builder.add(co, k4), _I32), _L16)
         lanes.append(dot4(builder, path, init, w, xv))
     return lanes
-
-
-def _fma(builder, a, b, c):  # type: ignore[no-untyped-def]
-    """a * b + c per lane with one rounding (`llvm.fma`, as `intrinsics.fma_f32`)."""
-    return _call(builder, "llvm.fma.v16f32", _F16, [a, b, c])
 
 
 @functools.cache
