@@ -13,7 +13,6 @@ MAX_FUNCTION_LINES = 60
 LONG_KERNELS = {("kernels/cpu/qmatmul_k45.py", "gemv_q5_k"), ("kernels/cpu/qmatmul_k45.py",
                 "gemv_q4_k"), ("kernels/cpu/qmatmul_k45.py", "gemv_q6_k"),
                 ("kernels/cpu/qmatmul_k23.py", "gemv_q3_k"),
-                ("kernels/cpu/qmatmul_legacy.py", "gemv_q5"),
                 ("kernels/cpu/attention.py", "paged_attention")}
 
 # module prefix -> package prefixes it must not import

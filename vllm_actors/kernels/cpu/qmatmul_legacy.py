@@ -179,6 +179,12 @@ def rows_iq4_nl(qs, d, lut, ids, out, run):  # type: ignore[no-untyped-def]
 FIFTH_BIT = ((np.arange(256)[:, None] >> np.arange(8)[None, :]) & 1).astype(np.uint8) << 4
 
 
+@kernel(inline=True)
+def _fifth_bytes(h):  # type: ignore[no-untyped-def]
+    """The four bytes of a block's fifth-bit word: those of elements 0-7, 8-15, 16-23, 24-31."""
+    return h & 255, shr32(h, 8) & 255, shr32(h, 16) & 255, shr32(h, 24)
+
+
 @kernel(parallel=True)
 def gemv_q5(qs, qh, d, mn, lut, x, out, dist, threads):  # type: ignore[no-untyped-def]
     """Q5_0 (`mn` empty: w = d * (q - 16)) and Q5_1 (w = d * q + m); q's fifth bit for
@@ -213,16 +219,8 @@ def gemv_q5(qs, qh, d, mn, lut, x, out, dist, threads):  # type: ignore[no-untyp
                 else:
                     off0 -= np.float32(16) * d0 * s
                     off1 -= np.float32(16) * d1 * s
-                h0 = qh[r0, b]
-                h1 = qh[r1, b]
-                a0 = h0 & 255            # bytes of the fifth bits: elements 0-7, 8-15, ...
-                b0 = shr32(h0, 8) & 255
-                c0 = shr32(h0, 16) & 255
-                e0 = shr32(h0, 24)
-                a1 = h1 & 255
-                b1 = shr32(h1, 8) & 255
-                c1 = shr32(h1, 16) & 255
-                e1 = shr32(h1, 24)
+                a0, b0, c0, e0 = _fifth_bytes(qh[r0, b])
+                a1, b1, c1, e1 = _fifth_bytes(qh[r1, b])
                 for i in range(8):
                     xa = x[m, xo + i]
                     xb = x[m, xo + 8 + i]
