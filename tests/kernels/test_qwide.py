@@ -2,8 +2,9 @@
 integer GEMV computing each row of x alone (`qmatmul_int`'s one-row body, which
 `test_activation_quant.py` holds to ggml's `vec_dot` bit for bit): every type, llama.cpp's
 repacked order for Q4_0 and IQ4_NL, every SIMD path this host runs, a partial chunk of
-weight rows and a row count that fills no vector. Bit for bit: a row's floats must not
-depend on the rows computed beside it."""
+weight rows and a row count that fills no vector, and the one-row kernel of decode steps.
+Bit for bit: a row's floats must not depend on the rows computed beside it, nor on the
+kernel."""
 
 from __future__ import annotations
 
@@ -44,6 +45,11 @@ def test_rows_together_equal_each_row_alone(qtype, repacked):
                                                  base, path) for i in range(m)])
         got = qwide.matmul(w, planes, rows, kind, order, path)
         assert np.array_equal(got.view(np.uint32), alone.view(np.uint32)), path
+        # one row decoded in registers (a decode step's GEMV), x quantized in the call;
+        # the last chunk of 16 weight rows overlaps the one before
+        one = np.concatenate([qwide.one_row(w, planes, x[i:i + 1], kind, order, path)
+                              for i in range(m)])
+        assert np.array_equal(one.view(np.uint32), alone.view(np.uint32)), path
     # the integer kernels send a request of several rows there, in that order
     together = qmatmul_int.matmul(w, rows, requests=np.array([m]))
     assert np.array_equal(together.view(np.uint32), got.view(np.uint32))

@@ -103,6 +103,18 @@ def q8_0_blocks(x_p, m, k, lut_p, qs_p, d_p, s_p, dsum_p, i, b0, b1):  # type: i
         _q8_0_block(x, lut, qs, d, s, dsum, i, b)
 
 
+@numba.njit(inline="always", **_EXACT)
+def quantize_at(quantize, x, lut, qs, d, s, dsum):  # type: ignore[no-untyped-def]
+    """x's float rows into Q8_0/Q8_1 blocks (qs, d, s, dsum) by the callback at the address
+    `quantize` (`q8_0_blocks`), on the calling thread: how a parallel kernel quantizes a
+    decode step's row itself without linking the quantizer's code."""
+    nb = x.shape[1] // 32
+    for i in range(x.shape[0]):
+        call_address(quantize, (data_pointer(x), x.shape[0], x.shape[1], data_pointer(lut),
+                                data_pointer(qs), data_pointer(d), data_pointer(s),
+                                data_pointer(dsum), i, 0, nb))
+
+
 @numba.njit(**_EXACT)
 def _q8_0_serial(x, lut, qs, d, s, dsum):  # type: ignore[no-untyped-def]
     """Q8_0/Q8_1 blocks of x `[M, K]` on the calling thread. A kernel of its own, not the

@@ -33,6 +33,7 @@ from gguf import GGMLQuantizationType
 from numba import carray, prange, types
 
 from vllm_actors.kernels.cpu import activations, isa, qwide
+from vllm_actors.kernels.cpu.activations import quantize_at
 from vllm_actors.kernels.cpu.intrinsics import call_address, data_pointer, fma_f32
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
 from vllm_actors.kernels.cpu.lora_gemv import lora_args, lora_loop
@@ -233,7 +234,7 @@ def gemv(fn, qs, qh, d, mn, lut, xq, xd, xs, out, dist, threads, quantize, x, xd
     `activations.q8_0_blocks`, else 0) x's float rows are first quantized into xq/xd/xs/
     xdsum on this thread: one call from Python for a decode step's linear."""
     if quantize != 0:
-        _quantize(quantize, x, lut, xq, xd, xs, xdsum)
+        quantize_at(quantize, x, lut, xq, xd, xs, xdsum)
     prev = limit_threads(threads)
     n = qs.shape[0]
     pairs = (n + 1) // 2
@@ -243,17 +244,6 @@ def gemv(fn, qs, qh, d, mn, lut, xq, xd, xs, out, dist, threads, quantize, x, xd
                           xq.shape[1], data_pointer(xd), data_pointer(xs), data_pointer(out),
                           dist, c * PAIRS, min(pairs, (c + 1) * PAIRS)))
     restore_threads(prev)
-
-
-@kernel(inline=True, exact=True)
-def _quantize(quantize, x, lut, xq, xd, xs, xdsum):  # type: ignore[no-untyped-def]
-    """x's float rows into Q8_0/Q8_1 blocks (xq, xd, xs, xdsum) by the quantizer at the
-    address `quantize`."""
-    nb = x.shape[1] // 32
-    for i in range(x.shape[0]):
-        call_address(quantize, (data_pointer(x), x.shape[0], x.shape[1], data_pointer(lut),
-                                data_pointer(xq), data_pointer(xd), data_pointer(xs),
-                                data_pointer(xdsum), i, 0, nb))
 
 
 def _scratch(rows: int, k: int) -> tuple[np.ndarray, ...]:
@@ -269,7 +259,7 @@ def gemv_lora(fn, qs, qh, d, mn, lut, xq, xd, xs, out, dist, threads, quantize, 
               a_fn, a, xr, xa, ready, b_fn, tiles, parts, scales, round_x):
     """`gemv` on one row of x (quantized here) plus a LoRA delta, in one parallel loop
     (`lora_gemv`): each chunk of weight rows computes its rows, then adds B's products."""
-    _quantize(quantize, x, lut, xq, xd, xs, xdsum)
+    quantize_at(quantize, x, lut, xq, xd, xs, xdsum)
     n = qs.shape[0]
     lora_loop(fn, (data_pointer(qs), n, qs.shape[1], data_pointer(qh), data_pointer(d),
                    data_pointer(mn), data_pointer(lut), data_pointer(xq), xq.shape[0],
@@ -348,22 +338,23 @@ def matmul(w: QuantMatrix, x: activations.Q8Rows, path: str | None = None,
 
 # From this many rows of x on, `qwide` takes a matmul in the lanes' and the repacked order:
 # its weight rows, decoded once, serve every row of x (docs/BENCHMARKS.md, "The matmuls of
-# many rows"). Fewer stay the GEMV's, which streams the weights faster than `qwide` decodes
-# them: one row of any type, up to 15 of Q8_0's 8.5 bits (a 262144-row LM head).
+# many rows"); one row (`qwide.one_row`, from 16 weight rows) decodes each block in
+# registers. Q8_0's 8.5 bits stream faster through the GEMV below 16 rows of x (a
+# 262144-row LM head).
 WIDE_ROWS = {8: 16}
 _WIDE_ORDERS = {_LANES: qwide.LANES_ORDER, _SCALAR: qwide.SCALAR_ORDER}
 
 
 def _wide(kind: int, m: int) -> bool:
     """Whether `qwide` takes m rows of body `kind`."""
-    return _order(kind) in _WIDE_ORDERS and m >= WIDE_ROWS.get(REPACKED.get(kind, kind), 2)
+    return _order(kind) in _WIDE_ORDERS and m >= WIDE_ROWS.get(REPACKED.get(kind, kind), 1)
 
 
 def _span(w: QuantMatrix, x: activations.Q8Rows, m: int, kind: int, path: str | None
           ) -> np.ndarray:
     """m rows of x in the order of body `kind`: `qwide` where it is faster, else `_run`."""
     order = _WIDE_ORDERS.get(_order(kind))
-    if not _wide(kind, m):
+    if not _wide(kind, m) or (m == 1 and w.rows < qwide.LANES):
         return _run(w, pad_rows(x, 1 if m == 1 else GROUP), m, kind, path)
     planes = (w.memo.get("int") or _plan(w))[1]
     return qwide.matmul(w, planes, x, REPACKED.get(kind, kind), order, path)
@@ -388,7 +379,12 @@ def matmul_float(w: QuantMatrix, x: np.ndarray, path: str | None = None,
     m, k = x.shape
     one_rows = m == 1 or (requests is not None and len(requests) == m)
     kind = _one_row_kind(w) if one_rows else None
-    if _wide(kind or _base_kind(w), m):
+    wide = _wide(kind or _base_kind(w), m)
+    if wide and m == 1 and w.rows >= qwide.LANES:
+        base = kind or _base_kind(w)
+        return qwide.one_row(w, (w.memo.get("int") or _plan(w))[1], x, REPACKED.get(base, base),
+                             _WIDE_ORDERS[_order(base)], path)
+    if wide and m > 1:
         return matmul(w, activations.quantize_q8(x), path, requests)
     group = 1 if m == 1 else GROUP
     padded = -(-m // group) * group

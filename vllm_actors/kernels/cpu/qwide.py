@@ -26,19 +26,22 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from vllm_actors.kernels.cpu import activations, isa
-from vllm_actors.kernels.cpu.intrinsics import call_address, data_pointer, stack_i64
+from vllm_actors.kernels.cpu.intrinsics import (HARDWARE_HALF, call_address, data_pointer,
+                                                stack_i64)
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
 from vllm_actors.kernels.cpu.ktiled import (LANES, array_ptr, dot4, fma16, llvm_call,
                                             transpose_rows)
 from vllm_actors.kernels.cpu.qdot import AVX2, AVX512, PORTABLE
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix
-from vllm_actors.kernels.cpu.qmatmul_prims import HALF_LUT, limit_threads, restore_threads
+from vllm_actors.kernels.cpu.qmatmul_prims import HALF_LUT, kept, limit_threads, restore_threads
 from vllm_actors.kernels.cpu.qmatmul_simd import fmuladd, splat
 
 _I1, _I8, _I16, _I32, _I64 = (ir.IntType(n) for n in (1, 8, 16, 32, 64))
 _B64, _B32, _B16 = ir.VectorType(_I8, 64), ir.VectorType(_I8, 32), ir.VectorType(_I8, 16)
-_L16, _L8 = ir.VectorType(_I32, 16), ir.VectorType(_I32, 8)
-_F16 = ir.VectorType(ir.FloatType(), 16)
+_L16, _L8, _L4 = ir.VectorType(_I32, 16), ir.VectorType(_I32, 8), ir.VectorType(_I32, 4)
+_L32, _L64 = ir.VectorType(_I32, 32), ir.VectorType(_I32, 64)
+_F32 = ir.FloatType()
+_F16 = ir.VectorType(_F32, 16)
 _W16 = ir.VectorType(_I16, 16)
 LANES_ORDER, SCALAR_ORDER = 0, 1      # vec_dot's 8 float lanes, or the repacked one chain
 OFFSET = {40: 8, 50: 16, 8: 128, 41: 128}   # what the unsigned codes carry (Q4_1/Q5_1: 0)
@@ -50,35 +53,64 @@ def signed_codes(path: int, kind: int) -> bool:
     return kind in (8, 41) and path != AVX512
 
 
-def _block(builder, path, kind, packed, bits):  # type: ignore[no-untyped-def]
-    """A block's 32 codes as <32 x i8>: element j < 16 the low nibble of byte j, j >= 16 the
-    high nibble of byte j - 16 (plus the fifth bit j of `bits` for Q5_x), Q8_0's int8 as
-    stored; IQ4_NL's nibbles looked up in its table; Q8_0/IQ4_NL biased by 128 unless
-    `signed_codes`."""
-    if kind == 8:
-        w = packed
-    else:
-        lo = builder.and_(packed, ir.Constant(_B16, [15] * 16))
-        hi = builder.lshr(packed, ir.Constant(_B16, [4] * 16))
-        w = builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
-        if kind in (5, 50):
-            mask = builder.bitcast(bits, ir.VectorType(_I1, 32))
-            w = builder.or_(w, builder.select(mask, ir.Constant(_B32, [16] * 32),
-                                              ir.Constant(_B32, [0] * 32)))
-        if kind == 41:
-            table = [v & 0xFF for v in gguf_quants.IQ4_NL.kvalues]
-            if path == PORTABLE:
-                out = ir.Constant(_B32, [table[0]] * 32)
-                for i in range(1, 16):
-                    hit = builder.icmp_unsigned("==", w, ir.Constant(_B32, [i] * 32))
-                    out = builder.select(hit, ir.Constant(_B32, [table[i]] * 32), out)
-                w = out
-            else:
-                w = llvm_call(builder, "llvm.x86.avx2.pshuf.b", _B32,
-                          [ir.Constant(_B32, table * 2), w])
+def _codes(builder, path, kind, w):  # type: ignore[no-untyped-def]
+    """Codes as `vpdpbusd` takes them (<64 x i8>) from w, the values as stored (Q8_0's
+    int8, the other types' 4- or 5-bit codes): IQ4_NL's looked up in its table, Q8_0's and
+    IQ4_NL's biased by 128 unless `signed_codes`."""
+    if kind == 41:
+        table = [v & 0xFF for v in gguf_quants.IQ4_NL.kvalues]
+        if path == PORTABLE:
+            out = ir.Constant(_B64, [table[0]] * 64)
+            for i in range(1, 16):
+                hit = builder.icmp_unsigned("==", w, ir.Constant(_B64, [i] * 64))
+                out = builder.select(hit, ir.Constant(_B64, [table[i]] * 64), out)
+            w = out
+        elif path == AVX512:
+            w = llvm_call(builder, "llvm.x86.avx512.pshuf.b.512", _B64,
+                          [ir.Constant(_B64, table * 4), w])
+        else:
+            halves = [llvm_call(builder, "llvm.x86.avx2.pshuf.b", _B32,
+                                [ir.Constant(_B32, table * 2), builder.shuffle_vector(
+                                    w, w, ir.Constant(_L32, list(range(32 * h, 32 * h + 32))))])
+                      for h in range(2)]
+            w = builder.shuffle_vector(halves[0], halves[1], ir.Constant(_L64, list(range(64))))
     if kind in (8, 41) and not signed_codes(path, kind):
-        w = builder.xor(w, ir.Constant(_B32, [0x80] * 32))
+        w = builder.xor(w, ir.Constant(_B64, [0x80] * 64))
     return w
+
+
+def _words(builder, rows):  # type: ignore[no-untyped-def]
+    """16 rows' 16 bytes (<4 x i32> each) -> 4 vectors <16 x i32>, word g of every row in
+    row order: rows 4L + j gathered into lane L of vector j, then a 4 x 4 transpose of words
+    inside each 128-bit lane (the unpacks of 32- then 64-bit elements)."""
+    def cat(a, b):  # type: ignore[no-untyped-def]
+        n = a.type.count
+        return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 2 * n),
+                                                        list(range(2 * n))))
+    z = [cat(cat(rows[j], rows[4 + j]), cat(rows[8 + j], rows[12 + j])) for j in range(4)]
+
+    def unpack(a, b, picks):  # type: ignore[no-untyped-def]
+        return builder.shuffle_vector(a, b, ir.Constant(_L16, [
+            4 * lane + p for lane in range(4) for p in picks]))
+    lo32, hi32 = (0, 16, 1, 17), (2, 18, 3, 19)
+    lo64, hi64 = (0, 1, 16, 17), (2, 3, 18, 19)
+    t0, t1 = unpack(z[0], z[1], lo32), unpack(z[0], z[1], hi32)
+    t2, t3 = unpack(z[2], z[3], lo32), unpack(z[2], z[3], hi32)
+    return [unpack(t0, t2, lo64), unpack(t0, t2, hi64), unpack(t1, t3, lo64),
+            unpack(t1, t3, hi64)]
+
+
+def _fifth(builder, bits, t):  # type: ignore[no-untyped-def]
+    """Q5_x's fifth bits of group t of 16 rows (`bits` <16 x i32>, row l's 32 bits, bit j
+    for weight j) as 16 per byte of <64 x i8>: byte t // 2 of each row's bits copied to its
+    4 bytes, byte k tested against bit 4 (t % 2) + k."""
+    raw = builder.bitcast(bits, _B64)
+    spread = builder.shuffle_vector(raw, raw, ir.Constant(_L64, [
+        4 * lane + t // 2 for lane in range(LANES) for _ in range(4)]))
+    test = builder.and_(spread, ir.Constant(_B64, [1 << (4 * (t % 2) + k)
+                                                   for _ in range(LANES) for k in range(4)]))
+    hit = builder.icmp_unsigned("!=", test, ir.Constant(_B64, [0] * 64))
+    return builder.select(hit, ir.Constant(_B64, [16] * 64), ir.Constant(_B64, [0] * 64))
 
 
 @intrinsic
@@ -90,31 +122,49 @@ def decode_blocks(typingctx, isa_, kind, q, qoff, step, qh, hoff, nb, codes):  #
             and isinstance(codes, types.Array) and codes.dtype == types.int32):
         return None
     path, form = isa_.literal_value, kind.literal_value
-    width = _B32 if form == 8 else _B16
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
         step_, nb_ = (context.cast(builder, args[i], sig.args[i], types.intp) for i in (4, 7))
-        bases = [[builder.load(array_ptr(context, builder, sig, args, i,
-                                         ir.Constant(_I64, lane), _I64))
-                  for lane in range(LANES)] for i in (3, 6)]
+        bases = _bases(context, builder, sig, args, (3, 6))
         with cgutils.for_range(builder, nb_) as loop:
             b = loop.index
-            rows = []
-            for lane in range(LANES):
-                at = builder.add(bases[0][lane], builder.mul(b, step_))
-                packed = builder.load(array_ptr(context, builder, sig, args, 2, at, width),
-                                      align=1)
-                bits = None
-                if form in (5, 50):
-                    bits = builder.load(array_ptr(context, builder, sig, args, 5,
-                                             builder.add(bases[1][lane], b), _I32), align=4)
-                rows.append(builder.bitcast(_block(builder, path, form, packed, bits), _L8))
-            for t, v in enumerate(transpose_rows(builder, rows)):
+            vs = _decoded(context, builder, sig, args, path, form,
+                          [builder.add(o, builder.mul(b, step_)) for o in bases[0]],
+                          [builder.add(o, b) for o in bases[1]], (2, 5))
+            for t, v in enumerate(vs):
                 at = builder.mul(builder.add(builder.mul(b, ir.Constant(_I64, 8)),
                                              ir.Constant(_I64, t)), ir.Constant(_I64, LANES))
-                builder.store(v, array_ptr(context, builder, sig, args, 8, at, _L16), align=4)
+                builder.store(v, array_ptr(context, builder, sig, args, 8, at, _B64), align=4)
         return context.get_dummy_value()
     return types.none(isa_, kind, q, qoff, step, qh, hoff, nb, codes), codegen
+
+
+def _bases(context, builder, sig, args, which):  # type: ignore[no-untyped-def]
+    """The 16 lanes' offsets held in the intrinsic's stack arrays `which`."""
+    return [[builder.load(array_ptr(context, builder, sig, args, i, ir.Constant(_I64, lane),
+                                    _I64)) for lane in range(LANES)] for i in which]
+
+
+def _decoded(context, builder, sig, args, path, form, at, hat, which):  # type: ignore[no-untyped-def]
+    """A block of 16 weight rows as 8 vectors <64 x i8>: vector t holds the 4 codes of group
+    t (weights 4t .. 4t+3) of every row (row l's quant bytes at q.flat[at[l]], its fifth
+    bits at qh.flat[hat[l]]; q and qh the arguments `which`). The stored bytes are
+    transposed first, so each step after works on all 16 rows at once."""
+    def load(i, idx, ty):  # type: ignore[no-untyped-def]
+        return builder.load(array_ptr(context, builder, sig, args, which[i], idx, ty), align=1)
+    if form == 8:
+        words = transpose_rows(builder, [load(0, a, _L8) for a in at])
+        return [_codes(builder, path, form, builder.bitcast(v, _B64)) for v in words]
+    nibbles = [builder.bitcast(v, _B64) for v in _words(builder, [load(0, a, _L4) for a in at])]
+    low = [builder.and_(v, ir.Constant(_B64, [15] * 64)) for v in nibbles]
+    high = [builder.lshr(v, ir.Constant(_B64, [4] * 64)) for v in nibbles]
+    groups = low + high          # byte j's low nibble is weight j, its high one weight j + 16
+    if form in (5, 50):
+        bits = ir.Constant(_L16, ir.Undefined)
+        for lane, h in enumerate(hat):
+            bits = builder.insert_element(bits, load(1, h, _I32), ir.Constant(_I32, lane))
+        groups = [builder.or_(v, _fifth(builder, bits, t)) for t, v in enumerate(groups)]
+    return [_codes(builder, path, form, v) for v in groups]
 
 
 def _dot_signed(builder, path, w, x):  # type: ignore[no-untyped-def]
@@ -149,28 +199,60 @@ def _hsum8(builder, a):  # type: ignore[no-untyped-def]
     return f(f(f(a[4], a[0]), f(a[6], a[2])), f(f(a[5], a[1]), f(a[7], a[3])))
 
 
+class _Sums:
+    """A chunk's float sums for one row of x in `order`: the 8 lane vectors (acc_t) and the
+    min sums, or the one chain; `add` takes a block, `total` gives the 16 outputs."""
+
+    def __init__(self, builder, order, mins):  # type: ignore[no-untyped-def]
+        zero = ir.Constant(_F16, [0.0] * 16)
+        self.builder, self.order, self.mins = builder, order, mins
+        self.accs = [cgutils.alloca_once_value(builder, zero)
+                     for _ in range(8 if order == LANES_ORDER else 0)]
+        self.chain = cgutils.alloca_once_value(builder, zero)   # min sums, or the one chain
+
+    def add(self, lanes, scale, m_w, s_x):  # type: ignore[no-untyped-def]
+        """A block's 8 integer lane vectors, d_w d_x, and (types with mins) m_w and s_x."""
+        builder, chain = self.builder, self.chain
+        if self.order == SCALAR_ORDER:
+            whole = lanes[0]
+            for v in lanes[1:]:
+                whole = builder.add(whole, v)
+            builder.store(fma16(builder, builder.sitofp(whole, _F16), scale,
+                                builder.load(chain)), chain)
+            return
+        for t, v in enumerate(lanes):
+            builder.store(fmuladd(builder, builder.sitofp(v, _F16), scale,
+                                  builder.load(self.accs[t])), self.accs[t])
+        if self.mins:
+            builder.store(fma16(builder, m_w, s_x, builder.load(chain)), chain)
+
+    def total(self):  # type: ignore[no-untyped-def]
+        builder = self.builder
+        if self.order == SCALAR_ORDER:
+            return builder.load(self.chain)
+        total = _hsum8(builder, [builder.load(a) for a in self.accs])
+        return builder.fadd(total, builder.load(self.chain)) if self.mins else total
+
+
+def _literals(*values):  # type: ignore[no-untyped-def]
+    return all(isinstance(v, types.IntegerLiteral) for v in values)
+
+
 @intrinsic
 def row_dots(typingctx, isa_, kind, order, codes, nb, dw, mw, x, xo, xc, co, xd, xs, so, out, oo):  # type: ignore[no-untyped-def]
     """One row of x (quants at x.flat[xo], 32 a block; offset terms xc.flat[co + 8 b + t];
     scales xd.flat[so + b]; Q8_1's sums xs.flat[so + b]) against a chunk's nb decoded blocks
     (d_w at dw[16 b + i], Q4_1/Q5_1's m_w at mw[16 b + i]): out.flat[oo : oo+16] = the 16
     outputs in `order`'s float order, lane i for weight row i."""
-    if not (isinstance(isa_, types.IntegerLiteral) and isinstance(kind, types.IntegerLiteral)
-            and isinstance(order, types.IntegerLiteral) and isinstance(x, types.Array)
+    if not (_literals(isa_, kind, order) and isinstance(x, types.Array)
             and x.dtype == types.int8):
         return None
     path, form, how = isa_.literal_value, kind.literal_value, order.literal_value
-    signed = signed_codes(path, form)
-    offset = form in OFFSET and not signed
-    mins = form in (4, 5)
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
         nb_, xo_, co_, so_, oo_ = (context.cast(builder, args[i], sig.args[i], types.intp)
                                    for i in (4, 8, 10, 13, 15))
-        zero = ir.Constant(_F16, [0.0] * 16)
-        accs = [cgutils.alloca_once_value(builder, zero) for _ in range(8 if how == LANES_ORDER
-                                                                        else 0)]
-        chain = cgutils.alloca_once_value(builder, zero)      # min sums, or the one chain
+        sums = _Sums(builder, how, form in (4, 5))
 
         def load(i, idx, ty, align=4):  # type: ignore[no-untyped-def]
             return builder.load(array_ptr(context, builder, sig, args, i, idx, ty), align=align)
@@ -178,53 +260,122 @@ def row_dots(typingctx, isa_, kind, order, codes, nb, dw, mw, x, xo, xc, co, xd,
         with cgutils.for_range(builder, nb_) as loop:
             b = loop.index
             sb = builder.add(so_, b)
-            scale = builder.fmul(load(5, builder.mul(b, ir.Constant(_I64, LANES)), _F16),
-                                 splat(builder, load(11, sb, ir.FloatType()), _F16))
-            lanes = _block_lanes(builder, path, signed, offset, load, b, xo_, co_)
-            if how == SCALAR_ORDER:
-                whole = lanes[0]
-                for v in lanes[1:]:
-                    whole = builder.add(whole, v)
-                builder.store(fma16(builder, builder.sitofp(whole, _F16), scale,
-                                   builder.load(chain)), chain)
-            else:
-                for t, v in enumerate(lanes):
-                    builder.store(fmuladd(builder, builder.sitofp(v, _F16), scale,
-                                          builder.load(accs[t])), accs[t])
-                if mins:
-                    m_w = load(6, builder.mul(b, ir.Constant(_I64, LANES)), _F16)
-                    s_x = splat(builder, load(12, sb, ir.FloatType()), _F16)
-                    builder.store(fma16(builder, m_w, s_x, builder.load(chain)), chain)
-        if how == SCALAR_ORDER:
-            total = builder.load(chain)
-        else:
-            total = _hsum8(builder, [builder.load(a) for a in accs])
-            if mins:
-                total = builder.fadd(total, builder.load(chain))
-        builder.store(total, array_ptr(context, builder, sig, args, 14, oo_, _F16), align=4)
+            at = builder.mul(b, ir.Constant(_I64, LANES))
+            scale = builder.fmul(load(5, at, _F16), splat(builder, load(11, sb, _F32), _F16))
+            codes_ = [load(3, builder.mul(_group(builder, b, t), ir.Constant(_I64, LANES)),
+                           _B64) for t in range(8)]
+            lanes = _block_lanes(
+                builder, path, form, codes_,
+                lambda k4: load(7, builder.add(xo_, builder.mul(k4, ir.Constant(_I64, 4))),
+                                _I32, 1),
+                lambda k4: load(9, builder.add(co_, k4), _I32), b)
+            mins = form in (4, 5)
+            sums.add(lanes, scale, load(6, at, _F16) if mins else None,
+                     splat(builder, load(12, sb, _F32), _F16) if mins else None)
+        builder.store(sums.total(), array_ptr(context, builder, sig, args, 14, oo_, _F16),
+                      align=4)
         return context.get_dummy_value()
     return types.none(isa_, kind, order, codes, nb, dw, mw, x, xo, xc, co, xd, xs, so, out,
                       oo), codegen
 
 
-def _block_lanes(builder, path, signed, offset, load, b, xo, co):  # type: ignore[no-untyped-def]
-    """Block b's 8 integer lanes of all 16 rows (`row_dots`' arguments through `load`): group
-    t's 4 codes against x's 4 quants broadcast, less the offset term where the codes carry
-    one."""
+def _group(builder, b, t):  # type: ignore[no-untyped-def]
+    """Group t's index among a row's groups of 4 weights: 8 b + t."""
+    return builder.add(builder.mul(b, ir.Constant(_I64, 8)), ir.Constant(_I64, t))
+
+
+def _block_lanes(builder, path, form, codes, x_word, offset_word, b):  # type: ignore[no-untyped-def]
+    """Block b's 8 integer lanes of all 16 rows from its codes (8 vectors <64 x i8>, group t
+    of every row): group t's 4 codes against x's 4 quants (`x_word(8 b + t)`, an i32)
+    broadcast, less the offset term (`offset_word(8 b + t)`) where the codes carry one."""
+    signed = signed_codes(path, form)
+    offset = form in OFFSET and not signed
     lanes = []
-    for t in range(8):
-        k4 = builder.add(builder.mul(b, ir.Constant(_I64, 8)), ir.Constant(_I64, t))
-        xw = load(7, builder.add(xo, builder.mul(k4, ir.Constant(_I64, 4))), _I32, 1)
-        xv = builder.bitcast(splat(builder, xw, _L16), _B64)
-        w = load(3, builder.mul(k4, ir.Constant(_I64, LANES)), _B64)
+    for t, w in enumerate(codes):
+        k4 = _group(builder, b, t)
+        xv = builder.bitcast(splat(builder, x_word(k4), _L16), _B64)
         if signed:
             lanes.append(_dot_signed(builder, path, w, xv))
             continue
-        init = ir.Constant(_L16, [0] * 16)
-        if offset:
-            init = splat(builder, load(9, builder.add(co, k4), _I32), _L16)
+        init = splat(builder, offset_word(k4), _L16) if offset else ir.Constant(_L16, [0] * 16)
         lanes.append(dot4(builder, path, init, w, xv))
     return lanes
+
+
+@intrinsic
+def fused_row(typingctx, isa_, kind, order, q, qo, rb, qh, ho, d, mn, lut, nb, x, xc, xd, xs, out, oo, po):  # type: ignore[no-untyped-def]
+    """`row_dots` for x's one row straight from the planes, each block of the 16 weight rows
+    decoded in registers (`_decoded`): rows l < 16 at q.flat[qo + l rb] (rb bytes each), their
+    scales, mins and fifth bits at d.flat / mn.flat / qh.flat[ho + l nb]; the rows at
+    q.flat[po + l rb] are prefetched as the blocks go. A decode step's GEMV."""
+    if not (_literals(isa_, kind, order) and isinstance(x, types.Array)
+            and x.dtype == types.int8):
+        return None
+    path, form, how = isa_.literal_value, kind.literal_value, order.literal_value
+    mins = form in (4, 5)
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        qo_, rb_, ho_, nb_, oo_, po_ = (context.cast(builder, args[i], sig.args[i], types.intp)
+                                        for i in (4, 5, 7, 11, 17, 18))
+        step = ir.Constant(_I64, 32 if form == 8 else 16)        # quant bytes a block
+        per_line = 64 // step.constant                           # blocks a cache line
+        sums = _Sums(builder, how, mins)
+
+        def load(i, idx, ty, align=4):  # type: ignore[no-untyped-def]
+            return builder.load(array_ptr(context, builder, sig, args, i, idx, ty), align=align)
+
+        def rows(start, stride):  # type: ignore[no-untyped-def]
+            return [builder.add(start, builder.mul(stride, ir.Constant(_I64, lane)))
+                    for lane in range(LANES)]
+
+        def halves(i, hs):  # type: ignore[no-untyped-def]
+            return _halves(builder, [load(i, h, _I16, 2) for h in hs],
+                           lambda v: load(10, builder.zext(v, _I64), _F32))
+
+        with cgutils.for_range(builder, nb_) as loop:
+            b = loop.index
+            at, hs = builder.add(qo_, builder.mul(b, step)), rows(builder.add(ho_, b), nb_)
+            # a line of each row per line's worth of blocks: rows turn by turn
+            first = builder.mul(builder.urem(b, ir.Constant(_I64, per_line)),
+                                ir.Constant(_I64, LANES // per_line))
+            ahead = builder.add(builder.add(po_, builder.mul(b, step)), builder.mul(first, rb_))
+            for pf in rows(ahead, rb_)[:LANES // per_line]:
+                _prefetch(builder, array_ptr(context, builder, sig, args, 3, pf, _I8))
+            codes = _decoded(context, builder, sig, args, path, form, rows(at, rb_), hs, (3, 6))
+            scale = builder.fmul(halves(8, hs), splat(builder, load(14, b, _F32), _F16))
+            lanes = _block_lanes(
+                builder, path, form, codes,
+                lambda k4: load(12, builder.mul(k4, ir.Constant(_I64, 4)), _I32, 1),
+                lambda k4: load(13, k4, _I32), b)
+            sums.add(lanes, scale, halves(9, hs) if mins else None,
+                     splat(builder, load(15, b, _F32), _F16) if mins else None)
+        builder.store(sums.total(), array_ptr(context, builder, sig, args, 16, oo_, _F16),
+                      align=4)
+        return context.get_dummy_value()
+    return types.none(isa_, kind, order, q, qo, rb, qh, ho, d, mn, lut, nb, x, xc, xd, xs, out,
+                      oo, po), codegen
+
+
+def _prefetch(builder, ptr):  # type: ignore[no-untyped-def]
+    """Hint the line at `ptr` into L2 (as `intrinsics.prefetch`)."""
+    byte_ptr = _I8.as_pointer()
+    fnty = ir.FunctionType(ir.VoidType(), [byte_ptr, _I32, _I32, _I32])
+    fn = builder.module.declare_intrinsic("llvm.prefetch", [byte_ptr], fnty)
+    builder.call(fn, [builder.bitcast(ptr, byte_ptr), _I32(0), _I32(2), _I32(1)])
+
+
+def _halves(builder, bits, from_table):  # type: ignore[no-untyped-def]
+    """16 float16 bit patterns (i16 values) as <16 x float>: one conversion where the CPU
+    has F16C, else each looked up through `from_table`."""
+    if HARDWARE_HALF:
+        v = ir.Constant(_W16, ir.Undefined)
+        for lane, value in enumerate(bits):
+            v = builder.insert_element(v, value, ir.Constant(_I32, lane))
+        return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), 16)), _F16)
+    v = ir.Constant(_F16, ir.Undefined)
+    for lane, value in enumerate(bits):
+        v = builder.insert_element(v, from_table(value), ir.Constant(_I32, lane))
+    return v
 
 
 @functools.cache
@@ -264,6 +415,50 @@ def body(path: int, kind: int, order: int, q_dtype: str) -> Callback:
                     types.CPointer(types.int32), f32, f32, f32, i64, i64, exact=True)(chunk)
 
 
+@functools.cache
+def one_row_body(path: int, kind: int, order: int, q_dtype: str) -> Callback:
+    """One chunk of 16 weight rows against x's one row (`fused_row`), compiled once per SIMD
+    path, qdot kind and float order as a C callback."""
+    has_bits, has_min = kind in (5, 50), kind in (4, 5)
+
+    def chunk(q_p, n, rb, qh_p, d_p, mn_p, lut_p, x_p, k, xc_p, xd_p, xs_p, out_p, c):  # type: ignore[no-untyped-def]
+        nb = k // 32
+        q, qh = carray(q_p, (n * rb,)), carray(qh_p, (n * nb if has_bits else 0,))
+        d, mn = carray(d_p, (n * nb,)), carray(mn_p, (n * nb if has_min else 0,))
+        lut, x = carray(lut_p, (1 << 16,)), carray(x_p, (k,))
+        xc, xd, xs = carray(xc_p, (k // 4,)), carray(xd_p, (nb,)), carray(xs_p, (nb,))
+        out = carray(out_p, (LANES * c + LANES,))
+        r0 = min(LANES * c, n - LANES)     # the last chunk overlaps the one before
+        p0 = min(r0 + LANES, n - LANES)
+        fused_row(path, kind, order, q, r0 * rb, rb, qh, r0 * nb, d, mn, lut, nb, x, xc, xd,
+                  xs, out, r0, p0 * rb)
+    f32, i64 = types.CPointer(types.float32), types.int64
+    q_t = types.CPointer(types.int8 if q_dtype == "|i1" else types.uint8)
+    return callback(q_t, i64, i64, types.CPointer(types.uint32), types.CPointer(types.uint16),
+                    types.CPointer(types.uint16), f32, types.CPointer(types.int8), i64,
+                    types.CPointer(types.int32), f32, f32, f32, i64, exact=True)(chunk)
+
+
+@kernel(parallel=True, exact=True)
+def _one_row(fn, qs, qh, d, mn, lut, xq, xc, xd, xs, out, threads, quantize, x, xdsum, shift):  # type: ignore[no-untyped-def]
+    """out = the body at `fn` (`one_row_body`) on every chunk of 16 weight rows, in parallel.
+    With `quantize` (`activations.q8_0_blocks`' address, else 0) x's float row is first
+    quantized into xq/xd/xs/xdsum, and its offset terms (xc, where it has columns) computed,
+    on this thread: one call from Python for a decode step's linear."""
+    if quantize != 0:
+        activations.quantize_at(quantize, x, lut, xq, xd, xs, xdsum)
+        if xc.shape[1] != 0:
+            _offsets(xq, shift, xc)
+    prev = limit_threads(threads)
+    n = qs.shape[0]
+    for c in prange((n + LANES - 1) // LANES):
+        call_address(fn, (data_pointer(qs), n, qs.shape[1], data_pointer(qh), data_pointer(d),
+                          data_pointer(mn), data_pointer(lut), data_pointer(xq), xq.shape[1],
+                          data_pointer(xc), data_pointer(xd), data_pointer(xs),
+                          data_pointer(out), c))
+    restore_threads(prev)
+
+
 @kernel(exact=True)
 def _offsets(xq, shift, out):  # type: ignore[no-untyped-def]
     """out[m, g] = -(x's quants 4g .. 4g+3 summed) << shift: the offset's term of a lane."""
@@ -290,6 +485,32 @@ def _wide(fn, qs, qh, d, mn, lut, xq, xc, xd, xs, out, threads):  # type: ignore
 
 
 _NO_I32 = np.zeros((0, 0), np.int32)
+_NO_F32 = np.zeros((0, 0), np.float32)
+
+
+def _offset_terms(code: int, kind: int, rows: int, k: int) -> np.ndarray:
+    """Scratch for x's offset terms (`_offsets`) where `kind`'s codes carry an offset."""
+    if kind in OFFSET and not signed_codes(code, kind):
+        return np.empty((rows, k // 4), np.int32)
+    return _NO_I32
+
+
+def one_row(w: QuantMatrix, planes: tuple[np.ndarray, ...], x: np.ndarray, kind: int,
+            order: int, path: str | None = None) -> np.ndarray:
+    """`matmul` of x's one float32 row `[1, K]`, quantized inside the kernel's call (as
+    `qmatmul_int.matmul_float`): a decode step's linear, W of 16 rows or more."""
+    code = isa.code(path) if path else isa.selected_code()
+    qs, qh, d, mn = planes
+    k = x.shape[1]
+    xq, xd, xs, xdsum = kept(("q8", 1, k), lambda: (np.zeros((1, k), np.int8),
+                                                    *np.zeros((3, 1, k // 32), np.float32)))
+    xc = kept(("xc", code, kind, k), lambda: _offset_terms(code, kind, 1, k))
+    out = np.empty((1, w.rows), np.float32)
+    threads = 1 if w.rows * w.cols <= SERIAL_MAX_WORK else 0
+    _one_row(one_row_body(code, kind, order, qs.dtype.str).address, qs, qh, d, mn, HALF_LUT,
+             xq, xc, xd, xs, out, threads, activations.q8_0_blocks.address,
+             np.ascontiguousarray(x, np.float32), xdsum, _LOG2.get(OFFSET.get(kind, 0), 0))
+    return out
 
 
 def matmul(w: QuantMatrix, planes: tuple[np.ndarray, ...], x: activations.Q8Rows, kind: int,
@@ -301,12 +522,16 @@ def matmul(w: QuantMatrix, planes: tuple[np.ndarray, ...], x: activations.Q8Rows
     qs, qh, d, mn = planes
     fn = body(code, kind, order, qs.dtype.str).address
     m, k = x.qs.shape
-    xc = _NO_I32
-    if kind in OFFSET and not signed_codes(code, kind):
-        xc = np.empty((m, k // 4), np.int32)
+    xc = _offset_terms(code, kind, m, k)
+    if xc.size:
         _offsets(x.qs, _LOG2[OFFSET[kind]], xc)
+    threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
+    if m == 1 and w.rows >= LANES:
+        out = np.empty((1, w.rows), np.float32)
+        _one_row(one_row_body(code, kind, order, qs.dtype.str).address, qs, qh, d, mn, HALF_LUT,
+                 x.qs, xc, x.d, x.s, out, threads, 0, _NO_F32, _NO_F32, 0)
+        return out
     n16 = -(-w.rows // LANES) * LANES
     out = np.empty((m, n16), np.float32)
-    threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
     _wide(fn, qs, qh, d, mn, HALF_LUT, x.qs, xc, x.d, x.s, out, threads)
     return out if n16 == w.rows else np.ascontiguousarray(out[:, :w.rows])
