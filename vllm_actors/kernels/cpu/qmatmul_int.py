@@ -377,14 +377,15 @@ def matmul_float(w: QuantMatrix, x: np.ndarray, path: str | None = None,
     without the quantizer's own call and its `Q8Rows` (a few us of Python per linear, much
     of a decode step's overhead)."""
     m, k = x.shape
+    if m == 1:
+        plan = w.memo.get(("one_row", path))
+        if plan is None:
+            plan = w.memo[("one_row", path)] = _one_row_plan(w, path) or False
+        if plan:
+            return qwide.run_one_row(plan, x)
     one_rows = m == 1 or (requests is not None and len(requests) == m)
     kind = _one_row_kind(w) if one_rows else None
-    wide = _wide(kind or _base_kind(w), m)
-    if wide and m == 1 and w.rows >= qwide.LANES:
-        base = kind or _base_kind(w)
-        return qwide.one_row(w, (w.memo.get("int") or _plan(w))[1], x, REPACKED.get(base, base),
-                             _WIDE_ORDERS[_order(base)], path)
-    if wide and m > 1:
+    if m > 1 and _wide(kind or _base_kind(w), m):
         return matmul(w, activations.quantize_q8(x), path, requests)
     group = 1 if m == 1 else GROUP
     padded = -(-m // group) * group
@@ -395,6 +396,15 @@ def matmul_float(w: QuantMatrix, x: np.ndarray, path: str | None = None,
     gemv(fn, *planes, HALF_LUT, xq, xd, xs, out, dist, threads,
          activations.q8_0_blocks.address, np.ascontiguousarray(x, np.float32), xdsum)
     return out[:m] if padded != m else out
+
+
+def _one_row_plan(w: QuantMatrix, path: str | None) -> tuple | None:
+    """`qwide.one_row_plan` where `qwide` takes W's requests of one row, else None."""
+    kind = _one_row_kind(w) or _base_kind(w)
+    if w.rows < qwide.LANES or not _wide(kind, 1):
+        return None
+    return qwide.one_row_plan(w, (w.memo.get("int") or _plan(w))[1], REPACKED.get(kind, kind),
+                              _WIDE_ORDERS[_order(kind)], path)
 
 
 def matmul_float_lora(w: QuantMatrix, x: np.ndarray, lora: Any, round_x: bool,

@@ -499,17 +499,34 @@ def one_row(w: QuantMatrix, planes: tuple[np.ndarray, ...], x: np.ndarray, kind:
             order: int, path: str | None = None) -> np.ndarray:
     """`matmul` of x's one float32 row `[1, K]`, quantized inside the kernel's call (as
     `qmatmul_int.matmul_float`): a decode step's linear, W of 16 rows or more."""
+    return run_one_row(one_row_plan(w, planes, kind, order, path), x)
+
+
+def one_row_plan(w: QuantMatrix, planes: tuple[np.ndarray, ...], kind: int, order: int,
+                 path: str | None = None) -> tuple:
+    """What `run_one_row` needs for W, kept in its memo (looked up at every decode step's
+    linear, it must cost little): the body's address, the planes, the thread limit, the
+    offset's shift, the scratch's key, the rows."""
     code = isa.code(path) if path else isa.selected_code()
-    qs, qh, d, mn = planes
-    k = x.shape[1]
-    xq, xd, xs, xdsum = kept(("q8", 1, k), lambda: (np.zeros((1, k), np.int8),
-                                                    *np.zeros((3, 1, k // 32), np.float32)))
-    xc = kept(("xc", code, kind, k), lambda: _offset_terms(code, kind, 1, k))
-    out = np.empty((1, w.rows), np.float32)
-    threads = 1 if w.rows * w.cols <= SERIAL_MAX_WORK else 0
-    _one_row(one_row_body(code, kind, order, qs.dtype.str).address, qs, qh, d, mn, HALF_LUT,
-             xq, xc, xd, xs, out, threads, activations.q8_0_blocks.address,
-             np.ascontiguousarray(x, np.float32), xdsum, _LOG2.get(OFFSET.get(kind, 0), 0))
+    key = ("one_row", code, kind, order)
+    plan = w.memo.get(key)
+    if plan is None:
+        fn = one_row_body(code, kind, order, planes[0].dtype.str).address
+        threads = 1 if w.rows * w.cols <= SERIAL_MAX_WORK else 0
+        plan = w.memo[key] = (fn, planes, threads, _LOG2.get(OFFSET.get(kind, 0), 0),
+                              (code, kind, w.cols), w.rows)
+    return plan
+
+
+def run_one_row(plan: tuple, x: np.ndarray) -> np.ndarray:
+    """x's one float32 row `[1, K]` through the weight of `plan` (`one_row_plan`)."""
+    fn, planes, threads, shift, (code, kind, k), rows = plan
+    xq, xd, xs, xdsum, xc = kept(("one_row", code, kind, k), lambda: (
+        np.zeros((1, k), np.int8), *np.zeros((3, 1, k // 32), np.float32),
+        _offset_terms(code, kind, 1, k)))
+    out = np.empty((1, rows), np.float32)
+    _one_row(fn, *planes, HALF_LUT, xq, xc, xd, xs, out, threads,
+             activations.q8_0_blocks.address, np.ascontiguousarray(x, np.float32), xdsum, shift)
     return out
 
 
