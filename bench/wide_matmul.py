@@ -5,6 +5,9 @@ checked here too). Random blocks; prints a Markdown table of medians, ms per cal
 
     python bench/wide_matmul.py [--rows 2,4,8,16,64,512] [--runs 7] [--shapes small,8b]
 
+One row (`--rows 1`, the 32-weight types): `qwide.one_row`, each block of 16 weight rows
+decoded in registers, against the pair GEMV's one-row body, x quantized inside both calls.
+
 small: SmolLM2's gate_up (Q4_1 3072x576), Gemma 3 270M's gate_up (Q5_0 4096x640), v (Q8_0
 1536x640), down (Q6_K 640x2048), o (Q4_K repacked 640x1024, the GEMV's order of one-row
 requests); 8b: Llama-3-8B's shapes (Q4_0, Q8_0, the repacked Q4_K GEMV order, Q6_K tiled).
@@ -60,6 +63,9 @@ def pair_and_wide(qtype: T, kind: int, order: int | None, w: qmatmul.QuantMatrix
     if order is None:
         rows = activations.quantize_q8(x)
         planes = qi._plan(w)[1]
+        if m == 1:        # a decode step's linear: x quantized inside either call
+            return (lambda: qi.gemv_float(w, x),
+                    lambda: qwide.one_row(w, planes, x, kind, qwide.LANES_ORDER))
         return (lambda: qi._run(w, qi.pad_rows(rows, qi.GROUP), m, kind, None),
                 lambda: qwide.matmul(w, planes, rows, kind, qwide.LANES_ORDER))
     rows = activations.quantize_q8_k(x)
@@ -81,8 +87,8 @@ def main() -> None:
             w = replace(qmatmul.pack(random_blocks(qtype, n, k, rng), qtype, (n, k)),
                         ggml_repacked=repacked)
             for m in (int(r) for r in args.rows.split(",")):
-                if kind == 96 and m < 8:            # the tiled order starts at 8 rows
-                    continue
+                if (kind == 96 and m < 8) or (order is not None and m == 1):
+                    continue    # the tiled order starts at 8 rows; `ktiled` has no one-row form
                 pair, wide = pair_and_wide(qtype, kind, order, w, m, rng)
                 t_pair, a = median_ms(pair, args.runs)
                 t_wide, b = median_ms(wide, args.runs)

@@ -18,7 +18,8 @@ d_w * d_x, acc), one chain per output. Compiled without fast math, so the floats
 bit for bit (bench/llamacpp_tensors.py). Parallel over pairs of weight rows: a small parallel
 kernel calls the body compiled per (SIMD path, type, x-row group) as a C callback
 (`jit.Callback`), so each body is compiled once and the parallel kernel once per array
-types.
+types. Where it is faster, `qwide` takes the rows instead, 16 weight rows as the lanes of a
+vector, in the same float order (`_wide`; one row through `qwide.one_row`).
 """
 
 from __future__ import annotations
@@ -387,6 +388,14 @@ def matmul_float(w: QuantMatrix, x: np.ndarray, path: str | None = None,
     kind = _one_row_kind(w) if one_rows else None
     if m > 1 and _wide(kind or _base_kind(w), m):
         return matmul(w, activations.quantize_q8(x), path, requests)
+    return gemv_float(w, x, kind, path)
+
+
+def gemv_float(w: QuantMatrix, x: np.ndarray, kind: int | None = None,
+               path: str | None = None) -> np.ndarray:
+    """x float32 `[M, K]` through `gemv` with the body of `kind` (None: the weight type's),
+    quantized inside its call."""
+    m, k = x.shape
     group = 1 if m == 1 else GROUP
     padded = -(-m // group) * group
     fn, planes, dist = _decode_plan(w, path, group, kind)

@@ -8,6 +8,9 @@ are 8 vectors here, acc_t = fma(float(lanes_t), d_w d_x, acc_t) per block, added
 in `hsum_float_8`'s order (+ the min sums of Q4_1/Q5_1, fma(m_w, s_x, summs) per block); the
 repacked order (`qmatmul_int.REPACKED`) keeps one chain, fma(block's sum, d_w d_x, acc).
 
+A decode step's one row (`one_row`, `fused_row`) keeps no decoded copy: each block of the 16
+rows is loaded, transposed and split into codes in registers, then multiplied at once.
+
 Signed weights reach `vpdpbusd` as unsigned codes: Q4_0/Q5_0's quants as stored (their
 offset 8 or 16), Q8_0/IQ4_NL's int8 values plus 128, less offset * (x's sums of 4),
 computed once per call (`_offsets`). AVX2 multiplies Q8_0/IQ4_NL's |w| by x carrying w's
@@ -36,8 +39,8 @@ from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix
 from vllm_actors.kernels.cpu.qmatmul_prims import HALF_LUT, kept, limit_threads, restore_threads
 from vllm_actors.kernels.cpu.qmatmul_simd import fmuladd, splat
 
-_I1, _I8, _I16, _I32, _I64 = (ir.IntType(n) for n in (1, 8, 16, 32, 64))
-_B64, _B32, _B16 = ir.VectorType(_I8, 64), ir.VectorType(_I8, 32), ir.VectorType(_I8, 16)
+_I8, _I16, _I32, _I64 = (ir.IntType(n) for n in (8, 16, 32, 64))
+_B64, _B32 = ir.VectorType(_I8, 64), ir.VectorType(_I8, 32)
 _L16, _L8, _L4 = ir.VectorType(_I32, 16), ir.VectorType(_I32, 8), ir.VectorType(_I32, 4)
 _L32, _L64 = ir.VectorType(_I32, 32), ir.VectorType(_I32, 64)
 _F32 = ir.FloatType()
