@@ -431,7 +431,8 @@ def one_row_body(path: int, kind: int, order: int, q_dtype: str) -> Callback:
         lut, x = carray(lut_p, (1 << 16,)), carray(x_p, (k,))
         xc, xd, xs = carray(xc_p, (k // 4,)), carray(xd_p, (nb,)), carray(xs_p, (nb,))
         out = carray(out_p, (LANES * c + LANES,))
-        r0 = min(LANES * c, n - LANES)     # the last chunk overlaps the one before
+        r0 = min(LANES * c, n - LANES)     # the last chunk overlaps the one before (the
+        # rows they share get the same floats from both)
         p0 = min(r0 + LANES, n - LANES)
         fused_row(path, kind, order, q, r0 * rb, rb, qh, r0 * nb, d, mn, lut, nb, x, xc, xd,
                   xs, out, r0, p0 * rb)
