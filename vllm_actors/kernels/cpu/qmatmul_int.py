@@ -15,11 +15,9 @@ its integer sum, total)). Q4_0 and IQ4_NL weights llama.cpp repacks (x86 with AV
 multiple of 8; `QuantMatrix.ggml_repacked`) take the order of its 8-row interleaved kernels
 at every row count (`REPACKED`): per block the whole block's integer sum, acc = fma(sum,
 d_w * d_x, acc), one chain per output. Compiled without fast math, so the floats are ggml's
-bit for bit (bench/llamacpp_tensors.py). Parallel over pairs of weight rows: a small parallel
-kernel calls the body compiled per (SIMD path, type, x-row group) as a C callback
-(`jit.Callback`), so each body is compiled once and the parallel kernel once per array
-types. Where it is faster, `qwide` takes the rows instead, 16 weight rows as the lanes of a
-vector, in the same float order (`_wide`; one row through `qwide.one_row`).
+bit for bit (bench/llamacpp_tensors.py). Parallel over pairs of weight rows, the body a C
+callback compiled once per (SIMD path, type, x-row group) (`jit.Callback`); where faster,
+`qwide` takes the rows in the same float order, 16 weight rows as a vector's lanes (`_wide`).
 """
 
 from __future__ import annotations
