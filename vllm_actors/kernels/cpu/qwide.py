@@ -321,7 +321,10 @@ def fused_row(typingctx, isa_, kind, order, q, qo, rb, qh, ho, d, mn, lut, nb, x
         qo_, rb_, ho_, nb_, oo_, po_ = (context.cast(builder, args[i], sig.args[i], types.intp)
                                         for i in (4, 5, 7, 11, 17, 18))
         step = ir.Constant(_I64, 32 if form == 8 else 16)        # quant bytes a block
-        per_line = 64 // step.constant                           # blocks a cache line
+        # blocks between two prefetches of a row's next line: half a line's worth, so each
+        # line is asked for twice (once a line: 20-22 GB/s streaming SmolLM2's 3072x576
+        # matrices; twice: 25-26; docs/BENCHMARKS.md)
+        per_line = 32 // step.constant
         sums = _Sums(builder, how, mins)
 
         def load(i, idx, ty, align=4):  # type: ignore[no-untyped-def]
@@ -338,7 +341,7 @@ def fused_row(typingctx, isa_, kind, order, q, qo, rb, qh, ho, d, mn, lut, nb, x
         with cgutils.for_range(builder, nb_) as loop:
             b = loop.index
             at, hs = builder.add(qo_, builder.mul(b, step)), rows(builder.add(ho_, b), nb_)
-            # a line of each row per line's worth of blocks: rows turn by turn
+            # the next chunk's rows turn by turn, at this block's offset
             first = builder.mul(builder.urem(b, ir.Constant(_I64, per_line)),
                                 ir.Constant(_I64, LANES // per_line))
             ahead = builder.add(builder.add(po_, builder.mul(b, step)), builder.mul(first, rb_))
