@@ -370,6 +370,29 @@ def _prefetch(builder, ptr):  # type: ignore[no-untyped-def]
     builder.call(fn, [builder.bitcast(ptr, byte_ptr), _I32(0), _I32(2), _I32(1)])
 
 
+@intrinsic
+def widen_halves(typingctx, plane, offs, nb, lut, out):  # type: ignore[no-untyped-def]
+    """16 rows' nb float16 values (row l's at plane.flat[offs[l] + b]) as float32, block by
+    block: value b of row l at out[16 b + l] (`_halves`: 16 at a time)."""
+    if not (isinstance(plane, types.Array) and plane.dtype == types.uint16):
+        return None
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        nb_ = context.cast(builder, args[2], sig.args[2], types.intp)
+        bases = _bases(context, builder, sig, args, (1,))[0]
+
+        def load(i, idx, ty, align):  # type: ignore[no-untyped-def]
+            return builder.load(array_ptr(context, builder, sig, args, i, idx, ty), align=align)
+        with cgutils.for_range(builder, nb_) as loop:
+            b = loop.index
+            v = _halves(builder, [load(0, builder.add(o, b), _I16, 2) for o in bases],
+                        lambda bits: load(3, builder.zext(bits, _I64), _F32, 4))
+            builder.store(v, array_ptr(context, builder, sig, args, 4, builder.mul(
+                b, ir.Constant(_I64, LANES)), _F16), align=4)
+        return context.get_dummy_value()
+    return types.none(plane, offs, nb, lut, out), codegen
+
+
 def _halves(builder, bits, from_table):  # type: ignore[no-untyped-def]
     """16 float16 bit patterns (i16 values) as <16 x float>: one conversion where the CPU
     has F16C, else each looked up through `from_table`."""
@@ -394,7 +417,7 @@ def body(path: int, kind: int, order: int, q_dtype: str) -> Callback:
               c):  # type: ignore[no-untyped-def]
         nb = k // 32
         q, qh = carray(q_p, (n * rb,)), carray(qh_p, (n * nb if has_bits else 0,))
-        d, mn = carray(d_p, (n, nb)), carray(mn_p, (n if has_min else 0, nb))
+        d, mn = carray(d_p, (n * nb,)), carray(mn_p, (n * nb if has_min else 0,))
         lut, x = carray(lut_p, (1 << 16,)), carray(x_p, (m * k,))
         xc, xd, xs = carray(xc_p, (m * k // 4,)), carray(xd_p, (m * nb,)), carray(xs_p, (m * nb,))
         out = carray(out_p, (m * n16,))
@@ -406,10 +429,9 @@ def body(path: int, kind: int, order: int, q_dtype: str) -> Callback:
         for lane in range(LANES):
             r = min(i0 + lane, n - 1)
             qoff[lane], hoff[lane] = r * rb, r * nb
-            for b in range(nb):
-                dw[LANES * b + lane] = lut[d[r, b]]
-                if has_min:
-                    mw[LANES * b + lane] = lut[mn[r, b]]
+        widen_halves(d, hoff, nb, lut, dw)
+        if has_min:
+            widen_halves(mn, hoff, nb, lut, mw)
         decode_blocks(path, kind, q, qoff, rb // nb, qh, hoff, nb, codes)
         for mm in range(m):
             row_dots(path, kind, order, codes, nb, dw, mw, x, mm * k, xc, mm * (k // 4), xd,
