@@ -116,6 +116,27 @@ def transpose_rows(builder, rows):  # type: ignore[no-untyped-def]
     return [builder.bitcast(v, _L16) for v in vs]
 
 
+def transpose_words(builder, rows):  # type: ignore[no-untyped-def]
+    """16 rows' 16 bytes (<4 x i32> each) -> 4 vectors <16 x i32>, word g of every row in
+    row order: rows 4L + j gathered into lane L of vector j, then a 4 x 4 transpose of words
+    inside each 128-bit lane (the unpacks of 32- then 64-bit elements)."""
+    def cat(a, b):  # type: ignore[no-untyped-def]
+        n = a.type.count
+        return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 2 * n),
+                                                        list(range(2 * n))))
+    z = [cat(cat(rows[j], rows[4 + j]), cat(rows[8 + j], rows[12 + j])) for j in range(4)]
+
+    def unpack(a, b, picks):  # type: ignore[no-untyped-def]
+        return builder.shuffle_vector(a, b, ir.Constant(_L16, [
+            4 * lane + p for lane in range(4) for p in picks]))
+    lo32, hi32 = (0, 16, 1, 17), (2, 18, 3, 19)
+    lo64, hi64 = (0, 1, 16, 17), (2, 3, 18, 19)
+    t0, t1 = unpack(z[0], z[1], lo32), unpack(z[0], z[1], hi32)
+    t2, t3 = unpack(z[2], z[3], lo32), unpack(z[2], z[3], hi32)
+    return [unpack(t0, t2, lo64), unpack(t0, t2, hi64), unpack(t1, t3, lo64),
+            unpack(t1, t3, hi64)]
+
+
 @intrinsic
 def decode_rows(typingctx, form, q, h, qoff, hoff, codes):  # type: ignore[no-untyped-def]
     """16 weight rows' superblocks (row l's quants at q.flat[qoff[l]], high bits at
@@ -127,6 +148,9 @@ def decode_rows(typingctx, form, q, h, qoff, hoff, codes):  # type: ignore[no-un
     kind = form.literal_value
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        if kind == 4:
+            _decode_q4_k(context, builder, sig, args)
+            return context.get_dummy_value()
         planes = Planes(context, builder, sig, args, 1, 2, 1)   # no scales are read
         per_row = []
         for lane in range(LANES):
@@ -141,6 +165,27 @@ def decode_rows(typingctx, form, q, h, qoff, hoff, codes):  # type: ignore[no-un
                 builder.store(v, array_ptr(context, builder, sig, args, 5, at, _L16), align=4)
         return context.get_dummy_value()
     return types.none(form, q, h, qoff, hoff, codes), codegen
+
+
+def _decode_q4_k(context, builder, sig, args):  # type: ignore[no-untyped-def]
+    """`decode_rows` for Q4_K: each 16 stored bytes of the 16 rows transposed first
+    (`transpose_words`), then split into nibbles on all rows at once. Bytes 32 p + 16 h + 4 g
+    .. + 3 hold weights 64 p + 16 h + 4 g .. (low nibbles) and 32 more (high nibbles)."""
+    offs = [builder.load(array_ptr(context, builder, sig, args, 3, ir.Constant(_I64, lane),
+                                   _I64)) for lane in range(LANES)]
+    for p in range(4):
+        for h in range(2):
+            rows = [builder.load(array_ptr(context, builder, sig, args, 1, builder.add(
+                o, ir.Constant(_I64, 32 * p + 16 * h)), ir.VectorType(_I32, 4)), align=1)
+                for o in offs]
+            for g, v in enumerate(transpose_words(builder, rows)):
+                b = builder.bitcast(v, _B64)
+                for nib in range(2):
+                    part = builder.lshr(b, ir.Constant(_B64, [4] * 64)) if nib else b
+                    part = builder.and_(part, ir.Constant(_B64, [15] * 64))
+                    at = ir.Constant(_I64, LANES * (16 * p + 8 * nib + 4 * h + g))
+                    builder.store(part, array_ptr(context, builder, sig, args, 5, at, _B64),
+                                  align=4)
 
 
 @intrinsic

@@ -33,7 +33,7 @@ from vllm_actors.kernels.cpu.intrinsics import (HARDWARE_HALF, call_address, dat
                                                 stack_i64)
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
 from vllm_actors.kernels.cpu.ktiled import (LANES, array_ptr, dot4, fma16, llvm_call,
-                                            transpose_rows)
+                                            transpose_rows, transpose_words)
 from vllm_actors.kernels.cpu.qdot import AVX2, AVX512, PORTABLE
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix
 from vllm_actors.kernels.cpu.qmatmul_prims import HALF_LUT, kept, limit_threads, restore_threads
@@ -80,27 +80,6 @@ def _codes(builder, path, kind, w):  # type: ignore[no-untyped-def]
     if kind in (8, 41) and not signed_codes(path, kind):
         w = builder.xor(w, ir.Constant(_B64, [0x80] * 64))
     return w
-
-
-def _words(builder, rows):  # type: ignore[no-untyped-def]
-    """16 rows' 16 bytes (<4 x i32> each) -> 4 vectors <16 x i32>, word g of every row in
-    row order: rows 4L + j gathered into lane L of vector j, then a 4 x 4 transpose of words
-    inside each 128-bit lane (the unpacks of 32- then 64-bit elements)."""
-    def cat(a, b):  # type: ignore[no-untyped-def]
-        n = a.type.count
-        return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 2 * n),
-                                                        list(range(2 * n))))
-    z = [cat(cat(rows[j], rows[4 + j]), cat(rows[8 + j], rows[12 + j])) for j in range(4)]
-
-    def unpack(a, b, picks):  # type: ignore[no-untyped-def]
-        return builder.shuffle_vector(a, b, ir.Constant(_L16, [
-            4 * lane + p for lane in range(4) for p in picks]))
-    lo32, hi32 = (0, 16, 1, 17), (2, 18, 3, 19)
-    lo64, hi64 = (0, 1, 16, 17), (2, 3, 18, 19)
-    t0, t1 = unpack(z[0], z[1], lo32), unpack(z[0], z[1], hi32)
-    t2, t3 = unpack(z[2], z[3], lo32), unpack(z[2], z[3], hi32)
-    return [unpack(t0, t2, lo64), unpack(t0, t2, hi64), unpack(t1, t3, lo64),
-            unpack(t1, t3, hi64)]
 
 
 def _fifth(builder, bits, t):  # type: ignore[no-untyped-def]
@@ -158,7 +137,7 @@ def _decoded(context, builder, sig, args, path, form, at, hat, which):  # type: 
     if form == 8:
         words = transpose_rows(builder, [load(0, a, _L8) for a in at])
         return [_codes(builder, path, form, builder.bitcast(v, _B64)) for v in words]
-    nibbles = [builder.bitcast(v, _B64) for v in _words(builder, [load(0, a, _L4) for a in at])]
+    nibbles = [builder.bitcast(v, _B64) for v in transpose_words(builder, [load(0, a, _L4) for a in at])]
     low = [builder.and_(v, ir.Constant(_B64, [15] * 64)) for v in nibbles]
     high = [builder.lshr(v, ir.Constant(_B64, [4] * 64)) for v in nibbles]
     groups = low + high          # byte j's low nibble is weight j, its high one weight j + 16
