@@ -75,10 +75,11 @@ TILED_MIN_ROWS = 8
 # kind -> (`ktiled`'s float order, the fewest rows of x it takes): its weight rows, decoded
 # once as the lanes of a vector, serve every row of x where the kernels here decode them again
 # for each group of 4; below those counts the decoding costs more than it saves (Q6_K's six
-# bits the most, and the 8B's large matrices). docs/BENCHMARKS.md, "The matmuls of many rows".
+# bits the most, and the 8B's large matrices). docs/BENCHMARKS.md, "The matmuls of many rows"
+# (the repacked GEMV order from 8 rows since Q4_K decodes by transposing its stored bytes).
 _WIDE = {TILED + 4: (ktiled.TILED, 8), TILED + 5: (ktiled.TILED, 8),
          TILED + 6: (ktiled.TILED, 32), REPACKED_GEMM_Q4_K: (ktiled.GEMM, 4),
-         REPACKED_Q4_K: (ktiled.GEMV, 16)}
+         REPACKED_Q4_K: (ktiled.GEMV, 8)}
 _NO_BITS = np.zeros((0, 0), np.uint8)
 _NO_U16 = np.zeros((0, 0), np.uint16)
 _NO_F32 = np.zeros((0, 0), np.float32)
