@@ -116,6 +116,17 @@ def fetch_add(typingctx, counter, value):
     return None
 
 
+def prefetch_line(builder, ptr):  # type: ignore[no-untyped-def]
+    """Emit a hint of the line at `ptr` into L2 (`prefetcht1`; `prefetch` says why L2)."""
+    i32 = ir.IntType(32)
+    byte_ptr = ir.IntType(8).as_pointer()
+    fnty = ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32])
+    # (read, locality 2 = L2 and outer levels, data); the name is mangled for the pointer
+    # type: llvm.prefetch.p0 (opaque pointers) or .p0i8 (older LLVM)
+    fn = builder.module.declare_intrinsic("llvm.prefetch", [byte_ptr], fnty)
+    builder.call(fn, [builder.bitcast(ptr, byte_ptr), i32(0), i32(2), i32(1)])
+
+
 @intrinsic
 def prefetch(typingctx, arr, index):
     """Hint the cache line holding element `index` (a flat index) of the C-contiguous `arr`
@@ -126,14 +137,7 @@ def prefetch(typingctx, arr, index):
         def codegen(context, builder, sig, args):
             ary = context.make_array(sig.args[0])(context, builder, args[0])
             idx = context.cast(builder, args[1], sig.args[1], types.intp)
-            ptr = builder.gep(ary.data, [idx])
-            i32 = ir.IntType(32)
-            byte_ptr = ir.IntType(8).as_pointer()
-            fnty = ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32])
-            # (read, locality 2 = L2 and outer levels, data); the name is mangled for the
-            # pointer type: llvm.prefetch.p0 (opaque pointers) or .p0i8 (older LLVM)
-            fn = builder.module.declare_intrinsic("llvm.prefetch", [byte_ptr], fnty)
-            builder.call(fn, [builder.bitcast(ptr, byte_ptr), i32(0), i32(2), i32(1)])
+            prefetch_line(builder, builder.gep(ary.data, [idx]))
             return context.get_dummy_value()
         return types.none(arr, index), codegen
     return None

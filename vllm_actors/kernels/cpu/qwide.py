@@ -30,7 +30,7 @@ from numba.extending import intrinsic
 
 from vllm_actors.kernels.cpu import activations, isa
 from vllm_actors.kernels.cpu.intrinsics import (HARDWARE_HALF, call_address, data_pointer,
-                                                stack_i64)
+                                                prefetch_line, stack_i64)
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
 from vllm_actors.kernels.cpu.ktiled import (LANES, array_ptr, dot4, fma16, llvm_call,
                                             transpose_rows, transpose_words)
@@ -325,7 +325,7 @@ def fused_row(typingctx, isa_, kind, order, q, qo, rb, qh, ho, d, mn, lut, nb, x
                                 ir.Constant(_I64, LANES // per_line))
             ahead = builder.add(builder.add(po_, builder.mul(b, step)), builder.mul(first, rb_))
             for pf in rows(ahead, rb_)[:LANES // per_line]:
-                _prefetch(builder, array_ptr(context, builder, sig, args, 3, pf, _I8))
+                prefetch_line(builder, array_ptr(context, builder, sig, args, 3, pf, _I8))
             codes = _decoded(context, builder, sig, args, path, form, rows(at, rb_), hs, (3, 6))
             scale = builder.fmul(halves(8, hs), splat(builder, load(14, b, _F32), _F16))
             lanes = _block_lanes(
@@ -339,14 +339,6 @@ def fused_row(typingctx, isa_, kind, order, q, qo, rb, qh, ho, d, mn, lut, nb, x
         return context.get_dummy_value()
     return types.none(isa_, kind, order, q, qo, rb, qh, ho, d, mn, lut, nb, x, xc, xd, xs, out,
                       oo, po), codegen
-
-
-def _prefetch(builder, ptr):  # type: ignore[no-untyped-def]
-    """Hint the line at `ptr` into L2 (as `intrinsics.prefetch`)."""
-    byte_ptr = _I8.as_pointer()
-    fnty = ir.FunctionType(ir.VoidType(), [byte_ptr, _I32, _I32, _I32])
-    fn = builder.module.declare_intrinsic("llvm.prefetch", [byte_ptr], fnty)
-    builder.call(fn, [builder.bitcast(ptr, byte_ptr), _I32(0), _I32(2), _I32(1)])
 
 
 @intrinsic
