@@ -16,7 +16,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from quant_blocks import random_blocks
 
-from vllm_actors.kernels.cpu import activations, isa, ktiled, qmatmul, qmatmul_int_k
+from vllm_actors.kernels.cpu import activations, isa, krow, ktiled, qmatmul, qmatmul_int_k
 from vllm_actors.kernels.cpu.intrinsics import fma_f32
 from vllm_actors.kernels.cpu.qmatmul_prims import HALF_LUT
 
@@ -114,3 +114,25 @@ def test_equals_the_direct_computation_on_every_path(qtype, order):
         if order == ktiled.GEMM:
             got, want = got[:16], want[:16]
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_one_row_in_registers_equals_the_direct_computation():
+    """`krow`, a decode step's one row against a repacked Q4_K (the GEMV's order), 16 weight
+    rows decoded in registers, the last chunk overlapping the one before; x quantized inside
+    the call or before it, with a zero row and a superblock of ties at the largest quant."""
+    rng = np.random.default_rng(44)
+    n, k = 37, 512
+    w = replace(qmatmul.pack(random_blocks(QT.Q4_K, n, k, rng), QT.Q4_K, (n, k)),
+                ggml_repacked=True)
+    xf = (rng.standard_normal((3, k)) * 4).astype(np.float32)
+    xf[1], xf[2, :256] = 0.0, -2.5
+    want = _direct(w, activations.quantize_q8_k(xf), ktiled.GEMV)
+    for path in isa.available():
+        for i in range(3):
+            for got in (krow.matmul(w, floats=xf[i:i + 1], path=path),
+                        krow.matmul(w, activations.quantize_q8_k(xf[i:i + 1]), path=path)):
+                assert np.array_equal(got[0].view(np.uint32), want[i].view(np.uint32)), path
+    if "avx2" in isa.available():      # the decode step's linear goes there
+        got = qmatmul_int_k.matmul_float(w, xf[:1])
+        assert np.array_equal(got[0].view(np.uint32), want[0].view(np.uint32))
+        assert ("krow", isa.selected_code()) in w.memo

@@ -13,7 +13,8 @@ in 4 float lanes, Q5_K's in one sum, Q6_K's offset per integer lane, and the lan
 `hsum_float_8` adds them. llama.cpp computes some matmuls with other kernels, whose float
 orders `matmul` takes where they would run (`row_kinds`): the GEMV and GEMM of Q4_K repacked
 into 8-row blocks, and the tiled K-quant matmul at 8+ rows (`ktiled` runs the GEMM and most
-of the tiled matmul: its decoded weight rows serve many rows of x). Compiled without fast
+of the tiled matmul: its decoded weight rows serve many rows of x; `krow` the repacked GEMV's
+one-row requests, decoding 16 weight rows in registers). Compiled without fast
 math: ggml's floats bit for bit. Parallel over pairs of weight rows, a body per (SIMD path, kind,
 x-row group) called as a C callback, as the other integer GEMVs (`qmatmul_int`).
 """
@@ -30,7 +31,7 @@ from gguf import GGMLQuantizationType
 from numba import carray, prange, types
 from numba.extending import overload
 
-from vllm_actors.kernels.cpu import activations, isa, ktiled
+from vllm_actors.kernels.cpu import activations, isa, krow, ktiled
 from vllm_actors.kernels.cpu.intrinsics import call_address, data_pointer, fma_f32, stack_i32
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
 from vllm_actors.kernels.cpu.lora_gemv import lora_args, lora_loop
@@ -328,6 +329,9 @@ def matmul(w: QuantMatrix, x: activations.Q8KRows, path: str | None = None,
         if rows >= fewest:
             out[start:stop] = ktiled.matmul(w, _row_slice(x, start, stop), order, path)
             continue
+        if rows == 1 and krow.takes(w, kind):
+            out[start:stop] = krow.matmul(w, _row_slice(x, start, stop), path=path)
+            continue
         span = pad_rows(_row_slice(x, start, stop), 1 if rows == 1 else GROUP)
         out[start:stop] = _run(w, span, rows, kind, path)
     return out
@@ -373,6 +377,8 @@ def matmul_float(w: QuantMatrix, x: np.ndarray, path: str | None = None,
     m, k = x.shape
     if m >= _WIDE.get(kind, (None, m + 1))[1]:      # one-row requests `ktiled` takes together
         return matmul(w, activations.quantize_q8_k(x), path, requests)
+    if m == 1 and krow.takes(w, kind):
+        return krow.matmul(w, floats=x, path=path)
     group = 1 if m == 1 else GROUP
     padded = -(-m // group) * group
     return _run(w, _scratch(padded, k), m, kind, path, np.ascontiguousarray(x, np.float32))

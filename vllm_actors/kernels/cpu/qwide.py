@@ -314,7 +314,7 @@ def fused_row(typingctx, isa_, kind, order, q, qo, rb, qh, ho, d, mn, lut, nb, x
                     for lane in range(LANES)]
 
         def halves(i, hs):  # type: ignore[no-untyped-def]
-            return _halves(builder, [load(i, h, _I16, 2) for h in hs],
+            return half_vector(builder, [load(i, h, _I16, 2) for h in hs],
                            lambda v: load(10, builder.zext(v, _I64), _F32))
 
         with cgutils.for_range(builder, nb_) as loop:
@@ -344,7 +344,7 @@ def fused_row(typingctx, isa_, kind, order, q, qo, rb, qh, ho, d, mn, lut, nb, x
 @intrinsic
 def widen_halves(typingctx, plane, offs, nb, lut, out):  # type: ignore[no-untyped-def]
     """16 rows' nb float16 values (row l's at plane.flat[offs[l] + b]) as float32, block by
-    block: value b of row l at out[16 b + l] (`_halves`: 16 at a time)."""
+    block: value b of row l at out[16 b + l] (`half_vector`: 16 at a time)."""
     if not (isinstance(plane, types.Array) and plane.dtype == types.uint16):
         return None
 
@@ -356,7 +356,7 @@ def widen_halves(typingctx, plane, offs, nb, lut, out):  # type: ignore[no-untyp
             return builder.load(array_ptr(context, builder, sig, args, i, idx, ty), align=align)
         with cgutils.for_range(builder, nb_) as loop:
             b = loop.index
-            v = _halves(builder, [load(0, builder.add(o, b), _I16, 2) for o in bases],
+            v = half_vector(builder, [load(0, builder.add(o, b), _I16, 2) for o in bases],
                         lambda bits: load(3, builder.zext(bits, _I64), _F32, 4))
             builder.store(v, array_ptr(context, builder, sig, args, 4, builder.mul(
                 b, ir.Constant(_I64, LANES)), _F16), align=4)
@@ -364,7 +364,7 @@ def widen_halves(typingctx, plane, offs, nb, lut, out):  # type: ignore[no-untyp
     return types.none(plane, offs, nb, lut, out), codegen
 
 
-def _halves(builder, bits, from_table):  # type: ignore[no-untyped-def]
+def half_vector(builder, bits, from_table):  # type: ignore[no-untyped-def]
     """16 float16 bit patterns (i16 values) as <16 x float>: one conversion where the CPU
     has F16C, else each looked up through `from_table`."""
     if HARDWARE_HALF:
