@@ -88,7 +88,9 @@ def _per_lane_decode(q, k, v, tables, ctx, bs, scale, window):  # type: ignore[n
                        np.empty(64 * ga.LANES, np.float32),
                        np.empty(max(dh, ga.LANES), np.float32))
             fast = np.empty_like(s)
-            ga._decode_scores(q16, k, tables[r], bs, kvh, p, window, np.float32(scale), fast,
+            koff = np.empty(p + 1, np.int64)
+            ga._key_offsets(tables[r], bs, hk, dh, kvh, p, koff)
+            ga._decode_scores(q16, k.reshape(-1), v.reshape(-1), koff, p, window, np.float32(scale), fast,
                               np.empty(dh, np.float32))
             assert np.array_equal(fast[:, :p + 1].view(np.uint32),
                                   s[:, :p + 1].view(np.uint32)), (dh, window, p)
@@ -105,14 +107,17 @@ def _per_lane_decode(q, k, v, tables, ctx, bs, scale, window):  # type: ignore[n
 
 
 def test_one_token_path_equals_the_per_lane_forms():
-    """The one-token path (`_decode_scores`, `_decode_values`: one key at a time along
-    vectors) gives the per-lane forms' floats bit for bit: a head dim of whole 64s (SmolLM2),
-    one with leftovers added in float64 (80), Gemma's 256, GQA, a sliding window, and
-    contexts from 1 key to several blocks."""
+    """The one-token path (`_decode_scores`: one key at a time along vectors;
+    `_decode_values`: 16 dimensions and 4 query heads at a time) gives the per-lane forms'
+    floats bit for bit: a head dim of whole 64s (SmolLM2), one with leftovers added in
+    float64 (80), Gemma's 256, GQA with 3, 4 and 5 query heads a KV head (a pass of 4 and a
+    partial one), one query head a KV head, a sliding window, and contexts from 1 key to
+    several blocks."""
     rng = np.random.default_rng(3)
     bs = 16
     for hq, hk, dh, ctx, window in ((9, 3, 64, [65, 1, 300], 0), (8, 2, 80, [50, 17], 7),
-                                    (4, 1, 256, [40, 129], 0), (4, 4, 64, [33], 5)):
+                                    (4, 1, 256, [40, 129], 0), (4, 4, 64, [33], 5),
+                                    (10, 2, 32, [70], 0)):
         blocks = sum((c + bs - 1) // bs for c in ctx) + 1
         k, v = (rng.standard_normal((blocks, bs, hk, dh)).astype(np.float16).view(np.uint16)
                 for _ in range(2))

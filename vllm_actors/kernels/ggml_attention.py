@@ -34,6 +34,7 @@ from vllm_actors.kernels.cpu.intrinsics import (
     f32_to_bits,
     fma16,
     hardware_half_to_f32,
+    prefetch,
     reduce64,
     stack_f32,
 )
@@ -210,14 +211,32 @@ def _tree16(acc, n, out):  # type: ignore[no-untyped-def]
         out[c] = ((t4 + t0) + (t6 + t2)) + ((t5 + t1) + (t7 + t3))
 
 
+AHEAD = 16        # keys between a row's prefetch and its use: the cache mostly comes from
+# memory, the step's weights having streamed through the caches since the layer wrote it
+
+
 @numba.njit(cache=True)
-def _decode_scores(q16, kc, table, block_size, kvh, p, window, scale, s, krow):  # type: ignore[no-untyped-def]
+def _key_offsets(table, block_size, hk, dh, kvh, last, koff):  # type: ignore[no-untyped-def]
+    """koff[j] = where key j's row of KV head kvh starts in a flat cache slot `[num_blocks,
+    block_size, Hk, Dh]`, for keys j <= last: found once a work item, block by block (no
+    division a key, where the scores and values had two)."""
+    j = 0
+    while j <= last:
+        base = (table[j // block_size] * block_size * hk + kvh) * dh
+        for c in range(min(block_size, last + 1 - j)):
+            koff[j + c] = base + c * hk * dh
+        j += block_size
+
+
+@numba.njit(cache=True)
+def _decode_scores(q16, kflat, vflat, koff, p, window, scale, s, krow):  # type: ignore[no-untyped-def]
     """A one-token step's scores, as `_scores` gives them in `ggml_vec_dot_f16`'s order, one
-    key at a time: its row decoded once (a vector conversion), then for each query row the
-    products of chunk c of 64 chained onto accumulator d % 64, the four 16-lane registers
-    combined as (r0 + r2) + (r1 + r3), `_reduce16`, and leftovers past the last whole 64
-    added in float64. All of it runs along vectors (`intrinsics.reduce64` ends the dot with
-    shuffles in the reduction's order), where `_dots16` put one key per lane."""
+    key at a time (its row at kflat[koff[j]:], `_key_offsets`): its row decoded once (a
+    vector conversion), then for each query row the products of chunk c of 64 chained onto
+    accumulator d % 64, the four 16-lane registers combined as (r0 + r2) + (r1 + r3),
+    `_reduce16`, and leftovers past the last whole 64 added in float64. All of it runs along
+    vectors (`intrinsics.reduce64` ends the dot with shuffles in the reduction's order),
+    where `_dots16` put one key per lane."""
     rows, dh = q16.shape
     whole = dh - dh % 64
     acc = stack_f32(64)          # on the stack: LLVM keeps them in registers
@@ -226,9 +245,13 @@ def _decode_scores(q16, kc, table, block_size, kvh, p, window, scale, s, krow): 
             for i in range(rows):
                 s[i, j] = -np.inf
             continue
-        blk = table[j // block_size]
+        if j + AHEAD <= p:       # this head's rows of keys and values to come, into L2
+            for d in range(0, dh, 32):
+                prefetch(kflat, koff[j + AHEAD] + d)
+                prefetch(vflat, koff[j + AHEAD] + d)
+        key = kflat[koff[j]:koff[j] + dh]
         for d in range(dh):
-            krow[d] = _cell(kc[blk, j % block_size, kvh, d])
+            krow[d] = _cell(key[d])
         for i in range(rows):
             for a in range(64):
                 acc[a] = 0.0
@@ -254,28 +277,50 @@ def _values(vc, table, block_size, kvh, last, vbuf):  # type: ignore[no-untyped-
             vbuf[j * dh + d] = _cell(vc[blk, j % block_size, kvh, d])
 
 
+ROWS = 4          # query rows `_decode_values` carries at once (s padded to a multiple)
+_CHAINS = 4 * ROWS * LANES      # its accumulators: 4 chains of 16 lanes a row
+
+
+@numba.njit(inline="always", cache=True)
+def _chain(acc, base, vflat, koff, a, p, s, i0, d0):  # type: ignore[no-untyped-def]
+    """ggml's accumulator a of the output dims d0 .. d0+15 for query rows i0 + i (i < ROWS):
+    acc[(base + i) 16 ..] chains keys a, a + 64, ... <= p, each value row (at vflat[koff[j]:])
+    converted once for the ROWS rows."""
+    for j in range(a, p + 1, 64):
+        off = koff[j] + d0
+        for i in range(ROWS):
+            fma16(acc, (base + i) * LANES, vflat, off, s[i0 + i, j], 0)
+
+
 @numba.njit(cache=True)
-def _decode_values(vc, table, block_size, kvh, p, s, acc, vbuf, comb, out):  # type: ignore[no-untyped-def]
+def _decode_values(vflat, koff, p, s, comb, out):  # type: ignore[no-untyped-def]
     """A one-token step's P . V as `_weighted_values` gives it (`ggml_vec_dot_f16`'s
-    order: key j chained onto lane j % 64 of every output dimension, the lanes combined as
-    the scores' are), with the final combination run along the dimensions."""
+    order: key j chained onto lane j % 64 of every output dimension, the 64 lanes combined
+    as the scores' are), 16 dimensions and ROWS query rows at a time: for each of the
+    reduction's 16 lanes l, its four chains (l, 16 + l, 32 + l, 48 + l) stay in registers and
+    are combined at once, then `_tree16` along the dimensions. Every key's product is
+    chained, where the per-lane form skips zero probabilities: the same floats, as a sum
+    that starts at +0 never holds -0 (products of nonzero float16s do not underflow in
+    float32), so adding 0 * v leaves it as it is. comb: scratch of ROWS x 16 x 16; s: at
+    least a multiple of ROWS rows (the rows past out's are read, not used)."""
     rows, dh = out.shape
-    _values(vc, table, block_size, kvh, p, vbuf)
-    for i in range(rows):
-        for a in range(64 * dh):
-            acc[a] = 0.0
-        for j in range(p + 1):
-            w = s[i, j]
-            if w != 0:
-                base = (j % 64) * dh
-                for d0 in range(0, dh, LANES):
-                    fma16(acc, base + d0, vbuf, j * dh + d0, w, 0)
-        for lane in range(LANES):
-            for d in range(dh):
-                comb[lane * dh + d] = ((acc[lane * dh + d] + acc[(32 + lane) * dh + d])
-                                       + (acc[(16 + lane) * dh + d]
-                                          + acc[(48 + lane) * dh + d]))
-        _tree16(comb, dh, out[i])
+    acc = stack_f32(_CHAINS)       # chain r of row i at (r ROWS + i) 16
+    for i0 in range(0, rows, ROWS):
+        for d0 in range(0, dh, LANES):
+            for lane in range(LANES):
+                for a in range(_CHAINS):
+                    acc[a] = 0.0
+                _chain(acc, 0, vflat, koff, lane, p, s, i0, d0)
+                _chain(acc, ROWS, vflat, koff, 16 + lane, p, s, i0, d0)
+                _chain(acc, 2 * ROWS, vflat, koff, 32 + lane, p, s, i0, d0)
+                _chain(acc, 3 * ROWS, vflat, koff, 48 + lane, p, s, i0, d0)
+                for i in range(ROWS):
+                    for e in range(LANES):
+                        r0, r1 = acc[i * LANES + e], acc[(ROWS + i) * LANES + e]
+                        r2, r3 = acc[(2 * ROWS + i) * LANES + e], acc[(3 * ROWS + i) * LANES + e]
+                        comb[(i * LANES + lane) * LANES + e] = (r0 + r2) + (r1 + r3)
+            for i in range(min(ROWS, rows - i0)):
+                _tree16(comb[i * LANES * LANES:], LANES, out[i0 + i, d0:])
 
 
 @numba.njit(cache=True)
@@ -327,17 +372,22 @@ def _item_for(one_token: bool) -> Callback:
     def item(q_p, t, heads, dh, k_p, v_p, blocks, cells, hk, lut_p, qs_p, ql_p, c0_p, reqs,
              tab_p, width, block_size, scale, window, r, kvh, t0, out_p):  # type: ignore[no-untyped-def]
         q, out = carray(q_p, (t, heads, dh)), carray(out_p, (t, heads, dh))
-        kc, vc = carray(k_p, (blocks, cells, hk, dh)), carray(v_p, (blocks, cells, hk, dh))
         lut, table = carray(lut_p, (1 << 16,)), carray(tab_p, (reqs, width))[r]
         first = carray(qs_p, (reqs + 1,))[r] + t0      # the tile's first query row
         ctx = carray(c0_p, (reqs,))[r] + t0           # its position
         g = heads // hk
+        if one_token:
+            size = blocks * cells * hk * dh
+            _decode_item(q, carray(k_p, (size,)), carray(v_p, (size,)), lut, table,
+                         block_size, hk, kvh, g, first, ctx, window, scale, out)
+            return
+        kc, vc = carray(k_p, (blocks, cells, hk, dh)), carray(v_p, (blocks, cells, hk, dh))
         nt = min(TILE, carray(ql_p, (reqs,))[r] - t0)
         n = nt * g
         q16 = np.empty((n, dh), np.float32)
         pos = np.empty(n, np.int64)
         s = np.empty((n, ctx + nt + LANES), np.float32)
-        acc = np.empty(dh * (64 if one_token else LANES), np.float32)
+        acc = np.empty(dh * LANES, np.float32)
         vbuf = np.empty((ctx + nt) * dh, np.float32)
         kt = np.empty(dh * LANES, np.float32)
         krow = np.empty(max(dh, LANES), np.float32)
@@ -347,20 +397,14 @@ def _item_for(one_token: bool) -> Callback:
                 pos[ti * g + gi] = ctx + ti
                 for d in range(dh):
                     q16[ti * g + gi, d] = _half(q[first + ti, kvh * g + gi, d], lut)
-        if one_token:
-            _decode_scores(q16, kc, table, block_size, kvh, pos[0], window, scale, s, krow)
-        else:
-            _scores(q16, kc, table, block_size, kvh, pos, window, False, scale, s, kt,
-                    np.empty(64 * LANES, np.float32), krow)
+        _scores(q16, kc, table, block_size, kvh, pos, window, False, scale, s, kt,
+                np.empty(64 * LANES, np.float32), krow)
         for i in range(n):
             m = ((pos[i] + LANES) // LANES) * LANES      # whole 16s; past them exp is 0
             for j in range(pos[i] + 1, m):
                 s[i, j] = -np.inf
             _softmax16(s[i], m, lut)
-        if one_token:
-            _decode_values(vc, table, block_size, kvh, pos[0], s, acc, vbuf, kt, out_rows)
-        else:
-            _weighted_values(vc, table, block_size, kvh, pos, False, s, acc, vbuf, out_rows)
+        _weighted_values(vc, table, block_size, kvh, pos, False, s, acc, vbuf, out_rows)
         for ti in range(nt):
             for gi in range(g):
                 for d in range(dh):
@@ -369,6 +413,37 @@ def _item_for(one_token: bool) -> Callback:
 
 
 _DECODE_ITEM, _PREFILL_ITEM = _item_for(True), _item_for(False)
+
+
+@numba.njit(cache=True)
+def _decode_item(q, kflat, vflat, lut, table, block_size, hk, kvh, g, row, p, window, scale,
+                 out):  # type: ignore[no-untyped-def]
+    """A one-token request's work item: KV head kvh's g query heads of q's row `row` (at
+    position p) over the flat cache slots, into out's row."""
+    dh = q.shape[2]
+    q16 = np.empty((g, dh), np.float32)
+    for gi in range(g):
+        for d in range(dh):
+            q16[gi, d] = _half(q[row, kvh * g + gi, d], lut)
+    koff = np.empty(p + 1, np.int64)
+    _key_offsets(table, block_size, hk, dh, kvh, p, koff)
+    m = ((p + LANES) // LANES) * LANES      # whole 16s; past them exp is 0
+    s = np.zeros((-(-g // ROWS) * ROWS, m), np.float32)
+    for j in range(min(AHEAD, p + 1)):
+        for d in range(0, dh, 32):
+            prefetch(kflat, koff[j] + d)
+            prefetch(vflat, koff[j] + d)
+    _decode_scores(q16, kflat, vflat, koff, p, window, scale, s,
+                   np.empty(max(dh, LANES), np.float32))
+    for i in range(g):
+        for j in range(p + 1, m):
+            s[i, j] = -np.inf
+        _softmax16(s[i], m, lut)
+    rows = np.empty((g, dh), np.float32)
+    _decode_values(vflat, koff, p, s, np.empty(ROWS * LANES * LANES, np.float32), rows)
+    for gi in range(g):
+        for d in range(dh):
+            out[row, kvh * g + gi, d] = rows[gi, d]
 
 
 @kernel(parallel=True, exact=True)
