@@ -90,8 +90,8 @@ def _per_lane_decode(q, k, v, tables, ctx, bs, scale, window):  # type: ignore[n
             fast = np.empty_like(s)
             koff = np.empty(p + 1, np.int64)
             ga._key_offsets(tables[r], bs, hk, dh, kvh, p, koff)
-            ga._decode_scores(q16, k.reshape(-1), v.reshape(-1), koff, p, window, np.float32(scale), fast,
-                              np.empty(dh, np.float32))
+            ga._decode_scores(q16, k.reshape(-1), v.reshape(-1), koff, p, window,
+                              np.float32(scale), fast)
             assert np.array_equal(fast[:, :p + 1].view(np.uint32),
                                   s[:, :p + 1].view(np.uint32)), (dh, window, p)
             m = (p + ga.LANES) // ga.LANES * ga.LANES

@@ -229,14 +229,15 @@ def _key_offsets(table, block_size, hk, dh, kvh, last, koff):  # type: ignore[no
 
 
 @numba.njit(cache=True)
-def _decode_scores(q16, kflat, vflat, koff, p, window, scale, s, krow):  # type: ignore[no-untyped-def]
+def _decode_scores(q16, kflat, vflat, koff, p, window, scale, s):  # type: ignore[no-untyped-def]
     """A one-token step's scores, as `_scores` gives them in `ggml_vec_dot_f16`'s order, one
-    key at a time (its row at kflat[koff[j]:], `_key_offsets`): its row decoded once (a
-    vector conversion), then for each query row the products of chunk c of 64 chained onto
+    key at a time (its row at kflat[koff[j]:], `_key_offsets`, converted 16 halves at a time
+    as it is multiplied), and for each query row the products of chunk c of 64 chained onto
     accumulator d % 64, the four 16-lane registers combined as (r0 + r2) + (r1 + r3),
     `_reduce16`, and leftovers past the last whole 64 added in float64. All of it runs along
     vectors (`intrinsics.reduce64` ends the dot with shuffles in the reduction's order),
-    where `_dots16` put one key per lane."""
+    where `_dots16` put one key per lane. The rows AHEAD keys on (K's and vflat's V) are
+    prefetched as it goes."""
     rows, dh = q16.shape
     whole = dh - dh % 64
     acc = stack_f32(64)          # on the stack: LLVM keeps them in registers
@@ -249,20 +250,18 @@ def _decode_scores(q16, kflat, vflat, koff, p, window, scale, s, krow):  # type:
             for d in range(0, dh, 32):
                 prefetch(kflat, koff[j + AHEAD] + d)
                 prefetch(vflat, koff[j + AHEAD] + d)
-        key = kflat[koff[j]:koff[j] + dh]
-        for d in range(dh):
-            krow[d] = _cell(key[d])
+        key = koff[j]
         for i in range(rows):
             for a in range(64):
                 acc[a] = 0.0
             for c in range(0, whole, 64):
                 for r in range(0, 64, LANES):
-                    fma16(acc, r, krow, c + r, q16, i * dh + c + r)
+                    fma16(acc, r, kflat, key + c + r, q16, i * dh + c + r)
             dot = reduce64(acc, 0)
             if whole < dh:
                 total = np.float64(dot)
                 for d in range(whole, dh):
-                    total += np.float64(q16[i, d] * krow[d])
+                    total += np.float64(q16[i, d] * _cell(kflat[key + d]))
                 dot = np.float32(total)
             s[i, j] = np.float32(dot * scale)
 
@@ -433,8 +432,7 @@ def _decode_item(q, kflat, vflat, lut, table, block_size, hk, kvh, g, row, p, wi
         for d in range(0, dh, 32):
             prefetch(kflat, koff[j] + d)
             prefetch(vflat, koff[j] + d)
-    _decode_scores(q16, kflat, vflat, koff, p, window, scale, s,
-                   np.empty(max(dh, LANES), np.float32))
+    _decode_scores(q16, kflat, vflat, koff, p, window, scale, s)
     for i in range(g):
         for j in range(p + 1, m):
             s[i, j] = -np.inf
