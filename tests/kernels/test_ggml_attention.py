@@ -132,3 +132,51 @@ def test_one_token_path_equals_the_per_lane_forms():
         fast = ga.attend(q, k, v, qsl, np.array(ctx, np.int32), tables, bs, 0.125, window)
         ref = _per_lane_decode(q, k, v, tables, ctx, bs, 0.125, window)
         assert np.array_equal(fast.view(np.uint32), ref.view(np.uint32)), (hq, hk, dh, window)
+
+
+def _per_lane_tiles(q, k, v, table, ctx0, bs, scale, window):  # type: ignore[no-untyped-def]
+    """One request of len(q) tokens after ctx0 cached ones through the per-lane forms of
+    tinyBLAS's order (`_scores`, `_weighted_values` with one key, or one output lane, per
+    vector lane), tile by tile: the reference of the path `_attend` takes for such steps."""
+    hq, dh = q.shape[1], q.shape[2]
+    hk = k.shape[2]
+    g = hq // hk
+    out = np.empty_like(q)
+    for kvh in range(hk):
+        for t0 in range(0, len(q), ga.TILE):
+            nt = min(ga.TILE, len(q) - t0)
+            q16 = np.array([[ga._half(q[t0 + ti, kvh * g + i, d], HALF_LUT) for d in range(dh)]
+                            for ti in range(nt) for i in range(g)], np.float32)
+            pos = np.repeat(np.arange(ctx0 + t0, ctx0 + t0 + nt), g).astype(np.int64)
+            s = np.empty((nt * g, pos.max() + 1 + ga.LANES), np.float32)
+            ga._scores(q16, k, table, bs, kvh, pos, window, False, np.float32(scale), s,
+                       np.empty(dh * ga.LANES, np.float32), np.empty(64 * ga.LANES, np.float32),
+                       np.empty(max(dh, ga.LANES), np.float32))
+            for i in range(nt * g):
+                m = (pos[i] + ga.LANES) // ga.LANES * ga.LANES
+                s[i, pos[i] + 1:m] = -np.inf
+                ga._softmax16(s[i], m, HALF_LUT)
+            rows = np.empty((nt * g, dh), np.float32)
+            ga._weighted_values(v, table, bs, kvh, pos, False, s, np.empty(ga.LANES * dh,
+                                np.float32), np.empty((pos.max() + 1) * dh, np.float32), rows)
+            out[t0:t0 + nt, kvh * g:(kvh + 1) * g] = rows.reshape(nt, g, dh)
+    return out
+
+
+def test_tile_path_equals_the_per_lane_forms():
+    """Steps of several tokens (`_tile_values`: 16 dimensions and 4 query rows at a time)
+    give the per-lane forms' floats bit for bit: whole tiles of 16 tokens and a partial one
+    after a cached context, GQA with 3 query heads a KV head (48 rows a tile), 5 with a
+    sliding window, and a head dim of 80."""
+    rng = np.random.default_rng(5)
+    bs = 16
+    for hq, hk, dh, ctx0, tokens, window in ((9, 3, 64, 20, 37, 0), (10, 2, 80, 3, 21, 9)):
+        blocks = (ctx0 + tokens + bs - 1) // bs + 1
+        k, v = (rng.standard_normal((blocks, bs, hk, dh)).astype(np.float16).view(np.uint16)
+                for _ in range(2))
+        q = rng.standard_normal((tokens, hq, dh)).astype(np.float32)
+        table = np.arange(1, blocks, dtype=np.int32)
+        fast = ga.attend(q, k, v, np.array([0, tokens], np.int32),
+                         np.array([ctx0 + tokens], np.int32), table[None], bs, 0.125, window)
+        ref = _per_lane_tiles(q, k, v, table, ctx0, bs, 0.125, window)
+        assert np.array_equal(fast.view(np.uint32), ref.view(np.uint32)), (hq, hk, dh, window)

@@ -34,6 +34,7 @@ from vllm_actors.kernels.cpu.intrinsics import (
     f32_to_bits,
     fma16,
     hardware_half_to_f32,
+    key_tile,
     prefetch,
     reduce64,
     stack_f32,
@@ -73,19 +74,27 @@ def _reduce16(a):  # type: ignore[no-untyped-def]
 
 @numba.njit(cache=True)
 def _softmax16(s, n, lut):  # type: ignore[no-untyped-def]
-    """s[:n] (n a multiple of 16) -> float16-rounded probabilities, as ggml's soft_max."""
-    top = -np.inf
+    """s[:n] (n a multiple of 16) -> float16-rounded probabilities, as ggml's soft_max:
+    the row's float32 max (a select, which vectorizes where `max` did not), then x - max in
+    float32 (as ggml subtracts it) per element."""
+    top = np.float32(-np.inf)
     for i in range(n):
-        top = max(top, s[i])
-    chunk = np.empty(LANES, np.float32)
+        v = s[i]
+        top = v if v > top else top
+    chunk = stack_f32(LANES)
     total = 0.0
     for c in range(0, n, LANES):
+        outside = 0
         for lane in range(LANES):      # vectorized; lanes outside its range are redone
-            chunk[lane] = expf16_normal(np.float32(s[c + lane] - top))
-        for lane in range(LANES):
             x = np.float32(s[c + lane] - top)
-            if not NORMAL_LOW <= x <= NORMAL_HIGH:      # masked keys (-inf) among them
-                chunk[lane] = expf16(x)
+            chunk[lane] = expf16_normal(x)
+            outside += not NORMAL_LOW <= x <= NORMAL_HIGH
+        if outside:                    # masked keys (-inf) among them: a row's last 16
+            for lane in range(LANES):
+                x = np.float32(s[c + lane] - top)
+                if not NORMAL_LOW <= x <= NORMAL_HIGH:
+                    chunk[lane] = expf16(x)
+        for lane in range(LANES):
             s[c + lane] = chunk[lane]
         total += np.float64(_reduce16(chunk))
     inv = np.float32(1.0 / total)
@@ -142,6 +151,28 @@ def _scores(q16, kc, table, block_size, kvh, pos, window, one_token, scale, s, k
                 _dots16(q16, i, kt, dh, one_token, acc, krow)
             else:
                 _tiny_dots16(q16, i, kt, dh, tiny, krow)
+            for lane in range(LANES):
+                j = j0 + lane
+                if j > pos[i] or (window > 0 and j <= pos[i] - window):
+                    s[i, j] = -np.inf
+                else:
+                    s[i, j] = np.float32(krow[lane] * scale)
+
+
+@numba.njit(cache=True)
+def _tile_scores(q16, kflat, koff, pos, window, scale, s, kt, krow):  # type: ignore[no-untyped-def]
+    """`_scores` of a step of several tokens (tinyBLAS's order, one key a lane), the 16
+    keys' rows converted and transposed into kt in registers (`intrinsics.key_tile`: koff
+    holds an offset for every key of the last 16, valid past `pos.max()`), where `_scores`
+    converts them one value at a time."""
+    rows, dh = q16.shape
+    last = pos.max()
+    tiny = stack_f32(256)        # 16 x 16: tinyBLAS's 16 accumulators of 16 keys, in registers
+    for j0 in range(0, last + 1, LANES):
+        for d0 in range(0, dh, LANES):
+            key_tile(kflat, koff, j0, d0, kt)
+        for i in range(rows):
+            _tiny_dots16(q16, i, kt, dh, tiny, krow)
             for lane in range(LANES):
                 j = j0 + lane
                 if j > pos[i] or (window > 0 and j <= pos[i] - window):
@@ -278,14 +309,15 @@ def _values(vc, table, block_size, kvh, last, vbuf):  # type: ignore[no-untyped-
 
 ROWS = 4          # query rows `_decode_values` carries at once (s padded to a multiple)
 _CHAINS = 4 * ROWS * LANES      # its accumulators: 4 chains of 16 lanes a row
+_TILE_CHAINS = ROWS * LANES     # `_tile_values`': one chain a row
 
 
 @numba.njit(inline="always", cache=True)
-def _chain(acc, base, vflat, koff, a, p, s, i0, d0):  # type: ignore[no-untyped-def]
-    """ggml's accumulator a of the output dims d0 .. d0+15 for query rows i0 + i (i < ROWS):
-    acc[(base + i) 16 ..] chains keys a, a + 64, ... <= p, each value row (at vflat[koff[j]:])
-    converted once for the ROWS rows."""
-    for j in range(a, p + 1, 64):
+def _chain(acc, base, vflat, koff, a, step, p, s, i0, d0):  # type: ignore[no-untyped-def]
+    """ggml's accumulator a (of `step`: 64 for vec_dot, 16 for tinyBLAS) of the output dims
+    d0 .. d0+15 for query rows i0 + i (i < ROWS): acc[(base + i) 16 ..] chains keys a, a +
+    step, ... <= p, each value row (at vflat[koff[j]:]) converted once for the ROWS rows."""
+    for j in range(a, p + 1, step):
         off = koff[j] + d0
         for i in range(ROWS):
             fma16(acc, (base + i) * LANES, vflat, off, s[i0 + i, j], 0)
@@ -309,15 +341,37 @@ def _decode_values(vflat, koff, p, s, comb, out):  # type: ignore[no-untyped-def
             for lane in range(LANES):
                 for a in range(_CHAINS):
                     acc[a] = 0.0
-                _chain(acc, 0, vflat, koff, lane, p, s, i0, d0)
-                _chain(acc, ROWS, vflat, koff, 16 + lane, p, s, i0, d0)
-                _chain(acc, 2 * ROWS, vflat, koff, 32 + lane, p, s, i0, d0)
-                _chain(acc, 3 * ROWS, vflat, koff, 48 + lane, p, s, i0, d0)
+                _chain(acc, 0, vflat, koff, lane, 64, p, s, i0, d0)
+                _chain(acc, ROWS, vflat, koff, 16 + lane, 64, p, s, i0, d0)
+                _chain(acc, 2 * ROWS, vflat, koff, 32 + lane, 64, p, s, i0, d0)
+                _chain(acc, 3 * ROWS, vflat, koff, 48 + lane, 64, p, s, i0, d0)
                 for i in range(ROWS):
                     for e in range(LANES):
                         r0, r1 = acc[i * LANES + e], acc[(ROWS + i) * LANES + e]
                         r2, r3 = acc[(2 * ROWS + i) * LANES + e], acc[(3 * ROWS + i) * LANES + e]
                         comb[(i * LANES + lane) * LANES + e] = (r0 + r2) + (r1 + r3)
+            for i in range(min(ROWS, rows - i0)):
+                _tree16(comb[i * LANES * LANES:], LANES, out[i0 + i, d0:])
+
+
+@numba.njit(cache=True)
+def _tile_values(vflat, koff, last, s, comb, out):  # type: ignore[no-untyped-def]
+    """A tile's P . V in tinyBLAS's order, as `_weighted_values` gives it: key j chained onto
+    lane j % 16 of every output dimension, then `_tree16` across the lanes; 16 dimensions
+    and ROWS query rows at a time, each lane's chain in registers (as `_decode_values`,
+    whose docstring says why chaining the zero probabilities changes no float). s: zeros
+    past each row's keys up to `last`, rows padded to a multiple of ROWS."""
+    rows, dh = out.shape
+    acc = stack_f32(_TILE_CHAINS)
+    for i0 in range(0, rows, ROWS):
+        for d0 in range(0, dh, LANES):
+            for lane in range(LANES):
+                for a in range(_TILE_CHAINS):
+                    acc[a] = 0.0
+                _chain(acc, 0, vflat, koff, lane, LANES, last, s, i0, d0)
+                for i in range(ROWS):
+                    for e in range(LANES):
+                        comb[(i * LANES + lane) * LANES + e] = acc[i * LANES + e]
             for i in range(min(ROWS, rows - i0)):
                 _tree16(comb[i * LANES * LANES:], LANES, out[i0 + i, d0:])
 
@@ -382,33 +436,44 @@ def _item_for(one_token: bool) -> Callback:
             return
         kc, vc = carray(k_p, (blocks, cells, hk, dh)), carray(v_p, (blocks, cells, hk, dh))
         nt = min(TILE, carray(ql_p, (reqs,))[r] - t0)
-        n = nt * g
-        q16 = np.empty((n, dh), np.float32)
-        pos = np.empty(n, np.int64)
-        s = np.empty((n, ctx + nt + LANES), np.float32)
-        acc = np.empty(dh * LANES, np.float32)
-        vbuf = np.empty((ctx + nt) * dh, np.float32)
-        kt = np.empty(dh * LANES, np.float32)
-        krow = np.empty(max(dh, LANES), np.float32)
-        out_rows = np.empty((n, dh), np.float32)
-        for ti in range(nt):
-            for gi in range(g):
-                pos[ti * g + gi] = ctx + ti
-                for d in range(dh):
-                    q16[ti * g + gi, d] = _half(q[first + ti, kvh * g + gi, d], lut)
-        _scores(q16, kc, table, block_size, kvh, pos, window, False, scale, s, kt,
-                np.empty(64 * LANES, np.float32), krow)
-        for i in range(n):
-            m = ((pos[i] + LANES) // LANES) * LANES      # whole 16s; past them exp is 0
-            for j in range(pos[i] + 1, m):
-                s[i, j] = -np.inf
-            _softmax16(s[i], m, lut)
-        _weighted_values(vc, table, block_size, kvh, pos, False, s, acc, vbuf, out_rows)
-        for ti in range(nt):
-            for gi in range(g):
-                for d in range(dh):
-                    out[first + ti, kvh * g + gi, d] = out_rows[ti * g + gi, d]
+        _tile_item(q, kc, vc, lut, table, block_size, kvh, g, first, ctx, nt, window, scale,
+                   out)
     return callback(*_ITEM_ARGS, exact=True)(item)
+
+
+@numba.njit(cache=True)
+def _tile_item(q, kc, vc, lut, table, block_size, kvh, g, first, ctx, nt, window, scale,
+               out):  # type: ignore[no-untyped-def]
+    """A work item of a step of several tokens: KV head kvh's g query heads of q's rows
+    first .. first + nt - 1 (positions ctx ..) over the cache slots, into out's rows."""
+    dh, hk = q.shape[2], kc.shape[2]
+    n = nt * g
+    q16 = np.empty((n, dh), np.float32)
+    pos = np.empty(n, np.int64)
+    for ti in range(nt):
+        for gi in range(g):
+            pos[ti * g + gi] = ctx + ti
+            for d in range(dh):
+                q16[ti * g + gi, d] = _half(q[first + ti, kvh * g + gi, d], lut)
+    last = ctx + nt - 1
+    koff = np.zeros(-(-(last + 1) // LANES) * LANES, np.int64)   # past last: offset 0
+    _key_offsets(table, block_size, hk, dh, kvh, last, koff)
+    s = np.zeros((-(-n // ROWS) * ROWS, last + 1 + LANES), np.float32)
+    kflat, vflat = kc.reshape(-1), vc.reshape(-1)
+    _tile_scores(q16, kflat, koff, pos, window, scale, s, np.empty(dh * LANES, np.float32),
+                 np.empty(LANES, np.float32))
+    for i in range(n):
+        m = ((pos[i] + LANES) // LANES) * LANES      # whole 16s; past them exp is 0
+        for j in range(pos[i] + 1, m):
+            s[i, j] = -np.inf
+        _softmax16(s[i], m, lut)
+        s[i, m:] = 0.0
+    rows = np.empty((n, dh), np.float32)
+    _tile_values(vflat, koff, last, s, np.empty(ROWS * LANES * LANES, np.float32), rows)
+    for ti in range(nt):
+        for gi in range(g):
+            for d in range(dh):
+                out[first + ti, kvh * g + gi, d] = rows[ti * g + gi, d]
 
 
 _DECODE_ITEM, _PREFILL_ITEM = _item_for(True), _item_for(False)

@@ -1,7 +1,8 @@
 """LLVM-level helpers numba does not offer on the CPU, as numba intrinsics (inlined into the
 kernels that call them): bit casts, the hardware float16 -> float32 conversion, an atomic
-counter for dynamic work distribution, a cache prefetch, and small stack arrays. Shared by
-attention and the quantized matmuls (`qmatmul_prims` adds the matmuls' own).
+counter for dynamic work distribution, a cache prefetch, small stack arrays, and the
+in-register transpose of 16 rows. Shared by attention and the quantized matmuls
+(`qmatmul_prims` adds the matmuls' own).
 
 `HARDWARE_HALF`: whether the CPU numba compiles for converts float16 in hardware (x86 F16C,
 present on every AVX2 CPU; aarch64 always). Without it LLVM would emit a call to a runtime
@@ -362,3 +363,55 @@ def reduce64(typingctx, acc, ai):  # type: ignore[no-untyped-def]
         return builder.fadd(builder.extract_element(v, i32(0)),
                             builder.extract_element(v, i32(1)))
     return types.float32(acc, ai), codegen
+
+_I32X16, _I32X8 = ir.VectorType(ir.IntType(32), 16), ir.VectorType(ir.IntType(32), 8)
+
+
+def transpose_rows(builder, rows):  # type: ignore[no-untyped-def]
+    """16 vectors <8 x i32> (row r's words) -> 8 vectors <16 x i32> (word t of every row):
+    rows paired into <8 x i64>, then an 8 x 8 transpose of those pairs in three butterfly
+    stages of two-source shuffles."""
+    i64x8 = ir.VectorType(ir.IntType(64), 8)
+    zip_ = ir.Constant(_I32X16, [v for t in range(8) for v in (t, 8 + t)])
+    vs = [builder.bitcast(builder.shuffle_vector(rows[2 * i], rows[2 * i + 1], zip_), i64x8)
+          for i in range(8)]
+    for d in (1, 2, 4):
+        low = ir.Constant(_I32X8, [t if t & d == 0 else 8 + t - d for t in range(8)])
+        high = ir.Constant(_I32X8, [t + d if t & d == 0 else 8 + t for t in range(8)])
+        for i in range(8):
+            if i & d == 0:
+                a, b = vs[i], vs[i + d]
+                vs[i] = builder.shuffle_vector(a, b, low)
+                vs[i + d] = builder.shuffle_vector(a, b, high)
+    return [builder.bitcast(v, _I32X16) for v in vs]
+
+
+@intrinsic
+def key_tile(typingctx, kflat, koff, j0, d0, dst):  # type: ignore[no-untyped-def]
+    """dst[16 (d0 + t) + l] = kflat[koff[j0 + l] + d0 + t] as float32, for l, t < 16: 16
+    keys' float16 values (key l's row at koff[j0 + l]) converted 16 at a time and transposed
+    (`transpose_rows` on each half), one key per lane, as tinyBLAS's tiles read them."""
+    if not (isinstance(kflat, types.Array) and kflat.dtype == types.uint16
+            and isinstance(koff, types.Array) and koff.dtype == types.int64
+            and isinstance(dst, types.Array) and dst.dtype == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        j, d = (context.cast(builder, args[i], sig.args[i], types.intp) for i in (2, 3))
+        offs = context.make_array(sig.args[1])(context, builder, args[1])
+        rows = []
+        for lane in range(16):
+            at = builder.load(builder.gep(offs.data, [builder.add(j, ir.IntType(64)(lane))]))
+            v = _load16(context, builder, sig.args[0], args[0], types.intp, builder.add(at, d))
+            rows.append(builder.bitcast(v, _I32X16))
+        cols = []
+        for half in range(2):
+            pick = ir.Constant(_I32X8, list(range(8 * half, 8 * half + 8)))
+            cols += transpose_rows(builder, [builder.shuffle_vector(r, r, pick) for r in rows])
+        base = builder.mul(d, ir.IntType(64)(16))
+        for t, col in enumerate(cols):
+            out = _vec16(context, builder, sig.args[4], args[4], types.intp,
+                         builder.add(base, ir.IntType(64)(16 * t)))
+            builder.store(builder.bitcast(col, _F16X), out, align=4)
+        return context.get_dummy_value()
+    return types.none(kflat, koff, j0, d0, dst), codegen

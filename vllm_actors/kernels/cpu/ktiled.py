@@ -31,7 +31,7 @@ from numba.extending import intrinsic
 
 from vllm_actors.kernels.cpu import activations, isa
 from vllm_actors.kernels.cpu.intrinsics import (call_address, data_pointer, stack_f32, stack_i32,
-                                                stack_i64)
+                                                stack_i64, transpose_rows)
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
 from vllm_actors.kernels.cpu.ktotals import Planes, blocks
 from vllm_actors.kernels.cpu.qdot import AVX2, AVX512
@@ -95,25 +95,6 @@ def _index(context, builder, sig, args, i):  # type: ignore[no-untyped-def]
 def fma16(builder, a, b, c):  # type: ignore[no-untyped-def]
     """a * b + c per lane, one rounding (`llvm.fma`: never a multiply and an add)."""
     return llvm_call(builder, "llvm.fma.v16f32", _F16, [a, b, c])
-
-
-def transpose_rows(builder, rows):  # type: ignore[no-untyped-def]
-    """16 vectors <8 x i32> (row r's words) -> 8 vectors <16 x i32> (word t of every row):
-    rows paired into <8 x i64>, then an 8 x 8 transpose of those pairs in three butterfly
-    stages of two-source shuffles."""
-    i64x8 = ir.VectorType(_I64, 8)
-    zip_ = ir.Constant(_L16, [v for t in range(8) for v in (t, 8 + t)])
-    vs = [builder.bitcast(builder.shuffle_vector(rows[2 * i], rows[2 * i + 1], zip_), i64x8)
-          for i in range(8)]
-    for d in (1, 2, 4):
-        low = ir.Constant(_L8, [t if t & d == 0 else 8 + t - d for t in range(8)])
-        high = ir.Constant(_L8, [t + d if t & d == 0 else 8 + t for t in range(8)])
-        for i in range(8):
-            if i & d == 0:
-                a, b = vs[i], vs[i + d]
-                vs[i] = builder.shuffle_vector(a, b, low)
-                vs[i + d] = builder.shuffle_vector(a, b, high)
-    return [builder.bitcast(v, _L16) for v in vs]
 
 
 def transpose_words(builder, rows):  # type: ignore[no-untyped-def]

@@ -30,10 +30,10 @@ from numba.extending import intrinsic
 
 from vllm_actors.kernels.cpu import activations, isa
 from vllm_actors.kernels.cpu.intrinsics import (HARDWARE_HALF, call_address, data_pointer,
-                                                prefetch_line, stack_i64)
+                                                prefetch_line, stack_i64, transpose_rows)
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
 from vllm_actors.kernels.cpu.ktiled import (LANES, array_ptr, dot4, fma16, llvm_call,
-                                            transpose_rows, transpose_words)
+                                            transpose_words)
 from vllm_actors.kernels.cpu.qdot import AVX2, AVX512, PORTABLE
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix
 from vllm_actors.kernels.cpu.qmatmul_prims import HALF_LUT, kept, limit_threads, restore_threads
