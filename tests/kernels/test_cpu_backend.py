@@ -19,7 +19,7 @@ import quant_blocks
 from tiny_models import TINY_PROMPT, write_llama_gguf
 
 from vllm_actors.kernels import get_backend
-from vllm_actors.kernels.cpu import elementwise
+from vllm_actors.kernels.cpu import elementwise, isa
 from vllm_actors.kernels.cpu.backend import CpuBackend
 from vllm_actors.kernels.numpy_backend import NumpyBackend
 from vllm_actors.kernels.ops import AttentionMetadata, RopeTables
@@ -199,6 +199,28 @@ def test_fused_linear_of_parts_in_different_formats(cpu):
     for t in (1, 3, 40):
         x = rand(t, 512)
         close(cpu.linear(x, linear, bias), x @ np.concatenate(dense).T + bias, 2e-5)
+
+
+def test_fused_linear_packs_runs_of_one_kind_each_in_its_own_order(cpu):
+    """Under the quantized semantics consecutive parts of one type and float order pack into
+    one matrix (Gemma 3's Q5_0 Q and K, not its Q8_0 V), each matrix in the order llama.cpp
+    gives its own tensors (a Q4_0 of 16 rows repacked, one of 12 not), and every output
+    equals the part's computed alone, bit for bit, for a decode step and a batch."""
+    def raw(name, qtype, rows):  # type: ignore[no-untyped-def]
+        fmt = "q8_0" if qtype in (QT.Q4_0, QT.Q5_0, QT.Q8_0) else None
+        return RawTensor(name, (rows, 64), int(qtype), random_blocks(qtype, rows, 64), fmt)
+    repacks = "avx2" in isa.available()
+    for parts, kinds in (([raw("q", QT.Q5_0, 32), raw("k", QT.Q5_0, 16), raw("v", QT.Q8_0, 16)],
+                          [(QT.Q5_0, 48, False), (QT.Q8_0, 16, False)]),
+                         ([raw("a", QT.Q4_0, 16), raw("b", QT.Q4_0, 12)],
+                          [(QT.Q4_0, 16, repacks), (QT.Q4_0, 12, False)])):
+        linear = cpu.upload_linear(parts)
+        assert [(m.qtype, m.rows, m.ggml_repacked) for m in linear.parts] == kinds
+        alone = [cpu.upload_linear([p]) for p in parts]
+        for x, requests in ((rand(1, 64), None), (rand(3, 64), np.ones(3, np.int64))):
+            want = np.concatenate([cpu._linear(x, w, None, requests) for w in alone], axis=1)
+            got = cpu._linear(x, linear, None, requests)      # a step's requests, as `linear`
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 @pytest.mark.parametrize("qtype", [None, QT.Q8_0, QT.Q4_1], ids=["f32", "q8_0", "q4_1"])

@@ -118,13 +118,25 @@ def _llama_repacks(weight: WeightLike) -> bool:
 
 
 def _stackable(parts: Sequence[WeightLike]) -> bool:
-    """Whether the parts pack straight into one matrix: one kernel type, one column count
-    and one activation format."""
+    """Whether the parts pack straight into one matrix: one kernel type, one column count,
+    one activation format and one float order of llama.cpp's (`_llama_repacks`)."""
     first = parts[0]
     return len(parts) > 1 and first.qtype in qmatmul_layout.SUPPORTED and all(
         p.qtype == first.qtype and _shape(p)[1] == _shape(first)[1]
         and getattr(p, "activations", None) == getattr(first, "activations", None)
+        and _llama_repacks(p) == _llama_repacks(first)
         for p in parts)
+
+
+def _runs(parts: Sequence[WeightLike]) -> list[list[WeightLike]]:
+    """The parts cut into runs of consecutive ones that `_stackable` packs together."""
+    runs: list[list[WeightLike]] = []
+    for p in parts:
+        if runs and _stackable([*runs[-1], p]):
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return runs
 
 
 class CpuBackend:
@@ -192,19 +204,25 @@ class CpuBackend:
 
     # -- weights and buffers -------------------------------------------------------------
     def upload_linear(self, parts: Sequence[WeightLike]) -> Linear:
-        if _stackable(parts):
-            mats = [qmatmul.pack_stacked([p.data for p in parts], parts[0].qtype,
-                                         [_shape(p)[0] for p in parts], _shape(parts[0])[1])]
-            for p in parts:
-                mapped_pages.release(p.data)
-            formats = [_format(parts[0], mats[0])]
-        else:
-            mats = [_matrix(p) for p in parts]
-            formats = [_format(p, m) for p, m in zip(parts, mats)]
-            if len(mats) > 1 and qmatmul.supports_fused(mats) and len(set(formats)) == 1:
-                mats, formats = [qmatmul.concat(mats)], formats[:1]   # converted types
-        if any(formats) and all(_llama_repacks(p) for p in parts):
-            mats = [replace(m, ggml_repacked=True) for m in mats]
+        """The parts (a fused linear's tensors, in output order) as few matrices: each run of
+        consecutive parts that `_stackable` allows packed into one (Gemma 3's Q5_0 Q and K
+        beside its Q8_0 V: two kernel calls a step, not three), each matrix in the float
+        order llama.cpp computes its own tensors in (`_llama_repacks`)."""
+        mats, formats = [], []
+        for run in _runs(parts):
+            if len(run) > 1:
+                m = qmatmul.pack_stacked([p.data for p in run], run[0].qtype,
+                                         [_shape(p)[0] for p in run], _shape(run[0])[1])
+                for p in run:
+                    mapped_pages.release(p.data)
+            else:
+                m = _matrix(run[0])
+            fmt = _format(run[0], m)
+            mats.append(replace(m, ggml_repacked=True) if fmt and _llama_repacks(run[0]) else m)
+            formats.append(fmt)
+        if (len(mats) > 1 and qmatmul.supports_fused(mats) and len(set(formats)) == 1
+                and len({m.ggml_repacked for m in mats}) == 1):
+            mats, formats = [qmatmul.concat(mats)], formats[:1]   # converted types
         return self._note(Linear(tuple(self._keep(m) for m in mats),
                                  tuple(formats) if any(formats) else ()))
 
@@ -264,12 +282,14 @@ class CpuBackend:
         `qmatmul_int_k` for Q4_K/Q5_K/Q6_K: llama.cpp's floats, each request's rows in the
         order llama.cpp gives them alone), else x~ through the float kernels
         (`activations.simulate`). Each quantizer runs once per call. A decode step's
-        one-part linear quantizes inside its GEMV (`matmul_float`)."""
-        if len(weight.parts) == 1:
-            integer = _INTEGER.get(weight.formats[0], (None, None))[1]
-            if integer is not None and integer.quantizes_inside(weight.parts[0], len(x),
-                                                                requests):
-                return integer.matmul_float(weight.parts[0], x, self._isa, requests)
+        linear quantizes inside each part's GEMV (`matmul_float`; the same bytes, less
+        Python than a quantizer's call and each part's span bookkeeping)."""
+        inside = [_INTEGER.get(fmt, (None, None))[1] for fmt in weight.formats]
+        if all(i is not None and i.quantizes_inside(p, len(x), requests)
+               for i, p in zip(inside, weight.parts)):
+            outs = [i.matmul_float(p, x, self._isa, requests)
+                    for i, p in zip(inside, weight.parts)]
+            return outs[0] if len(outs) == 1 else np.concatenate(outs, axis=1)
         inputs: dict[Any, Any] = {}
         outs = []
         for part, fmt in zip(weight.parts, weight.formats):
