@@ -5,8 +5,9 @@ checked here too). Random blocks; prints a Markdown table of medians, ms per cal
 
     python bench/wide_matmul.py [--rows 2,4,8,16,64,512] [--runs 7] [--shapes small,8b]
 
-One row (`--rows 1`, the 32-weight types): `qwide.one_row`, each block of 16 weight rows
-decoded in registers, against the pair GEMV's one-row body, x quantized inside both calls.
+One row (`--rows 1`): `qwide.one_row` (the 32-weight types) and `krow` (the repacked Q4_K
+GEMV order), each block of 16 weight rows decoded in registers, against the pair GEMV's
+one-row body, x quantized inside both calls.
 
 small: SmolLM2's gate_up (Q4_1 3072x576), Gemma 3 270M's gate_up (Q5_0 4096x640), v (Q8_0
 1536x640), down (Q6_K 640x2048), o (Q4_K repacked 640x1024, the GEMV's order of one-row
@@ -30,7 +31,7 @@ from gguf import GGMLQuantizationType as T
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from quant_blocks import random_blocks  # noqa: E402
 
-from vllm_actors.kernels.cpu import activations, ktiled, qmatmul  # noqa: E402
+from vllm_actors.kernels.cpu import activations, krow, ktiled, qmatmul  # noqa: E402
 from vllm_actors.kernels.cpu import qmatmul_int as qi  # noqa: E402
 from vllm_actors.kernels.cpu import qmatmul_int_k as qk  # noqa: E402
 from vllm_actors.kernels.cpu import qwide  # noqa: E402
@@ -69,6 +70,9 @@ def pair_and_wide(qtype: T, kind: int, order: int | None, w: qmatmul.QuantMatrix
         return (lambda: qi._run(w, qi.pad_rows(rows, qi.GROUP), m, kind, None),
                 lambda: qwide.matmul(w, planes, rows, kind, qwide.LANES_ORDER))
     rows = activations.quantize_q8_k(x)
+    if m == 1:            # the repacked Q4_K GEMV order (`krow.takes`)
+        return (lambda: qk._run(w, qk._scratch(1, w.cols), 1, kind, None, x),
+                lambda: krow.matmul(w, floats=x))
     return (lambda: qk._run(w, qk.pad_rows(rows, qk.GROUP), m, kind, None),
             lambda: ktiled.matmul(w, rows, order))
 
@@ -87,8 +91,8 @@ def main() -> None:
             w = replace(qmatmul.pack(random_blocks(qtype, n, k, rng), qtype, (n, k)),
                         ggml_repacked=repacked)
             for m in (int(r) for r in args.rows.split(",")):
-                if (kind == 96 and m < 8) or (order is not None and m == 1):
-                    continue    # the tiled order starts at 8 rows; `ktiled` has no one-row form
+                if (kind == 96 and m < 8) or (m == 1 and order is not None and kind != 44):
+                    continue    # the tiled order starts at 8 rows; one row: `krow`'s order only
                 pair, wide = pair_and_wide(qtype, kind, order, w, m, rng)
                 t_pair, a = median_ms(pair, args.runs)
                 t_wide, b = median_ms(wide, args.runs)

@@ -130,9 +130,9 @@ def _scores(q16, kc, table, block_size, kvh, pos, window, one_token, scale, s, k
     """s[i, :] = the scores of query row i (position pos[i]) against every key up to the
     tile's last position, masked keys -inf. 16 keys at a time, one per vector lane: each
     lane runs the dot in ggml's order (`_dot`), so a vector op advances 16 dots at once;
-    kt holds the 16 keys' rows transposed ([Dh, 16]), decoded once for all rows. Steps of
-    several tokens take it; a one-token step takes `_decode_scores`, the same floats (its
-    `one_token` form here is that path's reference in the tests)."""
+    kt holds the 16 keys' rows transposed ([Dh, 16]), decoded one value at a time. The
+    per-lane reference of the paths the steps take (`tests/kernels/test_ggml_attention.py`):
+    `_tile_scores` (steps of several tokens), and in its `one_token` form `_decode_scores`."""
     rows, dh = q16.shape
     last = pos.max()
     tiny = stack_f32(256)        # 16 x 16: tinyBLAS's 16 accumulators of 16 keys, in registers
@@ -381,7 +381,8 @@ def _weighted_values(vc, table, block_size, kvh, pos, one_token, s, acc, vbuf, o
     """out[i, :] = P[i] . V in ggml's order: lane j % 16 (tinyBLAS) or j % 64 (vec_dot) of
     each output dimension chains the keys j in order (acc `[lanes, Dh]`, 16 dimensions a
     vector). The V rows are decoded once into vbuf; a row's accumulators stay in L1 while
-    the keys stream past. A one-token step takes `_decode_values` (as `_scores`)."""
+    the keys stream past. The per-lane reference (as `_scores`) of `_tile_values` and, in
+    its `one_token` form, `_decode_values`."""
     rows, dh = out.shape
     width = 64 if one_token else LANES
     _values(vc, table, block_size, kvh, pos.max(), vbuf)
