@@ -70,7 +70,7 @@ def pair_and_wide(qtype: T, kind: int, order: int | None, w: qmatmul.QuantMatrix
         return (lambda: qi._run(w, qi.pad_rows(rows, qi.GROUP), m, kind, None),
                 lambda: qwide.matmul(w, planes, rows, kind, qwide.LANES_ORDER))
     rows = activations.quantize_q8_k(x)
-    if m == 1:            # the repacked Q4_K GEMV order (`krow.takes`)
+    if m == 1:            # the repacked Q4_K GEMV order (`qmatmul_int_k._in_registers`)
         return (lambda: qk._run(w, qk._scratch(1, w.cols), 1, kind, None, x),
                 lambda: krow.matmul(w, floats=x))
     return (lambda: qk._run(w, qk.pad_rows(rows, qk.GROUP), m, kind, None),

@@ -89,7 +89,7 @@ def _per_lane_decode(q, k, v, tables, ctx, bs, scale, window):  # type: ignore[n
                        np.empty(max(dh, ga.LANES), np.float32))
             fast = np.empty_like(s)
             koff = np.empty(p + 1, np.int64)
-            ga._key_offsets(tables[r], bs, hk, dh, kvh, p, koff)
+            ga._key_offsets(tables[r], bs, bs, hk, dh, kvh, p, koff)
             ga._decode_scores(q16, k.reshape(-1), v.reshape(-1), koff, p, window,
                               np.float32(scale), fast)
             assert np.array_equal(fast[:, :p + 1].view(np.uint32),

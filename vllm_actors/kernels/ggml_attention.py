@@ -151,12 +151,7 @@ def _scores(q16, kc, table, block_size, kvh, pos, window, one_token, scale, s, k
                 _dots16(q16, i, kt, dh, one_token, acc, krow)
             else:
                 _tiny_dots16(q16, i, kt, dh, tiny, krow)
-            for lane in range(LANES):
-                j = j0 + lane
-                if j > pos[i] or (window > 0 and j <= pos[i] - window):
-                    s[i, j] = -np.inf
-                else:
-                    s[i, j] = np.float32(krow[lane] * scale)
+            _store_scores(s, i, j0, krow, pos[i], window, scale)
 
 
 @numba.njit(cache=True)
@@ -173,12 +168,19 @@ def _tile_scores(q16, kflat, koff, pos, window, scale, s, kt, krow):  # type: ig
             key_tile(kflat, koff, j0, d0, kt)
         for i in range(rows):
             _tiny_dots16(q16, i, kt, dh, tiny, krow)
-            for lane in range(LANES):
-                j = j0 + lane
-                if j > pos[i] or (window > 0 and j <= pos[i] - window):
-                    s[i, j] = -np.inf
-                else:
-                    s[i, j] = np.float32(krow[lane] * scale)
+            _store_scores(s, i, j0, krow, pos[i], window, scale)
+
+
+@numba.njit(inline="always", cache=True)
+def _store_scores(s, i, j0, dots, p, window, scale):  # type: ignore[no-untyped-def]
+    """s[i, j0 + l] = dots[l] * scale for the 16 keys from j0, -inf where a query at position
+    p must not see them (past p, or past its sliding window)."""
+    for lane in range(LANES):
+        j = j0 + lane
+        if j > p or (window > 0 and j <= p - window):
+            s[i, j] = -np.inf
+        else:
+            s[i, j] = np.float32(dots[lane] * scale)
 
 
 @numba.njit(inline="always", cache=True)
@@ -247,13 +249,13 @@ AHEAD = 16        # keys between a row's prefetch and its use: the cache mostly 
 
 
 @numba.njit(cache=True)
-def _key_offsets(table, block_size, hk, dh, kvh, last, koff):  # type: ignore[no-untyped-def]
+def _key_offsets(table, block_size, cells, hk, dh, kvh, last, koff):  # type: ignore[no-untyped-def]
     """koff[j] = where key j's row of KV head kvh starts in a flat cache slot `[num_blocks,
-    block_size, Hk, Dh]`, for keys j <= last: found once a work item, block by block (no
+    cells, Hk, Dh]`, for keys j <= last: found once a work item, block by block (no
     division a key, where the scores and values had two)."""
     j = 0
     while j <= last:
-        base = (table[j // block_size] * block_size * hk + kvh) * dh
+        base = (table[j // block_size] * cells * hk + kvh) * dh
         for c in range(min(block_size, last + 1 - j)):
             koff[j + c] = base + c * hk * dh
         j += block_size
@@ -433,7 +435,7 @@ def _item_for(one_token: bool) -> Callback:
         if one_token:
             size = blocks * cells * hk * dh
             _decode_item(q, carray(k_p, (size,)), carray(v_p, (size,)), lut, table,
-                         block_size, hk, kvh, g, first, ctx, window, scale, out)
+                         block_size, cells, hk, kvh, g, first, ctx, window, scale, out)
             return
         kc, vc = carray(k_p, (blocks, cells, hk, dh)), carray(v_p, (blocks, cells, hk, dh))
         nt = min(TILE, carray(ql_p, (reqs,))[r] - t0)
@@ -447,7 +449,7 @@ def _tile_item(q, kc, vc, lut, table, block_size, kvh, g, first, ctx, nt, window
                out):  # type: ignore[no-untyped-def]
     """A work item of a step of several tokens: KV head kvh's g query heads of q's rows
     first .. first + nt - 1 (positions ctx ..) over the cache slots, into out's rows."""
-    dh, hk = q.shape[2], kc.shape[2]
+    dh, cells, hk = q.shape[2], kc.shape[1], kc.shape[2]
     n = nt * g
     q16 = np.empty((n, dh), np.float32)
     pos = np.empty(n, np.int64)
@@ -458,7 +460,7 @@ def _tile_item(q, kc, vc, lut, table, block_size, kvh, g, first, ctx, nt, window
                 q16[ti * g + gi, d] = _half(q[first + ti, kvh * g + gi, d], lut)
     last = ctx + nt - 1
     koff = np.zeros(-(-(last + 1) // LANES) * LANES, np.int64)   # past last: offset 0
-    _key_offsets(table, block_size, hk, dh, kvh, last, koff)
+    _key_offsets(table, block_size, cells, hk, dh, kvh, last, koff)
     s = np.zeros((-(-n // ROWS) * ROWS, last + 1 + LANES), np.float32)
     kflat, vflat = kc.reshape(-1), vc.reshape(-1)
     _tile_scores(q16, kflat, koff, pos, window, scale, s, np.empty(dh * LANES, np.float32),
@@ -481,8 +483,8 @@ _DECODE_ITEM, _PREFILL_ITEM = _item_for(True), _item_for(False)
 
 
 @numba.njit(cache=True)
-def _decode_item(q, kflat, vflat, lut, table, block_size, hk, kvh, g, row, p, window, scale,
-                 out):  # type: ignore[no-untyped-def]
+def _decode_item(q, kflat, vflat, lut, table, block_size, cells, hk, kvh, g, row, p, window,
+                 scale, out):  # type: ignore[no-untyped-def]
     """A one-token request's work item: KV head kvh's g query heads of q's row `row` (at
     position p) over the flat cache slots, into out's row."""
     dh = q.shape[2]
@@ -491,7 +493,7 @@ def _decode_item(q, kflat, vflat, lut, table, block_size, hk, kvh, g, row, p, wi
         for d in range(dh):
             q16[gi, d] = _half(q[row, kvh * g + gi, d], lut)
     koff = np.empty(p + 1, np.int64)
-    _key_offsets(table, block_size, hk, dh, kvh, p, koff)
+    _key_offsets(table, block_size, cells, hk, dh, kvh, p, koff)
     m = ((p + LANES) // LANES) * LANES      # whole 16s; past them exp is 0
     s = np.zeros((-(-g // ROWS) * ROWS, m), np.float32)
     for j in range(min(AHEAD, p + 1)):

@@ -144,8 +144,8 @@ def _scaled(builder, sums, scales, mins, bsums):  # type: ignore[no-untyped-def]
 
 def _prefetch(context, builder, sig, args, at):  # type: ignore[no-untyped-def]
     """Hints of the next chunk's superblock (row l's 128 bytes from q.flat[at[l]]), each of
-    its 32 lines once. Unlike `qwide.fused_row`, asking twice measured
-    slower here: 39-43 against 45-49 GB/s on the 8B's 14336x4096 (docs/BENCHMARKS.md)."""
+    its 32 lines once: asking twice, as `qwide.fused_row` does, measured slower here (39-43
+    against 45-49 GB/s on the 8B's 14336x4096, docs/BENCHMARKS.md)."""
     for line in (0, 64):
         for o in at:
             off = builder.add(o, ir.Constant(_I64, line))
@@ -190,16 +190,13 @@ def _rows(fn, q, sc, mn, d, dmin, lut, xq, xd, xb, out, threads, quantize, x):  
     restore_threads(prev)
 
 
-def takes(w: QuantMatrix, kind: int) -> bool:
-    """Whether a one-row request of `kind` on W comes here: the repacked Q4_K GEMV order
-    (`qmatmul_int_k.REPACKED_Q4_K`), 16 weight rows or more."""
-    return kind == 44 and w.rows >= LANES
-
-
 def matmul(w: QuantMatrix, x: activations.Q8KRows | None = None,
            floats: np.ndarray | None = None, path: str | None = None) -> np.ndarray:
-    """x's one row `[1, K]` through W (`takes`): as Q8_K blocks, or as floats quantized
-    inside the kernel's call into this thread's kept scratch."""
+    """x's one row `[1, K]` through W, a Q4_K of 16 rows or more in the repacked GEMV's
+    order: as Q8_K blocks (`x`), or as floats quantized inside the kernel's call into this
+    thread's kept scratch (`floats`)."""
+    if (x is None) == (floats is None):
+        raise TypeError("krow.matmul takes x's Q8_K blocks or its floats, one of them")
     code = isa.code(path) if path else isa.selected_code()
     plan = w.memo.get(("krow", code))
     if plan is None:
@@ -208,7 +205,7 @@ def matmul(w: QuantMatrix, x: activations.Q8KRows | None = None,
     fn, (q, sc, mn, d, dmin), threads = plan
     k = w.cols
     out = np.empty((1, w.rows), np.float32)
-    if x is None:
+    if floats is not None:
         x = kept(("krow", k), lambda: activations.Q8KRows(
             np.zeros((1, k), np.int8), np.zeros((1, k // 256), np.float32),
             np.zeros((1, k // 16), np.int16)))

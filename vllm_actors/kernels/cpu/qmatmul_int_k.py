@@ -329,7 +329,7 @@ def matmul(w: QuantMatrix, x: activations.Q8KRows, path: str | None = None,
         if rows >= fewest:
             out[start:stop] = ktiled.matmul(w, _row_slice(x, start, stop), order, path)
             continue
-        if rows == 1 and krow.takes(w, kind):
+        if rows == 1 and _in_registers(w, kind):
             out[start:stop] = krow.matmul(w, _row_slice(x, start, stop), path=path)
             continue
         span = pad_rows(_row_slice(x, start, stop), 1 if rows == 1 else GROUP)
@@ -350,6 +350,12 @@ def row_kinds(w: QuantMatrix, requests: Sequence[int]) -> np.ndarray:
     form = KINDS[w.qtype]
     tiled = "avx2" in isa.available()
     return np.repeat(np.where(tiled & (n >= TILED_MIN_ROWS), TILED + form, form), n)
+
+
+def _in_registers(w: QuantMatrix, kind: int) -> bool:
+    """Whether a one-row request of `kind` on W takes `krow` (the repacked Q4_K GEMV's order,
+    16 weight rows or more), where it runs 1.1-1.9x the pair GEMV."""
+    return kind == REPACKED_Q4_K and w.rows >= krow.LANES
 
 
 def _row_slice(x: activations.Q8KRows, start: int, stop: int) -> activations.Q8KRows:
@@ -377,7 +383,7 @@ def matmul_float(w: QuantMatrix, x: np.ndarray, path: str | None = None,
     m, k = x.shape
     if m >= _WIDE.get(kind, (None, m + 1))[1]:      # one-row requests `ktiled` takes together
         return matmul(w, activations.quantize_q8_k(x), path, requests)
-    if m == 1 and krow.takes(w, kind):
+    if m == 1 and _in_registers(w, kind):
         return krow.matmul(w, floats=x, path=path)
     group = 1 if m == 1 else GROUP
     padded = -(-m // group) * group
