@@ -284,12 +284,17 @@ class CpuBackend:
         (`activations.simulate`). Each quantizer runs once per call. A decode step's
         linear quantizes inside each part's GEMV (`matmul_float`; the same bytes, less
         Python than a quantizer's call and each part's span bookkeeping)."""
-        inside = [_INTEGER.get(fmt, (None, None))[1] for fmt in weight.formats]
-        if all(i is not None and i.quantizes_inside(p, len(x), requests)
-               for i, p in zip(inside, weight.parts)):
-            outs = [i.matmul_float(p, x, self._isa, requests)
-                    for i, p in zip(inside, weight.parts)]
-            return outs[0] if len(outs) == 1 else np.concatenate(outs, axis=1)
+        if len(weight.parts) == 1:        # the common case, with the least Python
+            integer = _INTEGER.get(weight.formats[0], (None, None))[1]
+            if integer is not None and integer.quantizes_inside(weight.parts[0], len(x),
+                                                                requests):
+                return integer.matmul_float(weight.parts[0], x, self._isa, requests)
+        else:
+            inside = [_INTEGER.get(fmt, (None, None))[1] for fmt in weight.formats]
+            if all(i is not None and i.quantizes_inside(p, len(x), requests)
+                   for i, p in zip(inside, weight.parts)):
+                return np.concatenate([i.matmul_float(p, x, self._isa, requests)
+                                       for i, p in zip(inside, weight.parts)], axis=1)
         inputs: dict[Any, Any] = {}
         outs = []
         for part, fmt in zip(weight.parts, weight.formats):
