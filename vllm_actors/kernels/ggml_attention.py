@@ -248,6 +248,14 @@ AHEAD = 16        # keys between a row's prefetch and its use: the cache mostly 
 # memory, the step's weights having streamed through the caches since the layer wrote it
 
 
+@numba.njit(inline="always", cache=True)
+def _prefetch_key(kflat, vflat, off, dh):  # type: ignore[no-untyped-def]
+    """Hint a key's K and V rows (dh float16 values from off) into L2, a line at a time."""
+    for d in range(0, dh, 32):
+        prefetch(kflat, off + d)
+        prefetch(vflat, off + d)
+
+
 @numba.njit(cache=True)
 def _key_offsets(table, block_size, cells, hk, dh, kvh, last, koff):  # type: ignore[no-untyped-def]
     """koff[j] = where key j's row of KV head kvh starts in a flat cache slot `[num_blocks,
@@ -280,9 +288,7 @@ def _decode_scores(q16, kflat, vflat, koff, p, window, scale, s):  # type: ignor
                 s[i, j] = -np.inf
             continue
         if j + AHEAD <= p:       # this head's rows of keys and values to come, into L2
-            for d in range(0, dh, 32):
-                prefetch(kflat, koff[j + AHEAD] + d)
-                prefetch(vflat, koff[j + AHEAD] + d)
+            _prefetch_key(kflat, vflat, koff[j + AHEAD], dh)
         key = koff[j]
         for i in range(rows):
             for a in range(64):
@@ -451,13 +457,10 @@ def _tile_item(q, kc, vc, lut, table, block_size, kvh, g, first, ctx, nt, window
     first .. first + nt - 1 (positions ctx ..) over the cache slots, into out's rows."""
     dh, cells, hk = q.shape[2], kc.shape[1], kc.shape[2]
     n = nt * g
-    q16 = np.empty((n, dh), np.float32)
+    q16 = _queries16(q, first, nt, kvh, g, lut)
     pos = np.empty(n, np.int64)
     for ti in range(nt):
-        for gi in range(g):
-            pos[ti * g + gi] = ctx + ti
-            for d in range(dh):
-                q16[ti * g + gi, d] = _half(q[first + ti, kvh * g + gi, d], lut)
+        pos[ti * g:(ti + 1) * g] = ctx + ti
     last = ctx + nt - 1
     koff = np.zeros(-(-(last + 1) // LANES) * LANES, np.int64)   # past last: offset 0
     _key_offsets(table, block_size, cells, hk, dh, kvh, last, koff)
@@ -473,10 +476,7 @@ def _tile_item(q, kc, vc, lut, table, block_size, kvh, g, first, ctx, nt, window
         s[i, m:] = 0.0
     rows = np.empty((n, dh), np.float32)
     _tile_values(vflat, koff, last, s, np.empty(ROWS * LANES * LANES, np.float32), rows)
-    for ti in range(nt):
-        for gi in range(g):
-            for d in range(dh):
-                out[first + ti, kvh * g + gi, d] = rows[ti * g + gi, d]
+    _put_rows(out, rows, first, nt, kvh, g)
 
 
 _DECODE_ITEM, _PREFILL_ITEM = _item_for(True), _item_for(False)
@@ -488,18 +488,13 @@ def _decode_item(q, kflat, vflat, lut, table, block_size, cells, hk, kvh, g, row
     """A one-token request's work item: KV head kvh's g query heads of q's row `row` (at
     position p) over the flat cache slots, into out's row."""
     dh = q.shape[2]
-    q16 = np.empty((g, dh), np.float32)
-    for gi in range(g):
-        for d in range(dh):
-            q16[gi, d] = _half(q[row, kvh * g + gi, d], lut)
+    q16 = _queries16(q, row, 1, kvh, g, lut)
     koff = np.empty(p + 1, np.int64)
     _key_offsets(table, block_size, cells, hk, dh, kvh, p, koff)
     m = ((p + LANES) // LANES) * LANES      # whole 16s; past them exp is 0
     s = np.zeros((-(-g // ROWS) * ROWS, m), np.float32)
     for j in range(min(AHEAD, p + 1)):
-        for d in range(0, dh, 32):
-            prefetch(kflat, koff[j] + d)
-            prefetch(vflat, koff[j] + d)
+        _prefetch_key(kflat, vflat, koff[j], dh)
     _decode_scores(q16, kflat, vflat, koff, p, window, scale, s)
     for i in range(g):
         for j in range(p + 1, m):
@@ -507,9 +502,28 @@ def _decode_item(q, kflat, vflat, lut, table, block_size, cells, hk, kvh, g, row
         _softmax16(s[i], m, lut)
     rows = np.empty((g, dh), np.float32)
     _decode_values(vflat, koff, p, s, np.empty(ROWS * LANES * LANES, np.float32), rows)
-    for gi in range(g):
-        for d in range(dh):
-            out[row, kvh * g + gi, d] = rows[gi, d]
+    _put_rows(out, rows, row, 1, kvh, g)
+
+
+@numba.njit(inline="always", cache=True)
+def _queries16(q, first, nt, kvh, g, lut):  # type: ignore[no-untyped-def]
+    """KV head kvh's g query heads of q's rows first .. first + nt - 1, rounded to float16
+    (as float32), token by token: row ti g + gi for head gi of token ti."""
+    dh = q.shape[2]
+    q16 = np.empty((nt * g, dh), np.float32)
+    for ti in range(nt):
+        for gi in range(g):
+            for d in range(dh):
+                q16[ti * g + gi, d] = _half(q[first + ti, kvh * g + gi, d], lut)
+    return q16
+
+
+@numba.njit(inline="always", cache=True)
+def _put_rows(out, rows, first, nt, kvh, g):  # type: ignore[no-untyped-def]
+    """`_queries16`'s rows' outputs back into out's rows first .. and KV head kvh's heads."""
+    for ti in range(nt):
+        for gi in range(g):
+            out[first + ti, kvh * g + gi, :] = rows[ti * g + gi, :]
 
 
 @kernel(parallel=True, exact=True)
