@@ -127,6 +127,28 @@ def test_scale(cpu):
         close(np.asarray(got), REF.scale(np.array(x / np.float32(0.125)), 0.125), 1e-6)
 
 
+def test_greedy_ids_as_numpy_gives_them_and_non_finite_rows_refused(cpu):
+    """`CpuBackend.argmax`: numpy's argmax (ties to the lowest id, -0.0 equal to +0.0, rows
+    of negatives, a maximum past the last full chunk), -1 for a row with any inf or NaN;
+    one row (the serial kernel) and several (the parallel one)."""
+    logits = rand(8, 1000)
+    logits[1, 17] = logits[1, 900] = 50.0                  # a tie goes to the lowest id
+    logits[2] = -np.abs(logits[2]) - 1.0                    # all negative
+    logits[2, 611] = -0.5
+    logits[3] = 0.0
+    logits[3, :5] = -1.0
+    logits[3, 5:9] = -0.0                                    # -0.0 first, then +0.0
+    logits[4, 999] = 80.0                                   # in the partial last chunk
+    logits[5, 3], logits[6, 998], logits[7, 0] = np.nan, np.inf, -np.inf
+    want = [int(np.argmax(r)) for r in logits[:5]] + [-1, -1, -1]
+    assert want[1] == 17 and want[3] == 5
+    assert cpu.argmax(logits).tolist() == want
+    assert [int(cpu.argmax(logits[r:r + 1])[0]) for r in range(8)] == want
+    min_float = np.full((1, 70), np.finfo(np.float32).min)
+    min_float[0, 64] = np.finfo(np.float32).max
+    assert cpu.argmax(min_float).tolist() == [64]
+
+
 def test_paged_attention_passes_window_and_softcap(cpu):
     """The backend method hands both options to the kernels (their own tests are in
     test_cpu_attention.py): a decode and a 20-token chunk, one sequence each."""

@@ -113,9 +113,11 @@ class ModelRunner:
         self.batch = InputBatch(config.scheduler.max_num_seqs, self.max_model_len,
                                 self.block_size, len(self.kv_groups))
         self.sampler = Sampler(config.model.seed)
-        # device backends sample plain-greedy steps themselves (see _sample); under tensor
-        # parallelism the logits are gathered on the host of rank 0
+        # backends with an argmax (the devices', the cpu's) take the ids of plain-greedy
+        # steps themselves (see _sample); under tensor parallelism the logits are gathered on
+        # the host of rank 0. Host logits keep the family's scale and soft-cap.
         self.device_greedy = hasattr(self.backend, "argmax") and self.tp.world_size == 1
+        self.raw_greedy_logits = not getattr(self.backend, "host_logits", False)
         self.follow_tokens = self.stage.size > 1   # sampled ids come in the StepInput
         self.lora = LoRAManager(config.lora, self.model) if config.lora else None
         self._lora_failed: dict[str, str] = {}     # adapters that failed to load, this step
@@ -348,8 +350,8 @@ class ModelRunner:
         if self.device_greedy and not step.grammar_req_ids and \
                 batch.sampling.plain_greedy(entry_rows):
             # only the sampled ids come back from the device (-1: non-finite logits)
-            tokens[:] = self.backend.argmax(
-                self.model.compute_logits(hidden, layout.index, on_device=True))
+            tokens[:] = self.backend.argmax(self.model.compute_logits(
+                hidden, layout.index, on_device=self.raw_greedy_logits))
             finite = tokens >= 0
         else:
             logits = self.model.compute_logits(hidden, layout.index)

@@ -28,6 +28,7 @@ from vllm_actors.kernels.cpu import (
     attention,
     blas,
     elementwise,
+    greedy,
     isa,
     qmatmul,
     qmatmul_int,
@@ -449,6 +450,11 @@ class CpuBackend:
                                          scale, window, attn.plans)
         return attention.paged_attention(q, kv_cache, attn, scale, window=window,
                                          softcap=softcap, sinks=sinks)
+
+    # plain-greedy steps take their ids in one pass over the logits (`greedy`); the
+    # "device" logits are the host's, so the family's scale and soft-cap still apply
+    argmax = staticmethod(greedy.argmax)
+    host_logits = True
 
     def lm_head(self, hidden: np.ndarray, head: Linear, rows: np.ndarray,
                 on_device: bool = False) -> np.ndarray:
