@@ -127,11 +127,12 @@ def _bases(context, builder, sig, args, which):  # type: ignore[no-untyped-def]
                                     _I64)) for lane in range(LANES)] for i in which]
 
 
-def _decoded(context, builder, sig, args, path, form, at, hat, which):  # type: ignore[no-untyped-def]
+def _decoded(context, builder, sig, args, path, form, at, hat, which, bits=None):  # type: ignore[no-untyped-def]
     """A block of 16 weight rows as 8 vectors <64 x i8>: vector t holds the 4 codes of group
     t (weights 4t .. 4t+3) of every row (row l's quant bytes at q.flat[at[l]], its fifth
-    bits at qh.flat[hat[l]]; q and qh the arguments `which`). The stored bytes are
-    transposed first, so each step after works on all 16 rows at once."""
+    bits at qh.flat[hat[l]], or `bits` <16 x i32> where given; q and qh the arguments
+    `which`). The stored bytes are transposed first, so each step after works on all 16
+    rows at once."""
     def load(i, idx, ty):  # type: ignore[no-untyped-def]
         return builder.load(array_ptr(context, builder, sig, args, which[i], idx, ty), align=1)
     if form == 8:
@@ -142,9 +143,10 @@ def _decoded(context, builder, sig, args, path, form, at, hat, which):  # type: 
     high = [builder.lshr(v, ir.Constant(_B64, [4] * 64)) for v in nibbles]
     groups = low + high          # byte j's low nibble is weight j, its high one weight j + 16
     if form in (5, 50):
-        bits = ir.Constant(_L16, ir.Undefined)
-        for lane, h in enumerate(hat):
-            bits = builder.insert_element(bits, load(1, h, _I32), ir.Constant(_I32, lane))
+        if bits is None:
+            bits = ir.Constant(_L16, ir.Undefined)
+            for lane, h in enumerate(hat):
+                bits = builder.insert_element(bits, load(1, h, _I32), ir.Constant(_I32, lane))
         groups = [builder.or_(v, _fifth(builder, bits, t)) for t, v in enumerate(groups)]
     return [_codes(builder, path, form, v) for v in groups]
 
@@ -284,6 +286,111 @@ def _block_lanes(builder, path, form, codes, x_word, offset_word, b):  # type: i
     return lanes
 
 
+GROUP_BLOCKS = 8      # `fused_row` converts 8 blocks' scales, mins and fifth bits at once
+
+
+class _SidePlanes:
+    """`fused_row`'s scales d_w, mins m_w and fifth bits of its 16 rows (row l's at
+    plane.flat[ho + l nb + b]), 8 blocks at a time into stack arrays: each row's 8 halves
+    (or 8 words of bits) loaded as one vector, then transposed to one vector a block (row l
+    in lane l). Built one value a lane, they cost 32 loads and inserts a Q4_1 block, a
+    quarter of its time (docs/BENCHMARKS.md). Under 8 blocks a row, or without F16C, each
+    block's values are still gathered one by one."""
+
+    def __init__(self, context, builder, sig, args, form, ho, nb):  # type: ignore[no-untyped-def]
+        self.context, self.builder, self.sig, self.args = context, builder, sig, args
+        self.form, self.nb = form, nb
+        self.has_min, self.has_bits = form in (4, 5), form in (5, 50)
+        self.offs = [builder.add(ho, builder.mul(nb, ir.Constant(_I64, lane)))
+                     for lane in range(LANES)]
+        size = ir.Constant(_I64, GROUP_BLOCKS)
+        self.scales = cgutils.alloca_once(builder, _F16, size=size)
+        self.min_vs = cgutils.alloca_once(builder, _F16, size=size) if self.has_min else None
+        self.bit_vs = cgutils.alloca_once(builder, _L16, size=size) if self.has_bits else None
+
+    def _ptr(self, i, idx, ty):  # type: ignore[no-untyped-def]
+        return array_ptr(self.context, self.builder, self.sig, self.args, i, idx, ty)
+
+    def convert(self, g):  # type: ignore[no-untyped-def]
+        """Fill the stack arrays for the group of blocks from g; returns g0, the block held
+        at index 0 (the last group of a row overlaps the one before: g0 = nb - 8)."""
+        builder, eight = self.builder, ir.Constant(_I64, GROUP_BLOCKS)
+        if not HARDWARE_HALF:
+            self._one_by_one(g)
+            return g
+        wide = builder.icmp_signed(">=", self.nb, eight)
+        last = builder.sub(self.nb, eight)
+        g0 = builder.select(wide, builder.select(builder.icmp_signed("<", g, last), g, last), g)
+        with builder.if_else(wide) as (transposed, single):
+            with transposed:
+                self._transposed(g0)
+            with single:
+                self._one_by_one(g)
+        return g0
+
+    def _transposed(self, g0):  # type: ignore[no-untyped-def]
+        builder = self.builder
+        planes = [(8, self.scales)] + ([(9, self.min_vs)] if self.has_min else [])
+        for i, dst in planes:
+            words = transpose_words(builder, [builder.load(self._ptr(i, builder.add(o, g0), _L4),
+                                                           align=2) for o in self.offs])
+            for j in range(GROUP_BLOCKS):
+                v = builder.lshr(words[j // 2], ir.Constant(_L16, [16 * (j % 2)] * 16))
+                halves = builder.bitcast(builder.trunc(v, _W16), ir.VectorType(ir.HalfType(), 16))
+                builder.store(builder.fpext(halves, _F16), self._slot(dst, j), align=4)
+        if self.has_bits:
+            rows = [builder.load(self._ptr(6, builder.add(o, g0), _L8), align=4)
+                    for o in self.offs]
+            for j, v in enumerate(transpose_rows(builder, rows)):
+                builder.store(v, self._slot(self.bit_vs, j), align=4)
+
+    def groups(self):  # type: ignore[no-untyped-def]
+        """The row's groups of blocks (the last may be partial)."""
+        return self.builder.udiv(self.builder.add(self.nb, ir.Constant(_I64, GROUP_BLOCKS - 1)),
+                                 ir.Constant(_I64, GROUP_BLOCKS))
+
+    def count(self, g):  # type: ignore[no-untyped-def]
+        """The blocks of the group from g: min(8, nb - g)."""
+        builder, eight = self.builder, ir.Constant(_I64, GROUP_BLOCKS)
+        left = builder.sub(self.nb, g)
+        return builder.select(builder.icmp_signed("<", left, eight), left, eight)
+
+    def _one_by_one(self, g):  # type: ignore[no-untyped-def]
+        builder = self.builder
+        count = self.count(g)
+
+        def load(i, idx, ty, align):  # type: ignore[no-untyped-def]
+            return builder.load(self._ptr(i, idx, ty), align=align)
+        with cgutils.for_range(builder, count) as loop:
+            j = loop.index
+            hs = [builder.add(o, builder.add(g, j)) for o in self.offs]
+            planes = [(8, self.scales)] + ([(9, self.min_vs)] if self.has_min else [])
+            for i, dst in planes:
+                v = half_vector(builder, [load(i, h, _I16, 2) for h in hs],
+                                lambda bits: load(10, builder.zext(bits, _I64), _F32, 4))
+                builder.store(v, self._slot(dst, j), align=4)
+            if self.has_bits:
+                bits = ir.Constant(_L16, ir.Undefined)
+                for lane, h in enumerate(hs):
+                    bits = builder.insert_element(bits, load(6, h, _I32, 4),
+                                                  ir.Constant(_I32, lane))
+                builder.store(bits, self._slot(self.bit_vs, j), align=4)
+
+    def _slot(self, base, j):  # type: ignore[no-untyped-def]
+        if isinstance(j, int):
+            j = ir.Constant(_I64, j)
+        return self.builder.gep(base, [j])
+
+    def scale(self, j):  # type: ignore[no-untyped-def]
+        return self.builder.load(self._slot(self.scales, j), align=4)
+
+    def mins(self, j):  # type: ignore[no-untyped-def]
+        return self.builder.load(self._slot(self.min_vs, j), align=4)
+
+    def bits(self, j):  # type: ignore[no-untyped-def]
+        return self.builder.load(self._slot(self.bit_vs, j), align=4) if self.has_bits else None
+
+
 @intrinsic
 def fused_row(typingctx, isa_, kind, order, q, qo, rb, qh, ho, d, mn, lut, nb, x, xc, xd, xs, out, oo, po):  # type: ignore[no-untyped-def]
     """`row_dots` for x's one row straight from the planes, each block of the 16 weight rows
@@ -305,6 +412,7 @@ def fused_row(typingctx, isa_, kind, order, q, qo, rb, qh, ho, d, mn, lut, nb, x
         # matrices; twice: 25-26; docs/BENCHMARKS.md)
         per_line = 32 // step.constant
         sums = _Sums(builder, how, mins)
+        side = _SidePlanes(context, builder, sig, args, form, ho_, nb_)
 
         def load(i, idx, ty, align=4):  # type: ignore[no-untyped-def]
             return builder.load(array_ptr(context, builder, sig, args, i, idx, ty), align=align)
@@ -313,27 +421,29 @@ def fused_row(typingctx, isa_, kind, order, q, qo, rb, qh, ho, d, mn, lut, nb, x
             return [builder.add(start, builder.mul(stride, ir.Constant(_I64, lane)))
                     for lane in range(LANES)]
 
-        def halves(i, hs):  # type: ignore[no-untyped-def]
-            return half_vector(builder, [load(i, h, _I16, 2) for h in hs],
-                           lambda v: load(10, builder.zext(v, _I64), _F32))
-
-        with cgutils.for_range(builder, nb_) as loop:
-            b = loop.index
-            at, hs = builder.add(qo_, builder.mul(b, step)), rows(builder.add(ho_, b), nb_)
-            # the next chunk's rows turn by turn, at this block's offset
-            first = builder.mul(builder.urem(b, ir.Constant(_I64, per_line)),
-                                ir.Constant(_I64, LANES // per_line))
-            ahead = builder.add(builder.add(po_, builder.mul(b, step)), builder.mul(first, rb_))
-            for pf in rows(ahead, rb_)[:LANES // per_line]:
-                prefetch_line(builder, array_ptr(context, builder, sig, args, 3, pf, _I8))
-            codes = _decoded(context, builder, sig, args, path, form, rows(at, rb_), hs, (3, 6))
-            scale = builder.fmul(halves(8, hs), splat(builder, load(14, b, _F32), _F16))
-            lanes = _block_lanes(
-                builder, path, form, codes,
-                lambda k4: load(12, builder.mul(k4, ir.Constant(_I64, 4)), _I32, 1),
-                lambda k4: load(13, k4, _I32), b)
-            sums.add(lanes, scale, halves(9, hs) if mins else None,
-                     splat(builder, load(15, b, _F32), _F16) if mins else None)
+        with cgutils.for_range(builder, side.groups()) as outer:
+            g = builder.mul(outer.index, ir.Constant(_I64, GROUP_BLOCKS))
+            g0 = side.convert(g)
+            with cgutils.for_range(builder, side.count(g)) as loop:
+                b = builder.add(g, loop.index)
+                j = builder.sub(b, g0)
+                at = builder.add(qo_, builder.mul(b, step))
+                # the next chunk's rows turn by turn, at this block's offset
+                first = builder.mul(builder.urem(b, ir.Constant(_I64, per_line)),
+                                    ir.Constant(_I64, LANES // per_line))
+                ahead = builder.add(builder.add(po_, builder.mul(b, step)),
+                                    builder.mul(first, rb_))
+                for pf in rows(ahead, rb_)[:LANES // per_line]:
+                    prefetch_line(builder, array_ptr(context, builder, sig, args, 3, pf, _I8))
+                codes = _decoded(context, builder, sig, args, path, form, rows(at, rb_), None,
+                                 (3, 6), side.bits(j))
+                scale = builder.fmul(side.scale(j), splat(builder, load(14, b, _F32), _F16))
+                lanes = _block_lanes(
+                    builder, path, form, codes,
+                    lambda k4: load(12, builder.mul(k4, ir.Constant(_I64, 4)), _I32, 1),
+                    lambda k4: load(13, k4, _I32), b)
+                sums.add(lanes, scale, side.mins(j) if mins else None,
+                         splat(builder, load(15, b, _F32), _F16) if mins else None)
         builder.store(sums.total(), array_ptr(context, builder, sig, args, 16, oo_, _F16),
                       align=4)
         return context.get_dummy_value()
