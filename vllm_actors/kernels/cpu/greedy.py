@@ -75,6 +75,8 @@ def _parallel(bits, out):  # type: ignore[no-untyped-def]
 
 def argmax(logits: np.ndarray) -> np.ndarray:
     """Greedy ids [rows] (int64) of float32 logits [rows, V]; -1 for a non-finite row."""
+    if np.ndim(logits) != 2:
+        raise ValueError(f"argmax takes logits [rows, vocab], got shape {np.shape(logits)}")
     bits = np.ascontiguousarray(logits, np.float32).view(np.int32)
     out = np.empty(len(bits), np.int64)
     (_parallel if len(bits) >= PARALLEL_ROWS else _serial)(bits, out)
