@@ -53,12 +53,16 @@ def test_rows_together_equal_each_row_alone(qtype, repacked):
     # the integer kernels send a request of several rows there, in that order
     together = qmatmul_int.matmul(w, rows, requests=np.array([m]))
     assert np.array_equal(together.view(np.uint32), got.view(np.uint32))
-    # one row of fewer than 8 blocks: its scales, mins and fifth bits are read block by
+    # rows of fewer than 8 blocks: their scales, mins and fifth bits are read block by
     # block, not 8 blocks at a time as above (10 blocks: the last 8 overlap the first 8)
     narrow = replace(_matrix(qtype, 20, 160, rng), ggml_repacked=repacked)
     base, planes, _ = qmatmul_int._plan(narrow)
+    short = x[:3, :160]
     for path in isa.available():
-        for row in x[:3, :160]:
-            one = qwide.one_row(narrow, planes, row[None], kind, order, path)
-            alone = qmatmul_int._run(narrow, activations.quantize_q8(row[None]), 1, base, path)
-            assert np.array_equal(one.view(np.uint32), alone.view(np.uint32)), path
+        alone = np.concatenate([qmatmul_int._run(narrow, activations.quantize_q8(row[None]), 1,
+                                                 base, path) for row in short])
+        one = np.concatenate([qwide.one_row(narrow, planes, row[None], kind, order, path)
+                              for row in short])
+        wide = qwide.matmul(narrow, planes, activations.quantize_q8(short), kind, order, path)
+        for got in (one, wide):
+            assert np.array_equal(got.view(np.uint32), alone.view(np.uint32)), path

@@ -289,6 +289,19 @@ def _block_lanes(builder, path, form, codes, x_word, offset_word, b):  # type: i
 GROUP_BLOCKS = 8      # `fused_row` converts 8 blocks' scales, mins and fifth bits at once
 
 
+def eight_halves(builder, rows):  # type: ignore[no-untyped-def]
+    """16 rows' next 8 float16 values (<4 x i32> a row) -> 8 vectors <16 x float>, value j of
+    every row in vector j: the rows transposed as `transpose_words` does the quant bytes,
+    then each 32-bit word's two values split and converted (F16C)."""
+    words = transpose_words(builder, rows)
+    out = []
+    for j in range(GROUP_BLOCKS):
+        v = builder.lshr(words[j // 2], ir.Constant(_L16, [16 * (j % 2)] * 16))
+        halves = builder.bitcast(builder.trunc(v, _W16), ir.VectorType(ir.HalfType(), 16))
+        out.append(builder.fpext(halves, _F16))
+    return out
+
+
 class _SidePlanes:
     """`fused_row`'s scales d_w, mins m_w and fifth bits of its 16 rows (row l's at
     plane.flat[ho + l nb + b]), 8 blocks at a time into stack arrays: each row's 8 halves
@@ -332,12 +345,9 @@ class _SidePlanes:
         builder = self.builder
         planes = [(8, self.scales)] + ([(9, self.min_vs)] if self.has_min else [])
         for i, dst in planes:
-            words = transpose_words(builder, [builder.load(self._ptr(i, builder.add(o, g0), _L4),
-                                                           align=2) for o in self.offs])
-            for j in range(GROUP_BLOCKS):
-                v = builder.lshr(words[j // 2], ir.Constant(_L16, [16 * (j % 2)] * 16))
-                halves = builder.bitcast(builder.trunc(v, _W16), ir.VectorType(ir.HalfType(), 16))
-                builder.store(builder.fpext(halves, _F16), self._slot(dst, j), align=4)
+            for j, v in enumerate(eight_halves(builder, [builder.load(self._ptr(
+                    i, builder.add(o, g0), _L4), align=2) for o in self.offs])):
+                builder.store(v, self._slot(dst, j), align=4)
         if self.has_bits:
             rows = [builder.load(self._ptr(6, builder.add(o, g0), _L8), align=4)
                     for o in self.offs]
@@ -454,7 +464,8 @@ def fused_row(typingctx, isa_, kind, order, q, qo, rb, qh, ho, d, mn, lut, nb, x
 @intrinsic
 def widen_halves(typingctx, plane, offs, nb, lut, out):  # type: ignore[no-untyped-def]
     """16 rows' nb float16 values (row l's at plane.flat[offs[l] + b]) as float32, block by
-    block: value b of row l at out[16 b + l] (`half_vector`: 16 at a time)."""
+    block: value b of row l at out[16 b + l] (`eight_halves` 8 blocks at a time, the last 8
+    overlapping the ones before; under 8 blocks or without F16C `half_vector` a block)."""
     if not (isinstance(plane, types.Array) and plane.dtype == types.uint16):
         return None
 
@@ -464,12 +475,29 @@ def widen_halves(typingctx, plane, offs, nb, lut, out):  # type: ignore[no-untyp
 
         def load(i, idx, ty, align):  # type: ignore[no-untyped-def]
             return builder.load(array_ptr(context, builder, sig, args, i, idx, ty), align=align)
-        with cgutils.for_range(builder, nb_) as loop:
-            b = loop.index
-            v = half_vector(builder, [load(0, builder.add(o, b), _I16, 2) for o in bases],
-                        lambda bits: load(3, builder.zext(bits, _I64), _F32, 4))
+
+        def store(b, v):  # type: ignore[no-untyped-def]
             builder.store(v, array_ptr(context, builder, sig, args, 4, builder.mul(
                 b, ir.Constant(_I64, LANES)), _F16), align=4)
+        eight = ir.Constant(_I64, GROUP_BLOCKS)
+        wide = builder.icmp_signed(">=", nb_, eight) if HARDWARE_HALF else cgutils.false_bit
+        with builder.if_else(wide) as (transposed, single):
+            with transposed:      # 8 blocks at a time, the last 8 overlapping the ones before
+                groups = builder.udiv(builder.add(nb_, ir.Constant(_I64, GROUP_BLOCKS - 1)), eight)
+                with cgutils.for_range(builder, groups) as loop:
+                    g = builder.mul(loop.index, eight)
+                    last = builder.sub(nb_, eight)
+                    g0 = builder.select(builder.icmp_signed("<", g, last), g, last)
+                    vs = eight_halves(builder, [load(0, builder.add(o, g0), _L4, 2)
+                                                for o in bases])
+                    for j, v in enumerate(vs):
+                        store(builder.add(g0, ir.Constant(_I64, j)), v)
+            with single:
+                with cgutils.for_range(builder, nb_) as loop:
+                    b = loop.index
+                    store(b, half_vector(builder, [load(0, builder.add(o, b), _I16, 2)
+                                                   for o in bases],
+                                         lambda bits: load(3, builder.zext(bits, _I64), _F32, 4)))
         return context.get_dummy_value()
     return types.none(plane, offs, nb, lut, out), codegen
 
