@@ -289,6 +289,19 @@ def _block_lanes(builder, path, form, codes, x_word, offset_word, b):  # type: i
 GROUP_BLOCKS = 8      # `fused_row` converts 8 blocks' scales, mins and fifth bits at once
 
 
+def block_groups(builder, nb):  # type: ignore[no-untyped-def]
+    """A row's groups of GROUP_BLOCKS blocks, the last maybe partial: ceil(nb / 8)."""
+    return builder.udiv(builder.add(nb, ir.Constant(_I64, GROUP_BLOCKS - 1)),
+                        ir.Constant(_I64, GROUP_BLOCKS))
+
+
+def group_start(builder, g, nb):  # type: ignore[no-untyped-def]
+    """Where the 8 blocks converted for the group from g start: g, or nb - 8 for a row's
+    last group (it overlaps the one before; nb >= 8)."""
+    last = builder.sub(nb, ir.Constant(_I64, GROUP_BLOCKS))
+    return builder.select(builder.icmp_signed("<", g, last), g, last)
+
+
 def eight_halves(builder, rows):  # type: ignore[no-untyped-def]
     """16 rows' next 8 float16 values (<4 x i32> a row) -> 8 vectors <16 x float>, value j of
     every row in vector j: the rows transposed as `transpose_words` does the quant bytes,
@@ -320,6 +333,7 @@ class _SidePlanes:
         self.scales = cgutils.alloca_once(builder, _F16, size=size)
         self.min_vs = cgutils.alloca_once(builder, _F16, size=size) if self.has_min else None
         self.bit_vs = cgutils.alloca_once(builder, _L16, size=size) if self.has_bits else None
+        self.halves = [(8, self.scales)] + ([(9, self.min_vs)] if self.has_min else [])
 
     def _ptr(self, i, idx, ty):  # type: ignore[no-untyped-def]
         return array_ptr(self.context, self.builder, self.sig, self.args, i, idx, ty)
@@ -332,8 +346,7 @@ class _SidePlanes:
             self._one_by_one(g)
             return g
         wide = builder.icmp_signed(">=", self.nb, eight)
-        last = builder.sub(self.nb, eight)
-        g0 = builder.select(wide, builder.select(builder.icmp_signed("<", g, last), g, last), g)
+        g0 = builder.select(wide, group_start(builder, g, self.nb), g)
         with builder.if_else(wide) as (transposed, single):
             with transposed:
                 self._transposed(g0)
@@ -343,8 +356,7 @@ class _SidePlanes:
 
     def _transposed(self, g0):  # type: ignore[no-untyped-def]
         builder = self.builder
-        planes = [(8, self.scales)] + ([(9, self.min_vs)] if self.has_min else [])
-        for i, dst in planes:
+        for i, dst in self.halves:
             for j, v in enumerate(eight_halves(builder, [builder.load(self._ptr(
                     i, builder.add(o, g0), _L4), align=2) for o in self.offs])):
                 builder.store(v, self._slot(dst, j), align=4)
@@ -353,11 +365,6 @@ class _SidePlanes:
                     for o in self.offs]
             for j, v in enumerate(transpose_rows(builder, rows)):
                 builder.store(v, self._slot(self.bit_vs, j), align=4)
-
-    def groups(self):  # type: ignore[no-untyped-def]
-        """The row's groups of blocks (the last may be partial)."""
-        return self.builder.udiv(self.builder.add(self.nb, ir.Constant(_I64, GROUP_BLOCKS - 1)),
-                                 ir.Constant(_I64, GROUP_BLOCKS))
 
     def count(self, g):  # type: ignore[no-untyped-def]
         """The blocks of the group from g: min(8, nb - g)."""
@@ -374,8 +381,7 @@ class _SidePlanes:
         with cgutils.for_range(builder, count) as loop:
             j = loop.index
             hs = [builder.add(o, builder.add(g, j)) for o in self.offs]
-            planes = [(8, self.scales)] + ([(9, self.min_vs)] if self.has_min else [])
-            for i, dst in planes:
+            for i, dst in self.halves:
                 v = half_vector(builder, [load(i, h, _I16, 2) for h in hs],
                                 lambda bits: load(10, builder.zext(bits, _I64), _F32, 4))
                 builder.store(v, self._slot(dst, j), align=4)
@@ -431,7 +437,7 @@ def fused_row(typingctx, isa_, kind, order, q, qo, rb, qh, ho, d, mn, lut, nb, x
             return [builder.add(start, builder.mul(stride, ir.Constant(_I64, lane)))
                     for lane in range(LANES)]
 
-        with cgutils.for_range(builder, side.groups()) as outer:
+        with cgutils.for_range(builder, block_groups(builder, nb_)) as outer:
             g = builder.mul(outer.index, ir.Constant(_I64, GROUP_BLOCKS))
             g0 = side.convert(g)
             with cgutils.for_range(builder, side.count(g)) as loop:
@@ -483,11 +489,8 @@ def widen_halves(typingctx, plane, offs, nb, lut, out):  # type: ignore[no-untyp
         wide = builder.icmp_signed(">=", nb_, eight) if HARDWARE_HALF else cgutils.false_bit
         with builder.if_else(wide) as (transposed, single):
             with transposed:      # 8 blocks at a time, the last 8 overlapping the ones before
-                groups = builder.udiv(builder.add(nb_, ir.Constant(_I64, GROUP_BLOCKS - 1)), eight)
-                with cgutils.for_range(builder, groups) as loop:
-                    g = builder.mul(loop.index, eight)
-                    last = builder.sub(nb_, eight)
-                    g0 = builder.select(builder.icmp_signed("<", g, last), g, last)
+                with cgutils.for_range(builder, block_groups(builder, nb_)) as loop:
+                    g0 = group_start(builder, builder.mul(loop.index, eight), nb_)
                     vs = eight_halves(builder, [load(0, builder.add(o, g0), _L4, 2)
                                                 for o in bases])
                     for j, v in enumerate(vs):
