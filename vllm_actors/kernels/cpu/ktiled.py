@@ -30,8 +30,9 @@ from numba import carray, prange, types
 from numba.extending import intrinsic
 
 from vllm_actors.kernels.cpu import activations, isa
-from vllm_actors.kernels.cpu.intrinsics import (call_address, data_pointer, stack_f32, stack_i32,
-                                                stack_i64, transpose_rows)
+from vllm_actors.kernels.cpu.intrinsics import (call_address, data_pointer, prefetch,
+                                                stack_f32, stack_i32, stack_i64,
+                                                transpose_rows)
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
 from vllm_actors.kernels.cpu.ktotals import Planes, blocks
 from vllm_actors.kernels.cpu.qdot import AVX2, AVX512
@@ -272,6 +273,23 @@ def tile_row(typingctx, isa_, form, order, codes, sc, mn, dw, dm, x, xo, xb, bo,
                       oo), codegen
 
 
+@kernel(inline=True)
+def _prefetch_next(q, h, n, rb, hb, hq, nsb, i0, sb):  # type: ignore[no-untyped-def]
+    """Hint the 16 rows' next superblock (the next chunk's first after a row's last) into
+    L2 while this one computes: its 128 quant bytes and its high bits' bytes."""
+    nxt, first = sb + 1, i0
+    if nxt == nsb:
+        nxt, first = 0, i0 + LANES
+    if first >= n:
+        return
+    for lane in range(LANES):
+        r = min(first + lane, n - 1)
+        prefetch(q, r * rb + 128 * nxt)
+        prefetch(q, r * rb + 128 * nxt + 64)
+        if h.shape[0] != 0:      # Q5_K, Q6_K
+            prefetch(h, r * hb + hq * nxt)
+
+
 @functools.cache
 def body(path: int, form: int, order: int, sc_dtype: str) -> Callback:
     """The work of one chunk of 16 weight rows (all superblocks, all rows of x) for a SIMD
@@ -294,6 +312,7 @@ def body(path: int, form: int, order: int, sc_dtype: str) -> Callback:
         qoff, hoff, soff, moff = stack_i64(16), stack_i64(16), stack_i64(16), stack_i64(16)
         i0 = LANES * c
         for sb in range(nsb):
+            _prefetch_next(q, h, n, rb, hb, hq, nsb, i0, sb)
             for lane in range(LANES):
                 r = min(i0 + lane, n - 1)
                 qoff[lane], hoff[lane] = r * rb + 128 * sb, r * hb + hq * sb
