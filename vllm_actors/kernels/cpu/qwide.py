@@ -145,9 +145,7 @@ def _decoded(context, builder, sig, args, path, form, at, hat, which, bits=None)
     groups = low + high          # byte j's low nibble is weight j, its high one weight j + 16
     if form in (5, 50):
         if bits is None:
-            bits = ir.Constant(_L16, ir.Undefined)
-            for lane, h in enumerate(hat):
-                bits = builder.insert_element(bits, load(1, h, _I32), ir.Constant(_I32, lane))
+            bits = lane_words(builder, [load(1, h, _I32) for h in hat])
         groups = [builder.or_(v, _fifth(builder, bits, t)) for t, v in enumerate(groups)]
     return [_codes(builder, path, form, v) for v in groups]
 
@@ -290,6 +288,21 @@ def _block_lanes(builder, path, form, codes, x_word, offset_word, b):  # type: i
 GROUP_BLOCKS = 8      # `fused_row` converts 8 blocks' scales, mins and fifth bits at once
 
 
+def lane_words(builder, words):  # type: ignore[no-untyped-def]
+    """16 i32 values, one a row, as <16 x i32> (row l in lane l)."""
+    v = ir.Constant(_L16, ir.Undefined)
+    for lane, w in enumerate(words):
+        v = builder.insert_element(v, w, ir.Constant(_I32, lane))
+    return v
+
+
+def eight_at_once(builder, nb):  # type: ignore[no-untyped-def]
+    """Whether rows of nb blocks convert 8 blocks at a time: 8 blocks or more, and F16C."""
+    if not HARDWARE_HALF:
+        return cgutils.false_bit
+    return builder.icmp_signed(">=", nb, ir.Constant(_I64, GROUP_BLOCKS))
+
+
 def block_groups(builder, nb):  # type: ignore[no-untyped-def]
     """A row's groups of GROUP_BLOCKS blocks, the last maybe partial: ceil(nb / 8)."""
     return builder.udiv(builder.add(nb, ir.Constant(_I64, GROUP_BLOCKS - 1)),
@@ -342,11 +355,8 @@ class _SidePlanes:
     def convert(self, g):  # type: ignore[no-untyped-def]
         """Fill the stack arrays for the group of blocks from g; returns g0, the block held
         at index 0 (the last group of a row overlaps the one before: g0 = nb - 8)."""
-        builder, eight = self.builder, ir.Constant(_I64, GROUP_BLOCKS)
-        if not HARDWARE_HALF:
-            self._one_by_one(g)
-            return g
-        wide = builder.icmp_signed(">=", self.nb, eight)
+        builder = self.builder
+        wide = eight_at_once(builder, self.nb)
         g0 = builder.select(wide, group_start(builder, g, self.nb), g)
         with builder.if_else(wide) as (transposed, single):
             with transposed:
@@ -387,11 +397,8 @@ class _SidePlanes:
                                 lambda bits: load(10, builder.zext(bits, _I64), _F32, 4))
                 builder.store(v, self._slot(dst, j), align=4)
             if self.has_bits:
-                bits = ir.Constant(_L16, ir.Undefined)
-                for lane, h in enumerate(hs):
-                    bits = builder.insert_element(bits, load(6, h, _I32, 4),
-                                                  ir.Constant(_I32, lane))
-                builder.store(bits, self._slot(self.bit_vs, j), align=4)
+                builder.store(lane_words(builder, [load(6, h, _I32, 4) for h in hs]),
+                              self._slot(self.bit_vs, j), align=4)
 
     def _slot(self, base, j):  # type: ignore[no-untyped-def]
         if isinstance(j, int):
@@ -487,7 +494,7 @@ def widen_halves(typingctx, plane, offs, nb, lut, out):  # type: ignore[no-untyp
             builder.store(v, array_ptr(context, builder, sig, args, 4, builder.mul(
                 b, ir.Constant(_I64, LANES)), _F16), align=4)
         eight = ir.Constant(_I64, GROUP_BLOCKS)
-        wide = builder.icmp_signed(">=", nb_, eight) if HARDWARE_HALF else cgutils.false_bit
+        wide = eight_at_once(builder, nb_)
         with builder.if_else(wide) as (transposed, single):
             with transposed:      # 8 blocks at a time, the last 8 overlapping the ones before
                 with cgutils.for_range(builder, block_groups(builder, nb_)) as loop:
