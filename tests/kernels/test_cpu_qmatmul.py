@@ -65,11 +65,16 @@ def shapes_for(qt: int) -> list[tuple[int, int]]:
 
 
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: T(t).name)
-def test_rows_match_reference_bit_for_bit(qt):
+def test_rows_match_reference_bit_for_bit(qt, monkeypatch):
     n, k = 13, shapes_for(qt)[1][1]
     data = random_weights(qt, n, k)
     w = qm.pack(data, qt, (n, k))
     want = quant.dequantize(data, qt, (n, k))
+    # the loader's split in chunks of 3 blocks on the threads, into a stacked matrix's rows
+    monkeypatch.setattr(layout, "_CHUNK_BLOCKS", 3)
+    stacked = qm.pack_stacked([data[:4], data[4:]], qt, [4, n - 4], k)
+    for mine, theirs in zip(stacked.planes, w.planes, strict=True):
+        np.testing.assert_array_equal(mine, theirs)
     got = np.empty((n, k), dtype=np.float32)
     qm.dequantize_rows(w, 0, n, got)
     np.testing.assert_array_equal(got, want)

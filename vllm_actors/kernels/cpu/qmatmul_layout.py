@@ -10,6 +10,10 @@ Q5_K 1.023. Field offsets come from `quant.BLOCK_FIELDS` / `BLOCK_OFFSETS`.
 
 from __future__ import annotations
 
+import functools
+from concurrent.futures import ThreadPoolExecutor
+
+import numba
 import numpy as np
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
@@ -18,6 +22,9 @@ from vllm_actors.kernels import quant
 from vllm_actors.kernels.cpu.jit import kernel
 
 T = GGMLQuantizationType
+
+# Blocks split at a time (`_split_span`): 576 KiB of Q4_K, within L2.
+_CHUNK_BLOCKS = 4096
 
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 # plane names per type, in the order the kernels take them
@@ -98,19 +105,48 @@ def split_into(raw: np.ndarray, qtype: int, rows: int, cols: int,
         return
     block_size, type_size = quant.block_layout(qt)
     blocks = raw.reshape(-1, type_size)
-    offsets = quant.BLOCK_OFFSETS[qt]
     # the rows of one part, as bytes per block: [rows * blocks_per_row, size]
     out = [p[row0:row0 + rows].view(np.uint8).reshape(len(blocks), -1) for p in planes]
-    for name, target in zip(PLANES[qt], out):
-        if qt in (T.Q4_K, T.Q5_K) and name == "sc":
-            _k4_scales_mins(blocks, offsets["scales"], target, out[PLANES[qt].index("mn")])
-        elif qt in (T.Q4_K, T.Q5_K) and name == "mn":
-            continue                                     # written with "sc"
-        elif qt == T.Q3_K and name == "scales":
-            target[:] = quant.unpack_q3_k_scales(blocks[:, offsets["scales"]:][:, :12]
-                                                 ).view(np.uint8)
-        else:
-            np.copyto(target, blocks[:, offsets[name]:offsets[name] + target.shape[1]])
+    spans = _spans(len(blocks))
+    if len(spans) == 1:
+        _split_span(blocks, qt, out, *spans[0])
+        return
+    for done in [_pool().submit(_split_span, blocks, qt, out, *span) for span in spans]:
+        done.result()
+
+
+def _spans(n: int) -> list[tuple[int, int]]:
+    """[b0, b1) ranges of n blocks, one a thread (contiguous, so each reads its own pages)."""
+    threads = max(1, min(numba.get_num_threads(), n // _CHUNK_BLOCKS))
+    bounds = [n * i // threads for i in range(threads + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+@functools.cache
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=numba.config.NUMBA_NUM_THREADS,
+                              thread_name_prefix="split")
+
+
+def _split_span(blocks: np.ndarray, qt: T, out: list[np.ndarray], b0: int, b1: int) -> None:
+    """Blocks [b0, b1) into `out` (each plane as bytes per block), `_CHUNK_BLOCKS` at a time:
+    a chunk stays in L2 while each of its fields is copied out, so the file's bytes are read
+    from memory once, not once a plane. numpy's copies and the kernels drop the GIL."""
+    offsets = quant.BLOCK_OFFSETS[qt]
+    names = PLANES[qt]
+    for c0 in range(b0, b1, _CHUNK_BLOCKS):
+        src = blocks[c0:min(b1, c0 + _CHUNK_BLOCKS)]
+        dst = [target[c0:c0 + len(src)] for target in out]
+        for name, target in zip(names, dst):
+            if qt in (T.Q4_K, T.Q5_K) and name == "sc":
+                _k4_scales_mins(src, offsets["scales"], target, dst[names.index("mn")])
+            elif qt in (T.Q4_K, T.Q5_K) and name == "mn":
+                continue                                     # written with "sc"
+            elif qt == T.Q3_K and name == "scales":
+                target[:] = quant.unpack_q3_k_scales(src[:, offsets["scales"]:][:, :12]
+                                                     ).view(np.uint8)
+            else:
+                np.copyto(target, src[:, offsets[name]:offsets[name] + target.shape[1]])
 
 
 def split(raw: np.ndarray, qtype: int, rows: int, cols: int) -> tuple[np.ndarray, ...]:
