@@ -161,7 +161,9 @@ def _tile_scores(q16, kflat, koff, pos, window, scale, s, kt, krow):  # type: ig
     holds an offset for every key of the last 16, valid past `pos.max()`), where `_scores`
     converts them one value at a time."""
     rows, dh = q16.shape
-    last = pos.max()
+    last = pos[0]
+    for i in range(1, rows):     # a loop, not pos.max(): numpy's max costs 0.3 s to compile
+        last = max(last, pos[i])
     tiny = stack_f32(256)        # 16 x 16: tinyBLAS's 16 accumulators of 16 keys, in registers
     for j0 in range(0, last + 1, LANES):
         for d0 in range(0, dh, LANES):
@@ -520,10 +522,13 @@ def _queries16(q, first, nt, kvh, g, lut):  # type: ignore[no-untyped-def]
 
 @numba.njit(inline="always", cache=True)
 def _put_rows(out, rows, first, nt, kvh, g):  # type: ignore[no-untyped-def]
-    """`_queries16`'s rows' outputs back into out's rows first .. and KV head kvh's heads."""
+    """`_queries16`'s rows' outputs back into out's rows first .. and KV head kvh's heads,
+    element by element: a slice assignment compiles numba's shape-mismatch message (1.3 s
+    of a cold start)."""
     for ti in range(nt):
         for gi in range(g):
-            out[first + ti, kvh * g + gi, :] = rows[ti * g + gi, :]
+            for d in range(rows.shape[1]):
+                out[first + ti, kvh * g + gi, d] = rows[ti * g + gi, d]
 
 
 @kernel(parallel=True, exact=True)
