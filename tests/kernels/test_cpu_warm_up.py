@@ -26,31 +26,47 @@ class StubModel:
         self.logit_rows.append(len(rows))
 
 
+class StubBackend:
+    name = "cpu"
+    host_logits = True      # greedy ids taken on the host logits: their kernels warm up too
+
+    def __init__(self) -> None:
+        self.argmax_rows: list[int] = []
+
+    def argmax(self, logits):
+        self.argmax_rows.append(len(logits))
+
+
+CPU = StubBackend()
+
+
 def test_cold_start_starts_one_helper_then_the_marker_skips_it(tmp_path, monkeypatch):
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
     started = []
     monkeypatch.setattr(wu, "_helper_fits", lambda path: True)
     model = StubModel()
+    backend = StubBackend()
 
     class Helper:
         def __init__(self, path, sizes, semantics, ggml):
             started.append((sizes, ggml))
 
         def wait(self, timeout):
-            assert model.sizes == [1]           # waited for after the 1-row step only
+            # waited for after the 1-row step and the greedy kernels (compiled meanwhile)
+            assert model.sizes == [1] and backend.argmax_rows == [1, 2]
 
     monkeypatch.setattr(wu, "_start_helper", Helper)
     cache = ggml_attention.GgmlCache(np.zeros((2, 16, 1, 16), np.uint16),
                                      np.zeros((2, 16, 1, 16), np.uint16))
-    wu.warm_up(model, [cache], 16, 4096, "cpu", tmp_path / "model.gguf")
+    wu.warm_up(model, [cache], 16, 4096, backend, tmp_path / "model.gguf")
     assert started == [((3, 16, 64), True)]
     assert model.sizes == [1, 3, 16, 64] and model.logit_rows == [1, 3, 16, 64]
     assert wu.marker_path().parent == tmp_path and wu.marker_path().exists()
-    wu.warm_up(StubModel(), [], 16, 4096, "cpu", tmp_path / "model.gguf")
+    wu.warm_up(StubModel(), [], 16, 4096, CPU, tmp_path / "model.gguf")
     assert started == [((3, 16, 64), True)]         # warm: no second helper
     wu.marker_path().unlink()
     model = StubModel()
-    wu.warm_up(model, [], 16, 4096, "cpu", tmp_path / "model.gguf")
+    wu.warm_up(model, [], 16, 4096, CPU, tmp_path / "model.gguf")
     assert started[-1] == ((3, 16, 64), False)   # a cache of another format
 
 
@@ -60,7 +76,7 @@ def test_no_helper_without_a_model_path_and_sizes_capped_by_the_context(tmp_path
     started = []
     monkeypatch.setattr(wu, "_start_helper", lambda *args: started.append(args))
     model = StubModel()
-    wu.warm_up(model, [], 16, 10, "cpu", None)
+    wu.warm_up(model, [], 16, 10, CPU, None)
     assert started == [] and model.sizes == [1, 3, 10]
 
 

@@ -166,11 +166,8 @@ class ModelRunner:
         cold-start compile helper."""
         own = self._model_source if self.tp.world_size == self.stage.size == 1 else None
         warm_up(self.model, self.kv_caches, self.block_size, self.max_model_len,
-                self.backend.name, own.path if own is not None else None,
+                self.backend, own.path if own is not None else None,
                 getattr(self.model, "gguf_activations", "float32"))
-        if getattr(self.backend, "host_logits", False):
-            for rows in (1, 2):      # the greedy ids' kernels, serial and parallel
-                self.backend.argmax(np.zeros((rows, 64), np.float32))
 
     def _warm_up_encoder(self) -> None:
         """Compile an encoder's kernels: one forward pass of requests of 3 and twice 40

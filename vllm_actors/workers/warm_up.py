@@ -64,6 +64,14 @@ def run_sizes(model: Any, kv_caches: list, block_size: int, sizes: tuple[int, ..
             model.compute_logits(hidden, np.arange(n))
 
 
+def warm_greedy(backend: Any) -> None:
+    """Compile (or load) the greedy ids' kernels of a backend that takes the argmax on the
+    host logits (`host_logits`): one row runs the serial kernel, more the parallel one."""
+    if getattr(backend, "host_logits", False):
+        for rows in (1, 2):
+            backend.argmax(np.zeros((rows, 64), np.float32))
+
+
 def marker_path() -> Path:
     """Where a finished warm-up of the current kernel sources is recorded."""
     import numba
@@ -104,11 +112,13 @@ def _helper_fits(model_path: Path) -> bool:
 
 
 def warm_up(model: Any, kv_caches: list, block_size: int, max_model_len: int,
-            backend_name: str, model_path: Path | None, gguf_activations: str = "quantized"
+            backend: Any, model_path: Path | None, gguf_activations: str = "quantized"
             ) -> None:
-    """Warm the kernels up. `model_path`: the model's file or directory, when a helper
-    process may load it (None: this process compiles everything); the helper loads it under
-    the same `gguf_activations` semantics, so it compiles the kernels the engine runs."""
+    """Warm the kernels up, the greedy ids' too (`warm_greedy`). `model_path`: the model's
+    file or directory, when a helper process may load it (None: this process compiles
+    everything); the helper loads it under the same `gguf_activations` semantics, so it
+    compiles the kernels the engine runs."""
+    backend_name = backend.name
     start = time.perf_counter()
     logger.info("preparing %s kernels (compiled on the first start, then loaded from the "
                 "cache)", backend_name)
@@ -125,6 +135,7 @@ def warm_up(model: Any, kv_caches: list, block_size: int, max_model_len: int,
                                gguf_activations, ggml)
     try:
         run_sizes(model, kv_caches, block_size, first)
+        warm_greedy(backend)        # while the helper, if any, is still compiling
     finally:
         if helper is not None:
             try:
