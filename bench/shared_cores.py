@@ -6,7 +6,9 @@ beside `--competitors` busy processes (pure-Python spin loops, one core each), a
 Why: a kernel pool whose threads spin-wait, or splits work statically, stalls whenever the OS
 runs the competitor on one of its cores (OpenBLAS under numpy measured 1.3-1.9 tok/s beside a
 busy engine, against ~50 alone). Each backend's engine runs in its own process (the default
-LLM setup), prefix caching off. Prints a Markdown table of medians with the runs.
+LLM setup), prefix caching off. Prints a Markdown table of medians with the runs, and
+whether every run of a backend gave the same greedy tokens: its thread count follows the
+load (`threads.LoadFollower`), which must change no token. Exits 1 if they differ.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import statistics
+import sys
 import time
 
 from vllm_actors import LLM, SamplingParams
@@ -27,25 +30,28 @@ def _spin() -> None:
         pass
 
 
-async def _decode_rate(llm: LLM, tokens: int) -> float:
+async def _decode_rate(llm: LLM, tokens: int) -> tuple[float, list[int]]:
     """Tokens per second from the first streamed token to the last (prefill excluded by
-    timing inside one request, so a slow prefill under load cannot skew it)."""
+    timing inside one request, so a slow prefill under load cannot skew it), and the
+    tokens."""
     params = SamplingParams(temperature=0.0, max_tokens=tokens + 1, ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)
     first = last = 0.0
     after_first = 0
+    ids: list[int] = []
     async for out in llm.engine.generate({"prompt_token_ids": PROMPT}, params):
         now = time.perf_counter()
+        ids += out.outputs[0].token_ids
         n = len(out.outputs[0].token_ids)
         if not first:
             first, after_first = now, n - 1
         else:
             after_first += n
         last = now
-    return after_first / (last - first)
+    return after_first / (last - first), ids
 
 
-def decode_rate(llm: LLM, tokens: int) -> float:
+def decode_rate(llm: LLM, tokens: int) -> tuple[float, list[int]]:
     return llm._run(_decode_rate(llm, tokens))
 
 
@@ -61,6 +67,7 @@ def main() -> None:
     engines = {d: LLM(args.model, device=d, enable_prefix_caching=False, max_model_len=512)
                for d in args.devices.split(",")}
     results: dict[tuple[str, bool], list[float]] = {}
+    tokens: dict[str, set[tuple[int, ...]]] = {}
     for _ in range(args.runs):
         for busy in (False, True):
             spinners = [multiprocessing.Process(target=_spin, daemon=True)
@@ -70,8 +77,9 @@ def main() -> None:
             try:
                 for device, llm in engines.items():
                     decode_rate(llm, 8)   # warm
-                    results.setdefault((device, busy), []).append(
-                        decode_rate(llm, args.decode_tokens))
+                    rate, ids = decode_rate(llm, args.decode_tokens)
+                    results.setdefault((device, busy), []).append(rate)
+                    tokens.setdefault(device, set()).add(tuple(ids))
             finally:
                 for p in spinners:
                     p.kill()
@@ -84,6 +92,11 @@ def main() -> None:
         print(f"| {device} | {statistics.median(alone):.1f} | {statistics.median(busy):.1f} | "
               f"{', '.join(f'{x:.1f}' for x in alone)}; "
               f"{', '.join(f'{x:.1f}' for x in busy)} |")
+    for device, seen in tokens.items():
+        print(f"- {device}: the greedy tokens of all {2 * args.runs} runs (alone and busy) "
+              + ("identical" if len(seen) == 1 else f"DIFFER: {len(seen)} distinct sequences"))
+    if any(len(seen) != 1 for seen in tokens.values()):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -61,6 +61,7 @@ def test_shared_cores_bench_reports_alone_and_busy():
                      "--decode-tokens", "4")
     rows = [line.split("|") for line in done.stdout.splitlines() if line.startswith("| cpu |")]
     assert len(rows) == 1 and float(rows[0][2]) > 0 and float(rows[0][3]) > 0
+    assert "- cpu: the greedy tokens of all 2 runs (alone and busy) identical" in done.stdout
 
 
 def test_structured_output_bench_reports_both_batches():
