@@ -186,9 +186,10 @@ class _Sums:
     """A chunk's float sums for one row of x in `order`: the 8 lane vectors (acc_t) and the
     min sums, or the one chain; `add` takes a block, `total` gives the 16 outputs."""
 
-    def __init__(self, builder, order, mins):  # type: ignore[no-untyped-def]
+    def __init__(self, builder, order, mins, path):  # type: ignore[no-untyped-def]
         zero = ir.Constant(_F16, [0.0] * 16)
         self.builder, self.order, self.mins = builder, order, mins
+        self.biased = biased(path, order)
         self.accs = [cgutils.alloca_once_value(builder, zero)
                      for _ in range(8 if order == LANES_ORDER else 0)]
         self.chain = cgutils.alloca_once_value(builder, zero)   # min sums, or the one chain
@@ -204,7 +205,11 @@ class _Sums:
                                 builder.load(chain)), chain)
             return
         for t, v in enumerate(lanes):
-            builder.store(fmuladd(builder, builder.sitofp(v, _F16), scale,
+            if self.biased:
+                f = builder.fsub(builder.bitcast(v, _F16), ir.Constant(_F16, [BIAS_F] * 16))
+            else:
+                f = builder.sitofp(v, _F16)
+            builder.store(fmuladd(builder, f, scale,
                                   builder.load(self.accs[t])), self.accs[t])
         if self.mins:
             builder.store(fma16(builder, m_w, s_x, builder.load(chain)), chain)
@@ -235,7 +240,7 @@ def row_dots(typingctx, isa_, kind, order, codes, nb, dw, mw, x, xo, xc, co, xd,
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
         nb_, xo_, co_, so_, oo_ = (context.cast(builder, args[i], sig.args[i], types.intp)
                                    for i in (4, 8, 10, 13, 15))
-        sums = _Sums(builder, how, form in (4, 5))
+        sums = _Sums(builder, how, form in (4, 5), path)
 
         def load(i, idx, ty, align=4):  # type: ignore[no-untyped-def]
             return builder.load(array_ptr(context, builder, sig, args, i, idx, ty), align=align)
@@ -251,7 +256,7 @@ def row_dots(typingctx, isa_, kind, order, codes, nb, dw, mw, x, xo, xc, co, xd,
                 builder, path, form, codes_,
                 lambda k4: load(7, builder.add(xo_, builder.mul(k4, ir.Constant(_I64, 4))),
                                 _I32, 1),
-                lambda k4: load(9, builder.add(co_, k4), _I32), b)
+                lambda k4: load(9, builder.add(co_, k4), _I32), b, biased(path, how))
             mins = form in (4, 5)
             sums.add(lanes, scale, load(6, at, _F16) if mins else None,
                      splat(builder, load(12, sb, _F32), _F16) if mins else None)
@@ -267,7 +272,20 @@ def _group(builder, b, t):  # type: ignore[no-untyped-def]
     return builder.add(builder.mul(b, ir.Constant(_I64, 8)), ir.Constant(_I64, t))
 
 
-def _block_lanes(builder, path, form, codes, x_word, offset_word, b):  # type: ignore[no-untyped-def]
+# float32 1.5 * 2^23 and its bits: for |i| < 2^22, the bits BIAS + i are the float
+# 1.5 * 2^23 + i exactly, so (as float) - 1.5 * 2^23 is float(i) exactly.
+BIAS, BIAS_F = 0x4B400000, 12582912.0
+
+
+def biased(path: int, order: int) -> bool:
+    """Whether a block's lanes leave `vpdpbusd` carrying `BIAS` (started from it, or from
+    offset terms that hold it) and become floats by one subtraction instead of a
+    `vcvtdq2ps` (0-17 % faster on AVX-512 here, docs/BENCHMARKS.md); the same floats. Only
+    vec_dot's 8 lanes: the repacked order adds the lanes as integers first."""
+    return path == AVX512 and order == LANES_ORDER
+
+
+def _block_lanes(builder, path, form, codes, x_word, offset_word, b, bias):  # type: ignore[no-untyped-def]
     """Block b's 8 integer lanes of all 16 rows from its codes (8 vectors <64 x i8>, group t
     of every row): group t's 4 codes against x's 4 quants (`x_word(8 b + t)`, an i32)
     broadcast, less the offset term (`offset_word(8 b + t)`) where the codes carry one."""
@@ -280,7 +298,9 @@ def _block_lanes(builder, path, form, codes, x_word, offset_word, b):  # type: i
         if signed:
             lanes.append(_dot_signed(builder, path, w, xv))
             continue
-        init = splat(builder, offset_word(k4), _L16) if offset else ir.Constant(_L16, [0] * 16)
+        # the offset terms carry the bias where it is taken (`_offsets`)
+        init = splat(builder, offset_word(k4), _L16) if offset else \
+            ir.Constant(_L16, [BIAS if bias else 0] * 16)
         lanes.append(dot4(builder, path, init, w, xv))
     return lanes
 
@@ -435,7 +455,7 @@ def fused_row(typingctx, isa_, kind, order, q, qo, rb, qh, ho, d, mn, lut, nb, x
         # line is asked for twice (once a line: 20-22 GB/s streaming SmolLM2's 3072x576
         # matrices; twice: 25-26; docs/BENCHMARKS.md)
         per_line = 32 // step.constant
-        sums = _Sums(builder, how, mins)
+        sums = _Sums(builder, how, mins, path)
         side = _SidePlanes(context, builder, sig, args, form, ho_, nb_)
 
         def load(i, idx, ty, align=4):  # type: ignore[no-untyped-def]
@@ -465,7 +485,7 @@ def fused_row(typingctx, isa_, kind, order, q, qo, rb, qh, ho, d, mn, lut, nb, x
                 lanes = _block_lanes(
                     builder, path, form, codes,
                     lambda k4: load(12, builder.mul(k4, ir.Constant(_I64, 4)), _I32, 1),
-                    lambda k4: load(13, k4, _I32), b)
+                    lambda k4: load(13, k4, _I32), b, biased(path, how))
                 sums.add(lanes, scale, side.mins(j) if mins else None,
                          splat(builder, load(15, b, _F32), _F16) if mins else None)
         builder.store(sums.total(), array_ptr(context, builder, sig, args, 16, oo_, _F16),
@@ -607,7 +627,8 @@ def one_row_body(path: int, kind: int, order: int, q_dtype: str) -> Callback:
 
 
 @kernel(parallel=True, exact=True)
-def _one_row(fn, qs, qh, d, mn, lut, xq, xc, xd, xs, out, threads, quantize, x, xdsum, shift):  # type: ignore[no-untyped-def]
+def _one_row(fn, qs, qh, d, mn, lut, xq, xc, xd, xs, out, threads, quantize, x, xdsum, shift,
+             bias):  # type: ignore[no-untyped-def]
     """out = the body at `fn` (`one_row_body`) on every chunk of 16 weight rows, in parallel.
     With `quantize` (`activations.q8_0_blocks`' address, else 0) x's float row is first
     quantized into xq/xd/xs/xdsum, and its offset terms (xc, where it has columns) computed,
@@ -615,7 +636,7 @@ def _one_row(fn, qs, qh, d, mn, lut, xq, xc, xd, xs, out, threads, quantize, x, 
     if quantize != 0:
         activations.quantize_at(quantize, x, lut, xq, xd, xs, xdsum)
         if xc.shape[1] != 0:
-            _offsets(xq, shift, xc)
+            _offsets(xq, shift, bias, xc)
     prev = limit_threads(threads)
     n = qs.shape[0]
     for c in prange((n + LANES - 1) // LANES):
@@ -627,14 +648,15 @@ def _one_row(fn, qs, qh, d, mn, lut, xq, xc, xd, xs, out, threads, quantize, x, 
 
 
 @kernel(exact=True)
-def _offsets(xq, shift, out):  # type: ignore[no-untyped-def]
-    """out[m, g] = -(x's quants 4g .. 4g+3 summed) << shift: the offset's term of a lane."""
+def _offsets(xq, shift, bias, out):  # type: ignore[no-untyped-def]
+    """out[m, g] = bias - (x's quants 4g .. 4g+3 summed) << shift: the offset's term of a
+    lane, with the kernel's `BIAS` where it takes one (`biased`)."""
     for m in range(xq.shape[0]):
         for g in range(out.shape[1]):
             total = np.int32(0)
             for t in range(4):
                 total += np.int32(xq[m, 4 * g + t])
-            out[m, g] = -(total << shift)
+            out[m, g] = np.int32(bias) - (total << shift)
 
 
 @kernel(parallel=True, exact=True)
@@ -673,7 +695,7 @@ def one_row_plan(w: QuantMatrix, planes: tuple[np.ndarray, ...], kind: int, orde
                  path: str | None = None) -> tuple:
     """What `run_one_row` needs for W, kept in its memo (looked up at every decode step's
     linear, it must cost little): the body's address, the planes, the thread limit, the
-    offset's shift, the scratch's key, the rows."""
+    offset terms' shift and bias, the scratch's key, the rows."""
     code = isa.code(path) if path else isa.selected_code()
     key = ("one_row", code, kind, order)
     plan = w.memo.get(key)
@@ -681,19 +703,20 @@ def one_row_plan(w: QuantMatrix, planes: tuple[np.ndarray, ...], kind: int, orde
         fn = one_row_body(code, kind, order, planes[0].dtype.str).address
         threads = 1 if w.rows * w.cols <= SERIAL_MAX_WORK else 0
         plan = w.memo[key] = (fn, planes, threads, _LOG2.get(OFFSET.get(kind, 0), 0),
-                              (code, kind, w.cols), w.rows)
+                              BIAS if biased(code, order) else 0, (code, kind, w.cols), w.rows)
     return plan
 
 
 def run_one_row(plan: tuple, x: np.ndarray) -> np.ndarray:
     """x's one float32 row `[1, K]` through the weight of `plan` (`one_row_plan`)."""
-    fn, planes, threads, shift, (code, kind, k), rows = plan
+    fn, planes, threads, shift, bias, (code, kind, k), rows = plan
     xq, xd, xs, xdsum, xc = kept(("one_row", code, kind, k), lambda: (
         np.zeros((1, k), np.int8), *np.zeros((3, 1, k // 32), np.float32),
         _offset_terms(code, kind, 1, k)))
     out = np.empty((1, rows), np.float32)
     _one_row(fn, *planes, HALF_LUT, xq, xc, xd, xs, out, threads,
-             activations.q8_0_blocks.address, np.ascontiguousarray(x, np.float32), xdsum, shift)
+             activations.q8_0_blocks.address, np.ascontiguousarray(x, np.float32), xdsum, shift,
+             bias)
     return out
 
 
@@ -707,13 +730,14 @@ def matmul(w: QuantMatrix, planes: tuple[np.ndarray, ...], x: activations.Q8Rows
     fn = body(code, kind, order, qs.dtype.str).address
     m, k = x.qs.shape
     xc = _offset_terms(code, kind, m, k)
+    bias = BIAS if biased(code, order) else 0
     if xc.size:
-        _offsets(x.qs, _LOG2[OFFSET[kind]], xc)
+        _offsets(x.qs, _LOG2[OFFSET[kind]], bias, xc)
     threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
     if m == 1 and w.rows >= LANES:
         out = np.empty((1, w.rows), np.float32)
         _one_row(one_row_body(code, kind, order, qs.dtype.str).address, qs, qh, d, mn, HALF_LUT,
-                 x.qs, xc, x.d, x.s, out, threads, 0, _NO_F32, _NO_F32, 0)
+                 x.qs, xc, x.d, x.s, out, threads, 0, _NO_F32, _NO_F32, 0, 0)
         return out
     n16 = -(-w.rows // LANES) * LANES
     out = np.empty((m, n16), np.float32)
