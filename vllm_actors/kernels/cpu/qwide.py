@@ -561,16 +561,15 @@ def body(path: int, kind: int, order: int, q_dtype: str) -> Callback:
     has_bits, has_min = kind in (5, 50), kind in (4, 5)
 
     def chunk(q_p, n, rb, qh_p, d_p, mn_p, lut_p, x_p, m, k, xc_p, xd_p, xs_p, out_p, n16,
-              c):  # type: ignore[no-untyped-def]
+              c, codes_p, dw_p, mw_p):  # type: ignore[no-untyped-def]
         nb = k // 32
         q, qh = carray(q_p, (n * rb,)), carray(qh_p, (n * nb if has_bits else 0,))
         d, mn = carray(d_p, (n * nb,)), carray(mn_p, (n * nb if has_min else 0,))
         lut, x = carray(lut_p, (1 << 16,)), carray(x_p, (m * k,))
         xc, xd, xs = carray(xc_p, (m * k // 4,)), carray(xd_p, (m * nb,)), carray(xs_p, (m * nb,))
         out = carray(out_p, (m * n16,))
-        codes = np.empty(nb * 8 * LANES, np.int32)        # the chunk's decoded rows
-        dw, mw = np.empty(nb * LANES, np.float32), np.empty(nb * LANES if has_min else 0,
-                                                            np.float32)
+        codes = carray(codes_p, (nb * 8 * LANES,))        # the chunk's decoded rows
+        dw, mw = carray(dw_p, (nb * LANES,)), carray(mw_p, (nb * LANES if has_min else 0,))
         qoff, hoff = stack_i64(16), stack_i64(16)
         i0 = LANES * c
         for lane in range(LANES):
@@ -598,7 +597,8 @@ def body(path: int, kind: int, order: int, q_dtype: str) -> Callback:
     q_t = types.CPointer(types.int8 if q_dtype == "|i1" else types.uint8)
     return callback(q_t, i64, i64, types.CPointer(types.uint32), types.CPointer(types.uint16),
                     types.CPointer(types.uint16), f32, types.CPointer(types.int8), i64, i64,
-                    types.CPointer(types.int32), f32, f32, f32, i64, i64, exact=True)(chunk)
+                    types.CPointer(types.int32), f32, f32, f32, i64, i64,
+                    types.CPointer(types.int32), f32, f32, exact=True)(chunk)
 
 
 @functools.cache
@@ -662,14 +662,22 @@ def _offsets(xq, shift, bias, out):  # type: ignore[no-untyped-def]
 @kernel(parallel=True, exact=True)
 def _wide(fn, qs, qh, d, mn, lut, xq, xc, xd, xs, out, threads):  # type: ignore[no-untyped-def]
     """out = the body at `fn` on every chunk of 16 weight rows, in parallel (fixed chunks:
-    the result does not depend on the thread count)."""
+    the result does not depend on the thread count). A thread takes a contiguous run of
+    chunks and one scratch for their decoded rows, allocated once, not once a chunk."""
     prev = limit_threads(threads)
-    n = qs.shape[0]
-    for c in prange((n + LANES - 1) // LANES):
-        call_address(fn, (data_pointer(qs), n, qs.shape[1], data_pointer(qh), data_pointer(d),
-                          data_pointer(mn), data_pointer(lut), data_pointer(xq), xq.shape[0],
-                          xq.shape[1], data_pointer(xc), data_pointer(xd), data_pointer(xs),
-                          data_pointer(out), out.shape[1], c))
+    n, nb = qs.shape[0], xq.shape[1] // 32
+    chunks = (n + LANES - 1) // LANES
+    parts = min(chunks, threads if 0 < threads < prev else prev)
+    for p in prange(parts):
+        codes = np.empty(nb * 8 * LANES, np.int32)
+        dw, mw = np.empty(nb * LANES, np.float32), np.empty(nb * LANES, np.float32)
+        for c in range(chunks * p // parts, chunks * (p + 1) // parts):
+            call_address(fn, (data_pointer(qs), n, qs.shape[1], data_pointer(qh),
+                              data_pointer(d), data_pointer(mn), data_pointer(lut),
+                              data_pointer(xq), xq.shape[0], xq.shape[1], data_pointer(xc),
+                              data_pointer(xd), data_pointer(xs), data_pointer(out),
+                              out.shape[1], c, data_pointer(codes), data_pointer(dw),
+                              data_pointer(mw)))
     restore_threads(prev)
 
 
