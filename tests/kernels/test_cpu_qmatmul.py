@@ -9,6 +9,8 @@ accumulation over K <= 4096 stays orders of magnitude below that).
 
 from __future__ import annotations
 
+import multiprocessing
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
@@ -86,6 +88,29 @@ def test_rows_match_reference_bit_for_bit(qt, monkeypatch):
     taken = np.empty((len(ids), k), dtype=np.float32)
     qm.take_rows(w, ids, taken)
     np.testing.assert_array_equal(taken, want[ids])
+
+
+def _pack_in_child(data, shape, queue):
+    queue.put(qm.pack(data, T.Q4_K, shape).planes)
+
+
+def test_a_forked_child_splits_with_threads_of_its_own(monkeypatch):
+    """A process forked after a load (the parent's split threads exist only in the parent)
+    still splits in threads: it must not wait on the parent's pool for ever."""
+    monkeypatch.setattr(layout, "_CHUNK_BLOCKS", 3)
+    data = random_weights(T.Q4_K, 16, 512)
+    want = qm.pack(data, T.Q4_K, (16, 512)).planes      # starts the pool here
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_pack_in_child, args=(data, (16, 512), queue))
+    child.start()
+    try:
+        got = queue.get(timeout=60)
+    finally:
+        child.kill()
+        child.join()
+    for mine, theirs in zip(got, want, strict=True):
+        np.testing.assert_array_equal(mine, theirs)
 
 
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: T(t).name)

@@ -11,6 +11,7 @@ Q5_K 1.023. Field offsets come from `quant.BLOCK_FIELDS` / `BLOCK_OFFSETS`.
 from __future__ import annotations
 
 import functools
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numba
@@ -124,8 +125,15 @@ def _spans(n: int) -> list[tuple[int, int]]:
 
 @functools.cache
 def _pool() -> ThreadPoolExecutor:
+    """The load's split threads, started at the first large tensor. A forked child gets a
+    pool of its own: the parent's threads do not exist there, and its idle count would
+    leave submitted work waiting for them."""
     return ThreadPoolExecutor(max_workers=numba.config.NUMBA_NUM_THREADS,
                               thread_name_prefix="split")
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_pool.cache_clear)
 
 
 def _split_span(blocks: np.ndarray, qt: T, out: list[np.ndarray], b0: int, b1: int) -> None:
