@@ -164,7 +164,7 @@ def _per_lane_tiles(q, k, v, table, ctx0, bs, scale, window):  # type: ignore[no
 
 
 def test_tile_path_equals_the_per_lane_forms():
-    """Steps of several tokens (`_tile_values`: 16 dimensions and 4 query rows at a time)
+    """Steps of several tokens (`_tile_values`: 16 dimensions and 8 query rows at a time)
     give the per-lane forms' floats bit for bit: whole tiles of 16 tokens and a partial one
     after a cached context, GQA with 3 query heads a KV head (48 rows a tile), 5 with a
     sliding window, and a head dim of 80."""

@@ -319,17 +319,19 @@ def _values(vc, table, block_size, kvh, last, vbuf):  # type: ignore[no-untyped-
 
 ROWS = 4          # query rows `_decode_values` carries at once (s padded to a multiple)
 _CHAINS = 4 * ROWS * LANES      # its accumulators: 4 chains of 16 lanes a row
-_TILE_CHAINS = ROWS * LANES     # `_tile_values`': one chain a row
+# query rows `_tile_values` carries at once: its one chain a row is all the FMAs in flight
+TILE_ROWS = 8
+_TILE_CHAINS = TILE_ROWS * LANES
 
 
 @numba.njit(inline="always", cache=True)
-def _chain(acc, base, vflat, koff, a, step, p, s, i0, d0):  # type: ignore[no-untyped-def]
+def _chain(acc, base, vflat, koff, a, step, p, s, i0, d0, rows):  # type: ignore[no-untyped-def]
     """ggml's accumulator a (of `step`: 64 for vec_dot, 16 for tinyBLAS) of the output dims
-    d0 .. d0+15 for query rows i0 + i (i < ROWS): acc[(base + i) 16 ..] chains keys a, a +
-    step, ... <= p, each value row (at vflat[koff[j]:]) converted once for the ROWS rows."""
+    d0 .. d0+15 for query rows i0 + i (i < rows): acc[(base + i) 16 ..] chains keys a, a +
+    step, ... <= p, each value row (at vflat[koff[j]:]) converted once for the rows."""
     for j in range(a, p + 1, step):
         off = koff[j] + d0
-        for i in range(ROWS):
+        for i in range(rows):
             fma16(acc, (base + i) * LANES, vflat, off, s[i0 + i, j], 0)
 
 
@@ -351,10 +353,10 @@ def _decode_values(vflat, koff, p, s, comb, out):  # type: ignore[no-untyped-def
             for lane in range(LANES):
                 for a in range(_CHAINS):
                     acc[a] = 0.0
-                _chain(acc, 0, vflat, koff, lane, 64, p, s, i0, d0)
-                _chain(acc, ROWS, vflat, koff, 16 + lane, 64, p, s, i0, d0)
-                _chain(acc, 2 * ROWS, vflat, koff, 32 + lane, 64, p, s, i0, d0)
-                _chain(acc, 3 * ROWS, vflat, koff, 48 + lane, 64, p, s, i0, d0)
+                _chain(acc, 0, vflat, koff, lane, 64, p, s, i0, d0, ROWS)
+                _chain(acc, ROWS, vflat, koff, 16 + lane, 64, p, s, i0, d0, ROWS)
+                _chain(acc, 2 * ROWS, vflat, koff, 32 + lane, 64, p, s, i0, d0, ROWS)
+                _chain(acc, 3 * ROWS, vflat, koff, 48 + lane, 64, p, s, i0, d0, ROWS)
                 for i in range(ROWS):
                     for e in range(LANES):
                         r0, r1 = acc[i * LANES + e], acc[(ROWS + i) * LANES + e]
@@ -368,21 +370,22 @@ def _decode_values(vflat, koff, p, s, comb, out):  # type: ignore[no-untyped-def
 def _tile_values(vflat, koff, last, s, comb, out):  # type: ignore[no-untyped-def]
     """A tile's P . V in tinyBLAS's order, as `_weighted_values` gives it: key j chained onto
     lane j % 16 of every output dimension, then `_tree16` across the lanes; 16 dimensions
-    and ROWS query rows at a time, each lane's chain in registers (as `_decode_values`,
+    and TILE_ROWS query rows at a time, each lane's chain in registers (as `_decode_values`,
     whose docstring says why chaining the zero probabilities changes no float). s: zeros
-    past each row's keys up to `last`, rows padded to a multiple of ROWS."""
+    past each row's keys up to `last`, rows padded to a multiple of TILE_ROWS; comb:
+    scratch of TILE_ROWS x 16 x 16."""
     rows, dh = out.shape
     acc = stack_f32(_TILE_CHAINS)
-    for i0 in range(0, rows, ROWS):
+    for i0 in range(0, rows, TILE_ROWS):
         for d0 in range(0, dh, LANES):
             for lane in range(LANES):
                 for a in range(_TILE_CHAINS):
                     acc[a] = 0.0
-                _chain(acc, 0, vflat, koff, lane, LANES, last, s, i0, d0)
-                for i in range(ROWS):
+                _chain(acc, 0, vflat, koff, lane, LANES, last, s, i0, d0, TILE_ROWS)
+                for i in range(TILE_ROWS):
                     for e in range(LANES):
                         comb[(i * LANES + lane) * LANES + e] = acc[i * LANES + e]
-            for i in range(min(ROWS, rows - i0)):
+            for i in range(min(TILE_ROWS, rows - i0)):
                 _tree16(comb[i * LANES * LANES:], LANES, out[i0 + i, d0:])
 
 
@@ -466,7 +469,7 @@ def _tile_item(q, kc, vc, lut, table, block_size, kvh, g, first, ctx, nt, window
     last = ctx + nt - 1
     koff = np.zeros(-(-(last + 1) // LANES) * LANES, np.int64)   # past last: offset 0
     _key_offsets(table, block_size, cells, hk, dh, kvh, last, koff)
-    s = np.zeros((-(-n // ROWS) * ROWS, last + 1 + LANES), np.float32)
+    s = np.zeros((-(-n // TILE_ROWS) * TILE_ROWS, last + 1 + LANES), np.float32)
     kflat, vflat = kc.reshape(-1), vc.reshape(-1)
     _tile_scores(q16, kflat, koff, pos, window, scale, s, np.empty(dh * LANES, np.float32),
                  np.empty(LANES, np.float32))
@@ -477,7 +480,7 @@ def _tile_item(q, kc, vc, lut, table, block_size, kvh, g, first, ctx, nt, window
         _softmax16(s[i], m, lut)
         s[i, m:] = 0.0
     rows = np.empty((n, dh), np.float32)
-    _tile_values(vflat, koff, last, s, np.empty(ROWS * LANES * LANES, np.float32), rows)
+    _tile_values(vflat, koff, last, s, np.empty(TILE_ROWS * LANES * LANES, np.float32), rows)
     _put_rows(out, rows, first, nt, kvh, g)
 
 
