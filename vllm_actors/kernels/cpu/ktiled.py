@@ -84,6 +84,27 @@ def dot4(builder, path, acc, w, x):  # type: ignore[no-untyped-def]
     return acc
 
 
+def madd_pairs(builder, path, a, b):  # type: ignore[no-untyped-def]
+    """Lane i of a and b (<16 x i32>) as two int16 each: a_lo b_lo + a_hi b_hi, exact in
+    int32 (`vpmaddwd`): a sub-block pair's min terms (mins <= 63, x's sums of 32 within
+    +-4096) in one instruction where two `vpmulld` (two uops each) and an add were."""
+    w32 = ir.VectorType(_I16, 32)
+    a, b = builder.bitcast(a, w32), builder.bitcast(b, w32)
+    if path == AVX512:
+        return llvm_call(builder, "llvm.x86.avx512.pmaddw.d.512", _L16, [a, b])
+    if path == AVX2:
+        halves = []
+        for h in range(2):
+            pick = ir.Constant(_L16, list(range(16 * h, 16 * h + 16)))
+            ah, bh = (builder.shuffle_vector(v, v, pick) for v in (a, b))
+            halves.append(llvm_call(builder, "llvm.x86.avx2.pmadd.wd", _L8, [ah, bh]))
+        return builder.shuffle_vector(halves[0], halves[1], ir.Constant(_L16, list(range(16))))
+    wide = ir.VectorType(_I32, 32)
+    p = builder.mul(builder.sext(a, wide), builder.sext(b, wide))
+    return builder.add(*(builder.shuffle_vector(p, p, ir.Constant(_L16, list(range(t, 32, 2))))
+                         for t in range(2)))
+
+
 def array_ptr(context, builder, sig, args, i, idx, vecty):  # type: ignore[no-untyped-def]
     """Element idx of the intrinsic's array argument i, as a pointer to `vecty`."""
     return vector_ptr(context, builder, sig.args[i], args[i], types.intp, idx, vecty)
@@ -216,10 +237,11 @@ def _flush(builder, order, total, mins, dw, dm, dx, acc, am):  # type: ignore[no
 @intrinsic
 def tile_row(typingctx, isa_, form, order, codes, sc, mn, dw, dm, x, xo, xb, bo, dx, out, am, oo):  # type: ignore[no-untyped-def]
     """One row of x against the superblock of 16 decoded weight rows (`decode_rows`; their
-    scales at sc[16 s + i], mins at mn[16 s + i], d_w and dmin_w at dw[i], dm[i]): x's quants
-    at x.flat[xo], its sums of 16 at xb.flat[bo] (int16), its d_x `dx`; the results onto
-    out.flat[oo : oo+16] (and am's, the repacked kernels' min sums), lane i for weight row
-    i, in the float order `order` (a literal: TILED, GEMM or GEMV)."""
+    scales at sc[16 s + i], mins as int16 pairs at mn[16 p + i] (`_min_pairs`), d_w and
+    dmin_w at dw[i], dm[i]): x's quants at x.flat[xo], its sums of 16 at xb.flat[bo]
+    (int16), its d_x `dx`; the results onto out.flat[oo : oo+16] (and am's, the repacked
+    kernels' min sums), lane i for weight row i, in the float order `order` (a literal:
+    TILED, GEMM or GEMV)."""
     if not (isinstance(isa_, types.IntegerLiteral) and isinstance(form, types.IntegerLiteral)
             and isinstance(order, types.IntegerLiteral) and form.literal_value in (4, 5, 6)
             and isinstance(x, types.Array) and x.dtype == types.int8
@@ -242,6 +264,14 @@ def tile_row(typingctx, isa_, form, order, codes, sc, mn, dw, dm, x, xo, xb, bo,
             v = builder.sext(load(10, builder.add(bo_, at(u)), _I16, 2), _I32)
             return splat(builder, v, _L16)
 
+        def xpair(s):  # type: ignore[no-untyped-def]
+            """x's sums of 32 of sub-blocks s and s + 1 as one int16 pair, in every lane."""
+            b = [builder.add(*(builder.sext(load(10, builder.add(bo_, at(2 * u + h)), _I16, 2),
+                                            _I32) for h in range(2))) for u in (s, s + 1)]
+            word = builder.or_(builder.and_(b[0], ir.Constant(_I32, 0xFFFF)),
+                               builder.shl(b[1], ir.Constant(_I32, 16)))
+            return splat(builder, word, _L16)
+
         dx = splat(builder, context.cast(builder, args[12], sig.args[12], types.float32), _F16)
         dw, dm = load(6, at(0), _F16), load(7, at(0), _F16)
         p_acc, p_am = (array_ptr(context, builder, sig, args, i, oo_, _F16) for i in (13, 14))
@@ -258,9 +288,9 @@ def tile_row(typingctx, isa_, form, order, codes, sc, mn, dw, dm, x, xo, xb, bo,
             if kind == 6:
                 a = builder.sub(a, builder.shl(xsum(s), ir.Constant(_L16, [5] * 16)))
             total = builder.add(total, builder.mul(a, load(4, at(LANES * s), _L16)))
-            if kind != 6:
-                b = builder.add(xsum(2 * s), xsum(2 * s + 1))
-                mins = builder.add(mins, builder.mul(b, load(5, at(LANES * s), _L16)))
+            if kind != 6 and s % 2:      # sub-blocks s - 1 and s: one multiply-add of pairs
+                mins = builder.add(mins, madd_pairs(builder, path, load(5, at(LANES * (s // 2)),
+                                                                          _L16), xpair(s - 1)))
             if (s + 1) % flush_every == 0:
                 acc, am = _flush(builder, how, total, mins if kind != 6 else None, dw, dm, dx,
                                  acc, am)
@@ -290,6 +320,22 @@ def _prefetch_next(q, h, n, rb, hb, hq, nsb, i0, sb):  # type: ignore[no-untyped
             prefetch(h, r * hb + hq * nxt)
 
 
+@intrinsic
+def _min_pairs(typingctx, mins, pairs):  # type: ignore[no-untyped-def]
+    """The 8 sub-blocks' mins of 16 rows (mins[16 s + l], at most 63) as int16 pairs:
+    sub-blocks 2p and 2p + 1 of row l in the low and high half of pairs[16 p + l]
+    (`madd_pairs`), a vector a pair (as a loop it stayed scalar: 4-row matmuls 15 % slower)."""
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        def at(i, n):  # type: ignore[no-untyped-def]
+            return array_ptr(context, builder, sig, args, i, ir.Constant(_I64, n), _L16)
+        for p in range(4):
+            lo, hi = (builder.load(at(0, 32 * p + 16 * h), align=4) for h in range(2))
+            builder.store(builder.or_(lo, builder.shl(hi, ir.Constant(_L16, [16] * 16))),
+                          at(1, 16 * p), align=4)
+        return context.get_dummy_value()
+    return types.none(mins, pairs), codegen
+
+
 @functools.cache
 def body(path: int, form: int, order: int, sc_dtype: str) -> Callback:
     """The work of one chunk of 16 weight rows (all superblocks, all rows of x) for a SIMD
@@ -308,6 +354,7 @@ def body(path: int, form: int, order: int, sc_dtype: str) -> Callback:
         xb, xd = carray(xb_p, (m * k // 16,)), carray(xd_p, (m, nsb))
         out, am = carray(out_p, (m * n16,)), carray(am_p, (m * n16 if order != TILED else 0,))
         codes, scales, mins = stack_i32(1024), stack_i32(256), stack_i32(128)   # 16 rows each
+        pairs = stack_i32(64)
         dw, dm = stack_f32(16), stack_f32(16)
         qoff, hoff, soff, moff = stack_i64(16), stack_i64(16), stack_i64(16), stack_i64(16)
         i0 = LANES * c
@@ -324,8 +371,9 @@ def body(path: int, form: int, order: int, sc_dtype: str) -> Callback:
             widen_rows(sc, soff, nsc, scales)
             if form != 6:
                 widen_rows(mn, moff, 8, mins)
+                _min_pairs(mins, pairs)
             for mm in range(m):
-                tile_row(path, form, order, codes, scales, mins, dw, dm, x, mm * k + 256 * sb,
+                tile_row(path, form, order, codes, scales, pairs, dw, dm, x, mm * k + 256 * sb,
                          xb, mm * (k // 16) + 16 * sb, xd[mm, sb], out,
                          am if order != TILED else out, mm * n16 + i0)
     u8, i64, f32 = types.CPointer(types.uint8), types.int64, types.CPointer(types.float32)
