@@ -234,6 +234,17 @@ def _flush(builder, order, total, mins, dw, dm, dx, acc, am):  # type: ignore[no
     return fma16(builder, r, dx, acc), am
 
 
+def _x_pair(builder, load, bo, s):  # type: ignore[no-untyped-def]
+    """x's sums of 32 of sub-blocks s and s + 1 (from its sums of 16 at the intrinsic's
+    argument 10, flat[bo ..]) as one int16 pair, in every lane (`madd_pairs`)."""
+    b = [builder.add(*(builder.sext(load(10, builder.add(bo, ir.Constant(_I64, 2 * u + h)),
+                                         _I16, 2), _I32) for h in range(2)))
+         for u in (s, s + 1)]
+    word = builder.or_(builder.and_(b[0], ir.Constant(_I32, 0xFFFF)),
+                       builder.shl(b[1], ir.Constant(_I32, 16)))
+    return splat(builder, word, _L16)
+
+
 @intrinsic
 def tile_row(typingctx, isa_, form, order, codes, sc, mn, dw, dm, x, xo, xb, bo, dx, out, am, oo):  # type: ignore[no-untyped-def]
     """One row of x against the superblock of 16 decoded weight rows (`decode_rows`; their
@@ -264,14 +275,6 @@ def tile_row(typingctx, isa_, form, order, codes, sc, mn, dw, dm, x, xo, xb, bo,
             v = builder.sext(load(10, builder.add(bo_, at(u)), _I16, 2), _I32)
             return splat(builder, v, _L16)
 
-        def xpair(s):  # type: ignore[no-untyped-def]
-            """x's sums of 32 of sub-blocks s and s + 1 as one int16 pair, in every lane."""
-            b = [builder.add(*(builder.sext(load(10, builder.add(bo_, at(2 * u + h)), _I16, 2),
-                                            _I32) for h in range(2))) for u in (s, s + 1)]
-            word = builder.or_(builder.and_(b[0], ir.Constant(_I32, 0xFFFF)),
-                               builder.shl(b[1], ir.Constant(_I32, 16)))
-            return splat(builder, word, _L16)
-
         dx = splat(builder, context.cast(builder, args[12], sig.args[12], types.float32), _F16)
         dw, dm = load(6, at(0), _F16), load(7, at(0), _F16)
         p_acc, p_am = (array_ptr(context, builder, sig, args, i, oo_, _F16) for i in (13, 14))
@@ -290,7 +293,8 @@ def tile_row(typingctx, isa_, form, order, codes, sc, mn, dw, dm, x, xo, xb, bo,
             total = builder.add(total, builder.mul(a, load(4, at(LANES * s), _L16)))
             if kind != 6 and s % 2:      # sub-blocks s - 1 and s: one multiply-add of pairs
                 mins = builder.add(mins, madd_pairs(builder, path, load(5, at(LANES * (s // 2)),
-                                                                          _L16), xpair(s - 1)))
+                                                                          _L16),
+                                                    _x_pair(builder, load, bo_, s - 1)))
             if (s + 1) % flush_every == 0:
                 acc, am = _flush(builder, how, total, mins if kind != 6 else None, dw, dm, dx,
                                  acc, am)
