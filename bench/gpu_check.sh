@@ -4,8 +4,9 @@
 # from the network: the few pure-Python packages it lacks travel as wheels in .whl/
 # (make them here with `bash bench/gpu_check.sh --fetch-wheels`, then carry `.whl`).
 # Finishes well inside 10 minutes; everything it measures lands in $OUT (default
-# /tmp/gpu_check): the CUDA source build, the CUDA parity tests (every op and the tiny llama
-# in F32 / Q8_0 / Q4_1 against numpy), the engine's greedy parity on --device cuda when the
+# /tmp/gpu_check): the CUDA source build, the CUDA parity tests (every op, the tiny llama
+# in F32 / Q8_0 / Q4_1 against numpy, the quantized semantics' quantizer and integer
+# matmuls against llama.cpp's bytes and vec_dot), the engine's greedy parity on --device cuda when the
 # SmolLM2 GGUF is present, tensor parallelism over NCCL when the machine has two GPUs, and a
 # decode/prefill sweep of bench/profile_step.py.
 #
@@ -41,7 +42,8 @@ status=0
 echo "== CUDA sources and parity tests" | tee "$OUT/tests.log"
 timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
   tests/kernels/test_cuda_sources.py tests/kernels/test_device_ops.py \
-  tests/kernels/test_device_model.py -k "cuda or nvcc or sources" 2>&1 | tee -a "$OUT/tests.log"
+  tests/kernels/test_device_model.py tests/kernels/test_device_activations.py \
+  -k "cuda or nvcc or sources" 2>&1 | tee -a "$OUT/tests.log"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
 # NCCL all-reduce between two CUDA worker processes (a tiny llama at TP=2 against numpy at

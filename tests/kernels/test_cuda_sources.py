@@ -255,3 +255,103 @@ def test_kv_kernels_run_on_the_host(kv_host, name, d):
     kv_host.host_decode(*_ptrs(got[0]), t * hk, d, fmt.kind, fmt.row_bytes(d), n_high, high,
                         low, *_ptrs(lut, decoded))
     assert np.array_equal(decoded, fmt.decode(got[0], d, "k").reshape(-1, d), equal_nan=True)
+
+
+# --gguf-activations quantized as host C++: act_quant.cu's quantizer and linear_int.cu's
+# integer matmuls (after linear_quant.cu's block helpers) against llama.cpp's own bytes and
+# vec_dot (tests/golden/ggml_quant.npz, test_activation_quant), one thread per call; dp4a
+# as its definition, on 4 signed bytes.
+INT_HOST_PRELUDE = """
+#include <math.h>
+#include <stddef.h>
+#include <string.h>
+#define __global__
+#define __device__
+#define __forceinline__ inline
+static struct { int x, y; } blockIdx, blockDim = {1, 1}, threadIdx;
+static float half_to_float(unsigned short h) { _Float16 x; memcpy(&x, &h, 2); return (float)x; }
+static float load_half(const unsigned char *p) { return half_to_float(p[0] | (p[1] << 8)); }
+static unsigned short float_to_half(float f) {
+    const _Float16 x = (_Float16)f; unsigned short h; memcpy(&h, &x, 2); return h;
+}
+static inline unsigned int __float_as_uint(float f) { unsigned int u; memcpy(&u, &f, 4); return u; }
+static inline float __uint_as_float(unsigned int u) { float f; memcpy(&f, &u, 4); return f; }
+static int __dp4a(int a, int b, int c) {
+    for (int i = 0; i < 4; ++i) c += (signed char)(a >> 8 * i) * (signed char)(b >> 8 * i);
+    return c;
+}
+static float __fmul_rn(float a, float b) { return a * b; }
+"""
+INT_HOST_DRIVER = """
+extern "C" void host_quantize(const float *x, signed char *q, float *d, float *s, int k,
+                              int format, int t) {
+    for (blockIdx.y = 0; blockIdx.y < t; ++blockIdx.y)
+        for (blockIdx.x = 0; blockIdx.x < k / (format == 2 ? 256 : 32); ++blockIdx.x)
+            quantize_q8(x, q, d, s, k, format);
+}
+extern "C" void host_round(const float *x, float *out, int n, int bf16) {
+    blockIdx.y = 0;
+    for (blockIdx.x = 0; blockIdx.x < n; ++blockIdx.x) round_16(x, out, n, bf16);
+}
+"""
+INT_LINEAR_DRIVER = """
+extern "C" void host_{0}(const int *xq, const float *xd, const float *xs,
+                         const unsigned char *w, float *y, int k, int n, int t) {{
+    for (blockIdx.y = 0; blockIdx.y < t; ++blockIdx.y)
+        for (blockIdx.x = 0; blockIdx.x < n; ++blockIdx.x) {0}(xq, xd, xs, w, y, y, k, n, 0);
+}}
+"""
+
+
+def test_quantized_semantics_runs_on_the_host(tmp_path):
+    from test_activation_quant import CASES, DOT_TYPES, GOLDEN, ORDER_TOLERANCE, _bits16
+
+    from vllm_actors.kernels import activation_quant as aq
+    from vllm_actors.kernels.device_backend import INT_KERNELS, Q8_FORMATS
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("g++ is not installed here")
+    here = Path(cuda_pkg.__file__).parent
+    source = tmp_path / "int_host.cpp"
+    source.write_text(INT_HOST_PRELUDE + quant_defines() + "".join(
+        (here / name).read_text() for name in ("linear_quant.cu", "act_quant.cu",
+                                               "linear_int.cu"))
+        + INT_HOST_DRIVER + "".join(INT_LINEAR_DRIVER.format(n) for n in INT_KERNELS.values()))
+    lib = tmp_path / "int_host.so"
+    done = subprocess.run([gxx, "-O1", "-shared", "-fPIC", "-Wall", "-Werror", str(source),
+                           "-o", str(lib)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    host = ctypes.CDLL(str(lib))
+
+    def quantize(x: np.ndarray, fmt: str) -> aq.Q8Blocks:
+        number, size = Q8_FORMATS[fmt]
+        t, k = x.shape
+        q = np.empty((t, k // size, size), np.int8)
+        d, s = np.empty((t, k // size), np.float32), np.zeros((t, k // size), np.float32)
+        host.host_quantize(*_ptrs(np.ascontiguousarray(x), q, d, s), k, number, t)
+        bsums = q.reshape(t, -1, 16, 16).sum(axis=-1, dtype=np.int16) if fmt == "q8_k" else None
+        return aq.Q8Blocks(fmt, q, d, s if fmt == "q8_1" else None, bsums)
+
+    for case in CASES:
+        x = GOLDEN[f"act/{case}/x"].reshape(1, -1).astype(np.float32)
+        for fmt in Q8_FORMATS:
+            assert np.array_equal(quantize(x, fmt).to_bytes().reshape(-1),
+                                  GOLDEN[f"act/{case}/{fmt}"].reshape(-1)), (case, fmt)
+        for bf16, fmt in enumerate(("f16", "bf16")):
+            rounded = np.empty_like(x)
+            host.host_round(*_ptrs(x, rounded), x.size, bf16)
+            assert np.array_equal(_bits16(rounded, fmt), GOLDEN[f"act/{case}/{fmt}"]
+                                  .reshape(-1)), (case, fmt)
+    for qtype, (name, _) in QUANT_KERNELS.items():
+        tag = quant.T(qtype).name
+        assert tag in DOT_TYPES
+        w, x, want = (GOLDEN[f"dot/{tag}/{k}"] for k in ("w", "x", "out"))
+        fmt = aq.activation_format(qtype)
+        blocks = quantize(x.astype(np.float32), fmt)
+        y = np.empty(want.shape, np.float32)
+        sums = blocks.s if blocks.s is not None else blocks.d
+        getattr(host, "host_" + INT_KERNELS[name])(*_ptrs(blocks.q, blocks.d, sums, w, y),
+                                                   x.shape[1], len(w), len(x))
+        dense = quant.dequantize(w, qtype, (len(w), x.shape[1]))
+        magnitude = np.abs(aq.simulate(x, fmt)[0]) @ np.abs(dense).T
+        assert np.all(np.abs(y - want) <= ORDER_TOLERANCE * magnitude), tag

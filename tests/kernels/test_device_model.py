@@ -16,16 +16,21 @@ from vllm_actors.loaders.model_files import resolve_model
 from vllm_actors.models.registry import load_model
 
 
-@pytest.mark.parametrize("qtype", [None, QT.Q8_0, QT.Q4_1], ids=["f32", "q8_0", "q4_1"])
-def test_tiny_llama_matches_numpy(dev, qtype, tmp_path):
+@pytest.mark.parametrize("qtype, semantics", [(None, "float32"), (QT.Q8_0, "float32"),
+                                              (QT.Q4_1, "float32"), (QT.Q4_1, "quantized")],
+                         ids=["f32", "q8_0", "q4_1", "q4_1-quantized"])
+def test_tiny_llama_matches_numpy(dev, qtype, semantics, tmp_path):
+    """Under --gguf-activations quantized the device quantizes x itself and runs the integer
+    kernels (Q8_1 blocks and their sums for Q4_1); numpy simulates the same semantics."""
     path = tmp_path / "tiny.gguf"
     write_llama_gguf(path, qtype=qtype)
     ref_backend = NumpyBackend()
-    want = prompt_logits(load_model(resolve_model(path), ref_backend), ref_backend, TINY_PROMPT,
-                         [17, 1, 1, 21], block_size=8)
-    model = load_model(resolve_model(path), dev)
+    want = prompt_logits(load_model(resolve_model(path), ref_backend, gguf_activations=semantics),
+                         ref_backend, TINY_PROMPT, [17, 1, 1, 21], block_size=8)
+    model = load_model(resolve_model(path), dev, gguf_activations=semantics)
     if qtype is not None:
         assert model.layers[0].qkv.kernel == f"linear_{qtype.name.lower()}"
+        assert model.layers[0].qkv.activations == ("q8_1" if semantics == "quantized" else None)
     got = prompt_logits(model, dev, TINY_PROMPT, [17, 1, 1, 21], block_size=8)
     assert got.shape == want.shape
     assert np.abs(got - want).max() <= 1e-4     # logits of magnitude ~1-10

@@ -31,15 +31,23 @@ from vllm_actors.kernels.ops import AttentionMetadata, RopeTables, WeightLike
 # block layout quant.BLOCK_FIELDS gives has a kernel in linear_quant.cl / .cu
 QUANT_KERNELS = {int(qt): (f"linear_{quant.T(qt).name.lower()}", quant.block_layout(qt)[0])
                  for qt in quant.BLOCK_FIELDS}
+# --gguf-activations quantized: a block type's integer matmul over x's 8-bit blocks
+# (linear_int.cl / .cu), by the name of its float kernel
+INT_KERNELS = {name: name.replace("linear_", "linear_int_") for name, _ in QUANT_KERNELS.values()}
+# the 8-bit block formats (activation_quant) as act_quant.cl / .cu number them, and their size
+Q8_FORMATS = {"q8_0": (0, 32), "q8_1": (1, 32), "q8_k": (2, 256)}
 # Every kernel both ops.cl and ops.cu define, by the name launches use.
 KERNEL_NAMES = ("embedding", "rms_norm", "layer_norm", "add_inplace", "silu_mul", "gelu_mul",
                 "gelu_inplace", "scale_inplace", "split_qkv", "rope", "reshape_and_cache",
                 "paged_attention", "gather_rows", "linear_f32", "linear_f16", "linear_bf16",
-                *(name for name, _ in QUANT_KERNELS.values()), "argmax_rows",
+                *(name for name, _ in QUANT_KERNELS.values()), *INT_KERNELS.values(),
+                "quantize_q8", "dequantize_q8", "q8_1_delta", "round_16", "argmax_rows",
                 "apply_temperature", "mask_below", *KV_KERNEL_NAMES)
 # Kernel source files of each device package, built as one program in this order.
-SOURCE_FILES = {"cl": ("ops.cl", "linear_quant.cl", "kv_quant.cl"),
-                "cu": ("ops.cu", "linear_quant.cu", "kv_quant.cu")}
+SOURCE_FILES = {"cl": ("ops.cl", "linear_quant.cl", "act_quant.cl", "linear_int.cl",
+                       "kv_quant.cl"),
+                "cu": ("ops.cu", "linear_quant.cu", "act_quant.cu", "linear_int.cu",
+                       "kv_quant.cu")}
 # 16-bit float storage (GGML F16 = 1, BF16 = 30): kept as stored, widened in the kernel
 HALF_KERNELS = {1: ("linear_f16", np.float16), 30: ("linear_bf16", np.uint16)}
 MAX_HEAD_DIM = 256
@@ -75,10 +83,11 @@ class Linear:
     kernel: str
     out_features: int
     in_features: int
-    # --gguf-activations quantized: the format the inputs take (`activation_quant`), and
-    # Q4_1/Q5_1's block mins `[K / 32, out]` (on the host) for the min term x~ leaves out
+    # --gguf-activations quantized: the format the inputs take (`activation_quant`), and,
+    # for Q4_1/Q5_1 weights kept as floats, their block mins `[out, K / 32]` as a float32
+    # linear for the min term x~ leaves out (the integer kernels take it from Q8_1's sums)
     activations: str | None = None
-    mins: np.ndarray | None = None
+    mins: "Linear | None" = None
 
 
 @dataclass(frozen=True)
@@ -135,9 +144,13 @@ class DeviceBackend:
                 f"{parts[0].name}: fused weights whose inputs take different formats under "
                 f"--gguf-activations quantized ({', '.join(sorted(map(str, formats)))}) are "
                 f"not built on {self.name}; use --gguf-activations float32")
+        fmt = formats.pop()
         mins = [activation_quant.block_mins(p.data, p.qtype, p.shape) for p in parts]
-        joined = None if mins[0] is None else np.ascontiguousarray(np.concatenate(mins).T)
-        return replace(linear, activations=formats.pop(), mins=joined)
+        if linear.kernel in INT_KERNELS or mins[0] is None:
+            return replace(linear, activations=fmt)
+        joined = np.concatenate(mins)
+        return replace(linear, activations=fmt, mins=Linear(
+            self._keep(joined), "linear_f32", linear.out_features, joined.shape[1]))
 
     def _upload_linear(self, parts: Sequence[WeightLike]) -> Linear:
         out = sum(p.shape[0] for p in parts)
@@ -200,20 +213,54 @@ class DeviceBackend:
         return out
 
     def linear(self, x: Any, weight: Linear, bias: Any | None = None) -> Any:
-        t = x.shape[0]
-        delta = None
-        if weight.activations is not None:
-            # quantized on the host, bit for bit the numpy reference (a device kernel for it
-            # is not written yet: STATUS, speed-pending)
-            simulated, delta = activation_quant.simulate(self.to_host(x), weight.activations)
-            x = self.from_host(simulated)
-        y = self._empty((t, weight.out_features))
-        self._launch(weight.kernel, (weight.out_features, t), x, weight.data,
-                     y if bias is None else bias, y, np.int32(weight.in_features),
-                     np.int32(weight.out_features), np.int32(bias is not None))
-        if delta is not None:
-            y = self.add(y, self.from_host(delta @ weight.mins))
+        """y = x w^T (+ bias). Under --gguf-activations quantized x is quantized on the
+        device as the weight's type pairs: a block type then runs its integer kernel, a
+        weight kept as floats the values its dot product would see (`_simulated`)."""
+        t, n = x.shape[0], weight.out_features
+        fmt, delta = weight.activations, None
+        y = self._empty((t, n))
+        tail = (y if bias is None else bias, y, np.int32(weight.in_features), np.int32(n),
+                np.int32(bias is not None))
+        if fmt is not None and weight.kernel in INT_KERNELS:
+            self._launch(INT_KERNELS[weight.kernel], (n, t), *self._quantize(x, fmt),
+                         weight.data, *tail)
+            return y
+        if fmt is not None:
+            x, delta = self._simulated(x, fmt)
+        self._launch(weight.kernel, (n, t), x, weight.data, *tail)
+        if delta is not None and weight.mins is not None:
+            y = self.add(y, self.linear(delta, weight.mins))
         return y
+
+    def _quantize(self, x: Any, fmt: str) -> tuple[Any, Any, Any]:
+        """x `[T, K]` as blocks of an 8-bit format (`act_quant`): int8 quants `[T, K]`,
+        scales `[T, K / block]`, and Q8_1's sums (else the scales again, unread)."""
+        t, k = x.shape
+        number, size = Q8_FORMATS[fmt]
+        if k % size:
+            raise ValueError(f"{fmt} activations need K a multiple of {size}, got {k}")
+        q, d = self._empty((t, k), np.int8), self._empty((t, k // size))
+        s = self._empty((t, k // size)) if fmt == "q8_1" else d
+        self._launch("quantize_q8", (k // size, t), x, q, d, s, np.int32(k), np.int32(number))
+        return q, d, s
+
+    def _simulated(self, x: Any, fmt: str) -> tuple[Any, Any | None]:
+        """`activation_quant.simulate` on the device: (x~, Q8_1's s - d sum(q) `[T, K / 32]`
+        or None)."""
+        out = self._empty(x.shape)
+        if fmt in ("f16", "bf16"):
+            self._launch("round_16", (x.size,), x, out, np.int64(x.size),
+                         np.int32(fmt == "bf16"))
+            return out, None
+        t, k = x.shape
+        q, d, s = self._quantize(x, fmt)
+        size = np.int32(Q8_FORMATS[fmt][1])
+        self._launch("dequantize_q8", (k, t), q, d, out, np.int32(k), size)
+        if fmt != "q8_1":
+            return out, None
+        delta = self._empty((t, k // 32))
+        self._launch("q8_1_delta", (k // 32, t), q, d, s, delta, np.int32(k))
+        return out, delta
 
     def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
         n = x.shape[-1]
