@@ -90,6 +90,7 @@ HOST_PRELUDE = """
 #define __global__
 #define __device__
 #define __forceinline__ inline
+#define __constant__
 static struct { int x, y; } blockIdx, blockDim = {1, 1}, threadIdx;
 static float load_half(const unsigned char *p) {
     const int h = p[0] | (p[1] << 8), e = (h >> 10) & 31, m = h & 1023;
@@ -268,6 +269,7 @@ INT_HOST_PRELUDE = """
 #define __global__
 #define __device__
 #define __forceinline__ inline
+#define __constant__
 static struct { int x, y; } blockIdx, blockDim = {1, 1}, threadIdx;
 static float half_to_float(unsigned short h) { _Float16 x; memcpy(&x, &h, 2); return (float)x; }
 static float load_half(const unsigned char *p) { return half_to_float(p[0] | (p[1] << 8)); }

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf import quants
+from quant_blocks import random_blocks
 
 from vllm_actors.kernels.numpy_backend import NumpyBackend
 from vllm_actors.kernels.ops import AttentionMetadata, RopeTables
@@ -123,18 +124,12 @@ def test_linear_and_lm_head(dev, qtype):
           REF.lm_head(x, REF.upload_lm_head(head), rows), 2e-5)
 
 
-@pytest.mark.parametrize("qtype, block_bytes, scale_offsets", [
-    (QT.Q2_K, 84, (80, 82)), (QT.Q3_K, 110, (108,)), (QT.Q4_K, 144, (0, 2)),
-    (QT.Q5_K, 176, (0, 2)), (QT.Q6_K, 210, (208,))])
-def test_linear_k_quants(dev, qtype, block_bytes, scale_offsets):
-    """K-quant super-blocks of random bytes (scales set to sane halves) against numpy's
-    dequantizer, which is bit-identical to gguf-py's."""
+@pytest.mark.parametrize("qtype", [QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_NL])
+def test_linear_k_quants(dev, qtype):
+    """K-quant super-blocks (and IQ4_NL blocks, which gguf-py cannot quantize) of random
+    bytes, scales set to sane halves, against numpy's dequantizer, bit-identical to gguf-py's."""
     rows, k = 40, 512
-    raw = RNG.integers(0, 256, (rows, k // 256, block_bytes), dtype=np.uint8)
-    for offset in scale_offsets:
-        halves = (RNG.random((rows, k // 256)) * 0.02 + 0.005).astype(np.float16)
-        raw[:, :, offset:offset + 2] = halves.view(np.uint8).reshape(rows, k // 256, 2)
-    part = RawTensor("wk", (rows, k), int(qtype), raw.reshape(rows, -1))
+    part = RawTensor("wk", (rows, k), int(qtype), random_blocks(qtype, rows, k, RNG))
     x = rand(3, k)
     want = REF.linear(x, REF.upload_linear([part]))
     handle = dev.upload_linear([part])

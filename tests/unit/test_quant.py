@@ -12,7 +12,8 @@ TYPES = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T
          T.Q5_K, T.Q6_K]
 # Byte offsets of the float16 scale fields in each block type (kept finite in the test data).
 F16_FIELDS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0],
-              T.Q2_K: [80, 82], T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
+              T.Q2_K: [80, 82], T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208],
+              T.IQ4_NL: [0]}
 
 
 def random_blocks(qtype: T, num_rows: int, row_len: int, seed: int) -> np.ndarray:

@@ -2,10 +2,12 @@
 with the same names and arguments (`opencl/ops.cl`, `cuda/ops.cu`); a subclass supplies the
 buffers and `_launch`.
 
-Weights and the KV cache live on the device. Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and Q2_K..Q6_K
-linear weights stay in their GGUF blocks and are dequantized inside the matmul kernel
+Weights and the KV cache live on the device. Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K and
+IQ4_NL linear weights stay in their GGUF blocks and are dequantized inside the matmul kernel
 (`linear_quant.cl` / `.cu`), F16 and BF16 weights stay 16-bit (widened to float32 in the
-kernel); other types are dequantized once at upload to float32. The KV cache is float32 or,
+kernel); other types are dequantized once at upload to float32. Under --gguf-activations
+quantized, x is quantized on the device (`act_quant`) and the block types run integer
+kernels (`linear_int`). The KV cache is float32 or,
 with a `kv_format`, rows in any format of `kv_quant` (`device_kv`: encoded and decoded inside
 the kernels). Per step only token ids, positions, slot mapping and block tables go up, and
 only the sampled rows' logits come back.

@@ -32,6 +32,7 @@ BLOCK_FIELDS: dict[int, tuple[tuple[str, int], ...]] = {
     T.Q4_K: (("d", 2), ("dmin", 2), ("scales", 12), ("qs", 128)),
     T.Q5_K: (("d", 2), ("dmin", 2), ("scales", 12), ("qh", 32), ("qs", 128)),
     T.Q6_K: (("ql", 128), ("qh", 64), ("scales", 16), ("d", 2)),
+    T.IQ4_NL: (("d", 2), ("qs", 16)),
 }
 # qtype -> {field: byte offset in the block}, from BLOCK_FIELDS
 BLOCK_OFFSETS: dict[int, dict[str, int]] = {

@@ -28,8 +28,8 @@
 #define ONES 0x01010101u     // dot4(ONES, x) sums 4 quants of x
 #define NIBBLES 0x0F0F0F0Fu
 
-// acc + the sum of the products of 4 signed bytes of w and x (every code packed here is
-// below 128, so reading it signed is exact): one dp4a, as vLLM's MMVQ kernels use it
+// acc + the sum of the products of 4 signed bytes of w and x (the codes packed here are
+// below 128, so reading them signed is exact, or IQ4_NL's signed table values): one dp4a, as vLLM's MMVQ kernels use it
 __device__ __forceinline__ int dot4(const unsigned int w, const int x, const int acc) {
     return __dp4a((int)w, x, acc);
 }
@@ -215,6 +215,25 @@ __device__ __forceinline__ float q6_k_idot(const unsigned char *blk,
     return dx * load_half(blk + Q6_K_D) * (float)ds;
 }
 
+// IQ4_NL: each of 4 packed nibbles becomes its table value, a signed byte
+__device__ __forceinline__ unsigned int iq4_nl_values(const unsigned int nibbles) {
+    return (unsigned char)IQ4_NL_VALUES[nibbles & 15]
+         | ((unsigned int)(unsigned char)IQ4_NL_VALUES[(nibbles >> 8) & 15] << 8)
+         | ((unsigned int)(unsigned char)IQ4_NL_VALUES[(nibbles >> 16) & 15] << 16)
+         | ((unsigned int)(unsigned char)IQ4_NL_VALUES[nibbles >> 24] << 24);
+}
+
+__device__ __forceinline__ float iq4_nl_idot(const unsigned char *blk,
+                                             const int *x, float dx, float sx) {
+    int sumi = 0;
+    for (int i = 0; i < 4; ++i) {
+        const unsigned int v = load_u32(blk + IQ4_NL_QS + 4 * i);
+        sumi = dot4(iq4_nl_values(v & NIBBLES), x[i],
+                    dot4(iq4_nl_values((v >> 4) & NIBBLES), x[i + 4], sumi));
+    }
+    return load_half(blk + IQ4_NL_D) * dx * (float)sumi;
+}
+
 LINEAR_INT_KERNEL(linear_int_q8_0, q8_0_idot, Q8_0_QK, Q8_0_BYTES)
 LINEAR_INT_KERNEL(linear_int_q4_0, q4_0_idot, Q4_0_QK, Q4_0_BYTES)
 LINEAR_INT_KERNEL(linear_int_q4_1, q4_1_idot, Q4_1_QK, Q4_1_BYTES)
@@ -225,3 +244,4 @@ LINEAR_INT_KERNEL(linear_int_q3_k, q3_k_idot, Q3_K_QK, Q3_K_BYTES)
 LINEAR_INT_KERNEL(linear_int_q4_k, q4_k_idot, Q4_K_QK, Q4_K_BYTES)
 LINEAR_INT_KERNEL(linear_int_q5_k, q5_k_idot, Q5_K_QK, Q5_K_BYTES)
 LINEAR_INT_KERNEL(linear_int_q6_k, q6_k_idot, Q6_K_QK, Q6_K_BYTES)
+LINEAR_INT_KERNEL(linear_int_iq4_nl, iq4_nl_idot, IQ4_NL_QK, IQ4_NL_BYTES)

@@ -28,8 +28,8 @@
 #define ONES 0x01010101u     // dot4(ONES, x) sums 4 quants of x
 #define NIBBLES 0x0F0F0F0Fu
 
-// acc + the sum of the products of 4 signed bytes of w and x (every code packed here is
-// below 128, so reading it signed is exact): CUDA's __dp4a.
+// acc + the sum of the products of 4 signed bytes of w and x (the codes packed here are
+// below 128, so reading them signed is exact, or IQ4_NL's signed table values): CUDA's __dp4a.
 inline int dot4(const uint w, const int x, const int acc) {
     const char4 a = as_char4(w), b = as_char4(x);
     return acc + a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
@@ -205,6 +205,24 @@ inline float q6_k_idot(__global const uchar *blk, __global const int *x, float d
     return dx * load_half(blk + Q6_K_D) * (float)ds;
 }
 
+// IQ4_NL: each of 4 packed nibbles becomes its table value, a signed byte
+inline uint iq4_nl_values(const uint nibbles) {
+    return (uchar)IQ4_NL_VALUES[nibbles & 15]
+         | ((uint)(uchar)IQ4_NL_VALUES[(nibbles >> 8) & 15] << 8)
+         | ((uint)(uchar)IQ4_NL_VALUES[(nibbles >> 16) & 15] << 16)
+         | ((uint)(uchar)IQ4_NL_VALUES[nibbles >> 24] << 24);
+}
+
+inline float iq4_nl_idot(__global const uchar *blk, __global const int *x, float dx, float sx) {
+    int sumi = 0;
+    for (int i = 0; i < 4; ++i) {
+        const uint v = load_u32(blk + IQ4_NL_QS + 4 * i);
+        sumi = dot4(iq4_nl_values(v & NIBBLES), x[i],
+                    dot4(iq4_nl_values((v >> 4) & NIBBLES), x[i + 4], sumi));
+    }
+    return load_half(blk + IQ4_NL_D) * dx * (float)sumi;
+}
+
 LINEAR_INT_KERNEL(linear_int_q8_0, q8_0_idot, Q8_0_QK, Q8_0_BYTES)
 LINEAR_INT_KERNEL(linear_int_q4_0, q4_0_idot, Q4_0_QK, Q4_0_BYTES)
 LINEAR_INT_KERNEL(linear_int_q4_1, q4_1_idot, Q4_1_QK, Q4_1_BYTES)
@@ -215,3 +233,4 @@ LINEAR_INT_KERNEL(linear_int_q3_k, q3_k_idot, Q3_K_QK, Q3_K_BYTES)
 LINEAR_INT_KERNEL(linear_int_q4_k, q4_k_idot, Q4_K_QK, Q4_K_BYTES)
 LINEAR_INT_KERNEL(linear_int_q5_k, q5_k_idot, Q5_K_QK, Q5_K_BYTES)
 LINEAR_INT_KERNEL(linear_int_q6_k, q6_k_idot, Q6_K_QK, Q6_K_BYTES)
+LINEAR_INT_KERNEL(linear_int_iq4_nl, iq4_nl_idot, IQ4_NL_QK, IQ4_NL_BYTES)

@@ -215,6 +215,20 @@ inline float q6_k_dot(__global const uchar *blk, __global const float *xb) {
     return load_half(blk + Q6_K_D) * s;
 }
 
+// IQ4_NL: Q4_0's nibbles, each an index into a fixed table of 16 int8 values; value =
+// d * table[q] (gguf-py's IQ4_NL.kvalues)
+__constant char IQ4_NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                     1, 13, 25, 38, 53, 69, 89, 113};
+
+inline float iq4_nl_dot(__global const uchar *blk, __global const float *xb) {
+    __global const uchar *qs = blk + IQ4_NL_QS;
+    float s = 0.0f;
+    for (int j = 0; j < IQ4_NL_QK / 2; ++j)
+        s += (float)IQ4_NL_VALUES[qs[j] & 15] * xb[j]
+           + (float)IQ4_NL_VALUES[qs[j] >> 4] * xb[j + IQ4_NL_QK / 2];
+    return load_half(blk + IQ4_NL_D) * s;
+}
+
 LINEAR_QUANT_KERNEL(linear_q8_0, q8_0_dot, Q8_0_QK, Q8_0_BYTES)
 LINEAR_QUANT_KERNEL(linear_q4_0, q4_0_dot, Q4_0_QK, Q4_0_BYTES)
 LINEAR_QUANT_KERNEL(linear_q4_1, q4_1_dot, Q4_1_QK, Q4_1_BYTES)
@@ -225,3 +239,4 @@ LINEAR_QUANT_KERNEL(linear_q3_k, q3_k_dot, Q3_K_QK, Q3_K_BYTES)
 LINEAR_QUANT_KERNEL(linear_q4_k, q4_k_dot, Q4_K_QK, Q4_K_BYTES)
 LINEAR_QUANT_KERNEL(linear_q5_k, q5_k_dot, Q5_K_QK, Q5_K_BYTES)
 LINEAR_QUANT_KERNEL(linear_q6_k, q6_k_dot, Q6_K_QK, Q6_K_BYTES)
+LINEAR_QUANT_KERNEL(linear_iq4_nl, iq4_nl_dot, IQ4_NL_QK, IQ4_NL_BYTES)
