@@ -56,9 +56,9 @@ def _fake_machine(monkeypatch, readings):  # type: ignore[no-untyped-def]
 
 
 def _run_until(follower, state, t):  # type: ignore[no-untyped-def]
-    """Steps (a layer every 0.1 s) until time t, then the next step's `follow`."""
-    while state["t"] + 0.1 < t:
-        state["t"] += 0.1
+    """Steps (a layer every 0.05 s) until time t, then the next step's `follow`."""
+    while state["t"] + 0.05 < t:
+        state["t"] += 0.05
         follower.working()
     state["t"] = t
     return follower.follow()
@@ -66,12 +66,25 @@ def _run_until(follower, state, t):  # type: ignore[no-untyped-def]
 
 def test_load_follower_leaves_the_cpus_others_use(monkeypatch):
     """Two CPUs; a neighbour busy for 1.2 of them while we run -> one thread; idle
-    again -> two."""
-    state, set_to = _fake_machine(monkeypatch, [(0, 0, 0), (160, 200, 40), (200, 400, 80)])
+    again -> two after a tenth of a second of work."""
+    state, set_to = _fake_machine(monkeypatch, [(0, 0, 0), (160, 200, 40), (200, 240, 80)])
     follower = threads.LoadFollower(2)
     assert _run_until(follower, state, 1.0) == 1 and set_to == [1]   # 160 - 40 of 200
-    assert _run_until(follower, state, 1.2) == 1          # within the interval: no reading
-    assert _run_until(follower, state, 2.0) == 2 and set_to == [1, 2]   # 40 - 40 of 200
+    assert _run_until(follower, state, 1.05) == 1         # within RAISE_S: no reading
+    assert _run_until(follower, state, 1.2) == 2 and set_to == [1, 2]   # 40 - 40 of 40
+
+
+def test_short_pauses_while_a_neighbour_works_do_not_count(monkeypatch):
+    """Bursts of 0.3 s of work, each after a 0.3 s pause in which a neighbour kept a CPU
+    busy (as runs alternating with llama.cpp's): every pause ends the interval, so the
+    neighbour's work is never counted and the count stays two."""
+    state, set_to = _fake_machine(monkeypatch, [(0, 0, 0), (90, 120, 30), (180, 240, 60)])
+    follower = threads.LoadFollower(2)
+    for burst in range(3):
+        state["t"] = 0.6 * burst
+        assert follower.follow() == 2
+        assert _run_until(follower, state, 0.6 * burst + 0.3) == 2
+    assert set_to == []
 
 
 def test_load_while_we_waited_for_work_does_not_count(monkeypatch):

@@ -437,6 +437,8 @@ class CpuBackend:
 
     def encoder_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                           bounds: np.ndarray, scale: float) -> np.ndarray:
+        if self._follower is not None:
+            self._follower.working()
         return encoder_attention(q, k, v, bounds, scale)
 
     def paged_attention(self, q: np.ndarray, kv_cache: Any, attn: Any, scale: float,
@@ -459,5 +461,8 @@ class CpuBackend:
     def lm_head(self, hidden: np.ndarray, head: Linear, rows: np.ndarray,
                 on_device: bool = False) -> np.ndarray:
         # one row per request: as llama.cpp computes the logits of a request alone
-        return self._linear(np.ascontiguousarray(hidden[rows]), head, None,
-                            np.ones(len(rows), np.int64))
+        logits = self._linear(np.ascontiguousarray(hidden[rows]), head, None,
+                              np.ones(len(rows), np.int64))
+        if self._follower is not None:       # the step's work ends about here
+            self._follower.working()
+        return logits

@@ -11,7 +11,7 @@ pays a thread wake-up; the short spin costs 1.6x against one thread when another
 keeps a core busy, and does not collapse.
 
 `LoadFollower` then keeps the thread count at the CPUs other processes leave free (read from
-/proc/stat at most every half second): beside a busy neighbour the kernels run on fewer
+/proc/stat after half a second of work, or a tenth when it may go back up): beside a busy neighbour the kernels run on fewer
 threads instead of waiting at every parallel region for a thread the OS has descheduled.
 Every kernel splits its work into chunks that do not depend on the thread count, so this
 changes no result.
@@ -102,16 +102,21 @@ def _own_jiffies() -> int:
 
 class LoadFollower:
     """Sizes numba's threads (for the thread that calls `follow`) to `limit` less the CPUs
-    other processes kept busy over the last interval, at least one.
+    other processes kept busy while this process worked, at least one.
 
-    An interval counts only while this process works: after more than INTERVAL_S without
-    a step (`working` not called), the interval since the last reading mostly holds what
-    others did while we waited, which says nothing of whether they compete now. Then the
-    count stays as the last interval of our own work left it, and a new interval starts.
-    (Acting on it, a SmolLM2 prefill sent right after one of llama.cpp's in a side-by-side
-    bench ran on one thread: 3.0 s against 1.7 s.)"""
+    An interval counts only while this process works: a pause of more than GAP_S since our
+    last marked work (`working`: each layer, and the end of the LM head) ends it, since the
+    pause mostly holds what others did while we waited, which says nothing of whether they
+    compete now; a new interval starts and the count stays. (Acting on such intervals, a
+    SmolLM2 prefill sent right after one of llama.cpp's in a side-by-side bench ran on one
+    thread, 3.0 s against 1.7 s; and with a 0.5 s pause rule, runs of 8 decode steps
+    alternating with llama.cpp's fell to one thread for good, docs/BENCHMARKS.md.)
+    INTERVAL_S of work can lower the count; RAISE_S of work with the CPUs free raises it
+    again, so that short bursts of work recover once a neighbour has gone."""
 
     INTERVAL_S = 0.5
+    RAISE_S = 0.1
+    GAP_S = 0.1
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -119,33 +124,49 @@ class LoadFollower:
         self._working_at = time.monotonic()
         try:
             self.cpus = os.sched_getaffinity(0)
-            self._last = (time.monotonic(), *_busy_jiffies(self.cpus), _own_jiffies())
+            self._last = self._probe = self._read(time.monotonic())
         except (AttributeError, OSError, ValueError):
             self._last = None                       # no /proc: keep the configured count
 
+    def _read(self, now: float) -> tuple[float, int, int, int]:
+        return (now, *_busy_jiffies(self.cpus), _own_jiffies())
+
     def working(self) -> None:
-        """A step is running (the backend calls it once a layer): cheap."""
+        """This process is computing a step (the backend calls it once a layer): cheap."""
         self._working_at = time.monotonic()
 
     def follow(self) -> int:
-        """Cheap unless INTERVAL_S has passed; returns the thread count now in use."""
+        """At a step's start; cheap unless an interval has passed. Returns the thread count
+        now in use."""
         if self._last is None or self.limit <= 1:
             return self.current
         now = time.monotonic()
-        waited = now - self._working_at > self.INTERVAL_S
+        paused = now - self._working_at > self.GAP_S
         self._working_at = now
-        if not waited and now - self._last[0] < self.INTERVAL_S:
-            return self.current
-        busy, total = _busy_jiffies(self.cpus)
-        own = _own_jiffies()
-        _, busy0, total0, own0 = self._last
-        self._last = (now, busy, total, own)
-        if waited or total <= total0:
+        if paused:
+            self._last = self._probe = self._read(now)
+        elif now - self._last[0] >= self.INTERVAL_S:
+            reading = self._read(now)
+            self._set(self._wanted(self._last, reading))
+            self._last = self._probe = reading
+        elif self.current < self.limit and now - self._probe[0] >= self.RAISE_S:
+            reading = self._read(now)
+            self._set(max(self.current, self._wanted(self._probe, reading)))
+            self._probe = reading
+        return self.current
+
+    def _wanted(self, before: tuple[float, int, int, int],
+                after: tuple[float, int, int, int]) -> int:
+        """The CPUs others left free between two readings, within 1 .. limit."""
+        _, busy0, total0, own0 = before
+        _, busy, total, own = after
+        if total <= total0:
             return self.current
         others = max(0, (busy - busy0) - (own - own0)) * len(self.cpus) / (total - total0)
-        wanted = max(1, min(self.limit, round(len(self.cpus) - others)))
+        return max(1, min(self.limit, round(len(self.cpus) - others)))
+
+    def _set(self, wanted: int) -> None:
         if wanted != self.current:
             import numba
             numba.set_num_threads(wanted)
             self.current = wanted
-        return self.current
