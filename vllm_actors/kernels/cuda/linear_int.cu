@@ -29,7 +29,8 @@
 #define NIBBLES 0x0F0F0F0Fu
 
 // acc + the sum of the products of 4 signed bytes of w and x (the codes packed here are
-// below 128, so reading them signed is exact, or IQ4_NL's signed table values): one dp4a, as vLLM's MMVQ kernels use it
+// below 128, so reading them signed is exact, or IQ4_NL's signed table values): one dp4a,
+// as vLLM's MMVQ kernels use it
 __device__ __forceinline__ int dot4(const unsigned int w, const int x, const int acc) {
     return __dp4a((int)w, x, acc);
 }
@@ -147,9 +148,11 @@ __device__ __forceinline__ float q3_k_idot(const unsigned char *blk,
     return dx * load_half(blk + Q3_K_D) * (float)ds;
 }
 
-__device__ __forceinline__ float q4_k_idot(const unsigned char *blk,
-                                           const int *x, float dx, float sx) {
-    const unsigned char *scales = blk + Q4_K_SCALES, *qs = blk + Q4_K_QS;
+// Q4_K / Q5_K: sub-block sub's codes are the low (sub even) or high nibbles of qs[32 (sub /
+// 2) + l], with Q5_K's 5th bit from bit sub of qh[l] (qh null for Q4_K)
+__device__ __forceinline__ float k45_idot(const unsigned char *scales, const unsigned char *qs,
+                                          const unsigned char *qh, const int *x, const float dx,
+                                          const float d, const float dmin) {
     int ds = 0, ms = 0;
     for (int sub = 0; sub < QK_K / 32; ++sub) {
         float sc, mn;
@@ -158,34 +161,27 @@ __device__ __forceinline__ float q4_k_idot(const unsigned char *blk,
         int s = 0, xs = 0;
         for (int l = 0; l < 32; l += 4) {
             const int xi = x[(32 * sub + l) / 4];
-            s = dot4((load_u32(qs + 32 * (sub / 2) + l) >> shift) & NIBBLES, xi, s);
+            unsigned int codes = (load_u32(qs + 32 * (sub / 2) + l) >> shift) & NIBBLES;
+            if (qh) codes |= ((load_u32(qh + l) >> sub) & ONES) << 4;
+            s = dot4(codes, xi, s);
             xs = dot4(ONES, xi, xs);
         }
         ds += (int)sc * s;
         ms += (int)mn * xs;
     }
-    return dx * load_half(blk + Q4_K_D) * (float)ds - dx * load_half(blk + Q4_K_DMIN) * (float)ms;
+    return dx * d * (float)ds - dx * dmin * (float)ms;
+}
+
+__device__ __forceinline__ float q4_k_idot(const unsigned char *blk,
+                                           const int *x, float dx, float sx) {
+    return k45_idot(blk + Q4_K_SCALES, blk + Q4_K_QS, 0, x, dx, load_half(blk + Q4_K_D),
+                    load_half(blk + Q4_K_DMIN));
 }
 
 __device__ __forceinline__ float q5_k_idot(const unsigned char *blk,
                                            const int *x, float dx, float sx) {
-    const unsigned char *scales = blk + Q5_K_SCALES, *qh = blk + Q5_K_QH, *qs = blk + Q5_K_QS;
-    int ds = 0, ms = 0;
-    for (int sub = 0; sub < QK_K / 32; ++sub) {
-        float sc, mn;
-        q4k_scale_min(sub, scales, &sc, &mn);
-        const int shift = 4 * (sub & 1);
-        int s = 0, xs = 0;
-        for (int l = 0; l < 32; l += 4) {
-            const int xi = x[(32 * sub + l) / 4];
-            const unsigned int low = (load_u32(qs + 32 * (sub / 2) + l) >> shift) & NIBBLES;
-            s = dot4(low | (((load_u32(qh + l) >> sub) & ONES) << 4), xi, s);
-            xs = dot4(ONES, xi, xs);
-        }
-        ds += (int)sc * s;
-        ms += (int)mn * xs;
-    }
-    return dx * load_half(blk + Q5_K_D) * (float)ds - dx * load_half(blk + Q5_K_DMIN) * (float)ms;
+    return k45_idot(blk + Q5_K_SCALES, blk + Q5_K_QS, blk + Q5_K_QH, x, dx,
+                    load_half(blk + Q5_K_D), load_half(blk + Q5_K_DMIN));
 }
 
 // Q6_K: 4 codes (q + 32, 0..63) of each of the 4 quarters of a half super-block at a time;

@@ -141,8 +141,11 @@ inline float q3_k_idot(__global const uchar *blk, __global const int *x, float d
     return dx * load_half(blk + Q3_K_D) * (float)ds;
 }
 
-inline float q4_k_idot(__global const uchar *blk, __global const int *x, float dx, float sx) {
-    __global const uchar *scales = blk + Q4_K_SCALES, *qs = blk + Q4_K_QS;
+// Q4_K / Q5_K: sub-block sub's codes are the low (sub even) or high nibbles of qs[32 (sub /
+// 2) + l], with Q5_K's 5th bit from bit sub of qh[l] (qh null for Q4_K)
+inline float k45_idot(__global const uchar *scales, __global const uchar *qs,
+                       __global const uchar *qh, __global const int *x, const float dx,
+                       const float d, const float dmin) {
     int ds = 0, ms = 0;
     for (int sub = 0; sub < QK_K / 32; ++sub) {
         float sc, mn;
@@ -151,33 +154,25 @@ inline float q4_k_idot(__global const uchar *blk, __global const int *x, float d
         int s = 0, xs = 0;
         for (int l = 0; l < 32; l += 4) {
             const int xi = x[(32 * sub + l) / 4];
-            s = dot4((load_u32(qs + 32 * (sub / 2) + l) >> shift) & NIBBLES, xi, s);
+            uint codes = (load_u32(qs + 32 * (sub / 2) + l) >> shift) & NIBBLES;
+            if (qh) codes |= ((load_u32(qh + l) >> sub) & ONES) << 4;
+            s = dot4(codes, xi, s);
             xs = dot4(ONES, xi, xs);
         }
         ds += (int)sc * s;
         ms += (int)mn * xs;
     }
-    return dx * load_half(blk + Q4_K_D) * (float)ds - dx * load_half(blk + Q4_K_DMIN) * (float)ms;
+    return dx * d * (float)ds - dx * dmin * (float)ms;
+}
+
+inline float q4_k_idot(__global const uchar *blk, __global const int *x, float dx, float sx) {
+    return k45_idot(blk + Q4_K_SCALES, blk + Q4_K_QS, 0, x, dx, load_half(blk + Q4_K_D),
+                    load_half(blk + Q4_K_DMIN));
 }
 
 inline float q5_k_idot(__global const uchar *blk, __global const int *x, float dx, float sx) {
-    __global const uchar *scales = blk + Q5_K_SCALES, *qh = blk + Q5_K_QH, *qs = blk + Q5_K_QS;
-    int ds = 0, ms = 0;
-    for (int sub = 0; sub < QK_K / 32; ++sub) {
-        float sc, mn;
-        q4k_scale_min(sub, scales, &sc, &mn);
-        const int shift = 4 * (sub & 1);
-        int s = 0, xs = 0;
-        for (int l = 0; l < 32; l += 4) {
-            const int xi = x[(32 * sub + l) / 4];
-            const uint low = (load_u32(qs + 32 * (sub / 2) + l) >> shift) & NIBBLES;
-            s = dot4(low | (((load_u32(qh + l) >> sub) & ONES) << 4), xi, s);
-            xs = dot4(ONES, xi, xs);
-        }
-        ds += (int)sc * s;
-        ms += (int)mn * xs;
-    }
-    return dx * load_half(blk + Q5_K_D) * (float)ds - dx * load_half(blk + Q5_K_DMIN) * (float)ms;
+    return k45_idot(blk + Q5_K_SCALES, blk + Q5_K_QS, blk + Q5_K_QH, x, dx,
+                    load_half(blk + Q5_K_D), load_half(blk + Q5_K_DMIN));
 }
 
 // Q6_K: 4 codes (q + 32, 0..63) of each of the 4 quarters of a half super-block at a time;
