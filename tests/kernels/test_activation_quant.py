@@ -65,6 +65,7 @@ def test_compiled_quantizers_equal_the_reference():
         rng.standard_normal((5, 1536)).astype(np.float32) * 3,
         np.tile(np.float32([127, 0.5, -0.5, 1.5, -2.5, 63.5, -126.5, 0]), (2, 64))]
     for x in inputs:
+        _same_blocks(x)
         for fmt in FORMATS + ("f16", "bf16"):
             with np.errstate(invalid="ignore"):     # the 1e30 case's inf * 0
                 want, want_delta = aq.simulate(x, fmt)
@@ -73,6 +74,20 @@ def test_compiled_quantizers_equal_the_reference():
             assert (got_delta is None) == (want_delta is None), fmt
             if want_delta is not None:
                 assert np.array_equal(got_delta, want_delta, equal_nan=True), fmt
+
+
+def _same_blocks(x: np.ndarray) -> None:
+    """The compiled quantizers' blocks byte for byte the reference's (x~ alone would not see
+    the sign of Q8_K's peak: q and d flip together)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        k, want_k = activations.quantize_q8_k(x), aq.quantize_q8_k(x)
+        q1, want_1 = activations.quantize_q8(x), aq.quantize_q8_0(x, with_sum=True)
+    assert np.array_equal(k.qs.reshape(want_k.q.shape), want_k.q)
+    assert np.array_equal(k.d, want_k.d, equal_nan=True)
+    assert np.array_equal(k.bsums.reshape(want_k.bsums.shape), want_k.bsums)
+    assert np.array_equal(q1.qs.reshape(want_1.q.shape), want_1.q)
+    assert np.array_equal(q1.d, want_1.d, equal_nan=True)
+    assert np.array_equal(q1.s, want_1.s, equal_nan=True)
 
 
 def _linear_outputs(backend, tensor: RawTensor, x: np.ndarray) -> np.ndarray:

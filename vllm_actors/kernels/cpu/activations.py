@@ -61,20 +61,29 @@ BLOCKS_PER_CALL = 64    # 32-value blocks per call of a quantizer's body in para
 
 
 @numba.njit(inline="always", **_EXACT)
+def _magnitude(v):  # type: ignore[no-untyped-def]
+    """|v|'s bits, which order as the magnitudes do (0 for NaN): integer max and min
+    reductions over them vectorize where float ones, without fast math, do not."""
+    m = np.int32(f32_to_bits(v) & np.uint32(0x7FFFFFFF))
+    return m if m <= np.int32(0x7F800000) else np.int32(0)
+
+
+@numba.njit(inline="always", **_EXACT)
 def _q8_0_block(x, lut, qs, d, s, dsum, i, b):  # type: ignore[no-untyped-def]
     """Block b of row i: quants qs int8 `[M, K]`, the scale d (float16-rounded, as
     float32), Q8_1's stored sum s = f16(d32 * sum q) with ggml's wrapping sum, and d * (the
     sum of the stored quants)."""
-    o = 32 * b
-    amax = np.float32(0)
+    xr, qr = x[i, 32 * b:32 * b + 32], qs[i, 32 * b:32 * b + 32]   # contiguous views
+    top = np.int32(0)
     for j in range(32):
-        amax = max(amax, abs(x[i, o + j]))
+        top = max(top, _magnitude(xr[j]))
+    amax = bits_to_f32(top)
     d32 = amax / np.float32(127)
     inv = np.float32(127) / amax if amax != 0 else np.float32(0)
     total = np.int32(0)        # ggml's sum (wrapping), for s
     stored = np.int32(0)       # the sum of the stored quants
     for j in range(32):
-        q = np.rint(x[i, o + j] * inv)
+        q = np.rint(xr[j] * inv)
         if abs(q) < np.float32(2.0**31):
             total += np.int32(q)
         else:                  # inf, NaN: INT_MIN in the sum, -128 stored
@@ -82,7 +91,7 @@ def _q8_0_block(x, lut, qs, d, s, dsum, i, b):  # type: ignore[no-untyped-def]
             q = np.float32(-128)
         q = min(max(q, np.float32(-128)), np.float32(127))
         stored += np.int32(q)
-        qs[i, o + j] = np.int8(q)
+        qr[j] = np.int8(q)
     d[i, b] = lut[_f16_bits(d32)]
     s[i, b] = lut[_f16_bits(d32 * np.float32(total))]
     dsum[i, b] = d[i, b] * np.float32(stored)
@@ -178,24 +187,27 @@ def _q8_k_block(x, qs, d, bsums, i, b):  # type: ignore[no-untyped-def]
     """Q8_K block b (256 values) of row i as `activation_quant.quantize_q8_k`: quants qs
     int8 `[M, K]`, the float32 scale d `[M, K / 256]`, and bsums int16 `[M, K / 16]`, the
     sum of every 16 quants."""
-    o = 256 * b
-    amax = np.float32(0)
-    peak = np.float32(0)
+    xr, qr = x[i, 256 * b:256 * b + 256], qs[i, 256 * b:256 * b + 256]   # contiguous views
+    top = np.int32(0)              # the largest magnitude's bits (NaN skipped, as ggml's)
     for j in range(256):
-        a = abs(x[i, o + j])
-        if a > amax:
-            amax = a
-            peak = x[i, o + j]
+        top = max(top, _magnitude(xr[j]))
+    first = 256                    # where it first stands
+    for j in range(256):
+        if _magnitude(xr[j]) == top:
+            first = min(first, j)
+    amax = bits_to_f32(top)
+    peak = xr[first] if first < 256 else np.float32(0)
     iscale = np.float32(-127) / peak if amax != 0 else np.float32(0)
     d[i, b] = np.float32(1) / iscale if amax != 0 else np.float32(0)
+    for j in range(256):
+        q = np.rint(iscale * xr[j])
+        if not np.isfinite(q):                  # as the numpy reference
+            q = np.float32(0)
+        qr[j] = np.int8(min(q, np.float32(127)))
     for r in range(16):
         total = np.int16(0)
-        for j in range(o + 16 * r, o + 16 * r + 16):
-            q = np.rint(iscale * x[i, j])
-            if not np.isfinite(q):                  # as the numpy reference
-                q = np.float32(0)
-            qs[i, j] = np.int8(min(q, np.float32(127)))
-            total += np.int16(qs[i, j])
+        for j in range(16 * r, 16 * r + 16):
+            total += np.int16(qr[j])
         bsums[i, 16 * b + r] = total
 
 
