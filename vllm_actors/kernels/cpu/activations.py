@@ -17,7 +17,8 @@ import numba
 import numpy as np
 from numba import carray, prange, types
 
-from vllm_actors.kernels.cpu.intrinsics import bits_to_f32, call_address, data_pointer, f32_to_bits
+from vllm_actors.kernels.cpu.intrinsics import (HARDWARE_HALF, bits_to_f32, call_address,
+                                                data_pointer, f32_to_bits, hardware_round_half)
 from vllm_actors.kernels.cpu.jit import callback
 from vllm_actors.kernels.cpu.qmatmul_prims import HALF_LUT
 
@@ -61,6 +62,15 @@ BLOCKS_PER_CALL = 64    # 32-value blocks per call of a quantizer's body in para
 
 
 @numba.njit(inline="always", **_EXACT)
+def _round_half(v, lut):  # type: ignore[no-untyped-def]
+    """v rounded to float16 (ties to even) as float32: F16C's one conversion each way where
+    the CPU has it, else the bits' rounding and the table."""
+    if HARDWARE_HALF:
+        return hardware_round_half(v)
+    return lut[_f16_bits(v)]
+
+
+@numba.njit(inline="always", **_EXACT)
 def _magnitude(v):  # type: ignore[no-untyped-def]
     """|v|'s bits, which order as the magnitudes do (0 for NaN): integer max and min
     reductions over them vectorize where float ones, without fast math, do not."""
@@ -92,8 +102,8 @@ def _q8_0_block(x, lut, qs, d, s, dsum, i, b):  # type: ignore[no-untyped-def]
         q = min(max(q, np.float32(-128)), np.float32(127))
         stored += np.int32(q)
         qr[j] = np.int8(q)
-    d[i, b] = lut[_f16_bits(d32)]
-    s[i, b] = lut[_f16_bits(d32 * np.float32(total))]
+    d[i, b] = _round_half(d32, lut)
+    s[i, b] = _round_half(d32 * np.float32(total), lut)
     dsum[i, b] = d[i, b] * np.float32(stored)
 
 
