@@ -28,7 +28,11 @@ SOURCE = r"""
 #include <unistd.h>
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
-typedef struct { uint8_t palette, start, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } cfg_t;
+typedef struct {
+    uint8_t palette, start, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} cfg_t;
 
 static double now(void) {
     struct timespec t;

@@ -7,10 +7,10 @@ IQ4_NL linear weights stay in their GGUF blocks and are dequantized inside the m
 (`linear_quant.cl` / `.cu`), F16 and BF16 weights stay 16-bit (widened to float32 in the
 kernel); other types are dequantized once at upload to float32. Under --gguf-activations
 quantized, x is quantized on the device (`act_quant`) and the block types run integer
-kernels (`linear_int`). The KV cache is float32 or,
-with a `kv_format`, rows in any format of `kv_quant` (`device_kv`: encoded and decoded inside
-the kernels). Per step only token ids, positions, slot mapping and block tables go up, and
-only the sampled rows' logits come back.
+kernels (`linear_int`). The KV cache is float32 or, with a `kv_format`, rows in any format
+of `kv_quant` (`device_kv`: encoded and decoded inside the kernels). Per step only token
+ids, positions, slot mapping and block tables go up, and only the sampled rows' logits come
+back.
 
 A launch names its logical index space, innermost first (`items`): one work-item / thread
 each, or, for the kernels in a subclass's `GROUPS`, one cooperating group per item along x.
@@ -35,7 +35,8 @@ QUANT_KERNELS = {int(qt): (f"linear_{quant.T(qt).name.lower()}", quant.block_lay
                  for qt in quant.BLOCK_FIELDS}
 # --gguf-activations quantized: a block type's integer matmul over x's 8-bit blocks
 # (linear_int.cl / .cu), by the name of its float kernel
-INT_KERNELS = {name: name.replace("linear_", "linear_int_") for name, _ in QUANT_KERNELS.values()}
+INT_KERNELS = {name: name.replace("linear_", "linear_int_")
+               for name, _ in QUANT_KERNELS.values()}
 # the 8-bit block formats (activation_quant) as act_quant.cl / .cu number them, and their size
 Q8_FORMATS = {"q8_0": (0, 32), "q8_1": (1, 32), "q8_k": (2, 256)}
 # Every kernel both ops.cl and ops.cu define, by the name launches use.

@@ -11,8 +11,9 @@ pays a thread wake-up; the short spin costs 1.6x against one thread when another
 keeps a core busy, and does not collapse.
 
 `LoadFollower` then keeps the thread count at the CPUs other processes leave free (read from
-/proc/stat after half a second of work, or a tenth when it may go back up): beside a busy neighbour the kernels run on fewer
-threads instead of waiting at every parallel region for a thread the OS has descheduled.
+/proc/stat after half a second of work, or a tenth when it may go back up): beside a busy
+neighbour the kernels run on fewer threads instead of waiting at every parallel region for a
+thread the OS has descheduled.
 Every kernel splits its work into chunks that do not depend on the thread count, so this
 changes no result.
 """
