@@ -76,6 +76,15 @@ def test_compiled_quantizers_equal_the_reference():
                 assert np.array_equal(got_delta, want_delta, equal_nan=True), fmt
 
 
+def q8_blocks(fmt: str, q: np.ndarray, d: np.ndarray, s: np.ndarray) -> aq.Q8Blocks:
+    """A kernel's planes of x `[M, K]` (quants, scales, Q8_1's sums; `s` is ignored for the
+    other formats) as `aq.Q8Blocks`, Q8_K's bsums summed here: what `to_bytes` writes."""
+    size = 256 if fmt == "q8_k" else 32
+    q = q.reshape(len(d), -1, size)
+    bsums = q.reshape(*q.shape[:2], 16, 16).sum(axis=-1, dtype=np.int16) if fmt == "q8_k" else None
+    return aq.Q8Blocks(fmt, q, d, s if fmt == "q8_1" else None, bsums)
+
+
 def _same_blocks(x: np.ndarray) -> None:
     """The compiled quantizers' blocks byte for byte the reference's (x~ alone would not see
     the sign of Q8_K's peak: q and d flip together)."""

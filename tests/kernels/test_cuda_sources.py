@@ -150,6 +150,7 @@ KV_HOST_PRELUDE = """
 #define __global__
 #define __device__
 #define __forceinline__ inline
+#define __constant__
 #define __shared__ static
 #define __syncthreads()
 #define NEG_INF (-INFINITY)
@@ -259,25 +260,11 @@ def test_kv_kernels_run_on_the_host(kv_host, name, d):
 
 
 # --gguf-activations quantized as host C++: act_quant.cu's quantizer and linear_int.cu's
-# integer matmuls (after linear_quant.cu's block helpers) against llama.cpp's own bytes and
-# vec_dot (tests/golden/ggml_quant.npz, test_activation_quant), one thread per call; dp4a
-# as its definition, on 4 signed bytes.
-INT_HOST_PRELUDE = """
-#include <math.h>
-#include <stddef.h>
-#include <string.h>
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __constant__
-static struct { int x, y; } blockIdx, blockDim = {1, 1}, threadIdx;
-static float half_to_float(unsigned short h) { _Float16 x; memcpy(&x, &h, 2); return (float)x; }
-static float load_half(const unsigned char *p) { return half_to_float(p[0] | (p[1] << 8)); }
-static unsigned short float_to_half(float f) {
-    const _Float16 x = (_Float16)f; unsigned short h; memcpy(&h, &x, 2); return h;
-}
-static inline unsigned int __float_as_uint(float f) { unsigned int u; memcpy(&u, &f, 4); return u; }
-static inline float __uint_as_float(unsigned int u) { float f; memcpy(&f, &u, 4); return f; }
+# integer matmuls (after linear_quant.cu's block helpers and kv_quant.cu's float16 and
+# bfloat16 encoders, as the backend builds them) against llama.cpp's own bytes and vec_dot
+# (tests/golden/ggml_quant.npz, test_activation_quant), one thread per call; dp4a as its
+# definition, on 4 signed bytes.
+INT_HOST_PRELUDE = KV_HOST_PRELUDE + """
 static int __dp4a(int a, int b, int c) {
     for (int i = 0; i < 4; ++i) c += (signed char)(a >> 8 * i) * (signed char)(b >> 8 * i);
     return c;
@@ -306,7 +293,8 @@ extern "C" void host_{0}(const int *xq, const float *xd, const float *xs,
 
 
 def test_quantized_semantics_runs_on_the_host(tmp_path):
-    from test_activation_quant import CASES, DOT_TYPES, GOLDEN, ORDER_TOLERANCE, _bits16
+    from test_activation_quant import (CASES, DOT_TYPES, GOLDEN, ORDER_TOLERANCE, _bits16,
+                                       q8_blocks)
 
     from vllm_actors.kernels import activation_quant as aq
     from vllm_actors.kernels.device_backend import INT_KERNELS, Q8_FORMATS
@@ -315,9 +303,9 @@ def test_quantized_semantics_runs_on_the_host(tmp_path):
         pytest.skip("g++ is not installed here")
     here = Path(cuda_pkg.__file__).parent
     source = tmp_path / "int_host.cpp"
-    source.write_text(INT_HOST_PRELUDE + quant_defines() + "".join(
-        (here / name).read_text() for name in ("linear_quant.cu", "act_quant.cu",
-                                               "linear_int.cu"))
+    source.write_text(INT_HOST_PRELUDE + quant_defines() + kv_defines() + "".join(
+        (here / name).read_text() for name in ("linear_quant.cu", "kv_quant.cu",
+                                               "act_quant.cu", "linear_int.cu"))
         + INT_HOST_DRIVER + "".join(INT_LINEAR_DRIVER.format(n) for n in INT_KERNELS.values()))
     lib = tmp_path / "int_host.so"
     done = subprocess.run([gxx, "-O1", "-shared", "-fPIC", "-Wall", "-Werror", str(source),
@@ -331,8 +319,7 @@ def test_quantized_semantics_runs_on_the_host(tmp_path):
         q = np.empty((t, k // size, size), np.int8)
         d, s = np.empty((t, k // size), np.float32), np.zeros((t, k // size), np.float32)
         host.host_quantize(*_ptrs(np.ascontiguousarray(x), q, d, s), k, number, t)
-        bsums = q.reshape(t, -1, 16, 16).sum(axis=-1, dtype=np.int16) if fmt == "q8_k" else None
-        return aq.Q8Blocks(fmt, q, d, s if fmt == "q8_1" else None, bsums)
+        return q8_blocks(fmt, q, d, s)
 
     for case in CASES:
         x = GOLDEN[f"act/{case}/x"].reshape(1, -1).astype(np.float32)

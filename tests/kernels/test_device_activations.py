@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 from gguf import quants
-from test_activation_quant import CASES, DOT_TYPES, FORMATS, GOLDEN, ORDER_TOLERANCE, _bits16
+from test_activation_quant import (CASES, DOT_TYPES, FORMATS, GOLDEN, ORDER_TOLERANCE, _bits16,
+                                   q8_blocks)
 
 from vllm_actors.kernels import activation_quant as aq
 from vllm_actors.kernels import quant
@@ -27,12 +28,7 @@ from vllm_actors.loaders.weights import RawTensor
 
 
 def _device_blocks(dev, x: np.ndarray, fmt: str) -> aq.Q8Blocks:
-    q, d, s = (dev.to_host(a) for a in dev._quantize(dev.upload_array(x), fmt))
-    size = 256 if fmt == "q8_k" else 32
-    q = q.reshape(len(x), -1, size)
-    bsums = (q.reshape(*q.shape[:2], 16, 16).astype(np.int16).sum(axis=-1, dtype=np.int16)
-             if fmt == "q8_k" else None)
-    return aq.Q8Blocks(fmt, q, d, s if fmt == "q8_1" else None, bsums)
+    return q8_blocks(fmt, *(dev.to_host(a) for a in dev._quantize(dev.upload_array(x), fmt)))
 
 
 def test_quantizer_writes_ggml_bytes(dev):

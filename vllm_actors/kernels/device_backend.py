@@ -47,10 +47,10 @@ KERNEL_NAMES = ("embedding", "rms_norm", "layer_norm", "add_inplace", "silu_mul"
                 "quantize_q8", "dequantize_q8", "q8_1_delta", "round_16", "argmax_rows",
                 "apply_temperature", "mask_below", *KV_KERNEL_NAMES)
 # Kernel source files of each device package, built as one program in this order.
-SOURCE_FILES = {"cl": ("ops.cl", "linear_quant.cl", "act_quant.cl", "linear_int.cl",
-                       "kv_quant.cl"),
-                "cu": ("ops.cu", "linear_quant.cu", "act_quant.cu", "linear_int.cu",
-                       "kv_quant.cu")}
+SOURCE_FILES = {"cl": ("ops.cl", "linear_quant.cl", "kv_quant.cl", "act_quant.cl",
+                       "linear_int.cl"),
+                "cu": ("ops.cu", "linear_quant.cu", "kv_quant.cu", "act_quant.cu",
+                       "linear_int.cu")}
 # 16-bit float storage (GGML F16 = 1, BF16 = 30): kept as stored, widened in the kernel
 HALF_KERNELS = {1: ("linear_f16", np.float16), 30: ("linear_bf16", np.uint16)}
 MAX_HEAD_DIM = 256

@@ -4,7 +4,7 @@
 // (Q8_0 / Q8_1: 32 values, d rounded to float16; Q8_K: 256, d float32), and for Q8_1 the
 // block's float16-rounded sum s. The integer matmuls (linear_int.cu) read these planes;
 // weights kept as floats read x~ = d q (dequantize_q8) or x rounded to 16 bits (round_16).
-// Built after ops.cu (float_to_half, half_to_float, THREADS).
+// Built after ops.cu (half_to_float, THREADS) and kv_quant.cu (f16_encode, bf16_encode).
 
 #define FORMAT_Q8_0 0
 #define FORMAT_Q8_1 1
@@ -12,7 +12,7 @@
 #define INT32_MIN_ (-2147483647 - 1)
 
 __device__ __forceinline__ float round_half(const float v) {
-    return half_to_float(float_to_half(v));
+    return half_to_float(f16_encode(v));
 }
 
 // Q8_0 / Q8_1 (s non-null): d = amax / 127, q = rint(x 127 / amax), ties to even; what no
@@ -84,17 +84,10 @@ extern "C" __global__ void q8_1_delta(const signed char *q, const float *d, cons
     out[blk] = s[blk] - __fmul_rn(d[blk], (float)sum);
 }
 
-// x rounded to nearest-even float16 (bf16 = 0) or bfloat16 (NaN stays a quiet NaN), as
-// F16 / BF16 weights' dot products take it; grid (ceil(n / THREADS)).
+// x rounded to nearest-even float16 (bf16 = 0) or bfloat16, as F16 / BF16 weights' dot
+// products take it (the KV cache's encodings); grid (ceil(n / THREADS)).
 extern "C" __global__ void round_16(const float *x, float *out, long long n, int bf16) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    if (!bf16) {
-        out[i] = round_half(x[i]);
-        return;
-    }
-    const unsigned int b = __float_as_uint(x[i]);
-    out[i] = __uint_as_float((b & 0x7FFFFFFF) > 0x7F800000
-                             ? (b | 0x00400000) & 0xFFFF0000
-                             : (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000);
+    out[i] = bf16 ? __uint_as_float((unsigned int)bf16_encode(x[i]) << 16) : round_half(x[i]);
 }

@@ -3,7 +3,8 @@
 // quantizers. A row of x [T, K] becomes int8 quants q [T, K] and one float scale d a block
 // (Q8_0 / Q8_1: 32 values, d rounded to float16; Q8_K: 256, d float32), and for Q8_1 the
 // block's float16-rounded sum s. The integer matmuls (linear_quant.cl) read these planes;
-// weights kept as floats read x~ = d q (dequantize_q8) or x rounded to 16 bits (round_16).
+// weights kept as floats read x~ = d q (dequantize_q8) or x rounded to 16 bits (round_16,
+// through kv_quant.cl's encoders, built before this file).
 
 #define FORMAT_Q8_0 0
 #define FORMAT_Q8_1 1
@@ -83,17 +84,16 @@ __kernel void q8_1_delta(__global const char *q, __global const float *d,
     out[blk] = s[blk] - dq;
 }
 
-// x rounded to nearest-even float16 (bf16 = 0) or bfloat16 (NaN stays a quiet NaN), as
-// F16 / BF16 weights' dot products take it; items (n,).
+// x rounded to nearest-even float16 (bf16 = 0) or bfloat16, as F16 / BF16 weights' dot
+// products take it (the KV cache's encodings, NaN kept as numpy keeps it); items (n,).
 __kernel void round_16(__global const float *x, __global float *out, const long n,
                        const int bf16) {
     const size_t i = get_global_id(0);
     if (i >= n) return;
-    if (!bf16) {
-        out[i] = round_half(x[i]);
+    if (bf16) {
+        out[i] = as_float((uint)bf16_encode(x[i]) << 16);
         return;
     }
-    const uint b = as_uint(x[i]);
-    out[i] = as_float((b & 0x7FFFFFFF) > 0x7F800000 ? (b | 0x00400000) & 0xFFFF0000
-                                                   : (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000);
+    const ushort nan16 = f16_nan(x[i]);
+    out[i] = isnan(x[i]) ? vload_half(0, (const half *)&nan16) : round_half(x[i]);
 }
