@@ -117,22 +117,45 @@ def test_equals_the_direct_computation_on_every_path(qtype, order):
 
 
 def test_one_row_in_registers_equals_the_direct_computation():
-    """`krow`, a decode step's one row against a repacked Q4_K (the GEMV's order), 16 weight
-    rows decoded in registers, the last chunk overlapping the one before; x quantized inside
-    the call or before it, with a zero row and a superblock of ties at the largest quant."""
+    """`krow`, a decode step's rows (1 to `krow.MAX_ROWS`) against a repacked Q4_K (the
+    GEMV's order) whose rows `qmatmul.interleave` stored 16 to a vector, 16 weight rows
+    decoded in registers; x quantized inside the call or before it, with a zero row and a
+    superblock of ties at the largest quant. The interleaved bytes are where the layout says, on a cache line."""
     rng = np.random.default_rng(44)
-    n, k = 37, 512
-    w = replace(qmatmul.pack(random_blocks(QT.Q4_K, n, k, rng), QT.Q4_K, (n, k)),
-                ggml_repacked=True)
+    n, k = 48, 512
+    stored = replace(qmatmul.pack(random_blocks(QT.Q4_K, n, k, rng), QT.Q4_K, (n, k)),
+                     ggml_repacked=True)
+    w = qmatmul.interleave(stored)
+    assert w.interleaved and w.planes[1:] == stored.planes[1:] and w.planes[0].ctypes.data % 64 == 0
+    r, sb, word = rng.integers(0, n, 64), rng.integers(0, k // 256, 64), rng.integers(0, 32, 64)
+    at = 2048 * (r // 16 * (k // 256) + sb) + 64 * word + 4 * (r % 16)
+    assert np.array_equal(w.planes[0].reshape(-1)[at], stored.planes[0][r, 128 * sb + 4 * word])
+    assert qmatmul.interleave(replace(stored, ggml_repacked=False)).interleaved is False
     xf = (rng.standard_normal((3, k)) * 4).astype(np.float32)
     xf[1], xf[2, :256] = 0.0, -2.5
-    want = _direct(w, activations.quantize_q8_k(xf), ktiled.GEMV)
+    want = _direct(stored, activations.quantize_q8_k(xf), ktiled.GEMV)
     for path in isa.available():
-        for i in range(3):
-            for got in (krow.matmul(w, floats=xf[i:i + 1], path=path),
-                        krow.matmul(w, activations.quantize_q8_k(xf[i:i + 1]), path=path)):
-                assert np.array_equal(got[0].view(np.uint32), want[i].view(np.uint32)), path
-    if "avx2" in isa.available():      # the decode step's linear goes there
+        for rows in (slice(0, 1), slice(1, 2), slice(2, 3), slice(0, 3)):   # 1 and 3 rows
+            for got in (krow.matmul(w, floats=xf[rows], path=path),
+                        krow.matmul(w, activations.quantize_q8_k(xf[rows]), path=path)):
+                assert np.array_equal(got.view(np.uint32), want[rows].view(np.uint32)), path
+        for order in (ktiled.GEMV, ktiled.GEMM):      # the many-row kernels on that layout
+            many = ktiled.matmul(w, activations.quantize_q8_k(xf), order, path)
+            assert np.array_equal(many, ktiled.matmul(stored, activations.quantize_q8_k(xf),
+                                                      order, path)), path
+        assert np.array_equal(many[:, :3].view(np.uint32), _direct(
+            stored, activations.quantize_q8_k(xf), ktiled.GEMM)[:, :3].view(np.uint32))
+    if "avx2" in isa.available():      # the decode step's linears go there, at every count
         got = qmatmul_int_k.matmul_float(w, xf[:1])
         assert np.array_equal(got[0].view(np.uint32), want[0].view(np.uint32))
-        assert ("krow", isa.selected_code()) in w.memo
+        assert ("krow", isa.selected_code(), 1) in w.memo
+        xf5 = np.concatenate([xf, xf[:2]])
+        for m in (3, krow.MAX_ROWS, krow.MAX_ROWS + 1):      # `krow`, then `ktiled`
+            got = qmatmul_int_k.matmul_float(w, xf5[:m], requests=np.ones(m, np.int64))
+            assert np.array_equal(got, want[[0, 1, 2, 0, 1][:m]])
+        five = activations.quantize_q8_k(np.concatenate([xf, xf[:2]]))
+        assert np.array_equal(qmatmul_int_k.matmul(w, five, requests=[4, 1]),
+                              qmatmul_int_k.matmul(stored, five, requests=[4, 1]))
+        assert qmatmul_int_k.matmul_float_lora(w, xf[:1], None, False) is None
+        with pytest.raises(ValueError, match="interleaved"):
+            krow.matmul(stored, floats=xf[:1])

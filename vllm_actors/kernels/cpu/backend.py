@@ -175,7 +175,7 @@ class CpuBackend:
         unless it is the LM head, for `warm_up_lora`)."""
         formats = linear.formats or (None,) * len(linear.parts)
         for m, fmt in zip(linear.parts, formats):
-            key = (m.qtype, fmt, m.ggml_repacked)
+            key = (m.qtype, fmt, m.ggml_repacked, m.interleaved)
             if adaptable:
                 self._adaptable.add(key)
             old = self._smallest.get(key)
@@ -224,7 +224,7 @@ class CpuBackend:
         if (len(mats) > 1 and qmatmul.supports_fused(mats) and len(set(formats)) == 1
                 and len({m.ggml_repacked for m in mats}) == 1):
             mats, formats = [qmatmul.concat(mats)], formats[:1]   # converted types
-        return self._note(Linear(tuple(self._keep(m) for m in mats),
+        return self._note(Linear(tuple(self._keep(qmatmul.interleave(m)) for m in mats),
                                  tuple(formats) if any(formats) else ()))
 
     def upload_table(self, weight: WeightLike) -> qmatmul.QuantMatrix:
@@ -237,7 +237,7 @@ class CpuBackend:
         if table is None:     # a head of its own is a matmul weight llama.cpp may repack
             table = self._keep(_matrix(weight))
             if getattr(weight, "activations", None) and _llama_repacks(weight):
-                table = replace(table, ggml_repacked=True)
+                table = qmatmul.interleave(replace(table, ggml_repacked=True))
         fmt = _format(weight, table)
         return self._note(Linear((table,), (fmt,) if fmt else ()), adaptable=False)
 

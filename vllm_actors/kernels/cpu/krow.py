@@ -1,17 +1,18 @@
 """A decode step's K-quant linear: one row of x (Q8_K blocks) against a Q4_K weight that
 llama.cpp repacks (`qmatmul_int_k.REPACKED_Q4_K`, its 8x8 GEMV's float order), with 16 weight
-rows as the lanes of a vector and no decoded copy: per superblock, every 16 stored bytes of
-the 16 rows are loaded and transposed in registers (`ktiled.transpose_words`), split into
-nibbles on all rows at once, and multiplied by x's 4 quants (broadcast) with one 4-byte dot
-product a group (`ktiled.dot4`). Sub-block s's sums a_s then give the exact integers
+rows as the lanes of a vector and no decoded copy: the quants are stored 16 rows interleaved
+(`qmatmul_layout.interleave_q4_k`), so each 64 bytes of a chunk's superblock are one vector
+of 4 bytes a row, split into nibbles on all rows at once and multiplied by x's 4 quants
+(broadcast) with one 4-byte dot product a group (`ktiled.dot4`). Sub-block s's sums a_s then
+give the exact integers
 
     total = sum_s sc_s a_s          mins = sum_s mn_s (b_2s + b_2s+1)
 
 (b x's sums of 16) and ggml's epilogue per superblock, acc = fma(total, d_w d_x, acc), am =
 fma(mins, dmin_w d_x, am), the result acc - am: bit for bit the pair GEMV's floats
-(`tests/kernels/test_ktiled.py`). As `qwide.one_row` does for the 32-weight types, the last
-chunk overlaps the one before, so every chunk has one row stride, and the next chunk's rows
-are prefetched as the superblocks go. Parallel over fixed chunks of 16 weight rows.
+(`tests/kernels/test_ktiled.py`). A chunk is one contiguous run of bytes; as each
+superblock goes, the next chunk's is prefetched a line a vector, and its scales, mins, d and
+dmin when the chunk starts. Parallel over fixed chunks of 16 weight rows.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from vllm_actors.kernels.cpu import activations, isa
-from vllm_actors.kernels.cpu.intrinsics import call_address, data_pointer, prefetch_line
+from vllm_actors.kernels.cpu.intrinsics import call_address, data_pointer, prefetch, prefetch_line
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
-from vllm_actors.kernels.cpu.ktiled import (LANES, array_ptr, dot4, fma16, transpose_words)
+from vllm_actors.kernels.cpu.ktiled import LANES, array_ptr, dot4, fma16
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix
 from vllm_actors.kernels.cpu.qmatmul_prims import HALF_LUT, kept, limit_threads, restore_threads
 from vllm_actors.kernels.cpu.qmatmul_simd import splat
@@ -37,86 +38,115 @@ _I8, _I16, _I32, _I64 = (ir.IntType(n) for n in (8, 16, 32, 64))
 _B64 = ir.VectorType(_I8, 64)
 _L16 = ir.VectorType(_I32, 16)
 _F16 = ir.VectorType(ir.FloatType(), 16)
+CHUNK_BYTES = 128 * LANES        # a superblock's quants of 16 interleaved rows
+MAX_ROWS = 4                     # rows of x a call takes (`ktiled` decodes for more)
 _NO_F32 = np.zeros((0, 0), np.float32)
 
 
 @intrinsic
-def q4_k_row(typingctx, isa_, q, qo, rb, sc, mn, so, d, dm, do, nsb, lut, x, xb, xd, out, oo, po):  # type: ignore[no-untyped-def]
-    """x's one row (quants x.flat[256 sb ..], sums of 16 xb.flat[16 sb ..], scales xd.flat[sb])
-    against 16 Q4_K weight rows: row l's quants at q.flat[qo + l rb], its 8 scales and mins a
-    superblock at sc.flat / mn.flat[so + l 8 nsb + 8 sb], d and dmin at d.flat / dm.flat[do +
-    l nsb + sb]; out.flat[oo : oo+16] = the 16 outputs in the repacked GEMV's float order. The
-    rows at q.flat[po + l rb] are prefetched as the superblocks go."""
-    if not (isinstance(isa_, types.IntegerLiteral) and isinstance(x, types.Array)
-            and x.dtype == types.int8):
+def q4_k_rows(typingctx, isa_, m, q, qo, sc, mn, so, d, dm, do, nsb, lut, x, xb, xd, out, oo, po, no):  # type: ignore[no-untyped-def]
+    """x's m rows (a literal; row r's quants at x.flat[r 256 nsb + 256 sb ..], sums of 16 at
+    xb.flat[r 16 nsb + 16 sb ..], scales at xd.flat[r nsb + sb]) against a chunk of 16
+    interleaved Q4_K weight rows (`qmatmul_layout.interleave_q4_k`): superblock sb's quants at
+    q.flat[qo + 2048 sb ..], row l's 8 scales and mins at sc.flat / mn.flat[so + l 8 nsb +
+    8 sb], d and dmin at d.flat / dm.flat[do + l nsb + sb]; out.flat[r no + oo : .. + 16] =
+    the 16 outputs of x's row r in the repacked GEMV's float order. Each vector of quants is
+    loaded and split once for all m rows; the chunk at q.flat[po ..] is prefetched as the
+    superblocks go."""
+    if not (isinstance(isa_, types.IntegerLiteral) and isinstance(m, types.IntegerLiteral)
+            and isinstance(x, types.Array) and x.dtype == types.int8):
         return None
-    path = isa_.literal_value
+    path, count = isa_.literal_value, m.literal_value
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        qo_, rb_, so_, do_, nsb_, oo_, po_ = (
+        qo_, so_, do_, nsb_, oo_, po_, no_ = (
             context.cast(builder, args[i], sig.args[i], types.intp)
-            for i in (2, 3, 6, 9, 10, 16, 17))
+            for i in (3, 6, 9, 10, 16, 17, 18))
 
         def load(i, idx, ty, align=1):  # type: ignore[no-untyped-def]
             return builder.load(array_ptr(context, builder, sig, args, i, idx, ty), align=align)
 
-        def rows(start, stride):  # type: ignore[no-untyped-def]
-            return [builder.add(start, builder.mul(stride, ir.Constant(_I64, lane)))
-                    for lane in range(LANES)]
+        def at(r, per, sb):  # type: ignore[no-untyped-def]
+            """Element sb * per of x's row r in an array of `per` values a superblock."""
+            return builder.mul(builder.add(builder.mul(nsb_, ir.Constant(_I64, r)), sb),
+                               ir.Constant(_I64, per))
 
         zero = ir.Constant(_F16, [0.0] * 16)
-        acc, am = (cgutils.alloca_once_value(builder, zero) for _ in range(2))
+        accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(2)]
+                for _ in range(count)]
         with cgutils.for_range(builder, nsb_) as loop:
             sb = loop.index
-            base = builder.mul(sb, ir.Constant(_I64, 128))
-            sums = _sub_block_sums(builder, path, load, rows(builder.add(qo_, base), rb_),
-                                   builder.mul(sb, ir.Constant(_I64, 256)))
-            _prefetch(context, builder, sig, args, rows(builder.add(po_, base), rb_))
-            at = rows(builder.add(so_, builder.mul(sb, ir.Constant(_I64, 8))),
+            base = builder.mul(sb, ir.Constant(_I64, CHUNK_BYTES))
+            ahead = builder.add(po_, base)
+
+            def hint(off):  # type: ignore[no-untyped-def]
+                prefetch_line(builder, array_ptr(context, builder, sig, args, 2,
+                                                 builder.add(ahead, off), _I8))
+            sa = _lanes(builder, builder.add(so_, builder.mul(sb, ir.Constant(_I64, 8))),
                       builder.mul(nsb_, ir.Constant(_I64, 8)))
-            total, mins = _scaled(builder, sums, _bytes8(builder, load, 4, at),
-                                  _bytes8(builder, load, 5, at),
-                                  [load(13, builder.add(builder.mul(sb, ir.Constant(_I64, 16)),
-                                                        ir.Constant(_I64, u)), _I16, 2)
-                                   for u in range(16)])
-            hs = rows(builder.add(do_, sb), nsb_)
-            dx = splat(builder, load(14, sb, ir.FloatType(), 4), _F16)
+            scales, mins = _bytes8(builder, load, 4, sa), _bytes8(builder, load, 5, sa)
+            totals = _totals(builder, path, load, builder.add(qo_, base),
+                             [at(r, 256, sb) for r in range(count)], scales, hint)
+            hs = _lanes(builder, builder.add(do_, sb), nsb_)
 
             def halves(i):  # type: ignore[no-untyped-def]
                 return half_vector(builder, [load(i, h, _I16, 2) for h in hs],
                                lambda v: load(11, builder.zext(v, _I64), ir.FloatType(), 4))
-            builder.store(fma16(builder, builder.sitofp(total, _F16),
-                                builder.fmul(halves(7), dx), builder.load(acc)), acc)
-            builder.store(fma16(builder, builder.sitofp(mins, _F16),
-                                builder.fmul(halves(8), dx), builder.load(am)), am)
-        builder.store(builder.fsub(builder.load(acc), builder.load(am)),
-                      array_ptr(context, builder, sig, args, 15, oo_, _F16), align=4)
+            _epilogue(builder, load, accs, totals, mins, halves(7), halves(8),
+                      lambda r, per: at(r, per, sb))
+        for r, (acc, am) in enumerate(accs):
+            o = builder.add(builder.mul(no_, ir.Constant(_I64, r)), oo_)
+            builder.store(builder.fsub(builder.load(acc), builder.load(am)),
+                          array_ptr(context, builder, sig, args, 15, o, _F16), align=4)
         return context.get_dummy_value()
-    return types.none(isa_, q, qo, rb, sc, mn, so, d, dm, do, nsb, lut, x, xb, xd, out, oo,
-                      po), codegen
+    return types.none(isa_, m, q, qo, sc, mn, so, d, dm, do, nsb, lut, x, xb, xd, out, oo,
+                      po, no), codegen
 
 
-def _sub_block_sums(builder, path, load, at, xo):  # type: ignore[no-untyped-def]
-    """The 8 sub-blocks' integer dots a_s of 16 rows (row l's superblock quants at
-    q.flat[at[l]], x's at x.flat[xo]): bytes 32 p + 16 h + 4 g .. + 3 of every row, one
-    transposed vector, hold weights 64 p + 16 h + 4 g .. of sub-block 2 p (low nibbles) and
-    the same of sub-block 2 p + 1 (high nibbles)."""
-    sums = [ir.Constant(_L16, [0] * 16)] * 8
-    for p in range(4):
-        for h in range(2):
-            stored = [load(1, builder.add(o, ir.Constant(_I64, 32 * p + 16 * h)),
-                           ir.VectorType(_I32, 4)) for o in at]
-            for g, v in enumerate(transpose_words(builder, stored)):
-                nibbles = builder.bitcast(v, _B64)
-                for half in range(2):
-                    part = builder.lshr(nibbles, ir.Constant(_B64, [4] * 64)) if half else nibbles
-                    part = builder.and_(part, ir.Constant(_B64, [15] * 64))
-                    pos = 64 * p + 32 * half + 16 * h + 4 * g
-                    xv = builder.bitcast(splat(builder, load(12, builder.add(
-                        xo, ir.Constant(_I64, pos)), _I32), _L16), _B64)
-                    s = 2 * p + half
-                    sums[s] = dot4(builder, path, sums[s], part, xv)
-    return sums
+def _lanes(builder, start, stride):  # type: ignore[no-untyped-def]
+    """The 16 offsets start + l * stride of a chunk's rows l."""
+    return [builder.add(start, builder.mul(stride, ir.Constant(_I64, lane)))
+            for lane in range(LANES)]
+
+
+def _totals(builder, path, load, base, xos, scales, hint):  # type: ignore[no-untyped-def]
+    """sum_s sc_s a_s (exact int32 lanes) of 16 interleaved rows against each row of x
+    (quants at x.flat[xo], xo in `xos`), a_s sub-block s's integer dot: the superblock at
+    q.flat[base ..], vector v = 8 p + 4 h + g holding bytes 32 p + 16 h + 4 g .. + 3 of every
+    row, weights 64 p + 16 h + 4 g .. of sub-block 2 p (low nibbles) and the same of
+    sub-block 2 p + 1 (high nibbles). A loop over the 4 pairs p of sub-blocks, each summed
+    and scaled before the next is loaded: unrolled, LLVM split all 64 vectors of nibbles
+    first and spilled them (4 rows of x ran 30 % slower). `hint(offset)` after each load:
+    one prefetch a vector, spread through the work (a burst of 32 at the end of each
+    superblock streamed 5-10 % slower, docs/BENCHMARKS.md)."""
+    zero = ir.Constant(_L16, [0] * 16)
+    slots = [cgutils.alloca_once_value(builder, zero) for _ in xos]
+    table = cgutils.alloca_once(builder, _L16, size=8)
+    for s, v in enumerate(scales):
+        builder.store(v, builder.gep(table, [ir.Constant(_I64, s)]))
+    with cgutils.for_range(builder, ir.Constant(_I64, 4)) as loop:
+        p = loop.index
+        sums = [[zero, zero] for _ in xos]
+        for j in range(8):
+            off = builder.add(builder.mul(p, ir.Constant(_I64, 512)), ir.Constant(_I64, 64 * j))
+            nibbles = load(2, builder.add(base, off), _B64)
+            hint(off)
+            for half in range(2):
+                part = builder.lshr(nibbles, ir.Constant(_B64, [4] * 64)) if half else nibbles
+                part = builder.and_(part, ir.Constant(_B64, [15] * 64))
+                pos = builder.add(builder.mul(p, ir.Constant(_I64, 64)), ir.Constant(
+                    _I64, 32 * half + 16 * (j // 4) + 4 * (j % 4)))
+                for r, xo in enumerate(xos):
+                    xv = builder.bitcast(splat(builder, load(12, builder.add(xo, pos), _I32),
+                                               _L16), _B64)
+                    sums[r][half] = dot4(builder, path, sums[r][half], part, xv)
+        two_p = builder.mul(p, ir.Constant(_I64, 2))
+        low_sc, high_sc = (builder.load(builder.gep(table, [builder.add(two_p, ir.Constant(
+            _I64, h))])) for h in range(2))
+        for slot, (low, high) in zip(slots, sums):
+            builder.store(builder.add(builder.load(slot), builder.add(
+                builder.mul(low, low_sc), builder.mul(high, high_sc))), slot)
+    return [builder.load(slot) for slot in slots]
 
 
 def _bytes8(builder, load, i, at):  # type: ignore[no-untyped-def]
@@ -131,41 +161,58 @@ def _bytes8(builder, load, i, at):  # type: ignore[no-untyped-def]
         for s in range(8)]
 
 
-def _scaled(builder, sums, scales, mins, bsums):  # type: ignore[no-untyped-def]
-    """(sum_s sc_s a_s, sum_s mn_s (b_2s + b_2s+1)) of 16 rows, exact int32 lanes, from the
-    sub-blocks' sums, scales and mins (8 vectors each) and x's 16 sums of 16 (int16)."""
-    total = mins_total = ir.Constant(_L16, [0] * 16)
+def _epilogue(builder, load, accs, totals, mins, dw, dmin, at):  # type: ignore[no-untyped-def]
+    """ggml's float epilogue of a superblock for each row r of x (accumulators accs[r]):
+    acc = fma(total, d_w d_x, acc), am = fma(mins, dmin_w d_x, am), with x's sums of 16 at
+    xb.flat[at(r, 16) ..] and d_x at xd.flat[at(r, 1)]."""
+    for r, (acc, am) in enumerate(accs):
+        bo = at(r, 16)
+        b = [load(13, builder.add(bo, ir.Constant(_I64, u)), _I16, 2) for u in range(16)]
+        dx = splat(builder, load(14, at(r, 1), ir.FloatType(), 4), _F16)
+        builder.store(fma16(builder, builder.sitofp(totals[r], _F16), builder.fmul(dw, dx),
+                            builder.load(acc)), acc)
+        builder.store(fma16(builder, builder.sitofp(_min_total(builder, mins, b), _F16),
+                            builder.fmul(dmin, dx), builder.load(am)), am)
+
+
+def _min_total(builder, mins, bsums):  # type: ignore[no-untyped-def]
+    """sum_s mn_s (b_2s + b_2s+1) of 16 rows, exact int32 lanes, from the sub-blocks' mins
+    (8 vectors) and one row of x's 16 sums of 16 (int16)."""
+    total = ir.Constant(_L16, [0] * 16)
     for s in range(8):
-        total = builder.add(total, builder.mul(sums[s], scales[s]))
         b = builder.add(builder.sext(bsums[2 * s], _I32), builder.sext(bsums[2 * s + 1], _I32))
-        mins_total = builder.add(mins_total, builder.mul(mins[s], splat(builder, b, _L16)))
-    return total, mins_total
+        total = builder.add(total, builder.mul(mins[s], splat(builder, b, _L16)))
+    return total
 
 
-def _prefetch(context, builder, sig, args, at):  # type: ignore[no-untyped-def]
-    """Hints of the next chunk's superblock (row l's 128 bytes from q.flat[at[l]]), each of
-    its 32 lines once: asking twice, as `qwide.fused_row` does, measured slower here (39-43
-    against 45-49 GB/s on the 8B's 14336x4096, docs/BENCHMARKS.md)."""
-    for line in (0, 64):
-        for o in at:
-            off = builder.add(o, ir.Constant(_I64, line))
-            prefetch_line(builder, array_ptr(context, builder, sig, args, 1, off, _I8))
+@kernel(inline=True)
+def _prefetch_span(a, at, count):  # type: ignore[no-untyped-def]
+    """Hint a.flat[at : at + count] into L2, a line at a time."""
+    step = 64 // a.itemsize
+    for i in range(at, at + count, step):
+        prefetch(a, i)
+    prefetch(a, at + count - 1)
 
 
 @functools.cache
-def body(path: int) -> Callback:
-    """One chunk of 16 Q4_K weight rows against x's one row (`q4_k_row`), compiled once per
-    SIMD path as a C callback."""
+def body(path: int, m: int) -> Callback:
+    """One chunk of 16 interleaved Q4_K weight rows against x's m rows (`q4_k_rows`),
+    compiled once per SIMD path and row count as a C callback."""
     def chunk(q_p, n, rb, sc_p, mn_p, d_p, dm_p, lut_p, x_p, k, xb_p, xd_p, out_p, c):  # type: ignore[no-untyped-def]
         nsb = k // 256
         q, sc, mn = carray(q_p, (n * rb,)), carray(sc_p, (n * 8 * nsb,)), carray(mn_p, (n * 8 * nsb,))
         d, dm, lut = carray(d_p, (n * nsb,)), carray(dm_p, (n * nsb,)), carray(lut_p, (1 << 16,))
-        x, xb, xd = carray(x_p, (k,)), carray(xb_p, (k // 16,)), carray(xd_p, (nsb,))
-        out = carray(out_p, (LANES * c + LANES,))
-        r0 = min(LANES * c, n - LANES)     # the last chunk overlaps the one before
+        x, xb, xd = carray(x_p, (m * k,)), carray(xb_p, (m * k // 16,)), carray(xd_p, (m * nsb,))
+        out = carray(out_p, (m * n,))
+        r0 = LANES * c
         p0 = min(r0 + LANES, n - LANES)
-        q4_k_row(path, q, r0 * rb, rb, sc, mn, r0 * 8 * nsb, d, dm, r0 * nsb, nsb, lut, x, xb,
-                 xd, out, r0, p0 * rb)
+        if p0 > r0:         # the next chunk's scales, mins, d and dmin, a few lines each
+            _prefetch_span(sc, p0 * 8 * nsb, LANES * 8 * nsb)
+            _prefetch_span(mn, p0 * 8 * nsb, LANES * 8 * nsb)
+            _prefetch_span(d, p0 * nsb, LANES * nsb)
+            _prefetch_span(dm, p0 * nsb, LANES * nsb)
+        q4_k_rows(path, m, q, r0 * rb, sc, mn, r0 * 8 * nsb, d, dm, r0 * nsb, nsb, lut, x, xb,
+                  xd, out, r0, p0 * rb, n)
     u8, u16, i64, f32 = (types.CPointer(types.uint8), types.CPointer(types.uint16), types.int64,
                          types.CPointer(types.float32))
     return callback(u8, i64, i64, u8, u8, u16, u16, f32, types.CPointer(types.int8), i64,
@@ -175,14 +222,16 @@ def body(path: int) -> Callback:
 @kernel(parallel=True, exact=True)
 def _rows(fn, q, sc, mn, d, dmin, lut, xq, xd, xb, out, threads, quantize, x):  # type: ignore[no-untyped-def]
     """out = the body at `fn` on every chunk of 16 weight rows, in parallel; with `quantize`
-    (`activations.q8_k_blocks`' address, else 0) x's float row is first quantized into
+    (`activations.q8_k_blocks`' address, else 0) x's float rows are first quantized into
     xq/xd/xb on this thread."""
     if quantize != 0:
-        call_address(quantize, (data_pointer(x), 1, x.shape[1], data_pointer(xq),
-                                data_pointer(xd), data_pointer(xb), 0, 0, x.shape[1] // 256))
+        for i in range(x.shape[0]):
+            call_address(quantize, (data_pointer(x), x.shape[0], x.shape[1], data_pointer(xq),
+                                    data_pointer(xd), data_pointer(xb), i, 0,
+                                    x.shape[1] // 256))
     prev = limit_threads(threads)
     n = q.shape[0]
-    for c in prange((n + LANES - 1) // LANES):
+    for c in prange(n // LANES):
         call_address(fn, (data_pointer(q), n, q.shape[1], data_pointer(sc), data_pointer(mn),
                           data_pointer(d), data_pointer(dmin), data_pointer(lut),
                           data_pointer(xq), xq.shape[1], data_pointer(xb), data_pointer(xd),
@@ -192,23 +241,28 @@ def _rows(fn, q, sc, mn, d, dmin, lut, xq, xd, xb, out, threads, quantize, x):  
 
 def matmul(w: QuantMatrix, x: activations.Q8KRows | None = None,
            floats: np.ndarray | None = None, path: str | None = None) -> np.ndarray:
-    """x's one row `[1, K]` through W, a Q4_K of 16 rows or more in the repacked GEMV's
-    order: as Q8_K blocks (`x`), or as floats quantized inside the kernel's call into this
-    thread's kept scratch (`floats`)."""
+    """x's rows `[M, K]` (M <= `MAX_ROWS`) through W, an interleaved Q4_K
+    (`qmatmul.interleave`), each row in the repacked GEMV's order: as Q8_K blocks (`x`), or
+    as floats quantized inside the kernel's call into this thread's kept scratch
+    (`floats`)."""
     if (x is None) == (floats is None):
         raise TypeError("krow.matmul takes x's Q8_K blocks or its floats, one of them")
+    if not w.interleaved:
+        raise ValueError("krow.matmul reads a Q4_K whose rows are interleaved")
+    m, k = (x.qs if floats is None else floats).shape
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"krow.matmul takes 1 to {MAX_ROWS} rows of x, not {m}")
     code = isa.code(path) if path else isa.selected_code()
-    plan = w.memo.get(("krow", code))
+    plan = w.memo.get(("krow", code, m))
     if plan is None:
-        threads = 1 if w.rows * w.cols <= SERIAL_MAX_WORK else 0
-        plan = w.memo[("krow", code)] = (body(code).address, w.planes, threads)
+        threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
+        plan = w.memo[("krow", code, m)] = (body(code, m).address, w.planes, threads)
     fn, (q, sc, mn, d, dmin), threads = plan
-    k = w.cols
-    out = np.empty((1, w.rows), np.float32)
+    out = np.empty((m, w.rows), np.float32)
     if floats is not None:
-        x = kept(("krow", k), lambda: activations.Q8KRows(
-            np.zeros((1, k), np.int8), np.zeros((1, k // 256), np.float32),
-            np.zeros((1, k // 16), np.int16)))
+        x = kept(("krow", m, k), lambda: activations.Q8KRows(
+            np.zeros((m, k), np.int8), np.zeros((m, k // 256), np.float32),
+            np.zeros((m, k // 16), np.int16)))
     _rows(fn, q, sc, mn, d, dmin, HALF_LUT, x.qs, x.d, x.bsums, out, threads,
           0 if floats is None else activations.q8_k_blocks.address,
           _NO_F32 if floats is None else np.ascontiguousarray(floats, np.float32))

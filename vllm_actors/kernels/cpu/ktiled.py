@@ -182,13 +182,37 @@ def _decode_q4_k(context, builder, sig, args):  # type: ignore[no-untyped-def]
                 o, ir.Constant(_I64, 32 * p + 16 * h)), ir.VectorType(_I32, 4)), align=1)
                 for o in offs]
             for g, v in enumerate(transpose_words(builder, rows)):
-                b = builder.bitcast(v, _B64)
-                for nib in range(2):
-                    part = builder.lshr(b, ir.Constant(_B64, [4] * 64)) if nib else b
-                    part = builder.and_(part, ir.Constant(_B64, [15] * 64))
-                    at = ir.Constant(_I64, LANES * (16 * p + 8 * nib + 4 * h + g))
-                    builder.store(part, array_ptr(context, builder, sig, args, 5, at, _B64),
-                                  align=4)
+                _store_nibbles(context, builder, sig, args, 5, builder.bitcast(v, _B64),
+                               p, h, g)
+
+
+def _store_nibbles(context, builder, sig, args, i, b, p, h, g):  # type: ignore[no-untyped-def]
+    """16 rows' bytes 32 p + 16 h + 4 g .. + 3 (one vector, <64 x i8>) as the codes of
+    weights 64 p + 16 h + 4 g .. (low nibbles) and the 32 after (high), into the intrinsic's
+    codes argument i in `decode_rows`' order."""
+    for nib in range(2):
+        part = builder.lshr(b, ir.Constant(_B64, [4] * 64)) if nib else b
+        part = builder.and_(part, ir.Constant(_B64, [15] * 64))
+        at = ir.Constant(_I64, LANES * (16 * p + 8 * nib + 4 * h + g))
+        builder.store(part, array_ptr(context, builder, sig, args, i, at, _B64), align=4)
+
+
+@intrinsic
+def decode_interleaved(typingctx, q, at, codes):  # type: ignore[no-untyped-def]
+    """`decode_rows` for 16 interleaved Q4_K rows (`qmatmul_layout.interleave_q4_k`; their
+    superblock at q.flat[at ..]): each 64 bytes already one word of every row, so only the
+    nibbles are split."""
+    if not (isinstance(codes, types.Array) and codes.dtype == types.int32):
+        return None
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        base = _index(context, builder, sig, args, 1)
+        for v in range(32):
+            b = builder.load(array_ptr(context, builder, sig, args, 0, builder.add(
+                base, ir.Constant(_I64, 64 * v)), _B64), align=1)
+            _store_nibbles(context, builder, sig, args, 2, b, v // 8, v // 4 % 2, v % 4)
+        return context.get_dummy_value()
+    return types.none(q, at, codes), codegen
 
 
 @intrinsic
@@ -324,6 +348,14 @@ def _prefetch_next(q, h, n, rb, hb, hq, nsb, i0, sb):  # type: ignore[no-untyped
             prefetch(h, r * hb + hq * nxt)
 
 
+@kernel(inline=True)
+def _prefetch_run(q, at):  # type: ignore[no-untyped-def]
+    """Hint the 2,048 bytes at q[at ..] (an interleaved chunk's next superblock) into L2."""
+    if at < q.shape[0]:
+        for line in range(32):
+            prefetch(q, at + 64 * line)
+
+
 @intrinsic
 def _min_pairs(typingctx, mins, pairs):  # type: ignore[no-untyped-def]
     """The 8 sub-blocks' mins of 16 rows (mins[16 s + l], at most 63) as int16 pairs:
@@ -341,9 +373,11 @@ def _min_pairs(typingctx, mins, pairs):  # type: ignore[no-untyped-def]
 
 
 @functools.cache
-def body(path: int, form: int, order: int, sc_dtype: str) -> Callback:
+def body(path: int, form: int, order: int, sc_dtype: str, interleaved: bool = False
+         ) -> Callback:
     """The work of one chunk of 16 weight rows (all superblocks, all rows of x) for a SIMD
-    path, form (4, 5, 6: Q4_K, Q5_K, Q6_K) and float order, compiled once as a C callback."""
+    path, form (4, 5, 6: Q4_K, Q5_K, Q6_K), float order and Q4_K quants layout (rows as
+    stored, or `interleaved`), compiled once as a C callback."""
     hq = 64 if form == 6 else 32          # high-bit bytes per superblock
     nsc = 16 if form == 6 else 8          # scales per superblock
 
@@ -363,7 +397,10 @@ def body(path: int, form: int, order: int, sc_dtype: str) -> Callback:
         qoff, hoff, soff, moff = stack_i64(16), stack_i64(16), stack_i64(16), stack_i64(16)
         i0 = LANES * c
         for sb in range(nsb):
-            _prefetch_next(q, h, n, rb, hb, hq, nsb, i0, sb)
+            if interleaved:         # the chunk's superblocks are one run: hint the next one
+                _prefetch_run(q, i0 * rb + 2048 * (sb + 1))
+            else:
+                _prefetch_next(q, h, n, rb, hb, hq, nsb, i0, sb)
             for lane in range(LANES):
                 r = min(i0 + lane, n - 1)
                 qoff[lane], hoff[lane] = r * rb + 128 * sb, r * hb + hq * sb
@@ -371,7 +408,10 @@ def body(path: int, form: int, order: int, sc_dtype: str) -> Callback:
                 dw[lane] = lut[d[r, sb]]
                 if form != 6:
                     dm[lane] = lut[dmin[r, sb]]
-            decode_rows(form, q, h, qoff, hoff, codes)
+            if interleaved:
+                decode_interleaved(q, i0 * rb + 2048 * sb, codes)
+            else:
+                decode_rows(form, q, h, qoff, hoff, codes)
             widen_rows(sc, soff, nsc, scales)
             if form != 6:
                 widen_rows(mn, moff, 8, mins)
@@ -419,7 +459,7 @@ def matmul(w: QuantMatrix, x: activations.Q8KRows, order: int, path: str | None 
     else:                # qs, sc, mn, d, dmin
         (q, sc, mn, d, dmin), h = w.planes, _NO_BITS
     code = isa.code(path) if path else isa.selected_code()
-    fn = body(code, form, order, sc.dtype.str).address
+    fn = body(code, form, order, sc.dtype.str, w.interleaved).address
     m = x.qs.shape[0]
     n16 = -(-w.rows // LANES) * LANES
     out = np.zeros((m, n16), np.float32)

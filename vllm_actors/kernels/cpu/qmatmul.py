@@ -81,6 +81,9 @@ class QuantMatrix:
     # the GGUF type the planes hold exactly in `qtype`'s form (IQ4_NL as Q8_0,
     # `qmatmul_layout.LOSSLESS`), whose llama.cpp float order the integer kernels follow
     stored_as: int | None = None
+    # a repacked Q4_K whose quants plane holds 16 rows interleaved (`interleave`): only the
+    # integer kernels that take 16 weight rows as vector lanes read it (`krow`, `ktiled`)
+    interleaved: bool = False
     # what the kernels reading this matrix prepared once for their calls (argument type
     # keys, prefetch distance); never part of its value, and not copied by `replace`
     memo: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -187,6 +190,19 @@ def concat(parts: Sequence[QuantMatrix]) -> QuantMatrix:
                    for i in range(len(parts[0].planes)))
     return QuantMatrix(parts[0].qtype, sum(p.rows for p in parts), parts[0].cols, planes,
                        stored_as=parts[0].stored_as)
+
+
+def interleave(w: QuantMatrix) -> QuantMatrix:
+    """W with its quants interleaved 16 rows at a time (`qmatmul_layout.interleave_q4_k`)
+    where it is a repacked Q4_K of rows a multiple of 16 (the one-row and many-row integer
+    kernels then read each superblock of 16 rows as one contiguous run of vectors); any
+    other matrix as it is."""
+    if (w.qtype != T.Q4_K or not w.ggml_repacked or w.interleaved
+            or w.rows % layout.INTERLEAVED_ROWS):
+        return w
+    planes = (layout.interleave_q4_k(w.planes[0]),) + w.planes[1:]
+    return QuantMatrix(w.qtype, w.rows, w.cols, planes, ggml_repacked=True,
+                       stored_as=w.stored_as, interleaved=True)
 
 
 def _raw(data: np.ndarray, qtype: int, shape: tuple[int, int]) -> np.ndarray:

@@ -325,11 +325,11 @@ def matmul(w: QuantMatrix, x: activations.Q8KRows, path: str | None = None,
     bounds = [0, *(np.flatnonzero(np.diff(kinds)) + 1).tolist(), m]    # spans of one kind
     for start, stop in zip(bounds[:-1], bounds[1:]):
         rows, kind = stop - start, int(kinds[start])
-        order, fewest = _WIDE.get(kind, (None, rows + 1))
+        order, fewest = _wide(w, kind) or (None, rows + 1)
         if rows >= fewest:
             out[start:stop] = ktiled.matmul(w, _row_slice(x, start, stop), order, path)
             continue
-        if rows == 1 and _in_registers(w, kind):
+        if _in_registers(w, kind, rows):
             out[start:stop] = krow.matmul(w, _row_slice(x, start, stop), path=path)
             continue
         span = pad_rows(_row_slice(x, start, stop), 1 if rows == 1 else GROUP)
@@ -352,10 +352,18 @@ def row_kinds(w: QuantMatrix, requests: Sequence[int]) -> np.ndarray:
     return np.repeat(np.where(tiled & (n >= TILED_MIN_ROWS), TILED + form, form), n)
 
 
-def _in_registers(w: QuantMatrix, kind: int) -> bool:
-    """Whether a one-row request of `kind` on W takes `krow` (the repacked Q4_K GEMV's order,
-    16 weight rows or more), where it runs 1.1-1.9x the pair GEMV."""
-    return kind == REPACKED_Q4_K and w.rows >= krow.LANES
+def _in_registers(w: QuantMatrix, kind: int, rows: int) -> bool:
+    """Whether `rows` rows of `kind` on W take `krow` (the repacked Q4_K GEMV's order on
+    interleaved rows, `qmatmul.interleave`, up to `krow.MAX_ROWS` rows)."""
+    return kind == REPACKED_Q4_K and w.interleaved and rows <= krow.MAX_ROWS
+
+
+def _wide(w: QuantMatrix, kind: int) -> tuple[int, int] | None:
+    """(`ktiled`'s float order, the fewest rows of x it takes) for `kind` on W, or None. An
+    interleaved W's rows all go to `ktiled` or `krow`: no pair kernel reads that layout."""
+    if w.interleaved and kind == REPACKED_Q4_K:
+        return ktiled.GEMV, krow.MAX_ROWS + 1
+    return _WIDE.get(kind)
 
 
 def _row_slice(x: activations.Q8KRows, start: int, stop: int) -> activations.Q8KRows:
@@ -381,9 +389,9 @@ def matmul_float(w: QuantMatrix, x: np.ndarray, path: str | None = None,
     if kind is None:
         kind = w.memo["int_k_one_row"] = int(row_kinds(w, [1])[0])
     m, k = x.shape
-    if m >= _WIDE.get(kind, (None, m + 1))[1]:      # one-row requests `ktiled` takes together
+    if m >= (_wide(w, kind) or (None, m + 1))[1]:    # one-row requests `ktiled` takes together
         return matmul(w, activations.quantize_q8_k(x), path, requests)
-    if m == 1 and _in_registers(w, kind):
+    if _in_registers(w, kind, m):
         return krow.matmul(w, floats=x, path=path)
     group = 1 if m == 1 else GROUP
     padded = -(-m // group) * group
@@ -391,8 +399,11 @@ def matmul_float(w: QuantMatrix, x: np.ndarray, path: str | None = None,
 
 
 def matmul_float_lora(w: QuantMatrix, x: np.ndarray, lora: Any, round_x: bool,
-                      path: str | None = None) -> np.ndarray:
-    """`matmul_float` of one row plus its LoRA delta (`lora_gemv`) in one call."""
+                      path: str | None = None) -> np.ndarray | None:
+    """`matmul_float` of one row plus its LoRA delta (`lora_gemv`) in one call; None for an
+    interleaved W, which the pair kernels that carry the delta do not read."""
+    if w.interleaved:
+        return None
     kind = w.memo.get("int_k_one_row")
     if kind is None:
         kind = w.memo["int_k_one_row"] = int(row_kinds(w, [1])[0])
@@ -428,6 +439,8 @@ def _decode_plan(w: QuantMatrix, kind: int, path: str | None, group: int
     code = isa.code(path) if path else isa.selected_code()
     plan = w.memo.get(("int_k", kind, code, group))
     if plan is None:
+        if w.interleaved:
+            raise ValueError("the pair kernels read Q4_K rows as stored, not interleaved")
         if kind % 10 == 6:      # ql, qh, scales, d
             planes = (w.planes[0], w.planes[1], w.planes[2], _NO_BITS, w.planes[3], _NO_U16)
         elif kind % 10 == 5:    # qh, qs, sc, mn, d, dmin

@@ -165,6 +165,41 @@ def split(raw: np.ndarray, qtype: int, rows: int, cols: int) -> tuple[np.ndarray
     return planes
 
 
+def _aligned(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialized array whose data starts on a 64-byte boundary (a cache line: the
+    kernels' vector loads then never straddle two)."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.empty(nbytes + 64, np.uint8)
+    skip = -raw.ctypes.data % 64
+    return raw[skip:skip + nbytes].view(dtype).reshape(shape)
+
+
+# weight rows a Q4_K quants plane interleaves (`interleave_q4_k`): one vector of 16 int32 lanes
+INTERLEAVED_ROWS = 16
+
+
+def interleave_q4_k(qs: np.ndarray) -> np.ndarray:
+    """A Q4_K quants plane `[N, 128 nsb]` (N a multiple of 16) with each chunk of 16 rows
+    reordered: word v (bytes 4v .. 4v + 3) of superblock sb of its row l moves to byte
+    64 (32 sb + v) + 4 l of the chunk, so the 16 rows' words v lie side by side, one
+    vector of lanes as `krow` and `ktiled` read them (no transposes), and a chunk is one
+    contiguous stream. A new plane, its chunks reordered on the load's threads."""
+    n, rb = qs.shape
+    if n % INTERLEAVED_ROWS or rb % 128:
+        raise ValueError(f"cannot interleave a Q4_K quants plane of shape {qs.shape}")
+    out = _aligned(qs.shape, qs.dtype)
+    src = qs.view(np.uint32).reshape(n // INTERLEAVED_ROWS, INTERLEAVED_ROWS, rb // 128, 32)
+    dst = out.view(np.uint32).reshape(n // INTERLEAVED_ROWS, rb // 128, 32, INTERLEAVED_ROWS)
+
+    def reorder(c0: int, c1: int) -> None:
+        dst[c0:c1] = src[c0:c1].transpose(0, 2, 3, 1)
+    threads = len(_spans(qs.size // 128))      # as many as the split of its blocks took
+    bounds = [len(src) * i // threads for i in range(threads + 1)]
+    for done in [_pool().submit(reorder, *span) for span in zip(bounds[:-1], bounds[1:])]:
+        done.result()
+    return out
+
+
 def convert(raw: np.ndarray, qtype: int, rows: int, cols: int
             ) -> tuple[int, tuple[np.ndarray, ...]]:
     """A type without kernels (IQ*, TQ*, MXFP4, ...) -> (new type, planes). Dequantized with
