@@ -14,7 +14,8 @@ in 4 float lanes, Q5_K's in one sum, Q6_K's offset per integer lane, and the lan
 orders `matmul` takes where they would run (`row_kinds`): the GEMV and GEMM of Q4_K repacked
 into 8-row blocks, and the tiled K-quant matmul at 8+ rows (`ktiled` runs the GEMM and most
 of the tiled matmul: its decoded weight rows serve many rows of x; `krow` the repacked GEMV's
-one-row requests, decoding 16 weight rows in registers). Compiled without fast
+1-4 one-row requests on weights stored interleaved, decoding 16 weight rows in registers;
+no kernel here reads that layout). Compiled without fast
 math: ggml's floats bit for bit. Parallel over pairs of weight rows, a body per (SIMD path, kind,
 x-row group) called as a C callback, as the other integer GEMVs (`qmatmul_int`).
 """
@@ -77,7 +78,8 @@ TILED_MIN_ROWS = 8
 # once as the lanes of a vector, serve every row of x where the kernels here decode them again
 # for each group of 4; below those counts the decoding costs more than it saves (Q6_K's six
 # bits the most, and the 8B's large matrices). docs/BENCHMARKS.md, "The matmuls of many rows"
-# (the repacked GEMV order from 8 rows since Q4_K decodes by transposing its stored bytes).
+# (the repacked GEMV order from 8 rows since Q4_K decodes by transposing its stored bytes;
+# on interleaved Q4_K, which needs no transposes, from 5: `_wide`).
 _WIDE = {TILED + 4: (ktiled.TILED, 8), TILED + 5: (ktiled.TILED, 8),
          TILED + 6: (ktiled.TILED, 32), REPACKED_GEMM_Q4_K: (ktiled.GEMM, 4),
          REPACKED_Q4_K: (ktiled.GEMV, 8)}
