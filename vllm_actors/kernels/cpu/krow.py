@@ -28,7 +28,7 @@ from numba.extending import intrinsic
 from vllm_actors.kernels.cpu import activations, isa
 from vllm_actors.kernels.cpu.intrinsics import call_address, data_pointer, prefetch, prefetch_line
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
-from vllm_actors.kernels.cpu.ktiled import LANES, array_ptr, dot4, fma16
+from vllm_actors.kernels.cpu.ktiled import LANES, array_ptr, dot4, fma16, madd_pairs
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix
 from vllm_actors.kernels.cpu.qmatmul_prims import HALF_LUT, kept, limit_threads, restore_threads
 from vllm_actors.kernels.cpu.qmatmul_simd import splat
@@ -92,8 +92,8 @@ def q4_k_rows(typingctx, isa_, m, q, qo, sc, mn, so, d, dm, do, nsb, lut, x, xb,
             def halves(i):  # type: ignore[no-untyped-def]
                 return half_vector(builder, [load(i, h, _I16, 2) for h in hs],
                                lambda v: load(11, builder.zext(v, _I64), ir.FloatType(), 4))
-            _epilogue(builder, load, accs, totals, mins, halves(7), halves(8),
-                      lambda r, per: at(r, per, sb))
+            _epilogue(builder, path, load, accs, totals, _pairs(builder, mins), halves(7),
+                      halves(8), lambda r, per: at(r, per, sb))
         for r, (acc, am) in enumerate(accs):
             o = builder.add(builder.mul(no_, ir.Constant(_I64, r)), oo_)
             builder.store(builder.fsub(builder.load(acc), builder.load(am)),
@@ -161,27 +161,40 @@ def _bytes8(builder, load, i, at):  # type: ignore[no-untyped-def]
         for s in range(8)]
 
 
-def _epilogue(builder, load, accs, totals, mins, dw, dmin, at):  # type: ignore[no-untyped-def]
+def _epilogue(builder, path, load, accs, totals, pairs, dw, dmin, at):  # type: ignore[no-untyped-def]
     """ggml's float epilogue of a superblock for each row r of x (accumulators accs[r]):
     acc = fma(total, d_w d_x, acc), am = fma(mins, dmin_w d_x, am), with x's sums of 16 at
-    xb.flat[at(r, 16) ..] and d_x at xd.flat[at(r, 1)]."""
+    xb.flat[at(r, 16) ..] and d_x at xd.flat[at(r, 1)], the mins as int16 pairs (`_pairs`)."""
     for r, (acc, am) in enumerate(accs):
         bo = at(r, 16)
         b = [load(13, builder.add(bo, ir.Constant(_I64, u)), _I16, 2) for u in range(16)]
         dx = splat(builder, load(14, at(r, 1), ir.FloatType(), 4), _F16)
         builder.store(fma16(builder, builder.sitofp(totals[r], _F16), builder.fmul(dw, dx),
                             builder.load(acc)), acc)
-        builder.store(fma16(builder, builder.sitofp(_min_total(builder, mins, b), _F16),
+        builder.store(fma16(builder, builder.sitofp(_min_total(builder, path, pairs, b), _F16),
                             builder.fmul(dmin, dx), builder.load(am)), am)
 
 
-def _min_total(builder, mins, bsums):  # type: ignore[no-untyped-def]
-    """sum_s mn_s (b_2s + b_2s+1) of 16 rows, exact int32 lanes, from the sub-blocks' mins
-    (8 vectors) and one row of x's 16 sums of 16 (int16)."""
+def _pairs(builder, mins):  # type: ignore[no-untyped-def]
+    """The 8 sub-blocks' mins of 16 rows (8 vectors, each at most 63) as 4 vectors of int16
+    pairs: sub-block 2 p in the low half of each lane of vector p, 2 p + 1 in the high."""
+    return [builder.or_(mins[2 * p], builder.shl(mins[2 * p + 1], ir.Constant(_L16, [16] * 16)))
+            for p in range(4)]
+
+
+def _min_total(builder, path, pairs, bsums):  # type: ignore[no-untyped-def]
+    """sum_s mn_s (b_2s + b_2s+1) of 16 rows, exact int32 lanes, from the mins as int16
+    pairs (`_pairs`) and one row of x's 16 sums of 16 (int16): x's sums of 32 (within
+    +-4096) paired the same way, one multiply-add of pairs (`ktiled.madd_pairs`) a pair of
+    sub-blocks where two 32-bit multiplies and adds were."""
     total = ir.Constant(_L16, [0] * 16)
-    for s in range(8):
-        b = builder.add(builder.sext(bsums[2 * s], _I32), builder.sext(bsums[2 * s + 1], _I32))
-        total = builder.add(total, builder.mul(mins[s], splat(builder, b, _L16)))
+    for p in range(4):
+        b32 = [builder.add(builder.sext(bsums[4 * p + 2 * h], _I32),
+                           builder.sext(bsums[4 * p + 2 * h + 1], _I32)) for h in range(2)]
+        word = builder.or_(builder.and_(b32[0], ir.Constant(_I32, 0xFFFF)),
+                           builder.shl(b32[1], ir.Constant(_I32, 16)))
+        total = builder.add(total, madd_pairs(builder, path, pairs[p],
+                                              splat(builder, word, _L16)))
     return total
 
 
