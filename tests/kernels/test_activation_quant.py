@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
+from quant_blocks import random_blocks
 
 from vllm_actors.kernels import activation_quant as aq
 from vllm_actors.kernels import quant
@@ -169,6 +170,23 @@ def test_iq4_nl_gives_ggml_vec_dot_for_one_row_requests():
         assert np.array_equal(together, qmatmul_int.matmul(replace(q8, stored_as=None), rows,
                                                            host)), key
         assert not np.array_equal(together, want), key
+
+
+def test_fused_iq4_nl_parts_keep_the_order_each_takes_alone():
+    """Fused IQ4_NL parts (QKV, gate+up) have no planes to stack and are concatenated after
+    packing; the fused matrix keeps the float order of llama.cpp's repacked kernels that
+    each part (rows a multiple of 8) takes alone, for a request of 3 rows and of one."""
+    rng = np.random.default_rng(9)
+    parts = [RawTensor(f"iq4.{i}", (16, 1024), int(QT.IQ4_NL),
+                       random_blocks(QT.IQ4_NL, 16, 1024, rng), "q8_0") for i in range(2)]
+    backend = CpuBackend()
+    fused = backend.upload_linear(parts)
+    assert len(fused.parts) == 1
+    assert fused.parts[0].ggml_repacked == ("avx2" in isa.available())
+    for x in (rng.standard_normal((3, 1024)), rng.standard_normal((1, 1024))):
+        x = x.astype(np.float32)
+        alone = [backend.linear(x, backend.upload_linear([p])) for p in parts]
+        assert np.array_equal(backend.linear(x, fused), np.concatenate(alone, axis=1))
 
 
 def test_every_simd_path_gives_the_same_floats_and_ggml_vec_dot(monkeypatch):

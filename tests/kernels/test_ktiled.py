@@ -145,6 +145,9 @@ def test_one_row_in_registers_equals_the_direct_computation():
                                                       order, path)), path
         assert np.array_equal(many[:, :3].view(np.uint32), _direct(
             stored, activations.quantize_q8_k(xf), ktiled.GEMM)[:, :3].view(np.uint32))
+    both = qmatmul.concat([w, w])       # fused parts keep the layout and the order
+    assert both.interleaved and both.ggml_repacked
+    assert np.array_equal(krow.matmul(both, floats=xf[:1]), np.concatenate([want[:1]] * 2, 1))
     if "avx2" in isa.available():      # the decode step's linears go there, at every count
         got = qmatmul_int_k.matmul_float(w, xf[:1])
         assert np.array_equal(got[0].view(np.uint32), want[0].view(np.uint32))

@@ -221,9 +221,8 @@ class CpuBackend:
             fmt = _format(run[0], m)
             mats.append(replace(m, ggml_repacked=True) if fmt and _llama_repacks(run[0]) else m)
             formats.append(fmt)
-        if (len(mats) > 1 and qmatmul.supports_fused(mats) and len(set(formats)) == 1
-                and len({m.ggml_repacked for m in mats}) == 1):
-            mats, formats = [qmatmul.concat(mats)], formats[:1]   # converted types
+        if len(mats) > 1 and qmatmul.supports_fused(mats) and len(set(formats)) == 1:
+            mats, formats = [qmatmul.concat(mats)], formats[:1]   # IQ4_NL, converted types
         return self._note(Linear(tuple(self._keep(qmatmul.interleave(m)) for m in mats),
                                  tuple(formats) if any(formats) else ()))
 

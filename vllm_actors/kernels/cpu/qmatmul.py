@@ -175,21 +175,28 @@ def min_plane(w: QuantMatrix) -> np.ndarray:
 
 
 def supports_fused(parts: Sequence[QuantMatrix]) -> bool:
-    """Whether `concat` can stack these matrices (same type, source type and columns)."""
-    return len(parts) > 0 and all(p.qtype == parts[0].qtype and p.cols == parts[0].cols
-                                  and p.stored_as == parts[0].stored_as for p in parts)
+    """Whether `concat` can stack these matrices (same type, source type, columns, float
+    order and layout)."""
+    first = parts[0] if parts else None
+    return first is not None and all(
+        (p.qtype, p.cols, p.stored_as, p.ggml_repacked, p.interleaved)
+        == (first.qtype, first.cols, first.stored_as, first.ggml_repacked, first.interleaved)
+        for p in parts)
 
 
 def concat(parts: Sequence[QuantMatrix]) -> QuantMatrix:
-    """Stack along rows (fused QKV, gate+up)."""
+    """Stack along rows (fused QKV, gate+up), keeping the parts' float order and layout
+    (`ggml_repacked`, `interleaved`: `supports_fused` requires them equal)."""
     if not supports_fused(parts):
-        raise ValueError("concat needs matrices of one type and column count")
+        raise ValueError("concat needs matrices of one type, column count, float order and "
+                         "layout")
     if len(parts) == 1:
         return parts[0]
     planes = tuple(np.concatenate([p.planes[i] for p in parts], axis=0)
                    for i in range(len(parts[0].planes)))
     return QuantMatrix(parts[0].qtype, sum(p.rows for p in parts), parts[0].cols, planes,
-                       stored_as=parts[0].stored_as)
+                       ggml_repacked=parts[0].ggml_repacked, stored_as=parts[0].stored_as,
+                       interleaved=parts[0].interleaved)
 
 
 def interleave(w: QuantMatrix) -> QuantMatrix:
