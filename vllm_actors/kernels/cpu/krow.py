@@ -26,11 +26,12 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from vllm_actors.kernels.cpu import activations, isa
-from vllm_actors.kernels.cpu.intrinsics import call_address, data_pointer, prefetch, prefetch_line
+from vllm_actors.kernels.cpu.intrinsics import call_address, data_pointer, prefetch_line
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
-from vllm_actors.kernels.cpu.ktiled import LANES, array_ptr, dot4, fma16, madd_pairs
+from vllm_actors.kernels.cpu.ktiled import LANES, array_ptr, dot4, fma16, madd_pairs, x_pair
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix
-from vllm_actors.kernels.cpu.qmatmul_prims import HALF_LUT, kept, limit_threads, restore_threads
+from vllm_actors.kernels.cpu.qmatmul_prims import (HALF_LUT, kept, limit_threads, prefetch_span,
+                                                   restore_threads)
 from vllm_actors.kernels.cpu.qmatmul_simd import splat
 from vllm_actors.kernels.cpu.qwide import half_vector
 
@@ -189,22 +190,9 @@ def _min_total(builder, path, pairs, bsums):  # type: ignore[no-untyped-def]
     sub-blocks where two 32-bit multiplies and adds were."""
     total = ir.Constant(_L16, [0] * 16)
     for p in range(4):
-        b32 = [builder.add(builder.sext(bsums[4 * p + 2 * h], _I32),
-                           builder.sext(bsums[4 * p + 2 * h + 1], _I32)) for h in range(2)]
-        word = builder.or_(builder.and_(b32[0], ir.Constant(_I32, 0xFFFF)),
-                           builder.shl(b32[1], ir.Constant(_I32, 16)))
         total = builder.add(total, madd_pairs(builder, path, pairs[p],
-                                              splat(builder, word, _L16)))
+                                              x_pair(builder, bsums[4 * p:4 * p + 4])))
     return total
-
-
-@kernel(inline=True)
-def _prefetch_span(a, at, count):  # type: ignore[no-untyped-def]
-    """Hint a.flat[at : at + count] into L2, a line at a time."""
-    step = 64 // a.itemsize
-    for i in range(at, at + count, step):
-        prefetch(a, i)
-    prefetch(a, at + count - 1)
 
 
 @functools.cache
@@ -220,10 +208,10 @@ def body(path: int, m: int) -> Callback:
         r0 = LANES * c
         p0 = min(r0 + LANES, n - LANES)
         if p0 > r0:         # the next chunk's scales, mins, d and dmin, a few lines each
-            _prefetch_span(sc, p0 * 8 * nsb, LANES * 8 * nsb)
-            _prefetch_span(mn, p0 * 8 * nsb, LANES * 8 * nsb)
-            _prefetch_span(d, p0 * nsb, LANES * nsb)
-            _prefetch_span(dm, p0 * nsb, LANES * nsb)
+            prefetch_span(sc, p0 * 8 * nsb, (p0 + LANES) * 8 * nsb, 64)
+            prefetch_span(mn, p0 * 8 * nsb, (p0 + LANES) * 8 * nsb, 64)
+            prefetch_span(d, p0 * nsb, (p0 + LANES) * nsb, 32)
+            prefetch_span(dm, p0 * nsb, (p0 + LANES) * nsb, 32)
         q4_k_rows(path, m, q, r0 * rb, sc, mn, r0 * 8 * nsb, d, dm, r0 * nsb, nsb, lut, x, xb,
                   xd, out, r0, p0 * rb, n)
     u8, u16, i64, f32 = (types.CPointer(types.uint8), types.CPointer(types.uint16), types.int64,

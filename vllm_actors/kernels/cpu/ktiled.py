@@ -37,7 +37,8 @@ from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
 from vllm_actors.kernels.cpu.ktotals import Planes, blocks
 from vllm_actors.kernels.cpu.qdot import AVX2, AVX512
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix
-from vllm_actors.kernels.cpu.qmatmul_prims import HALF_LUT, limit_threads, restore_threads
+from vllm_actors.kernels.cpu.qmatmul_prims import (HALF_LUT, limit_threads, prefetch_span,
+                                                   restore_threads)
 from vllm_actors.kernels.cpu.qmatmul_simd import splat, vector_ptr
 
 LANES = 16                  # weight rows per chunk: one 512-bit vector of int32 sums
@@ -261,9 +262,14 @@ def _flush(builder, order, total, mins, dw, dm, dx, acc, am):  # type: ignore[no
 def _x_pair(builder, load, bo, s):  # type: ignore[no-untyped-def]
     """x's sums of 32 of sub-blocks s and s + 1 (from its sums of 16 at the intrinsic's
     argument 10, flat[bo ..]) as one int16 pair, in every lane (`madd_pairs`)."""
-    b = [builder.add(*(builder.sext(load(10, builder.add(bo, ir.Constant(_I64, 2 * u + h)),
-                                         _I16, 2), _I32) for h in range(2)))
-         for u in (s, s + 1)]
+    return x_pair(builder, [load(10, builder.add(bo, ir.Constant(_I64, 2 * s + u)), _I16, 2)
+                            for u in range(4)])
+
+
+def x_pair(builder, sums):  # type: ignore[no-untyped-def]
+    """x's 4 sums of 16 (int16 values) of two sub-blocks of 32 as one int16 pair of their
+    sums of 32 (within +-4096), in every lane (`madd_pairs`)."""
+    b = [builder.add(*(builder.sext(sums[2 * u + h], _I32) for h in range(2))) for u in range(2)]
     word = builder.or_(builder.and_(b[0], ir.Constant(_I32, 0xFFFF)),
                        builder.shl(b[1], ir.Constant(_I32, 16)))
     return splat(builder, word, _L16)
@@ -348,14 +354,6 @@ def _prefetch_next(q, h, n, rb, hb, hq, nsb, i0, sb):  # type: ignore[no-untyped
             prefetch(h, r * hb + hq * nxt)
 
 
-@kernel(inline=True)
-def _prefetch_run(q, at):  # type: ignore[no-untyped-def]
-    """Hint the 2,048 bytes at q[at ..] (an interleaved chunk's next superblock) into L2."""
-    if at < q.shape[0]:
-        for line in range(32):
-            prefetch(q, at + 64 * line)
-
-
 @intrinsic
 def _min_pairs(typingctx, mins, pairs):  # type: ignore[no-untyped-def]
     """The 8 sub-blocks' mins of 16 rows (mins[16 s + l], at most 63) as int16 pairs:
@@ -398,7 +396,8 @@ def body(path: int, form: int, order: int, sc_dtype: str, interleaved: bool = Fa
         i0 = LANES * c
         for sb in range(nsb):
             if interleaved:         # the chunk's superblocks are one run: hint the next one
-                _prefetch_run(q, i0 * rb + 2048 * (sb + 1))
+                nxt = i0 * rb + 2048 * (sb + 1)
+                prefetch_span(q, nxt, min(nxt + 2048, q.shape[0]), 64)
             else:
                 _prefetch_next(q, h, n, rb, hb, hq, nsb, i0, sb)
             for lane in range(LANES):

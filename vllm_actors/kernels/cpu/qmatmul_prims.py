@@ -39,7 +39,7 @@ from vllm_actors.kernels.cpu.jit import kernel
 
 __all__ = ["HALF_LUT", "bf16_to_float", "block_sums", "half_to_float", "kept",
            "limit_threads", "restore_threads",
-           "prefetch", "shl32", "shr32", "stack_f32"]
+           "prefetch", "prefetch_span", "shl32", "shr32", "stack_f32"]
 
 HALF_LUT = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
 HALF_LUT.setflags(write=False)
@@ -215,3 +215,10 @@ def block_sums(x: np.ndarray, out: np.ndarray) -> None:
             for j in range(run):
                 acc += x[m, run * s + j]
             out[m, s] = acc
+
+
+@kernel(inline=True)
+def prefetch_span(plane, lo, hi, step):  # type: ignore[no-untyped-def]
+    """Hint plane.flat[lo:hi] into L2, one element in `step` (a 64-byte line's worth)."""
+    for i in range(lo, hi, step):
+        prefetch(plane, i)

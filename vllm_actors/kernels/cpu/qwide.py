@@ -30,14 +30,15 @@ from numba.extending import intrinsic
 
 from vllm_actors.kernels.cpu import activations, isa
 from vllm_actors.kernels.cpu.intrinsics import (HARDWARE_HALF, call_address, data_pointer,
-                                                prefetch, prefetch_line, stack_i64,
+                                                prefetch_line, stack_i64,
                                                 transpose_rows)
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
 from vllm_actors.kernels.cpu.ktiled import (LANES, array_ptr, dot4, fma16, llvm_call,
                                             transpose_words)
 from vllm_actors.kernels.cpu.qdot import AVX2, AVX512, PORTABLE
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix
-from vllm_actors.kernels.cpu.qmatmul_prims import HALF_LUT, kept, limit_threads, restore_threads
+from vllm_actors.kernels.cpu.qmatmul_prims import (HALF_LUT, kept, limit_threads, prefetch_span,
+                                                   restore_threads)
 from vllm_actors.kernels.cpu.qmatmul_simd import fmuladd, splat
 
 _I8, _I16, _I32, _I64 = (ir.IntType(n) for n in (8, 16, 32, 64))
@@ -547,13 +548,6 @@ def half_vector(builder, bits, from_table):  # type: ignore[no-untyped-def]
     return v
 
 
-@kernel(inline=True)
-def _prefetch_span(plane, lo, hi, step):  # type: ignore[no-untyped-def]
-    """Hint plane.flat[lo:hi] into L2, one element in `step` (a 64-byte line's worth)."""
-    for i in range(lo, hi, step):
-        prefetch(plane, i)
-
-
 @functools.cache
 def body(path: int, kind: int, order: int, q_dtype: str) -> Callback:
     """The work of one chunk of 16 weight rows (decode every block once, then every row of
@@ -582,15 +576,15 @@ def body(path: int, kind: int, order: int, q_dtype: str) -> Callback:
         # the next chunk's rows (contiguous in each plane) into L2 while this one computes:
         # its quants a share before each row of x, the rest at once
         lo, hi = min(i0 + LANES, n), min(i0 + 2 * LANES, n)
-        _prefetch_span(d, lo * nb, hi * nb, 32)
+        prefetch_span(d, lo * nb, hi * nb, 32)
         if has_min:
-            _prefetch_span(mn, lo * nb, hi * nb, 32)
+            prefetch_span(mn, lo * nb, hi * nb, 32)
         if has_bits:
-            _prefetch_span(qh, lo * nb, hi * nb, 16)
+            prefetch_span(qh, lo * nb, hi * nb, 16)
         share = -(-(hi - lo) * rb // (64 * m)) * 64
         for mm in range(m):
             start = lo * rb + mm * share
-            _prefetch_span(q, start, min(start + share, hi * rb), 64)
+            prefetch_span(q, start, min(start + share, hi * rb), 64)
             row_dots(path, kind, order, codes, nb, dw, mw, x, mm * k, xc, mm * (k // 4), xd,
                      xs, mm * nb, out, mm * n16 + i0)
     f32, i64 = types.CPointer(types.float32), types.int64
