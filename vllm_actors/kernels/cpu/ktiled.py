@@ -261,8 +261,8 @@ def _flush(builder, order, total, mins, dw, dm, dx, acc, am):  # type: ignore[no
 
 def _x_pair(builder, load, bo, s):  # type: ignore[no-untyped-def]
     """x's sums of 32 of sub-blocks s and s + 1 (from its sums of 16 at the intrinsic's
-    argument 10, flat[bo ..]) as one int16 pair, in every lane (`madd_pairs`)."""
-    return x_pair(builder, [load(10, builder.add(bo, ir.Constant(_I64, 2 * s + u)), _I16, 2)
+    argument 11, flat[bo ..]) as one int16 pair, in every lane (`madd_pairs`)."""
+    return x_pair(builder, [load(11, builder.add(bo, ir.Constant(_I64, 2 * s + u)), _I16, 2)
                             for u in range(4)])
 
 
@@ -275,25 +275,35 @@ def x_pair(builder, sums):  # type: ignore[no-untyped-def]
     return splat(builder, word, _L16)
 
 
+X_ROWS = 2         # rows of x `tile_row` takes at once in the TILED order: each loaded vector
+# of codes serves both (the GEMM order's per-pair epilogues gained nothing: docs/BENCHMARKS.md,
+# "Two rows of x a pass")
+
+
 @intrinsic
-def tile_row(typingctx, isa_, form, order, codes, sc, mn, dw, dm, x, xo, xb, bo, dx, out, am, oo):  # type: ignore[no-untyped-def]
-    """One row of x against the superblock of 16 decoded weight rows (`decode_rows`; their
-    scales at sc[16 s + i], mins as int16 pairs at mn[16 p + i] (`_min_pairs`), d_w and
-    dmin_w at dw[i], dm[i]): x's quants at x.flat[xo], its sums of 16 at xb.flat[bo]
-    (int16), its d_x `dx`; the results onto out.flat[oo : oo+16] (and am's, the repacked
-    kernels' min sums), lane i for weight row i, in the float order `order` (a literal:
-    TILED, GEMM or GEMV)."""
+def tile_row(typingctx, isa_, form, order, rows, codes, sc, mn, dw, dm, x, xo, xb, bo, xd, do,
+             out, am, oo, k, n16):  # type: ignore[no-untyped-def]
+    """`rows` (a literal, 1 or X_ROWS) rows of x against the superblock of 16 decoded weight
+    rows (`decode_rows`; their scales at sc[16 s + i], mins as int16 pairs at mn[16 p + i]
+    (`_min_pairs`), d_w and dmin_w at dw[i], dm[i]). Row r of them: quants at
+    x.flat[xo + r k], sums of 16 at xb.flat[bo + r k/16] (int16), d_x at
+    xd.flat[do + r k/256]; the results onto out.flat[oo + r n16 ..][:16] (and
+    am's, the repacked kernels' min sums), lane i for weight row i, in the float order
+    `order` (a literal: TILED, GEMM or GEMV)."""
     if not (isinstance(isa_, types.IntegerLiteral) and isinstance(form, types.IntegerLiteral)
             and isinstance(order, types.IntegerLiteral) and form.literal_value in (4, 5, 6)
+            and isinstance(rows, types.IntegerLiteral)
             and isinstance(x, types.Array) and x.dtype == types.int8
             and isinstance(xb, types.Array) and xb.dtype == types.int16):
         return None
-    path, kind, how = isa_.literal_value, form.literal_value, order.literal_value
+    path, kind, how, count = (isa_.literal_value, form.literal_value, order.literal_value,
+                              rows.literal_value)
     subs, groups = (16, 4) if kind == 6 else (8, 8)      # sub-blocks, groups of 4 in each
     flush_every = 2 if how == GEMM else subs            # sub-blocks per float epilogue
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        xo_, bo_, oo_ = (_index(context, builder, sig, args, i) for i in (9, 11, 15))
+        xo_, bo_, do_, oo_, k_, n16_ = (_index(context, builder, sig, args, i)
+                                        for i in (10, 12, 14, 17, 18, 19))
 
         def load(i, idx, vecty, align=4):  # type: ignore[no-untyped-def]
             return builder.load(array_ptr(context, builder, sig, args, i, idx, vecty), align=align)
@@ -301,40 +311,54 @@ def tile_row(typingctx, isa_, form, order, codes, sc, mn, dw, dm, x, xo, xb, bo,
         def at(n):  # type: ignore[no-untyped-def]
             return ir.Constant(_I64, n)
 
-        def xsum(u):  # type: ignore[no-untyped-def]
-            v = builder.sext(load(10, builder.add(bo_, at(u)), _I16, 2), _I32)
-            return splat(builder, v, _L16)
+        def of_row(base, step, r):  # type: ignore[no-untyped-def]
+            return builder.add(base, builder.mul(step, at(r)))
 
-        dx = splat(builder, context.cast(builder, args[12], sig.args[12], types.float32), _F16)
-        dw, dm = load(6, at(0), _F16), load(7, at(0), _F16)
-        p_acc, p_am = (array_ptr(context, builder, sig, args, i, oo_, _F16) for i in (13, 14))
-        acc, am = builder.load(p_acc, align=4), builder.load(p_am, align=4)
+        xos = [of_row(xo_, k_, r) for r in range(count)]
+        bos = [of_row(bo_, builder.lshr(k_, at(4)), r) for r in range(count)]
+        oos = [of_row(oo_, n16_, r) for r in range(count)]
+        nsb = builder.lshr(k_, at(8))
+        dxs = [splat(builder, load(13, of_row(do_, nsb, r), ir.FloatType()), _F16)
+               for r in range(count)]
+        dw, dm = load(7, at(0), _F16), load(8, at(0), _F16)
+        p_acc = [array_ptr(context, builder, sig, args, 15, o, _F16) for o in oos]
+        p_am = [array_ptr(context, builder, sig, args, 16, o, _F16) for o in oos]
+        acc = [builder.load(p, align=4) for p in p_acc]
+        am = [builder.load(p, align=4) for p in p_am]
         zero = ir.Constant(_L16, [0] * 16)
-        total, mins = zero, zero
+        total, mins = [zero] * count, [zero] * count
         for s in range(subs):
-            a = zero
+            a = [zero] * count
             for g in range(groups):
                 kg = s * groups + g
-                xv = builder.bitcast(splat(builder, load(8, builder.add(xo_, at(4 * kg)), _I32, 1),
-                                           _L16), _B64)
-                a = dot4(builder, path, a, load(3, at(LANES * kg), _B64), xv)
-            if kind == 6:
-                a = builder.sub(a, builder.shl(xsum(s), ir.Constant(_L16, [5] * 16)))
-            total = builder.add(total, builder.mul(a, load(4, at(LANES * s), _L16)))
-            if kind != 6 and s % 2:      # sub-blocks s - 1 and s: one multiply-add of pairs
-                mins = builder.add(mins, madd_pairs(builder, path, load(5, at(LANES * (s // 2)),
-                                                                          _L16),
-                                                    _x_pair(builder, load, bo_, s - 1)))
-            if (s + 1) % flush_every == 0:
-                acc, am = _flush(builder, how, total, mins if kind != 6 else None, dw, dm, dx,
-                                 acc, am)
-                total, mins = zero, zero
-        builder.store(acc, p_acc, align=4)
-        if how != TILED:
-            builder.store(am, p_am, align=4)
+                w = load(4, at(LANES * kg), _B64)
+                for r in range(count):
+                    xv = builder.bitcast(splat(builder, load(9, builder.add(xos[r], at(4 * kg)),
+                                                            _I32, 1), _L16), _B64)
+                    a[r] = dot4(builder, path, a[r], w, xv)
+            scale = load(5, at(LANES * s), _L16)
+            pairs = load(6, at(LANES * (s // 2)), _L16) if kind != 6 and s % 2 else None
+            for r in range(count):
+                if kind == 6:
+                    xs = splat(builder, builder.sext(load(11, builder.add(bos[r], at(s)), _I16,
+                                                          2), _I32), _L16)
+                    a[r] = builder.sub(a[r], builder.shl(xs, ir.Constant(_L16, [5] * 16)))
+                total[r] = builder.add(total[r], builder.mul(a[r], scale))
+                if pairs is not None:   # sub-blocks s - 1 and s: one multiply-add of pairs
+                    mins[r] = builder.add(mins[r], madd_pairs(
+                        builder, path, pairs, _x_pair(builder, load, bos[r], s - 1)))
+                if (s + 1) % flush_every == 0:
+                    acc[r], am[r] = _flush(builder, how, total[r],
+                                           mins[r] if kind != 6 else None, dw, dm, dxs[r],
+                                           acc[r], am[r])
+                    total[r], mins[r] = zero, zero
+        for r in range(count):
+            builder.store(acc[r], p_acc[r], align=4)
+            if how != TILED:
+                builder.store(am[r], p_am[r], align=4)
         return context.get_dummy_value()
-    return types.none(isa_, form, order, codes, sc, mn, dw, dm, x, xo, xb, bo, dx, out, am,
-                      oo), codegen
+    return types.none(isa_, form, order, rows, codes, sc, mn, dw, dm, x, xo, xb, bo, xd, do,
+                      out, am, oo, k, n16), codegen
 
 
 @kernel(inline=True)
@@ -378,6 +402,7 @@ def body(path: int, form: int, order: int, sc_dtype: str, interleaved: bool = Fa
     stored, or `interleaved`), compiled once as a C callback."""
     hq = 64 if form == 6 else 32          # high-bit bytes per superblock
     nsc = 16 if form == 6 else 8          # scales per superblock
+    together = X_ROWS if order == TILED else 1    # rows of x per `tile_row`
 
     def chunk(q_p, n, rb, h_p, hb, sc_p, mn_p, d_p, dm_p, lut_p, x_p, m, k, xb_p, xd_p,
               out_p, am_p, n16, c):  # type: ignore[no-untyped-def]
@@ -387,7 +412,7 @@ def body(path: int, form: int, order: int, sc_dtype: str, interleaved: bool = Fa
         mn = carray(mn_p, (n * 8 * nsb if form != 6 else 0,))
         d, dmin = carray(d_p, (n, nsb)), carray(dm_p, (n if form != 6 else 0, nsb))
         lut, x = carray(lut_p, (1 << 16,)), carray(x_p, (m * k,))
-        xb, xd = carray(xb_p, (m * k // 16,)), carray(xd_p, (m, nsb))
+        xb, xd = carray(xb_p, (m * k // 16,)), carray(xd_p, (m * nsb,))
         out, am = carray(out_p, (m * n16,)), carray(am_p, (m * n16 if order != TILED else 0,))
         codes, scales, mins = stack_i32(1024), stack_i32(256), stack_i32(128)   # 16 rows each
         pairs = stack_i32(64)
@@ -415,10 +440,14 @@ def body(path: int, form: int, order: int, sc_dtype: str, interleaved: bool = Fa
             if form != 6:
                 widen_rows(mn, moff, 8, mins)
                 _min_pairs(mins, pairs)
-            for mm in range(m):
-                tile_row(path, form, order, codes, scales, pairs, dw, dm, x, mm * k + 256 * sb,
-                         xb, mm * (k // 16) + 16 * sb, xd[mm, sb], out,
-                         am if order != TILED else out, mm * n16 + i0)
+            for mm in range(0, m - m % together, together):
+                tile_row(path, form, order, together, codes, scales, pairs, dw, dm, x,
+                         mm * k + 256 * sb, xb, mm * (k // 16) + 16 * sb, xd, mm * nsb + sb,
+                         out, am if order != TILED else out, mm * n16 + i0, k, n16)
+            for mm in range(m - m % together, m):
+                tile_row(path, form, order, 1, codes, scales, pairs, dw, dm, x,
+                         mm * k + 256 * sb, xb, mm * (k // 16) + 16 * sb, xd, mm * nsb + sb,
+                         out, am if order != TILED else out, mm * n16 + i0, k, n16)
     u8, i64, f32 = types.CPointer(types.uint8), types.int64, types.CPointer(types.float32)
     u16 = types.CPointer(types.uint16)
     sc_t = types.CPointer(numba.from_dtype(np.dtype(sc_dtype)))

@@ -1,12 +1,13 @@
 """The 32-weight block types' matmuls of many rows of x (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL
 on Q8_0/Q8_1 blocks), in `qmatmul_int`'s float orders, with 16 weight rows as the lanes of
 a vector (as `ktiled` does for the K-quants). A chunk of 16 weight rows is decoded once into
-bytes, interleaved 4 codes per row, and serves every row of x: per block, group t of 4
-weights (t < 8) of all 16 rows against x's 4 quants (broadcast) is one `vpdpbusd`, whose lane
-i is row i's int32 lane t of ggml's `vec_dot`. So the 8 float lanes ggml keeps per output
-are 8 vectors here, acc_t = fma(float(lanes_t), d_w d_x, acc_t) per block, added at the end
-in `hsum_float_8`'s order (+ the min sums of Q4_1/Q5_1, fma(m_w, s_x, summs) per block); the
-repacked order (`qmatmul_int.REPACKED`) keeps one chain, fma(block's sum, d_w d_x, acc).
+bytes, interleaved 4 codes per row, and serves every row of x, two at a time (each loaded
+block of codes feeds both): per block, group t of 4 weights (t < 8) of all 16 rows against
+x's 4 quants (broadcast) is one `vpdpbusd`, whose lane i is row i's int32 lane t of ggml's
+`vec_dot`. So the 8 float lanes ggml keeps per output are 8 vectors here, acc_t =
+fma(float(lanes_t), d_w d_x, acc_t) per block, added at the end in `hsum_float_8`'s order
+(+ the min sums of Q4_1/Q5_1, fma(m_w, s_x, summs) per block); the repacked order
+(`qmatmul_int.REPACKED`) keeps one chain, fma(block's sum, d_w d_x, acc).
 
 A decode step's one row (`one_row`, `fused_row`) keeps no decoded copy: each block of the 16
 rows is loaded, transposed and split into codes in registers, then multiplied at once.
@@ -227,45 +228,60 @@ def _literals(*values):  # type: ignore[no-untyped-def]
     return all(isinstance(v, types.IntegerLiteral) for v in values)
 
 
+X_ROWS = 2         # rows of x `row_dots` takes at once: each loaded block of codes serves both
+# (3 or 4 spill the lanes' accumulators: docs/BENCHMARKS.md, "Two rows of x a pass")
+
+
 @intrinsic
-def row_dots(typingctx, isa_, kind, order, codes, nb, dw, mw, x, xo, xc, co, xd, xs, so, out, oo):  # type: ignore[no-untyped-def]
-    """One row of x (quants at x.flat[xo], 32 a block; offset terms xc.flat[co + 8 b + t];
-    scales xd.flat[so + b]; Q8_1's sums xs.flat[so + b]) against a chunk's nb decoded blocks
-    (d_w at dw[16 b + i], Q4_1/Q5_1's m_w at mw[16 b + i]): out.flat[oo : oo+16] = the 16
-    outputs in `order`'s float order, lane i for weight row i."""
-    if not (_literals(isa_, kind, order) and isinstance(x, types.Array)
+def row_dots(typingctx, isa_, kind, order, rows, codes, nb, dw, mw, x, xo, xc, co, xd, xs, so,
+             out, oo, k, n16):  # type: ignore[no-untyped-def]
+    """`rows` (a literal, 1 or X_ROWS) rows of x against a chunk's nb decoded blocks (d_w at
+    dw[16 b + i], Q4_1/Q5_1's m_w at mw[16 b + i]). Row r of them: quants at
+    x.flat[xo + r k] (32 a block), offset terms at xc.flat[co + r k/4 + 8 b + t], scales
+    at xd.flat[so + r nb + b] (Q8_1's sums likewise in xs); out.flat[oo + r n16 ..][:16]
+    = its 16 outputs in `order`'s float order, lane i for weight row i."""
+    if not (_literals(isa_, kind, order, rows) and isinstance(x, types.Array)
             and x.dtype == types.int8):
         return None
     path, form, how = isa_.literal_value, kind.literal_value, order.literal_value
+    count, mins = rows.literal_value, kind.literal_value in (4, 5)
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        nb_, xo_, co_, so_, oo_ = (context.cast(builder, args[i], sig.args[i], types.intp)
-                                   for i in (4, 8, 10, 13, 15))
-        sums = _Sums(builder, how, form in (4, 5), path)
+        nb_, xo_, co_, so_, oo_, k_, n16_ = (context.cast(builder, args[i], sig.args[i],
+                                                          types.intp)
+                                             for i in (5, 9, 11, 14, 16, 17, 18))
+        k4_ = builder.lshr(k_, ir.Constant(_I64, 2))
+        sums = [_Sums(builder, how, mins, path) for _ in range(count)]
 
         def load(i, idx, ty, align=4):  # type: ignore[no-untyped-def]
             return builder.load(array_ptr(context, builder, sig, args, i, idx, ty), align=align)
 
+        def of_row(base, step, r):  # type: ignore[no-untyped-def]
+            return builder.add(base, builder.mul(step, ir.Constant(_I64, r)))
+
         with cgutils.for_range(builder, nb_) as loop:
             b = loop.index
-            sb = builder.add(so_, b)
             at = builder.mul(b, ir.Constant(_I64, LANES))
-            scale = builder.fmul(load(5, at, _F16), splat(builder, load(11, sb, _F32), _F16))
-            codes_ = [load(3, builder.mul(_group(builder, b, t), ir.Constant(_I64, LANES)),
+            codes_ = [load(4, builder.mul(_group(builder, b, t), ir.Constant(_I64, LANES)),
                            _B64) for t in range(8)]
-            lanes = _block_lanes(
-                builder, path, form, codes_,
-                lambda k4: load(7, builder.add(xo_, builder.mul(k4, ir.Constant(_I64, 4))),
-                                _I32, 1),
-                lambda k4: load(9, builder.add(co_, k4), _I32), b, biased(path, how))
-            mins = form in (4, 5)
-            sums.add(lanes, scale, load(6, at, _F16) if mins else None,
-                     splat(builder, load(12, sb, _F32), _F16) if mins else None)
-        builder.store(sums.total(), array_ptr(context, builder, sig, args, 14, oo_, _F16),
-                      align=4)
+            d_w, m_w = load(6, at, _F16), (load(7, at, _F16) if mins else None)
+            for r, row_sums in enumerate(sums):
+                sb = builder.add(of_row(so_, nb_, r), b)
+                xo_r, co_r = of_row(xo_, k_, r), of_row(co_, k4_, r)
+                lanes = _block_lanes(
+                    builder, path, form, codes_,
+                    lambda k4, xo_r=xo_r: load(8, builder.add(
+                        xo_r, builder.mul(k4, ir.Constant(_I64, 4))), _I32, 1),
+                    lambda k4, co_r=co_r: load(10, builder.add(co_r, k4), _I32), b,
+                    biased(path, how))
+                row_sums.add(lanes, builder.fmul(d_w, splat(builder, load(12, sb, _F32), _F16)),
+                             m_w, splat(builder, load(13, sb, _F32), _F16) if mins else None)
+        for r, row_sums in enumerate(sums):
+            builder.store(row_sums.total(), array_ptr(context, builder, sig, args, 15,
+                                                      of_row(oo_, n16_, r), _F16), align=4)
         return context.get_dummy_value()
-    return types.none(isa_, kind, order, codes, nb, dw, mw, x, xo, xc, co, xd, xs, so, out,
-                      oo), codegen
+    return types.none(isa_, kind, order, rows, codes, nb, dw, mw, x, xo, xc, co, xd, xs, so,
+                      out, oo, k, n16), codegen
 
 
 def _group(builder, b, t):  # type: ignore[no-untyped-def]
@@ -582,11 +598,16 @@ def body(path: int, kind: int, order: int, q_dtype: str) -> Callback:
         if has_bits:
             prefetch_span(qh, lo * nb, hi * nb, 16)
         share = -(-(hi - lo) * rb // (64 * m)) * 64
-        for mm in range(m):
+        for mm in range(0, m - m % X_ROWS, X_ROWS):
+            start = lo * rb + mm * share
+            prefetch_span(q, start, min(start + X_ROWS * share, hi * rb), 64)
+            row_dots(path, kind, order, X_ROWS, codes, nb, dw, mw, x, mm * k, xc,
+                     mm * (k // 4), xd, xs, mm * nb, out, mm * n16 + i0, k, n16)
+        for mm in range(m - m % X_ROWS, m):
             start = lo * rb + mm * share
             prefetch_span(q, start, min(start + share, hi * rb), 64)
-            row_dots(path, kind, order, codes, nb, dw, mw, x, mm * k, xc, mm * (k // 4), xd,
-                     xs, mm * nb, out, mm * n16 + i0)
+            row_dots(path, kind, order, 1, codes, nb, dw, mw, x, mm * k, xc, mm * (k // 4),
+                     xd, xs, mm * nb, out, mm * n16 + i0, k, n16)
     f32, i64 = types.CPointer(types.float32), types.int64
     q_t = types.CPointer(types.int8 if q_dtype == "|i1" else types.uint8)
     return callback(q_t, i64, i64, types.CPointer(types.uint32), types.CPointer(types.uint16),
