@@ -275,6 +275,46 @@ def x_pair(builder, sums):  # type: ignore[no-untyped-def]
     return splat(builder, word, _L16)
 
 
+def _sub_block(builder, path, kind, load, s, groups, xos, bos):  # type: ignore[no-untyped-def]
+    """Sub-block s's integer dot of the 16 weight rows (`tile_row`'s codes, argument 4) with
+    each row of x whose quants start at xos[r] (argument 9): one vector <16 x i32> a row of
+    x, each vector of codes loaded once for all of them; Q6_K's offset taken off as 32 times
+    x's sum of 16 (argument 11, from bos[r])."""
+    def at(n):  # type: ignore[no-untyped-def]
+        return ir.Constant(_I64, n)
+    a = [ir.Constant(_L16, [0] * 16)] * len(xos)
+    for g in range(groups):
+        kg = s * groups + g
+        w = load(4, at(LANES * kg), _B64)
+        for r, xo in enumerate(xos):
+            xv = builder.bitcast(splat(builder, load(9, builder.add(xo, at(4 * kg)), _I32, 1),
+                                       _L16), _B64)
+            a[r] = dot4(builder, path, a[r], w, xv)
+    if kind == 6:
+        for r, bo in enumerate(bos):
+            xs = splat(builder, builder.sext(load(11, builder.add(bo, at(s)), _I16, 2), _I32),
+                       _L16)
+            a[r] = builder.sub(a[r], builder.shl(xs, ir.Constant(_L16, [5] * 16)))
+    return a
+
+
+def _rows_of_x(context, builder, sig, args, count, load):  # type: ignore[no-untyped-def]
+    """`tile_row`'s rows of x: where each one's quants and sums of 16 start, its d_x (in
+    every lane), and pointers to its 16 outputs in out and am."""
+    xo_, bo_, do_, oo_, k_, n16_ = (_index(context, builder, sig, args, i)
+                                    for i in (10, 12, 14, 17, 18, 19))
+
+    def of_row(base, step):  # type: ignore[no-untyped-def]
+        return [builder.add(base, builder.mul(step, ir.Constant(_I64, r)))
+                for r in range(count)]
+    xos, bos = of_row(xo_, k_), of_row(bo_, builder.lshr(k_, ir.Constant(_I64, 4)))
+    dxs = [splat(builder, load(13, d, ir.FloatType()), _F16)
+           for d in of_row(do_, builder.lshr(k_, ir.Constant(_I64, 8)))]
+    oos = of_row(oo_, n16_)
+    return (xos, bos, dxs, *([array_ptr(context, builder, sig, args, i, o, _F16) for o in oos]
+                             for i in (15, 16)))
+
+
 X_ROWS = 2         # rows of x `tile_row` takes at once in the TILED order: each loaded vector
 # of codes serves both (the GEMM order's per-pair epilogues gained nothing: docs/BENCHMARKS.md,
 # "Two rows of x a pass")
@@ -302,47 +342,23 @@ def tile_row(typingctx, isa_, form, order, rows, codes, sc, mn, dw, dm, x, xo, x
     flush_every = 2 if how == GEMM else subs            # sub-blocks per float epilogue
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        xo_, bo_, do_, oo_, k_, n16_ = (_index(context, builder, sig, args, i)
-                                        for i in (10, 12, 14, 17, 18, 19))
-
         def load(i, idx, vecty, align=4):  # type: ignore[no-untyped-def]
             return builder.load(array_ptr(context, builder, sig, args, i, idx, vecty), align=align)
 
         def at(n):  # type: ignore[no-untyped-def]
             return ir.Constant(_I64, n)
 
-        def of_row(base, step, r):  # type: ignore[no-untyped-def]
-            return builder.add(base, builder.mul(step, at(r)))
-
-        xos = [of_row(xo_, k_, r) for r in range(count)]
-        bos = [of_row(bo_, builder.lshr(k_, at(4)), r) for r in range(count)]
-        oos = [of_row(oo_, n16_, r) for r in range(count)]
-        nsb = builder.lshr(k_, at(8))
-        dxs = [splat(builder, load(13, of_row(do_, nsb, r), ir.FloatType()), _F16)
-               for r in range(count)]
+        xos, bos, dxs, p_acc, p_am = _rows_of_x(context, builder, sig, args, count, load)
         dw, dm = load(7, at(0), _F16), load(8, at(0), _F16)
-        p_acc = [array_ptr(context, builder, sig, args, 15, o, _F16) for o in oos]
-        p_am = [array_ptr(context, builder, sig, args, 16, o, _F16) for o in oos]
         acc = [builder.load(p, align=4) for p in p_acc]
         am = [builder.load(p, align=4) for p in p_am]
         zero = ir.Constant(_L16, [0] * 16)
         total, mins = [zero] * count, [zero] * count
         for s in range(subs):
-            a = [zero] * count
-            for g in range(groups):
-                kg = s * groups + g
-                w = load(4, at(LANES * kg), _B64)
-                for r in range(count):
-                    xv = builder.bitcast(splat(builder, load(9, builder.add(xos[r], at(4 * kg)),
-                                                            _I32, 1), _L16), _B64)
-                    a[r] = dot4(builder, path, a[r], w, xv)
+            a = _sub_block(builder, path, kind, load, s, groups, xos, bos)
             scale = load(5, at(LANES * s), _L16)
             pairs = load(6, at(LANES * (s // 2)), _L16) if kind != 6 and s % 2 else None
             for r in range(count):
-                if kind == 6:
-                    xs = splat(builder, builder.sext(load(11, builder.add(bos[r], at(s)), _I16,
-                                                          2), _I32), _L16)
-                    a[r] = builder.sub(a[r], builder.shl(xs, ir.Constant(_L16, [5] * 16)))
                 total[r] = builder.add(total[r], builder.mul(a[r], scale))
                 if pairs is not None:   # sub-blocks s - 1 and s: one multiply-add of pairs
                     mins[r] = builder.add(mins[r], madd_pairs(
