@@ -28,7 +28,6 @@ from vllm_actors.kernels.cpu.activations import _f16_bits
 from vllm_actors.kernels.cpu.attention_math import half_to_f32
 from vllm_actors.kernels.cpu.intrinsics import (
     HARDWARE_HALF,
-    add16,
     bits_to_f32,
     call_address,
     data_pointer,
@@ -166,17 +165,10 @@ def _tile_scores(q16, kflat, koff, pos, window, scale, s, kt, krow):  # type: ig
     for i in range(1, rows):     # a loop, not pos.max(): numpy's max costs 0.3 s to compile
         last = max(last, pos[i])
     tiny = stack_f32(256)        # 16 x 16: tinyBLAS's 16 accumulators of 16 keys, in registers
-    halves = stack_f32(256)      # `_tiny_dots16_rows`' partial sums
-    dots = stack_f32(64)         # SCORE_ROWS x 16 (a literal size)
-    whole = rows - rows % SCORE_ROWS
     for j0 in range(0, last + 1, LANES):
         for d0 in range(0, dh, LANES):
             key_tile(kflat, koff, j0, d0, kt)
-        for i in range(0, whole, SCORE_ROWS):
-            _tiny_dots16_rows(q16, i, kt, dh, tiny, halves, dots)
-            for r in range(SCORE_ROWS):
-                _store_scores(s, i + r, j0, dots[r * LANES:], pos[i + r], window, scale)
-        for i in range(whole, rows):
+        for i in range(rows):
             _tiny_dots16(q16, i, kt, dh, tiny, krow)
             _store_scores(s, i, j0, krow, pos[i], window, scale)
 
@@ -236,37 +228,6 @@ def _tiny_dots16(q, i, kt, dh, acc, out):  # type: ignore[no-untyped-def]
         for a in range(LANES):
             fma16(acc, a * LANES, kt, (d0 + a) * LANES, q[i, d0 + a], 0)
     _tree16(acc, LANES, out)
-
-
-SCORE_ROWS = 4    # query rows `_tiny_dots16_rows` scores at once
-
-
-@numba.njit(inline="always", cache=True)
-def _tiny_dots16_rows(q, i, kt, dh, acc, halves, out):  # type: ignore[no-untyped-def]
-    """`_tiny_dots16` of rows i .. i + 3 into out[16 r ..] (stack arrays: acc 256 floats,
-    halves 256), each vector of kt loaded once for the 4 rows (one row at a time loads it
-    for each, and the loads bound the loop). A row's 16 chains are independent, so they run
-    in 4 passes: pass c takes accumulators c, c + 4, c + 8 and c + 12 of the 4 rows in
-    registers and leaves (a_{c+12} + a_{c+4}) + (a_{c+8} + a_c), then the row's dot is
-    (u_0 + u_2) + (u_1 + u_3): `_reduce16`'s sums, in its order."""
-    for c in range(4):
-        for a in range(16 * LANES):
-            acc[a] = 0.0
-        for d0 in range(0, dh, LANES):
-            for slot in range(4):
-                d = d0 + c + 4 * slot
-                for r in range(4):
-                    fma16(acc, (4 * r + slot) * LANES, kt, d * LANES, q[i + r, d], 0)
-        for r in range(4):
-            b = 4 * r * LANES
-            add16(acc, b, acc, b + 2 * LANES, acc, b)                          # a_{c+8} + a_c
-            add16(acc, b + LANES, acc, b + 3 * LANES, acc, b + LANES)          # a_{c+12} + a_{c+4}
-            add16(halves, (4 * r + c) * LANES, acc, b + LANES, acc, b)
-    for r in range(4):
-        b = 4 * r * LANES
-        add16(halves, b, halves, b, halves, b + 2 * LANES)
-        add16(halves, b + LANES, halves, b + LANES, halves, b + 3 * LANES)
-        add16(out, r * LANES, halves, b, halves, b + LANES)
 
 
 @numba.njit(inline="always", cache=True)
@@ -361,7 +322,6 @@ _CHAINS = 4 * ROWS * LANES      # its accumulators: 4 chains of 16 lanes a row
 # query rows `_tile_values` carries at once: its one chain a row is all the FMAs in flight
 TILE_ROWS = 8
 _TILE_CHAINS = TILE_ROWS * LANES
-_PAIR_CHAINS = 2 * _TILE_CHAINS    # `_chain_pair`'s: two vectors of dims a row
 
 
 @numba.njit(inline="always", cache=True)
@@ -406,49 +366,18 @@ def _decode_values(vflat, koff, p, s, comb, out):  # type: ignore[no-untyped-def
                 _tree16(comb[i * LANES * LANES:], LANES, out[i0 + i, d0:])
 
 
-@numba.njit(inline="always", cache=True)
-def _chain_pair(acc, vflat, koff, a, last, s, i0, d0):  # type: ignore[no-untyped-def]
-    """`_chain` of tinyBLAS's lane a (step 16) for TILE_ROWS rows and two vectors of
-    output dims, d0 .. d0+15 into acc[16 i ..] and d0+16 .. d0+31 into acc[16 (TILE_ROWS +
-    i) ..]: each probability loaded once for both, and the key's offset and the loop's
-    bookkeeping once for 16 FMAs. Unsigned indices: no wraparound checks in the loop."""
-    for j in range(a, last + 1, LANES):
-        ju = np.uint64(j)
-        off = np.uint64(koff[ju]) + np.uint64(d0)
-        for i in range(TILE_ROWS):
-            p = s[np.uint64(i0 + i), ju]
-            fma16(acc, i * LANES, vflat, off, p, 0)
-            fma16(acc, (TILE_ROWS + i) * LANES, vflat, off + np.uint64(LANES), p, 0)
-
-
 @numba.njit(cache=True)
 def _tile_values(vflat, koff, last, s, comb, out):  # type: ignore[no-untyped-def]
     """A tile's P . V in tinyBLAS's order, as `_weighted_values` gives it: key j chained onto
-    lane j % 16 of every output dimension, then `_tree16` across the lanes; 32 dimensions
-    (`_chain_pair`; 16 for a head dim's last 16 where it is no multiple of 32) and
-    TILE_ROWS query rows at a time, each lane's chains in registers (as `_decode_values`,
+    lane j % 16 of every output dimension, then `_tree16` across the lanes; 16 dimensions
+    and TILE_ROWS query rows at a time, each lane's chain in registers (as `_decode_values`,
     whose docstring says why chaining the zero probabilities changes no float). s: zeros
     past each row's keys up to `last`, rows padded to a multiple of TILE_ROWS; comb:
-    scratch of 2 x TILE_ROWS x 16 x 16."""
+    scratch of TILE_ROWS x 16 x 16."""
     rows, dh = out.shape
-    acc = stack_f32(_PAIR_CHAINS)
-    half = TILE_ROWS * LANES * LANES          # comb's part for the second 16 dims
+    acc = stack_f32(_TILE_CHAINS)
     for i0 in range(0, rows, TILE_ROWS):
-        for d0 in range(0, dh - dh % (2 * LANES), 2 * LANES):
-            for lane in range(LANES):
-                for a in range(_PAIR_CHAINS):
-                    acc[a] = 0.0
-                _chain_pair(acc, vflat, koff, lane, last, s, i0, d0)
-                for i in range(TILE_ROWS):
-                    for e in range(LANES):
-                        comb[(i * LANES + lane) * LANES + e] = acc[i * LANES + e]
-                        comb[half + (i * LANES + lane) * LANES + e] = \
-                            acc[(TILE_ROWS + i) * LANES + e]
-            for i in range(min(TILE_ROWS, rows - i0)):
-                _tree16(comb[i * LANES * LANES:], LANES, out[i0 + i, d0:])
-                _tree16(comb[half + i * LANES * LANES:], LANES, out[i0 + i, d0 + LANES:])
-        if dh % (2 * LANES):
-            d0 = dh - LANES
+        for d0 in range(0, dh, LANES):
             for lane in range(LANES):
                 for a in range(_TILE_CHAINS):
                     acc[a] = 0.0
@@ -551,8 +480,7 @@ def _tile_item(q, kc, vc, lut, table, block_size, kvh, g, first, ctx, nt, window
         _softmax16(s[i], m, lut)
         s[i, m:] = 0.0
     rows = np.empty((n, dh), np.float32)
-    _tile_values(vflat, koff, last, s, np.empty(2 * TILE_ROWS * LANES * LANES, np.float32),
-                 rows)
+    _tile_values(vflat, koff, last, s, np.empty(TILE_ROWS * LANES * LANES, np.float32), rows)
     _put_rows(out, rows, first, nt, kvh, g)
 
 
