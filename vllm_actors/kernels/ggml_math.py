@@ -237,8 +237,8 @@ def _geglu_rows(gate_up, table, out):  # type: ignore[no-untyped-def]
 
 
 # A prefill's rows in parallel: Gemma 3 270M's 512 x 2048 went 0.88 -> 0.22 ms on 2 threads
-# (the rows' loop also vectorizes better there); 0.4 s of compiling, in a GeGLU model's
-# warm-up (docs/BENCHMARKS.md, "Two rows of x a pass").
+# (4x: each thread's loop also ran faster in the parallel region, not examined); 0.4 s of
+# compiling, in a GeGLU model's warm-up (docs/BENCHMARKS.md, "Two rows of x a pass").
 @kernel(parallel=True, exact=True)
 def _geglu_rows_parallel(gate_up, table, out):  # type: ignore[no-untyped-def]
     for r in prange(out.shape[0]):

@@ -229,7 +229,7 @@ def _literals(*values):  # type: ignore[no-untyped-def]
 
 
 X_ROWS = 2         # rows of x `row_dots` takes at once: each loaded block of codes serves both
-# (3 or 4 spill the lanes' accumulators: docs/BENCHMARKS.md, "Two rows of x a pass")
+# (4 spilled the lanes' accumulators: docs/BENCHMARKS.md, "Two rows of x a pass")
 
 
 @intrinsic
