@@ -28,6 +28,7 @@ from vllm_actors.kernels.cpu.activations import _f16_bits
 from vllm_actors.kernels.cpu.attention_math import half_to_f32
 from vllm_actors.kernels.cpu.intrinsics import (
     HARDWARE_HALF,
+    add16,
     bits_to_f32,
     call_address,
     data_pointer,
@@ -165,10 +166,17 @@ def _tile_scores(q16, kflat, koff, pos, window, scale, s, kt, krow):  # type: ig
     for i in range(1, rows):     # a loop, not pos.max(): numpy's max costs 0.3 s to compile
         last = max(last, pos[i])
     tiny = stack_f32(256)        # 16 x 16: tinyBLAS's 16 accumulators of 16 keys, in registers
+    halves = stack_f32(256)      # `_tiny_dots16_rows`' partial sums
+    dots = stack_f32(64)         # SCORE_ROWS x 16 (a literal size)
+    whole = rows - rows % SCORE_ROWS
     for j0 in range(0, last + 1, LANES):
         for d0 in range(0, dh, LANES):
             key_tile(kflat, koff, j0, d0, kt)
-        for i in range(rows):
+        for i in range(0, whole, SCORE_ROWS):
+            _tiny_dots16_rows(q16, i, kt, dh, tiny, halves, dots)
+            for r in range(SCORE_ROWS):
+                _store_scores(s, i + r, j0, dots[r * LANES:], pos[i + r], window, scale)
+        for i in range(whole, rows):
             _tiny_dots16(q16, i, kt, dh, tiny, krow)
             _store_scores(s, i, j0, krow, pos[i], window, scale)
 
@@ -228,6 +236,37 @@ def _tiny_dots16(q, i, kt, dh, acc, out):  # type: ignore[no-untyped-def]
         for a in range(LANES):
             fma16(acc, a * LANES, kt, (d0 + a) * LANES, q[i, d0 + a], 0)
     _tree16(acc, LANES, out)
+
+
+SCORE_ROWS = 4    # query rows `_tiny_dots16_rows` scores at once
+
+
+@numba.njit(inline="always", cache=True)
+def _tiny_dots16_rows(q, i, kt, dh, acc, halves, out):  # type: ignore[no-untyped-def]
+    """`_tiny_dots16` of rows i .. i + 3 into out[16 r ..] (stack arrays: acc 256 floats,
+    halves 256), each vector of kt loaded once for the 4 rows (one row at a time loads it
+    for each, and the loads bound the loop). A row's 16 chains are independent, so they run
+    in 4 passes: pass c takes accumulators c, c + 4, c + 8 and c + 12 of the 4 rows in
+    registers and leaves (a_{c+12} + a_{c+4}) + (a_{c+8} + a_c), then the row's dot is
+    (u_0 + u_2) + (u_1 + u_3): `_reduce16`'s sums, in its order."""
+    for c in range(4):
+        for a in range(16 * LANES):
+            acc[a] = 0.0
+        for d0 in range(0, dh, LANES):
+            for slot in range(4):
+                d = d0 + c + 4 * slot
+                for r in range(4):
+                    fma16(acc, (4 * r + slot) * LANES, kt, d * LANES, q[i + r, d], 0)
+        for r in range(4):
+            b = 4 * r * LANES
+            add16(acc, b, acc, b + 2 * LANES, acc, b)                          # a_{c+8} + a_c
+            add16(acc, b + LANES, acc, b + 3 * LANES, acc, b + LANES)          # a_{c+12} + a_{c+4}
+            add16(halves, (4 * r + c) * LANES, acc, b + LANES, acc, b)
+    for r in range(4):
+        b = 4 * r * LANES
+        add16(halves, b, halves, b, halves, b + 2 * LANES)
+        add16(halves, b + LANES, halves, b + LANES, halves, b + 3 * LANES)
+        add16(out, r * LANES, halves, b, halves, b + LANES)
 
 
 @numba.njit(inline="always", cache=True)

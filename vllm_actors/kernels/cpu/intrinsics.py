@@ -297,6 +297,22 @@ def fma16(typingctx, acc, ai, a, xi, b, bi):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
+def add16(typingctx, out, oi, a, ai, b, bi):  # type: ignore[no-untyped-def]
+    """out[oi:oi+16] = a[ai:ai+16] + b[bi:bi+16] lane by lane (float32 arrays, flat indices):
+    one vector add where a loop over the lanes of stack arrays can become gathers."""
+    if not all(isinstance(t, types.Array) and t.dtype == types.float32 for t in (out, a, b)):
+        return None
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        x, y = (builder.load(_vec16(context, builder, sig.args[i], args[i], sig.args[i + 1],
+                                    args[i + 1]), align=4) for i in (2, 4))
+        builder.store(builder.fadd(x, y), _vec16(context, builder, sig.args[0], args[0],
+                                                 sig.args[1], args[1]), align=4)
+        return context.get_dummy_value()
+    return types.none(out, oi, a, ai, b, bi), codegen
+
+
+@intrinsic
 def muladd16(typingctx, acc, ai, w, wi, x):  # type: ignore[no-untyped-def]
     """acc[ai:ai+16] += w[wi:wi+16] * x, the product rounded to float32 and then the sum
     (ggml's uncontracted `sumf += x[i]*y[i]`, 16 outputs side by side); acc float32, w
