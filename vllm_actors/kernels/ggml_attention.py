@@ -167,7 +167,7 @@ def _tile_scores(q16, kflat, koff, pos, window, scale, s, kt, krow):  # type: ig
         last = max(last, pos[i])
     tiny = stack_f32(256)        # 16 x 16: tinyBLAS's 16 accumulators of 16 keys, in registers
     halves = stack_f32(256)      # `_tiny_dots16_rows`' partial sums
-    dots = stack_f32(64)         # SCORE_ROWS x 16 (a literal size)
+    dots = stack_f32(64)         # SCORE_ROWS x 16 dots (the size must be a literal)
     whole = rows - rows % SCORE_ROWS
     for j0 in range(0, last + 1, LANES):
         for d0 in range(0, dh, LANES):
@@ -238,16 +238,17 @@ def _tiny_dots16(q, i, kt, dh, acc, out):  # type: ignore[no-untyped-def]
     _tree16(acc, LANES, out)
 
 
-SCORE_ROWS = 4    # query rows `_tiny_dots16_rows` scores at once
+SCORE_ROWS = 4    # query rows `_tiny_dots16_rows` scores at once: with 4 accumulators a row
+# in a pass, SCORE_ROWS x 4 x 16 = 256 floats, its stack arrays' literal size
 
 
 @numba.njit(inline="always", cache=True)
 def _tiny_dots16_rows(q, i, kt, dh, acc, halves, out):  # type: ignore[no-untyped-def]
-    """`_tiny_dots16` of rows i .. i + 3 into out[16 r ..] (stack arrays: acc 256 floats,
-    halves 256), each vector of kt loaded once for the 4 rows (one row at a time loads it
+    """`_tiny_dots16` of rows i .. i + SCORE_ROWS - 1 into out[16 r ..] (stack arrays: acc
+    and halves 256 floats each), each vector of kt loaded once for the rows (one row at a time loads it
     for each, and the loads bound the loop). A row's 16 chains are independent, so they run
     in 4 passes: pass c takes accumulators c, c + 4, c + 8 and c + 12 of the 4 rows in
-    registers and leaves (a_{c+12} + a_{c+4}) + (a_{c+8} + a_c), then the row's dot is
+    registers and leaves u_c = (a_{c+12} + a_{c+4}) + (a_{c+8} + a_c), then the row's dot is
     (u_0 + u_2) + (u_1 + u_3): `_reduce16`'s sums, in its order."""
     for c in range(4):
         for a in range(16 * LANES):
@@ -255,14 +256,14 @@ def _tiny_dots16_rows(q, i, kt, dh, acc, halves, out):  # type: ignore[no-untype
         for d0 in range(0, dh, LANES):
             for slot in range(4):
                 d = d0 + c + 4 * slot
-                for r in range(4):
+                for r in range(SCORE_ROWS):
                     fma16(acc, (4 * r + slot) * LANES, kt, d * LANES, q[i + r, d], 0)
-        for r in range(4):
+        for r in range(SCORE_ROWS):
             b = 4 * r * LANES
             add16(acc, b, acc, b + 2 * LANES, acc, b)                          # a_{c+8} + a_c
             add16(acc, b + LANES, acc, b + 3 * LANES, acc, b + LANES)          # a_{c+12} + a_{c+4}
             add16(halves, (4 * r + c) * LANES, acc, b + LANES, acc, b)
-    for r in range(4):
+    for r in range(SCORE_ROWS):
         b = 4 * r * LANES
         add16(halves, b, halves, b, halves, b + 2 * LANES)
         add16(halves, b + LANES, halves, b + LANES, halves, b + 3 * LANES)
