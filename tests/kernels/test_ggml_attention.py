@@ -164,10 +164,10 @@ def _per_lane_tiles(q, k, v, table, ctx0, bs, scale, window):  # type: ignore[no
 
 
 def test_tile_path_equals_the_per_lane_forms():
-    """Steps of several tokens (`_tile_values`: 16 dimensions and 8 query rows at a time)
-    give the per-lane forms' floats bit for bit: whole tiles of 16 tokens and a partial one
-    after a cached context, GQA with 3 query heads a KV head (48 rows a tile), 5 with a
-    sliding window, and a head dim of 80."""
+    """Steps of several tokens (register tiles of 4 query rows x 4 keys and 8 rows x 2
+    dimensions) give the per-lane forms' floats bit for bit: a whole tile and a partial one
+    after a cached context, GQA with 3 query heads a KV head (96 rows a tile, 15 in the
+    partial one), 5 with a sliding window (105 rows), and a head dim of 80."""
     rng = np.random.default_rng(5)
     bs = 16
     for hq, hk, dh, ctx0, tokens, window in ((9, 3, 64, 20, 37, 0), (10, 2, 80, 3, 21, 9)):

@@ -297,22 +297,6 @@ def fma16(typingctx, acc, ai, a, xi, b, bi):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
-def add16(typingctx, out, oi, a, ai, b, bi):  # type: ignore[no-untyped-def]
-    """out[oi:oi+16] = a[ai:ai+16] + b[bi:bi+16] lane by lane (float32 arrays, flat indices):
-    one vector add where a loop over the lanes of stack arrays can become gathers."""
-    if not all(isinstance(t, types.Array) and t.dtype == types.float32 for t in (out, a, b)):
-        return None
-
-    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        x, y = (builder.load(_vec16(context, builder, sig.args[i], args[i], sig.args[i + 1],
-                                    args[i + 1]), align=4) for i in (2, 4))
-        builder.store(builder.fadd(x, y), _vec16(context, builder, sig.args[0], args[0],
-                                                 sig.args[1], args[1]), align=4)
-        return context.get_dummy_value()
-    return types.none(out, oi, a, ai, b, bi), codegen
-
-
-@intrinsic
 def muladd16(typingctx, acc, ai, w, wi, x):  # type: ignore[no-untyped-def]
     """acc[ai:ai+16] += w[wi:wi+16] * x, the product rounded to float32 and then the sum
     (ggml's uncontracted `sumf += x[i]*y[i]`, 16 outputs side by side); acc float32, w
@@ -380,6 +364,30 @@ def reduce64(typingctx, acc, ai):  # type: ignore[no-untyped-def]
                             builder.extract_element(v, i32(1)))
     return types.float32(acc, ai), codegen
 
+@intrinsic
+def reduce16x16(typingctx, acc, ai, out, oi):  # type: ignore[no-untyped-def]
+    """out[oi + k] = `_mm512_reduce_add_ps` of acc[ai + 16 k : ai + 16 k + 16] for k < 16
+    (float32 arrays, flat indices): the 16 reductions at once, each level of the reduction
+    (halves, quarters, pairs, then the last two) one vector add over two vectors' halves
+    gathered by a shuffle, so sixteen dots end in 15 adds and 30 shuffles."""
+    if not all(isinstance(t, types.Array) and t.dtype == types.float32 for t in (acc, out)):
+        return None
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        base = _vec16(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        vs = [builder.load(builder.gep(base, [ir.IntType(32)(k)]), align=4) for k in range(16)]
+        for width in (8, 4, 2, 1):      # lanes each vector's sums span, halved each level
+            lows = [t for t in range(32) if (t // width) % 2 == 0]
+            highs = [t for t in range(32) if (t // width) % 2 == 1]
+            vs = [builder.fadd(builder.shuffle_vector(a, b, ir.Constant(_I32X16, highs)),
+                               builder.shuffle_vector(a, b, ir.Constant(_I32X16, lows)))
+                  for a, b in zip(vs[0::2], vs[1::2])]
+        builder.store(vs[0], _vec16(context, builder, sig.args[2], args[2], sig.args[3],
+                                    args[3]), align=4)
+        return context.get_dummy_value()
+    return types.none(acc, ai, out, oi), codegen
+
+
 _I32X16, _I32X8 = ir.VectorType(ir.IntType(32), 16), ir.VectorType(ir.IntType(32), 8)
 
 
@@ -403,10 +411,10 @@ def transpose_rows(builder, rows):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
-def key_tile(typingctx, kflat, koff, j0, d0, dst):  # type: ignore[no-untyped-def]
-    """dst[16 (d0 + t) + l] = kflat[koff[j0 + l] + d0 + t] as float32, for l, t < 16: 16
+def key_tile(typingctx, kflat, koff, j0, d0, dst, stride):  # type: ignore[no-untyped-def]
+    """dst[stride (d0 + t) + l] = kflat[koff[j0 + l] + d0 + t] as float32, for l, t < 16: 16
     keys' float16 values (key l's row at koff[j0 + l]) converted 16 at a time and transposed
-    (`transpose_rows` on each half), one key per lane, as tinyBLAS's tiles read them."""
+    (`transpose_rows` on each half): dimension d0 + t of the 16 keys in one vector."""
     if not (isinstance(kflat, types.Array) and kflat.dtype == types.uint16
             and isinstance(koff, types.Array) and koff.dtype == types.int64
             and isinstance(dst, types.Array) and dst.dtype == types.float32):
@@ -424,10 +432,11 @@ def key_tile(typingctx, kflat, koff, j0, d0, dst):  # type: ignore[no-untyped-de
         for half in range(2):
             pick = ir.Constant(_I32X8, list(range(8 * half, 8 * half + 8)))
             cols += transpose_rows(builder, [builder.shuffle_vector(r, r, pick) for r in rows])
-        base = builder.mul(d, ir.IntType(64)(16))
+        step = context.cast(builder, args[5], sig.args[5], types.intp)
+        base = builder.mul(d, step)
         for t, col in enumerate(cols):
             out = _vec16(context, builder, sig.args[4], args[4], types.intp,
-                         builder.add(base, ir.IntType(64)(16 * t)))
+                         builder.add(base, builder.mul(step, ir.IntType(64)(t))))
             builder.store(builder.bitcast(col, _F16X), out, align=4)
         return context.get_dummy_value()
-    return types.none(kflat, koff, j0, d0, dst), codegen
+    return types.none(kflat, koff, j0, d0, dst, stride), codegen
