@@ -10,6 +10,7 @@ import numpy as np
 
 from vllm_actors.kernels import ggml_attention as ga
 from vllm_actors.kernels import ggml_math
+from vllm_actors.kernels.cpu.activations import _f16_bits
 from vllm_actors.kernels.cpu.qmatmul_prims import HALF_LUT
 
 
@@ -34,6 +35,48 @@ def test_probability_rounding_and_softmax_exp_equal_the_exact_forms():
     _both(xs, HALF_LUT, *out)
     assert np.array_equal(out[0].view(np.uint32), out[1].view(np.uint32))
     assert np.array_equal(out[2].view(np.uint32), out[3].view(np.uint32))
+
+
+@numba.njit(cache=True)
+def _softmax_per_chunk(s, n):  # type: ignore[no-untyped-def]
+    """ggml's soft_max as its loops run: the max one select after another, exp (`expf16`,
+    every element) 16 keys at a time, each 16's `_mm512_reduce_add_ps` added in float64, the
+    scaled probabilities rounded to float16: the reference of `_softmax16`'s passes."""
+    top = np.float32(-np.inf)
+    for i in range(n):
+        v = s[i]
+        top = v if v > top else top
+    chunk = np.empty(16, np.float32)
+    total = 0.0
+    for c in range(0, n, 16):
+        for lane in range(16):
+            chunk[lane] = ggml_math.expf16(np.float32(s[c + lane] - top))
+            s[c + lane] = chunk[lane]
+        total += np.float64(ga._reduce16(chunk))
+    inv = np.float32(1.0 / total)
+    for i in range(n):
+        s[i] = HALF_LUT[_f16_bits(np.float32(s[i] * inv))]
+
+
+def test_softmax_equals_it_a_chunk_at_a_time():
+    """Rows of 16 to 528 keys (the 16-chunk reductions 16 at once and one by one), masked
+    keys at both ends, scores far below the max (subnormal and zero exps), equal maxima,
+    +0 beside -0 as the max."""
+    rng = np.random.default_rng(7)
+    for n, spread in [(n, spread) for n in (16, 48, 256, 272, 528) for spread in (1.0, 40.0)
+                      for _ in range(64)]:     # many rows: a sum's last bit seldom shows
+        row = (rng.standard_normal(n) * spread).astype(np.float32)
+        row[rng.integers(0, n, 3)] = row.max()
+        row[-5:] = -np.inf
+        row[:n // 8] = -np.inf
+        if n == 48:
+            row[n // 8:] = np.where(rng.random(n - n // 8) < 0.5, 0.0, -0.0) - 100 * (
+                rng.random(n - n // 8) < 0.3)
+            row[-5:] = -np.inf
+        fast, ref = row.copy(), row.copy()
+        ga._softmax16(fast, n, np.empty(n, np.float32))
+        _softmax_per_chunk(ref, n)
+        assert np.array_equal(fast.view(np.uint32), ref.view(np.uint32)), (n, spread)
 
 
 @numba.njit(cache=True)
@@ -97,7 +140,7 @@ def _per_lane_decode(q, k, v, tables, ctx, bs, scale, window):  # type: ignore[n
             m = (p + ga.LANES) // ga.LANES * ga.LANES
             for i in range(g):
                 s[i, p + 1:m] = -np.inf
-                ga._softmax16(s[i], m, HALF_LUT)
+                _softmax_per_chunk(s[i], m)
             rows = np.empty((g, dh), np.float32)
             ga._weighted_values(v, tables[r], bs, kvh, pos, True, s,
                                 np.empty(64 * dh, np.float32),
@@ -155,7 +198,7 @@ def _per_lane_tiles(q, k, v, table, ctx0, bs, scale, window):  # type: ignore[no
             for i in range(nt * g):
                 m = (pos[i] + ga.LANES) // ga.LANES * ga.LANES
                 s[i, pos[i] + 1:m] = -np.inf
-                ga._softmax16(s[i], m, HALF_LUT)
+                _softmax_per_chunk(s[i], m)
             rows = np.empty((nt * g, dh), np.float32)
             ga._weighted_values(v, table, bs, kvh, pos, False, s, np.empty(ga.LANES * dh,
                                 np.float32), np.empty((pos.max() + 1) * dh, np.float32), rows)
