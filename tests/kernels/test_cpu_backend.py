@@ -62,6 +62,23 @@ def test_rms_norm_and_fused_add(cpu, rows):
     close(normed, REF.rms_norm(want_h, w, 1e-6), 2e-5)
 
 
+def test_rms_norm_groups_equal_it_row_by_row():
+    """The parallel kernels' groups of rows (their float64 sums of squares side by side)
+    give the row-at-a-time kernels' floats bit for bit: leftover rows, a strided view, and
+    the fused residual add."""
+    rows = 2 * elementwise.GROUP + 3
+    x, w = rand(rows, 2 * 576)[:, ::2], rand(576)
+    got, want = np.empty(x.shape, np.float32), np.empty(x.shape, np.float32)
+    elementwise._rms_norm_parallel(x, w, 1e-6, got)
+    elementwise._rms_norm_serial(x, w, 1e-6, want)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    h, d = (np.array(x), np.array(x)), rand(rows, 576)
+    elementwise._add_rms_norm_parallel(h[0], d, w, 1e-6, got)
+    elementwise._add_rms_norm_serial(h[1], d, w, 1e-6, want)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert np.array_equal(h[0], h[1])
+
+
 def test_rms_norm_over_heads_of_a_strided_view(cpu):
     qkv = rand(5, (4 + 2 * 2) * 16)
     _, k, _ = cpu.split_qkv(qkv, 4, 2, 16)

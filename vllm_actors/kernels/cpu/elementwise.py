@@ -15,16 +15,18 @@ import numpy as np
 from numba import prange
 
 from vllm_actors.kernels.cpu.attention_math import exp2
-from vllm_actors.kernels.cpu.intrinsics import fma_f32
+from vllm_actors.kernels.cpu.intrinsics import fma_f32, stack_f64
 from vllm_actors.kernels.cpu.jit import kernel
 
 # From this many rows a kernel runs over rows in parallel.
 PARALLEL_ROWS = 16
 
 
-@kernel
+@kernel(exact=True)
 def _sum_squares(x):  # type: ignore[no-untyped-def]
-    """sum of x[i] * x[i] (each product rounded to float32) in float64, as ggml sums them."""
+    """sum of x[i] * x[i] (each product rounded to float32) in float64, in order, as ggml
+    sums them (fast math had let LLVM vectorize the sum of a contiguous row: another order,
+    which float64 seldom showed)."""
     acc = 0.0
     for i in range(x.shape[0]):
         acc += np.float64(x[i] * x[i])
@@ -35,11 +37,39 @@ def _sum_squares(x):  # type: ignore[no-untyped-def]
 def _rms_row(x, weight, eps, out):  # type: ignore[no-untyped-def]
     """ggml's RMSNorm: mean = float32(sum / n), scale = 1 / sqrt(mean + eps) in float32,
     out = (x * scale) * w, each product rounded (no fast math: the order is the point)."""
-    n = x.shape[0]
-    mean = np.float32(_sum_squares(x) / n)
-    scale = np.float32(1.0) / np.float32(math.sqrt(mean + np.float32(eps)))
-    for i in range(n):
+    _scale_row(x, weight, _rms_scale(_sum_squares(x), x.shape[0], eps), out)
+
+
+@kernel(exact=True)
+def _rms_scale(total, n, eps):  # type: ignore[no-untyped-def]
+    mean = np.float32(total / n)
+    return np.float32(1.0) / np.float32(math.sqrt(mean + np.float32(eps)))
+
+
+@kernel(exact=True)
+def _scale_row(x, weight, scale, out):  # type: ignore[no-untyped-def]
+    for i in range(x.shape[0]):
         out[i] = (x[i] * scale) * weight[i]
+
+
+GROUP = 8     # rows whose sums of squares `_rms_rows` chains side by side
+
+
+@kernel(exact=True)
+def _rms_rows(x, r0, weight, eps, out):  # type: ignore[no-untyped-def]
+    """`_rms_row` of rows r0 .. r0 + GROUP - 1 of x, the same floats: each row's float64
+    sum is a chain of dependent adds (one row alone waits an add's latency an element), so
+    the group's chains run side by side."""
+    n = x.shape[1]
+    sums = stack_f64(GROUP)
+    for r in range(GROUP):
+        sums[r] = 0.0
+    for i in range(n):
+        for r in range(GROUP):
+            v = x[r0 + r, i]
+            sums[r] += np.float64(v * v)
+    for r in range(GROUP):
+        _scale_row(x[r0 + r], weight, _rms_scale(sums[r], n, eps), out[r0 + r])
 
 
 @kernel
@@ -50,7 +80,10 @@ def _rms_norm_serial(x, weight, eps, out):
 
 @kernel(parallel=True)
 def _rms_norm_parallel(x, weight, eps, out):
-    for r in prange(x.shape[0]):
+    whole = x.shape[0] // GROUP
+    for g in prange(whole):
+        _rms_rows(x, g * GROUP, weight, eps, out)
+    for r in range(whole * GROUP, x.shape[0]):
         _rms_row(x[r], weight, eps, out[r])
 
 
@@ -70,7 +103,13 @@ def _add_rms_norm_serial(h, delta, weight, eps, out):
 
 @kernel(parallel=True)
 def _add_rms_norm_parallel(h, delta, weight, eps, out):
-    for r in prange(h.shape[0]):
+    whole = h.shape[0] // GROUP
+    for g in prange(whole):
+        for r in range(g * GROUP, (g + 1) * GROUP):
+            for i in range(h.shape[1]):
+                h[r, i] = h[r, i] + delta[r, i]
+        _rms_rows(h, g * GROUP, weight, eps, out)
+    for r in range(whole * GROUP, h.shape[0]):
         _add_rms_row(h[r], delta[r], weight, eps, out[r])
 
 
