@@ -18,7 +18,8 @@ import numpy as np
 from numba import carray, prange, types
 
 from vllm_actors.kernels.cpu.intrinsics import (HARDWARE_HALF, bits_to_f32, call_address,
-                                                data_pointer, f32_to_bits, hardware_round_half)
+                                                data_pointer, f32_to_bits, hardware_round_half,
+                                                stack_i32)
 from vllm_actors.kernels.cpu.jit import callback
 from vllm_actors.kernels.cpu.qmatmul_prims import HALF_LUT
 
@@ -79,29 +80,41 @@ def _magnitude(v):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(inline="always", **_EXACT)
+def _max_magnitude(xr, n):  # type: ignore[no-untyped-def]
+    """The largest `_magnitude` of xr's n values (a constant multiple of 8: the loop
+    unrolls), 8 lanes at a time (a loop of one did not vectorize: a third of a Q8_0
+    block's time)."""
+    lanes = stack_i32(8)
+    for lane in range(8):
+        lanes[lane] = 0
+    for j in range(0, n, 8):
+        for lane in range(8):
+            lanes[lane] = max(lanes[lane], _magnitude(xr[j + lane]))
+    top = np.int32(0)
+    for lane in range(8):
+        top = max(top, lanes[lane])
+    return top
+
+
+@numba.njit(inline="always", **_EXACT)
 def _q8_0_block(x, lut, qs, d, s, dsum, i, b):  # type: ignore[no-untyped-def]
     """Block b of row i: quants qs int8 `[M, K]`, the scale d (float16-rounded, as
     float32), Q8_1's stored sum s = f16(d32 * sum q) with ggml's wrapping sum, and d * (the
     sum of the stored quants)."""
     xr, qr = x[i, 32 * b:32 * b + 32], qs[i, 32 * b:32 * b + 32]   # contiguous views
-    top = np.int32(0)
-    for j in range(32):
-        top = max(top, _magnitude(xr[j]))
-    amax = bits_to_f32(top)
+    amax = bits_to_f32(_max_magnitude(xr, 32))
     d32 = amax / np.float32(127)
     inv = np.float32(127) / amax if amax != 0 else np.float32(0)
     total = np.int32(0)        # ggml's sum (wrapping), for s
     stored = np.int32(0)       # the sum of the stored quants
-    for j in range(32):
+    for j in range(32):        # selects, not branches, and int32 sums: it vectorizes
         q = np.rint(xr[j] * inv)
-        if abs(q) < np.float32(2.0**31):
-            total += np.int32(q)
-        else:                  # inf, NaN: INT_MIN in the sum, -128 stored
-            total += np.int32(-2**31)
-            q = np.float32(-128)
-        q = min(max(q, np.float32(-128)), np.float32(127))
-        stored += np.int32(q)
-        qr[j] = np.int8(q)
+        # inf, NaN: INT_MIN in the sum as cvtps_epi32 gives it, -128 stored (saturated)
+        qi = np.int32(q if abs(q) < np.float32(2.0**31) else np.float32(-2.0**31))
+        total = np.int32(total + qi)      # int32, wrapping as ggml's epi32 adds
+        c = min(max(qi, np.int32(-128)), np.int32(127))
+        stored = np.int32(stored + c)
+        qr[j] = np.int8(c)
     d[i, b] = _round_half(d32, lut)
     s[i, b] = _round_half(d32 * np.float32(total), lut)
     dsum[i, b] = d[i, b] * np.float32(stored)
