@@ -19,7 +19,7 @@ import pytest
 
 from vllm_actors.kernels.cpu import attention as cpu
 from vllm_actors.kernels.cpu.attention_kernels import K0, K1, POS0
-from vllm_actors.kernels.cpu.attention_math import f32_to_half, half_to_f32, read_half
+from vllm_actors.kernels.cpu.attention_math import f32_to_half, half_to_f32, read_half, write_half
 from vllm_actors.kernels.cpu.attention_plan import SPLIT_KEYS
 from vllm_actors.kernels.cpu.intrinsics import HARDWARE_HALF
 from vllm_actors.kernels.cpu.jit import kernel
@@ -36,9 +36,10 @@ def _halves_to_f32(bits, out, hardware):
 
 
 @kernel
-def _f32_to_halves(x, out):
+def _f32_to_halves(x, out, written):
     for i in range(x.shape[0]):
         out[i] = f32_to_half(x[i])
+        written[i] = write_half(x[i])
 
 
 ALL_HALVES = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
@@ -83,8 +84,9 @@ def test_f32_to_half_bit_exact_on_edges_and_random_bits():
     rng = np.random.default_rng(0)
     random_bits = rng.integers(0, 1 << 32, 1 << 20, dtype=np.uint64).astype(np.uint32)
     x = np.concatenate([_edge_floats(), random_bits.view(np.float32)])
-    out = np.empty(len(x), np.uint16)
-    _f32_to_halves(x, out)
+    out, written = np.empty(len(x), np.uint16), np.empty(len(x), np.uint16)
+    _f32_to_halves(x, out, written)
+    np.testing.assert_array_equal(written, out)      # the cache writes' form (F16C), NaNs too
     with np.errstate(over="ignore", invalid="ignore"):
         ref = x.astype(np.float16).view(np.uint16)
     nan = np.isnan(x)
