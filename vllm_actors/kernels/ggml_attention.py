@@ -39,6 +39,7 @@ from vllm_actors.kernels.cpu.intrinsics import (
     reduce16x16,
     reduce64,
     stack_f32,
+    widen16,
 )
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
 from vllm_actors.kernels.ggml_math import NORMAL_HIGH, NORMAL_LOW, expf16, expf16_normal
@@ -582,8 +583,8 @@ def _float_keys(kflat, vflat, koff, dh):  # type: ignore[no-untyped-def]
     nk = koff.shape[0]
     kf, vt = _aligned(nk * dh), _aligned(nk * dh)
     for j in range(nk):
-        for d in range(dh):
-            kf[j * dh + d] = _cell(kflat[koff[j] + d])
+        for d in range(0, dh, LANES):
+            widen16(kf, j * dh + d, kflat, koff[j] + d)
     for j0 in range(0, nk, LANES):
         for d0 in range(0, dh, LANES):
             key_tile(vflat, koff, j0, d0, vt[j0:], nk)

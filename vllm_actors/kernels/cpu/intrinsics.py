@@ -297,6 +297,22 @@ def fma16(typingctx, acc, ai, a, xi, b, bi):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
+def widen16(typingctx, out, oi, a, ai):  # type: ignore[no-untyped-def]
+    """out[oi:oi+16] = a[ai:ai+16] as float32 (`a` float32, or float16 bits converted
+    exactly): one vector load and store, where a loop of converts did not vectorize (the
+    arrays' types do not tell LLVM they cannot overlap)."""
+    if not (isinstance(out, types.Array) and out.dtype == types.float32 and _is_f32_or_half(a)):
+        return None
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        x = _load16(context, builder, sig.args[2], args[2], sig.args[3], args[3])
+        builder.store(x, _vec16(context, builder, sig.args[0], args[0], sig.args[1], args[1]),
+                      align=4)
+        return context.get_dummy_value()
+    return types.none(out, oi, a, ai), codegen
+
+
+@intrinsic
 def muladd16(typingctx, acc, ai, w, wi, x):  # type: ignore[no-untyped-def]
     """acc[ai:ai+16] += w[wi:wi+16] * x, the product rounded to float32 and then the sum
     (ggml's uncontracted `sumf += x[i]*y[i]`, 16 outputs side by side); acc float32, w
