@@ -211,15 +211,15 @@ def _q8_k_block(x, qs, d, bsums, i, b):  # type: ignore[no-untyped-def]
     int8 `[M, K]`, the float32 scale d `[M, K / 256]`, and bsums int16 `[M, K / 16]`, the
     sum of every 16 quants."""
     xr, qr = x[i, 256 * b:256 * b + 256], qs[i, 256 * b:256 * b + 256]   # contiguous views
-    top = np.int32(0)              # the largest magnitude's bits (NaN skipped, as ggml's)
+    # the largest magnitude's bits (NaN skipped, as ggml's) and where it first stands, as
+    # one integer max over magnitude << 8 | (255 - j): a loop that vectorizes, where a
+    # search for the first place took 2.5 cycles a value
+    best = np.int64(0)
     for j in range(256):
-        top = max(top, _magnitude(xr[j]))
-    first = 256                    # where it first stands
-    for j in range(256):
-        if _magnitude(xr[j]) == top:
-            first = min(first, j)
+        best = max(best, (np.int64(_magnitude(xr[j])) << 8) | (255 - j))
+    top, first = np.int32(best >> 8), 255 - (best & 255)
     amax = bits_to_f32(top)
-    peak = xr[first] if first < 256 else np.float32(0)
+    peak = xr[first]
     iscale = np.float32(-127) / peak if amax != 0 else np.float32(0)
     d[i, b] = np.float32(1) / iscale if amax != 0 else np.float32(0)
     for j in range(256):
