@@ -63,20 +63,21 @@ def test_rms_norm_and_fused_add(cpu, rows):
 
 
 def test_rms_norm_groups_equal_it_row_by_row():
-    """The parallel kernels' groups of rows (their float64 sums of squares side by side)
-    give the row-at-a-time kernels' floats bit for bit: leftover rows, a strided view, and
-    the fused residual add."""
+    """The parallel kernels' groups of rows (their float64 sums of squares as vector lanes)
+    give the row-at-a-time kernels' floats bit for bit: leftover rows, a width past the
+    last whole 8, a strided view, and the fused residual add."""
     rows = 2 * elementwise.GROUP + 3
-    x, w = rand(rows, 2 * 576)[:, ::2], rand(576)
-    got, want = np.empty(x.shape, np.float32), np.empty(x.shape, np.float32)
-    elementwise._rms_norm_parallel(x, w, 1e-6, got)
-    elementwise._rms_norm_serial(x, w, 1e-6, want)
-    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
-    h, d = (np.array(x), np.array(x)), rand(rows, 576)
-    elementwise._add_rms_norm_parallel(h[0], d, w, 1e-6, got)
-    elementwise._add_rms_norm_serial(h[1], d, w, 1e-6, want)
-    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
-    assert np.array_equal(h[0], h[1])
+    for width in (576, 100):
+        x, w = rand(rows, 2 * width)[:, ::2] * 7, rand(width)
+        want = np.empty(x.shape, np.float32)
+        elementwise._rms_norm_serial(x, w, 1e-6, want)
+        got = elementwise.rms_norm(x, w, 1e-6)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+        h, d = (np.array(x), np.array(x)), rand(rows, width)
+        got = elementwise.add_rms_norm(h[0], d, w, 1e-6)
+        elementwise._add_rms_norm_serial(h[1], d, w, 1e-6, want)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+        assert np.array_equal(h[0], h[1])
 
 
 def test_rms_norm_over_heads_of_a_strided_view(cpu):

@@ -15,7 +15,7 @@ import numpy as np
 from numba import prange
 
 from vllm_actors.kernels.cpu.attention_math import exp2
-from vllm_actors.kernels.cpu.intrinsics import fma_f32, stack_f64
+from vllm_actors.kernels.cpu.intrinsics import fma_f32, square_sums16, stack_f64
 from vllm_actors.kernels.cpu.jit import kernel
 
 # From this many rows a kernel runs over rows in parallel.
@@ -52,24 +52,28 @@ def _scale_row(x, weight, scale, out):  # type: ignore[no-untyped-def]
         out[i] = (x[i] * scale) * weight[i]
 
 
-GROUP = 8     # rows whose sums of squares `_rms_rows` chains side by side
+GROUP = 16    # rows whose sums of squares `_rms_rows` runs as vector lanes
 
 
 @kernel(exact=True)
 def _rms_rows(x, r0, weight, eps, out):  # type: ignore[no-untyped-def]
-    """`_rms_row` of rows r0 .. r0 + GROUP - 1 of x, the same floats: each row's float64
-    sum is a chain of dependent adds (one row alone waits an add's latency an element), so
-    the group's chains run side by side."""
+    """`_rms_row` of rows r0 .. r0 + GROUP - 1 of the C-contiguous x, the same floats: each
+    row's float64 sum is a chain of dependent adds (a row alone waits an add's latency a
+    value), so the rows run as the lanes of `intrinsics.square_sums16`, 8 values at a time;
+    values past the last whole 8 are added one by one."""
     n = x.shape[1]
+    flat = x.reshape(-1)
     sums = stack_f64(GROUP)
     for r in range(GROUP):
         sums[r] = 0.0
-    for i in range(n):
-        for r in range(GROUP):
-            v = x[r0 + r, i]
-            sums[r] += np.float64(v * v)
+    whole = n - n % 8
+    for i in range(0, whole, 8):
+        square_sums16(sums, 0, flat, r0 * n + i, n)
     for r in range(GROUP):
-        _scale_row(x[r0 + r], weight, _rms_scale(sums[r], n, eps), out[r0 + r])
+        total = sums[r]
+        for i in range(whole, n):
+            total += np.float64(x[r0 + r, i] * x[r0 + r, i])
+        _scale_row(x[r0 + r], weight, _rms_scale(total, n, eps), out[r0 + r])
 
 
 @kernel
@@ -305,8 +309,10 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """RMSNorm over the last axis: a new float32 array of x's shape."""
     out = np.empty(x.shape, np.float32)
     rows = _rows(x)
-    fn = _rms_norm_parallel if len(rows) >= PARALLEL_ROWS else _rms_norm_serial
-    fn(rows, weight, eps, out.reshape(rows.shape))
+    if len(rows) >= PARALLEL_ROWS:
+        _rms_norm_parallel(np.ascontiguousarray(rows), weight, eps, out.reshape(rows.shape))
+    else:
+        _rms_norm_serial(rows, weight, eps, out.reshape(rows.shape))
     return out
 
 
@@ -314,8 +320,10 @@ def add_rms_norm(h: np.ndarray, delta: np.ndarray, weight: np.ndarray, eps: floa
                  ) -> np.ndarray:
     """h += delta in place (the residual stream), then RMSNorm(h) as a new array."""
     out = np.empty(h.shape, np.float32)
-    fn = _add_rms_norm_parallel if len(h) >= PARALLEL_ROWS else _add_rms_norm_serial
-    fn(h, delta, weight, eps, out)
+    if len(h) >= PARALLEL_ROWS and h.flags.c_contiguous:
+        _add_rms_norm_parallel(h, delta, weight, eps, out)
+    else:
+        _add_rms_norm_serial(h, delta, weight, eps, out)
     return out
 
 

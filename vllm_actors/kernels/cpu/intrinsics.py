@@ -427,6 +427,42 @@ def transpose_rows(builder, rows):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
+def square_sums16(typingctx, acc, ai, x, xi, stride):  # type: ignore[no-untyped-def]
+    """acc[ai + r] += float64(x[xi + r stride + t] ** 2) for t = 0 .. 7 in turn, for the 16
+    rows r (acc float64, x float32, flat indices): each row's sum in the order ggml's
+    RMSNorm adds, the 16 rows as vector lanes (8 values of each row loaded, squared in
+    float32, transposed by `transpose_rows`), two chains of 8 rows."""
+    if not (isinstance(acc, types.Array) and acc.dtype == types.float64
+            and isinstance(x, types.Array) and x.dtype == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        f32x8, f64x8 = ir.VectorType(ir.FloatType(), 8), ir.VectorType(ir.DoubleType(), 8)
+        xa = context.make_array(sig.args[2])(context, builder, args[2])
+        base = context.cast(builder, args[3], sig.args[3], types.intp)
+        step = context.cast(builder, args[4], sig.args[4], types.intp)
+        rows = []
+        for r in range(16):
+            at = builder.add(base, builder.mul(step, ir.IntType(64)(r)))
+            v = builder.load(builder.bitcast(builder.gep(xa.data, [at]), f32x8.as_pointer()),
+                             align=4)
+            rows.append(builder.bitcast(builder.fmul(v, v), _I32X8))
+        aa = context.make_array(sig.args[0])(context, builder, args[0])
+        i = context.cast(builder, args[1], sig.args[1], types.intp)
+        ptr = builder.bitcast(builder.gep(aa.data, [i]), f64x8.as_pointer())
+        halves = [builder.load(builder.gep(ptr, [ir.IntType(32)(h)]), align=8) for h in (0, 1)]
+        for col in transpose_rows(builder, rows):           # value t of the 16 rows
+            sq = builder.bitcast(col, _F16X)
+            for h in (0, 1):
+                part = builder.shuffle_vector(sq, sq, ir.Constant(_I32X8, list(range(8 * h, 8 * h + 8))))
+                halves[h] = builder.fadd(halves[h], builder.fpext(part, f64x8))
+        for h in (0, 1):
+            builder.store(halves[h], builder.gep(ptr, [ir.IntType(32)(h)]), align=8)
+        return context.get_dummy_value()
+    return types.none(acc, ai, x, xi, stride), codegen
+
+
+@intrinsic
 def key_tile(typingctx, kflat, koff, j0, d0, dst, stride):  # type: ignore[no-untyped-def]
     """dst[stride (d0 + t) + l] = kflat[koff[j0 + l] + d0 + t] as float32, for l, t < 16: 16
     keys' float16 values (key l's row at koff[j0 + l]) converted 16 at a time and transposed
