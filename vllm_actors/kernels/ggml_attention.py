@@ -83,14 +83,16 @@ def _softmax16(s, n, e):  # type: ignore[no-untyped-def]
     (one 16 at a time did not: 2.3 ns a key); exp outside its normal range (masked keys'
     -inf) redone after. e: scratch of n floats."""
     top = _row_max(s, n)
-    first, last = n, -1          # where the keys outside exp's normal range lie
+    # where the keys outside exp's normal range lie, tracked in int32 (int64 lanes, half as
+    # many a vector, made the tracking cost more than the exp)
+    first, last, none = np.int32(n), np.int32(-1), np.int32(n)
     for i in range(n):
         x = np.float32(s[i] - top)
         s[i] = x
         e[i] = expf16_normal(x)
         outside = not NORMAL_LOW <= x <= NORMAL_HIGH
-        first = min(first, i if outside else n)
-        last = max(last, i if outside else -1)
+        first = min(first, np.int32(i) if outside else none)
+        last = max(last, np.int32(i) if outside else np.int32(-1))
     if last >= 0:
         _exp_outside(s, first - first % LANES, last + 1, e)
     inv = np.float32(1.0 / _chunk_sums(e, n))
@@ -443,21 +445,23 @@ def _decode_values(vflat, koff, p, s, comb, out):  # type: ignore[no-untyped-def
 
 
 @numba.njit(cache=True)
-def _tile_values(vt, nk, s, out):  # type: ignore[no-untyped-def]
+def _tile_values(vt, nk, s, pos, out):  # type: ignore[no-untyped-def]
     """A tile's P . V in tinyBLAS's order, as `_weighted_values` gives it: key j chained onto
     lane j % 16 of its output's accumulator, then the reduction across the lanes; 8 query
     rows x 2 output dimensions a register tile (`_dot_tile`: a row of P and a column of V
     a vector at a time). vt: the values transposed (`[Dh, nk]`, flat), so a dimension's
     keys are contiguous. s: each row's probabilities over
     the first nk keys, zeros past its own (as `_decode_values`, whose docstring says why
-    chaining zero probabilities changes no float), rows padded to a multiple of TILE_ROWS."""
+    chaining zero probabilities changes no float, nor leaving out the 16s of keys past a
+    tile's last position), rows padded to a multiple of TILE_ROWS; pos: each row's."""
     rows, dh = out.shape
     width = s.shape[1]
     flat = s.reshape(-1)
     acc, dots = stack_f32(256), stack_f32(16)
     for i in range(0, rows, TILE_ROWS):
+        steps = pos[min(i + TILE_ROWS, rows) - 1] // LANES + 1    # rows in position order
         for d in range(0, dh, 2):
-            _dot_tile(flat, i * width, width, LANES, vt, d * nk, nk, LANES, nk // LANES,
+            _dot_tile(flat, i * width, width, LANES, vt, d * nk, nk, LANES, steps,
                       TILE_ROWS, acc, dots)
             for r in range(min(TILE_ROWS, rows - i)):
                 out[i + r, d] = dots[2 * r]
@@ -561,7 +565,7 @@ def _tile_item(q, kc, vc, lut, table, block_size, kvh, g, first, ctx, nt, window
         _softmax16(s[i], m, scratch)
         s[i, m:] = 0.0
     rows = np.empty((n, dh), np.float32)
-    _tile_values(vt, nk, s, rows)
+    _tile_values(vt, nk, s, pos, rows)
     _put_rows(out, rows, first, nt, kvh, g)
 
 
