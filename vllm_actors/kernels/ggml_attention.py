@@ -229,7 +229,7 @@ def _dot_tile(a, ai, a_row, a_step, b, bi, b_row, b_step, steps, rows, acc, out)
 
 
 @numba.njit(cache=True)
-def _tile_scores(q16, kf, pos, window, scale, s):  # type: ignore[no-untyped-def]
+def _tile_scores(q16, kf, pos, scale, s):  # type: ignore[no-untyped-def]
     """`_scores` of a step of several tokens (tinyBLAS's order) from the keys' rows as
     float32 (kf `[keys padded to 16, Dh]`, flat): 4 query rows x 4 keys a register tile
     (`_dot_tile`), the keys 16 at a time so that their rows stay in L1 while the query rows
@@ -450,10 +450,10 @@ def _tile_values(vt, nk, s, pos, out):  # type: ignore[no-untyped-def]
     lane j % 16 of its output's accumulator, then the reduction across the lanes; 8 query
     rows x 2 output dimensions a register tile (`_dot_tile`: a row of P and a column of V
     a vector at a time). vt: the values transposed (`[Dh, nk]`, flat), so a dimension's
-    keys are contiguous. s: each row's probabilities over
-    the first nk keys, zeros past its own (as `_decode_values`, whose docstring says why
-    chaining zero probabilities changes no float, nor leaving out the 16s of keys past a
-    tile's last position), rows padded to a multiple of TILE_ROWS; pos: each row's."""
+    keys are contiguous. s: each row's probabilities over the first nk keys, zeros past its
+    own (as `_decode_values`, whose docstring says why chaining zero probabilities changes
+    no float, nor leaving out the 16s of keys past a tile's last position), rows padded to
+    a multiple of TILE_ROWS; pos: each row's position."""
     rows, dh = out.shape
     width = s.shape[1]
     flat = s.reshape(-1)
@@ -553,7 +553,7 @@ def _tile_item(q, kc, vc, lut, table, block_size, kvh, g, first, ctx, nt, window
     padded = -(-n // TILE_ROWS) * TILE_ROWS
     s = _aligned(padded * nk).reshape(padded, nk)
     s[:] = 0.0
-    _tile_scores(q16, kf, pos, window, scale, s)
+    _tile_scores(q16, kf, pos, scale, s)
     scratch = np.empty(nk, np.float32)
     for i in range(n):
         m = ((pos[i] + LANES) // LANES) * LANES      # whole 16s; past them exp is 0

@@ -380,6 +380,10 @@ def reduce64(typingctx, acc, ai):  # type: ignore[no-untyped-def]
                             builder.extract_element(v, i32(1)))
     return types.float32(acc, ai), codegen
 
+
+_I32X16, _I32X8 = ir.VectorType(ir.IntType(32), 16), ir.VectorType(ir.IntType(32), 8)
+
+
 @intrinsic
 def reduce16x16(typingctx, acc, ai, out, oi):  # type: ignore[no-untyped-def]
     """out[oi + k] = `_mm512_reduce_add_ps` of acc[ai + 16 k : ai + 16 k + 16] for k < 16
@@ -402,9 +406,6 @@ def reduce16x16(typingctx, acc, ai, out, oi):  # type: ignore[no-untyped-def]
                                     args[3]), align=4)
         return context.get_dummy_value()
     return types.none(acc, ai, out, oi), codegen
-
-
-_I32X16, _I32X8 = ir.VectorType(ir.IntType(32), 16), ir.VectorType(ir.IntType(32), 8)
 
 
 def transpose_rows(builder, rows):  # type: ignore[no-untyped-def]
@@ -454,8 +455,9 @@ def square_sums16(typingctx, acc, ai, x, xi, stride):  # type: ignore[no-untyped
         for col in transpose_rows(builder, rows):           # value t of the 16 rows
             sq = builder.bitcast(col, _F16X)
             for h in (0, 1):
-                part = builder.shuffle_vector(sq, sq, ir.Constant(_I32X8, list(range(8 * h, 8 * h + 8))))
-                halves[h] = builder.fadd(halves[h], builder.fpext(part, f64x8))
+                pick = ir.Constant(_I32X8, list(range(8 * h, 8 * h + 8)))
+                halves[h] = builder.fadd(halves[h],
+                                         builder.fpext(builder.shuffle_vector(sq, sq, pick), f64x8))
         for h in (0, 1):
             builder.store(halves[h], builder.gep(ptr, [ir.IntType(32)(h)]), align=8)
         return context.get_dummy_value()
