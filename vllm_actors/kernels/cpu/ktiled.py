@@ -410,6 +410,30 @@ def _min_pairs(typingctx, mins, pairs):  # type: ignore[no-untyped-def]
     return types.none(mins, pairs), codegen
 
 
+@kernel(inline=True)
+def _clear_strips(out, am, m, n16, i0):  # type: ignore[no-untyped-def]
+    """Zero the chunk's 16 columns of out and am (am empty in the TILED order) for every
+    row of x, before its first superblock: the columns stay in cache for the chunk, where a
+    whole-array memset before the call went out to memory."""
+    for mm in range(m):
+        for lane in range(LANES):
+            out[mm * n16 + i0 + lane] = 0.0
+            if am.shape[0] != 0:
+                am[mm * n16 + i0 + lane] = 0.0
+
+
+@kernel(inline=True)
+def _less_mins(out, am, m, n16, i0):  # type: ignore[no-untyped-def]
+    """The repacked kernels' result for the chunk's columns: the sums less the min sums,
+    once at the end (as ggml's 8x8 kernels), while the columns are still in cache (nothing
+    in the TILED order, whose am is empty)."""
+    if am.shape[0] == 0:
+        return
+    for mm in range(m):
+        for lane in range(LANES):
+            out[mm * n16 + i0 + lane] -= am[mm * n16 + i0 + lane]
+
+
 @functools.cache
 def body(path: int, form: int, order: int, sc_dtype: str, interleaved: bool = False
          ) -> Callback:
@@ -431,10 +455,10 @@ def body(path: int, form: int, order: int, sc_dtype: str, interleaved: bool = Fa
         xb, xd = carray(xb_p, (m * k // 16,)), carray(xd_p, (m * nsb,))
         out, am = carray(out_p, (m * n16,)), carray(am_p, (m * n16 if order != TILED else 0,))
         codes, scales, mins = stack_i32(1024), stack_i32(256), stack_i32(128)   # 16 rows each
-        pairs = stack_i32(64)
-        dw, dm = stack_f32(16), stack_f32(16)
+        dw, dm, pairs = stack_f32(16), stack_f32(16), stack_i32(64)
         qoff, hoff, soff, moff = stack_i64(16), stack_i64(16), stack_i64(16), stack_i64(16)
         i0 = LANES * c
+        _clear_strips(out, am, m, n16, i0)
         for sb in range(nsb):
             if interleaved:         # the chunk's superblocks are one run: hint the next one
                 nxt = i0 * rb + 2048 * (sb + 1)
@@ -464,6 +488,7 @@ def body(path: int, form: int, order: int, sc_dtype: str, interleaved: bool = Fa
                 tile_row(path, form, order, 1, codes, scales, pairs, dw, dm, x,
                          mm * k + 256 * sb, xb, mm * (k // 16) + 16 * sb, xd, mm * nsb + sb,
                          out, am if order != TILED else out, mm * n16 + i0, k, n16)
+        _less_mins(out, am, m, n16, i0)
     u8, i64, f32 = types.CPointer(types.uint8), types.int64, types.CPointer(types.float32)
     u16 = types.CPointer(types.uint16)
     sc_t = types.CPointer(numba.from_dtype(np.dtype(sc_dtype)))
@@ -474,7 +499,7 @@ def body(path: int, form: int, order: int, sc_dtype: str, interleaved: bool = Fa
 
 @kernel(parallel=True, exact=True)
 def _tiled(fn, q, h, sc, mn, d, dmin, lut, xq, xb, xd, out, am, threads):  # type: ignore[no-untyped-def]
-    """out (and am) += the body at `fn` on every chunk of 16 weight rows."""
+    """out (and am) = the body at `fn` on every chunk of 16 weight rows."""
     prev = limit_threads(threads)
     n = q.shape[0]
     for c in prange((n + LANES - 1) // LANES):
@@ -506,10 +531,8 @@ def matmul(w: QuantMatrix, x: activations.Q8KRows, order: int, path: str | None 
     fn = body(code, form, order, sc.dtype.str, w.interleaved).address
     m = x.qs.shape[0]
     n16 = -(-w.rows // LANES) * LANES
-    out = np.zeros((m, n16), np.float32)
-    am = np.zeros((m, n16) if order != TILED else (0, 0), np.float32)
+    out = np.empty((m, n16), np.float32)       # each chunk clears and finishes its columns
+    am = np.empty((m, n16) if order != TILED else (0, 0), np.float32)
     threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
     _tiled(fn, q, h, sc, mn, d, dmin, HALF_LUT, x.qs, x.bsums, x.d, out, am, threads)
-    if order != TILED:
-        out -= am            # ggml's 8x8 kernels: the sums less the min sums, once at the end
     return out if n16 == w.rows else np.ascontiguousarray(out[:, :w.rows])

@@ -323,20 +323,26 @@ def matmul(w: QuantMatrix, x: activations.Q8KRows, path: str | None = None,
     `path` forces a SIMD path (default `isa.selected()`)."""
     m = x.qs.shape[0]
     kinds = row_kinds(w, [m] if requests is None else requests)
-    out = np.empty((m, w.rows), np.float32)
     bounds = [0, *(np.flatnonzero(np.diff(kinds)) + 1).tolist(), m]    # spans of one kind
+    if len(bounds) == 2:           # one kind: its kernel's array, not a copy of it
+        return _kind_span(w, x, 0, m, int(kinds[0]), path)
+    out = np.empty((m, w.rows), np.float32)
     for start, stop in zip(bounds[:-1], bounds[1:]):
-        rows, kind = stop - start, int(kinds[start])
-        order, fewest = _wide(w, kind) or (None, rows + 1)
-        if rows >= fewest:
-            out[start:stop] = ktiled.matmul(w, _row_slice(x, start, stop), order, path)
-            continue
-        if _in_registers(w, kind, rows):
-            out[start:stop] = krow.matmul(w, _row_slice(x, start, stop), path=path)
-            continue
-        span = pad_rows(_row_slice(x, start, stop), 1 if rows == 1 else GROUP)
-        out[start:stop] = _run(w, span, rows, kind, path)
+        out[start:stop] = _kind_span(w, x, start, stop, int(kinds[start]), path)
     return out
+
+
+def _kind_span(w: QuantMatrix, x: activations.Q8KRows, start: int, stop: int, kind: int,
+               path: str | None) -> np.ndarray:
+    """Rows start .. stop of x, all of `kind`, by the kernel that takes that many."""
+    rows = stop - start
+    order, fewest = _wide(w, kind) or (None, rows + 1)
+    if rows >= fewest:
+        return ktiled.matmul(w, _row_slice(x, start, stop), order, path)
+    if _in_registers(w, kind, rows):
+        return krow.matmul(w, _row_slice(x, start, stop), path=path)
+    span = pad_rows(_row_slice(x, start, stop), 1 if rows == 1 else GROUP)
+    return _run(w, span, rows, kind, path)
 
 
 def row_kinds(w: QuantMatrix, requests: Sequence[int]) -> np.ndarray:
