@@ -629,7 +629,7 @@ def _queries16(q, first, nt, kvh, g, lut, pad, flat):  # type: ignore[no-untyped
     to a multiple of `pad`. flat: the storage (that many rows)."""
     dh = q.shape[2]
     q16 = flat.reshape(-(-nt * g // pad) * pad, dh)
-    q16[:] = 0.0
+    q16[nt * g:] = 0.0              # the padding rows only: the rest is written below
     for ti in range(nt):
         for gi in range(g):
             for d in range(dh):
