@@ -223,7 +223,8 @@ class CpuBackend:
             formats.append(fmt)
         if len(mats) > 1 and qmatmul.supports_fused(mats) and len(set(formats)) == 1:
             mats, formats = [qmatmul.concat(mats)], formats[:1]   # IQ4_NL, converted types
-        return self._note(Linear(tuple(self._keep(qmatmul.interleave(m)) for m in mats),
+        return self._note(Linear(tuple(self._keep(qmatmul.interleave(m, fmt is not None))
+                                       for m, fmt in zip(mats, formats)),
                                  tuple(formats) if any(formats) else ()))
 
     def upload_table(self, weight: WeightLike) -> qmatmul.QuantMatrix:
@@ -234,9 +235,10 @@ class CpuBackend:
     def upload_lm_head(self, weight: WeightLike) -> Linear:
         table = self._tables.get(weight.name)   # the tied embedding, already uploaded
         if table is None:     # a head of its own is a matmul weight llama.cpp may repack
-            table = self._keep(_matrix(weight))
+            table = _matrix(weight)
             if getattr(weight, "activations", None) and _llama_repacks(weight):
-                table = qmatmul.interleave(replace(table, ggml_repacked=True))
+                table = replace(table, ggml_repacked=True)
+            table = self._keep(qmatmul.interleave(table, _format(weight, table) is not None))
         fmt = _format(weight, table)
         return self._note(Linear((table,), (fmt,) if fmt else ()), adaptable=False)
 

@@ -20,12 +20,13 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+from gguf import GGMLQuantizationType as T
 from llvmlite import ir
 from numba import carray, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from vllm_actors.kernels.cpu import activations, isa
+from vllm_actors.kernels.cpu import activations, isa, krow6
 from vllm_actors.kernels.cpu.intrinsics import call_address, data_pointer, prefetch_line
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
 from vllm_actors.kernels.cpu.ktiled import LANES, array_ptr, dot4, fma16, madd_pairs, x_pair
@@ -199,7 +200,7 @@ def _min_total(builder, path, pairs, bsums):  # type: ignore[no-untyped-def]
 def body(path: int, m: int) -> Callback:
     """One chunk of 16 interleaved Q4_K weight rows against x's m rows (`q4_k_rows`),
     compiled once per SIMD path and row count as a C callback."""
-    def chunk(q_p, n, rb, sc_p, mn_p, d_p, dm_p, lut_p, x_p, k, xb_p, xd_p, out_p, c):  # type: ignore[no-untyped-def]
+    def chunk(q_p, n, rb, sc_p, mn_p, d_p, dm_p, lut_p, x_p, rows, k, xb_p, xd_p, out_p, c):  # type: ignore[no-untyped-def]
         nsb = k // 256
         q, sc, mn = carray(q_p, (n * rb,)), carray(sc_p, (n * 8 * nsb,)), carray(mn_p, (n * 8 * nsb,))
         d, dm, lut = carray(d_p, (n * nsb,)), carray(dm_p, (n * nsb,)), carray(lut_p, (1 << 16,))
@@ -216,7 +217,7 @@ def body(path: int, m: int) -> Callback:
                   xd, out, r0, p0 * rb, n)
     u8, u16, i64, f32 = (types.CPointer(types.uint8), types.CPointer(types.uint16), types.int64,
                          types.CPointer(types.float32))
-    return callback(u8, i64, i64, u8, u8, u16, u16, f32, types.CPointer(types.int8), i64,
+    return callback(u8, i64, i64, u8, u8, u16, u16, f32, types.CPointer(types.int8), i64, i64,
                     types.CPointer(types.int16), f32, f32, i64, exact=True)(chunk)
 
 
@@ -235,30 +236,36 @@ def _rows(fn, q, sc, mn, d, dmin, lut, xq, xd, xb, out, threads, quantize, x):  
     for c in prange(n // LANES):
         call_address(fn, (data_pointer(q), n, q.shape[1], data_pointer(sc), data_pointer(mn),
                           data_pointer(d), data_pointer(dmin), data_pointer(lut),
-                          data_pointer(xq), xq.shape[1], data_pointer(xb), data_pointer(xd),
+                          data_pointer(xq), xq.shape[0], xq.shape[1], data_pointer(xb),
+                          data_pointer(xd),
                           data_pointer(out), c))
     restore_threads(prev)
 
 
 def matmul(w: QuantMatrix, x: activations.Q8KRows | None = None,
            floats: np.ndarray | None = None, path: str | None = None) -> np.ndarray:
-    """x's rows `[M, K]` (M <= `MAX_ROWS`) through W, an interleaved Q4_K
-    (`qmatmul.interleave`), each row in the repacked GEMV's order: as Q8_K blocks (`x`), or
-    as floats quantized inside the kernel's call into this thread's kept scratch
-    (`floats`)."""
+    """x's rows `[M, K]` through W interleaved (`qmatmul.interleave`), each row in the order
+    llama.cpp computes a one-row request in: a repacked Q4_K's GEMV (M <= `MAX_ROWS`) or
+    Q6_K's vec_dot (`krow6`, any M). x as Q8_K blocks (`x`), or as floats quantized inside
+    the kernel's call into this thread's kept scratch (`floats`)."""
     if (x is None) == (floats is None):
         raise TypeError("krow.matmul takes x's Q8_K blocks or its floats, one of them")
     if not w.interleaved:
-        raise ValueError("krow.matmul reads a Q4_K whose rows are interleaved")
+        raise ValueError("krow.matmul reads a Q4_K or Q6_K whose rows are interleaved")
     m, k = (x.qs if floats is None else floats).shape
-    if not 1 <= m <= MAX_ROWS:
+    six = w.qtype == T.Q6_K
+    if not 1 <= m <= (m if six else MAX_ROWS):
         raise ValueError(f"krow.matmul takes 1 to {MAX_ROWS} rows of x, not {m}")
     code = isa.code(path) if path else isa.selected_code()
-    plan = w.memo.get(("krow", code, m))
+    plan = w.memo.get(("krow", code, 0 if six else m))
     if plan is None:
-        threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
-        plan = w.memo[("krow", code, m)] = (body(code, m).address, w.planes, threads)
-    fn, (q, sc, mn, d, dmin), threads = plan
+        fn = krow6.body(code).address if six else body(code, m).address
+        planes = w.planes
+        if six:                  # low bits, scales (as bytes), high bits, d, (no dmin)
+            planes = (planes[0], planes[2].view(np.uint8), planes[1], planes[3], planes[3])
+        plan = w.memo[("krow", code, 0 if six else m)] = (fn, planes)
+    fn, (q, sc, mn, d, dmin) = plan
+    threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
     out = np.empty((m, w.rows), np.float32)
     if floats is not None:
         x = kept(("krow", m, k), lambda: activations.Q8KRows(

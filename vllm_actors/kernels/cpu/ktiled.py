@@ -216,6 +216,66 @@ def decode_interleaved(typingctx, q, at, codes):  # type: ignore[no-untyped-def]
     return types.none(q, at, codes), codegen
 
 
+def q6_codes(builder, low, high, j):  # type: ignore[no-untyped-def]
+    """The 6-bit codes (bytes) of quarter j of a Q6_K half superblock, from the vectors of its
+    low bits (word 8 (j % 2) + t of the half; nibble j // 2) and high bits (word t; bits
+    2 j): weights 32 j + 4 t .. of the half, as ggml's `dequantize_row_q6_K` reads them."""
+    bits = builder.and_(builder.lshr(low, ir.Constant(_B64, [4 * (j // 2)] * 64)),
+                        ir.Constant(_B64, [15] * 64))
+    top = builder.and_(builder.lshr(high, ir.Constant(_B64, [2 * j] * 64)),
+                       ir.Constant(_B64, [3] * 64))
+    return builder.or_(bits, builder.shl(top, ir.Constant(_B64, [4] * 64)))
+
+
+@intrinsic
+def decode_interleaved_q6_k(typingctx, ql, qh, at, codes):  # type: ignore[no-untyped-def]
+    """`decode_rows` for 16 interleaved Q6_K rows (`qmatmul_layout.interleave_words`; their
+    superblock's low bits at ql.flat[at ..], high bits at qh.flat[at / 2 ..]): each 64 bytes
+    already one word of every row. Group g = 8 c + t (weights 32 c + 4 t ..) from low word
+    16 (c // 4) + 8 (c % 2) + t and high word 8 (c // 4) + t."""
+    if not (isinstance(codes, types.Array) and codes.dtype == types.int32):
+        return None
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        base = _index(context, builder, sig, args, 2)
+        half = builder.lshr(base, ir.Constant(_I64, 1))
+
+        def vector(i, start, word):  # type: ignore[no-untyped-def]
+            return builder.load(array_ptr(context, builder, sig, args, i, builder.add(
+                start, ir.Constant(_I64, 64 * word)), _B64), align=1)
+        for t in range(8):
+            high = [vector(1, half, 8 * hh + t) for hh in range(2)]
+            for c in range(8):
+                hh, j = divmod(c, 4)
+                v = q6_codes(builder, vector(0, base, 16 * hh + 8 * (j % 2) + t), high[hh], j)
+                at = ir.Constant(_I64, LANES * (8 * c + t))
+                builder.store(v, array_ptr(context, builder, sig, args, 3, at, _B64), align=4)
+        return context.get_dummy_value()
+    return types.none(ql, qh, at, codes), codegen
+
+
+@intrinsic
+def widen_interleaved(typingctx, sc, at, out):  # type: ignore[no-untyped-def]
+    """`widen_rows` of 16 interleaved rows' 16 signed scales (Q6_K's; sc.flat[at ..], word
+    v of row l at byte 64 v + 4 l): scale s of row l at out[16 s + l]."""
+    if not (isinstance(sc, types.Array) and sc.dtype == types.int8):
+        return None
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        base = _index(context, builder, sig, args, 1)
+        for v in range(4):
+            word = builder.load(array_ptr(context, builder, sig, args, 0, builder.add(
+                base, ir.Constant(_I64, 64 * v)), _L16), align=1)
+            for b in range(4):
+                up = builder.shl(word, ir.Constant(_L16, [24 - 8 * b] * 16))
+                value = builder.ashr(up, ir.Constant(_L16, [24] * 16))
+                at = ir.Constant(_I64, LANES * (4 * v + b))
+                builder.store(value, array_ptr(context, builder, sig, args, 2, at, _L16),
+                              align=4)
+        return context.get_dummy_value()
+    return types.none(sc, at, out), codegen
+
+
 @intrinsic
 def widen_rows(typingctx, src, offs, count, out):  # type: ignore[no-untyped-def]
     """16 rows' `count` (a literal, 8 or 16) one-byte values (row l's at src.flat[offs[l]],
@@ -434,12 +494,29 @@ def _less_mins(out, am, m, n16, i0):  # type: ignore[no-untyped-def]
             out[mm * n16 + i0 + lane] -= am[mm * n16 + i0 + lane]
 
 
+@kernel(inline=True)
+def _decode(form, interleaved, q, h, sc, qo, so, qoff, hoff, soff, codes, scales):  # type: ignore[no-untyped-def]
+    """A superblock of 16 weight rows into `codes` and `scales` (int32, 16 rows each): as
+    stored (row l's at qoff[l], hoff[l], soff[l]), or interleaved (the chunk's superblock at
+    q.flat[qo ..], high bits at h.flat[qo / 2 ..], Q6_K's scales at sc.flat[so ..])."""
+    if interleaved and form == 6:
+        decode_interleaved_q6_k(q, h, qo, codes)
+        widen_interleaved(sc, so, scales)
+        return
+    if interleaved:
+        decode_interleaved(q, qo, codes)
+    else:
+        decode_rows(form, q, h, qoff, hoff, codes)
+    widen_rows(sc, soff, 16 if form == 6 else 8, scales)
+
+
 @functools.cache
 def body(path: int, form: int, order: int, sc_dtype: str, interleaved: bool = False
          ) -> Callback:
     """The work of one chunk of 16 weight rows (all superblocks, all rows of x) for a SIMD
-    path, form (4, 5, 6: Q4_K, Q5_K, Q6_K), float order and Q4_K quants layout (rows as
-    stored, or `interleaved`), compiled once as a C callback."""
+    path, form (4, 5, 6: Q4_K, Q5_K, Q6_K), float order and layout (rows as stored, or
+    `interleaved`: a repacked Q4_K's quants, a Q6_K's codes and scales), compiled once as a
+    C callback."""
     hq = 64 if form == 6 else 32          # high-bit bytes per superblock
     nsc = 16 if form == 6 else 8          # scales per superblock
     together = X_ROWS if order == TILED else 1    # rows of x per `tile_row`
@@ -463,6 +540,8 @@ def body(path: int, form: int, order: int, sc_dtype: str, interleaved: bool = Fa
             if interleaved:         # the chunk's superblocks are one run: hint the next one
                 nxt = i0 * rb + 2048 * (sb + 1)
                 prefetch_span(q, nxt, min(nxt + 2048, q.shape[0]), 64)
+                if form == 6:
+                    prefetch_span(h, nxt // 2, min(nxt // 2 + 1024, h.shape[0]), 64)
             else:
                 _prefetch_next(q, h, n, rb, hb, hq, nsb, i0, sb)
             for lane in range(LANES):
@@ -472,11 +551,8 @@ def body(path: int, form: int, order: int, sc_dtype: str, interleaved: bool = Fa
                 dw[lane] = lut[d[r, sb]]
                 if form != 6:
                     dm[lane] = lut[dmin[r, sb]]
-            if interleaved:
-                decode_interleaved(q, i0 * rb + 2048 * sb, codes)
-            else:
-                decode_rows(form, q, h, qoff, hoff, codes)
-            widen_rows(sc, soff, nsc, scales)
+            _decode(form, interleaved, q, h, sc, i0 * rb + 2048 * sb,
+                    i0 * 16 * nsb + 256 * sb, qoff, hoff, soff, codes, scales)
             if form != 6:
                 widen_rows(mn, moff, 8, mins)
                 _min_pairs(mins, pairs)

@@ -81,8 +81,9 @@ class QuantMatrix:
     # the GGUF type the planes hold exactly in `qtype`'s form (IQ4_NL as Q8_0,
     # `qmatmul_layout.LOSSLESS`), whose llama.cpp float order the integer kernels follow
     stored_as: int | None = None
-    # a repacked Q4_K whose quants plane holds 16 rows interleaved (`interleave`): only the
-    # integer kernels that take 16 weight rows as vector lanes read it (`krow`, `ktiled`)
+    # a repacked Q4_K or a Q6_K whose planes of codes hold 16 rows interleaved
+    # (`interleave`): only the integer kernels that take 16 weight rows as vector lanes read
+    # it (`krow`, `ktiled`)
     interleaved: bool = False
     # what the kernels reading this matrix prepared once for their calls (argument type
     # keys, prefetch distance); never part of its value, and not copied by `replace`
@@ -199,16 +200,23 @@ def concat(parts: Sequence[QuantMatrix]) -> QuantMatrix:
                        interleaved=parts[0].interleaved)
 
 
-def interleave(w: QuantMatrix) -> QuantMatrix:
-    """W with its quants interleaved 16 rows at a time (`qmatmul_layout.interleave_q4_k`)
-    where it is a repacked Q4_K of rows a multiple of 16 (the one-row and many-row integer
-    kernels then read each superblock of 16 rows as one contiguous run of vectors); any
-    other matrix as it is."""
-    if (w.qtype != T.Q4_K or not w.ggml_repacked or w.interleaved
-            or w.rows % layout.INTERLEAVED_ROWS):
+def interleave(w: QuantMatrix, integer: bool = True) -> QuantMatrix:
+    """W with its planes of codes interleaved 16 rows at a time
+    (`qmatmul_layout.interleave_words`), where only the integer kernels that take 16 weight
+    rows as vector lanes read it (`krow`, `ktiled`): a repacked Q4_K's quants, and a Q6_K's
+    low bits, high bits and scales when `integer` (the quantized semantics's kernels alone
+    read the weight); rows a multiple of 16. Any other matrix as it is."""
+    if w.interleaved or w.rows % layout.INTERLEAVED_ROWS:
         return w
-    planes = (layout.interleave_q4_k(w.planes[0]),) + w.planes[1:]
-    return QuantMatrix(w.qtype, w.rows, w.cols, planes, ggml_repacked=True,
+    if w.qtype == T.Q4_K and w.ggml_repacked:
+        planes = (layout.interleave_words(w.planes[0], 128),) + w.planes[1:]
+    elif w.qtype == T.Q6_K and integer:
+        ql, qh, sc, d = w.planes
+        planes = (layout.interleave_words(ql, 128), layout.interleave_words(qh, 64),
+                  layout.interleave_words(sc, 16), d)
+    else:
+        return w
+    return QuantMatrix(w.qtype, w.rows, w.cols, planes, ggml_repacked=w.ggml_repacked,
                        stored_as=w.stored_as, interleaved=True)
 
 

@@ -361,9 +361,10 @@ def row_kinds(w: QuantMatrix, requests: Sequence[int]) -> np.ndarray:
 
 
 def _in_registers(w: QuantMatrix, kind: int, rows: int) -> bool:
-    """Whether `rows` rows of `kind` on W take `krow` (the repacked Q4_K GEMV's order on
-    interleaved rows, `qmatmul.interleave`, up to `krow.MAX_ROWS` rows)."""
-    return kind == REPACKED_Q4_K and w.interleaved and rows <= krow.MAX_ROWS
+    """Whether `rows` rows of `kind` on W take `krow` (on interleaved rows,
+    `qmatmul.interleave`: the repacked Q4_K GEMV's order up to `krow.MAX_ROWS` rows, Q6_K's
+    vec_dot at any count)."""
+    return w.interleaved and (kind == 6 or (kind == REPACKED_Q4_K and rows <= krow.MAX_ROWS))
 
 
 def _wide(w: QuantMatrix, kind: int) -> tuple[int, int] | None:
@@ -371,6 +372,8 @@ def _wide(w: QuantMatrix, kind: int) -> tuple[int, int] | None:
     interleaved W's rows all go to `ktiled` or `krow`: no pair kernel reads that layout."""
     if w.interleaved and kind == REPACKED_Q4_K:
         return ktiled.GEMV, krow.MAX_ROWS + 1
+    if w.interleaved and kind == TILED + 6:
+        return ktiled.TILED, 1
     return _WIDE.get(kind)
 
 
@@ -448,7 +451,7 @@ def _decode_plan(w: QuantMatrix, kind: int, path: str | None, group: int
     plan = w.memo.get(("int_k", kind, code, group))
     if plan is None:
         if w.interleaved:
-            raise ValueError("the pair kernels read Q4_K rows as stored, not interleaved")
+            raise ValueError("the pair kernels read K-quant rows as stored, not interleaved")
         if kind % 10 == 6:      # ql, qh, scales, d
             planes = (w.planes[0], w.planes[1], w.planes[2], _NO_BITS, w.planes[3], _NO_U16)
         elif kind % 10 == 5:    # qh, qs, sc, mn, d, dmin

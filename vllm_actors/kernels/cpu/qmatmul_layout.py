@@ -174,26 +174,33 @@ def _aligned(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return raw[skip:skip + nbytes].view(dtype).reshape(shape)
 
 
-# weight rows a Q4_K quants plane interleaves (`interleave_q4_k`): one vector of 16 int32 lanes
+# weight rows an interleaved plane holds side by side (`interleave_words`): one vector of 16
+# int32 lanes
 INTERLEAVED_ROWS = 16
 
 
-def interleave_q4_k(qs: np.ndarray) -> np.ndarray:
-    """A Q4_K quants plane `[N, 128 nsb]` (N a multiple of 16) with each chunk of 16 rows
-    reordered: word v (bytes 4v .. 4v + 3) of superblock sb of its row l moves to byte
-    64 (32 sb + v) + 4 l of the chunk, so the 16 rows' words v lie side by side, one
-    vector of lanes as `krow` and `ktiled` read them (no transposes), and a chunk is one
-    contiguous stream. A new plane, its chunks reordered on the load's threads."""
-    n, rb = qs.shape
-    if n % INTERLEAVED_ROWS or rb % 128:
-        raise ValueError(f"cannot interleave a Q4_K quants plane of shape {qs.shape}")
-    out = _aligned(qs.shape, qs.dtype)
-    src = qs.view(np.uint32).reshape(n // INTERLEAVED_ROWS, INTERLEAVED_ROWS, rb // 128, 32)
-    dst = out.view(np.uint32).reshape(n // INTERLEAVED_ROWS, rb // 128, 32, INTERLEAVED_ROWS)
+def interleave_words(plane: np.ndarray, per_superblock: int) -> np.ndarray:
+    """A plane of `per_superblock` bytes a row and superblock (`[N, per_superblock nsb]`, N a
+    multiple of 16: Q4_K's quants 128, Q6_K's low bits 128, high bits 64, scales 16) with
+    each chunk of 16 rows reordered: word v (bytes 4v .. 4v + 3) of superblock sb of its row
+    l moves to byte 64 (W sb + v) + 4 l of the chunk (W = per_superblock / 4 words), so the
+    16 rows' words v lie side by side, one vector of lanes as `krow` and `ktiled` read them
+    (no transposes), and a chunk is one contiguous stream. A new plane, its chunks
+    reordered on the load's threads."""
+    n, rb = plane.shape
+    if n % INTERLEAVED_ROWS or rb % per_superblock or per_superblock % 4:
+        raise ValueError(f"cannot interleave a plane of shape {plane.shape} by "
+                         f"{per_superblock} bytes a superblock")
+    words = per_superblock // 4
+    out = _aligned(plane.shape, plane.dtype)
+    src = plane.view(np.uint32).reshape(n // INTERLEAVED_ROWS, INTERLEAVED_ROWS,
+                                        rb // per_superblock, words)
+    dst = out.view(np.uint32).reshape(n // INTERLEAVED_ROWS, rb // per_superblock, words,
+                                      INTERLEAVED_ROWS)
 
     def reorder(c0: int, c1: int) -> None:
         dst[c0:c1] = src[c0:c1].transpose(0, 2, 3, 1)
-    threads = len(_spans(qs.size // 128))      # as many as the split of its blocks took
+    threads = len(_spans(plane.size // 128))      # as many as the split of its blocks took
     bounds = [len(src) * i // threads for i in range(threads + 1)]
     for done in [_pool().submit(reorder, *span) for span in zip(bounds[:-1], bounds[1:])]:
         done.result()
