@@ -66,11 +66,15 @@ def test_one_row_requests_equal_vec_dot_on_every_path():
     n, k = 48, 512
     stored = qmatmul.pack(random_blocks(QT.Q6_K, n, k, rng), QT.Q6_K, (n, k))
     w = qmatmul.interleave(stored)
-    assert w.interleaved and w.planes[3] is stored.planes[3]
+    assert w.interleaved and all(p.ctypes.data % 64 == 0 for p in w.planes)
     assert not qmatmul.interleave(stored, integer=False).interleaved
     r, sb, word = rng.integers(0, n, 64), rng.integers(0, 2, 64), rng.integers(0, 16, 64)
     at = 1024 * (r // 16 * 2 + sb) + 64 * word + 4 * (r % 16)
     assert np.array_equal(w.planes[1].reshape(-1)[at], stored.planes[1][r, 64 * sb + 4 * word])
+    at = 256 * (r // 16 * 2 + sb) + 64 * (word // 4) + 4 * (r % 16) + word % 4
+    assert np.array_equal(w.planes[2].reshape(-1)[at], stored.planes[2][r, 16 * sb + word])
+    at = 32 * (r // 16) + 16 * sb + r % 16
+    assert np.array_equal(w.planes[3].reshape(-1)[at], stored.planes[3][r, sb])
     xf = (rng.standard_normal((7, k)) * 4).astype(np.float32)
     xf[1], xf[2, :256] = 0.0, -2.5
     xq = activations.quantize_q8_k(xf)

@@ -126,10 +126,18 @@ def test_one_row_in_registers_equals_the_direct_computation():
     stored = replace(qmatmul.pack(random_blocks(QT.Q4_K, n, k, rng), QT.Q4_K, (n, k)),
                      ggml_repacked=True)
     w = qmatmul.interleave(stored)
-    assert w.interleaved and w.planes[1:] == stored.planes[1:] and w.planes[0].ctypes.data % 64 == 0
-    r, sb, word = rng.integers(0, n, 64), rng.integers(0, k // 256, 64), rng.integers(0, 32, 64)
-    at = 2048 * (r // 16 * (k // 256) + sb) + 64 * word + 4 * (r % 16)
+    assert w.interleaved and all(p.ctypes.data % 64 == 0 for p in w.planes)
+    nsb = k // 256
+    r, sb, word = rng.integers(0, n, 64), rng.integers(0, nsb, 64), rng.integers(0, 32, 64)
+    at = 2048 * (r // 16 * nsb + sb) + 64 * word + 4 * (r % 16)
     assert np.array_equal(w.planes[0].reshape(-1)[at], stored.planes[0][r, 128 * sb + 4 * word])
+    sub = word % 8          # a scale or min, and d and dmin: 16 rows side by side
+    at = 8 * (r // 16 * 16 * nsb + 16 * sb) + 64 * (sub // 4) + 4 * (r % 16) + sub % 4
+    for i in (1, 2):
+        assert np.array_equal(w.planes[i].reshape(-1)[at], stored.planes[i][r, 8 * sb + sub])
+    at = r // 16 * 16 * nsb + 16 * sb + r % 16
+    for i in (3, 4):
+        assert np.array_equal(w.planes[i].reshape(-1)[at], stored.planes[i][r, sb])
     assert qmatmul.interleave(replace(stored, ggml_repacked=False)).interleaved is False
     xf = (rng.standard_normal((3, k)) * 4).astype(np.float32)
     xf[1], xf[2, :256] = 0.0, -2.5

@@ -1,7 +1,7 @@
 """A decode step's K-quant linear: 1 to 4 rows of x (Q8_K blocks, one-row requests) against
 a Q4_K weight that llama.cpp repacks (`qmatmul_int_k.REPACKED_Q4_K`, its 8x8 GEMV's float
 order), with 16 weight rows as the lanes of a vector and no decoded copy: the quants are
-stored 16 rows interleaved (`qmatmul_layout.interleave_q4_k`), so each 64 bytes of a chunk's
+stored 16 rows interleaved (`qmatmul.interleave`), so each 64 bytes of a chunk's
 superblock are one vector of 4 bytes a row, split into nibbles on all rows at once and
 multiplied by each row of x's 4 quants (broadcast) with one 4-byte dot product a group
 (`ktiled.dot4`). Sub-block s's sums a_s then give the exact integers
@@ -29,12 +29,13 @@ from numba.extending import intrinsic
 from vllm_actors.kernels.cpu import activations, isa, krow6
 from vllm_actors.kernels.cpu.intrinsics import call_address, data_pointer, prefetch_line
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
-from vllm_actors.kernels.cpu.ktiled import LANES, array_ptr, dot4, fma16, madd_pairs, x_pair
+from vllm_actors.kernels.cpu.ktiled import (LANES, array_ptr, dot4, fma16, lane_bytes,
+                                            madd_pairs, x_pair)
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix
 from vllm_actors.kernels.cpu.qmatmul_prims import (HALF_LUT, kept, limit_threads, prefetch_span,
                                                    restore_threads)
 from vllm_actors.kernels.cpu.qmatmul_simd import splat
-from vllm_actors.kernels.cpu.qwide import half_vector
+from vllm_actors.kernels.cpu.qwide import half_lanes
 
 _I8, _I16, _I32, _I64 = (ir.IntType(n) for n in (8, 16, 32, 64))
 _B64 = ir.VectorType(_I8, 64)
@@ -49,9 +50,10 @@ _NO_F32 = np.zeros((0, 0), np.float32)
 def q4_k_rows(typingctx, isa_, m, q, qo, sc, mn, so, d, dm, do, nsb, lut, x, xb, xd, out, oo, po, no):  # type: ignore[no-untyped-def]
     """x's m rows (a literal; row r's quants at x.flat[r 256 nsb + 256 sb ..], sums of 16 at
     xb.flat[r 16 nsb + 16 sb ..], scales at xd.flat[r nsb + sb]) against a chunk of 16
-    interleaved Q4_K weight rows (`qmatmul_layout.interleave_q4_k`): superblock sb's quants at
-    q.flat[qo + 2048 sb ..], row l's 8 scales and mins at sc.flat / mn.flat[so + l 8 nsb +
-    8 sb], d and dmin at d.flat / dm.flat[do + l nsb + sb]; out.flat[r no + oo : .. + 16] =
+    interleaved Q4_K weight rows (`qmatmul.interleave`): superblock sb's quants at
+    q.flat[qo + 2048 sb ..], the 16 rows' 8 scales and mins at sc.flat / mn.flat[so +
+    128 sb ..] (word v of row l at byte 64 v + 4 l), d and dmin at d.flat / dm.flat[do +
+    16 sb ..] (row l's at l); out.flat[r no + oo : .. + 16] =
     the 16 outputs of x's row r in the repacked GEMV's float order. Each vector of quants is
     loaded and split once for all m rows; the chunk at q.flat[po ..] is prefetched as the
     superblocks go."""
@@ -84,16 +86,16 @@ def q4_k_rows(typingctx, isa_, m, q, qo, sc, mn, so, d, dm, do, nsb, lut, x, xb,
             def hint(off):  # type: ignore[no-untyped-def]
                 prefetch_line(builder, array_ptr(context, builder, sig, args, 2,
                                                  builder.add(ahead, off), _I8))
-            sa = _lanes(builder, builder.add(so_, builder.mul(sb, ir.Constant(_I64, 8))),
-                      builder.mul(nsb_, ir.Constant(_I64, 8)))
-            scales, mins = _bytes8(builder, load, 4, sa), _bytes8(builder, load, 5, sa)
+            sa = builder.add(so_, builder.mul(sb, ir.Constant(_I64, 8 * LANES)))
+            scales, mins = (lane_bytes(builder, [load(i, builder.add(sa, ir.Constant(
+                _I64, 64 * v)), _L16) for v in range(2)], 8, False) for i in (4, 5))
             totals = _totals(builder, path, load, builder.add(qo_, base),
                              [at(r, 256, sb) for r in range(count)], scales, hint)
-            hs = _lanes(builder, builder.add(do_, sb), nsb_)
+            ha = builder.add(do_, builder.mul(sb, ir.Constant(_I64, LANES)))
 
             def halves(i):  # type: ignore[no-untyped-def]
-                return half_vector(builder, [load(i, h, _I16, 2) for h in hs],
-                               lambda v: load(11, builder.zext(v, _I64), ir.FloatType(), 4))
+                return half_lanes(builder, load(i, ha, ir.VectorType(_I16, LANES), 2),
+                                  lambda v: load(11, builder.zext(v, _I64), ir.FloatType(), 4))
             _epilogue(builder, path, load, accs, totals, _pairs(builder, mins), halves(7),
                       halves(8), lambda r, per: at(r, per, sb))
         for r, (acc, am) in enumerate(accs):
@@ -103,12 +105,6 @@ def q4_k_rows(typingctx, isa_, m, q, qo, sc, mn, so, d, dm, do, nsb, lut, x, xb,
         return context.get_dummy_value()
     return types.none(isa_, m, q, qo, sc, mn, so, d, dm, do, nsb, lut, x, xb, xd, out, oo,
                       po, no), codegen
-
-
-def _lanes(builder, start, stride):  # type: ignore[no-untyped-def]
-    """The 16 offsets start + l * stride of a chunk's rows l."""
-    return [builder.add(start, builder.mul(stride, ir.Constant(_I64, lane)))
-            for lane in range(LANES)]
 
 
 def _totals(builder, path, load, base, xos, scales, hint):  # type: ignore[no-untyped-def]
@@ -149,18 +145,6 @@ def _totals(builder, path, load, base, xos, scales, hint):  # type: ignore[no-un
             builder.store(builder.add(builder.load(slot), builder.add(
                 builder.mul(low, low_sc), builder.mul(high, high_sc))), slot)
     return [builder.load(slot) for slot in slots]
-
-
-def _bytes8(builder, load, i, at):  # type: ignore[no-untyped-def]
-    """16 rows' 8 unsigned bytes (row l's at array i's flat[at[l]]) as 8 vectors <16 x
-    i32>, byte s of every row in vector s."""
-    v = ir.Constant(ir.VectorType(_I64, 16), ir.Undefined)
-    for lane, o in enumerate(at):
-        v = builder.insert_element(v, load(i, o, _I64), ir.Constant(_I32, lane))
-    raw = builder.bitcast(v, ir.VectorType(_I8, 128))
-    return [builder.zext(builder.shuffle_vector(raw, raw, ir.Constant(
-        ir.VectorType(_I32, 16), [8 * lane + s for lane in range(LANES)])), _L16)
-        for s in range(8)]
 
 
 def _epilogue(builder, path, load, accs, totals, pairs, dw, dmin, at):  # type: ignore[no-untyped-def]

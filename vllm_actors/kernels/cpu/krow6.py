@@ -34,7 +34,7 @@ from vllm_actors.kernels.cpu.ktiled import (LANES, array_ptr, fma16, llvm_call, 
 from vllm_actors.kernels.cpu.qdot import AVX2, AVX512
 from vllm_actors.kernels.cpu.qmatmul_prims import prefetch_span
 from vllm_actors.kernels.cpu.qmatmul_simd import splat
-from vllm_actors.kernels.cpu.qwide import half_vector
+from vllm_actors.kernels.cpu.qwide import half_lanes
 
 _I8, _I16, _I32, _I64 = (ir.IntType(n) for n in (8, 16, 32, 64))
 _B64 = ir.VectorType(_I8, 64)
@@ -54,7 +54,7 @@ def q6_k_rows(typingctx, isa_, m, ql, qh, sc, qo, d, do, nsb, lut, x, xb, xd, x0
     16 at xb.flat[16 nsb r ..], scales at xd.flat[nsb r ..]) against a chunk of 16 interleaved
     Q6_K rows: superblock sb's low bits at ql.flat[qo + 2048 sb ..], high bits at
     qh.flat[qo / 2 + 1024 sb ..], scales at sc.flat[qo / 8 + 256 sb ..] (bytes), row l's d
-    at d.flat[do + l nsb + sb]; out.flat[r no + oo : .. + 16] = row r's 16 outputs. The
+    at d.flat[do + 16 sb + l]; out.flat[r no + oo : .. + 16] = row r's 16 outputs. The
     chunk at ql.flat[po ..] (and its other planes) is prefetched as the superblocks go."""
     if not (isinstance(isa_, types.IntegerLiteral) and isinstance(m, types.IntegerLiteral)
             and isinstance(x, types.Array) and x.dtype == types.int8):
@@ -92,9 +92,9 @@ def q6_k_rows(typingctx, isa_, m, ql, qh, sc, qo, d, do, nsb, lut, x, xb, xd, x0
                 prefetch_line(builder, array_ptr(context, builder, sig, args, 2 + i,
                                                  builder.add(ahead[i], off), _I8))
                 return load(2 + i, builder.add(bases[i], off), _B64)
-            dw = half_vector(builder, [load(6, builder.add(builder.add(
-                do_, builder.mul(nsb_, _c(lane))), sb), _I16, 2) for lane in range(LANES)],
-                lambda v: load(9, builder.zext(v, _I64), ir.FloatType(), 4))
+            dw = half_lanes(builder, load(6, builder.add(do_, builder.mul(sb, _c(LANES))),
+                                          ir.VectorType(_I16, LANES), 2),
+                            lambda v: load(9, builder.zext(v, _I64), ir.FloatType(), 4))
             dd = [builder.fmul(dw, splat(builder, load(12, at(r, 1, sb), ir.FloatType(), 4),
                                          _F16)) for r in range(count)]     # d_w d_x
             _superblock(builder, path, plane, load, offsets, accs, dd,

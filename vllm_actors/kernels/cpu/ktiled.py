@@ -254,26 +254,42 @@ def decode_interleaved_q6_k(typingctx, ql, qh, at, codes):  # type: ignore[no-un
     return types.none(ql, qh, at, codes), codegen
 
 
+def lane_bytes(builder, words, count, signed):  # type: ignore[no-untyped-def]
+    """`count` one-byte values of 16 interleaved rows (`qmatmul_layout.interleave_words`:
+    bytes 4 v .. 4 v + 3 of row l in lane l of words[v], <16 x i32>) as vectors <16 x i32>,
+    value s of every row in vector s, sign- or zero-extended."""
+    out = []
+    for sub in range(count):
+        w, b = words[sub // 4], sub % 4
+        if signed:
+            v = builder.ashr(builder.shl(w, ir.Constant(_L16, [24 - 8 * b] * 16)),
+                             ir.Constant(_L16, [24] * 16))
+        else:
+            v = builder.and_(builder.lshr(w, ir.Constant(_L16, [8 * b] * 16)),
+                             ir.Constant(_L16, [255] * 16))
+        out.append(v)
+    return out
+
+
 @intrinsic
-def widen_interleaved(typingctx, sc, at, out):  # type: ignore[no-untyped-def]
-    """`widen_rows` of 16 interleaved rows' 16 signed scales (Q6_K's; sc.flat[at ..], word
-    v of row l at byte 64 v + 4 l): scale s of row l at out[16 s + l]."""
-    if not (isinstance(sc, types.Array) and sc.dtype == types.int8):
+def widen_interleaved(typingctx, sc, at, count, out):  # type: ignore[no-untyped-def]
+    """`widen_rows` of 16 interleaved rows' `count` (a literal, 8 or 16) one-byte values
+    (sc.flat[at ..], word v of row l at byte 64 v + 4 l; signed or not as sc's dtype):
+    value s of row l at out[16 s + l]."""
+    if not (isinstance(count, types.IntegerLiteral) and count.literal_value in (8, 16)
+            and isinstance(sc, types.Array) and sc.dtype.bitwidth == 8):
         return None
+    n = count.literal_value
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
         base = _index(context, builder, sig, args, 1)
-        for v in range(4):
-            word = builder.load(array_ptr(context, builder, sig, args, 0, builder.add(
-                base, ir.Constant(_I64, 64 * v)), _L16), align=1)
-            for b in range(4):
-                up = builder.shl(word, ir.Constant(_L16, [24 - 8 * b] * 16))
-                value = builder.ashr(up, ir.Constant(_L16, [24] * 16))
-                at = ir.Constant(_I64, LANES * (4 * v + b))
-                builder.store(value, array_ptr(context, builder, sig, args, 2, at, _L16),
-                              align=4)
+        words = [builder.load(array_ptr(context, builder, sig, args, 0, builder.add(
+            base, ir.Constant(_I64, 64 * v)), _L16), align=1) for v in range(n // 4)]
+        for sub, value in enumerate(lane_bytes(builder, words, n, sig.args[0].dtype.signed)):
+            at = ir.Constant(_I64, LANES * sub)
+            builder.store(value, array_ptr(context, builder, sig, args, 3, at, _L16), align=4)
         return context.get_dummy_value()
-    return types.none(sc, at, out), codegen
+    return types.none(sc, at, count, out), codegen
 
 
 @intrinsic
@@ -495,19 +511,25 @@ def _less_mins(out, am, m, n16, i0):  # type: ignore[no-untyped-def]
 
 
 @kernel(inline=True)
-def _decode(form, interleaved, q, h, sc, qo, so, qoff, hoff, soff, codes, scales):  # type: ignore[no-untyped-def]
-    """A superblock of 16 weight rows into `codes` and `scales` (int32, 16 rows each): as
-    stored (row l's at qoff[l], hoff[l], soff[l]), or interleaved (the chunk's superblock at
-    q.flat[qo ..], high bits at h.flat[qo / 2 ..], Q6_K's scales at sc.flat[so ..])."""
+def _decode(form, interleaved, q, h, sc, mn, qo, so, qoff, hoff, soff, moff, codes, scales, mins):  # type: ignore[no-untyped-def]
+    """A superblock of 16 weight rows into `codes`, `scales` and (Q4_K, Q5_K) `mins` (int32,
+    16 rows each): as stored (row l's at qoff[l], hoff[l], soff[l], moff[l]), or interleaved
+    (the chunk's superblock at q.flat[qo ..], high bits at h.flat[qo / 2 ..], scales and
+    mins at sc.flat / mn.flat[so ..])."""
     if interleaved and form == 6:
         decode_interleaved_q6_k(q, h, qo, codes)
-        widen_interleaved(sc, so, scales)
-        return
-    if interleaved:
+    elif interleaved:
         decode_interleaved(q, qo, codes)
     else:
         decode_rows(form, q, h, qoff, hoff, codes)
-    widen_rows(sc, soff, 16 if form == 6 else 8, scales)
+    if interleaved:
+        widen_interleaved(sc, so, 16 if form == 6 else 8, scales)
+        if form != 6:
+            widen_interleaved(mn, so, 8, mins)
+    else:
+        widen_rows(sc, soff, 16 if form == 6 else 8, scales)
+        if form != 6:
+            widen_rows(mn, moff, 8, mins)
 
 
 @functools.cache
@@ -527,7 +549,7 @@ def body(path: int, form: int, order: int, sc_dtype: str, interleaved: bool = Fa
         q, h = carray(q_p, (n * rb,)), carray(h_p, (n * hb if form != 4 else 0,))
         sc = carray(sc_p, (n * nsc * nsb,))
         mn = carray(mn_p, (n * 8 * nsb if form != 6 else 0,))
-        d, dmin = carray(d_p, (n, nsb)), carray(dm_p, (n if form != 6 else 0, nsb))
+        d, dmin = carray(d_p, (n * nsb,)), carray(dm_p, (n * nsb if form != 6 else 0,))
         lut, x = carray(lut_p, (1 << 16,)), carray(x_p, (m * k,))
         xb, xd = carray(xb_p, (m * k // 16,)), carray(xd_p, (m * nsb,))
         out, am = carray(out_p, (m * n16,)), carray(am_p, (m * n16 if order != TILED else 0,))
@@ -548,13 +570,14 @@ def body(path: int, form: int, order: int, sc_dtype: str, interleaved: bool = Fa
                 r = min(i0 + lane, n - 1)
                 qoff[lane], hoff[lane] = r * rb + 128 * sb, r * hb + hq * sb
                 soff[lane], moff[lane] = nsc * (r * nsb + sb), 8 * (r * nsb + sb)
-                dw[lane] = lut[d[r, sb]]
+                at = i0 * nsb + LANES * sb + lane if interleaved else r * nsb + sb
+                dw[lane] = lut[d[at]]
                 if form != 6:
-                    dm[lane] = lut[dmin[r, sb]]
-            _decode(form, interleaved, q, h, sc, i0 * rb + 2048 * sb,
-                    i0 * 16 * nsb + 256 * sb, qoff, hoff, soff, codes, scales)
+                    dm[lane] = lut[dmin[at]]
+            _decode(form, interleaved, q, h, sc, mn, i0 * rb + 2048 * sb,
+                    nsc * (i0 * nsb + LANES * sb), qoff, hoff, soff, moff, codes, scales,
+                    mins)
             if form != 6:
-                widen_rows(mn, moff, 8, mins)
                 _min_pairs(mins, pairs)
             for mm in range(0, m - m % together, together):
                 tile_row(path, form, order, together, codes, scales, pairs, dw, dm, x,

@@ -201,19 +201,23 @@ def concat(parts: Sequence[QuantMatrix]) -> QuantMatrix:
 
 
 def interleave(w: QuantMatrix, integer: bool = True) -> QuantMatrix:
-    """W with its planes of codes interleaved 16 rows at a time
-    (`qmatmul_layout.interleave_words`), where only the integer kernels that take 16 weight
-    rows as vector lanes read it (`krow`, `ktiled`): a repacked Q4_K's quants, and a Q6_K's
-    low bits, high bits and scales when `integer` (the quantized semantics's kernels alone
-    read the weight); rows a multiple of 16. Any other matrix as it is."""
+    """W with its planes interleaved 16 rows at a time (`qmatmul_layout.interleave_words`,
+    `interleave_halves`: every superblock of a chunk of 16 rows one run of vectors, a row in
+    each lane), where only the integer kernels that take 16 weight rows as vector lanes read
+    it (`krow`, `ktiled`): a repacked Q4_K, and a Q6_K when `integer` (the quantized
+    semantics's kernels alone read the weight); rows a multiple of 16. Any other matrix as
+    it is."""
     if w.interleaved or w.rows % layout.INTERLEAVED_ROWS:
         return w
     if w.qtype == T.Q4_K and w.ggml_repacked:
-        planes = (layout.interleave_words(w.planes[0], 128),) + w.planes[1:]
+        qs, sc, mn, d, dmin = w.planes
+        planes = (layout.interleave_words(qs, 128), layout.interleave_words(sc, 8),
+                  layout.interleave_words(mn, 8), layout.interleave_halves(d),
+                  layout.interleave_halves(dmin))
     elif w.qtype == T.Q6_K and integer:
         ql, qh, sc, d = w.planes
         planes = (layout.interleave_words(ql, 128), layout.interleave_words(qh, 64),
-                  layout.interleave_words(sc, 16), d)
+                  layout.interleave_words(sc, 16), layout.interleave_halves(d))
     else:
         return w
     return QuantMatrix(w.qtype, w.rows, w.cols, planes, ggml_repacked=w.ggml_repacked,

@@ -179,9 +179,24 @@ def _aligned(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 INTERLEAVED_ROWS = 16
 
 
+def interleave_halves(plane: np.ndarray) -> np.ndarray:
+    """A plane of one 2-byte value a row and superblock (`[N, nsb]` float16 bits: d, dmin; N
+    a multiple of 16) with each chunk of 16 rows' values of a superblock side by side: row
+    l's value of superblock sb at element 16 sb + l of its chunk (one 32-byte load of 16
+    rows' values)."""
+    n, nsb = plane.shape
+    if n % INTERLEAVED_ROWS:
+        raise ValueError(f"cannot interleave a plane of shape {plane.shape}")
+    out = _aligned(plane.shape, plane.dtype)
+    out.reshape(n // INTERLEAVED_ROWS, nsb, INTERLEAVED_ROWS)[:] = plane.reshape(
+        n // INTERLEAVED_ROWS, INTERLEAVED_ROWS, nsb).transpose(0, 2, 1)
+    return out
+
+
 def interleave_words(plane: np.ndarray, per_superblock: int) -> np.ndarray:
     """A plane of `per_superblock` bytes a row and superblock (`[N, per_superblock nsb]`, N a
-    multiple of 16: Q4_K's quants 128, Q6_K's low bits 128, high bits 64, scales 16) with
+    multiple of 16: Q4_K's quants 128, scales and mins 8, Q6_K's low bits 128, high bits 64,
+    scales 16) with
     each chunk of 16 rows reordered: word v (bytes 4v .. 4v + 3) of superblock sb of its row
     l moves to byte 64 (W sb + v) + 4 l of the chunk (W = per_superblock / 4 words), so the
     16 rows' words v lie side by side, one vector of lanes as `krow` and `ktiled` read them

@@ -564,6 +564,12 @@ def half_vector(builder, bits, from_table):  # type: ignore[no-untyped-def]
     return v
 
 
+def half_lanes(builder, v, from_table):  # type: ignore[no-untyped-def]
+    """A vector <16 x i16> of float16 bit patterns as <16 x float> (`half_vector`)."""
+    return half_vector(builder, [builder.extract_element(v, ir.Constant(_I32, lane))
+                                 for lane in range(16)], from_table)
+
+
 @functools.cache
 def body(path: int, kind: int, order: int, q_dtype: str) -> Callback:
     """The work of one chunk of 16 weight rows (decode every block once, then every row of
