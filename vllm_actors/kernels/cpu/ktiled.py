@@ -511,6 +511,22 @@ def _less_mins(out, am, m, n16, i0):  # type: ignore[no-untyped-def]
 
 
 @kernel(inline=True)
+def _row_starts(form, interleaved, n, rb, hb, nsb, i0, sb, d, dmin, lut, qoff, hoff, soff, moff, dw, dm):  # type: ignore[no-untyped-def]
+    """Where superblock sb of each of the 16 rows from i0 starts in the planes as stored (the
+    last row repeated past n), and its d_w and dmin_w (`lut`: float16 -> float32), read
+    from interleaved planes where they are."""
+    hq, nsc = (64, 16) if form == 6 else (32, 8)    # high-bit bytes, scales per superblock
+    for lane in range(LANES):
+        r = min(i0 + lane, n - 1)
+        qoff[lane], hoff[lane] = r * rb + 128 * sb, r * hb + hq * sb
+        soff[lane], moff[lane] = nsc * (r * nsb + sb), 8 * (r * nsb + sb)
+        at = i0 * nsb + LANES * sb + lane if interleaved else r * nsb + sb
+        dw[lane] = lut[d[at]]
+        if form != 6:
+            dm[lane] = lut[dmin[at]]
+
+
+@kernel(inline=True)
 def _decode(form, interleaved, q, h, sc, mn, qo, so, qoff, hoff, soff, moff, codes, scales, mins):  # type: ignore[no-untyped-def]
     """A superblock of 16 weight rows into `codes`, `scales` and (Q4_K, Q5_K) `mins` (int32,
     16 rows each): as stored (row l's at qoff[l], hoff[l], soff[l], moff[l]), or interleaved
@@ -566,14 +582,8 @@ def body(path: int, form: int, order: int, sc_dtype: str, interleaved: bool = Fa
                     prefetch_span(h, nxt // 2, min(nxt // 2 + 1024, h.shape[0]), 64)
             else:
                 _prefetch_next(q, h, n, rb, hb, hq, nsb, i0, sb)
-            for lane in range(LANES):
-                r = min(i0 + lane, n - 1)
-                qoff[lane], hoff[lane] = r * rb + 128 * sb, r * hb + hq * sb
-                soff[lane], moff[lane] = nsc * (r * nsb + sb), 8 * (r * nsb + sb)
-                at = i0 * nsb + LANES * sb + lane if interleaved else r * nsb + sb
-                dw[lane] = lut[d[at]]
-                if form != 6:
-                    dm[lane] = lut[dmin[at]]
+            _row_starts(form, interleaved, n, rb, hb, nsb, i0, sb, d, dmin, lut, qoff, hoff,
+                        soff, moff, dw, dm)
             _decode(form, interleaved, q, h, sc, mn, i0 * rb + 2048 * sb,
                     nsc * (i0 * nsb + LANES * sb), qoff, hoff, soff, moff, codes, scales,
                     mins)
