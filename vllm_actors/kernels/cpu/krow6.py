@@ -158,7 +158,7 @@ def _lane(builder, path, plane, pairs, t, xos, load):  # type: ignore[no-untyped
     sums = [[ir.Constant(_L16, [0] * 16)] * chains for _ in xos]
     for c in range(8):
         hh, j = divmod(c, 4)
-        codes = q6_codes(builder, low[hh, j % 2], high[hh], j)
+        codes = q6_codes(builder, path, low[hh, j % 2], high[hh], j)
         for r, xo in enumerate(xos):
             at = builder.add(builder.add(xo, builder.mul(t, _c(4))), _c(32 * c))
             xv = builder.bitcast(splat(builder, load(10, at, _I32), _L16), _B64)

@@ -192,8 +192,8 @@ def _store_nibbles(context, builder, sig, args, i, b, p, h, g):  # type: ignore[
     weights 64 p + 16 h + 4 g .. (low nibbles) and the 32 after (high), into the intrinsic's
     codes argument i in `decode_rows`' order."""
     for nib in range(2):
-        part = builder.lshr(b, ir.Constant(_B64, [4] * 64)) if nib else b
-        part = builder.and_(part, ir.Constant(_B64, [15] * 64))
+        part = builder.and_(byte_shift(builder, AVX512, b, 4 * nib),     # the host's best
+                            ir.Constant(_B64, [15] * 64))
         at = ir.Constant(_I64, LANES * (16 * p + 8 * nib + 4 * h + g))
         builder.store(part, array_ptr(context, builder, sig, args, i, at, _B64), align=4)
 
@@ -216,15 +216,35 @@ def decode_interleaved(typingctx, q, at, codes):  # type: ignore[no-untyped-def]
     return types.none(q, at, codes), codegen
 
 
-def q6_codes(builder, low, high, j):  # type: ignore[no-untyped-def]
+# `vpmultishiftqb` (AVX-512 VBMI) moves bytes' bits on the shuffle port: the 512-bit byte
+# shifts LLVM emits otherwise share the one port of every 512-bit integer multiply
+MULTISHIFT = "avx512vbmi" in isa.host_features()
+
+
+def byte_shift(builder, path, v, shift):  # type: ignore[no-untyped-def]
+    """The bytes of v (<64 x i8>) shifted right by `shift` (left where negative), with other
+    bits in the places shifted in: mask the result. `vpmultishiftqb` on the AVX-512 path
+    where the CPU has it (each byte's 8 bits from 8 k + shift of its quadword, wrapping)."""
+    if shift == 0:
+        return v
+    if path == AVX512 and MULTISHIFT:
+        picks = [(8 * k + shift) % 64 for _ in range(8) for k in range(8)]
+        return llvm_call(builder, "llvm.x86.avx512.pmultishift.qb.512", _B64,
+                         [ir.Constant(_B64, picks), v])
+    if shift > 0:
+        return builder.lshr(v, ir.Constant(_B64, [shift] * 64))
+    return builder.shl(v, ir.Constant(_B64, [-shift] * 64))
+
+
+def q6_codes(builder, path, low, high, j):  # type: ignore[no-untyped-def]
     """The 6-bit codes (bytes) of quarter j of a Q6_K half superblock, from the vectors of its
     low bits (word 8 (j % 2) + t of the half; nibble j // 2) and high bits (word t; bits
     2 j): weights 32 j + 4 t .. of the half, as ggml's `dequantize_row_q6_K` reads them."""
-    bits = builder.and_(builder.lshr(low, ir.Constant(_B64, [4 * (j // 2)] * 64)),
+    bits = builder.and_(byte_shift(builder, path, low, 4 * (j // 2)),
                         ir.Constant(_B64, [15] * 64))
-    top = builder.and_(builder.lshr(high, ir.Constant(_B64, [2 * j] * 64)),
-                       ir.Constant(_B64, [3] * 64))
-    return builder.or_(bits, builder.shl(top, ir.Constant(_B64, [4] * 64)))
+    top = builder.and_(byte_shift(builder, path, high, 2 * j - 4),
+                       ir.Constant(_B64, [0x30] * 64))
+    return builder.or_(bits, top)
 
 
 @intrinsic
@@ -247,7 +267,8 @@ def decode_interleaved_q6_k(typingctx, ql, qh, at, codes):  # type: ignore[no-un
             high = [vector(1, half, 8 * hh + t) for hh in range(2)]
             for c in range(8):
                 hh, j = divmod(c, 4)
-                v = q6_codes(builder, vector(0, base, 16 * hh + 8 * (j % 2) + t), high[hh], j)
+                v = q6_codes(builder, AVX512, vector(0, base, 16 * hh + 8 * (j % 2) + t),
+                             high[hh], j)     # the host's best shifts: no dot products here
                 at = ir.Constant(_I64, LANES * (8 * c + t))
                 builder.store(v, array_ptr(context, builder, sig, args, 3, at, _B64), align=4)
         return context.get_dummy_value()
