@@ -12,7 +12,8 @@ multiplied by each row of x's 4 quants (broadcast) with one 4-byte dot product a
 fma(mins, dmin_w d_x, am), the result acc - am: bit for bit the pair GEMV's floats
 (`tests/kernels/test_ktiled.py`). A chunk is one contiguous run of bytes; as each
 superblock goes, the next chunk's is prefetched a line a vector, and its scales, mins, d and
-dmin when the chunk starts. Parallel over fixed chunks of 16 weight rows.
+dmin when the chunk starts. Parallel over fixed chunks of 16 weight rows. `matmul` also
+serves an interleaved Q6_K (`krow6`: its vec_dot order, any number of rows).
 """
 
 from __future__ import annotations
@@ -238,8 +239,8 @@ def matmul(w: QuantMatrix, x: activations.Q8KRows | None = None,
         raise ValueError("krow.matmul reads a Q4_K or Q6_K whose rows are interleaved")
     m, k = (x.qs if floats is None else floats).shape
     six = w.qtype == T.Q6_K
-    if not 1 <= m <= (m if six else MAX_ROWS):
-        raise ValueError(f"krow.matmul takes 1 to {MAX_ROWS} rows of x, not {m}")
+    if m < 1 or (m > MAX_ROWS and not six):
+        raise ValueError(f"krow.matmul takes 1 to {MAX_ROWS} rows of x on a Q4_K, not {m}")
     code = isa.code(path) if path else isa.selected_code()
     plan = w.memo.get(("krow", code, 0 if six else m))
     if plan is None:

@@ -14,8 +14,8 @@ in 4 float lanes, Q5_K's in one sum, Q6_K's offset per integer lane, and the lan
 orders `matmul` takes where they would run (`row_kinds`): the GEMV and GEMM of Q4_K repacked
 into 8-row blocks, and the tiled K-quant matmul at 8+ rows (`ktiled` runs the GEMM and most
 of the tiled matmul: its decoded weight rows serve many rows of x; `krow` the repacked GEMV's
-1-4 one-row requests on weights stored interleaved, decoding 16 weight rows in registers;
-no kernel here reads that layout). Compiled without fast
+1-4 one-row requests, and Q6_K's vec_dot at any count, on weights stored interleaved,
+decoding 16 weight rows in registers; no kernel here reads that layout). Compiled without fast
 math: ggml's floats bit for bit. Parallel over pairs of weight rows, a body per (SIMD path, kind,
 x-row group) called as a C callback, as the other integer GEMVs (`qmatmul_int`).
 """
