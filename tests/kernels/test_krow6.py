@@ -89,7 +89,9 @@ def test_one_row_requests_equal_vec_dot_on_every_path():
 
 def test_the_other_kernels_read_the_interleaved_rows():
     """ggml's tiled matmul (a request of 9 rows) and a step of requests of 1, 2 and 9 rows
-    give on the interleaved layout what they give on the stored rows."""
+    give on the interleaved layout what they give on the stored rows. On the host's path
+    only: reading the layout does not depend on the path (`ktiled.decode_interleaved_q6_k`,
+    `widen_interleaved`), and what follows is `test_ktiled.py`'s on every path."""
     rng = np.random.default_rng(67)
     n, k = 32, 512
     stored = qmatmul.pack(random_blocks(QT.Q6_K, n, k, rng), QT.Q6_K, (n, k))
@@ -97,10 +99,9 @@ def test_the_other_kernels_read_the_interleaved_rows():
     xq = activations.quantize_q8_k((rng.standard_normal((12, k)) * 4).astype(np.float32))
     nine = activations.Q8KRows(xq.qs[:9], xq.d[:9], xq.bsums[:9])
     requests = np.array([1, 2, 9])
-    for path in isa.available():
-        want = ktiled.matmul(stored, nine, ktiled.TILED, path)
-        got = ktiled.matmul(w, nine, ktiled.TILED, path)
-        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), path
-        want = qmatmul_int_k.matmul(stored, xq, path, requests)
-        got = qmatmul_int_k.matmul(w, xq, path, requests)
-        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), path
+    want = ktiled.matmul(stored, nine, ktiled.TILED)
+    got = ktiled.matmul(w, nine, ktiled.TILED)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    want = qmatmul_int_k.matmul(stored, xq, requests=requests)
+    got = qmatmul_int_k.matmul(w, xq, requests=requests)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
