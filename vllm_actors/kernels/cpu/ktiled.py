@@ -574,8 +574,8 @@ def body(path: int, form: int, order: int, sc_dtype: str, interleaved: bool = Fa
          ) -> Callback:
     """The work of one chunk of 16 weight rows (all superblocks, all rows of x) for a SIMD
     path, form (4, 5, 6: Q4_K, Q5_K, Q6_K), float order and layout (rows as stored, or
-    `interleaved`: a repacked Q4_K's quants, a Q6_K's codes and scales), compiled once as a
-    C callback."""
+    `interleaved` as `qmatmul.interleave` keeps a repacked Q4_K or a Q6_K), compiled once as
+    a C callback."""
     hq = 64 if form == 6 else 32          # high-bit bytes per superblock
     nsc = 16 if form == 6 else 8          # scales per superblock
     together = X_ROWS if order == TILED else 1    # rows of x per `tile_row`
