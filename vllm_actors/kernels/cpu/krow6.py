@@ -1,8 +1,8 @@
 """A decode step's Q6_K linear: rows of x (Q8_K blocks, each a one-row request) against a Q6_K
 weight, in the float order of ggml's `vec_dot_q6_K_q8_K` (its AVX2 form, which x86 builds
 run), with 16 weight rows as the lanes of a vector and no decoded copy. The low bits, high
-bits and scales are stored 16 rows interleaved (`qmatmul_layout.interleave_words`), so each
-64 bytes of a chunk's superblock are one word of every row.
+bits and scales are stored 16 rows interleaved (`qmatmul.interleave`), so each 64 bytes of a
+chunk's superblock are one word of every row, and d 16 rows side by side.
 
 ggml keeps 8 int32 lanes a row: lane t of a superblock is
 
@@ -13,8 +13,9 @@ then acc_t = fma(d_w d_x, lane t, acc_t) per superblock and the 8 float lanes ad
 `hsum_float_8` adds them. Here each of those 8 lanes is a vector of 16 weight rows: a run's
 4 codes of every row times x's 4 quants (broadcast) is one `vpmaddubsw`, its scale taken with
 the sum by one `vpdpwssd` on (s, s) int16 pairs (ggml's `vpmaddubsw` + `vpmaddwd` on AVX2,
-widening multiplies elsewhere): the same integers, so the same floats, bit for bit the pair
-GEMV's (`tests/kernels/test_krow6.py`). The next chunk is prefetched as the superblocks go.
+widening multiplies elsewhere): the same integers, so the same floats, bit for bit a direct
+computation of ggml's lanes (`tests/kernels/test_krow6.py`). The next chunk is prefetched
+as the superblocks go.
 Parallel over fixed chunks of 16 weight rows (`krow._rows`).
 """
 
