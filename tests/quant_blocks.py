@@ -22,6 +22,17 @@ def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int,
     return blocks.reshape(rows, -1)
 
 
+def q6_k_codes(ql: np.ndarray, qh: np.ndarray) -> np.ndarray:
+    """A stored Q6_K's unsigned 6-bit codes (offset 32 kept) `[N, 256 nsb]` in weight order,
+    from its low-bit `[N, 128 nsb]` and high-bit `[N, 64 nsb]` planes: in each half of 128,
+    weight 32 j + l from nibble j // 2 of low byte 32 (j % 2) + l and bits 2 j of high byte l."""
+    n, nsb = ql.shape[0], ql.shape[1] // 128
+    low, high = ql.reshape(n, nsb, 2, 2, 32), qh.reshape(n, nsb, 2, 32)
+    quarters = [((low[:, :, :, j % 2] >> (4 * (j // 2))) & 15) | (((high >> (2 * j)) & 3) << 4)
+                for j in range(4)]
+    return np.stack(quarters, axis=3).reshape(n, -1)
+
+
 def quantize_iq4_nl(w: np.ndarray) -> np.ndarray:
     """float32 [rows, cols] -> IQ4_NL blocks [rows, bytes per row] (gguf-py has no IQ4_NL
     quantizer): per 32 weights d = the largest-magnitude weight / -127, each weight the

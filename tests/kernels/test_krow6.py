@@ -13,20 +13,10 @@ from __future__ import annotations
 import numba
 import numpy as np
 from gguf import GGMLQuantizationType as QT
-from quant_blocks import random_blocks
+from quant_blocks import q6_k_codes, random_blocks
 
 from vllm_actors.kernels.cpu import activations, isa, krow, ktiled, qmatmul, qmatmul_int_k
 from vllm_actors.kernels.cpu.intrinsics import fma_f32
-
-
-def _codes(w: qmatmul.QuantMatrix) -> np.ndarray:
-    """[N, 256 nsb] unsigned 6-bit codes of a stored (not interleaved) Q6_K, in weight order."""
-    ql, qh = w.planes[0], w.planes[1]
-    n, nsb = w.rows, w.cols // 256
-    low, high = ql.reshape(n, nsb, 2, 2, 32), qh.reshape(n, nsb, 2, 32)
-    quarters = [((low[:, :, :, j % 2] >> (4 * (j // 2))) & 15)
-                | (((high >> (2 * j)) & 3) << 4) for j in range(4)]
-    return np.stack(quarters, axis=3).reshape(n, -1).astype(np.int64)
 
 
 @numba.njit(cache=True)
@@ -45,7 +35,7 @@ def _epilogue(lanes, dwx, out):  # type: ignore[no-untyped-def]
 
 def _vec_dot(w: qmatmul.QuantMatrix, x: activations.Q8KRows) -> np.ndarray:
     n, nsb, m = w.rows, w.cols // 256, x.qs.shape[0]
-    codes = _codes(w).reshape(n, nsb, 8, 8, 4)                  # [row, sb, run c, lane t, 4]
+    codes = q6_k_codes(w.planes[0], w.planes[1]).astype(np.int64).reshape(n, nsb, 8, 8, 4)
     scales = w.planes[2].astype(np.int64).reshape(n, nsb, 8, 2)   # s_(2c + h)
     xq = x.qs.astype(np.int64).reshape(m, nsb, 8, 8, 4)
     dots = np.einsum("nbctu,mbctu->mnbct", codes, xq)

@@ -14,7 +14,7 @@ import numba
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
-from quant_blocks import random_blocks
+from quant_blocks import q6_k_codes, random_blocks
 
 from vllm_actors.kernels.cpu import activations, isa, krow, ktiled, qmatmul, qmatmul_int_k
 from vllm_actors.kernels.cpu.intrinsics import fma_f32
@@ -26,13 +26,8 @@ def _codes(w: qmatmul.QuantMatrix) -> tuple[np.ndarray, np.ndarray, np.ndarray |
     per superblock, the codes unsigned (Q6_K's still with its offset of 32)."""
     n, nsb = w.rows, w.cols // 256
     if w.qtype == QT.Q6_K:
-        ql, qh, sc, _ = w.planes
-        low = ql.reshape(n, nsb, 2, 2, 32)
-        high = qh.reshape(n, nsb, 2, 1, 32)
-        quarters = [((low[:, :, :, t % 2] >> (4 * (t // 2))) & 15)
-                    | (((high[:, :, :, 0] >> (2 * t)) & 3) << 4) for t in range(4)]
-        codes = np.stack(quarters, axis=3).reshape(n, nsb, 16, 16)     # [half, quarter, j]
-        return codes, sc.reshape(n, nsb, 16), None
+        codes = q6_k_codes(w.planes[0], w.planes[1]).reshape(n, nsb, 16, 16)
+        return codes, w.planes[2].reshape(n, nsb, 16), None
     planes = w.planes if w.qtype == QT.Q4_K else w.planes[1:]
     qs, sc, mn = planes[0], planes[1], planes[2]
     pairs = qs.reshape(n, nsb, 4, 1, 32)

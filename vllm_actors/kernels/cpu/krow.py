@@ -30,8 +30,8 @@ from numba.extending import intrinsic
 from vllm_actors.kernels.cpu import activations, isa, krow6
 from vllm_actors.kernels.cpu.intrinsics import call_address, data_pointer, prefetch_line
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
-from vllm_actors.kernels.cpu.ktiled import (LANES, array_ptr, byte_shift, dot4, fma16,
-                                            lane_bytes, madd_pairs, x_pair)
+from vllm_actors.kernels.cpu.ktiled import (LANES, arguments, array_ptr, byte_shift, dot4,
+                                            fma16, lane_bytes, madd_pairs, x_pair)
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix
 from vllm_actors.kernels.cpu.qmatmul_prims import (HALF_LUT, kept, limit_threads, prefetch_span,
                                                    restore_threads)
@@ -64,12 +64,8 @@ def q4_k_rows(typingctx, isa_, m, q, qo, sc, mn, so, d, dm, do, nsb, lut, x, xb,
     path, count = isa_.literal_value, m.literal_value
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        qo_, so_, do_, nsb_, oo_, po_, no_ = (
-            context.cast(builder, args[i], sig.args[i], types.intp)
-            for i in (3, 6, 9, 10, 16, 17, 18))
-
-        def load(i, idx, ty, align=1):  # type: ignore[no-untyped-def]
-            return builder.load(array_ptr(context, builder, sig, args, i, idx, ty), align=align)
+        (qo_, so_, do_, nsb_, oo_, po_, no_), load = arguments(context, builder, sig, args,
+                                                              (3, 6, 9, 10, 16, 17, 18))
 
         def at(r, per, sb):  # type: ignore[no-untyped-def]
             """Element sb * per of x's row r in an array of `per` values a superblock."""

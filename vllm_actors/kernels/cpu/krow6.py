@@ -30,8 +30,8 @@ from numba.extending import intrinsic
 
 from vllm_actors.kernels.cpu.intrinsics import prefetch_line
 from vllm_actors.kernels.cpu.jit import Callback, callback
-from vllm_actors.kernels.cpu.ktiled import (LANES, array_ptr, fma16, llvm_call, madd_pairs,
-                                            q6_codes)
+from vllm_actors.kernels.cpu.ktiled import (LANES, arguments, array_ptr, fma16, llvm_call,
+                                            madd_pairs, q6_codes)
 from vllm_actors.kernels.cpu.qdot import AVX2, AVX512
 from vllm_actors.kernels.cpu.qmatmul_prims import prefetch_span
 from vllm_actors.kernels.cpu.qmatmul_simd import splat
@@ -63,12 +63,8 @@ def q6_k_rows(typingctx, isa_, m, ql, qh, sc, qo, d, do, nsb, lut, x, xb, xd, x0
     path, count = isa_.literal_value, m.literal_value
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        qo_, do_, nsb_, x0_, oo_, po_, no_ = (
-            context.cast(builder, args[i], sig.args[i], types.intp)
-            for i in (5, 7, 8, 13, 15, 16, 17))
-
-        def load(i, idx, ty, align=1):  # type: ignore[no-untyped-def]
-            return builder.load(array_ptr(context, builder, sig, args, i, idx, ty), align=align)
+        (qo_, do_, nsb_, x0_, oo_, po_, no_), load = arguments(context, builder, sig, args,
+                                                              (5, 7, 8, 13, 15, 16, 17))
 
         def at(r, per, sb):  # type: ignore[no-untyped-def]
             """Element sb * per of x's row x0 + r in an array of `per` values a superblock."""

@@ -115,6 +115,14 @@ def _index(context, builder, sig, args, i):  # type: ignore[no-untyped-def]
     return context.cast(builder, args[i], sig.args[i], types.intp)
 
 
+def arguments(context, builder, sig, args, ints):  # type: ignore[no-untyped-def]
+    """An intrinsic's integer arguments at positions `ints` as intp values, and
+    `load(i, idx, ty, align=1)`: element idx of its array argument i read as a `ty`."""
+    def load(i, idx, ty, align=1):  # type: ignore[no-untyped-def]
+        return builder.load(array_ptr(context, builder, sig, args, i, idx, ty), align=align)
+    return [_index(context, builder, sig, args, i) for i in ints], load
+
+
 def fma16(builder, a, b, c):  # type: ignore[no-untyped-def]
     """a * b + c per lane, one rounding (`llvm.fma`: never a multiply and an add)."""
     return llvm_call(builder, "llvm.fma.v16f32", _F16, [a, b, c])
