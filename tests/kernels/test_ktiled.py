@@ -17,8 +17,9 @@ from gguf import GGMLQuantizationType as QT
 from quant_blocks import q6_k_codes, random_blocks
 
 from vllm_actors.kernels.cpu import activations, isa, krow, ktiled, qmatmul, qmatmul_int_k
-from vllm_actors.kernels.cpu.intrinsics import fma_f32
-from vllm_actors.kernels.cpu.qmatmul_prims import HALF_LUT
+from vllm_actors.kernels.cpu.intrinsics import fma_f32, realign_stack
+from vllm_actors.kernels.cpu.qmatmul_layout import aligned_empty
+from vllm_actors.kernels.cpu.qmatmul_prims import HALF_LUT, line_aligned
 
 
 def _codes(w: qmatmul.QuantMatrix) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -165,3 +166,34 @@ def test_one_row_in_registers_equals_the_direct_computation():
         assert qmatmul_int_k.matmul_float_lora(w, xf[:1], None, False) is None
         with pytest.raises(ValueError, match="interleaved"):
             krow.matmul(stored, floats=xf[:1])
+
+
+@numba.njit
+def _scratch_offset(n):  # type: ignore[no-untyped-def]
+    a = line_aligned(n, np.int32)
+    return a.ctypes.data % 64, a.size
+
+
+@numba.njit
+def _realigned():  # type: ignore[no-untyped-def]
+    realign_stack()
+
+
+def test_outputs_and_scratch_start_on_a_cache_line():
+    """The many-row and one-row kernels load and store their outputs and scratch as 64-byte
+    vectors: numpy's arrays start 16 bytes into a line and numba's 32 as often as not, and
+    each such access then touched two lines; a body's vector spills likewise, unless it
+    realigns its stack (`intrinsics.realign_stack`)."""
+    rng = np.random.default_rng(3)
+    for shape, dtype in (((3, 5), np.float32), ((1000,), np.int16)):
+        a = aligned_empty(shape, dtype)
+        assert a.shape == shape and a.dtype == dtype and a.ctypes.data % 64 == 0
+    for n in (1, 100, 4096):
+        assert _scratch_offset(n) == (0, n)
+    w = replace(qmatmul.pack(random_blocks(QT.Q4_K, 32, 256, rng), QT.Q4_K, (32, 256)),
+                ggml_repacked=True)
+    xf = rng.standard_normal((2, 256)).astype(np.float32)
+    assert ktiled.matmul(w, activations.quantize_q8_k(xf), ktiled.GEMM).ctypes.data % 64 == 0
+    assert krow.matmul(qmatmul.interleave(w), floats=xf).ctypes.data % 64 == 0
+    _realigned()
+    assert '"stackrealign"' in _realigned.inspect_llvm(_realigned.signatures[0])

@@ -156,6 +156,18 @@ def data_pointer(typingctx, arr):
 
 
 @intrinsic
+def realign_stack(typingctx):
+    """Make the calling function realign its stack to a cache line on entry (LLVM's
+    `stackrealign`), so that its 64-byte vector spills are aligned whatever its caller's
+    stack: without it a kernel whose spills fell across lines ran 20 % slower in some
+    processes than in others (docs/BENCHMARKS.md)."""
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        set.add(builder.function.attributes, '"stackrealign"')   # a string attribute to LLVM
+        return context.get_dummy_value()
+    return types.none(), codegen
+
+
+@intrinsic
 def call_address(typingctx, address, args):
     """Call the C function at `address` (an integer: a `jit.Callback`'s) with the tuple
     `args`, returning nothing. An integer argument keeps the kernel's dispatch on its fast

@@ -31,8 +31,9 @@ from vllm_actors.kernels.cpu import activations, isa, krow6
 from vllm_actors.kernels.cpu.intrinsics import call_address, data_pointer, prefetch_line
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
 from vllm_actors.kernels.cpu.ktiled import (LANES, arguments, array_ptr, byte_shift, dot4,
-                                            fma16, lane_bytes, madd_pairs, x_pair)
+                                            fma16, lane_bytes, madd_pairs)
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix
+from vllm_actors.kernels.cpu.qmatmul_layout import aligned_empty
 from vllm_actors.kernels.cpu.qmatmul_prims import (HALF_LUT, kept, limit_threads, prefetch_span,
                                                    restore_threads)
 from vllm_actors.kernels.cpu.qmatmul_simd import splat
@@ -45,12 +46,13 @@ _F16 = ir.VectorType(ir.FloatType(), 16)
 CHUNK_BYTES = 128 * LANES        # a superblock's quants of 16 interleaved rows
 MAX_ROWS = 4                     # rows of x a call takes (`ktiled` decodes for more)
 _NO_F32 = np.zeros((0, 0), np.float32)
+_NO_SUMS = np.zeros((0, 0), np.int16)
 
 
 @intrinsic
 def q4_k_rows(typingctx, isa_, m, q, qo, sc, mn, so, d, dm, do, nsb, lut, x, xb, xd, out, oo, po, no):  # type: ignore[no-untyped-def]
-    """x's m rows (a literal; row r's quants at x.flat[r 256 nsb + 256 sb ..], sums of 16 at
-    xb.flat[r 16 nsb + 16 sb ..], scales at xd.flat[r nsb + sb]) against a chunk of 16
+    """x's m rows (a literal; row r's quants at x.flat[r 256 nsb + 256 sb ..], sums of 32 at
+    xb.flat[r 8 nsb + 8 sb ..], scales at xd.flat[r nsb + sb]) against a chunk of 16
     interleaved Q4_K weight rows (`qmatmul.interleave`): superblock sb's quants at
     q.flat[qo + 2048 sb ..], the 16 rows' 8 scales and mins at sc.flat / mn.flat[so +
     128 sb ..] (word v of row l at byte 64 v + 4 l), d and dmin at d.flat / dm.flat[do +
@@ -146,11 +148,13 @@ def _totals(builder, path, load, base, xos, scales, hint):  # type: ignore[no-un
 
 def _epilogue(builder, path, load, accs, totals, pairs, dw, dmin, at):  # type: ignore[no-untyped-def]
     """ggml's float epilogue of a superblock for each row r of x (accumulators accs[r]):
-    acc = fma(total, d_w d_x, acc), am = fma(mins, dmin_w d_x, am), with x's sums of 16 at
-    xb.flat[at(r, 16) ..] and d_x at xd.flat[at(r, 1)], the mins as int16 pairs (`_pairs`)."""
+    acc = fma(total, d_w d_x, acc), am = fma(mins, dmin_w d_x, am), with x's sums of 32 at
+    xb.flat[at(r, 8) ..] (int16, a pair of sub-blocks a 32-bit word) and d_x at
+    xd.flat[at(r, 1)], the mins as int16 pairs (`_pairs`)."""
     for r, (acc, am) in enumerate(accs):
-        bo = at(r, 16)
-        b = [load(13, builder.add(bo, ir.Constant(_I64, u)), _I16, 2) for u in range(16)]
+        bo = at(r, 8)
+        b = [splat(builder, load(13, builder.add(bo, ir.Constant(_I64, 2 * p)), _I32, 2), _L16)
+             for p in range(4)]
         dx = splat(builder, load(14, at(r, 1), ir.FloatType(), 4), _F16)
         builder.store(fma16(builder, builder.sitofp(totals[r], _F16), builder.fmul(dw, dx),
                             builder.load(acc)), acc)
@@ -165,15 +169,14 @@ def _pairs(builder, mins):  # type: ignore[no-untyped-def]
             for p in range(4)]
 
 
-def _min_total(builder, path, pairs, bsums):  # type: ignore[no-untyped-def]
+def _min_total(builder, path, pairs, sums):  # type: ignore[no-untyped-def]
     """sum_s mn_s (b_2s + b_2s+1) of 16 rows, exact int32 lanes, from the mins as int16
-    pairs (`_pairs`) and one row of x's 16 sums of 16 (int16): x's sums of 32 (within
-    +-4096) paired the same way, one multiply-add of pairs (`ktiled.madd_pairs`) a pair of
-    sub-blocks where two 32-bit multiplies and adds were."""
+    pairs (`_pairs`) and one row of x's sums of 32 (within +-4096) paired the same way, in
+    every lane (sums[p]: sub-blocks 2 p and 2 p + 1): one multiply-add of pairs
+    (`ktiled.madd_pairs`) a pair of sub-blocks where two 32-bit multiplies and adds were."""
     total = ir.Constant(_L16, [0] * 16)
     for p in range(4):
-        total = builder.add(total, madd_pairs(builder, path, pairs[p],
-                                              x_pair(builder, bsums[4 * p:4 * p + 4])))
+        total = builder.add(total, madd_pairs(builder, path, pairs[p], sums[p]))
     return total
 
 
@@ -185,7 +188,7 @@ def body(path: int, m: int) -> Callback:
         nsb = k // 256
         q, sc, mn = carray(q_p, (n * rb,)), carray(sc_p, (n * 8 * nsb,)), carray(mn_p, (n * 8 * nsb,))
         d, dm, lut = carray(d_p, (n * nsb,)), carray(dm_p, (n * nsb,)), carray(lut_p, (1 << 16,))
-        x, xb, xd = carray(x_p, (m * k,)), carray(xb_p, (m * k // 16,)), carray(xd_p, (m * nsb,))
+        x, xb, xd = carray(x_p, (m * k,)), carray(xb_p, (m * k // 32,)), carray(xd_p, (m * nsb,))
         out = carray(out_p, (m * n,))
         r0 = LANES * c
         p0 = min(r0 + LANES, n - LANES)
@@ -203,21 +206,29 @@ def body(path: int, m: int) -> Callback:
 
 
 @kernel(parallel=True, exact=True)
-def _rows(fn, q, sc, mn, d, dmin, lut, xq, xd, xb, out, threads, quantize, x):  # type: ignore[no-untyped-def]
+def _rows(fn, q, sc, mn, d, dmin, lut, xq, xd, xb, sums32, out, threads, quantize, x):  # type: ignore[no-untyped-def]
     """out = the body at `fn` on every chunk of 16 weight rows, in parallel; with `quantize`
     (`activations.q8_k_blocks`' address, else 0) x's float rows are first quantized into
-    xq/xd/xb on this thread."""
+    xq/xd/xb on this thread. Where sums32 has columns (a Q4_K's body), x's sums of 32 are
+    written there once and the body reads them in place of its sums of 16: every chunk
+    had added and packed the same pairs again."""
     if quantize != 0:
         for i in range(x.shape[0]):
             call_address(quantize, (data_pointer(x), x.shape[0], x.shape[1], data_pointer(xq),
                                     data_pointer(xd), data_pointer(xb), i, 0,
                                     x.shape[1] // 256))
+    sums = xb
+    if sums32.shape[1] != 0:
+        for i in range(xb.shape[0]):
+            for j in range(sums32.shape[1]):
+                sums32[i, j] = xb[i, 2 * j] + xb[i, 2 * j + 1]
+        sums = sums32
     prev = limit_threads(threads)
     n = q.shape[0]
     for c in prange(n // LANES):
         call_address(fn, (data_pointer(q), n, q.shape[1], data_pointer(sc), data_pointer(mn),
                           data_pointer(d), data_pointer(dmin), data_pointer(lut),
-                          data_pointer(xq), xq.shape[0], xq.shape[1], data_pointer(xb),
+                          data_pointer(xq), xq.shape[0], xq.shape[1], data_pointer(sums),
                           data_pointer(xd),
                           data_pointer(out), c))
     restore_threads(prev)
@@ -247,12 +258,13 @@ def matmul(w: QuantMatrix, x: activations.Q8KRows | None = None,
         plan = w.memo[("krow", code, 0 if six else m)] = (fn, planes)
     fn, (q, sc, mn, d, dmin) = plan
     threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
-    out = np.empty((m, w.rows), np.float32)
+    out = aligned_empty((m, w.rows), np.float32)
     if floats is not None:
         x = kept(("krow", m, k), lambda: activations.Q8KRows(
             np.zeros((m, k), np.int8), np.zeros((m, k // 256), np.float32),
             np.zeros((m, k // 16), np.int16)))
-    _rows(fn, q, sc, mn, d, dmin, HALF_LUT, x.qs, x.d, x.bsums, out, threads,
+    sums32 = _NO_SUMS if six else kept(("krow sums", m, k), lambda: np.zeros((m, k // 32), np.int16))
+    _rows(fn, q, sc, mn, d, dmin, HALF_LUT, x.qs, x.d, x.bsums, sums32, out, threads,
           0 if floats is None else activations.q8_k_blocks.address,
           _NO_F32 if floats is None else np.ascontiguousarray(floats, np.float32))
     return out

@@ -31,12 +31,13 @@ from numba.extending import intrinsic
 
 from vllm_actors.kernels.cpu import activations, isa
 from vllm_actors.kernels.cpu.intrinsics import (call_address, data_pointer, prefetch,
-                                                stack_f32, stack_i32, stack_i64,
+                                                realign_stack, stack_f32, stack_i32, stack_i64,
                                                 transpose_rows)
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
 from vllm_actors.kernels.cpu.ktotals import Planes, blocks
 from vllm_actors.kernels.cpu.qdot import AVX2, AVX512
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix
+from vllm_actors.kernels.cpu.qmatmul_layout import aligned_empty
 from vllm_actors.kernels.cpu.qmatmul_prims import (HALF_LUT, limit_threads, prefetch_span,
                                                    restore_threads)
 from vllm_actors.kernels.cpu.qmatmul_simd import splat, vector_ptr
@@ -597,6 +598,7 @@ def body(path: int, form: int, order: int, sc_dtype: str, interleaved: bool = Fa
         d, dmin = carray(d_p, (n * nsb,)), carray(dm_p, (n * nsb if form != 6 else 0,))
         lut, x = carray(lut_p, (1 << 16,)), carray(x_p, (m * k,))
         xb, xd = carray(xb_p, (m * k // 16,)), carray(xd_p, (m * nsb,))
+        realign_stack()
         out, am = carray(out_p, (m * n16,)), carray(am_p, (m * n16 if order != TILED else 0,))
         codes, scales, mins = stack_i32(1024), stack_i32(256), stack_i32(128)   # 16 rows each
         dw, dm, pairs = stack_f32(16), stack_f32(16), stack_i32(64)
@@ -669,8 +671,8 @@ def matmul(w: QuantMatrix, x: activations.Q8KRows, order: int, path: str | None 
     fn = body(code, form, order, sc.dtype.str, w.interleaved).address
     m = x.qs.shape[0]
     n16 = -(-w.rows // LANES) * LANES
-    out = np.empty((m, n16), np.float32)       # each chunk clears and finishes its columns
-    am = np.empty((m, n16) if order != TILED else (0, 0), np.float32)
+    out = aligned_empty((m, n16), np.float32)   # each chunk clears and finishes its columns
+    am = aligned_empty((m, n16) if order != TILED else (0, 0), np.float32)
     threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
     _tiled(fn, q, h, sc, mn, d, dmin, HALF_LUT, x.qs, x.bsums, x.d, out, am, threads)
     return out if n16 == w.rows else np.ascontiguousarray(out[:, :w.rows])

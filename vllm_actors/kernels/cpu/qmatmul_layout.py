@@ -165,7 +165,7 @@ def split(raw: np.ndarray, qtype: int, rows: int, cols: int) -> tuple[np.ndarray
     return planes
 
 
-def _aligned(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+def aligned_empty(shape: tuple[int, ...], dtype: np.typing.DTypeLike) -> np.ndarray:
     """An uninitialized array whose data starts on a 64-byte boundary (a cache line: the
     kernels' vector loads then never straddle two)."""
     nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
@@ -187,7 +187,7 @@ def interleave_halves(plane: np.ndarray) -> np.ndarray:
     n, nsb = plane.shape
     if n % INTERLEAVED_ROWS:
         raise ValueError(f"cannot interleave a plane of shape {plane.shape}")
-    out = _aligned(plane.shape, plane.dtype)
+    out = aligned_empty(plane.shape, plane.dtype)
     out.reshape(n // INTERLEAVED_ROWS, nsb, INTERLEAVED_ROWS)[:] = plane.reshape(
         n // INTERLEAVED_ROWS, INTERLEAVED_ROWS, nsb).transpose(0, 2, 1)
     return out
@@ -207,7 +207,7 @@ def interleave_words(plane: np.ndarray, per_superblock: int) -> np.ndarray:
         raise ValueError(f"cannot interleave a plane of shape {plane.shape} by "
                          f"{per_superblock} bytes a superblock")
     words = per_superblock // 4
-    out = _aligned(plane.shape, plane.dtype)
+    out = aligned_empty(plane.shape, plane.dtype)
     src = plane.view(np.uint32).reshape(n // INTERLEAVED_ROWS, INTERLEAVED_ROWS,
                                         rb // per_superblock, words)
     dst = out.view(np.uint32).reshape(n // INTERLEAVED_ROWS, rb // per_superblock, words,

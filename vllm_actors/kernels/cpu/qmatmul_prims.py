@@ -222,3 +222,13 @@ def prefetch_span(plane, lo, hi, step):  # type: ignore[no-untyped-def]
     """Hint plane.flat[lo:hi] into L2, one element in `step` (a 64-byte line's worth)."""
     for i in range(lo, hi, step):
         prefetch(plane, i)
+
+
+@kernel(inline=True)
+def line_aligned(n, dtype):  # type: ignore[no-untyped-def]
+    """An uninitialized array of n elements of `dtype` starting on a cache line: a kernel's
+    scratch that it reads as 64-byte vectors (numba's own arrays start 32 bytes into a line
+    as often as not, and each such load then touches two lines)."""
+    buf = np.empty(n + 64, dtype)
+    skip = ((-buf.ctypes.data) % 64) // buf.itemsize
+    return buf[skip:skip + n]

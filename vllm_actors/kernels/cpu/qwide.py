@@ -38,8 +38,9 @@ from vllm_actors.kernels.cpu.ktiled import (LANES, array_ptr, dot4, fma16, llvm_
                                             transpose_words)
 from vllm_actors.kernels.cpu.qdot import AVX2, AVX512, PORTABLE
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix
-from vllm_actors.kernels.cpu.qmatmul_prims import (HALF_LUT, kept, limit_threads, prefetch_span,
-                                                   restore_threads)
+from vllm_actors.kernels.cpu.qmatmul_layout import aligned_empty
+from vllm_actors.kernels.cpu.qmatmul_prims import (HALF_LUT, kept, limit_threads, line_aligned,
+                                                   prefetch_span, restore_threads)
 from vllm_actors.kernels.cpu.qmatmul_simd import fmuladd, splat
 
 _I8, _I16, _I32, _I64 = (ir.IntType(n) for n in (8, 16, 32, 64))
@@ -690,8 +691,8 @@ def _wide(fn, qs, qh, d, mn, lut, xq, xc, xd, xs, out, threads):  # type: ignore
     chunks = (n + LANES - 1) // LANES
     parts = min(chunks, threads if 0 < threads < prev else prev)
     for p in prange(parts):
-        codes = np.empty(nb * 8 * LANES, np.int32)
-        dw, mw = np.empty(nb * LANES, np.float32), np.empty(nb * LANES, np.float32)
+        codes = line_aligned(nb * 8 * LANES, np.int32)
+        dw, mw = line_aligned(nb * LANES, np.float32), line_aligned(nb * LANES, np.float32)
         for c in range(chunks * p // parts, chunks * (p + 1) // parts):
             call_address(fn, (data_pointer(qs), n, qs.shape[1], data_pointer(qh),
                               data_pointer(d), data_pointer(mn), data_pointer(lut),
@@ -769,6 +770,6 @@ def matmul(w: QuantMatrix, planes: tuple[np.ndarray, ...], x: activations.Q8Rows
                  x.qs, xc, x.d, x.s, out, threads, 0, _NO_F32, _NO_F32, 0, 0)
         return out
     n16 = -(-w.rows // LANES) * LANES
-    out = np.empty((m, n16), np.float32)
+    out = aligned_empty((m, n16), np.float32)
     _wide(fn, qs, qh, d, mn, HALF_LUT, x.qs, xc, x.d, x.s, out, threads)
     return out if n16 == w.rows else np.ascontiguousarray(out[:, :w.rows])
