@@ -31,7 +31,7 @@ from vllm_actors.kernels.cpu import activations, isa, krow6
 from vllm_actors.kernels.cpu.intrinsics import call_address, data_pointer, prefetch_line
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
 from vllm_actors.kernels.cpu.ktiled import (LANES, arguments, array_ptr, byte_shift, dot4,
-                                            fma16, lane_bytes, madd_pairs)
+                                            fma16, lane_bytes, madd_pairs, sums_of_32)
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix
 from vllm_actors.kernels.cpu.qmatmul_layout import aligned_empty
 from vllm_actors.kernels.cpu.qmatmul_prims import (HALF_LUT, kept, limit_threads, prefetch_span,
@@ -209,9 +209,8 @@ def body(path: int, m: int) -> Callback:
 def _rows(fn, q, sc, mn, d, dmin, lut, xq, xd, xb, sums32, out, threads, quantize, x):  # type: ignore[no-untyped-def]
     """out = the body at `fn` on every chunk of 16 weight rows, in parallel; with `quantize`
     (`activations.q8_k_blocks`' address, else 0) x's float rows are first quantized into
-    xq/xd/xb on this thread. Where sums32 has columns (a Q4_K's body), x's sums of 32 are
-    written there once and the body reads them in place of its sums of 16: every chunk
-    had added and packed the same pairs again."""
+    xq/xd/xb on this thread. Where sums32 has columns (a Q4_K's body), the body reads x's
+    sums of 32 (`ktiled.sums_of_32`, written there) in place of its sums of 16."""
     if quantize != 0:
         for i in range(x.shape[0]):
             call_address(quantize, (data_pointer(x), x.shape[0], x.shape[1], data_pointer(xq),
@@ -219,9 +218,7 @@ def _rows(fn, q, sc, mn, d, dmin, lut, xq, xd, xb, sums32, out, threads, quantiz
                                     x.shape[1] // 256))
     sums = xb
     if sums32.shape[1] != 0:
-        for i in range(xb.shape[0]):
-            for j in range(sums32.shape[1]):
-                sums32[i, j] = xb[i, 2 * j] + xb[i, 2 * j + 1]
+        sums_of_32(xb, sums32)
         sums = sums32
     prev = limit_threads(threads)
     n = q.shape[0]

@@ -53,6 +53,7 @@ _F16 = ir.VectorType(ir.FloatType(), 16)
 _W16 = ir.VectorType(_I16, 16)
 _NO_BITS = np.zeros((0, 0), np.uint8)
 _NO_U16 = np.zeros((0, 0), np.uint16)
+_NO_I16 = np.zeros((0, 0), np.int16)
 
 
 def llvm_call(builder, name, ret, args):  # type: ignore[no-untyped-def]
@@ -365,22 +366,6 @@ def _flush(builder, order, total, mins, dw, dm, dx, acc, am):  # type: ignore[no
     return fma16(builder, r, dx, acc), am
 
 
-def _x_pair(builder, load, bo, s):  # type: ignore[no-untyped-def]
-    """x's sums of 32 of sub-blocks s and s + 1 (from its sums of 16 at the intrinsic's
-    argument 11, flat[bo ..]) as one int16 pair, in every lane (`madd_pairs`)."""
-    return x_pair(builder, [load(11, builder.add(bo, ir.Constant(_I64, 2 * s + u)), _I16, 2)
-                            for u in range(4)])
-
-
-def x_pair(builder, sums):  # type: ignore[no-untyped-def]
-    """x's 4 sums of 16 (int16 values) of two sub-blocks of 32 as one int16 pair of their
-    sums of 32 (within +-4096), in every lane (`madd_pairs`)."""
-    b = [builder.add(*(builder.sext(sums[2 * u + h], _I32) for h in range(2))) for u in range(2)]
-    word = builder.or_(builder.and_(b[0], ir.Constant(_I32, 0xFFFF)),
-                       builder.shl(b[1], ir.Constant(_I32, 16)))
-    return splat(builder, word, _L16)
-
-
 def _sub_block(builder, path, kind, load, s, groups, xos, bos):  # type: ignore[no-untyped-def]
     """Sub-block s's integer dot of the 16 weight rows (`tile_row`'s codes, argument 4) with
     each row of x whose quants start at xos[r] (argument 9): one vector <16 x i32> a row of
@@ -404,16 +389,17 @@ def _sub_block(builder, path, kind, load, s, groups, xos, bos):  # type: ignore[
     return a
 
 
-def _rows_of_x(context, builder, sig, args, count, load):  # type: ignore[no-untyped-def]
-    """`tile_row`'s rows of x: where each one's quants and sums of 16 start, its d_x (in
-    every lane), and pointers to its 16 outputs in out and am."""
+def _rows_of_x(context, builder, sig, args, count, load, kind):  # type: ignore[no-untyped-def]
+    """`tile_row`'s rows of x: where each one's quants and sums (of 16 for Q6_K, else of
+    32) start, its d_x (in every lane), and pointers to its 16 outputs in out and am."""
     xo_, bo_, do_, oo_, k_, n16_ = (_index(context, builder, sig, args, i)
                                     for i in (10, 12, 14, 17, 18, 19))
 
     def of_row(base, step):  # type: ignore[no-untyped-def]
         return [builder.add(base, builder.mul(step, ir.Constant(_I64, r)))
                 for r in range(count)]
-    xos, bos = of_row(xo_, k_), of_row(bo_, builder.lshr(k_, ir.Constant(_I64, 4)))
+    sums = builder.lshr(k_, ir.Constant(_I64, 4 if kind == 6 else 5))
+    xos, bos = of_row(xo_, k_), of_row(bo_, sums)
     dxs = [splat(builder, load(13, d, ir.FloatType()), _F16)
            for d in of_row(do_, builder.lshr(k_, ir.Constant(_I64, 8)))]
     oos = of_row(oo_, n16_)
@@ -432,7 +418,8 @@ def tile_row(typingctx, isa_, form, order, rows, codes, sc, mn, dw, dm, x, xo, x
     """`rows` (a literal, 1 or X_ROWS) rows of x against the superblock of 16 decoded weight
     rows (`decode_rows`; their scales at sc[16 s + i], mins as int16 pairs at mn[16 p + i]
     (`_min_pairs`), d_w and dmin_w at dw[i], dm[i]). Row r of them: quants at
-    x.flat[xo + r k], sums of 16 at xb.flat[bo + r k/16] (int16), d_x at
+    x.flat[xo + r k], sums at xb.flat[bo + r k/16] (int16; of 32 at bo + r k/32 but for
+    Q6_K, a pair of sub-blocks' as one 32-bit word), d_x at
     xd.flat[do + r k/256]; the results onto out.flat[oo + r n16 ..][:16] (and
     am's, the repacked kernels' min sums), lane i for weight row i, in the float order
     `order` (a literal: TILED, GEMM or GEMV)."""
@@ -454,7 +441,7 @@ def tile_row(typingctx, isa_, form, order, rows, codes, sc, mn, dw, dm, x, xo, x
         def at(n):  # type: ignore[no-untyped-def]
             return ir.Constant(_I64, n)
 
-        xos, bos, dxs, p_acc, p_am = _rows_of_x(context, builder, sig, args, count, load)
+        xos, bos, dxs, p_acc, p_am = _rows_of_x(context, builder, sig, args, count, load, kind)
         dw, dm = load(7, at(0), _F16), load(8, at(0), _F16)
         acc = [builder.load(p, align=4) for p in p_acc]
         am = [builder.load(p, align=4) for p in p_am]
@@ -467,8 +454,9 @@ def tile_row(typingctx, isa_, form, order, rows, codes, sc, mn, dw, dm, x, xo, x
             for r in range(count):
                 total[r] = builder.add(total[r], builder.mul(a[r], scale))
                 if pairs is not None:   # sub-blocks s - 1 and s: one multiply-add of pairs
-                    mins[r] = builder.add(mins[r], madd_pairs(
-                        builder, path, pairs, _x_pair(builder, load, bos[r], s - 1)))
+                    word = load(11, builder.add(bos[r], ir.Constant(_I64, s - 1)), _I32, 2)
+                    mins[r] = builder.add(mins[r], madd_pairs(builder, path, pairs,
+                                                              splat(builder, word, _L16)))
                 if (s + 1) % flush_every == 0:
                     acc[r], am[r] = _flush(builder, how, total[r],
                                            mins[r] if kind != 6 else None, dw, dm, dxs[r],
@@ -597,7 +585,8 @@ def body(path: int, form: int, order: int, sc_dtype: str, interleaved: bool = Fa
         mn = carray(mn_p, (n * 8 * nsb if form != 6 else 0,))
         d, dmin = carray(d_p, (n * nsb,)), carray(dm_p, (n * nsb if form != 6 else 0,))
         lut, x = carray(lut_p, (1 << 16,)), carray(x_p, (m * k,))
-        xb, xd = carray(xb_p, (m * k // 16,)), carray(xd_p, (m * nsb,))
+        xb, xd = carray(xb_p, (m * k // (16 if form == 6 else 32),)), carray(xd_p, (m * nsb,))
+        per = 16 if form == 6 else 8        # x's sums a superblock
         realign_stack()
         out, am = carray(out_p, (m * n16,)), carray(am_p, (m * n16 if order != TILED else 0,))
         codes, scales, mins = stack_i32(1024), stack_i32(256), stack_i32(128)   # 16 rows each
@@ -622,11 +611,11 @@ def body(path: int, form: int, order: int, sc_dtype: str, interleaved: bool = Fa
                 _min_pairs(mins, pairs)
             for mm in range(0, m - m % together, together):
                 tile_row(path, form, order, together, codes, scales, pairs, dw, dm, x,
-                         mm * k + 256 * sb, xb, mm * (k // 16) + 16 * sb, xd, mm * nsb + sb,
+                         mm * k + 256 * sb, xb, mm * per * nsb + per * sb, xd, mm * nsb + sb,
                          out, am if order != TILED else out, mm * n16 + i0, k, n16)
             for mm in range(m - m % together, m):
                 tile_row(path, form, order, 1, codes, scales, pairs, dw, dm, x,
-                         mm * k + 256 * sb, xb, mm * (k // 16) + 16 * sb, xd, mm * nsb + sb,
+                         mm * k + 256 * sb, xb, mm * per * nsb + per * sb, xd, mm * nsb + sb,
                          out, am if order != TILED else out, mm * n16 + i0, k, n16)
         _less_mins(out, am, m, n16, i0)
     u8, i64, f32 = types.CPointer(types.uint8), types.int64, types.CPointer(types.float32)
@@ -637,16 +626,32 @@ def body(path: int, form: int, order: int, sc_dtype: str, interleaved: bool = Fa
                     exact=True)(chunk)
 
 
+@kernel(inline=True)
+def sums_of_32(xb, out):  # type: ignore[no-untyped-def]
+    """x's sums of 32 (`out`, int16 [M, K / 32], each within +-4096) from its sums of 16
+    (`xb`, [M, K / 16]): read by the Q4_K and Q5_K kernels as one 32-bit word a pair of
+    sub-blocks, against their mins. Written once a call: each chunk of weight rows had added
+    and packed the same pairs again, in scalar code beside its vector work."""
+    for i in range(out.shape[0]):
+        for j in range(out.shape[1]):
+            out[i, j] = xb[i, 2 * j] + xb[i, 2 * j + 1]
+
+
 @kernel(parallel=True, exact=True)
-def _tiled(fn, q, h, sc, mn, d, dmin, lut, xq, xb, xd, out, am, threads):  # type: ignore[no-untyped-def]
-    """out (and am) = the body at `fn` on every chunk of 16 weight rows."""
+def _tiled(fn, q, h, sc, mn, d, dmin, lut, xq, xb, sums32, xd, out, am, threads):  # type: ignore[no-untyped-def]
+    """out (and am) = the body at `fn` on every chunk of 16 weight rows; the body reads x's
+    sums of 32 (`sums_of_32`, into sums32) where sums32 has columns, else its sums of 16."""
+    sums = xb
+    if sums32.shape[1] != 0:
+        sums_of_32(xb, sums32)
+        sums = sums32
     prev = limit_threads(threads)
     n = q.shape[0]
     for c in prange((n + LANES - 1) // LANES):
         call_address(fn, (data_pointer(q), n, q.shape[1], data_pointer(h), h.shape[1],
                           data_pointer(sc), data_pointer(mn), data_pointer(d),
                           data_pointer(dmin), data_pointer(lut), data_pointer(xq),
-                          xq.shape[0], xq.shape[1], data_pointer(xb), data_pointer(xd),
+                          xq.shape[0], xq.shape[1], data_pointer(sums), data_pointer(xd),
                           data_pointer(out), data_pointer(am), out.shape[1], c))
     restore_threads(prev)
 
@@ -669,10 +674,11 @@ def matmul(w: QuantMatrix, x: activations.Q8KRows, order: int, path: str | None 
         (q, sc, mn, d, dmin), h = w.planes, _NO_BITS
     code = isa.code(path) if path else isa.selected_code()
     fn = body(code, form, order, sc.dtype.str, w.interleaved).address
-    m = x.qs.shape[0]
+    m, k = x.qs.shape
     n16 = -(-w.rows // LANES) * LANES
     out = aligned_empty((m, n16), np.float32)   # each chunk clears and finishes its columns
     am = aligned_empty((m, n16) if order != TILED else (0, 0), np.float32)
     threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
-    _tiled(fn, q, h, sc, mn, d, dmin, HALF_LUT, x.qs, x.bsums, x.d, out, am, threads)
+    sums32 = _NO_I16 if form == 6 else np.empty((m, k // 32), np.int16)
+    _tiled(fn, q, h, sc, mn, d, dmin, HALF_LUT, x.qs, x.bsums, sums32, x.d, out, am, threads)
     return out if n16 == w.rows else np.ascontiguousarray(out[:, :w.rows])
