@@ -30,7 +30,7 @@ from numba.extending import intrinsic
 from vllm_actors.kernels.cpu import activations, isa, krow6
 from vllm_actors.kernels.cpu.intrinsics import call_address, data_pointer, prefetch_line
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
-from vllm_actors.kernels.cpu.ktiled import (LANES, arguments, array_ptr, byte_shift, dot4,
+from vllm_actors.kernels.cpu.ktiled import (LANES, arguments, array_ptr, bit_field, dot4,
                                             fma16, lane_bytes, madd_pairs, sums_of_32)
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix
 from vllm_actors.kernels.cpu.qmatmul_layout import aligned_empty
@@ -129,8 +129,7 @@ def _totals(builder, path, load, base, xos, scales, hint):  # type: ignore[no-un
             nibbles = load(2, builder.add(base, off), _B64)
             hint(off)
             for half in range(2):
-                part = builder.and_(byte_shift(builder, path, nibbles, 4 * half),
-                                    ir.Constant(_B64, [15] * 64))
+                part = bit_field(builder, path, nibbles, 4 * half, 15)
                 pos = builder.add(builder.mul(p, ir.Constant(_I64, 64)), ir.Constant(
                     _I64, 32 * half + 16 * (j // 4) + 4 * (j % 4)))
                 for r, xo in enumerate(xos):

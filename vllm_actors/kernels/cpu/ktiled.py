@@ -202,8 +202,7 @@ def _store_nibbles(context, builder, sig, args, i, b, p, h, g):  # type: ignore[
     weights 64 p + 16 h + 4 g .. (low nibbles) and the 32 after (high), into the intrinsic's
     codes argument i in `decode_rows`' order."""
     for nib in range(2):
-        part = builder.and_(byte_shift(builder, AVX512, b, 4 * nib),     # the host's best
-                            ir.Constant(_B64, [15] * 64))
+        part = bit_field(builder, AVX512, b, 4 * nib, 15)     # the host's best
         at = ir.Constant(_I64, LANES * (16 * p + 8 * nib + 4 * h + g))
         builder.store(part, array_ptr(context, builder, sig, args, i, at, _B64), align=4)
 
@@ -229,6 +228,9 @@ def decode_interleaved(typingctx, q, at, codes):  # type: ignore[no-untyped-def]
 # `vpmultishiftqb` (AVX-512 VBMI) moves bytes' bits on the shuffle port: the 512-bit byte
 # shifts LLVM emits otherwise share the one port of every 512-bit integer multiply
 MULTISHIFT = "avx512vbmi" in isa.host_features()
+# `vgf2p8affineqb` (GFNI; its 512-bit form with AVX-512) moves and masks each byte's bits in
+# one instruction, where a bit field cost a shift and an AND
+AFFINE = {"gfni", "avx512bw"} <= isa.host_features()
 
 
 def byte_shift(builder, path, v, shift):  # type: ignore[no-untyped-def]
@@ -246,15 +248,27 @@ def byte_shift(builder, path, v, shift):  # type: ignore[no-untyped-def]
     return builder.shl(v, ir.Constant(_B64, [-shift] * 64))
 
 
+def bit_field(builder, path, v, shift, mask):  # type: ignore[no-untyped-def]
+    """(byte >> shift) & mask for each byte of v (<64 x i8>; a left shift where `shift` is
+    negative): one `vgf2p8affineqb` on the AVX-512 path where the CPU has GFNI (result bit
+    i is bit i + shift where mask has bit i: row 7 - i of each quadword's bit matrix), else
+    `byte_shift` and an AND."""
+    if path == AVX512 and AFFINE and shift != 0:
+        rows = [0] * 8
+        for i in range(8):
+            if mask >> i & 1 and 0 <= i + shift < 8:
+                rows[7 - i] = 1 << (i + shift)
+        return llvm_call(builder, "llvm.x86.vgf2p8affineqb.512", _B64,
+                         [v, ir.Constant(_B64, rows * 8), ir.Constant(_I8, 0)])
+    return builder.and_(byte_shift(builder, path, v, shift), ir.Constant(_B64, [mask] * 64))
+
+
 def q6_codes(builder, path, low, high, j):  # type: ignore[no-untyped-def]
     """The 6-bit codes (bytes) of quarter j of a Q6_K half superblock, from the vectors of its
     low bits (word 8 (j % 2) + t of the half; nibble j // 2) and high bits (word t; bits
     2 j): weights 32 j + 4 t .. of the half, as ggml's `dequantize_row_q6_K` reads them."""
-    bits = builder.and_(byte_shift(builder, path, low, 4 * (j // 2)),
-                        ir.Constant(_B64, [15] * 64))
-    top = builder.and_(byte_shift(builder, path, high, 2 * j - 4),
-                       ir.Constant(_B64, [0x30] * 64))
-    return builder.or_(bits, top)
+    return builder.or_(bit_field(builder, path, low, 4 * (j // 2), 15),
+                       bit_field(builder, path, high, 2 * j - 4, 0x30))
 
 
 @intrinsic
