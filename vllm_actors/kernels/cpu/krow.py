@@ -33,7 +33,6 @@ from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
 from vllm_actors.kernels.cpu.ktiled import (LANES, arguments, array_ptr, bit_field, dot4,
                                             fma16, lane_bytes, madd_pairs, sums_of_32)
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix
-from vllm_actors.kernels.cpu.qmatmul_layout import aligned_empty
 from vllm_actors.kernels.cpu.qmatmul_prims import (HALF_LUT, kept, limit_threads, prefetch_span,
                                                    restore_threads)
 from vllm_actors.kernels.cpu.qmatmul_simd import splat
@@ -254,7 +253,7 @@ def matmul(w: QuantMatrix, x: activations.Q8KRows | None = None,
         plan = w.memo[("krow", code, 0 if six else m)] = (fn, planes)
     fn, (q, sc, mn, d, dmin) = plan
     threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
-    out = aligned_empty((m, w.rows), np.float32)
+    out = np.empty((m, w.rows), np.float32)
     if floats is not None:
         x = kept(("krow", m, k), lambda: activations.Q8KRows(
             np.zeros((m, k), np.int8), np.zeros((m, k // 256), np.float32),

@@ -11,6 +11,7 @@ Q5_K 1.023. Field offsets come from `quant.BLOCK_FIELDS` / `BLOCK_OFFSETS`.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -168,9 +169,10 @@ def split(raw: np.ndarray, qtype: int, rows: int, cols: int) -> tuple[np.ndarray
 def aligned_empty(shape: tuple[int, ...], dtype: np.typing.DTypeLike) -> np.ndarray:
     """An uninitialized array whose data starts on a 64-byte boundary (a cache line: the
     kernels' vector loads then never straddle two)."""
-    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
     raw = np.empty(nbytes + 64, np.uint8)
-    skip = -raw.ctypes.data % 64
+    skip = -raw.__array_interface__["data"][0] % 64      # not `.ctypes`: 20x the time
     return raw[skip:skip + nbytes].view(dtype).reshape(shape)
 
 

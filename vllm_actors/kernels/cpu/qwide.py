@@ -38,7 +38,6 @@ from vllm_actors.kernels.cpu.ktiled import (LANES, array_ptr, dot4, fma16, llvm_
                                             transpose_words)
 from vllm_actors.kernels.cpu.qdot import AVX2, AVX512, PORTABLE
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix
-from vllm_actors.kernels.cpu.qmatmul_layout import aligned_empty
 from vllm_actors.kernels.cpu.qmatmul_prims import (HALF_LUT, kept, limit_threads, line_aligned,
                                                    prefetch_span, restore_threads)
 from vllm_actors.kernels.cpu.qmatmul_simd import fmuladd, splat
@@ -770,6 +769,6 @@ def matmul(w: QuantMatrix, planes: tuple[np.ndarray, ...], x: activations.Q8Rows
                  x.qs, xc, x.d, x.s, out, threads, 0, _NO_F32, _NO_F32, 0, 0)
         return out
     n16 = -(-w.rows // LANES) * LANES
-    out = aligned_empty((m, n16), np.float32)
+    out = np.empty((m, n16), np.float32)
     _wide(fn, qs, qh, d, mn, HALF_LUT, x.qs, xc, x.d, x.s, out, threads)
     return out if n16 == w.rows else np.ascontiguousarray(out[:, :w.rows])
