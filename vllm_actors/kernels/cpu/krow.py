@@ -258,7 +258,8 @@ def matmul(w: QuantMatrix, x: activations.Q8KRows | None = None,
         x = kept(("krow", m, k), lambda: activations.Q8KRows(
             np.zeros((m, k), np.int8), np.zeros((m, k // 256), np.float32),
             np.zeros((m, k // 16), np.int16)))
-    sums32 = _NO_SUMS if six else kept(("krow sums", m, k), lambda: np.zeros((m, k // 32), np.int16))
+    sums32 = _NO_SUMS if six else kept(("krow sums", m, k),
+                                       lambda: np.zeros((m, k // 32), np.int16))
     _rows(fn, q, sc, mn, d, dmin, HALF_LUT, x.qs, x.d, x.bsums, sums32, out, threads,
           0 if floats is None else activations.q8_k_blocks.address,
           _NO_F32 if floats is None else np.ascontiguousarray(floats, np.float32))

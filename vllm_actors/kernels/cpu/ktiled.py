@@ -225,8 +225,8 @@ def decode_interleaved(typingctx, q, at, codes):  # type: ignore[no-untyped-def]
     return types.none(q, at, codes), codegen
 
 
-# `vpmultishiftqb` (AVX-512 VBMI) moves bytes' bits on the shuffle port: the 512-bit byte
-# shifts LLVM emits otherwise share the one port of every 512-bit integer multiply
+# `vpmultishiftqb` (AVX-512 VBMI) moves bytes' bits on the shuffle port, where LLVM's 512-bit
+# byte shifts take a port the dot products need
 MULTISHIFT = "avx512vbmi" in isa.host_features()
 # `vgf2p8affineqb` (GFNI; its 512-bit form with AVX-512) moves and masks each byte's bits in
 # one instruction, where a bit field cost a shift and an AND
@@ -432,8 +432,8 @@ def tile_row(typingctx, isa_, form, order, rows, codes, sc, mn, dw, dm, x, xo, x
     """`rows` (a literal, 1 or X_ROWS) rows of x against the superblock of 16 decoded weight
     rows (`decode_rows`; their scales at sc[16 s + i], mins as int16 pairs at mn[16 p + i]
     (`_min_pairs`), d_w and dmin_w at dw[i], dm[i]). Row r of them: quants at
-    x.flat[xo + r k], sums at xb.flat[bo + r k/16] (int16; of 32 at bo + r k/32 but for
-    Q6_K, a pair of sub-blocks' as one 32-bit word), d_x at
+    x.flat[xo + r k], sums (int16) at xb.flat[bo + r k/16] for Q6_K (of 16) and at
+    xb.flat[bo + r k/32] for the others (of 32: a pair of sub-blocks' one 32-bit word), d_x at
     xd.flat[do + r k/256]; the results onto out.flat[oo + r n16 ..][:16] (and
     am's, the repacked kernels' min sums), lane i for weight row i, in the float order
     `order` (a literal: TILED, GEMM or GEMV)."""
@@ -601,7 +601,7 @@ def body(path: int, form: int, order: int, sc_dtype: str, interleaved: bool = Fa
         lut, x = carray(lut_p, (1 << 16,)), carray(x_p, (m * k,))
         xb, xd = carray(xb_p, (m * k // (16 if form == 6 else 32),)), carray(xd_p, (m * nsb,))
         per = 16 if form == 6 else 8        # x's sums a superblock
-        realign_stack()
+        realign_stack()                     # the tile rows' vector spills on cache lines
         out, am = carray(out_p, (m * n16,)), carray(am_p, (m * n16 if order != TILED else 0,))
         codes, scales, mins = stack_i32(1024), stack_i32(256), stack_i32(128)   # 16 rows each
         dw, dm, pairs = stack_f32(16), stack_f32(16), stack_i32(64)
