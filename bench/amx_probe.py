@@ -12,11 +12,10 @@ compiler lacks AMX.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
+
+from c_program import built
 
 SOURCE = r"""
 #include <immintrin.h>
@@ -85,19 +84,8 @@ int main(void) {
 
 
 def main() -> int:
-    cc = shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        print("no C compiler here", file=sys.stderr)
-        return 1
-    with tempfile.TemporaryDirectory() as tmp:
-        source, binary = Path(tmp) / "amx.c", Path(tmp) / "amx"
-        source.write_text(SOURCE)
-        built = subprocess.run([cc, "-O2", "-mamx-tile", "-mamx-int8", str(source), "-o",
-                                str(binary)], capture_output=True, text=True)
-        if built.returncode:
-            print(built.stderr, file=sys.stderr)
-            return 1
-        return subprocess.run([str(binary)]).returncode
+    with built(SOURCE, ["-O2", "-mamx-tile", "-mamx-int8"]) as binary:
+        return 1 if binary is None else subprocess.run([str(binary)]).returncode
 
 
 if __name__ == "__main__":

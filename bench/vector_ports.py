@@ -15,11 +15,10 @@ kernels' vectors"). Exits 1 where the CPU or the compiler lacks AVX-512 VNNI.
 from __future__ import annotations
 
 import argparse
-import shutil
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
+
+from c_program import built
 
 SOURCE = r"""
 #include <immintrin.h>
@@ -73,18 +72,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cores", type=int, default=1, help="copies run at once")
     args = parser.parse_args()
-    cc = shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        print("no C compiler here", file=sys.stderr)
-        return 1
-    with tempfile.TemporaryDirectory() as tmp:
-        source, binary = Path(tmp) / "ports.c", Path(tmp) / "ports"
-        source.write_text(SOURCE)
-        built = subprocess.run([cc, "-O3", "-funroll-loops", "-march=native", "-mavx512f",
-                                "-mavx512bw", "-mavx512vnni", str(source), "-o", str(binary)],
-                               capture_output=True, text=True)
-        if built.returncode:
-            print(built.stderr, file=sys.stderr)
+    flags = ["-O3", "-funroll-loops", "-march=native", "-mavx512f", "-mavx512bw", "-mavx512vnni"]
+    with built(SOURCE, flags) as binary:
+        if binary is None:
             return 1
         runs = [subprocess.Popen([str(binary)], stdout=subprocess.PIPE, text=True)
                 for _ in range(args.cores)]
