@@ -141,11 +141,10 @@ class BlockPool:
     def free_blocks(self, ordered_blocks: Iterable[KVBlock]) -> None:
         """Drop a reference; cached blocks reaching 0 join the free list's back in the given
         order (LRU eviction, as vLLM), blocks with no hash its front, so the next request
-        reuses them first: nothing cached is lost by it, and their memory is warm (vLLM
-        queues them behind never-used blocks, so a server's first pass over its KV budget
-        wrote every prefill into fresh pages: Gemma 3's 512-token prefill 377-400 ->
-        332-358 ms, docs/BENCHMARKS.md). The null block (a sliding group's placeholder) is
-        skipped."""
+        reuses them first: nothing cached is evicted sooner, and their memory is warm where
+        vLLM's order (behind never-used blocks) sent each prompt to fresh pages
+        (docs/BENCHMARKS.md, "Warm KV blocks first"). The null block (a sliding group's
+        placeholder) is skipped."""
         for block in ordered_blocks:
             if block is self.null_block:
                 continue

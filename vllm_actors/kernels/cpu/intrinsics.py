@@ -159,8 +159,8 @@ def data_pointer(typingctx, arr):
 def realign_stack(typingctx):
     """Make the calling function realign its stack to a cache line on entry (LLVM's
     `stackrealign`), so that its 64-byte vector spills are aligned whatever its caller's
-    stack: without it a kernel whose spills fell across lines ran 20 % slower in some
-    processes than in others (docs/BENCHMARKS.md)."""
+    stack: without it their alignment, and a kernel's speed, followed the caller's
+    (docs/BENCHMARKS.md, "Cache lines for the kernels' vectors")."""
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
         set.add(builder.function.attributes, '"stackrealign"')   # a string attribute to LLVM
         return context.get_dummy_value()
