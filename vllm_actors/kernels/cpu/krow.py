@@ -30,8 +30,8 @@ from numba.extending import intrinsic
 from vllm_actors.kernels.cpu import activations, isa, krow6
 from vllm_actors.kernels.cpu.intrinsics import call_address, data_pointer, prefetch_line
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
-from vllm_actors.kernels.cpu.ktiled import (LANES, arguments, array_ptr, bit_field, dot4,
-                                            fma16, lane_bytes, madd_pairs, sums_of_32)
+from vllm_actors.kernels.cpu.ktiled import (LANES, NO_SUMS, arguments, array_ptr, bit_field,
+                                            dot4, fma16, lane_bytes, madd_pairs, sums_of_32)
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix
 from vllm_actors.kernels.cpu.qmatmul_prims import (HALF_LUT, kept, limit_threads, prefetch_span,
                                                    restore_threads)
@@ -45,7 +45,6 @@ _F16 = ir.VectorType(ir.FloatType(), 16)
 CHUNK_BYTES = 128 * LANES        # a superblock's quants of 16 interleaved rows
 MAX_ROWS = 4                     # rows of x a call takes (`ktiled` decodes for more)
 _NO_F32 = np.zeros((0, 0), np.float32)
-_NO_SUMS = np.zeros((0, 0), np.int16)
 
 
 @intrinsic
@@ -214,10 +213,7 @@ def _rows(fn, q, sc, mn, d, dmin, lut, xq, xd, xb, sums32, out, threads, quantiz
             call_address(quantize, (data_pointer(x), x.shape[0], x.shape[1], data_pointer(xq),
                                     data_pointer(xd), data_pointer(xb), i, 0,
                                     x.shape[1] // 256))
-    sums = xb
-    if sums32.shape[1] != 0:
-        sums_of_32(xb, sums32)
-        sums = sums32
+    sums = sums_of_32(xb, sums32)
     prev = limit_threads(threads)
     n = q.shape[0]
     for c in prange(n // LANES):
@@ -258,7 +254,7 @@ def matmul(w: QuantMatrix, x: activations.Q8KRows | None = None,
         x = kept(("krow", m, k), lambda: activations.Q8KRows(
             np.zeros((m, k), np.int8), np.zeros((m, k // 256), np.float32),
             np.zeros((m, k // 16), np.int16)))
-    sums32 = _NO_SUMS if six else kept(("krow sums", m, k),
+    sums32 = NO_SUMS if six else kept(("krow sums", m, k),
                                        lambda: np.zeros((m, k // 32), np.int16))
     _rows(fn, q, sc, mn, d, dmin, HALF_LUT, x.qs, x.d, x.bsums, sums32, out, threads,
           0 if floats is None else activations.q8_k_blocks.address,

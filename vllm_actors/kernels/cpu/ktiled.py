@@ -53,7 +53,7 @@ _F16 = ir.VectorType(ir.FloatType(), 16)
 _W16 = ir.VectorType(_I16, 16)
 _NO_BITS = np.zeros((0, 0), np.uint8)
 _NO_U16 = np.zeros((0, 0), np.uint16)
-_NO_I16 = np.zeros((0, 0), np.int16)
+NO_SUMS = np.zeros((0, 0), np.int16)    # `sums_of_32`'s out where a body reads sums of 16
 
 
 def llvm_call(builder, name, ret, args):  # type: ignore[no-untyped-def]
@@ -642,23 +642,24 @@ def body(path: int, form: int, order: int, sc_dtype: str, interleaved: bool = Fa
 
 @kernel(inline=True)
 def sums_of_32(xb, out):  # type: ignore[no-untyped-def]
-    """x's sums of 32 (`out`, int16 [M, K / 32], each within +-4096) from its sums of 16
-    (`xb`, [M, K / 16]): read by the Q4_K and Q5_K kernels as one 32-bit word a pair of
-    sub-blocks, against their mins. Written once a call: each chunk of weight rows had added
-    and packed the same pairs again, in scalar code beside its vector work."""
+    """The sums of x a body reads: where `out` has columns (int16 [M, K / 32]; a Q4_K or
+    Q5_K body, `NO_SUMS` else), x's sums of 32 (each within +-4096) written there from its
+    sums of 16 (`xb`, [M, K / 16]) and `out` returned, read as one 32-bit word a pair of
+    sub-blocks against their mins; else `xb`. Written once a call: each chunk of weight rows
+    had added and packed the same pairs again, in scalar code beside its vector work."""
+    if out.shape[1] == 0:
+        return xb
     for i in range(out.shape[0]):
         for j in range(out.shape[1]):
             out[i, j] = xb[i, 2 * j] + xb[i, 2 * j + 1]
+    return out
 
 
 @kernel(parallel=True, exact=True)
 def _tiled(fn, q, h, sc, mn, d, dmin, lut, xq, xb, sums32, xd, out, am, threads):  # type: ignore[no-untyped-def]
     """out (and am) = the body at `fn` on every chunk of 16 weight rows; the body reads x's
     sums of 32 (`sums_of_32`, into sums32) where sums32 has columns, else its sums of 16."""
-    sums = xb
-    if sums32.shape[1] != 0:
-        sums_of_32(xb, sums32)
-        sums = sums32
+    sums = sums_of_32(xb, sums32)
     prev = limit_threads(threads)
     n = q.shape[0]
     for c in prange((n + LANES - 1) // LANES):
@@ -693,6 +694,6 @@ def matmul(w: QuantMatrix, x: activations.Q8KRows, order: int, path: str | None 
     out = aligned_empty((m, n16), np.float32)   # each chunk clears and finishes its columns
     am = aligned_empty((m, n16) if order != TILED else (0, 0), np.float32)
     threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
-    sums32 = _NO_I16 if form == 6 else np.empty((m, k // 32), np.int16)
+    sums32 = NO_SUMS if form == 6 else np.empty((m, k // 32), np.int16)
     _tiled(fn, q, h, sc, mn, d, dmin, HALF_LUT, x.qs, x.bsums, sums32, x.d, out, am, threads)
     return out if n16 == w.rows else np.ascontiguousarray(out[:, :w.rows])
