@@ -8,7 +8,9 @@ requests run and handed to other requests; the tokens must not change:
 
 - the golden prompt's greedy tokens equal transformers' (near-tie rule);
 - long prompts give the tokens of the model driven directly over a full, ungrouped cache;
-- a repeated prompt hits the prefix cache (window blocks included) and gives the same tokens.
+- a repeated prompt hits the prefix cache (window blocks included) and gives the same tokens;
+- every KV slot a step reads holds its own prefix's KV (`kv_shadow.py`: equal tokens alone
+  missed a block handed out both as one group's hit and another group's new block).
 
 And the issue's count on a Gemma-3-shaped model: an 8k-token request holds full-length KV
 only in the global layer's group."""
@@ -17,6 +19,7 @@ import numpy as np
 import pytest
 from family_models import (FAMILY_CONFIGS, FAMILY_PROMPT, GREEDY_PROMPT_LEN, GREEDY_STEPS,
                            NEAR_TIE, check_greedy, family_weights, write_family_dir)
+from kv_shadow import KVShadow
 from model_driver import greedy_tokens, prompt_logits
 from opencl_platform import require_opencl
 from tiny_models import write_checkpoint
@@ -85,8 +88,10 @@ def test_grouped_kv_keeps_tokens_exact(tmp_path, name, device):
         assert any(windows)
         full_contexts = sum(-(-(len(p) + GREEDY_STEPS) // 4) for p in prompts.values())
         assert full_contexts * len(windows) > 120      # freed window blocks must be reused
+        shadow = KVShadow(core.scheduler)
         tokens, _ = run(core, prompts, GREEDY_STEPS)
         assert core.scheduler.kv.pool.num_free_blocks == 120
+        assert not shadow.problems, shadow.problems[:5]
     finally:
         core.shutdown()
     check_greedy(tokens["golden"], name)

@@ -126,6 +126,26 @@ def test_window_hit_needs_only_the_window_blocks():
     assert kv.get_computed_blocks(make_request("d", PROMPT + [5]))[1] == 80
 
 
+def test_hits_of_every_group_are_taken_before_new_blocks():
+    """A later group's hit may sit in the free list where an earlier group's new blocks are
+    taken from: it must be held first, or the same block becomes both (found by a shadow of
+    every KV slot's content in a sliding-window engine test: a prefilled request then read
+    another layer's KV)."""
+    kv = prefilled_and_freed(40, PROMPT)
+    kv.pool.get_new_blocks(16)          # another request holds the 16 blocks in front
+    b = make_request("b", PROMPT + [5])
+    hits, n = kv.get_computed_blocks(b)
+    # past the full group's own hits, the free list's front is a hit of the sliding group
+    assert n == 80 and next(blk for blk in kv.pool.free_queue if blk not in hits[0]) \
+        is hits[1][-1]
+    assert kv.allocate_slots(b, 1, hits) is not None
+    held = [blk.block_id for g in kv.req_blocks["b"] for blk in g if blk is not kv.null_block]
+    assert len(held) == len(set(held)) == 20 + 2 + 2
+    for group, blocks in enumerate(hits):
+        for i, block in enumerate(blocks):
+            if block is not kv.null_block:
+                assert block.block_hash == b.block_hashes[i] and block.group == group
+
 def test_window_hit_shrinks_when_its_tail_is_evicted():
     kv = prefilled_and_freed(64, PROMPT)
     hashes = make_request("x", PROMPT).block_hashes
@@ -149,7 +169,7 @@ def operations(draw):
 @given(operations())
 def test_hybrid_pool_invariants(ops):
     """With a full and a sliding group: a block is free exactly when unreferenced; held
-    blocks are exactly the referenced ones; every hit block of every group holds the hash of
+    blocks are exactly the referenced ones, none twice in one request; every hit block of every group holds the hash of
     its position; a sliding group holds no block its window cannot see."""
     window, bs = 6, 4
     kv = KVCacheManager(num_blocks=24, block_size=bs, group_windows=(0, window))
@@ -187,6 +207,8 @@ def test_hybrid_pool_invariants(ops):
         assert sorted(held) == sorted(b.block_id for b in kv.pool.blocks[1:] for _ in
                                       range(b.ref_cnt))
         for name, r in live.items():
+            own = [b.block_id for g in kv.req_blocks[name] for b in g if b is not kv.null_block]
+            assert len(own) == len(set(own))       # no block in two places of one request
             sliding = kv.req_blocks[name][1]
             first = max(0, step_start[name] - window + 1) // bs
             assert all(b is kv.null_block for b in sliding[:first])

@@ -166,9 +166,10 @@ class KVCacheManager:
         if sum(num_needed) + num_evictable_hits > self.pool.num_free_blocks:
             return None
         self.req_blocks[request.request_id] = current
+        for group_hits in hits:   # every group's hits first: a later group's may be free
+            self.pool.touch(group_hits)     # where an earlier group's new blocks come from
         new_blocks = []
         for group_blocks, group_hits, n in zip(current, hits, num_needed):
-            self.pool.touch(group_hits)
             new = group_hits + self.pool.get_new_blocks(n)
             group_blocks.extend(new)
             new_blocks.append(new)
