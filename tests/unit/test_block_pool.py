@@ -28,13 +28,16 @@ def one(groups):
 
 
 def test_null_block_and_free_order():
+    """Freed blocks that hold no cached hash are handed out again first, in the order their
+    request held them: their memory is the most recently touched (vLLM queues them behind
+    blocks never used)."""
     pool = BlockPool(6)
     assert pool.null_block.block_id == 0 and pool.num_free_blocks == 5
     a = pool.get_new_blocks(3)
     assert ids(a) == [1, 2, 3] and all(b.ref_cnt == 1 for b in a)
     pool.free_blocks(reversed(a))
-    assert ids(pool.free_queue) == [4, 5, 3, 2, 1]
-    assert ids(pool.get_new_blocks(2)) == [4, 5]
+    assert ids(pool.free_queue) == [1, 2, 3, 4, 5]
+    assert ids(pool.get_new_blocks(2)) == [1, 2]
 
 
 def test_free_list_middle_removal():
@@ -42,7 +45,7 @@ def test_free_list_middle_removal():
     blocks = pool.get_new_blocks(5)
     pool.free_blocks(blocks)
     pool.touch([blocks[2]])                       # a prefix hit pulls it out of the middle
-    assert ids(pool.free_queue) == [1, 2, 4, 5] and blocks[2].ref_cnt == 1
+    assert ids(pool.free_queue) == [5, 4, 2, 1] and blocks[2].ref_cnt == 1
     pool.touch([blocks[2]])
     assert blocks[2].ref_cnt == 2
 

@@ -35,8 +35,9 @@ class KVBlock:
 
 
 class FreeBlockQueue:
-    """Intrusive doubly linked list through the blocks: popleft/append/remove in O(1).
-    The front is the least recently freed block, the first to be reused (evicted)."""
+    """Intrusive doubly linked list through the blocks: popleft/append/appendleft/remove in
+    O(1). The front is the first to be reused: freed blocks with no cached hash, then the
+    least recently freed cached block (evicted)."""
 
     def __init__(self, blocks: Iterable[KVBlock]) -> None:
         self.head = KVBlock(-1)
@@ -59,6 +60,13 @@ class FreeBlockQueue:
         prev.next_free, nxt.prev_free = nxt, prev
         block.prev_free = block.next_free = None
         self.num_free_blocks -= 1
+
+    def appendleft(self, block: KVBlock) -> None:
+        first = self.head.next_free
+        assert first is not None
+        self.head.next_free, block.prev_free = block, self.head
+        block.next_free, first.prev_free = first, block
+        self.num_free_blocks += 1
 
     def popleft(self) -> KVBlock:
         block = self.head.next_free
@@ -131,15 +139,23 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVBlock]) -> None:
-        """Drop a reference; blocks reaching 0 join the free list's back in the given order.
-        The null block (a sliding group's placeholder) is skipped."""
+        """Drop a reference; cached blocks reaching 0 join the free list's back in the given
+        order (LRU eviction, as vLLM), blocks with no hash its front, so the next request
+        reuses them first: nothing cached is lost by it, and their memory is warm (vLLM
+        queues them behind never-used blocks, so a server's first pass over its KV budget
+        wrote every prefill into fresh pages: Gemma 3's 512-token prefill 377-400 ->
+        332-358 ms, docs/BENCHMARKS.md). The null block (a sliding group's placeholder) is
+        skipped."""
         for block in ordered_blocks:
             if block is self.null_block:
                 continue
             assert block.ref_cnt > 0
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
 
     def cache_full_blocks(self, blocks: Sequence[KVBlock], block_hashes: Sequence[BlockHash],
                           start: int, end: int, group: int = 0) -> None:
