@@ -69,9 +69,23 @@ static void gemv_a(const bq41 *w, const bq81 *x, float *out, int rows, int nb) {
     out[r] = hsum8(acc) + summs;
   }
 }
+// 8 rows' codes of groups j (low nibbles) and j + 4 (high) in one vector, a row in each
+// 32-bit lane: lane t of each row's vec_dot, scaled into its accumulator
+static inline void two_groups(__m256i v, const int32_t *xw, int j, __m256 sc, __m256 *acc) {
+  const __m256i ones = _mm256_set1_epi16(1), lo = _mm256_set1_epi8(15);
+  __m256i q0 = _mm256_and_si256(v, lo), q1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo);
+  __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(q0, _mm256_set1_epi32(xw[j])), ones);
+  __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(q1, _mm256_set1_epi32(xw[j + 4])), ones);
+  acc[j] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(p0), acc[j]);
+  acc[j + 4] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(p1), acc[j + 4]);
+}
+// hsum_float_8's order over the 8 lane accumulators, 8 rows at once
+static inline __m256 hsum8_lanes(const __m256 *a) {
+  return _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a[4], a[0]), _mm256_add_ps(a[6], a[2])),
+                       _mm256_add_ps(_mm256_add_ps(a[5], a[1]), _mm256_add_ps(a[7], a[3])));
+}
 // 8 rows a pass: per block, 8 rows' 16 bytes transposed to 4 vectors (dword j of each row)
 static void gemv_b(const bq41 *w, const bq81 *x, float *out, int rows, int nb) {
-  const __m256i ones = _mm256_set1_epi16(1), lo = _mm256_set1_epi8(15);
   for (int r0 = 0; r0 < rows; r0 += 8) {
     __m256 acc[8], summs = _mm256_setzero_ps();
     for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
@@ -94,24 +108,14 @@ static void gemv_b(const bq41 *w, const bq81 *x, float *out, int rows, int nb) {
       __m256 sc = _mm256_mul_ps(dw, _mm256_set1_ps(x[b].d));
       summs = _mm256_fmadd_ps(mw, _mm256_set1_ps(x[b].s), summs);
       const int32_t *xw = (const int32_t *)x[b].qs;
-      for (int j = 0; j < 4; j++) {
-        __m256i q0 = _mm256_and_si256(wd[j], lo), q1 = _mm256_and_si256(_mm256_srli_epi16(wd[j], 4), lo);
-        __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(q0, _mm256_set1_epi32(xw[j])), ones);
-        __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(q1, _mm256_set1_epi32(xw[j + 4])), ones);
-        acc[j] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(p0), acc[j]);
-        acc[j + 4] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(p1), acc[j + 4]);
-      }
+      for (int j = 0; j < 4; j++) two_groups(wd[j], xw, j, sc, acc);
     }
-    __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(acc[4], acc[0]), _mm256_add_ps(acc[6], acc[2])),
-                             _mm256_add_ps(_mm256_add_ps(acc[5], acc[1]), _mm256_add_ps(acc[7], acc[3])));
-    s = _mm256_add_ps(s, summs);
-    _mm256_storeu_ps(out + r0, s);
+    _mm256_storeu_ps(out + r0, _mm256_add_ps(hsum8_lanes(acc), summs));
   }
 }
 // interleaved: per 8 rows, per block: 4 x 32 bytes (dword j of rows 0..7), d[8], m[8] halves
 typedef struct { uint8_t q[4][32]; uint16_t d[8], m[8]; } b8;
 static void gemv_c(const b8 *w, const bq81 *x, float *out, int rows, int nb) {
-  const __m256i ones = _mm256_set1_epi16(1), lo = _mm256_set1_epi8(15);
   for (int r0 = 0; r0 < rows; r0 += 8) {
     const b8 *wc = w + (size_t)(r0 / 8) * nb;
     __m256 acc[8], summs = _mm256_setzero_ps();
@@ -121,18 +125,10 @@ static void gemv_c(const b8 *w, const bq81 *x, float *out, int rows, int nb) {
       __m256 sc = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)wc[b].d)), _mm256_set1_ps(x[b].d));
       summs = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)wc[b].m)), _mm256_set1_ps(x[b].s), summs);
       const int32_t *xw = (const int32_t *)x[b].qs;
-      for (int j = 0; j < 4; j++) {
-        __m256i v = _mm256_loadu_si256((const __m256i *)wc[b].q[j]);
-        __m256i q0 = _mm256_and_si256(v, lo), q1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo);
-        __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(q0, _mm256_set1_epi32(xw[j])), ones);
-        __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(q1, _mm256_set1_epi32(xw[j + 4])), ones);
-        acc[j] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(p0), acc[j]);
-        acc[j + 4] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(p1), acc[j + 4]);
-      }
+      for (int j = 0; j < 4; j++)
+        two_groups(_mm256_loadu_si256((const __m256i *)wc[b].q[j]), xw, j, sc, acc);
     }
-    __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(acc[4], acc[0]), _mm256_add_ps(acc[6], acc[2])),
-                             _mm256_add_ps(_mm256_add_ps(acc[5], acc[1]), _mm256_add_ps(acc[7], acc[3])));
-    _mm256_storeu_ps(out + r0, _mm256_add_ps(s, summs));
+    _mm256_storeu_ps(out + r0, _mm256_add_ps(hsum8_lanes(acc), summs));
   }
 }
 int main(int argc, char **argv) {
