@@ -53,6 +53,10 @@ def test_rows_together_equal_each_row_alone(qtype, repacked):
     # the integer kernels send a request of several rows there, in that order
     together = qmatmul_int.matmul(w, rows, requests=np.array([m]))
     assert np.array_equal(together.view(np.uint32), got.view(np.uint32))
+    # the count of rows of x a pass this host does not take (2 with 512-bit registers, else
+    # 1) gives the same floats
+    other = qwide.matmul(w, planes, rows, kind, order, x_rows=3 - qwide.X_ROWS)
+    assert np.array_equal(other.view(np.uint32), got.view(np.uint32))
     # rows of fewer than 8 blocks: their scales, mins and fifth bits are read block by
     # block, not 8 blocks at a time as above (10 blocks: the last 8 overlap the first 8)
     narrow = replace(_matrix(qtype, 20, 160, rng), ggml_repacked=repacked)

@@ -228,14 +228,18 @@ def _literals(*values):  # type: ignore[no-untyped-def]
     return all(isinstance(v, types.IntegerLiteral) for v in values)
 
 
-X_ROWS = 2         # rows of x `row_dots` takes at once: each loaded block of codes serves both
-# (4 spilled the lanes' accumulators: docs/BENCHMARKS.md, "Two rows of x a pass")
+# rows of x `row_dots` takes at once: each loaded block of codes serves both (4 spilled the
+# lanes' accumulators: docs/BENCHMARKS.md, "Two rows of x a pass"). Without 512-bit registers
+# (an AVX2 host: 16 of 256 bits) one row's 8 accumulators of 16 lanes already fill them, and
+# a second spills both: one row a pass there (a 16-row Q4_1 3072x576 416-478 -> 346-379 us;
+# docs/BENCHMARKS.md, "The AVX2 host")
+X_ROWS = 2 if "avx512f" in isa.host_features() else 1
 
 
 @intrinsic
 def row_dots(typingctx, isa_, kind, order, rows, codes, nb, dw, mw, x, xo, xc, co, xd, xs, so,
              out, oo, k, n16):  # type: ignore[no-untyped-def]
-    """`rows` (a literal, 1 or X_ROWS) rows of x against a chunk's nb decoded blocks (d_w at
+    """`rows` (a literal, 1 or 2) rows of x against a chunk's nb decoded blocks (d_w at
     dw[16 b + i], Q4_1/Q5_1's m_w at mw[16 b + i]). Row r of them: quants at
     x.flat[xo + r k] (32 a block), offset terms at xc.flat[co + r k/4 + 8 b + t], scales
     at xd.flat[so + r nb + b] (Q8_1's sums likewise in xs); out.flat[oo + r n16 ..][:16]
@@ -571,9 +575,10 @@ def half_lanes(builder, v, from_table):  # type: ignore[no-untyped-def]
 
 
 @functools.cache
-def body(path: int, kind: int, order: int, q_dtype: str) -> Callback:
+def body(path: int, kind: int, order: int, q_dtype: str, x_rows: int = X_ROWS) -> Callback:
     """The work of one chunk of 16 weight rows (decode every block once, then every row of
-    x) for a SIMD path, qdot kind and float order, compiled once as a C callback."""
+    x, `x_rows` a pass; the same floats at 1 or 2) for a SIMD path, qdot kind and float
+    order, compiled once as a C callback."""
     has_bits, has_min = kind in (5, 50), kind in (4, 5)
 
     def chunk(q_p, n, rb, qh_p, d_p, mn_p, lut_p, x_p, m, k, xc_p, xd_p, xs_p, out_p, n16,
@@ -604,12 +609,12 @@ def body(path: int, kind: int, order: int, q_dtype: str) -> Callback:
         if has_bits:
             prefetch_span(qh, lo * nb, hi * nb, 16)
         share = -(-(hi - lo) * rb // (64 * m)) * 64
-        for mm in range(0, m - m % X_ROWS, X_ROWS):
+        for mm in range(0, m - m % x_rows, x_rows):
             start = lo * rb + mm * share
-            prefetch_span(q, start, min(start + X_ROWS * share, hi * rb), 64)
-            row_dots(path, kind, order, X_ROWS, codes, nb, dw, mw, x, mm * k, xc,
+            prefetch_span(q, start, min(start + x_rows * share, hi * rb), 64)
+            row_dots(path, kind, order, x_rows, codes, nb, dw, mw, x, mm * k, xc,
                      mm * (k // 4), xd, xs, mm * nb, out, mm * n16 + i0, k, n16)
-        for mm in range(m - m % X_ROWS, m):
+        for mm in range(m - m % x_rows, m):
             start = lo * rb + mm * share
             prefetch_span(q, start, min(start + share, hi * rb), 64)
             row_dots(path, kind, order, 1, codes, nb, dw, mw, x, mm * k, xc, mm * (k // 4),
@@ -750,13 +755,14 @@ def run_one_row(plan: tuple, x: np.ndarray) -> np.ndarray:
 
 
 def matmul(w: QuantMatrix, planes: tuple[np.ndarray, ...], x: activations.Q8Rows, kind: int,
-           order: int, path: str | None = None) -> np.ndarray:
+           order: int, path: str | None = None, x_rows: int = X_ROWS) -> np.ndarray:
     """x's Q8 blocks `[M, K]` -> `[M, N]` for W's planes (qs, qh, d, mn as
     `qmatmul_int._plan` gives them) and qdot `kind`, in `order`: LANES_ORDER (vec_dot's,
-    tinyBLAS's) or SCALAR_ORDER (the repacked kernels'). `path` forces a SIMD path."""
+    tinyBLAS's) or SCALAR_ORDER (the repacked kernels'). `path` forces a SIMD path; `x_rows`
+    another count of rows a pass (tests)."""
     code = isa.code(path) if path else isa.selected_code()
     qs, qh, d, mn = planes
-    fn = body(code, kind, order, qs.dtype.str).address
+    fn = body(code, kind, order, qs.dtype.str, x_rows).address
     m, k = x.qs.shape
     xc = _offset_terms(code, kind, m, k)
     bias = BIAS if biased(code, order) else 0
