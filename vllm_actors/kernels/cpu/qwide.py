@@ -162,8 +162,8 @@ def _dot_signed(builder, path, w, x):  # type: ignore[no-untyped-def]
             pick = ir.Constant(ir.VectorType(_I32, 32), list(range(32 * h, 32 * h + 32)))
             wh, xh = (builder.shuffle_vector(v, v, pick) for v in (w, x))
             neg = builder.icmp_signed("<", wh, ir.Constant(_B32, [0] * 32))
-            aw = builder.select(neg, builder.neg(wh), wh)
-            sx = builder.select(neg, builder.neg(xh), xh)
+            aw = builder.select(neg, builder.neg(wh), wh)             # vpabsb
+            sx = llvm_call(builder, "llvm.x86.avx2.psign.b", _B32, [xh, wh])   # x * sign(w)
             pairs = llvm_call(builder, "llvm.x86.avx2.pmadd.ub.sw", _W16, [aw, sx])
             halves.append(llvm_call(builder, "llvm.x86.avx2.pmadd.wd", _L8,
                                 [pairs, ir.Constant(_W16, [1] * 16)]))
