@@ -143,9 +143,8 @@ class BlockPool:
         order (LRU eviction, as vLLM), blocks with no hash its front, so the next request
         reuses them first: nothing cached is lost by it, and their memory is warm (vLLM
         queues them behind never-used blocks, so a server's first pass over its KV budget
-        wrote every prefill into fresh pages: Gemma 3's 512-token prefill 377-400 ->
-        332-358 ms, docs/BENCHMARKS.md). The null block (a sliding group's placeholder) is
-        skipped."""
+        wrote every prefill into fresh pages; docs/BENCHMARKS.md, "Warm KV blocks first").
+        The null block (a sliding group's placeholder) is skipped."""
         for block in ordered_blocks:
             if block is self.null_block:
                 continue
