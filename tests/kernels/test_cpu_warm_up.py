@@ -92,8 +92,8 @@ def test_helper_compiles_each_weight_types_matmul_paths(smollm2_path):
         "from vllm_actors.kernels import ggml_attention as ga\n"
         "code = isa.selected_code()\n"
         "bodies = [qi.body(code, kind, group) for kind in (4, 8) for group in (1, qi.GROUP)]\n"
-        "bodies += [qwide.body(code, 4, qwide.LANES_ORDER, '|u1'),\n"
-        "           qwide.body(code, 8, qwide.LANES_ORDER, '|i1')]\n"
+        "bodies += [qwide.body(code, 4, qwide.LANES_ORDER, '|u1', qwide.X_ROWS),\n"
+        "           qwide.body(code, 8, qwide.LANES_ORDER, '|i1', qwide.X_ROWS)]\n"
         "print(json.dumps(['address' in vars(c) for c in\n"
         "                  bodies + [ga._PREFILL_ITEM, ga._DECODE_ITEM]]))\n")
     done = subprocess.run([sys.executable, "-c", script, str(smollm2_path), "16,64",
