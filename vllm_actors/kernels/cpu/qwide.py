@@ -575,10 +575,11 @@ def half_lanes(builder, v, from_table):  # type: ignore[no-untyped-def]
 
 
 @functools.cache
-def body(path: int, kind: int, order: int, q_dtype: str, x_rows: int = X_ROWS) -> Callback:
+def body(path: int, kind: int, order: int, q_dtype: str, x_rows: int) -> Callback:
     """The work of one chunk of 16 weight rows (decode every block once, then every row of
     x, `x_rows` a pass; the same floats at 1 or 2) for a SIMD path, qdot kind and float
-    order, compiled once as a C callback."""
+    order, compiled once as a C callback. No default for `x_rows`: a cache keyed with and
+    without it would compile the same body twice."""
     has_bits, has_min = kind in (5, 50), kind in (4, 5)
 
     def chunk(q_p, n, rb, qh_p, d_p, mn_p, lut_p, x_p, m, k, xc_p, xd_p, xs_p, out_p, n16,
