@@ -82,8 +82,9 @@ def test_no_helper_without_a_model_path_and_sizes_capped_by_the_context(tmp_path
 
 def test_helper_compiles_each_weight_types_matmul_paths(smollm2_path):
     """The helper process (as the engine starts it, under the default semantics) leaves the
-    integer kernels of SmolLM2's Q4_1 and Q8_0 weights for its larger steps compiled (`qwide`),
-    the ones the engine runs, and the attention work item of steps of several tokens."""
+    integer kernels of SmolLM2's Q4_1 and Q8_0 weights for its larger steps compiled (`qwide`:
+    the Q4_1 linears interleaved, the Q8_0 head the tied embedding as stored), the ones the
+    engine runs, and the attention work item of steps of several tokens."""
     script = (
         "import json, sys\n"
         "from vllm_actors.workers import warm_up\n"
@@ -92,8 +93,8 @@ def test_helper_compiles_each_weight_types_matmul_paths(smollm2_path):
         "from vllm_actors.kernels import ggml_attention as ga\n"
         "code = isa.selected_code()\n"
         "bodies = [qi.body(code, kind, group) for kind in (4, 8) for group in (1, qi.GROUP)]\n"
-        "bodies += [qwide.body(code, 4, qwide.LANES_ORDER, '|u1', qwide.X_ROWS),\n"
-        "           qwide.body(code, 8, qwide.LANES_ORDER, '|i1', qwide.X_ROWS)]\n"
+        "bodies += [qwide.body(code, 4, qwide.LANES_ORDER, '|u1', qwide.X_ROWS, True),\n"
+        "           qwide.body(code, 8, qwide.LANES_ORDER, '|i1', qwide.X_ROWS, False)]\n"
         "print(json.dumps(['address' in vars(c) for c in\n"
         "                  bodies + [ga._PREFILL_ITEM, ga._DECODE_ITEM]]))\n")
     done = subprocess.run([sys.executable, "-c", script, str(smollm2_path), "16,64",

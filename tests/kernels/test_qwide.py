@@ -57,6 +57,24 @@ def test_rows_together_equal_each_row_alone(qtype, repacked):
     # 1) gives the same floats
     other = qwide.matmul(w, planes, rows, kind, order, x_rows=3 - qwide.X_ROWS)
     assert np.array_equal(other.view(np.uint32), got.view(np.uint32))
+    # 32 rows stored interleaved (`qmatmul.interleave`, as the engine keeps its linears
+    # under the quantized semantics): the same floats, one row (8 rows a pass off AVX-512)
+    # and many, through every entry point of the integer kernels. Not an IQ4_NL llama.cpp
+    # leaves as stored: its one-row order is the pair kernels'.
+    stored = replace(_matrix(qtype, 32, k, rng), ggml_repacked=repacked)
+    inter = qmatmul.interleave(stored)
+    assert inter.interleaved == (qtype != QT.IQ4_NL or repacked)
+    assert not inter.interleaved or \
+        qmatmul_int.matmul_float_lora(inter, x[:1], None, False) is None
+    _, planes, _ = qmatmul_int._plan(inter)
+    for path in isa.available() if inter.interleaved else ():
+        alone = np.concatenate([qmatmul_int._run(stored, activations.quantize_q8(x[i:i + 1]),
+                                                 1, base, path) for i in range(m)])
+        one = np.concatenate([qmatmul_int.matmul_float(inter, x[i:i + 1], path)
+                              for i in range(m)])
+        for got in (one, qwide.matmul(inter, planes, rows, kind, order, path),
+                    qmatmul_int.matmul_float(inter, x[:3], path, requests=np.ones(3, int))):
+            assert np.array_equal(got.view(np.uint32), alone[:len(got)].view(np.uint32)), path
     # rows of fewer than 8 blocks: their scales, mins and fifth bits are read block by
     # block, not 8 blocks at a time as above (10 blocks: the last 8 overlap the first 8)
     narrow = replace(_matrix(qtype, 20, 160, rng), ggml_repacked=repacked)

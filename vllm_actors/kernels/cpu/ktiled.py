@@ -65,25 +65,29 @@ def llvm_call(builder, name, ret, args):  # type: ignore[no-untyped-def]
 
 def dot4(builder, path, acc, w, x):  # type: ignore[no-untyped-def]
     """acc + lane i of (sum over t < 4 of w[4i+t] x[4i+t]), w unsigned bytes <= 63, x int8,
-    exact on every path (`vpmaddubsw`'s int16 pairs stay within 2 * 63 * 128)."""
+    exact on every path (`vpmaddubsw`'s int16 pairs stay within 2 * 63 * 128). 16 lanes (8
+    on the AVX2 and portable paths too: lanes = w's bytes / 4)."""
+    lanes = w.type.count // 4
     if path == AVX512:
         return llvm_call(builder, "llvm.x86.avx512.vpdpbusd.512", _L16,
                      [acc, builder.bitcast(w, _L16), builder.bitcast(x, _L16)])
     if path == AVX2:
         halves = []
-        for h in range(2):
+        for h in range(lanes // 8):
             pick = ir.Constant(ir.VectorType(_I32, 32), list(range(32 * h, 32 * h + 32)))
-            wh, xh = (builder.shuffle_vector(v, v, pick) for v in (w, x))
+            wh, xh = (builder.shuffle_vector(v, v, pick) for v in (w, x)) if lanes > 8 \
+                else (w, x)
             pairs = llvm_call(builder, "llvm.x86.avx2.pmadd.ub.sw", _W16, [wh, xh])
             halves.append(llvm_call(builder, "llvm.x86.avx2.pmadd.wd", _L8,
                                 [pairs, ir.Constant(_W16, [1] * 16)]))
-        both = builder.shuffle_vector(halves[0], halves[1], ir.Constant(_L16, list(range(16))))
+        both = halves[0] if lanes == 8 else builder.shuffle_vector(
+            halves[0], halves[1], ir.Constant(_L16, list(range(16))))
         return builder.add(acc, both)
-    wide = ir.VectorType(_I32, 64)
+    wide = ir.VectorType(_I32, 4 * lanes)
     p = builder.mul(builder.zext(w, wide), builder.sext(x, wide))
     for t in range(4):
         acc = builder.add(acc, builder.shuffle_vector(
-            p, p, ir.Constant(_L16, list(range(t, 64, 4)))))
+            p, p, ir.Constant(ir.VectorType(_I32, lanes), list(range(t, 4 * lanes, 4)))))
     return acc
 
 

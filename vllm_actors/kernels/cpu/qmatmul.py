@@ -200,15 +200,21 @@ def concat(parts: Sequence[QuantMatrix]) -> QuantMatrix:
                        interleaved=parts[0].interleaved)
 
 
+# the 32-weight block types `qwide` reads interleaved: its quants' bytes a block a row
+_WORDS_32 = {T.Q4_0: 16, T.Q4_1: 16, T.Q5_0: 16, T.Q5_1: 16, T.Q8_0: 32, T.IQ4_NL: 16}
+
+
 def interleave(w: QuantMatrix, integer: bool = True) -> QuantMatrix:
     """W with its planes interleaved 16 rows at a time (`qmatmul_layout.interleave_words`,
-    `interleave_halves`: every superblock of a chunk of 16 rows one run of vectors, a row in
-    each lane), where only the integer kernels that take 16 weight rows as vector lanes read
-    it (`krow`, `ktiled`): a repacked Q4_K, and a Q6_K when `integer` (the quantized
-    semantics's kernels alone read the weight); rows a multiple of 16. Any other matrix as
-    it is."""
+    `interleave_halves`: every block of a chunk of 16 rows one run of vectors, a row in each
+    lane), where only the integer kernels that take 16 weight rows as vector lanes read it:
+    a repacked Q4_K (`krow`, `ktiled`), and when `integer` (the quantized semantics's
+    kernels alone read the weight) a Q6_K and the 32-weight types (`qwide`; IQ4_NL where
+    llama.cpp repacks it: as stored, a request of one row takes another order, in the pair
+    kernels); rows a multiple of 16. Any other matrix as it is."""
     if w.interleaved or w.rows % layout.INTERLEAVED_ROWS:
         return w
+    iq4_nl = T.IQ4_NL in (w.qtype, w.stored_as)
     if w.qtype == T.Q4_K and w.ggml_repacked:
         qs, sc, mn, d, dmin = w.planes
         planes = (layout.interleave_words(qs, 128), layout.interleave_words(sc, 8),
@@ -218,6 +224,11 @@ def interleave(w: QuantMatrix, integer: bool = True) -> QuantMatrix:
         ql, qh, sc, d = w.planes
         planes = (layout.interleave_words(ql, 128), layout.interleave_words(qh, 64),
                   layout.interleave_words(sc, 16), layout.interleave_halves(d))
+    elif w.qtype in _WORDS_32 and integer and (w.ggml_repacked or not iq4_nl):
+        planes = (layout.interleave_words(w.planes[0], _WORDS_32[w.qtype]),
+                  *(layout.interleave_words(p.view(np.uint8), 4).view(np.uint32)
+                    if p.dtype == np.uint32 else layout.interleave_halves(p)
+                    for p in w.planes[1:]))
     else:
         return w
     return QuantMatrix(w.qtype, w.rows, w.cols, planes, ggml_repacked=w.ggml_repacked,

@@ -344,16 +344,18 @@ WIDE_ROWS = {8: 16}
 _WIDE_ORDERS = {_LANES: qwide.LANES_ORDER, _SCALAR: qwide.SCALAR_ORDER}
 
 
-def _wide(kind: int, m: int) -> bool:
-    """Whether `qwide` takes m rows of body `kind`."""
-    return _order(kind) in _WIDE_ORDERS and m >= WIDE_ROWS.get(REPACKED.get(kind, kind), 1)
+def _wide(w: QuantMatrix, kind: int, m: int) -> bool:
+    """Whether `qwide` takes m rows of body `kind` on W: all of them where W is
+    interleaved (`qmatmul.interleave`), which no pair kernel reads."""
+    return _order(kind) in _WIDE_ORDERS and (
+        w.interleaved or m >= WIDE_ROWS.get(REPACKED.get(kind, kind), 1))
 
 
 def _span(w: QuantMatrix, x: activations.Q8Rows, m: int, kind: int, path: str | None
           ) -> np.ndarray:
     """m rows of x in the order of body `kind`: `qwide` where it is faster, else `_run`."""
     order = _WIDE_ORDERS.get(_order(kind))
-    if not _wide(kind, m) or (m == 1 and w.rows < qwide.LANES):
+    if not _wide(w, kind, m) or (m == 1 and w.rows < qwide.LANES):
         return _run(w, pad_rows(x, 1 if m == 1 else GROUP), m, kind, path)
     planes = (w.memo.get("int") or _plan(w))[1]
     return qwide.matmul(w, planes, x, REPACKED.get(kind, kind), order, path)
@@ -384,7 +386,7 @@ def matmul_float(w: QuantMatrix, x: np.ndarray, path: str | None = None,
             return qwide.run_one_row(plan, x)
     one_rows = m == 1 or (requests is not None and len(requests) == m)
     kind = _one_row_kind(w) if one_rows else None
-    if m > 1 and _wide(kind or _base_kind(w), m):
+    if m > 1 and _wide(w, kind or _base_kind(w), m):
         return matmul(w, activations.quantize_q8(x), path, requests)
     return gemv_float(w, x, kind, path)
 
@@ -408,15 +410,18 @@ def gemv_float(w: QuantMatrix, x: np.ndarray, kind: int | None = None,
 def _one_row_plan(w: QuantMatrix, path: str | None) -> tuple | None:
     """`qwide.one_row_plan` where `qwide` takes W's requests of one row, else None."""
     kind = _one_row_kind(w) or _base_kind(w)
-    if w.rows < qwide.LANES or not _wide(kind, 1):
+    if w.rows < qwide.LANES or not _wide(w, kind, 1):
         return None
     return qwide.one_row_plan(w, (w.memo.get("int") or _plan(w))[1], REPACKED.get(kind, kind),
                               _WIDE_ORDERS[_order(kind)], path)
 
 
 def matmul_float_lora(w: QuantMatrix, x: np.ndarray, lora: Any, round_x: bool,
-                      path: str | None = None) -> np.ndarray:
-    """`matmul_float` of one row plus its LoRA delta (`lora_gemv`) in one call."""
+                      path: str | None = None) -> np.ndarray | None:
+    """`matmul_float` of one row plus its LoRA delta (`lora_gemv`) in one call; None for an
+    interleaved W, which the pair kernels that carry the delta do not read."""
+    if w.interleaved:
+        return None
     k = x.shape[1]
     fn, planes, dist = _decode_plan(w, path, 1, _one_row_kind(w))
     out = np.empty((1, w.rows), np.float32)
@@ -447,6 +452,8 @@ def _decode_plan(w: QuantMatrix, path: str | None, group: int, kind: int | None 
     code = isa.code(path) if path else isa.selected_code()
     plan = w.memo.get(("int", code, group, kind))
     if plan is None:
+        if w.interleaved:
+            raise ValueError("the pair kernels read rows as stored, not interleaved")
         base, planes, dist = w.memo.get("int") or _plan(w)
         plan = w.memo[("int", code, group, kind)] = (
             body(code, base if kind is None else kind, group).address, planes, dist)

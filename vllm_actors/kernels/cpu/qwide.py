@@ -60,42 +60,63 @@ def signed_codes(path: int, kind: int) -> bool:
 
 
 def _codes(builder, path, kind, w):  # type: ignore[no-untyped-def]
-    """Codes as `vpdpbusd` takes them (<64 x i8>) from w, the values as stored (Q8_0's
-    int8, the other types' 4- or 5-bit codes): IQ4_NL's looked up in its table, Q8_0's and
-    IQ4_NL's biased by 128 unless `signed_codes`."""
+    """Codes as `vpdpbusd` takes them (<64 x i8>, or <32 x i8> for 8 rows off the AVX-512
+    path) from w, the values as stored (Q8_0's int8, the other types' 4- or 5-bit codes):
+    IQ4_NL's looked up in its table, Q8_0's and IQ4_NL's biased by 128 unless
+    `signed_codes`."""
+    count = w.type.count
+    vec = ir.VectorType(_I8, count)
     if kind == 41:
         table = [v & 0xFF for v in gguf_quants.IQ4_NL.kvalues]
         if path == PORTABLE:
-            out = ir.Constant(_B64, [table[0]] * 64)
+            out = ir.Constant(vec, [table[0]] * count)
             for i in range(1, 16):
-                hit = builder.icmp_unsigned("==", w, ir.Constant(_B64, [i] * 64))
-                out = builder.select(hit, ir.Constant(_B64, [table[i]] * 64), out)
+                hit = builder.icmp_unsigned("==", w, ir.Constant(vec, [i] * count))
+                out = builder.select(hit, ir.Constant(vec, [table[i]] * count), out)
             w = out
         elif path == AVX512:
             w = llvm_call(builder, "llvm.x86.avx512.pshuf.b.512", _B64,
                           [ir.Constant(_B64, table * 4), w])
         else:
             halves = [llvm_call(builder, "llvm.x86.avx2.pshuf.b", _B32,
-                                [ir.Constant(_B32, table * 2), builder.shuffle_vector(
-                                    w, w, ir.Constant(_L32, list(range(32 * h, 32 * h + 32))))])
-                      for h in range(2)]
-            w = builder.shuffle_vector(halves[0], halves[1], ir.Constant(_L64, list(range(64))))
+                                [ir.Constant(_B32, table * 2), _part(builder, w, 32, h)])
+                      for h in range(count // 32)]
+            w = _joined(builder, halves)
     if kind in (8, 41) and not signed_codes(path, kind):
-        w = builder.xor(w, ir.Constant(_B64, [0x80] * 64))
+        w = builder.xor(w, ir.Constant(vec, [0x80] * count))
     return w
 
 
+def _part(builder, v, size, h):  # type: ignore[no-untyped-def]
+    """Elements [size h, size (h + 1)) of vector v (v itself where it has no more)."""
+    if v.type.count == size:
+        return v
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, size),
+                                                    list(range(size * h, size * h + size))))
+
+
+def _joined(builder, parts):  # type: ignore[no-untyped-def]
+    """Two vectors of one type end to end (one: itself)."""
+    if len(parts) == 1:
+        return parts[0]
+    n = 2 * parts[0].type.count
+    return builder.shuffle_vector(parts[0], parts[1], ir.Constant(ir.VectorType(_I32, n),
+                                                                  list(range(n))))
+
+
 def _fifth(builder, bits, t):  # type: ignore[no-untyped-def]
-    """Q5_x's fifth bits of group t of 16 rows (`bits` <16 x i32>, row l's 32 bits, bit j
-    for weight j) as 16 per byte of <64 x i8>: byte t // 2 of each row's bits copied to its
-    4 bytes, byte k tested against bit 4 (t % 2) + k."""
-    raw = builder.bitcast(bits, _B64)
-    spread = builder.shuffle_vector(raw, raw, ir.Constant(_L64, [
-        4 * lane + t // 2 for lane in range(LANES) for _ in range(4)]))
-    test = builder.and_(spread, ir.Constant(_B64, [1 << (4 * (t % 2) + k)
-                                                   for _ in range(LANES) for k in range(4)]))
-    hit = builder.icmp_unsigned("!=", test, ir.Constant(_B64, [0] * 64))
-    return builder.select(hit, ir.Constant(_B64, [16] * 64), ir.Constant(_B64, [0] * 64))
+    """Q5_x's fifth bits of group t of 16 rows (or 8: `bits` <16 x i32> or <8 x i32>, row
+    l's 32 bits, bit j for weight j) as 16 per byte of <64 x i8> (<32 x i8>): byte t // 2 of
+    each row's bits copied to its 4 bytes, byte k tested against bit 4 (t % 2) + k."""
+    lanes = bits.type.count
+    vec = ir.VectorType(_I8, 4 * lanes)
+    raw = builder.bitcast(bits, vec)
+    spread = builder.shuffle_vector(raw, raw, ir.Constant(ir.VectorType(_I32, 4 * lanes), [
+        4 * lane + t // 2 for lane in range(lanes) for _ in range(4)]))
+    test = builder.and_(spread, ir.Constant(vec, [1 << (4 * (t % 2) + k)
+                                                  for _ in range(lanes) for k in range(4)]))
+    hit = builder.icmp_unsigned("!=", test, ir.Constant(vec, [0] * 4 * lanes))
+    return builder.select(hit, ir.Constant(vec, [16] * 4 * lanes), ir.Constant(vec, [0] * 4 * lanes))
 
 
 @intrinsic
@@ -154,25 +175,25 @@ def _decoded(context, builder, sig, args, path, form, at, hat, which, bits=None)
 
 def _dot_signed(builder, path, w, x):  # type: ignore[no-untyped-def]
     """Lane i of (sum over t < 4 of w[4i+t] x[4i+t]) for int8 w and x (Q8_0 / IQ4_NL off the
-    VNNI path): AVX2 multiplies |w| by x carrying w's sign (exact unless x holds -128, as
-    ggml), the portable path widens."""
+    VNNI path; 16 lanes, or 8): AVX2 multiplies |w| by x carrying w's sign (exact unless x
+    holds -128, as ggml), the portable path widens."""
+    lanes = w.type.count // 4
     if path == AVX2:
         halves = []
-        for h in range(2):
-            pick = ir.Constant(ir.VectorType(_I32, 32), list(range(32 * h, 32 * h + 32)))
-            wh, xh = (builder.shuffle_vector(v, v, pick) for v in (w, x))
+        for h in range(lanes // 8):
+            wh, xh = _part(builder, w, 32, h), _part(builder, x, 32, h)
             neg = builder.icmp_signed("<", wh, ir.Constant(_B32, [0] * 32))
             aw = builder.select(neg, builder.neg(wh), wh)             # vpabsb
             sx = llvm_call(builder, "llvm.x86.avx2.psign.b", _B32, [xh, wh])   # x * sign(w)
             pairs = llvm_call(builder, "llvm.x86.avx2.pmadd.ub.sw", _W16, [aw, sx])
             halves.append(llvm_call(builder, "llvm.x86.avx2.pmadd.wd", _L8,
                                 [pairs, ir.Constant(_W16, [1] * 16)]))
-        return builder.shuffle_vector(halves[0], halves[1], ir.Constant(_L16, list(range(16))))
-    wide = ir.VectorType(_I32, 64)
+        return _joined(builder, halves)
+    wide, out = ir.VectorType(_I32, 4 * lanes), ir.VectorType(_I32, lanes)
     p = builder.mul(builder.sext(w, wide), builder.sext(x, wide))
-    acc = ir.Constant(_L16, [0] * 16)
+    acc = ir.Constant(out, [0] * lanes)
     for t in range(4):
-        pick = ir.Constant(_L16, list(range(t, 64, 4)))
+        pick = ir.Constant(out, list(range(t, 4 * lanes, 4)))
         acc = builder.add(acc, builder.shuffle_vector(p, p, pick))
     return acc
 
@@ -188,8 +209,9 @@ class _Sums:
     """A chunk's float sums for one row of x in `order`: the 8 lane vectors (acc_t) and the
     min sums, or the one chain; `add` takes a block, `total` gives the 16 outputs."""
 
-    def __init__(self, builder, order, mins, path):  # type: ignore[no-untyped-def]
-        zero = ir.Constant(_F16, [0.0] * 16)
+    def __init__(self, builder, order, mins, path, lanes=LANES):  # type: ignore[no-untyped-def]
+        self.vec = ir.VectorType(_F32, lanes)
+        zero = ir.Constant(self.vec, [0.0] * lanes)
         self.builder, self.order, self.mins = builder, order, mins
         self.biased = biased(path, order)
         self.accs = [cgutils.alloca_once_value(builder, zero)
@@ -198,23 +220,32 @@ class _Sums:
 
     def add(self, lanes, scale, m_w, s_x):  # type: ignore[no-untyped-def]
         """A block's 8 integer lane vectors, d_w d_x, and (types with mins) m_w and s_x."""
+        for t, v in enumerate(lanes):
+            self.add_lane(t, v, scale)
+        self.end_block(scale, m_w, s_x)
+
+    def add_lane(self, t, v, scale):  # type: ignore[no-untyped-def]
+        """Lane vector t of a block (any order of t; `end_block` after the 8): into acc_t,
+        or into the block's integer sum for the one chain."""
+        builder = self.builder
+        if self.order == SCALAR_ORDER:
+            self.whole = v if t == 0 else builder.add(self.whole, v)
+            return
+        if self.biased:
+            f = builder.fsub(builder.bitcast(v, self.vec), ir.Constant(
+                self.vec, [BIAS_F] * self.vec.count))
+        else:
+            f = builder.sitofp(v, self.vec)
+        builder.store(fmuladd(builder, f, scale, builder.load(self.accs[t])), self.accs[t])
+
+    def end_block(self, scale, m_w, s_x):  # type: ignore[no-untyped-def]
+        """The block's one-chain term, or its min term."""
         builder, chain = self.builder, self.chain
         if self.order == SCALAR_ORDER:
-            whole = lanes[0]
-            for v in lanes[1:]:
-                whole = builder.add(whole, v)
-            builder.store(fma16(builder, builder.sitofp(whole, _F16), scale,
-                                builder.load(chain)), chain)
-            return
-        for t, v in enumerate(lanes):
-            if self.biased:
-                f = builder.fsub(builder.bitcast(v, _F16), ir.Constant(_F16, [BIAS_F] * 16))
-            else:
-                f = builder.sitofp(v, _F16)
-            builder.store(fmuladd(builder, f, scale,
-                                  builder.load(self.accs[t])), self.accs[t])
-        if self.mins:
-            builder.store(fma16(builder, m_w, s_x, builder.load(chain)), chain)
+            builder.store(_fma(builder, builder.sitofp(self.whole, self.vec), scale,
+                               builder.load(chain)), chain)
+        elif self.mins:
+            builder.store(_fma(builder, m_w, s_x, builder.load(chain)), chain)
 
     def total(self):  # type: ignore[no-untyped-def]
         builder = self.builder
@@ -222,6 +253,14 @@ class _Sums:
             return builder.load(self.chain)
         total = _hsum8(builder, [builder.load(a) for a in self.accs])
         return builder.fadd(total, builder.load(self.chain)) if self.mins else total
+
+
+def _fma(builder, a, b, c):  # type: ignore[no-untyped-def]
+    """a * b + c per lane, one rounding (`llvm.fma`, never a multiply and an add), on
+    vectors of 16 floats or 8."""
+    if a.type.count == LANES:
+        return fma16(builder, a, b, c)
+    return llvm_call(builder, f"llvm.fma.v{a.type.count}f32", a.type, [a, b, c])
 
 
 def _literals(*values):  # type: ignore[no-untyped-def]
@@ -308,22 +347,25 @@ def biased(path: int, order: int) -> bool:
 
 def _block_lanes(builder, path, form, codes, x_word, offset_word, b, bias):  # type: ignore[no-untyped-def]
     """Block b's 8 integer lanes of all 16 rows from its codes (8 vectors <64 x i8>, group t
-    of every row): group t's 4 codes against x's 4 quants (`x_word(8 b + t)`, an i32)
-    broadcast, less the offset term (`offset_word(8 b + t)`) where the codes carry one."""
-    signed = signed_codes(path, form)
-    offset = form in OFFSET and not signed
-    lanes = []
-    for t, w in enumerate(codes):
-        k4 = _group(builder, b, t)
-        xv = builder.bitcast(splat(builder, x_word(k4), _L16), _B64)
-        if signed:
-            lanes.append(_dot_signed(builder, path, w, xv))
-            continue
-        # the offset terms carry the bias where it is taken (`_offsets`)
-        init = splat(builder, offset_word(k4), _L16) if offset else \
-            ir.Constant(_L16, [BIAS if bias else 0] * 16)
-        lanes.append(dot4(builder, path, init, w, xv))
-    return lanes
+    of every row; `_group_lanes`)."""
+    return [_group_lanes(builder, path, form, w, t, x_word, offset_word, b, bias)
+            for t, w in enumerate(codes)]
+
+
+def _group_lanes(builder, path, form, w, t, x_word, offset_word, b, bias):  # type: ignore[no-untyped-def]
+    """Lane vector t of block b from group t's codes w (<64 x i8>, or <32 x i8> for 8
+    rows): their 4 codes against x's 4 quants (`x_word(8 b + t)`, an i32) broadcast, less
+    the offset term (`offset_word(8 b + t)`) where the codes carry one."""
+    count = w.type.count // 4
+    ints = ir.VectorType(_I32, count)
+    k4 = _group(builder, b, t)
+    xv = builder.bitcast(splat(builder, x_word(k4), ints), w.type)
+    if signed_codes(path, form):
+        return _dot_signed(builder, path, w, xv)
+    # the offset terms carry the bias where it is taken (`_offsets`)
+    init = splat(builder, offset_word(k4), ints) if form in OFFSET else \
+        ir.Constant(ints, [BIAS if bias else 0] * count)
+    return dot4(builder, path, init, w, xv)
 
 
 GROUP_BLOCKS = 8      # `fused_row` converts 8 blocks' scales, mins and fifth bits at once
@@ -516,6 +558,135 @@ def fused_row(typingctx, isa_, kind, order, q, qo, rb, qh, ho, d, mn, lut, nb, x
                       oo, po), codegen
 
 
+def pass_lanes(path: int) -> int:
+    """Weight rows `interleaved_row` takes a pass: 16 with 512-bit registers, else 8 (one
+    row's 8 accumulators of 16 lanes fill all of AVX2's 16 registers and spill; 8 rows as in
+    `bench/avx2_rows.py`'s interleaved form leave room)."""
+    return LANES if path == AVX512 else 8
+
+
+def _interleaved_groups(builder, path, form, load, lanes):  # type: ignore[no-untyped-def]
+    """A block's 8 groups of `lanes` interleaved rows as codes (`_codes`), as
+    (t, codes of group t), word by word: `load(v, ty)` reads word v of the rows (Q8_0: 8
+    words, each a group; the others 4, low nibbles group v and high ones group v + 4), or
+    their fifth bits for v = None. A generator, so that a caller can carry each group to its
+    sum before the next word is read: emitted all at once, the 8 groups' registers spill on
+    AVX2."""
+    vec = ir.VectorType(_I8, 4 * lanes)
+    bits = load(None, ir.VectorType(_I32, lanes)) if form in (5, 50) else None
+    for v in range(8 if form == 8 else 4):
+        word = load(v, vec)
+        if form == 8:
+            pairs = [(v, word)]
+        else:
+            pairs = [(v, builder.and_(word, ir.Constant(vec, [15] * 4 * lanes))),
+                     (v + 4, builder.lshr(word, ir.Constant(vec, [4] * 4 * lanes)))]
+        for t, g in pairs:
+            if bits is not None:
+                g = builder.or_(g, _fifth(builder, bits, t))
+            yield t, _codes(builder, path, form, g)
+
+
+def _half_floats(builder, v, from_table):  # type: ignore[no-untyped-def]
+    """A vector of float16 bit patterns (<n x i16>) as <n x float> (`half_vector`)."""
+    n = v.type.count
+    if HARDWARE_HALF:
+        return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), n)),
+                             ir.VectorType(_F32, n))
+    out = ir.Constant(ir.VectorType(_F32, n), ir.Undefined)
+    for lane in range(n):
+        bits = builder.extract_element(v, ir.Constant(_I32, lane))
+        out = builder.insert_element(out, from_table(bits), ir.Constant(_I32, lane))
+    return out
+
+
+@intrinsic
+def interleaved_row(typingctx, isa_, kind, order, q, qo, qh, ho, d, mn, lut, nb, x, xc, xd, xs,
+                    out, oo, po):  # type: ignore[no-untyped-def]
+    """`fused_row` on a chunk of 16 rows stored interleaved (`qmatmul.interleave`): word v of
+    block b of row l at q.flat[qo + 64 (W b + v) + 4 l] (W = 8 words a block for Q8_0, else
+    4), its scale, min and fifth bits at d.flat / mn.flat / qh.flat[ho + 16 b + l]; every
+    load one vector, nothing transposed. `pass_lanes` rows a pass over the blocks; the next
+    chunk's quants from q.flat[po] are prefetched as the first pass goes."""
+    if not (_literals(isa_, kind, order) and isinstance(x, types.Array)
+            and x.dtype == types.int8):
+        return None
+    path, form, how = isa_.literal_value, kind.literal_value, order.literal_value
+    mins, lanes = form in (4, 5), pass_lanes(isa_.literal_value)
+    words = 8 if form == 8 else 4
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        qo_, ho_, nb_, oo_, po_ = (context.cast(builder, args[i], sig.args[i], types.intp)
+                                   for i in (4, 6, 10, 16, 17))
+        halves, floats = ir.VectorType(_I16, lanes), ir.VectorType(_F32, lanes)
+
+        def load(i, idx, ty, align=4):  # type: ignore[no-untyped-def]
+            return builder.load(array_ptr(context, builder, sig, args, i, idx, ty), align=align)
+
+        def at(base, *terms):  # type: ignore[no-untyped-def]
+            for scale, value in terms:
+                base = builder.add(base, builder.mul(value, ir.Constant(_I64, scale)))
+            return base
+        for h in range(LANES // lanes):
+            sums = _Sums(builder, how, mins, path, lanes)
+            with cgutils.for_range(builder, nb_) as loop:
+                b = loop.index
+                first = at(qo_, (64 * words, b))
+                if h == 0:
+                    for line in range(words):
+                        prefetch_line(builder, array_ptr(context, builder, sig, args, 3, at(
+                            po_, (64 * words, b), (64, ir.Constant(_I64, line))), _I8))
+                side = at(ho_, (LANES, b), (lanes, ir.Constant(_I64, h)))
+                table = lambda bits: load(9, builder.zext(bits, _I64), _F32)  # noqa: E731
+                scale = builder.fmul(_half_floats(builder, load(7, side, halves, 2), table),
+                                     splat(builder, load(13, b, _F32), floats))
+                groups = _interleaved_groups(builder, path, form, lambda v, ty: load(
+                    5, side, ty) if v is None else load(3, at(first, (64, ir.Constant(
+                        _I64, v)), (4 * lanes, ir.Constant(_I64, h))), ty), lanes)
+                for t, codes in groups:
+                    sums.add_lane(t, _group_lanes(
+                        builder, path, form, codes, t,
+                        lambda k4: load(11, builder.mul(k4, ir.Constant(_I64, 4)), _I32, 1),
+                        lambda k4: load(12, k4, _I32), b, biased(path, how)), scale)
+                sums.end_block(scale, _half_floats(builder, load(8, side, halves, 2), table)
+                               if mins else None,
+                               splat(builder, load(14, b, _F32), floats) if mins else None)
+            builder.store(sums.total(), array_ptr(context, builder, sig, args, 15, at(
+                oo_, (lanes, ir.Constant(_I64, h))), floats), align=4)
+        return context.get_dummy_value()
+    return types.none(isa_, kind, order, q, qo, qh, ho, d, mn, lut, nb, x, xc, xd, xs, out, oo,
+                      po), codegen
+
+
+@intrinsic
+def decode_interleaved(typingctx, isa_, kind, q, qo, qh, ho, nb, codes):  # type: ignore[no-untyped-def]
+    """`decode_blocks` for a chunk of 16 rows stored interleaved (`interleaved_row`'s
+    offsets): each group of every block one load, nothing transposed."""
+    if not (isinstance(isa_, types.IntegerLiteral) and isinstance(kind, types.IntegerLiteral)
+            and isinstance(codes, types.Array) and codes.dtype == types.int32):
+        return None
+    path, form = isa_.literal_value, kind.literal_value
+    words = 8 if form == 8 else 4
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        qo_, ho_, nb_ = (context.cast(builder, args[i], sig.args[i], types.intp)
+                         for i in (3, 5, 6))
+        with cgutils.for_range(builder, nb_) as loop:
+            b = loop.index
+            first = builder.add(qo_, builder.mul(b, ir.Constant(_I64, 64 * words)))
+            side = builder.add(ho_, builder.mul(b, ir.Constant(_I64, LANES)))
+
+            def load(v, ty):  # type: ignore[no-untyped-def]
+                idx = side if v is None else builder.add(first, ir.Constant(_I64, 64 * v))
+                return builder.load(array_ptr(context, builder, sig, args, 4 if v is None
+                                              else 2, idx, ty), align=4)
+            for t, v in _interleaved_groups(builder, path, form, load, LANES):
+                idx = builder.mul(_group(builder, b, t), ir.Constant(_I64, LANES))
+                builder.store(v, array_ptr(context, builder, sig, args, 7, idx, _B64), align=4)
+        return context.get_dummy_value()
+    return types.none(isa_, kind, q, qo, qh, ho, nb, codes), codegen
+
+
 @intrinsic
 def widen_halves(typingctx, plane, offs, nb, lut, out):  # type: ignore[no-untyped-def]
     """16 rows' nb float16 values (row l's at plane.flat[offs[l] + b]) as float32, block by
@@ -575,11 +746,12 @@ def half_lanes(builder, v, from_table):  # type: ignore[no-untyped-def]
 
 
 @functools.cache
-def body(path: int, kind: int, order: int, q_dtype: str, x_rows: int) -> Callback:
+def body(path: int, kind: int, order: int, q_dtype: str, x_rows: int, interleaved: bool
+         ) -> Callback:
     """The work of one chunk of 16 weight rows (decode every block once, then every row of
-    x, `x_rows` a pass; the same floats at 1 or 2) for a SIMD path, qdot kind and float
-    order, compiled once as a C callback. No default for `x_rows`: a cache keyed with and
-    without it would compile the same body twice."""
+    x, `x_rows` a pass; the same floats at 1 or 2) for a SIMD path, qdot kind, float order
+    and layout (rows as stored, or `interleaved`), compiled once as a C callback. No
+    defaults: a cache keyed with and without one would compile the same body twice."""
     has_bits, has_min = kind in (5, 50), kind in (4, 5)
 
     def chunk(q_p, n, rb, qh_p, d_p, mn_p, lut_p, x_p, m, k, xc_p, xd_p, xs_p, out_p, n16,
@@ -592,15 +764,22 @@ def body(path: int, kind: int, order: int, q_dtype: str, x_rows: int) -> Callbac
         out = carray(out_p, (m * n16,))
         codes = carray(codes_p, (nb * 8 * LANES,))        # the chunk's decoded rows
         dw, mw = carray(dw_p, (nb * LANES,)), carray(mw_p, (nb * LANES if has_min else 0,))
-        qoff, hoff = stack_i64(16), stack_i64(16)
         i0 = LANES * c
-        for lane in range(LANES):
-            r = min(i0 + lane, n - 1)
-            qoff[lane], hoff[lane] = r * rb, r * nb
-        widen_halves(d, hoff, nb, lut, dw)
-        if has_min:
-            widen_halves(mn, hoff, nb, lut, mw)
-        decode_blocks(path, kind, q, qoff, rb // nb, qh, hoff, nb, codes)
+        if interleaved:           # rows a multiple of 16: whole chunks
+            for i in range(LANES * nb):
+                dw[i] = lut[d[i0 * nb + i]]
+                if has_min:
+                    mw[i] = lut[mn[i0 * nb + i]]
+            decode_interleaved(path, kind, q, i0 * rb, qh, i0 * nb, nb, codes)
+        else:
+            qoff, hoff = stack_i64(16), stack_i64(16)
+            for lane in range(LANES):
+                r = min(i0 + lane, n - 1)
+                qoff[lane], hoff[lane] = r * rb, r * nb
+            widen_halves(d, hoff, nb, lut, dw)
+            if has_min:
+                widen_halves(mn, hoff, nb, lut, mw)
+            decode_blocks(path, kind, q, qoff, rb // nb, qh, hoff, nb, codes)
         # the next chunk's rows (contiguous in each plane) into L2 while this one computes:
         # its quants a share before each row of x, the rest at once
         lo, hi = min(i0 + LANES, n), min(i0 + 2 * LANES, n)
@@ -629,9 +808,11 @@ def body(path: int, kind: int, order: int, q_dtype: str, x_rows: int) -> Callbac
 
 
 @functools.cache
-def one_row_body(path: int, kind: int, order: int, q_dtype: str) -> Callback:
-    """One chunk of 16 weight rows against x's one row (`fused_row`), compiled once per SIMD
-    path, qdot kind and float order as a C callback."""
+def one_row_body(path: int, kind: int, order: int, q_dtype: str, interleaved: bool
+                 ) -> Callback:
+    """One chunk of 16 weight rows against x's one row (`fused_row`, or `interleaved_row`
+    for rows stored `interleaved`), compiled once per SIMD path, qdot kind, float order and
+    layout as a C callback."""
     has_bits, has_min = kind in (5, 50), kind in (4, 5)
 
     def chunk(q_p, n, rb, qh_p, d_p, mn_p, lut_p, x_p, k, xc_p, xd_p, xs_p, out_p, c):  # type: ignore[no-untyped-def]
@@ -644,8 +825,12 @@ def one_row_body(path: int, kind: int, order: int, q_dtype: str) -> Callback:
         r0 = min(LANES * c, n - LANES)     # the last chunk overlaps the one before (the
         # rows they share get the same floats from both)
         p0 = min(r0 + LANES, n - LANES)
-        fused_row(path, kind, order, q, r0 * rb, rb, qh, r0 * nb, d, mn, lut, nb, x, xc, xd,
-                  xs, out, r0, p0 * rb)
+        if interleaved:
+            interleaved_row(path, kind, order, q, r0 * rb, qh, r0 * nb, d, mn, lut, nb, x, xc,
+                            xd, xs, out, r0, p0 * rb)
+        else:
+            fused_row(path, kind, order, q, r0 * rb, rb, qh, r0 * nb, d, mn, lut, nb, x, xc,
+                      xd, xs, out, r0, p0 * rb)
     f32, i64 = types.CPointer(types.float32), types.int64
     q_t = types.CPointer(types.int8 if q_dtype == "|i1" else types.uint8)
     return callback(q_t, i64, i64, types.CPointer(types.uint32), types.CPointer(types.uint16),
@@ -735,7 +920,7 @@ def one_row_plan(w: QuantMatrix, planes: tuple[np.ndarray, ...], kind: int, orde
     key = ("one_row", code, kind, order)
     plan = w.memo.get(key)
     if plan is None:
-        fn = one_row_body(code, kind, order, planes[0].dtype.str).address
+        fn = one_row_body(code, kind, order, planes[0].dtype.str, w.interleaved).address
         threads = 1 if w.rows * w.cols <= SERIAL_MAX_WORK else 0
         plan = w.memo[key] = (fn, planes, threads, _LOG2.get(OFFSET.get(kind, 0), 0),
                               BIAS if biased(code, order) else 0, (code, kind, w.cols), w.rows)
@@ -763,7 +948,7 @@ def matmul(w: QuantMatrix, planes: tuple[np.ndarray, ...], x: activations.Q8Rows
     another count of rows a pass (tests)."""
     code = isa.code(path) if path else isa.selected_code()
     qs, qh, d, mn = planes
-    fn = body(code, kind, order, qs.dtype.str, x_rows).address
+    fn = body(code, kind, order, qs.dtype.str, x_rows, w.interleaved).address
     m, k = x.qs.shape
     xc = _offset_terms(code, kind, m, k)
     bias = BIAS if biased(code, order) else 0
@@ -772,8 +957,8 @@ def matmul(w: QuantMatrix, planes: tuple[np.ndarray, ...], x: activations.Q8Rows
     threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
     if m == 1 and w.rows >= LANES:
         out = np.empty((1, w.rows), np.float32)
-        _one_row(one_row_body(code, kind, order, qs.dtype.str).address, qs, qh, d, mn, HALF_LUT,
-                 x.qs, xc, x.d, x.s, out, threads, 0, _NO_F32, _NO_F32, 0, 0)
+        _one_row(one_row_body(code, kind, order, qs.dtype.str, w.interleaved).address, qs, qh,
+                 d, mn, HALF_LUT, x.qs, xc, x.d, x.s, out, threads, 0, _NO_F32, _NO_F32, 0, 0)
         return out
     n16 = -(-w.rows // LANES) * LANES
     out = np.empty((m, n16), np.float32)
