@@ -11,6 +11,10 @@ fma(float(lanes_t), d_w d_x, acc_t) per block, added at the end in `hsum_float_8
 
 A decode step's one row (`one_row`, `fused_row`) keeps no decoded copy: each block of the 16
 rows is loaded, transposed and split into codes in registers, then multiplied at once.
+Weights stored 16 rows interleaved (`qmatmul.interleave`, the engine's linears under the
+quantized semantics) skip the transposes: each group of codes is one load
+(`interleaved_row`, `decode_interleaved`), and off AVX-512 the one-row kernel takes 8 rows
+a pass (`pass_lanes`).
 
 Signed weights reach `vpdpbusd` as unsigned codes: Q4_0/Q5_0's quants as stored (their
 offset 8 or 16), Q8_0/IQ4_NL's int8 values plus 128, less offset * (x's sums of 4),
@@ -273,6 +277,13 @@ def _literals(*values):  # type: ignore[no-untyped-def]
 # a second spills both: one row a pass there (a 16-row Q4_1 3072x576 416-478 -> 346-379 us;
 # docs/BENCHMARKS.md, "The AVX2 host")
 X_ROWS = 2 if "avx512f" in isa.host_features() else 1
+
+
+def pass_lanes(path: int) -> int:
+    """Weight rows `interleaved_row` takes a pass: 16 with 512-bit registers, else 8 (one
+    row's 8 accumulators of 16 lanes fill all of AVX2's 16 registers and spill; 8 rows as in
+    `bench/avx2_rows.py`'s interleaved form leave room)."""
+    return LANES if path == AVX512 else 8
 
 
 @intrinsic
@@ -556,13 +567,6 @@ def fused_row(typingctx, isa_, kind, order, q, qo, rb, qh, ho, d, mn, lut, nb, x
         return context.get_dummy_value()
     return types.none(isa_, kind, order, q, qo, rb, qh, ho, d, mn, lut, nb, x, xc, xd, xs, out,
                       oo, po), codegen
-
-
-def pass_lanes(path: int) -> int:
-    """Weight rows `interleaved_row` takes a pass: 16 with 512-bit registers, else 8 (one
-    row's 8 accumulators of 16 lanes fill all of AVX2's 16 registers and spill; 8 rows as in
-    `bench/avx2_rows.py`'s interleaved form leave room)."""
-    return LANES if path == AVX512 else 8
 
 
 def _interleaved_groups(builder, path, form, load, lanes):  # type: ignore[no-untyped-def]
