@@ -9,7 +9,8 @@ exact sum of weights 4t..4t+3 of a block, hsum_float_8 at the end) and checked e
 - 8 rows as the lanes, interleaved once at load (each group of 4 codes of 8 rows one 32-byte
   load, their scales and mins side by side): no transposes, 8 accumulators in registers;
 
-and beside them our `qmatmul_int.matmul_float` on the same shape (one numba thread), in ns per
+and beside them our `qmatmul_int.matmul_float` on the same shape (one numba thread), its rows
+as stored and 16 rows interleaved as the engine keeps them (`qmatmul.interleave`), in ns per
 block and row of the weight, in cache (one matrix, repeated).
 
     python bench/avx2_rows.py [--rows 1536] [--cols 576] [--runs 5]
@@ -178,8 +179,9 @@ int main(int argc, char **argv) {
 """
 
 
-def ours(rows: int, cols: int, runs: int) -> float:
-    """ns per (block, row) of our one-row Q4_1 linear on one thread (the median of `runs`)."""
+def ours(rows: int, cols: int, runs: int, interleaved: bool) -> float:
+    """ns per (block, row) of our one-row Q4_1 linear on one thread (the median of `runs`),
+    its rows as stored or `interleaved`."""
     import numpy as np
     from gguf import GGMLQuantizationType as T
     from quant_blocks import random_blocks
@@ -187,6 +189,8 @@ def ours(rows: int, cols: int, runs: int) -> float:
     from vllm_actors.kernels.cpu import qmatmul, qmatmul_int
     rng = np.random.default_rng(0)
     w = qmatmul.pack(random_blocks(T.Q4_1, rows, cols, rng), T.Q4_1, (rows, cols))
+    if interleaved:
+        w = qmatmul.interleave(w)
     x = rng.standard_normal((1, cols)).astype(np.float32)
     qmatmul_int.matmul_float(w, x)
     times = []
@@ -204,8 +208,8 @@ def main() -> int:
     parser.add_argument("--cols", type=int, default=576)
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
-    if args.rows % 8 or args.cols % 32:
-        parser.error("rows must be a multiple of 8, cols of 32")
+    if args.rows % 16 or args.cols % 32:
+        parser.error("rows must be a multiple of 16, cols of 32")
     with built(SOURCE, ["-O2", "-mavx2", "-mfma", "-mf16c"]) as binary:
         if binary is None:
             return 1
@@ -224,7 +228,10 @@ def main() -> int:
     for name, v in zip(("ggml's vec_dot, row by row", "8 rows as lanes, transposed in registers",
                         "8 rows as lanes, interleaved at load"), c):
         print(f"| {name} | {v:.2f} |")
-    print(f"| ours (qmatmul_int.matmul_float) | {ours(args.rows, args.cols, args.runs):.2f} |")
+    for interleaved in (False, True):
+        name = "16 rows interleaved" if interleaved else "rows as stored"
+        print(f"| ours (qmatmul_int.matmul_float), {name} | "
+              f"{ours(args.rows, args.cols, args.runs, interleaved):.2f} |")
     return 0
 
 
