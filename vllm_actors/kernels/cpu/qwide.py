@@ -119,8 +119,9 @@ def _fifth(builder, bits, t):  # type: ignore[no-untyped-def]
         4 * lane + t // 2 for lane in range(lanes) for _ in range(4)]))
     test = builder.and_(spread, ir.Constant(vec, [1 << (4 * (t % 2) + k)
                                                   for _ in range(lanes) for k in range(4)]))
-    hit = builder.icmp_unsigned("!=", test, ir.Constant(vec, [0] * 4 * lanes))
-    return builder.select(hit, ir.Constant(vec, [16] * 4 * lanes), ir.Constant(vec, [0] * 4 * lanes))
+    zero = ir.Constant(vec, [0] * 4 * lanes)
+    hit = builder.icmp_unsigned("!=", test, zero)
+    return builder.select(hit, ir.Constant(vec, [16] * 4 * lanes), zero)
 
 
 @intrinsic
@@ -221,6 +222,7 @@ class _Sums:
         self.accs = [cgutils.alloca_once_value(builder, zero)
                      for _ in range(8 if order == LANES_ORDER else 0)]
         self.chain = cgutils.alloca_once_value(builder, zero)   # min sums, or the one chain
+        self.whole = None       # the one chain's block: its lane vectors' sum so far
 
     def add(self, lanes, scale, m_w, s_x):  # type: ignore[no-untyped-def]
         """A block's 8 integer lane vectors, d_w d_x, and (types with mins) m_w and s_x."""
