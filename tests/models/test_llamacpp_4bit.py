@@ -60,10 +60,30 @@ def test_matmuls_give_llamacpp_floats(models, qtype):
             assert inputs.shape[0] == rows
             assert weight.parts[0].ggml_repacked
             assert np.array_equal(backend.linear(inputs, weight), want), (when, y)
-            plain = Linear(tuple(replace(p, ggml_repacked=False) for p in weight.parts),
+            # the same weights as stored (the backend keeps them interleaved): the same
+            # floats in the same order, and others in vec_dot's, which must part from it
+            stored = tuple(_as_stored(p) for p in weight.parts)
+            assert np.array_equal(backend.linear(inputs, Linear(stored, weight.formats)), want)
+            plain = Linear(tuple(replace(p, ggml_repacked=False) for p in stored),
                            weight.formats)
             if when == "step":        # the order matters: vec_dot's parts from it
                 assert not np.array_equal(backend.linear(inputs, plain), want), (when, y)
+
+
+def _as_stored(m):  # type: ignore[no-untyped-def]
+    """A matrix `qmatmul.interleave` stored 16 rows interleaved, with its rows as stored
+    again: each plane's 4-byte words (or 2-byte values) moved back row by row."""
+    if not m.interleaved:
+        return m
+    nb = m.cols // 32
+
+    def back(plane):  # type: ignore[no-untyped-def]
+        n = plane.shape[0]
+        units = plane if plane.dtype == np.uint16 else plane.view(np.uint32)
+        per_block = units.shape[1] // nb
+        rows = units.reshape(n // 16, nb, per_block, 16).transpose(0, 3, 1, 2)
+        return np.ascontiguousarray(rows).reshape(units.shape).view(plane.dtype)
+    return replace(m, planes=tuple(back(p) for p in m.planes), interleaved=False)
 
 
 def test_iq4_nl_gives_llamacpp_logits(models):
