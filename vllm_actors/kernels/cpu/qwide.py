@@ -9,12 +9,9 @@ fma(float(lanes_t), d_w d_x, acc_t) per block, added at the end in `hsum_float_8
 (+ the min sums of Q4_1/Q5_1, fma(m_w, s_x, summs) per block); the repacked order
 (`qmatmul_int.REPACKED`) keeps one chain, fma(block's sum, d_w d_x, acc).
 
-A decode step's one row (`one_row`, `fused_row`) keeps no decoded copy: each block of the 16
-rows is loaded, transposed and split into codes in registers, then multiplied at once.
-Weights stored 16 rows interleaved (`qmatmul.interleave`, the engine's linears under the
-quantized semantics) skip the transposes: each group of codes is one load
-(`interleaved_row`, `decode_interleaved`), and off AVX-512 the one-row kernel takes 8 rows
-a pass (`pass_lanes`).
+A decode step's one row (`one_row`) keeps no decoded copy: each block of the 16 rows is
+transposed into codes in registers (`fused_row`), or, stored interleaved
+(`qmatmul.interleave`), loaded a group a vector (`interleaved_row`, 8 rows a pass on AVX2).
 
 Signed weights reach `vpdpbusd` as unsigned codes: Q4_0/Q5_0's quants as stored (their
 offset 8 or 16), Q8_0/IQ4_NL's int8 values plus 128, less offset * (x's sums of 4),
@@ -593,19 +590,6 @@ def _interleaved_groups(builder, path, form, load, lanes):  # type: ignore[no-un
             yield t, _codes(builder, path, form, g)
 
 
-def _half_floats(builder, v, from_table):  # type: ignore[no-untyped-def]
-    """A vector of float16 bit patterns (<n x i16>) as <n x float> (`half_vector`)."""
-    n = v.type.count
-    if HARDWARE_HALF:
-        return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), n)),
-                             ir.VectorType(_F32, n))
-    out = ir.Constant(ir.VectorType(_F32, n), ir.Undefined)
-    for lane in range(n):
-        bits = builder.extract_element(v, ir.Constant(_I32, lane))
-        out = builder.insert_element(out, from_table(bits), ir.Constant(_I32, lane))
-    return out
-
-
 @intrinsic
 def interleaved_row(typingctx, isa_, kind, order, q, qo, qh, ho, d, mn, lut, nb, x, xc, xd, xs,
                     out, oo, po):  # type: ignore[no-untyped-def]
@@ -644,7 +628,7 @@ def interleaved_row(typingctx, isa_, kind, order, q, qo, qh, ho, d, mn, lut, nb,
                             po_, (64 * words, b), (64, ir.Constant(_I64, line))), _I8))
                 side = at(ho_, (LANES, b), (lanes, ir.Constant(_I64, h)))
                 table = lambda bits: load(9, builder.zext(bits, _I64), _F32)  # noqa: E731
-                scale = builder.fmul(_half_floats(builder, load(7, side, halves, 2), table),
+                scale = builder.fmul(half_lanes(builder, load(7, side, halves, 2), table),
                                      splat(builder, load(13, b, _F32), floats))
                 groups = _interleaved_groups(builder, path, form, lambda v, ty: load(
                     5, side, ty) if v is None else load(3, at(first, (64, ir.Constant(
@@ -654,7 +638,7 @@ def interleaved_row(typingctx, isa_, kind, order, q, qo, qh, ho, d, mn, lut, nb,
                         builder, path, form, codes, t,
                         lambda k4: load(11, builder.mul(k4, ir.Constant(_I64, 4)), _I32, 1),
                         lambda k4: load(12, k4, _I32), b, biased(path, how)), scale)
-                sums.end_block(scale, _half_floats(builder, load(8, side, halves, 2), table)
+                sums.end_block(scale, half_lanes(builder, load(8, side, halves, 2), table)
                                if mins else None,
                                splat(builder, load(14, b, _F32), floats) if mins else None)
             builder.store(sums.total(), array_ptr(context, builder, sig, args, 15, at(
@@ -746,9 +730,17 @@ def half_vector(builder, bits, from_table):  # type: ignore[no-untyped-def]
 
 
 def half_lanes(builder, v, from_table):  # type: ignore[no-untyped-def]
-    """A vector <16 x i16> of float16 bit patterns as <16 x float> (`half_vector`)."""
-    return half_vector(builder, [builder.extract_element(v, ir.Constant(_I32, lane))
-                                 for lane in range(16)], from_table)
+    """A vector of float16 bit patterns (<n x i16>) as <n x float>: one conversion where the
+    CPU has F16C, else each looked up through `from_table`."""
+    n = v.type.count
+    if HARDWARE_HALF:
+        return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), n)),
+                             ir.VectorType(_F32, n))
+    out = ir.Constant(ir.VectorType(_F32, n), ir.Undefined)
+    for lane in range(n):
+        bits = builder.extract_element(v, ir.Constant(_I32, lane))
+        out = builder.insert_element(out, from_table(bits), ir.Constant(_I32, lane))
+    return out
 
 
 @functools.cache
