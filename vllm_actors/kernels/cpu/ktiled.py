@@ -63,6 +63,24 @@ def llvm_call(builder, name, ret, args):  # type: ignore[no-untyped-def]
     return builder.call(fn, args)
 
 
+def vector_part(builder, v, size, h):  # type: ignore[no-untyped-def]
+    """Elements [size h, size (h + 1)) of vector v (v itself where it has no more): the
+    256-bit halves the AVX2 intrinsics take."""
+    if v.type.count == size:
+        return v
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, size),
+                                                    list(range(size * h, size * h + size))))
+
+
+def joined(builder, parts):  # type: ignore[no-untyped-def]
+    """Two vectors of one type end to end (one: itself)."""
+    if len(parts) == 1:
+        return parts[0]
+    n = 2 * parts[0].type.count
+    return builder.shuffle_vector(parts[0], parts[1], ir.Constant(ir.VectorType(_I32, n),
+                                                                  list(range(n))))
+
+
 def dot4(builder, path, acc, w, x):  # type: ignore[no-untyped-def]
     """acc + lane i of (sum over t < 4 of w[4i+t] x[4i+t]), w unsigned bytes <= 63, x int8,
     exact on every path (`vpmaddubsw`'s int16 pairs stay within 2 * 63 * 128). 16 lanes (8
@@ -74,15 +92,11 @@ def dot4(builder, path, acc, w, x):  # type: ignore[no-untyped-def]
     if path == AVX2:
         halves = []
         for h in range(lanes // 8):
-            pick = ir.Constant(ir.VectorType(_I32, 32), list(range(32 * h, 32 * h + 32)))
-            wh, xh = (builder.shuffle_vector(v, v, pick) for v in (w, x)) if lanes > 8 \
-                else (w, x)
+            wh, xh = vector_part(builder, w, 32, h), vector_part(builder, x, 32, h)
             pairs = llvm_call(builder, "llvm.x86.avx2.pmadd.ub.sw", _W16, [wh, xh])
             halves.append(llvm_call(builder, "llvm.x86.avx2.pmadd.wd", _L8,
                                 [pairs, ir.Constant(_W16, [1] * 16)]))
-        both = halves[0] if lanes == 8 else builder.shuffle_vector(
-            halves[0], halves[1], ir.Constant(_L16, list(range(16))))
-        return builder.add(acc, both)
+        return builder.add(acc, joined(builder, halves))
     wide = ir.VectorType(_I32, 4 * lanes)
     p = builder.mul(builder.zext(w, wide), builder.sext(x, wide))
     for t in range(4):
@@ -100,12 +114,8 @@ def madd_pairs(builder, path, a, b):  # type: ignore[no-untyped-def]
     if path == AVX512:
         return llvm_call(builder, "llvm.x86.avx512.pmaddw.d.512", _L16, [a, b])
     if path == AVX2:
-        halves = []
-        for h in range(2):
-            pick = ir.Constant(_L16, list(range(16 * h, 16 * h + 16)))
-            ah, bh = (builder.shuffle_vector(v, v, pick) for v in (a, b))
-            halves.append(llvm_call(builder, "llvm.x86.avx2.pmadd.wd", _L8, [ah, bh]))
-        return builder.shuffle_vector(halves[0], halves[1], ir.Constant(_L16, list(range(16))))
+        return joined(builder, [llvm_call(builder, "llvm.x86.avx2.pmadd.wd", _L8, [
+            vector_part(builder, a, 16, h), vector_part(builder, b, 16, h)]) for h in range(2)])
     wide = ir.VectorType(_I32, 32)
     p = builder.mul(builder.sext(a, wide), builder.sext(b, wide))
     return builder.add(*(builder.shuffle_vector(p, p, ir.Constant(_L16, list(range(t, 32, 2))))

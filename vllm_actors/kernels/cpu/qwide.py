@@ -35,8 +35,8 @@ from vllm_actors.kernels.cpu.intrinsics import (HARDWARE_HALF, call_address, dat
                                                 prefetch_line, stack_i64,
                                                 transpose_rows)
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
-from vllm_actors.kernels.cpu.ktiled import (LANES, array_ptr, dot4, fma16, llvm_call,
-                                            transpose_words)
+from vllm_actors.kernels.cpu.ktiled import (LANES, array_ptr, dot4, joined, llvm_call,
+                                            transpose_words, vector_part)
 from vllm_actors.kernels.cpu.qdot import AVX2, AVX512, PORTABLE
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix
 from vllm_actors.kernels.cpu.qmatmul_prims import (HALF_LUT, kept, limit_threads, line_aligned,
@@ -46,7 +46,6 @@ from vllm_actors.kernels.cpu.qmatmul_simd import fmuladd, splat
 _I8, _I16, _I32, _I64 = (ir.IntType(n) for n in (8, 16, 32, 64))
 _B64, _B32 = ir.VectorType(_I8, 64), ir.VectorType(_I8, 32)
 _L16, _L8, _L4 = ir.VectorType(_I32, 16), ir.VectorType(_I32, 8), ir.VectorType(_I32, 4)
-_L32, _L64 = ir.VectorType(_I32, 32), ir.VectorType(_I32, 64)
 _F32 = ir.FloatType()
 _F16 = ir.VectorType(_F32, 16)
 _W16 = ir.VectorType(_I16, 16)
@@ -80,29 +79,12 @@ def _codes(builder, path, kind, w):  # type: ignore[no-untyped-def]
                           [ir.Constant(_B64, table * 4), w])
         else:
             halves = [llvm_call(builder, "llvm.x86.avx2.pshuf.b", _B32,
-                                [ir.Constant(_B32, table * 2), _part(builder, w, 32, h)])
+                                [ir.Constant(_B32, table * 2), vector_part(builder, w, 32, h)])
                       for h in range(count // 32)]
-            w = _joined(builder, halves)
+            w = joined(builder, halves)
     if kind in (8, 41) and not signed_codes(path, kind):
         w = builder.xor(w, ir.Constant(vec, [0x80] * count))
     return w
-
-
-def _part(builder, v, size, h):  # type: ignore[no-untyped-def]
-    """Elements [size h, size (h + 1)) of vector v (v itself where it has no more)."""
-    if v.type.count == size:
-        return v
-    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, size),
-                                                    list(range(size * h, size * h + size))))
-
-
-def _joined(builder, parts):  # type: ignore[no-untyped-def]
-    """Two vectors of one type end to end (one: itself)."""
-    if len(parts) == 1:
-        return parts[0]
-    n = 2 * parts[0].type.count
-    return builder.shuffle_vector(parts[0], parts[1], ir.Constant(ir.VectorType(_I32, n),
-                                                                  list(range(n))))
 
 
 def _fifth(builder, bits, t):  # type: ignore[no-untyped-def]
@@ -183,14 +165,14 @@ def _dot_signed(builder, path, w, x):  # type: ignore[no-untyped-def]
     if path == AVX2:
         halves = []
         for h in range(lanes // 8):
-            wh, xh = _part(builder, w, 32, h), _part(builder, x, 32, h)
+            wh, xh = vector_part(builder, w, 32, h), vector_part(builder, x, 32, h)
             neg = builder.icmp_signed("<", wh, ir.Constant(_B32, [0] * 32))
             aw = builder.select(neg, builder.neg(wh), wh)             # vpabsb
             sx = llvm_call(builder, "llvm.x86.avx2.psign.b", _B32, [xh, wh])   # x * sign(w)
             pairs = llvm_call(builder, "llvm.x86.avx2.pmadd.ub.sw", _W16, [aw, sx])
             halves.append(llvm_call(builder, "llvm.x86.avx2.pmadd.wd", _L8,
                                 [pairs, ir.Constant(_W16, [1] * 16)]))
-        return _joined(builder, halves)
+        return joined(builder, halves)
     wide, out = ir.VectorType(_I32, 4 * lanes), ir.VectorType(_I32, lanes)
     p = builder.mul(builder.sext(w, wide), builder.sext(x, wide))
     acc = ir.Constant(out, [0] * lanes)
@@ -261,8 +243,6 @@ class _Sums:
 def _fma(builder, a, b, c):  # type: ignore[no-untyped-def]
     """a * b + c per lane, one rounding (`llvm.fma`, never a multiply and an add), on
     vectors of 16 floats or 8."""
-    if a.type.count == LANES:
-        return fma16(builder, a, b, c)
     return llvm_call(builder, f"llvm.fma.v{a.type.count}f32", a.type, [a, b, c])
 
 
