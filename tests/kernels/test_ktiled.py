@@ -97,7 +97,12 @@ def test_equals_the_direct_computation_on_every_path(qtype, order):
     rng = np.random.default_rng(int(qtype) + 10 * order)
     n, k, m = 37, 512, 19                  # 37 rows: two full chunks of 16 and a partial one
     w = qmatmul.pack(random_blocks(qtype, n, k, rng), qtype, (n, k))
-    x = activations.quantize_q8_k((rng.standard_normal((m, k)) * 4).astype(np.float32))
+    for plane in w.planes[:1 if qtype == QT.Q4_K else 2]:    # 16 rows of the largest codes
+        plane[:16] = 0xFF
+    xf = (rng.standard_normal((m, k)) * 4).astype(np.float32)
+    xf[0] = -2.5                        # against them, the largest integer sums (AVX2's int16)
+    x = activations.quantize_q8_k(xf)
+    assert (x.qs[0] == -127).all()
     want = _direct(w, x, order)
     for path in isa.available():
         got = ktiled.matmul(w, x, order, path)
@@ -116,11 +121,14 @@ def test_one_row_in_registers_equals_the_direct_computation():
     """`krow`, a decode step's rows (1 to `krow.MAX_ROWS`) against a repacked Q4_K (the
     GEMV's order) whose rows `qmatmul.interleave` stored 16 to a vector, 16 weight rows
     decoded in registers; x quantized inside the call or before it, with a zero row and a
-    superblock of ties at the largest quant. The interleaved bytes are where the layout says, on a cache line."""
+    superblock of ties at the largest quant against rows of codes 15 (the largest integer
+    sums, which AVX2 keeps in int16 until a sub-block ends). The interleaved bytes are where
+    the layout says, on a cache line."""
     rng = np.random.default_rng(44)
     n, k = 48, 512
     stored = replace(qmatmul.pack(random_blocks(QT.Q4_K, n, k, rng), QT.Q4_K, (n, k)),
                      ggml_repacked=True)
+    stored.planes[0][:16] = 0xFF    # every code 15: against x's row of ties, the largest sums
     w = qmatmul.interleave(stored)
     assert w.interleaved and all(p.ctypes.data % 64 == 0 for p in w.planes)
     nsb = k // 256

@@ -30,8 +30,9 @@ from numba.extending import intrinsic
 from vllm_actors.kernels.cpu import activations, isa, krow6
 from vllm_actors.kernels.cpu.intrinsics import call_address, data_pointer, prefetch_line
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
-from vllm_actors.kernels.cpu.ktiled import (LANES, NO_SUMS, arguments, array_ptr, bit_field,
-                                            dot4, fma16, lane_bytes, madd_pairs, sums_of_32)
+from vllm_actors.kernels.cpu.ktiled import (INT16_RUN, LANES, NO_SUMS, ByteDots, arguments,
+                                            array_ptr, bit_field, fma16, lane_bytes,
+                                            madd_pairs, sums_of_32)
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix
 from vllm_actors.kernels.cpu.qmatmul_prims import (HALF_LUT, kept, limit_threads, prefetch_span,
                                                    restore_threads)
@@ -121,7 +122,7 @@ def _totals(builder, path, load, base, xos, scales, hint):  # type: ignore[no-un
         builder.store(v, builder.gep(table, [ir.Constant(_I64, s)]))
     with cgutils.for_range(builder, ir.Constant(_I64, 4)) as loop:
         p = loop.index
-        sums = [[zero, zero] for _ in xos]
+        sums = [[ByteDots(builder, path, INT16_RUN[4]) for _ in range(2)] for _ in xos]
         for j in range(8):
             off = builder.add(builder.mul(p, ir.Constant(_I64, 512)), ir.Constant(_I64, 64 * j))
             nibbles = load(2, builder.add(base, off), _B64)
@@ -133,10 +134,11 @@ def _totals(builder, path, load, base, xos, scales, hint):  # type: ignore[no-un
                 for r, xo in enumerate(xos):
                     xv = builder.bitcast(splat(builder, load(12, builder.add(xo, pos), _I32),
                                                _L16), _B64)
-                    sums[r][half] = dot4(builder, path, sums[r][half], part, xv)
+                    sums[r][half].add(part, xv)
         two_p = builder.mul(p, ir.Constant(_I64, 2))
         low_sc, high_sc = (builder.load(builder.gep(table, [builder.add(two_p, ir.Constant(
             _I64, h))])) for h in range(2))
+        sums = [[dots.total() for dots in row] for row in sums]
         for slot, (low, high) in zip(slots, sums):
             builder.store(builder.add(builder.load(slot), builder.add(
                 builder.mul(low, low_sc), builder.mul(high, high_sc))), slot)

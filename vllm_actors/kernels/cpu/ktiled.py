@@ -14,9 +14,10 @@ mins, total * d_w), acc = fma(r, d_x, acc) (TILED); per pair of sub-blocks (GEMM
 superblock (GEMV) acc = fma(total, d_w d_x, acc), am = fma(mins, dmin_w d_x, am), the result
 acc - am. Bit for bit the floats of `qmatmul_int_k`'s pair kernels (verified against
 llama.cpp) and of a direct computation (`tests/kernels/test_ktiled.py`). The 4-byte dot
-products are `vpdpbusd` with VNNI, `vpmaddubsw` + `vpmaddwd` on AVX2, widening multiplies
-elsewhere: the same integers on every path. Parallel over fixed chunks of 16 weight rows, so
-the result does not depend on the thread count.
+products are `vpdpbusd` with VNNI, `vpmaddubsw` + `vpmaddwd` on AVX2 (a run of groups
+summed in int16 first, `ByteDots`), widening multiplies elsewhere: the same integers on
+every path. Parallel over fixed chunks of 16 weight rows, so the result does not depend on
+the thread count.
 """
 
 from __future__ import annotations
@@ -90,19 +91,68 @@ def dot4(builder, path, acc, w, x):  # type: ignore[no-untyped-def]
         return llvm_call(builder, "llvm.x86.avx512.vpdpbusd.512", _L16,
                      [acc, builder.bitcast(w, _L16), builder.bitcast(x, _L16)])
     if path == AVX2:
-        halves = []
-        for h in range(lanes // 8):
-            wh, xh = vector_part(builder, w, 32, h), vector_part(builder, x, 32, h)
-            pairs = llvm_call(builder, "llvm.x86.avx2.pmadd.ub.sw", _W16, [wh, xh])
-            halves.append(llvm_call(builder, "llvm.x86.avx2.pmadd.wd", _L8,
-                                [pairs, ir.Constant(_W16, [1] * 16)]))
-        return builder.add(acc, joined(builder, halves))
+        return builder.add(acc, pair_sums(builder, byte_pairs(builder, w, x)))
     wide = ir.VectorType(_I32, 4 * lanes)
     p = builder.mul(builder.zext(w, wide), builder.sext(x, wide))
     for t in range(4):
         acc = builder.add(acc, builder.shuffle_vector(
             p, p, ir.Constant(ir.VectorType(_I32, lanes), list(range(t, 4 * lanes, 4)))))
     return acc
+
+
+def byte_pairs(builder, w, x):  # type: ignore[no-untyped-def]
+    """AVX2's `vpmaddubsw` on w (unsigned bytes) and x (int8), 32 or 64 bytes: each pair of
+    products summed into an int16, saturating (callers keep the sums within range)."""
+    return joined(builder, [llvm_call(builder, "llvm.x86.avx2.pmadd.ub.sw", _W16, [
+        vector_part(builder, w, 32, h), vector_part(builder, x, 32, h)])
+        for h in range(w.type.count // 32)])
+
+
+def pair_sums(builder, v):  # type: ignore[no-untyped-def]
+    """AVX2's `vpmaddwd` by ones: the int16 pairs of v (16 or 32 of them) added into int32
+    lanes."""
+    return joined(builder, [llvm_call(builder, "llvm.x86.avx2.pmadd.wd", _L8, [
+        vector_part(builder, v, 16, h), ir.Constant(_W16, [1] * 16)])
+        for h in range(v.type.count // 16)])
+
+
+# groups of 4 codes whose `vpmaddubsw` pair sums (each within 2 * 128 * the largest code)
+# an int16 holds added up exactly: Q4_K's codes <= 15, Q5_K's <= 31, Q6_K's <= 63
+INT16_RUN = {form: 32767 // (256 * largest) for form, largest in ((4, 15), (5, 31), (6, 63))}
+
+
+class ByteDots:
+    """A sum of `dot4`s of 16 rows (int32 lanes). AVX2 keeps up to `run` products as
+    `vpmaddubsw`'s int16 pairs and widens them once (`pair_sums`), where `dot4` widened
+    each: a multiply less a group (`INT16_RUN` says how many fit exactly; 4 rows of x on a
+    Q4_K, 15-20 % faster, docs/BENCHMARKS.md)."""
+
+    def __init__(self, builder, path, run):  # type: ignore[no-untyped-def]
+        self.builder, self.path, self.run = builder, path, run
+        self.acc = ir.Constant(_L16, [0] * 16)
+        self.pending, self.count = None, 0
+
+    def add(self, w, x):  # type: ignore[no-untyped-def]
+        """The dot products of w's and x's groups of 4 bytes (`dot4`'s operands) onto the sum."""
+        builder = self.builder
+        if self.path != AVX2:
+            self.acc = dot4(builder, self.path, self.acc, w, x)
+            return
+        pairs = byte_pairs(builder, w, x)
+        self.pending = pairs if self.pending is None else builder.add(self.pending, pairs)
+        self.count += 1
+        if self.count == self.run:
+            self._widen()
+
+    def _widen(self):  # type: ignore[no-untyped-def]
+        if self.pending is not None:
+            self.acc = self.builder.add(self.acc, pair_sums(self.builder, self.pending))
+        self.pending, self.count = None, 0
+
+    def total(self):  # type: ignore[no-untyped-def]
+        """The sum so far, int32 lanes."""
+        self._widen()
+        return self.acc
 
 
 def madd_pairs(builder, path, a, b):  # type: ignore[no-untyped-def]
@@ -401,14 +451,15 @@ def _sub_block(builder, path, kind, load, s, groups, xos, bos):  # type: ignore[
     x's sum of 16 (argument 11, from bos[r])."""
     def at(n):  # type: ignore[no-untyped-def]
         return ir.Constant(_I64, n)
-    a = [ir.Constant(_L16, [0] * 16)] * len(xos)
+    dots = [ByteDots(builder, path, INT16_RUN[kind]) for _ in xos]
     for g in range(groups):
         kg = s * groups + g
         w = load(4, at(LANES * kg), _B64)
         for r, xo in enumerate(xos):
             xv = builder.bitcast(splat(builder, load(9, builder.add(xo, at(4 * kg)), _I32, 1),
                                        _L16), _B64)
-            a[r] = dot4(builder, path, a[r], w, xv)
+            dots[r].add(w, xv)
+    a = [d.total() for d in dots]
     if kind == 6:
         for r, bo in enumerate(bos):
             xs = splat(builder, builder.sext(load(11, builder.add(bo, at(s)), _I16, 2), _I32),
