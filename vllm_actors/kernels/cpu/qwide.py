@@ -122,29 +122,11 @@ def decode_blocks(typingctx, isa_, kind, q, qoff, step, qh, hoff, nb, codes):  #
                           [builder.add(o, builder.mul(b, step_)) for o in bases[0]],
                           [builder.add(o, b) for o in bases[1]], (2, 5))
             for t, v in enumerate(vs):
-                _store_group(context, builder, sig, args, 8, path, form, nb_, b, t, v)
+                at = builder.mul(builder.add(builder.mul(b, ir.Constant(_I64, 8)),
+                                             ir.Constant(_I64, t)), ir.Constant(_I64, LANES))
+                builder.store(v, array_ptr(context, builder, sig, args, 8, at, _B64), align=4)
         return context.get_dummy_value()
     return types.none(isa_, kind, q, qoff, step, qh, hoff, nb, codes), codegen
-
-
-def _store_group(context, builder, sig, args, i, path, form, nb, b, t, v):  # type: ignore[no-untyped-def]
-    """Group t of block b of the chunk's 16 rows (<64 x i8>) into the codes argument i, and
-    where the codes stay signed (`signed_codes`) their absolute values after the chunk's
-    nb blocks: each row of x then takes them as loaded, where a `vpabsb` a group and row of
-    x was one of six vector operations (Q8_0 at 16 rows of x 5-6 % faster on AVX2,
-    docs/BENCHMARKS.md)."""
-    at = builder.mul(_group(builder, b, t), ir.Constant(_I64, LANES))
-    builder.store(v, array_ptr(context, builder, sig, args, i, at, _B64), align=4)
-    if signed_codes(path, form):
-        at = builder.add(at, builder.mul(nb, ir.Constant(_I64, 8 * LANES)))
-        builder.store(absolute(builder, v), array_ptr(context, builder, sig, args, i, at, _B64),
-                      align=4)
-
-
-def absolute(builder, w):  # type: ignore[no-untyped-def]
-    """|w| per byte (`vpabsb`: -128 stays 0x80, 128 read unsigned)."""
-    zero = ir.Constant(w.type, [0] * w.type.count)
-    return builder.select(builder.icmp_signed("<", w, zero), builder.neg(w), w)
 
 
 def _bases(context, builder, sig, args, which):  # type: ignore[no-untyped-def]
@@ -175,18 +157,17 @@ def _decoded(context, builder, sig, args, path, form, at, hat, which, bits=None)
     return [_codes(builder, path, form, v) for v in groups]
 
 
-def _dot_signed(builder, path, w, x, magnitudes=None):  # type: ignore[no-untyped-def]
+def _dot_signed(builder, path, w, x):  # type: ignore[no-untyped-def]
     """Lane i of (sum over t < 4 of w[4i+t] x[4i+t]) for int8 w and x (Q8_0 / IQ4_NL off the
-    VNNI path; 16 lanes, or 8): AVX2 multiplies |w| (`magnitudes` where given, decoded
-    with the codes) by x carrying w's sign (exact unless x holds -128, as ggml), the
-    portable path widens."""
+    VNNI path; 16 lanes, or 8): AVX2 multiplies |w| by x carrying w's sign (exact unless x
+    holds -128, as ggml), the portable path widens."""
     lanes = w.type.count // 4
     if path == AVX2:
         halves = []
         for h in range(lanes // 8):
             wh, xh = vector_part(builder, w, 32, h), vector_part(builder, x, 32, h)
-            aw = absolute(builder, wh) if magnitudes is None else \
-                vector_part(builder, magnitudes, 32, h)
+            neg = builder.icmp_signed("<", wh, ir.Constant(_B32, [0] * 32))
+            aw = builder.select(neg, builder.neg(wh), wh)             # vpabsb
             sx = llvm_call(builder, "llvm.x86.avx2.psign.b", _B32, [xh, wh])   # x * sign(w)
             pairs = llvm_call(builder, "llvm.x86.avx2.pmadd.ub.sw", _W16, [aw, sx])
             halves.append(llvm_call(builder, "llvm.x86.avx2.pmadd.wd", _L8,
@@ -316,9 +297,6 @@ def row_dots(typingctx, isa_, kind, order, rows, codes, nb, dw, mw, x, xo, xc, c
             at = builder.mul(b, ir.Constant(_I64, LANES))
             codes_ = [load(4, builder.mul(_group(builder, b, t), ir.Constant(_I64, LANES)),
                            _B64) for t in range(8)]
-            magnitudes = [load(4, builder.mul(builder.add(_group(builder, b, t), builder.mul(
-                nb_, ir.Constant(_I64, 8))), ir.Constant(_I64, LANES)), _B64)
-                for t in range(8)] if signed_codes(path, form) else [None] * 8
             d_w, m_w = load(6, at, _F16), (load(7, at, _F16) if mins else None)
             for r, row_sums in enumerate(sums):
                 sb = builder.add(of_row(so_, nb_, r), b)
@@ -328,7 +306,7 @@ def row_dots(typingctx, isa_, kind, order, rows, codes, nb, dw, mw, x, xo, xc, c
                     lambda k4, xo_r=xo_r: load(8, builder.add(
                         xo_r, builder.mul(k4, ir.Constant(_I64, 4))), _I32, 1),
                     lambda k4, co_r=co_r: load(10, builder.add(co_r, k4), _I32), b,
-                    biased(path, how), magnitudes)
+                    biased(path, how))
                 row_sums.add(lanes, builder.fmul(d_w, splat(builder, load(12, sb, _F32), _F16)),
                              m_w, splat(builder, load(13, sb, _F32), _F16) if mins else None)
         for r, row_sums in enumerate(sums):
@@ -357,14 +335,14 @@ def biased(path: int, order: int) -> bool:
     return path == AVX512 and order == LANES_ORDER
 
 
-def _block_lanes(builder, path, form, codes, x_word, offset_word, b, bias, magnitudes):  # type: ignore[no-untyped-def]
+def _block_lanes(builder, path, form, codes, x_word, offset_word, b, bias):  # type: ignore[no-untyped-def]
     """Block b's 8 integer lanes of all 16 rows from its codes (8 vectors <64 x i8>, group t
-    of every row; `_group_lanes`), and their absolute values where decoded (else Nones)."""
-    return [_group_lanes(builder, path, form, w, t, x_word, offset_word, b, bias, a)
-            for t, (w, a) in enumerate(zip(codes, magnitudes))]
+    of every row; `_group_lanes`)."""
+    return [_group_lanes(builder, path, form, w, t, x_word, offset_word, b, bias)
+            for t, w in enumerate(codes)]
 
 
-def _group_lanes(builder, path, form, w, t, x_word, offset_word, b, bias, magnitudes=None):  # type: ignore[no-untyped-def]
+def _group_lanes(builder, path, form, w, t, x_word, offset_word, b, bias):  # type: ignore[no-untyped-def]
     """Lane vector t of block b from group t's codes w (<64 x i8>, or <32 x i8> for 8
     rows): their 4 codes against x's 4 quants (`x_word(8 b + t)`, an i32) broadcast, less
     the offset term (`offset_word(8 b + t)`) where the codes carry one."""
@@ -373,7 +351,7 @@ def _group_lanes(builder, path, form, w, t, x_word, offset_word, b, bias, magnit
     k4 = _group(builder, b, t)
     xv = builder.bitcast(splat(builder, x_word(k4), ints), w.type)
     if signed_codes(path, form):
-        return _dot_signed(builder, path, w, xv, magnitudes)
+        return _dot_signed(builder, path, w, xv)
     # the offset terms carry the bias where it is taken (`_offsets`)
     init = splat(builder, offset_word(k4), ints) if form in OFFSET else \
         ir.Constant(ints, [BIAS if bias else 0] * count)
@@ -560,7 +538,7 @@ def fused_row(typingctx, isa_, kind, order, q, qo, rb, qh, ho, d, mn, lut, nb, x
                 lanes = _block_lanes(
                     builder, path, form, codes,
                     lambda k4: load(12, builder.mul(k4, ir.Constant(_I64, 4)), _I32, 1),
-                    lambda k4: load(13, k4, _I32), b, biased(path, how), [None] * 8)
+                    lambda k4: load(13, k4, _I32), b, biased(path, how))
                 sums.add(lanes, scale, side.mins(j) if mins else None,
                          splat(builder, load(15, b, _F32), _F16) if mins else None)
         builder.store(sums.total(), array_ptr(context, builder, sig, args, 16, oo_, _F16),
@@ -673,7 +651,8 @@ def decode_interleaved(typingctx, isa_, kind, q, qo, qh, ho, nb, codes):  # type
                 return builder.load(array_ptr(context, builder, sig, args, 4 if v is None
                                               else 2, idx, ty), align=4)
             for t, v in _interleaved_groups(builder, path, form, load, LANES):
-                _store_group(context, builder, sig, args, 7, path, form, nb_, b, t, v)
+                idx = builder.mul(_group(builder, b, t), ir.Constant(_I64, LANES))
+                builder.store(v, array_ptr(context, builder, sig, args, 7, idx, _B64), align=4)
         return context.get_dummy_value()
     return types.none(isa_, kind, q, qo, qh, ho, nb, codes), codegen
 
@@ -761,7 +740,7 @@ def body(path: int, kind: int, order: int, q_dtype: str, x_rows: int, interleave
         lut, x = carray(lut_p, (1 << 16,)), carray(x_p, (m * k,))
         xc, xd, xs = carray(xc_p, (m * k // 4,)), carray(xd_p, (m * nb,)), carray(xs_p, (m * nb,))
         out = carray(out_p, (m * n16,))
-        codes = carray(codes_p, (nb * 16 * LANES,))       # the chunk's decoded rows
+        codes = carray(codes_p, (nb * 8 * LANES,))        # the chunk's decoded rows
         dw, mw = carray(dw_p, (nb * LANES,)), carray(mw_p, (nb * LANES if has_min else 0,))
         i0 = LANES * c
         if interleaved:           # rows a multiple of 16: whole chunks
@@ -880,7 +859,7 @@ def _wide(fn, qs, qh, d, mn, lut, xq, xc, xd, xs, out, threads):  # type: ignore
     chunks = (n + LANES - 1) // LANES
     parts = min(chunks, threads if 0 < threads < prev else prev)
     for p in prange(parts):
-        codes = line_aligned(nb * 16 * LANES, np.int32)   # codes, and |codes| if signed
+        codes = line_aligned(nb * 8 * LANES, np.int32)
         dw, mw = line_aligned(nb * LANES, np.float32), line_aligned(nb * LANES, np.float32)
         for c in range(chunks * p // parts, chunks * (p + 1) // parts):
             call_address(fn, (data_pointer(qs), n, qs.shape[1], data_pointer(qh),
