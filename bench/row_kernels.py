@@ -1,8 +1,9 @@
 """The quantized semantics' integer kernels at the row counts the engine gives them, in one
 process on one thread (in cache, the best of --runs repeats): `krow` (a repacked Q4_K stored
 16 rows interleaved, 1, 2 and 4 rows of x), `ktiled` (16 rows of x: Q4_K/Q5_K/Q6_K in ggml's
-tiled order, Q4_K in the repacked GEMV's) and `qwide`'s many-row body on Q8_0 (a 32768-row
-slice of a tied table as stored, and an interleaved linear). Random blocks; prints G MAC/s.
+tiled order, Q4_K in the repacked GEMV's) and `qwide` on a repacked Q4_0 (1 and 16 rows, its
+one chain a block) and on Q8_0 (16 rows: a 32768-row slice of a tied table as stored, and an
+interleaved linear). Random blocks; prints G MAC/s.
 
     python bench/row_kernels.py [--runs 15]
 
@@ -63,6 +64,13 @@ def cases(rng: np.random.Generator) -> list[tuple[str, int, Callable[[], object]
         w = weight(qtype, 1024, 2048, rng, interleaved=False)
         out.append((f"ktiled {qtype.name} 1024x2048 {name}, 16 rows", 1024 * 2048 * 16,
                     lambda w=w, order=order: ktiled.matmul(w, x16, order)))
+    w = weight(T.Q4_0, 2048, 4096, rng, repacked=True)      # llama.cpp's repacked order
+    x1 = rng.standard_normal((1, 4096)).astype(np.float32)
+    out.append(("qwide Q4_0 repacked 2048x4096 interleaved, 1 row", 2048 * 4096,
+                lambda w=w: qi.matmul_float(w, x1)))
+    xq = activations.quantize_q8(rng.standard_normal((16, 4096)).astype(np.float32))
+    out.append(("qwide Q4_0 repacked, 16 rows", 2048 * 4096 * 16,
+                lambda w=w: qi.matmul(w, xq, requests=np.array([16]))))
     x8 = activations.quantize_q8(rng.standard_normal((16, 640)).astype(np.float32))
     requests = np.ones(16, np.int64)
     for n, interleaved in ((32768, False), (2048, True)):

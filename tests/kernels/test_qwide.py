@@ -33,9 +33,12 @@ def test_rows_together_equal_each_row_alone(qtype, repacked):
     rng = np.random.default_rng(int(qtype) + repacked)
     n, k, m = 37, 320, 19          # two full chunks of 16 weight rows and a partial one
     w = replace(_matrix(qtype, n, k, rng), ggml_repacked=repacked)
+    if qtype == QT.Q4_0:           # 16 rows of codes 15: against the ties below, the
+        w.planes[0][:16] = 0xFF    # largest block sums (AVX2 adds the repacked order's in int16)
     x = (rng.standard_normal((m, k)) * 3).astype(np.float32)
     x[3] = 0.0                     # a zero row: scale 0
     x[4, :32] = 127.0              # a block of ties at the largest quant
+    x[5, :32] = -127.0
     rows = activations.quantize_q8(x)
     base, planes, _ = qmatmul_int._plan(w)
     kind, order = qmatmul_int.REPACKED.get(base, base), (
@@ -62,6 +65,8 @@ def test_rows_together_equal_each_row_alone(qtype, repacked):
     # and many, through every entry point of the integer kernels. Not an IQ4_NL llama.cpp
     # leaves as stored: its one-row order is the pair kernels'.
     stored = replace(_matrix(qtype, 32, k, rng), ggml_repacked=repacked)
+    if qtype == QT.Q4_0:
+        stored.planes[0][:16] = 0xFF
     inter = qmatmul.interleave(stored)
     assert inter.interleaved == (qtype != QT.IQ4_NL or repacked)
     assert not inter.interleaved or \

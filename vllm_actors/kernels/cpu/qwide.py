@@ -35,8 +35,9 @@ from vllm_actors.kernels.cpu.intrinsics import (HARDWARE_HALF, call_address, dat
                                                 prefetch_line, stack_i64,
                                                 transpose_rows)
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
-from vllm_actors.kernels.cpu.ktiled import (LANES, array_ptr, dot4, joined, llvm_call,
-                                            transpose_words, vector_part)
+from vllm_actors.kernels.cpu.ktiled import (LANES, array_ptr, byte_pairs, dot4, joined,
+                                            llvm_call, pair_sums, transpose_words,
+                                            vector_part)
 from vllm_actors.kernels.cpu.qdot import AVX2, AVX512, PORTABLE
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix
 from vllm_actors.kernels.cpu.qmatmul_prims import (HALF_LUT, kept, limit_threads, line_aligned,
@@ -202,6 +203,7 @@ class _Sums:
                      for _ in range(8 if order == LANES_ORDER else 0)]
         self.chain = cgutils.alloca_once_value(builder, zero)   # min sums, or the one chain
         self.whole = None       # the one chain's block: its lane vectors' sum so far
+        self.pairs = self.offset = None     # or its int16 pairs and offset terms so far
 
     def add(self, lanes, scale, m_w, s_x):  # type: ignore[no-untyped-def]
         """A block's 8 integer lane vectors, d_w d_x, and (types with mins) m_w and s_x."""
@@ -213,6 +215,11 @@ class _Sums:
         """Lane vector t of a block (any order of t; `end_block` after the 8): into acc_t,
         or into the block's integer sum for the one chain."""
         builder = self.builder
+        if self.order == SCALAR_ORDER and isinstance(v, tuple):     # `int16_groups`
+            pairs, offset = v
+            self.pairs = pairs if t == 0 else builder.add(self.pairs, pairs)
+            self.offset = offset if t == 0 else builder.add(self.offset, offset)
+            return
         if self.order == SCALAR_ORDER:
             self.whole = v if t == 0 else builder.add(self.whole, v)
             return
@@ -226,6 +233,11 @@ class _Sums:
     def end_block(self, scale, m_w, s_x):  # type: ignore[no-untyped-def]
         """The block's one-chain term, or its min term."""
         builder, chain = self.builder, self.chain
+        if self.pairs is not None:
+            ints = ir.VectorType(_I32, self.vec.count)
+            self.whole = builder.add(pair_sums(builder, self.pairs),
+                                     splat(builder, self.offset, ints))
+            self.pairs = None
         if self.order == SCALAR_ORDER:
             builder.store(_fma(builder, builder.sitofp(self.whole, self.vec), scale,
                                builder.load(chain)), chain)
@@ -305,8 +317,7 @@ def row_dots(typingctx, isa_, kind, order, rows, codes, nb, dw, mw, x, xo, xc, c
                     builder, path, form, codes_,
                     lambda k4, xo_r=xo_r: load(8, builder.add(
                         xo_r, builder.mul(k4, ir.Constant(_I64, 4))), _I32, 1),
-                    lambda k4, co_r=co_r: load(10, builder.add(co_r, k4), _I32), b,
-                    biased(path, how))
+                    lambda k4, co_r=co_r: load(10, builder.add(co_r, k4), _I32), b, how)
                 row_sums.add(lanes, builder.fmul(d_w, splat(builder, load(12, sb, _F32), _F16)),
                              m_w, splat(builder, load(13, sb, _F32), _F16) if mins else None)
         for r, row_sums in enumerate(sums):
@@ -335,26 +346,37 @@ def biased(path: int, order: int) -> bool:
     return path == AVX512 and order == LANES_ORDER
 
 
-def _block_lanes(builder, path, form, codes, x_word, offset_word, b, bias):  # type: ignore[no-untyped-def]
+def _block_lanes(builder, path, form, codes, x_word, offset_word, b, order):  # type: ignore[no-untyped-def]
     """Block b's 8 integer lanes of all 16 rows from its codes (8 vectors <64 x i8>, group t
     of every row; `_group_lanes`)."""
-    return [_group_lanes(builder, path, form, w, t, x_word, offset_word, b, bias)
+    return [_group_lanes(builder, path, form, w, t, x_word, offset_word, b, order)
             for t, w in enumerate(codes)]
 
 
-def _group_lanes(builder, path, form, w, t, x_word, offset_word, b, bias):  # type: ignore[no-untyped-def]
+def int16_groups(path: int, form: int, order: int) -> bool:
+    """Whether a block's groups reach `_Sums` as `vpmaddubsw`'s int16 pairs and their offset
+    terms, to be summed before one widening: the repacked order (one sum a block) on AVX2,
+    Q4_0's codes (each pair within 2 * 15 * 128, 8 groups 30720: exact; a repacked Q4_0
+    +15 % at one row, +24-27 % at 16, docs/BENCHMARKS.md)."""
+    return path == AVX2 and order == SCALAR_ORDER and form == 40
+
+
+def _group_lanes(builder, path, form, w, t, x_word, offset_word, b, order):  # type: ignore[no-untyped-def]
     """Lane vector t of block b from group t's codes w (<64 x i8>, or <32 x i8> for 8
     rows): their 4 codes against x's 4 quants (`x_word(8 b + t)`, an i32) broadcast, less
-    the offset term (`offset_word(8 b + t)`) where the codes carry one."""
+    the offset term (`offset_word(8 b + t)`) where the codes carry one; or, where
+    `int16_groups`, the products' int16 pairs and the offset term."""
     count = w.type.count // 4
     ints = ir.VectorType(_I32, count)
     k4 = _group(builder, b, t)
     xv = builder.bitcast(splat(builder, x_word(k4), ints), w.type)
     if signed_codes(path, form):
         return _dot_signed(builder, path, w, xv)
+    if int16_groups(path, form, order):
+        return byte_pairs(builder, w, xv), offset_word(k4)
     # the offset terms carry the bias where it is taken (`_offsets`)
     init = splat(builder, offset_word(k4), ints) if form in OFFSET else \
-        ir.Constant(ints, [BIAS if bias else 0] * count)
+        ir.Constant(ints, [BIAS if biased(path, order) else 0] * count)
     return dot4(builder, path, init, w, xv)
 
 
@@ -538,7 +560,7 @@ def fused_row(typingctx, isa_, kind, order, q, qo, rb, qh, ho, d, mn, lut, nb, x
                 lanes = _block_lanes(
                     builder, path, form, codes,
                     lambda k4: load(12, builder.mul(k4, ir.Constant(_I64, 4)), _I32, 1),
-                    lambda k4: load(13, k4, _I32), b, biased(path, how))
+                    lambda k4: load(13, k4, _I32), b, how)
                 sums.add(lanes, scale, side.mins(j) if mins else None,
                          splat(builder, load(15, b, _F32), _F16) if mins else None)
         builder.store(sums.total(), array_ptr(context, builder, sig, args, 16, oo_, _F16),
@@ -617,7 +639,7 @@ def interleaved_row(typingctx, isa_, kind, order, q, qo, qh, ho, d, mn, lut, nb,
                     sums.add_lane(t, _group_lanes(
                         builder, path, form, codes, t,
                         lambda k4: load(11, builder.mul(k4, ir.Constant(_I64, 4)), _I32, 1),
-                        lambda k4: load(12, k4, _I32), b, biased(path, how)), scale)
+                        lambda k4: load(12, k4, _I32), b, how), scale)
                 sums.end_block(scale, half_lanes(builder, load(8, side, halves, 2), table)
                                if mins else None,
                                splat(builder, load(14, b, _F32), floats) if mins else None)
