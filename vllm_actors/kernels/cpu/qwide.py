@@ -164,16 +164,12 @@ def _dot_signed(builder, path, w, x):  # type: ignore[no-untyped-def]
     holds -128, as ggml), the portable path widens."""
     lanes = w.type.count // 4
     if path == AVX2:
-        halves = []
-        for h in range(lanes // 8):
-            wh, xh = vector_part(builder, w, 32, h), vector_part(builder, x, 32, h)
-            neg = builder.icmp_signed("<", wh, ir.Constant(_B32, [0] * 32))
-            aw = builder.select(neg, builder.neg(wh), wh)             # vpabsb
-            sx = llvm_call(builder, "llvm.x86.avx2.psign.b", _B32, [xh, wh])   # x * sign(w)
-            pairs = llvm_call(builder, "llvm.x86.avx2.pmadd.ub.sw", _W16, [aw, sx])
-            halves.append(llvm_call(builder, "llvm.x86.avx2.pmadd.wd", _L8,
-                                [pairs, ir.Constant(_W16, [1] * 16)]))
-        return joined(builder, halves)
+        zero = ir.Constant(w.type, [0] * w.type.count)
+        aw = builder.select(builder.icmp_signed("<", w, zero), builder.neg(w), w)   # vpabsb
+        sx = joined(builder, [llvm_call(builder, "llvm.x86.avx2.psign.b", _B32, [   # x sign(w)
+            vector_part(builder, x, 32, h), vector_part(builder, w, 32, h)])
+            for h in range(lanes // 8)])
+        return pair_sums(builder, byte_pairs(builder, aw, sx))
     wide, out = ir.VectorType(_I32, 4 * lanes), ir.VectorType(_I32, lanes)
     p = builder.mul(builder.sext(w, wide), builder.sext(x, wide))
     acc = ir.Constant(out, [0] * lanes)
@@ -718,17 +714,11 @@ def widen_halves(typingctx, plane, offs, nb, lut, out):  # type: ignore[no-untyp
 
 
 def half_vector(builder, bits, from_table):  # type: ignore[no-untyped-def]
-    """16 float16 bit patterns (i16 values) as <16 x float>: one conversion where the CPU
-    has F16C, else each looked up through `from_table`."""
-    if HARDWARE_HALF:
-        v = ir.Constant(_W16, ir.Undefined)
-        for lane, value in enumerate(bits):
-            v = builder.insert_element(v, value, ir.Constant(_I32, lane))
-        return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), 16)), _F16)
-    v = ir.Constant(_F16, ir.Undefined)
+    """16 float16 bit patterns (i16 values) as <16 x float> (`half_lanes` of them)."""
+    v = ir.Constant(_W16, ir.Undefined)
     for lane, value in enumerate(bits):
-        v = builder.insert_element(v, from_table(value), ir.Constant(_I32, lane))
-    return v
+        v = builder.insert_element(v, value, ir.Constant(_I32, lane))
+    return half_lanes(builder, v, from_table)
 
 
 def half_lanes(builder, v, from_table):  # type: ignore[no-untyped-def]
