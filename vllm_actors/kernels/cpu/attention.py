@@ -22,6 +22,7 @@ step, in the kernels' base-2 domain (cap = softcap * log2 e); without it no tanh
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass, field
 
@@ -221,6 +222,55 @@ def _lane_caches(kv_cache, k_cache: np.ndarray, v_cache: np.ndarray) -> tuple:  
     return kc, _NO_LUT, _NO_LAYOUT, vc, _NO_LUT, _NO_LAYOUT
 
 
+def _call_terms(attn: CpuAttention, num_kv_heads: int, g: int, head_dim: int, window: int,
+                scale: float, softcap: float, sinks: np.ndarray | None, dtype: np.dtype,
+                quantized: bool) -> tuple:
+    """(plan, the lane callback's address, block shift, scale, window, soft-cap and sinks as
+    the kernels take them) of a call: the same for every layer of a step, so kept in the
+    step's plans (the Python of a decode step's attention call was about half its time on
+    a small model: docs/BENCHMARKS.md). Sinks are per layer, so a call with them builds its
+    own."""
+    key = ("call", num_kv_heads, g, head_dim, window, scale, softcap, dtype, quantized)
+    found = attn.plans.get(key) if sinks is None else None
+    if found is not None:
+        return found
+    sk = (np.ascontiguousarray(sinks, np.float32) * np.float32(_LOG2E) if sinks is not None
+          else _NO_SINKS)
+    if len(sk) not in (0, num_kv_heads * g):
+        raise ValueError(f"{len(sk)} sink logits for {num_kv_heads * g} heads")
+    found = (attn.plan(num_kv_heads, g, head_dim, window),
+             _lane_address(dtype, quantized), attn.block_size.bit_length() - 1,
+             np.float32(scale * _LOG2E),
+             int(window) if window else NO_WINDOW,
+             np.float32(softcap * _LOG2E) if softcap > 0 else _NO_CAP, sk)
+    if sinks is None:
+        attn.plans[key] = found
+    return found
+
+
+def _partials(plan: Plan, head_dim: int, attn: CpuAttention) -> tuple:
+    """Scratch for the partial states (max, sum, rows) of the items split over key parts;
+    with no split item nothing writes them, so one set serves every call of the step."""
+    if plan.num_parts:
+        return (np.empty((plan.num_parts, plan.rows_max), np.float32),
+                np.empty((plan.num_parts, plan.rows_max), np.float32),
+                np.empty((plan.num_parts, plan.rows_max, head_dim), np.float32))
+    key = ("unsplit", plan.rows_max, head_dim)
+    found = attn.plans.get(key)
+    if found is None:
+        found = attn.plans[key] = (np.empty((1, plan.rows_max), np.float32),
+                                   np.empty((1, plan.rows_max), np.float32),
+                                   np.empty((1, plan.rows_max, head_dim), np.float32))
+    return found
+
+
+@functools.cache
+def _lane_address(dtype: np.dtype, quantized: bool) -> int:
+    """The lane callback's address for a cache of `dtype` (a dtype's name is slow to get:
+    about 3 us, a tenth of a small model's attention call)."""
+    return lane_callback(dtype.name, quantized).address
+
+
 def paged_attention(q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray],
                     attn: CpuAttention, scale: float, out: np.ndarray | None = None,
                     window: int = 0, softcap: float = 0.0,
@@ -255,22 +305,11 @@ def paged_attention(q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray],
     if num_tokens == 0:
         return out
     g = num_heads // num_kv_heads
-    window = max(0, window)
-    plan = attn.plan(num_kv_heads, g, head_dim, window)
-    parts = max(plan.num_parts, 1)
-    pm = np.empty((parts, plan.rows_max), np.float32)
-    pl = np.empty((parts, plan.rows_max), np.float32)
-    pacc = np.empty((parts, plan.rows_max, head_dim), np.float32)
-    shift = attn.block_size.bit_length() - 1
-    qscale = np.float32(scale * _LOG2E)
-    cap = np.float32(softcap * _LOG2E) if softcap > 0 else _NO_CAP
-    wnd = int(window) if window else NO_WINDOW
-    sk = (np.ascontiguousarray(sinks, np.float32) * np.float32(_LOG2E) if sinks is not None
-          else _NO_SINKS)
-    if len(sk) not in (0, num_heads):
-        raise ValueError(f"{len(sk)} sink logits for {num_heads} heads")
+    plan, lane, shift, qscale, wnd, cap, sk = _call_terms(
+        attn, num_kv_heads, g, head_dim, max(0, window), scale, softcap, sinks,
+        k_cache.dtype, quantized)
+    pm, pl, pacc = _partials(plan, head_dim, attn)
     caches = _lane_caches(kv_cache, k_cache, v_cache)
-    lane = lane_callback(k_cache.dtype.name, quantized).address
     args = (q, *caches, attn.block_tables, shift, num_kv_heads, plan.items, g, plan.rows_max,
             qscale, wnd, cap, sk, out, pm, pl, pacc)
     if plan.lanes > 1:
