@@ -34,6 +34,7 @@ from vllm_actors.kernels.cpu import (
     qmatmul_int,
     qmatmul_int_k,
     qmatmul_layout,
+    qwide,
     threads,
 )
 from vllm_actors.kernels.ggml_matmul_f32 import pack as pack_lora
@@ -318,6 +319,10 @@ class CpuBackend:
 
     def linear(self, x: np.ndarray, weight: Linear, bias: np.ndarray | None = None
                ) -> np.ndarray:
+        if len(x) == 1 and bias is None and len(weight.parts) == 1:
+            plan = qmatmul_int.one_row_plan_taken(weight.parts[0], self._isa)
+            if plan:      # a decode step's GEMV, by the plan its first call made
+                return qwide.run_one_row(plan, x)
         return self._linear(x, weight, bias,
                             self._step_rows if self._step_total == len(x) else None)
 
