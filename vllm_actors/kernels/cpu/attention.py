@@ -227,9 +227,8 @@ def _call_terms(attn: CpuAttention, num_kv_heads: int, g: int, head_dim: int, wi
                 quantized: bool) -> tuple:
     """(plan, the lane callback's address, block shift, scale, window, soft-cap and sinks as
     the kernels take them) of a call: the same for every layer of a step, so kept in the
-    step's plans (the Python of a decode step's attention call was about half its time on
-    a small model: docs/BENCHMARKS.md). Sinks are per layer, so a call with them builds its
-    own."""
+    step's plans (a small model's one-token call spent much of its time building them:
+    docs/BENCHMARKS.md). Sinks are per layer, so a call with them builds its own."""
     key = ("call", num_kv_heads, g, head_dim, window, scale, softcap, dtype, quantized)
     found = attn.plans.get(key) if sinks is None else None
     if found is not None:
@@ -266,8 +265,8 @@ def _partials(plan: Plan, head_dim: int, attn: CpuAttention) -> tuple:
 
 @functools.cache
 def _lane_address(dtype: np.dtype, quantized: bool) -> int:
-    """The lane callback's address for a cache of `dtype` (a dtype's name is slow to get:
-    about 3 us, a tenth of a small model's attention call)."""
+    """The lane callback's address for a cache of `dtype`, looked up by the dtype itself (its
+    name is slow to get)."""
     return lane_callback(dtype.name, quantized).address
 
 

@@ -394,7 +394,7 @@ def matmul_float(w: QuantMatrix, x: np.ndarray, path: str | None = None,
 def one_row_plan_taken(w: QuantMatrix, path: str | None) -> tuple | None:
     """The `qwide` plan `matmul_float` runs W's one quantized row by, once a call has made
     it (None before, False where none serves): the backend's decode steps go straight to
-    it, without the Python of the calls between (about 2.5 of a small GEMV's 11 us)."""
+    it, without the Python of the calls between."""
     return w.memo.get(("one_row", path))
 
 
