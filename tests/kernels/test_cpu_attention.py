@@ -251,6 +251,29 @@ def test_plan_does_not_depend_on_threads_and_out_argument():
     assert np.isfinite(out).all()
 
 
+def test_a_steps_layers_keep_their_own_call_terms():
+    """A step's calls keep their terms (plan, scale, window, soft-cap) in its plans, keyed by
+    all of them: layers that differ (Gemma's local and global ones) each get their own, as
+    on a freshly prepared step."""
+    rng = np.random.default_rng(7)
+    meta, total = _step([1, 4], [40, 30], 16, 2, 64, rng)
+    cache = cpu.allocate_kv_cache(1, total, 16, 2, 64)[0]
+    x = rng.standard_normal((5, 2, 64), dtype=np.float32)
+    q = rng.standard_normal((5, 4, 64), dtype=np.float32)
+    cpu.write_kv(x, x, cache, cpu.prepare(meta))
+    terms = [(0.125, 0, 0.0), (0.125, 8, 0.0), (0.2, 0, 0.0), (0.125, 0, 5.0), (0.125, 0, 0.0)]
+
+    def prepared():
+        cpu._last[0] = None          # no layout to share plans with
+        return cpu.prepare(meta)
+    expected = [cpu.paged_attention(q, cache, prepared(), s, window=w, softcap=c)
+                for s, w, c in terms]
+    attn = prepared()
+    for (s, w, c), want in zip(terms, expected):
+        assert np.array_equal(cpu.paged_attention(q, cache, attn, s, window=w, softcap=c), want)
+    assert all(not np.array_equal(expected[0], e) for e in expected[1:4])
+
+
 WINDOWS = [0, 1, 5, 16, 100]
 SOFTCAPS = [0.0, 30.0]
 
