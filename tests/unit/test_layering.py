@@ -12,8 +12,7 @@ MAX_FUNCTION_LINES = 60
 # rebuilt from one codec per type (the next kernel issue); nothing else may join this list.
 LONG_KERNELS = {("kernels/cpu/qmatmul_k45.py", "gemv_q5_k"), ("kernels/cpu/qmatmul_k45.py",
                 "gemv_q4_k"), ("kernels/cpu/qmatmul_k45.py", "gemv_q6_k"),
-                ("kernels/cpu/qmatmul_k23.py", "gemv_q3_k"),
-                ("kernels/cpu/attention.py", "paged_attention")}
+                ("kernels/cpu/qmatmul_k23.py", "gemv_q3_k")}
 
 # module prefix -> package prefixes it must not import
 FORBIDDEN = {
