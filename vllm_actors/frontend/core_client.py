@@ -22,12 +22,12 @@ from typing import Any, Callable
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from vllm_actors.config import EngineConfig
 from vllm_actors.errors import EngineDeadError, error_from_wire
 from vllm_actors.protocol.engine import (CoreMessage, EngineReady, EngineStartupError,
                                          FrontendMessage, Shutdown)
+from vllm_actors.frontend.socket_inbox import SocketInbox
 from vllm_actors.protocol.wire import Decoder, Encoder, IpcAddresses
 
 logger = logging.getLogger(__name__)
@@ -44,8 +44,8 @@ class _Resources:
     def __init__(self, addresses: IpcAddresses) -> None:
         self.addresses = addresses
         self.sync_ctx = zmq.Context()
-        self.async_ctx = zmq.asyncio.Context()
         self.sockets: list[zmq.Socket] = []
+        self.inboxes: list[SocketInbox] = []
         self.process: subprocess.Popen | None = None
         self.thread: threading.Thread | None = None
         self.pidfd: int | None = None
@@ -66,9 +66,10 @@ class _Resources:
         if self.pidfd is not None:
             os.close(self.pidfd)
             self.pidfd = None
+        for inbox in self.inboxes:
+            inbox.close()
         for socket in self.sockets:
             socket.close(linger=0)
-        self.async_ctx.term()
         self.sync_ctx.term()
         self.addresses.remove()
 
@@ -89,7 +90,8 @@ class CoreChannel:
     the Ray core clients)."""
 
     input_socket: zmq.Socket
-    output_socket: zmq.asyncio.Socket
+    output_socket: zmq.Socket
+    outputs: SocketInbox
     encoder: Encoder
     decoder: Decoder
     _send_lock: threading.Lock
@@ -101,7 +103,7 @@ class CoreChannel:
 
     async def recv(self) -> Any:
         """The next CoreMessage (call from one task at a time)."""
-        return self.decoder.decode(await self.output_socket.recv_multipart(copy=False))
+        return self.decoder.decode(await self.outputs.recv())
 
 
 class CoreClient(CoreChannel):
@@ -128,10 +130,12 @@ class CoreClient(CoreChannel):
         self.input_socket = res.sync_ctx.socket(zmq.PUSH)
         self.input_socket.setsockopt(zmq.SNDHWM, 0)
         self.input_socket.bind(self.addresses.inputs)
-        self.output_socket = res.async_ctx.socket(zmq.PULL)
+        self.output_socket = res.sync_ctx.socket(zmq.PULL)
         self.output_socket.setsockopt(zmq.RCVHWM, 0)
         self.output_socket.bind(self.addresses.outputs)
+        self.outputs = SocketInbox(self.output_socket)
         res.sockets += [self.input_socket, self.output_socket]
+        res.inboxes.append(self.outputs)
         self.encoder = Encoder()
         self.decoder = Decoder(CoreMessage)
         self.closed = False

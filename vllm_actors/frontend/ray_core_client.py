@@ -18,12 +18,12 @@ from typing import Any
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from vllm_actors.config import EngineConfig
 from vllm_actors.enginecore.ray_actor import EngineCoreActor
 from vllm_actors.errors import EngineDeadError
 from vllm_actors.frontend.core_client import CoreChannel, await_ready
+from vllm_actors.frontend.socket_inbox import SocketInbox
 from vllm_actors.protocol.engine import CoreMessage, Shutdown
 from vllm_actors.protocol.wire import Decoder, Encoder, TcpAddresses
 
@@ -43,11 +43,12 @@ class RayCoreClient(CoreChannel):
                  port: int | None = None) -> None:
         self.ray = ray
         host = host or ray.util.get_node_ip_address()
-        self.sync_ctx, self.async_ctx = zmq.Context(), zmq.asyncio.Context()
+        self.sync_ctx = zmq.Context()
         self.input_socket = self.sync_ctx.socket(zmq.PUSH)
         self.input_socket.setsockopt(zmq.SNDHWM, 0)
-        self.output_socket = self.async_ctx.socket(zmq.PULL)
+        self.output_socket = self.sync_ctx.socket(zmq.PULL)
         self.output_socket.setsockopt(zmq.RCVHWM, 0)
+        self.outputs = SocketInbox(self.output_socket)
         handshake = self.sync_ctx.socket(zmq.PAIR)
         urls = [_bind(s, host, port) for s in (self.input_socket, self.output_socket,
                                                handshake)]
@@ -116,9 +117,9 @@ class RayCoreClient(CoreChannel):
             self.ray.kill(self.actor)
         except Exception:   # already gone with its node
             pass
+        self.outputs.close()
         for socket in (self.input_socket, self.output_socket):
             socket.close(linger=0)
-        self.async_ctx.term()
         self.sync_ctx.term()
 
 
