@@ -1,7 +1,6 @@
 """A receiving ZeroMQ socket read from an asyncio loop, with less Python a message than
-`zmq.asyncio` spends on its futures and event handlers (docs/BENCHMARKS.md). On a machine
-of few cores the frontend's CPU a token slows the engine's kernels beside it several times
-over, so this path is worth its own few lines.
+`zmq.asyncio` spends on its futures and event handlers (docs/BENCHMARKS.md): the frontend
+shares the machine's cores with the engine's kernel threads, and this runs once a step.
 
 The loop watches the socket's file descriptor; ZeroMQ signals it by edges, so each time it
 fires (and before each wait) the socket is drained without blocking for as long as its
