@@ -195,6 +195,20 @@ def interleave_halves(plane: np.ndarray) -> np.ndarray:
     return out
 
 
+def fifth_bits_by_group(qh: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1's fifth bits (uint32 a block, bit j for weight j) reordered so that byte k
+    holds, at bit t, the bit of weight 4t + k (group t's code k): the interleaved kernels
+    then bring a group's bits to its codes' bit 4 with one shift and one mask
+    (`qwide._fifth_of_group`), where each took a byte shuffle, a mask, a compare and a
+    select. The same 4 bytes a block."""
+    qh = np.asarray(qh, np.uint32)
+    out = np.zeros_like(qh)
+    for t in range(8):
+        for k in range(4):
+            out |= ((qh >> np.uint32(4 * t + k)) & np.uint32(1)) << np.uint32(8 * k + t)
+    return out
+
+
 def interleave_words(plane: np.ndarray, per_superblock: int) -> np.ndarray:
     """A plane of `per_superblock` bytes a row and superblock (`[N, per_superblock nsb]`, N a
     multiple of 16: Q4_K's quants 128, scales and mins 8, Q6_K's low bits 128, high bits 64,

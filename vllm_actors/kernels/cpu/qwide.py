@@ -104,6 +104,20 @@ def _fifth(builder, bits, t):  # type: ignore[no-untyped-def]
     return builder.select(hit, ir.Constant(vec, [16] * 4 * lanes), zero)
 
 
+def _fifth_of_group(builder, bits, t):  # type: ignore[no-untyped-def]
+    """`_fifth` for bits stored by group (`qmatmul_layout.fifth_bits_by_group`: byte k of a
+    row's 32 bits holds group t's bit at bit t): each row's lane shifted so that bit t of
+    every byte lands on bit 4, then masked."""
+    lanes = bits.type.count
+    words = ir.VectorType(_I32, lanes)
+    if t < 4:
+        bits = builder.shl(bits, ir.Constant(words, [4 - t] * lanes))
+    elif t > 4:
+        bits = builder.lshr(bits, ir.Constant(words, [t - 4] * lanes))
+    masked = builder.and_(bits, ir.Constant(words, [0x10101010] * lanes))
+    return builder.bitcast(masked, ir.VectorType(_I8, 4 * lanes))
+
+
 @intrinsic
 def decode_blocks(typingctx, isa_, kind, q, qoff, step, qh, hoff, nb, codes):  # type: ignore[no-untyped-def]
     """16 weight rows' nb blocks (row l's quant bytes from q.flat[qoff[l]], `step` bytes a
@@ -584,7 +598,7 @@ def _interleaved_groups(builder, path, form, load, lanes):  # type: ignore[no-un
                      (v + 4, builder.lshr(word, ir.Constant(vec, [4] * 4 * lanes)))]
         for t, g in pairs:
             if bits is not None:
-                g = builder.or_(g, _fifth(builder, bits, t))
+                g = builder.or_(g, _fifth_of_group(builder, bits, t))
             yield t, _codes(builder, path, form, g)
 
 
