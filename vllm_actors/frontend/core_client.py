@@ -25,9 +25,9 @@ import zmq
 
 from vllm_actors.config import EngineConfig
 from vllm_actors.errors import EngineDeadError, error_from_wire
+from vllm_actors.frontend.socket_inbox import SocketInbox
 from vllm_actors.protocol.engine import (CoreMessage, EngineReady, EngineStartupError,
                                          FrontendMessage, Shutdown)
-from vllm_actors.frontend.socket_inbox import SocketInbox
 from vllm_actors.protocol.wire import Decoder, Encoder, IpcAddresses
 
 logger = logging.getLogger(__name__)
