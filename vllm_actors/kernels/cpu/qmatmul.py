@@ -226,8 +226,8 @@ def interleave(w: QuantMatrix, integer: bool = True) -> QuantMatrix:
                   layout.interleave_words(sc, 16), layout.interleave_halves(d))
     elif w.qtype in _WORDS_32 and integer and (w.ggml_repacked or not iq4_nl):
         planes = (layout.interleave_words(w.planes[0], _WORDS_32[w.qtype]),
-                  *(layout.interleave_words(layout.fifth_bits_by_group(p).view(np.uint8),
-                                            4).view(np.uint32)
+                  *(layout.interleave_words(p.view(np.uint8), 4,
+                                            layout.fifth_bits_by_group).view(np.uint32)
                     if p.dtype == np.uint32 else layout.interleave_halves(p)
                     for p in w.planes[1:]))
     else:

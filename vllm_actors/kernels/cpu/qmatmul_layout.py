@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numba
@@ -201,15 +202,26 @@ def fifth_bits_by_group(qh: np.ndarray) -> np.ndarray:
     then bring a group's bits to its codes' bit 4 with one shift and one mask
     (`qwide._fifth_of_group`), where each took a byte shuffle, a mask, a compare and a
     select. The same 4 bytes a block."""
-    qh = np.asarray(qh, np.uint32)
-    out = np.zeros_like(qh)
-    for t in range(8):
-        for k in range(4):
-            out |= ((qh >> np.uint32(4 * t + k)) & np.uint32(1)) << np.uint32(8 * k + t)
+    words = np.ascontiguousarray(qh, np.uint32)
+    out = np.empty_like(words)
+    _by_group(words.reshape(-1), out.reshape(-1))
     return out
 
 
-def interleave_words(plane: np.ndarray, per_superblock: int) -> np.ndarray:
+@kernel
+def _by_group(words, out):  # type: ignore[no-untyped-def]
+    """out[i] = words[i] with bit 4t + k moved to bit 8k + t, in one pass (a 52 MB plane
+    interleaved in 36 ms against 19 as stored; numpy's table lookups took 224)."""
+    for i in range(words.shape[0]):
+        v, r = words[i], np.uint32(0)
+        for t in range(8):
+            for k in range(4):
+                r |= ((v >> np.uint32(4 * t + k)) & np.uint32(1)) << np.uint32(8 * k + t)
+        out[i] = r
+
+
+def interleave_words(plane: np.ndarray, per_superblock: int,
+                     words_as: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
     """A plane of `per_superblock` bytes a row and superblock (`[N, per_superblock nsb]`, N a
     multiple of 16: Q4_K's quants 128, scales and mins 8, Q6_K's low bits 128, high bits 64,
     scales 16) with
@@ -217,7 +229,8 @@ def interleave_words(plane: np.ndarray, per_superblock: int) -> np.ndarray:
     l moves to byte 64 (W sb + v) + 4 l of the chunk (W = per_superblock / 4 words), so the
     16 rows' words v lie side by side, one vector of lanes as `krow` and `ktiled` read them
     (no transposes), and a chunk is one contiguous stream. A new plane, its chunks
-    reordered on the load's threads."""
+    reordered on the load's threads; `words_as` maps a run of chunks' 4-byte words (uint32)
+    to the words stored (`fifth_bits_by_group`) as they go."""
     n, rb = plane.shape
     if n % INTERLEAVED_ROWS or rb % per_superblock or per_superblock % 4:
         raise ValueError(f"cannot interleave a plane of shape {plane.shape} by "
@@ -230,7 +243,8 @@ def interleave_words(plane: np.ndarray, per_superblock: int) -> np.ndarray:
                                       INTERLEAVED_ROWS)
 
     def reorder(c0: int, c1: int) -> None:
-        dst[c0:c1] = src[c0:c1].transpose(0, 2, 3, 1)
+        words = src[c0:c1] if words_as is None else words_as(src[c0:c1])
+        dst[c0:c1] = words.transpose(0, 2, 3, 1)
     threads = len(_spans(plane.size // 128))      # as many as the split of its blocks took
     bounds = [len(src) * i // threads for i in range(threads + 1)]
     for done in [_pool().submit(reorder, *span) for span in zip(bounds[:-1], bounds[1:])]:
