@@ -157,3 +157,11 @@ def test_kv_speed_bench_reports_every_dtype(tmp_path):
     assert rows["float32"]["kv_bytes_per_token"] == 4 * rows["fp8_e4m3"]["kv_bytes_per_token"]
     assert all(r["batch_2_tok_s"] > 0 for r in rows.values())
     assert "| fp8_e4m3 |" in done.stdout
+
+
+def test_frontend_cpu_socket_mode():
+    done = run_bench(str(BENCH / "frontend_cpu.py"), "--socket", "--runs", "1",
+                     "--messages", "50", timeout=60)
+    lines = done.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["zmq.asyncio", "inbox"]
+    assert all("us of CPU a message" in line for line in lines)
