@@ -78,3 +78,31 @@ def test_a_new_loop_watches_again_and_a_closed_socket_fails_the_wait(tmp_path):
     assert isinstance(asyncio.run(closed_under()), zmq.ZMQError)
     push.close(linger=0)
     ctx.term()
+
+
+def test_close_cancels_a_pending_wait_from_the_loop_or_another_thread(tmp_path):
+    """As closing a zmq.asyncio socket cancels its pending receive: the reading task ends
+    (an engine shut down at interpreter exit left it pending, and asyncio complained)."""
+    ctx, pull, push = _pair(tmp_path)
+
+    async def closed_while_waiting(from_thread: bool) -> bool:
+        inbox = SocketInbox(pull)
+        waiting = asyncio.ensure_future(inbox.recv())
+        await asyncio.sleep(0.01)
+        if from_thread:
+            closer = threading.Thread(target=inbox.close)
+            closer.start()
+            closer.join()
+        else:
+            inbox.close()
+        try:
+            await asyncio.wait_for(waiting, 5)
+        except asyncio.CancelledError:
+            return True
+        return False
+
+    assert asyncio.run(closed_while_waiting(False))
+    assert asyncio.run(closed_while_waiting(True))
+    push.close(linger=0)
+    pull.close(linger=0)
+    ctx.term()

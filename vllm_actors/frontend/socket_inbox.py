@@ -44,8 +44,21 @@ class SocketInbox:
         return self.messages.popleft()
 
     def close(self) -> None:
-        """Stop watching the socket (before it closes; the socket is the caller's)."""
+        """Stop watching the socket (before it closes; the socket is the caller's) and cancel
+        a pending wait, as closing a `zmq.asyncio` socket does, so that the reading task
+        ends rather than lingers until its loop is destroyed. Callable from any thread."""
+        loop, waiter = self.loop, self.waiter
         self._unwatch()
+        if waiter is None or waiter.done() or loop is None or loop.is_closed():
+            return
+        try:
+            here = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            here = False
+        if here:
+            waiter.cancel()
+        else:
+            loop.call_soon_threadsafe(waiter.cancel)
 
     def _drain(self) -> None:
         socket = self.socket
