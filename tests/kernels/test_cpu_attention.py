@@ -272,6 +272,14 @@ def test_a_steps_layers_keep_their_own_call_terms():
     for (s, w, c), want in zip(terms, expected):
         assert np.array_equal(cpu.paged_attention(q, cache, attn, s, window=w, softcap=c), want)
     assert all(not np.array_equal(expected[0], e) for e in expected[1:4])
+    # the same lengths in blocks of 32 share the layout's plans (a model's other KV group,
+    # or another model): its own block size still reaches the kernel
+    meta32, total32 = _step([1, 4], [40, 30], 32, 2, 64, np.random.default_rng(7))
+    cache32 = cpu.allocate_kv_cache(1, total32, 32, 2, 64)[0]
+    cpu.write_kv(x, x, cache32, cpu.prepare(meta32))
+    shared = cpu.prepare(meta32)
+    assert shared.plans is attn.plans
+    assert np.array_equal(cpu.paged_attention(q, cache32, shared, 0.125), expected[0])
 
 
 WINDOWS = [0, 1, 5, 16, 100]
