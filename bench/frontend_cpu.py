@@ -171,7 +171,10 @@ def main() -> None:
     parser.add_argument("--socket", action="store_true")
     parser.add_argument("--messages", type=int, default=4000)
     args = parser.parse_args()
-    socket_main(args) if args.socket else engine_main(args)
+    if args.socket:
+        socket_main(args)
+    else:
+        engine_main(args)
 
 
 if __name__ == "__main__":

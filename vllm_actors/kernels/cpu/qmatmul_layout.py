@@ -210,8 +210,8 @@ def fifth_bits_by_group(qh: np.ndarray) -> np.ndarray:
 
 @kernel
 def _by_group(words, out):  # type: ignore[no-untyped-def]
-    """out[i] = words[i] with bit 4t + k moved to bit 8k + t, in one pass (a 52 MB plane
-    interleaved in 36 ms against 19 as stored; numpy's table lookups took 224)."""
+    """out[i] = words[i] with bit 4t + k moved to bit 8k + t, in one pass (numpy's passes
+    or table lookups were several times slower: docs/BENCHMARKS.md)."""
     for i in range(words.shape[0]):
         v, r = words[i], np.uint32(0)
         for t in range(8):
