@@ -60,6 +60,25 @@ def signed_codes(path: int, kind: int) -> bool:
     return kind in (8, 41) and path != AVX512
 
 
+def split_signs(path: int, kind: int) -> bool:
+    """Whether a chunk's decoded codes are kept twice for the many-row body (`body`): |w|,
+    then w, one copy after the other. AVX2 multiplies Q8_0/IQ4_NL's |w| by x carrying w's
+    sign; taken once at decode, |w| costs each row of x a load instead of a `vpabsb`."""
+    return path == AVX2 and kind in (8, 41)
+
+
+def _stored_codes(context, builder, sig, args, path, kind, codes_arg, idx, nb, v):  # type: ignore[no-untyped-def]
+    """Store group vector v of decoded codes at codes.flat[idx] (int32 index), and, where
+    `split_signs`, its |w| there and v itself one copy (nb * 8 * LANES words) later."""
+    if split_signs(path, kind):
+        zero = ir.Constant(v.type, [0] * v.type.count)
+        later = builder.add(idx, builder.mul(nb, ir.Constant(_I64, 8 * LANES)))
+        builder.store(v, array_ptr(context, builder, sig, args, codes_arg, later, v.type),
+                      align=4)
+        v = builder.select(builder.icmp_signed("<", v, zero), builder.neg(v), v)
+    builder.store(v, array_ptr(context, builder, sig, args, codes_arg, idx, v.type), align=4)
+
+
 def _codes(builder, path, kind, w):  # type: ignore[no-untyped-def]
     """Codes as `vpdpbusd` takes them (<64 x i8>, or <32 x i8> for 8 rows off the AVX-512
     path) from w, the values as stored (Q8_0's int8, the other types' 4- or 5-bit codes):
@@ -139,7 +158,7 @@ def decode_blocks(typingctx, isa_, kind, q, qoff, step, qh, hoff, nb, codes):  #
             for t, v in enumerate(vs):
                 at = builder.mul(builder.add(builder.mul(b, ir.Constant(_I64, 8)),
                                              ir.Constant(_I64, t)), ir.Constant(_I64, LANES))
-                builder.store(v, array_ptr(context, builder, sig, args, 8, at, _B64), align=4)
+                _stored_codes(context, builder, sig, args, path, form, 8, at, nb_, v)
         return context.get_dummy_value()
     return types.none(isa_, kind, q, qoff, step, qh, hoff, nb, codes), codegen
 
@@ -172,14 +191,15 @@ def _decoded(context, builder, sig, args, path, form, at, hat, which, bits=None)
     return [_codes(builder, path, form, v) for v in groups]
 
 
-def _dot_signed(builder, path, w, x):  # type: ignore[no-untyped-def]
+def _dot_signed(builder, path, w, x, aw=None):  # type: ignore[no-untyped-def]
     """Lane i of (sum over t < 4 of w[4i+t] x[4i+t]) for int8 w and x (Q8_0 / IQ4_NL off the
-    VNNI path; 16 lanes, or 8): AVX2 multiplies |w| by x carrying w's sign (exact unless x
-    holds -128, as ggml), the portable path widens."""
+    VNNI path; 16 lanes, or 8): AVX2 multiplies |w| (aw, where given) by x carrying w's sign
+    (exact unless x holds -128, as ggml), the portable path widens."""
     lanes = w.type.count // 4
     if path == AVX2:
         zero = ir.Constant(w.type, [0] * w.type.count)
-        aw = builder.select(builder.icmp_signed("<", w, zero), builder.neg(w), w)   # vpabsb
+        if aw is None:
+            aw = builder.select(builder.icmp_signed("<", w, zero), builder.neg(w), w)  # vpabsb
         sx = joined(builder, [llvm_call(builder, "llvm.x86.avx2.psign.b", _B32, [   # x sign(w)
             vector_part(builder, x, 32, h), vector_part(builder, w, 32, h)])
             for h in range(lanes // 8)])
@@ -314,11 +334,14 @@ def row_dots(typingctx, isa_, kind, order, rows, codes, nb, dw, mw, x, xo, xc, c
         def of_row(base, step, r):  # type: ignore[no-untyped-def]
             return builder.add(base, builder.mul(step, ir.Constant(_I64, r)))
 
+        later = builder.mul(nb_, ir.Constant(_I64, 8 * LANES))     # `split_signs`' w
         with cgutils.for_range(builder, nb_) as loop:
             b = loop.index
             at = builder.mul(b, ir.Constant(_I64, LANES))
-            codes_ = [load(4, builder.mul(_group(builder, b, t), ir.Constant(_I64, LANES)),
-                           _B64) for t in range(8)]
+            idx = [builder.mul(_group(builder, b, t), ir.Constant(_I64, LANES)) for t in range(8)]
+            codes_ = [load(4, i, _B64) for i in idx]
+            if split_signs(path, form):
+                codes_ = [(a, load(4, builder.add(i, later), _B64)) for a, i in zip(codes_, idx)]
             d_w, m_w = load(6, at, _F16), (load(7, at, _F16) if mins else None)
             for r, row_sums in enumerate(sums):
                 sb = builder.add(of_row(so_, nb_, r), b)
@@ -376,12 +399,15 @@ def _group_lanes(builder, path, form, w, t, x_word, offset_word, b, order):  # t
     rows): their 4 codes against x's 4 quants (`x_word(8 b + t)`, an i32) broadcast, less
     the offset term (`offset_word(8 b + t)`) where the codes carry one; or, where
     `int16_groups`, the products' int16 pairs and the offset term."""
+    absolute = None
+    if isinstance(w, tuple):        # (|w|, w): `split_signs`
+        absolute, w = w
     count = w.type.count // 4
     ints = ir.VectorType(_I32, count)
     k4 = _group(builder, b, t)
     xv = builder.bitcast(splat(builder, x_word(k4), ints), w.type)
     if signed_codes(path, form):
-        return _dot_signed(builder, path, w, xv)
+        return _dot_signed(builder, path, w, xv, absolute)
     if int16_groups(path, form, order):
         return byte_pairs(builder, w, xv), offset_word(k4)
     # the offset terms carry the bias where it is taken (`_offsets`)
@@ -684,7 +710,7 @@ def decode_interleaved(typingctx, isa_, kind, q, qo, qh, ho, nb, codes):  # type
                                               else 2, idx, ty), align=4)
             for t, v in _interleaved_groups(builder, path, form, load, LANES):
                 idx = builder.mul(_group(builder, b, t), ir.Constant(_I64, LANES))
-                builder.store(v, array_ptr(context, builder, sig, args, 7, idx, _B64), align=4)
+                _stored_codes(context, builder, sig, args, path, form, 7, idx, nb_, v)
         return context.get_dummy_value()
     return types.none(isa_, kind, q, qo, qh, ho, nb, codes), codegen
 
@@ -757,6 +783,7 @@ def body(path: int, kind: int, order: int, q_dtype: str, x_rows: int, interleave
     and layout (rows as stored, or `interleaved`), compiled once as a C callback. No
     defaults: a cache keyed with and without one would compile the same body twice."""
     has_bits, has_min = kind in (5, 50), kind in (4, 5)
+    copies = 2 if split_signs(path, kind) else 1
 
     def chunk(q_p, n, rb, qh_p, d_p, mn_p, lut_p, x_p, m, k, xc_p, xd_p, xs_p, out_p, n16,
               c, codes_p, dw_p, mw_p):  # type: ignore[no-untyped-def]
@@ -766,7 +793,7 @@ def body(path: int, kind: int, order: int, q_dtype: str, x_rows: int, interleave
         lut, x = carray(lut_p, (1 << 16,)), carray(x_p, (m * k,))
         xc, xd, xs = carray(xc_p, (m * k // 4,)), carray(xd_p, (m * nb,)), carray(xs_p, (m * nb,))
         out = carray(out_p, (m * n16,))
-        codes = carray(codes_p, (nb * 8 * LANES,))        # the chunk's decoded rows
+        codes = carray(codes_p, (nb * 8 * LANES * copies,))   # the chunk's decoded rows
         dw, mw = carray(dw_p, (nb * LANES,)), carray(mw_p, (nb * LANES if has_min else 0,))
         i0 = LANES * c
         if interleaved:           # rows a multiple of 16: whole chunks
@@ -876,7 +903,7 @@ def _offsets(xq, shift, bias, out):  # type: ignore[no-untyped-def]
 
 
 @kernel(parallel=True, exact=True)
-def _wide(fn, qs, qh, d, mn, lut, xq, xc, xd, xs, out, threads):  # type: ignore[no-untyped-def]
+def _wide(fn, qs, qh, d, mn, lut, xq, xc, xd, xs, out, threads, copies):  # type: ignore[no-untyped-def]
     """out = the body at `fn` on every chunk of 16 weight rows, in parallel (fixed chunks:
     the result does not depend on the thread count). A thread takes a contiguous run of
     chunks and one scratch for their decoded rows, allocated once, not once a chunk."""
@@ -885,7 +912,7 @@ def _wide(fn, qs, qh, d, mn, lut, xq, xc, xd, xs, out, threads):  # type: ignore
     chunks = (n + LANES - 1) // LANES
     parts = min(chunks, threads if 0 < threads < prev else prev)
     for p in prange(parts):
-        codes = line_aligned(nb * 8 * LANES, np.int32)
+        codes = line_aligned(nb * 8 * LANES * copies, np.int32)
         dw, mw = line_aligned(nb * LANES, np.float32), line_aligned(nb * LANES, np.float32)
         for c in range(chunks * p // parts, chunks * (p + 1) // parts):
             call_address(fn, (data_pointer(qs), n, qs.shape[1], data_pointer(qh),
@@ -966,5 +993,6 @@ def matmul(w: QuantMatrix, planes: tuple[np.ndarray, ...], x: activations.Q8Rows
         return out
     n16 = -(-w.rows // LANES) * LANES
     out = np.empty((m, n16), np.float32)
-    _wide(fn, qs, qh, d, mn, HALF_LUT, x.qs, xc, x.d, x.s, out, threads)
+    _wide(fn, qs, qh, d, mn, HALF_LUT, x.qs, xc, x.d, x.s, out, threads,
+          2 if split_signs(code, kind) else 1)
     return out if n16 == w.rows else np.ascontiguousarray(out[:, :w.rows])
