@@ -32,7 +32,7 @@ from numba.extending import intrinsic
 
 from vllm_actors.kernels.cpu import activations, isa
 from vllm_actors.kernels.cpu.intrinsics import (HARDWARE_HALF, call_address, data_pointer,
-                                                prefetch_line, stack_i64,
+                                                prefetch_line, realign_stack, stack_i64,
                                                 transpose_rows)
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
 from vllm_actors.kernels.cpu.ktiled import (LANES, array_ptr, byte_pairs, dot4, joined,
@@ -787,6 +787,7 @@ def body(path: int, kind: int, order: int, q_dtype: str, x_rows: int, interleave
 
     def chunk(q_p, n, rb, qh_p, d_p, mn_p, lut_p, x_p, m, k, xc_p, xd_p, xs_p, out_p, n16,
               c, codes_p, dw_p, mw_p):  # type: ignore[no-untyped-def]
+        realign_stack()     # AVX2 spills the 8 accumulators' halves: on aligned slots
         nb = k // 32
         q, qh = carray(q_p, (n * rb,)), carray(qh_p, (n * nb if has_bits else 0,))
         d, mn = carray(d_p, (n * nb,)), carray(mn_p, (n * nb if has_min else 0,))
