@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from vllm_actors.kernels.cpu import attention as cpu
-from vllm_actors.kernels.cpu.attention_kernels import K0, K1, POS0
+from vllm_actors.kernels.cpu.attention_kernels import K0, K1, KVH0, KVH1, POS0
 from vllm_actors.kernels.cpu.attention_math import f32_to_half, half_to_f32, read_half, write_half
 from vllm_actors.kernels.cpu.attention_plan import SPLIT_KEYS
 from vllm_actors.kernels.cpu.intrinsics import HARDWARE_HALF
@@ -191,7 +191,7 @@ def _compare(q_lens, cached, heads, kv_heads, head_dim, block_size, dtype, seed=
     _poison_unread(cache, meta, dtype, window)
     got = cpu.paged_attention(q, cache, attn, scale, window=window, softcap=softcap)
     np.testing.assert_allclose(got, expected, atol=ATOL[dtype], rtol=1e-5)
-    return attn
+    return attn, got
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
@@ -219,7 +219,7 @@ def test_prefill_only(dtype):
 
 def test_head_dim_256_and_32k_context():
     _compare([1, 9], [50, 20], 4, 2, 256, 16, "float32", seed=7)
-    attn = _compare([1], [32767], 2, 1, 64, 32, "float16", seed=8)
+    attn, _ = _compare([1], [32767], 2, 1, 64, 32, "float16", seed=8)
     assert attn.plan(1, 2, 64).num_parts >= 8
 
 
@@ -227,14 +227,14 @@ def test_head_dim_256_and_32k_context():
 def test_long_context_and_split_decode(dtype):
     """A sequence spanning ~190 blocks and a long single decode: its context is split across
     threads and the partial softmax states merged."""
-    attn = _compare([1], [3001], 8, 2, 128, 16, dtype, seed=3)
+    attn, _ = _compare([1], [3001], 8, 2, 128, 16, dtype, seed=3)
     assert attn.plan(2, 4, 128).num_parts > 1
     _compare([40, 1], [2960, 2999], 9, 3, 64, 16, dtype, seed=4)
 
 
 def test_plan_does_not_depend_on_threads_and_out_argument():
-    one = _compare([1, 5], [700, 600], 9, 3, 64, 16, "float32", seed=5, threads=1)
-    two = _compare([1, 5], [700, 600], 9, 3, 64, 16, "float32", seed=5, threads=2)
+    (one, _), (two, _) = (_compare([1, 5], [700, 600], 9, 3, 64, 16, "float32", seed=5,
+                                   threads=threads) for threads in (1, 2))
     plans = [a.plan(3, 3, 64) for a in (one, two)]
     assert plans[0].num_parts > 0 and plans[0].lanes == 1 and plans[1].lanes == 2
     assert np.array_equal(plans[0].items, plans[1].items)
@@ -249,6 +249,19 @@ def test_plan_does_not_depend_on_threads_and_out_argument():
     assert cpu.paged_attention(rng.standard_normal((3, 2, 64), dtype=np.float32), cache, attn,
                                0.125, out=out) is out
     assert np.isfinite(out).all()
+
+
+@pytest.mark.parametrize("cached", [300, 700])
+def test_a_lone_decode_runs_each_kv_head_as_an_item(cached):
+    """One decode request of many keys on 2 threads: each KV head an item of its own (split
+    along its keys past SPLIT_KEYS as before), the same floats as the whole unit on one."""
+    runs = [_compare([1], [cached], 9, 3, 64, 16, "float16", seed=9, threads=threads)
+            for threads in (1, 2)]
+    (one, got_one), (two, got_two) = runs
+    whole, by_head = one.plan(3, 3, 64), two.plan(3, 3, 64)
+    assert by_head.lanes == 2 and len(by_head.items) == 3 * len(whole.items)
+    assert (by_head.items[:, KVH1] - by_head.items[:, KVH0] == 1).all()
+    assert np.array_equal(got_one.view(np.uint32), got_two.view(np.uint32))
 
 
 def test_a_steps_layers_keep_their_own_call_terms():
@@ -323,8 +336,8 @@ def test_window_and_softcap_decode_and_prefill(dtype, window, softcap):
 def test_window_and_softcap_split_contexts(dtype, window, softcap, window_plan):
     """Long contexts split across threads; on the window-less plan (window_plan=False) most
     parts lie before the window and must come out empty for the merge to skip."""
-    attn = _compare([1], [3001], 8, 2, 128, 16, dtype, seed=13, window=window,
-                    softcap=softcap, q_gain=_gain(softcap), window_plan=window_plan)
+    attn, _ = _compare([1], [3001], 8, 2, 128, 16, dtype, seed=13, window=window,
+                       softcap=softcap, q_gain=_gain(softcap), window_plan=window_plan)
     parts = attn.plan(2, 4, 128, window if window_plan else 0).num_parts
     if not window_plan:
         assert parts > 1              # most of them wholly before the window

@@ -3,7 +3,9 @@
 
 Units of work:
 - a decode request (one query token) is one unit over all its KV heads, so each KV block is
-  read front to back once (the cache is [block, offset, head, dim]);
+  read front to back once (the cache is [block, offset, head, dim]); a step of fewer
+  requests than threads makes each KV head of its decodes a unit (`HEAD_ITEM_KEYS`), so a
+  lone stream's attention runs on every thread;
 - a prefill chunk is cut into query tiles of about TILE_FLOATS / Dh rows (tile tokens x g
   query heads), one unit per (tile, KV head), so each key/value row is read once for the g
   query heads sharing it.
@@ -12,7 +14,7 @@ Balance: a unit of more than SPLIT_KEYS keys is split along its keys into equal 
 most SPLIT_KEYS (flash-decoding style; `merge_parts` combines them in order), so long decodes
 keep every core busy. The split depends on the unit's keys alone, never on the thread count
 or the rest of the batch, so a request's attention gives the same floats on any number of
-threads and in any batch. Threads take items, largest first, from a shared counter.
+threads and in any batch (a KV head's rows are the same floats alone or beside the others). Threads take items, largest first, from a shared counter.
 
 Sliding window: a unit's keys start at its first row's window start (p - window + 1); costs
 and splits count only the keys from there.
@@ -42,6 +44,7 @@ from vllm_actors.kernels.cpu.jit import kernel
 TILE_FLOATS = 4096        # a prefill tile's query rows x head dim (its accumulator: 16 KiB)
 SPLIT_KEYS = 512          # a unit with more keys is split into parts of at most this many
 LOAD_COST = 4.0           # cost of loading a key (and value) row, in row x key units
+HEAD_ITEM_KEYS = 192      # a lone decode's KV heads are items of their own from this many keys
 
 
 @dataclass(frozen=True)
@@ -70,13 +73,14 @@ def _put(units, u, tok0, nq, pos0, kend, kvh0, kvh1, req, window):
 
 
 @kernel
-def _units(qsl, seq_lens, hk, g, tile_tokens, window):
+def _units(qsl, seq_lens, hk, g, tile_tokens, window, by_head):
     """[U, 8] int64 (tok0, nq, pos0, key_end, kvh0, kvh1, req, key_start) and cost of each
-    unit (window 0: none)."""
+    unit (window 0: none); `by_head`: a decode request is one unit per KV head."""
+    per_decode = hk if by_head else 1
     count = 0
     for b in range(seq_lens.shape[0]):
         ql = qsl[b + 1] - qsl[b]
-        count += 1 if ql == 1 else (ql + tile_tokens - 1) // tile_tokens * hk
+        count += per_decode if ql == 1 else (ql + tile_tokens - 1) // tile_tokens * hk
     units = np.empty((count, 8), np.int64)
     cost = np.empty(count, np.float64)
     u = 0
@@ -84,9 +88,12 @@ def _units(qsl, seq_lens, hk, g, tile_tokens, window):
         ql = qsl[b + 1] - qsl[b]
         start = seq_lens[b] - ql
         if ql == 1:
-            _put(units, u, qsl[b], 1, start, start + 1, 0, hk, b, window)
-            cost[u] = hk * (g + LOAD_COST) * (start + 1 - units[u, 7])
-            u += 1
+            for h in range(per_decode):
+                heads = hk // per_decode
+                _put(units, u, qsl[b], 1, start, start + 1, h * heads, h * heads + heads, b,
+                     window)
+                cost[u] = heads * (g + LOAD_COST) * (start + 1 - units[u, 7])
+                u += 1
             continue
         for i0 in range(0, ql, tile_tokens):
             nq = min(tile_tokens, ql - i0)
@@ -102,8 +109,8 @@ def _units(qsl, seq_lens, hk, g, tile_tokens, window):
 
 
 @kernel
-def _plan(qsl, seq_lens, hk, g, tile_tokens, window):
-    units, cost = _units(qsl, seq_lens, hk, g, tile_tokens, window)
+def _plan(qsl, seq_lens, hk, g, tile_tokens, window, by_head):
+    units, cost = _units(qsl, seq_lens, hk, g, tile_tokens, window, by_head)
     n_units = units.shape[0]
     splits = np.ones(n_units, np.int64)
     chunk = np.empty(n_units, np.int64)
@@ -159,13 +166,24 @@ def _plan(qsl, seq_lens, hk, g, tile_tokens, window):
     return items, item_cost, merges, part, rows_max
 
 
+def _by_head(seq_lens: np.ndarray, num_kv_heads: int, threads: int, window: int) -> bool:
+    """Whether a decode request's KV heads are items of their own: where the step has fewer
+    requests than threads and enough keys to pay for a parallel region (each head's floats
+    are the same either way)."""
+    keys = int(seq_lens.max(initial=0))
+    return 1 < num_kv_heads and len(seq_lens) < threads and \
+        (min(keys, window) if window > 0 else keys) >= HEAD_ITEM_KEYS
+
+
 def build_plan(query_start_loc: np.ndarray, seq_lens: np.ndarray, num_kv_heads: int, g: int,
                head_dim: int, threads: int, window: int = 0) -> Plan:
     """The items of a step for `num_kv_heads` KV heads of `g` query heads each
     (query_start_loc and seq_lens as int64), for a sliding window (0: none)."""
     tile_tokens = max(1, max(16, TILE_FLOATS // head_dim) // g)
     items, cost, merges, parts, rows_max = _plan(query_start_loc, seq_lens, num_kv_heads, g,
-                                                 tile_tokens, int(window))
+                                                 tile_tokens, int(window),
+                                                 _by_head(seq_lens, num_kv_heads, threads,
+                                                          int(window)))
     if len(items) > 1:
         items = items[np.argsort(-cost, kind="stable")]
     return Plan(items, max(1, min(threads, len(items))), merges, int(parts), int(rows_max))
