@@ -14,7 +14,8 @@ Balance: a unit of more than SPLIT_KEYS keys is split along its keys into equal 
 most SPLIT_KEYS (flash-decoding style; `merge_parts` combines them in order), so long decodes
 keep every core busy. The split depends on the unit's keys alone, never on the thread count
 or the rest of the batch, so a request's attention gives the same floats on any number of
-threads and in any batch (a KV head's rows are the same floats alone or beside the others). Threads take items, largest first, from a shared counter.
+threads and in any batch (a KV head's rows are the same floats alone or beside the others).
+Threads take items, largest first, from a shared counter.
 
 Sliding window: a unit's keys start at its first row's window start (p - window + 1); costs
 and splits count only the keys from there.
@@ -77,6 +78,7 @@ def _units(qsl, seq_lens, hk, g, tile_tokens, window, by_head):
     """[U, 8] int64 (tok0, nq, pos0, key_end, kvh0, kvh1, req, key_start) and cost of each
     unit (window 0: none); `by_head`: a decode request is one unit per KV head."""
     per_decode = hk if by_head else 1
+    heads = hk // per_decode          # a decode unit's KV heads
     count = 0
     for b in range(seq_lens.shape[0]):
         ql = qsl[b + 1] - qsl[b]
@@ -89,7 +91,6 @@ def _units(qsl, seq_lens, hk, g, tile_tokens, window, by_head):
         start = seq_lens[b] - ql
         if ql == 1:
             for h in range(per_decode):
-                heads = hk // per_decode
                 _put(units, u, qsl[b], 1, start, start + 1, h * heads, h * heads + heads, b,
                      window)
                 cost[u] = heads * (g + LOAD_COST) * (start + 1 - units[u, 7])

@@ -338,10 +338,12 @@ def row_dots(typingctx, isa_, kind, order, rows, codes, nb, dw, mw, x, xo, xc, c
         with cgutils.for_range(builder, nb_) as loop:
             b = loop.index
             at = builder.mul(b, ir.Constant(_I64, LANES))
-            idx = [builder.mul(_group(builder, b, t), ir.Constant(_I64, LANES)) for t in range(8)]
+            idx = [builder.mul(_group(builder, b, t), ir.Constant(_I64, LANES))
+                   for t in range(8)]
             codes_ = [load(4, i, _B64) for i in idx]
             if split_signs(path, form):
-                codes_ = [(a, load(4, builder.add(i, later), _B64)) for a, i in zip(codes_, idx)]
+                codes_ = [(a, load(4, builder.add(i, later), _B64))
+                          for a, i in zip(codes_, idx)]
             d_w, m_w = load(6, at, _F16), (load(7, at, _F16) if mins else None)
             for r, row_sums in enumerate(sums):
                 sb = builder.add(of_row(so_, nb_, r), b)
@@ -775,6 +777,17 @@ def half_lanes(builder, v, from_table):  # type: ignore[no-untyped-def]
     return out
 
 
+@kernel(inline=True)
+def _prefetch_sides(d, mn, qh, lo, hi):  # type: ignore[no-untyped-def]
+    """Hint elements lo..hi of the scale plane, and of the min and fifth-bit planes where
+    the type has them (empty otherwise), into L2."""
+    prefetch_span(d, lo, hi, 32)
+    if mn.shape[0]:
+        prefetch_span(mn, lo, hi, 32)
+    if qh.shape[0]:
+        prefetch_span(qh, lo, hi, 16)
+
+
 @functools.cache
 def body(path: int, kind: int, order: int, q_dtype: str, x_rows: int, interleaved: bool
          ) -> Callback:
@@ -783,11 +796,11 @@ def body(path: int, kind: int, order: int, q_dtype: str, x_rows: int, interleave
     and layout (rows as stored, or `interleaved`), compiled once as a C callback. No
     defaults: a cache keyed with and without one would compile the same body twice."""
     has_bits, has_min = kind in (5, 50), kind in (4, 5)
-    copies = 2 if split_signs(path, kind) else 1
+    copies = 1 + split_signs(path, kind)       # the decoded codes' copies (|w| beside w)
 
     def chunk(q_p, n, rb, qh_p, d_p, mn_p, lut_p, x_p, m, k, xc_p, xd_p, xs_p, out_p, n16,
               c, codes_p, dw_p, mw_p):  # type: ignore[no-untyped-def]
-        realign_stack()     # AVX2 spills the 8 accumulators' halves: on aligned slots
+        realign_stack()     # AVX2 spills the accumulators: on aligned slots
         nb = k // 32
         q, qh = carray(q_p, (n * rb,)), carray(qh_p, (n * nb if has_bits else 0,))
         d, mn = carray(d_p, (n * nb,)), carray(mn_p, (n * nb if has_min else 0,))
@@ -815,11 +828,7 @@ def body(path: int, kind: int, order: int, q_dtype: str, x_rows: int, interleave
         # the next chunk's rows (contiguous in each plane) into L2 while this one computes:
         # its quants a share before each row of x, the rest at once
         lo, hi = min(i0 + LANES, n), min(i0 + 2 * LANES, n)
-        prefetch_span(d, lo * nb, hi * nb, 32)
-        if has_min:
-            prefetch_span(mn, lo * nb, hi * nb, 32)
-        if has_bits:
-            prefetch_span(qh, lo * nb, hi * nb, 16)
+        _prefetch_sides(d, mn, qh, lo * nb, hi * nb)
         share = -(-(hi - lo) * rb // (64 * m)) * 64
         for mm in range(0, m - m % x_rows, x_rows):
             start = lo * rb + mm * share
@@ -907,7 +916,8 @@ def _offsets(xq, shift, bias, out):  # type: ignore[no-untyped-def]
 def _wide(fn, qs, qh, d, mn, lut, xq, xc, xd, xs, out, threads, copies):  # type: ignore[no-untyped-def]
     """out = the body at `fn` on every chunk of 16 weight rows, in parallel (fixed chunks:
     the result does not depend on the thread count). A thread takes a contiguous run of
-    chunks and one scratch for their decoded rows, allocated once, not once a chunk."""
+    chunks and one scratch for their decoded rows, allocated once, not once a chunk (two
+    copies where the body keeps |w| beside w, `split_signs`)."""
     prev = limit_threads(threads)
     n, nb = qs.shape[0], xq.shape[1] // 32
     chunks = (n + LANES - 1) // LANES
