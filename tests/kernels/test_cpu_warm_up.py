@@ -48,8 +48,8 @@ def test_cold_start_starts_one_helper_then_the_marker_skips_it(tmp_path, monkeyp
     backend = StubBackend()
 
     class Helper:
-        def __init__(self, path, sizes, semantics, ggml):
-            started.append((sizes, ggml))
+        def __init__(self, path, sizes, semantics, attention):
+            started.append((sizes, attention))
 
         def wait(self, timeout):
             # waited for after the 1-row step and the greedy kernels (compiled meanwhile)
@@ -59,15 +59,18 @@ def test_cold_start_starts_one_helper_then_the_marker_skips_it(tmp_path, monkeyp
     cache = ggml_attention.GgmlCache(np.zeros((2, 16, 1, 16), np.uint16),
                                      np.zeros((2, 16, 1, 16), np.uint16))
     wu.warm_up(model, [cache], 16, 4096, backend, tmp_path / "model.gguf")
-    assert started == [((3, 16, 64), True)]
+    assert started == [((3, 16, 64), wu.GGML_ATTENTION)]
     assert model.sizes == [1, 3, 16, 64] and model.logit_rows == [1, 3, 16, 64]
     assert wu.marker_path().parent == tmp_path and wu.marker_path().exists()
     wu.warm_up(StubModel(), [], 16, 4096, CPU, tmp_path / "model.gguf")
-    assert started == [((3, 16, 64), True)]         # warm: no second helper
-    wu.marker_path().unlink()
-    model = StubModel()
-    wu.warm_up(model, [], 16, 4096, CPU, tmp_path / "model.gguf")
-    assert started[-1] == ((3, 16, 64), False)   # a cache of another format
+    assert started == [((3, 16, 64), wu.GGML_ATTENTION)]     # warm: no second helper
+    for caches, attention in (([], "-"),                      # caches of other formats
+                              ([(np.zeros((2, 16, 1, 16), np.uint16),) * 2], "lane:uint16:0"),
+                              ([(np.zeros((2, 16, 1, 6), np.float32),) * 2], "-")):
+        wu.marker_path().unlink()
+        model, backend = StubModel(), StubBackend()
+        wu.warm_up(model, caches, 16, 4096, backend, tmp_path / "model.gguf")
+        assert started[-1] == ((3, 16, 64), attention)
 
 
 def test_no_helper_without_a_model_path_and_sizes_capped_by_the_context(tmp_path,
@@ -105,3 +108,23 @@ def test_helper_compiles_each_weight_types_matmul_paths(smollm2_path):
     # Q4_1 (kind 4) and Q8_0 (kind 8) in `qwide`, which the larger steps take, not the GEMV's
     # one-row or 4-row forms; the attention of several tokens, not the one-token one
     assert compiled == [False, False, False, False, True, True, True, False]
+
+
+def test_helper_compiles_the_attention_it_is_named(monkeypatch):
+    """The helper's fourth argument picks the attention it compiles before the matmuls:
+    llama.cpp's item of several tokens, the backend's blocked lane of a cache kind, or none."""
+    from vllm_actors.kernels.cpu import attention, attention_kernels, backend
+    from vllm_actors.loaders import model_files
+    from vllm_actors.models import registry
+
+    done = []
+    monkeypatch.setattr(ggml_attention, "compile_prefill", lambda: done.append("ggml"))
+    monkeypatch.setattr(model_files, "resolve_model", lambda path: path)
+    monkeypatch.setattr(registry, "load_model", lambda *args, **kwargs: None)
+    monkeypatch.setattr(backend.CpuBackend, "compile_matmuls",
+                        lambda self, sizes: done.append(sizes))
+    for spec in (wu.GGML_ATTENTION, "lane:float32:0", "-"):
+        wu.main(["model.gguf", "3,16", "quantized", spec])
+    assert done == ["ggml", (3, 16), (3, 16), (3, 16)]
+    assert "address" in vars(attention_kernels.lane_callback("float32", False, True))
+    assert attention.blocked_lane_of((np.zeros((1, 16, 2, 64), np.uint16),) * 2) == "uint16:0"

@@ -8,10 +8,10 @@ The first start compiles every kernel: numba, one core. When the kernel cache is
 second CPU is free and memory allows a second copy of the weights, a helper process (`python
 -m vllm_actors.workers.warm_up`) compiles into the same on-disk cache while this process runs
 its 1-row step (the one-row GEMVs, one-token attention, the elementwise kernels): first the
-attention work item of steps of several tokens (`ggml_attention.compile_prefill`, where the
-cache takes llama.cpp's attention), then, with the weights loaded, the multi-row (2..15 rows)
-and 3/16/64-row matmul kernels of each weight type (`CpuBackend.compile_matmuls`). This process
-then waits for it and runs 3, 16 and 64 rows, loading what the helper compiled. The two
+attention of steps of several tokens (`ggml_attention.compile_prefill` where the cache takes
+llama.cpp's attention, else the backend's blocked lane: `attention.compile_blocked_lane`),
+then, with the weights loaded, the multi-row (2..15 rows) and 3/16/64-row matmul kernels of
+each weight type (`CpuBackend.compile_matmuls`). This process then waits for it and runs 3, 16 and 64 rows, loading what the helper compiled. The two
 processes compile different kernels: where both ran the same steps, attention compiled
 twice (measured: 42.4 s alone, 40.1 s with such a helper). A marker file per kernel-source
 state records a finished warm-up, so warm starts (2-3 s) start no helper.
@@ -41,6 +41,7 @@ STEP_SIZES = (3, 16, 64)    # after it
 HELPER_SIZES = (3, 16, 64)  # the helper's matmuls (3 rows: Q8_0's GEMV of 4 rows, below `qwide`)
 HELPER_TIMEOUT_S = 600
 GGML_ATTENTION = "ggml-attention"
+LANE = "lane:"              # + `attention.blocked_lane_of`: the helper compiles that lane
 
 
 def run_sizes(model: Any, kv_caches: list, block_size: int, sizes: tuple[int, ...]) -> None:
@@ -87,13 +88,24 @@ def marker_path() -> Path:
     return Path(root) / f"cpu-kernels-{key}.ready"
 
 
+def attention_for_helper(kv_caches: list) -> str:
+    """What of attention the helper compiles: llama.cpp's work item of several tokens where a
+    cache takes llama.cpp's attention (`GGML_ATTENTION`), else the backend's blocked lane of
+    the first cache (`LANE` + its kind), "-" for none."""
+    from vllm_actors.kernels.cpu.attention import blocked_lane_of
+
+    if any(isinstance(c, ggml_attention.GgmlCache) for c in kv_caches):
+        return GGML_ATTENTION
+    spec = blocked_lane_of(kv_caches[0]) if kv_caches and kv_caches[0] is not None else ""
+    return LANE + spec if spec else "-"
+
+
 def _start_helper(model_path: str, sizes: tuple[int, ...], gguf_activations: str,
-                  ggml: bool) -> subprocess.Popen | None:
+                  attention: str) -> subprocess.Popen | None:
     try:
         return subprocess.Popen(
             [sys.executable, "-m", "vllm_actors.workers.warm_up", model_path,
-             ",".join(map(str, sizes)), gguf_activations,
-             GGML_ATTENTION if ggml else "-"],
+             ",".join(map(str, sizes)), gguf_activations, attention],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     except OSError as e:            # no helper: this process compiles everything itself
         logger.warning("kernel compile helper did not start: %s", e)
@@ -129,10 +141,9 @@ def warm_up(model: Any, kv_caches: list, block_size: int, max_model_len: int,
     if backend_name == "cpu" and model_path is not None and not marker.exists() \
             and _helper_fits(Path(model_path)):
         logger.info("first start: a helper process compiles the larger-step kernels")
-        ggml = any(isinstance(c, ggml_attention.GgmlCache) for c in kv_caches)
         helper = _start_helper(str(model_path), tuple(min(n, max_model_len)
                                                       for n in HELPER_SIZES),
-                               gguf_activations, ggml)
+                               gguf_activations, attention_for_helper(kv_caches))
     try:
         run_sizes(model, kv_caches, block_size, first)
         warm_greedy(backend)        # while the helper, if any, is still compiling
@@ -153,16 +164,18 @@ def warm_up(model: Any, kv_caches: list, block_size: int, max_model_len: int,
 
 
 def main(argv: list[str]) -> None:
-    """The helper: compile the attention of steps of several tokens where the engine's cache
-    takes llama.cpp's, then load the model's weights on the cpu backend and compile its
-    matmuls at `sizes` rows (argv: model path, comma-separated sizes, --gguf-activations,
-    `GGML_ATTENTION` or -)."""
+    """The helper: compile the attention of steps of several tokens the engine's cache takes,
+    then load the model's weights on the cpu backend and compile its matmuls at `sizes` rows
+    (argv: model path, comma-separated sizes, --gguf-activations, `attention_for_helper`)."""
+    from vllm_actors.kernels.cpu.attention import compile_blocked_lane
     from vllm_actors.kernels.cpu.backend import CpuBackend
     from vllm_actors.loaders.model_files import resolve_model
     from vllm_actors.models.registry import load_model
 
-    if argv[3:4] == [GGML_ATTENTION]:
+    if argv[3] == GGML_ATTENTION:
         ggml_attention.compile_prefill()
+    elif argv[3].startswith(LANE):
+        compile_blocked_lane(argv[3][len(LANE):])
     path, sizes = argv[0], tuple(int(s) for s in argv[1].split(","))
     backend = CpuBackend()
     load_model(resolve_model(path), backend, gguf_activations=argv[2])

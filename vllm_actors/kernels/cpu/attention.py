@@ -225,10 +225,10 @@ def _lane_caches(kv_cache, k_cache: np.ndarray, v_cache: np.ndarray) -> tuple:  
 def _call_terms(attn: CpuAttention, num_kv_heads: int, g: int, head_dim: int, window: int,
                 scale: float, softcap: float, sinks: np.ndarray | None, dtype: np.dtype,
                 quantized: bool) -> tuple:
-    """(plan, the lane callback's address, block shift, scale, window, soft-cap and sinks as
-    the kernels take them) of a call: the same for every layer of a step, so kept in the
-    step's plans (a small model's one-token call spent much of its time building them:
-    docs/BENCHMARKS.md). Sinks are per layer, so a call with them builds its own."""
+    """(plan, the blocked and row lane callbacks' addresses (0 where no item takes one), block
+    shift, scale, window, soft-cap and sinks as the kernels take them) of a call: the same
+    for every layer of a step, so kept in the step's plans (a small model's one-token call
+    spent much of its time building them: docs/BENCHMARKS.md). Sinks are per layer, so a call with them builds its own."""
     key = ("call", num_kv_heads, g, head_dim, window, scale, softcap, dtype, quantized,
            attn.block_size)    # layouts of equal lengths share plans across block sizes
     found = attn.plans.get(key) if sinks is None else None
@@ -238,9 +238,10 @@ def _call_terms(attn: CpuAttention, num_kv_heads: int, g: int, head_dim: int, wi
           else _NO_SINKS)
     if len(sk) not in (0, num_kv_heads * g):
         raise ValueError(f"{len(sk)} sink logits for {num_kv_heads * g} heads")
-    found = (attn.plan(num_kv_heads, g, head_dim, window),
-             _lane_address(dtype, quantized), attn.block_size.bit_length() - 1,
-             np.float32(scale * _LOG2E),
+    plan = attn.plan(num_kv_heads, g, head_dim, window)
+    lanes = (_lane_address(dtype, quantized, True) if plan.blocked else 0,
+             _lane_address(dtype, quantized, False) if plan.blocked < len(plan.items) else 0)
+    found = (plan, lanes, attn.block_size.bit_length() - 1, np.float32(scale * _LOG2E),
              int(window) if window else NO_WINDOW,
              np.float32(softcap * _LOG2E) if softcap > 0 else _NO_CAP, sk)
     if sinks is None:
@@ -265,10 +266,27 @@ def _partials(plan: Plan, head_dim: int, attn: CpuAttention) -> tuple:
 
 
 @functools.cache
-def _lane_address(dtype: np.dtype, quantized: bool) -> int:
-    """The lane callback's address for a cache of `dtype`, looked up by the dtype itself (its
+def _lane_address(dtype: np.dtype, quantized: bool, blocked: bool) -> int:
+    """A lane callback's address for a cache of `dtype`, looked up by the dtype itself (its
     name is slow to get)."""
-    return lane_callback(dtype.name, quantized).address
+    return lane_callback(dtype.name, quantized, blocked).address
+
+
+def blocked_lane_of(kv_cache) -> str:  # type: ignore[no-untyped-def]
+    """The blocked lane (`attention_kernels.blocked_lane`) that steps of several tokens run
+    over `kv_cache`, as `compile_blocked_lane` takes it ("dtype:0", "dtype:1" for a quantized
+    cache), or "" where they take no such lane (a head dim not a multiple of 4)."""
+    if isinstance(kv_cache, kv_quant.QuantizedKV):
+        data, head_dim, quantized = kv_cache.k, kv_cache.head_dim, True
+    else:
+        data, head_dim, quantized = kv_cache[0], kv_cache[0].shape[3], False
+    return f"{data.dtype.name}:{int(quantized)}" if head_dim % 4 == 0 else ""
+
+
+def compile_blocked_lane(spec: str) -> None:
+    """Compile (or load from the cache) the blocked lane `blocked_lane_of` named."""
+    dtype, quantized = spec.split(":")
+    lane_callback(dtype, quantized == "1", True).address   # noqa: B018
 
 
 def paged_attention(q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray],
@@ -305,7 +323,7 @@ def paged_attention(q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray],
     if num_tokens == 0:
         return out
     g = num_heads // num_kv_heads
-    plan, lane, shift, qscale, wnd, cap, sk = _call_terms(
+    plan, lanes, shift, qscale, wnd, cap, sk = _call_terms(
         attn, num_kv_heads, g, head_dim, max(0, window), scale, softcap, sinks,
         k_cache.dtype, quantized)
     pm, pl, pacc = _partials(plan, head_dim, attn)
@@ -313,9 +331,9 @@ def paged_attention(q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray],
     args = (q, *caches, attn.block_tables, shift, num_kv_heads, plan.items, g, plan.rows_max,
             qscale, wnd, cap, sk, out, pm, pl, pacc)
     if plan.lanes > 1:
-        run_items(lane, plan.lanes, *args)
+        run_items(*lanes, plan.blocked, plan.lanes, *args)
     else:   # one item (or one thread): no parallel region to start
-        run_one_lane(lane, *args)
+        run_one_lane(*lanes, plan.blocked, *args)
     if len(plan.merges):
         merge_range(plan.merges, 0, len(plan.merges), g, pm, pl, pacc, out, sk)
     if quantized and kv_cache.rotation is not None:
@@ -323,5 +341,5 @@ def paged_attention(q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray],
     return out
 
 
-__all__ = ["CACHE_DTYPES", "CpuAttention", "allocate_kv_cache", "paged_attention", "prepare",
-           "write_kv"]
+__all__ = ["CACHE_DTYPES", "CpuAttention", "allocate_kv_cache", "blocked_lane_of",
+           "compile_blocked_lane", "paged_attention", "prepare", "write_kv"]

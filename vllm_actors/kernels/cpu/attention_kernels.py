@@ -9,11 +9,13 @@ counter, so a thread slowed by anything (a long item, another process on its cor
 fewer items instead of holding the step up; items come sorted by decreasing cost.
 
 Items with many query rows of one KV head (prefill) run `attention_prefill.attend_prefill`
-(register-blocked, transposed); the others (decode: one token, all KV heads) `attend_item`
-(dot products over `attention_tiles`).
+(register-blocked, transposed: `blocked_lane`); the others (decode: one token, all KV heads)
+`attend_item` (dot products over `attention_tiles`: `row_lane`). The plan puts the blocked
+items first.
 
-A thread's loop (`run_lane`, with those inlined) is compiled once per cache variant as a C
-callback (`lane_callback`) that the parallel entry and the one-thread entry call by address.
+A thread's loop of each kind, with those inlined, is compiled once per cache variant as a C
+callback (`lane_callback`) that the parallel entry and the one-thread entry call by address;
+a step whose items are all of one kind never compiles the other.
 """
 
 from __future__ import annotations
@@ -110,52 +112,62 @@ def finish_rows(tok0, nq, g, kvh0, kvh1, m, l, acc, part, out, pm, pl, pacc, sin
 
 
 @kernel(inline=True)
-def run_lane(q, kc, vc, block_tables, shift, hk, items, counter, g, rows_max, qscale, window,
+def row_lane(q, kc, vc, block_tables, shift, hk, items, counter, g, rows_max, qscale, window,
              cap, sinks, out, pm, pl, pacc):
-    """One thread's share: items taken in order from the shared `counter` until none is left.
-    kc, vc: the caches flattened; `shift` is log2 of the block size, hk the KV heads; window
-    and cap as in `attend_item`; sinks: per-head logits, base 2 (empty: none)."""
+    """One thread's share of the items `attend_item` runs, taken in order from the shared
+    `counter` until none is left. kc, vc: the caches flattened; `shift` is log2 of the block
+    size, hk the KV heads; window and cap as in `attend_item`; sinks: per-head logits, base 2
+    (empty: none)."""
     dh = q.shape[2]
-    n_items = items.shape[0]
-    ldp = (rows_max + 15) // 16 * 16          # prefill rows, padded for the 16-row blocks
     qt = np.empty((rows_max, dh), np.float32)
     acc = np.empty((rows_max, dh), np.float32)
     s = np.empty((rows_max, TK), np.float32)
-    m = np.empty(ldp, np.float32)
-    l = np.empty(ldp, np.float32)
-    tile = max(TK, PK)
-    kbuf = np.empty(tile * dh, np.float32)
-    vbuf = np.empty(tile * dh, np.float32)
-    offs = np.empty(tile, np.uint64)
-    blocked = dh % 4 == 0
-    if blocked:
-        qT = np.empty((dh, ldp), np.float32)
-        accT = np.empty((dh, ldp), np.float32)
-        sT = np.empty((PK, ldp), np.float32)
-    else:
-        qT = np.empty((0, 0), np.float32)
-        accT = np.empty((0, 0), np.float32)
-        sT = np.empty((0, 0), np.float32)
-    mref = np.empty(ldp, np.float32)
+    m = np.empty(rows_max, np.float32)
+    l = np.empty(rows_max, np.float32)
+    kbuf = np.empty(TK * dh, np.float32)
+    vbuf = np.empty(TK * dh, np.float32)
+    offs = np.empty(TK, np.uint64)
     it = fetch_add(counter, 1)
-    while it < n_items:
+    while it < items.shape[0]:
         tok0 = items[it, TOK0]
         nq = items[it, NQ]
         kvh0 = items[it, KVH0]
         kvh1 = items[it, KVH1]
-        table = block_tables[items[it, REQ]]
-        if blocked and nq > 1 and kvh1 == kvh0 + 1:
-            attend_prefill(q, kc, vc, table, shift, hk, tok0, items[it, POS0], nq, g, kvh0,
-                           items[it, K0], items[it, K1], qscale, window, cap, qT, accT, sT, m,
-                           l, mref, kbuf, vbuf, offs)
-            finish_prefill(tok0, nq, g, kvh0, m, l, accT, items[it, PART], out, pm, pl, pacc,
-                           sinks)
-        else:
-            attend_item(q, kc, vc, table, shift, hk, tok0, items[it, POS0], nq, g, kvh0, kvh1,
-                        items[it, K0], items[it, K1], qscale, window, cap, qt, kbuf, vbuf, offs,
-                        s, m, l, acc)
-            finish_rows(tok0, nq, g, kvh0, kvh1, m, l, acc, items[it, PART], out, pm, pl,
-                        pacc, sinks)
+        attend_item(q, kc, vc, block_tables[items[it, REQ]], shift, hk, tok0, items[it, POS0],
+                    nq, g, kvh0, kvh1, items[it, K0], items[it, K1], qscale, window, cap, qt,
+                    kbuf, vbuf, offs, s, m, l, acc)
+        finish_rows(tok0, nq, g, kvh0, kvh1, m, l, acc, items[it, PART], out, pm, pl, pacc,
+                    sinks)
+        it = fetch_add(counter, 1)
+
+
+@kernel(inline=True)
+def blocked_lane(q, kc, vc, block_tables, shift, hk, items, counter, g, rows_max, qscale,
+                 window, cap, sinks, out, pm, pl, pacc):
+    """`row_lane` for the items `attend_prefill` runs (several query tokens of one KV head,
+    the head dim a multiple of 4: `attention_plan.Plan.blocked`)."""
+    dh = q.shape[2]
+    ldp = (rows_max + 15) // 16 * 16          # rows, padded for the 16-row blocks
+    qT = np.empty((dh, ldp), np.float32)
+    accT = np.empty((dh, ldp), np.float32)
+    sT = np.empty((PK, ldp), np.float32)
+    m = np.empty(ldp, np.float32)
+    l = np.empty(ldp, np.float32)
+    mref = np.empty(ldp, np.float32)
+    tile = max(TK, PK)
+    kbuf = np.empty(tile * dh, np.float32)
+    vbuf = np.empty(tile * dh, np.float32)
+    offs = np.empty(tile, np.uint64)
+    it = fetch_add(counter, 1)
+    while it < items.shape[0]:
+        tok0 = items[it, TOK0]
+        nq = items[it, NQ]
+        kvh0 = items[it, KVH0]
+        attend_prefill(q, kc, vc, block_tables[items[it, REQ]], shift, hk, tok0,
+                       items[it, POS0], nq, g, kvh0, items[it, K0], items[it, K1], qscale,
+                       window, cap, qT, accT, sT, m, l, mref, kbuf, vbuf, offs)
+        finish_prefill(tok0, nq, g, kvh0, m, l, accT, items[it, PART], out, pm, pl, pacc,
+                       sinks)
         it = fetch_add(counter, 1)
 
 
@@ -164,55 +176,84 @@ _F32P, _I64P, _I64, _F32 = (types.CPointer(types.float32), types.CPointer(types.
 
 
 @kernel(inline=True)
-def _lane(q_p, t, heads, dh, kc, vc, tab_p, reqs, width, shift, hk, items_p, n_items,
+def _lane(run, q_p, t, heads, dh, kc, vc, tab_p, reqs, width, shift, hk, items_p, n_items,
           counter_p, g, rows_max, qscale, window, cap, sinks_p, n_sinks, out_p, pm_p, pl_p,
           pacc_p, parts):  # type: ignore[no-untyped-def]
-    """`run_lane` on arrays made from the callback's pointers and shapes."""
-    run_lane(carray(q_p, (t, heads, dh)), kc, vc, carray(tab_p, (reqs, width)), shift, hk,
-             carray(items_p, (n_items, ITEM_COLS)), carray(counter_p, (1,)), g, rows_max,
-             qscale, window, cap, carray(sinks_p, (n_sinks,)), carray(out_p, (t, heads, dh)),
-             carray(pm_p, (parts, rows_max)), carray(pl_p, (parts, rows_max)),
-             carray(pacc_p, (parts, rows_max, dh)))
+    """The lane `run` (`row_lane` or `blocked_lane`) on arrays made from the callback's
+    pointers and shapes."""
+    run(carray(q_p, (t, heads, dh)), kc, vc, carray(tab_p, (reqs, width)), shift, hk,
+        carray(items_p, (n_items, ITEM_COLS)), carray(counter_p, (1,)), g, rows_max, qscale,
+        window, cap, carray(sinks_p, (n_sinks,)), carray(out_p, (t, heads, dh)),
+        carray(pm_p, (parts, rows_max)), carray(pl_p, (parts, rows_max)),
+        carray(pacc_p, (parts, rows_max, dh)))
 
 
-def _flat_lane(q_p, t, heads, dh, k_p, nk, kl_p, nkl, ky_p, nky, v_p, nv, vl_p, nvl, vy_p, nvy,
+@kernel(inline=True)
+def _coded_cache(d_p, nd, lut_p, nlut, lay_p, nlay):  # type: ignore[no-untyped-def]
+    """A quantized cache as the lanes take it: (data, lut, layout), see `attention_kv`."""
+    return carray(d_p, (nd,)), carray(lut_p, (nlut,)), carray(lay_p, (nlay,))
+
+
+# The four callbacks: module functions, not closures (a closure over a dispatcher missed
+# numba's cache every start), one per cache kind and lane; numba's C callbacks take no
+# *args. A float32 or float16 cache comes as flat arrays (no tables).
+def _flat_rows(q_p, t, heads, dh, k_p, nk, kl_p, nkl, ky_p, nky, v_p, nv, vl_p, nvl, vy_p, nvy,
                tab_p, reqs, width, shift, hk, items_p, n_items, counter_p, g, rows_max, qscale,
-               window, cap, sinks_p, n_sinks, out_p, pm_p, pl_p, pacc_p, parts):  # type: ignore[no-untyped-def]
-    """The callback body for a float32 or float16 cache: flat arrays (no tables)."""
-    _lane(q_p, t, heads, dh, carray(k_p, (nk,)), carray(v_p, (nv,)), tab_p, reqs, width,
-          shift, hk, items_p, n_items, counter_p, g, rows_max, qscale, window, cap, sinks_p,
-          n_sinks, out_p, pm_p, pl_p, pacc_p, parts)
-
-
-def _quantized_lane(q_p, t, heads, dh, k_p, nk, kl_p, nkl, ky_p, nky, v_p, nv, vl_p, nvl, vy_p,
-                    nvy, tab_p, reqs, width, shift, hk, items_p, n_items, counter_p, g,
-                    rows_max, qscale, window, cap, sinks_p, n_sinks, out_p, pm_p, pl_p, pacc_p,
-                    parts):  # type: ignore[no-untyped-def]
-    """The callback body for a quantized cache: (data, lut, layout), see `attention_kv`."""
-    _lane(q_p, t, heads, dh, (carray(k_p, (nk,)), carray(kl_p, (nkl,)), carray(ky_p, (nky,))),
-          (carray(v_p, (nv,)), carray(vl_p, (nvl,)), carray(vy_p, (nvy,))), tab_p, reqs,
+               window, cap, sinks_p, n_sinks, out_p, pm_p, pl_p, pacc_p, parts):
+    _lane(row_lane, q_p, t, heads, dh, carray(k_p, (nk,)), carray(v_p, (nv,)), tab_p, reqs,
           width, shift, hk, items_p, n_items, counter_p, g, rows_max, qscale, window, cap,
           sinks_p, n_sinks, out_p, pm_p, pl_p, pacc_p, parts)
 
 
+def _flat_blocked(q_p, t, heads, dh, k_p, nk, kl_p, nkl, ky_p, nky, v_p, nv, vl_p, nvl, vy_p,
+                  nvy, tab_p, reqs, width, shift, hk, items_p, n_items, counter_p, g, rows_max,
+                  qscale, window, cap, sinks_p, n_sinks, out_p, pm_p, pl_p, pacc_p, parts):
+    _lane(blocked_lane, q_p, t, heads, dh, carray(k_p, (nk,)), carray(v_p, (nv,)), tab_p,
+          reqs, width, shift, hk, items_p, n_items, counter_p, g, rows_max, qscale, window, cap,
+          sinks_p, n_sinks, out_p, pm_p, pl_p, pacc_p, parts)
+
+
+def _coded_rows(q_p, t, heads, dh, k_p, nk, kl_p, nkl, ky_p, nky, v_p, nv, vl_p, nvl, vy_p, nvy,
+                tab_p, reqs, width, shift, hk, items_p, n_items, counter_p, g, rows_max, qscale,
+                window, cap, sinks_p, n_sinks, out_p, pm_p, pl_p, pacc_p, parts):
+    _lane(row_lane, q_p, t, heads, dh, _coded_cache(k_p, nk, kl_p, nkl, ky_p, nky),
+          _coded_cache(v_p, nv, vl_p, nvl, vy_p, nvy), tab_p, reqs, width, shift, hk, items_p,
+          n_items, counter_p, g, rows_max, qscale, window, cap, sinks_p, n_sinks, out_p, pm_p,
+          pl_p, pacc_p, parts)
+
+
+def _coded_blocked(q_p, t, heads, dh, k_p, nk, kl_p, nkl, ky_p, nky, v_p, nv, vl_p, nvl, vy_p,
+                   nvy, tab_p, reqs, width, shift, hk, items_p, n_items, counter_p, g, rows_max,
+                   qscale, window, cap, sinks_p, n_sinks, out_p, pm_p, pl_p, pacc_p, parts):
+    _lane(blocked_lane, q_p, t, heads, dh, _coded_cache(k_p, nk, kl_p, nkl, ky_p, nky),
+          _coded_cache(v_p, nv, vl_p, nvl, vy_p, nvy), tab_p, reqs, width, shift, hk, items_p,
+          n_items, counter_p, g, rows_max, qscale, window, cap, sinks_p, n_sinks, out_p, pm_p,
+          pl_p, pacc_p, parts)
+
+
+_LANES = {(False, False): _flat_rows, (False, True): _flat_blocked,
+          (True, False): _coded_rows, (True, True): _coded_blocked}
+
+
 @functools.cache
-def lane_callback(cache_dtype: str, quantized: bool) -> Callback:
-    """`run_lane` as a C callback for caches of `cache_dtype` (float32, uint16 for float16
-    bits; uint8 or uint16 when `quantized`, with a float32 table and an int64 layout): one
-    compile serves the parallel entry and the one-thread call, where a parallel kernel
-    calling `run_lane` compiled its body again (docs/BENCHMARKS.md, "Cold start"). Module
-    functions, not closures: a closure over a dispatcher missed numba's cache every start."""
+def lane_callback(cache_dtype: str, quantized: bool, blocked: bool) -> Callback:
+    """`row_lane` or (`blocked`) `blocked_lane` as a C callback for caches of `cache_dtype`
+    (float32, uint16 for float16 bits; uint8 or uint16 when `quantized`, with a float32 table
+    and an int64 layout): one compile serves the parallel entry and the one-thread call, where
+    a parallel kernel calling a lane compiled its body again (docs/BENCHMARKS.md, "Cold
+    start"). Two lanes, so that a process compiles only the items its steps run: the
+    cold-start helper of `workers.warm_up` compiles the blocked lane while the engine runs its
+    one-token step."""
     cache = (types.CPointer(getattr(types, cache_dtype)), _I64, _F32P, _I64, _I64P, _I64)
     return callback(_F32P, _I64, _I64, _I64, *cache, *cache, types.CPointer(types.int32), _I64,
                     _I64, _I64, _I64, _I64P, _I64, _I64P, _I64, _I64, _F32, _I64, _F32, _F32P,
-                    _I64, _F32P, _F32P, _F32P, _F32P, _I64)(
-        _quantized_lane if quantized else _flat_lane)
+                    _I64, _F32P, _F32P, _F32P, _F32P, _I64)(_LANES[quantized, blocked])
 
 
 @kernel(inline=True)
 def _call_lane(lane, q, kd, klut, klay, vd, vlut, vlay, tables, shift, hk, items, counter, g,
                rows_max, qscale, window, cap, sinks, out, pm, pl, pacc):  # type: ignore[no-untyped-def]
-    """One thread's `run_lane` through the callback at `lane` (`lane_callback`)."""
+    """One thread's lane through the callback at `lane` (`lane_callback`)."""
     t, heads, dh = q.shape
     call_address(lane, (
         data_pointer(q), t, heads, dh,
@@ -225,25 +266,41 @@ def _call_lane(lane, q, kd, klut, klay, vd, vlut, vlay, tables, shift, hk, items
         pm.shape[0]))
 
 
+@kernel(inline=True)
+def _both_lanes(blocked, rows, n_blocked, counter, q, kd, klut, klay, vd, vlut, vlay, tables,
+                shift, hk, items, g, rows_max, qscale, window, cap, sinks, out, pm, pl, pacc):  # type: ignore[no-untyped-def]
+    """The blocked lane's callback at `blocked` over the first `n_blocked` items, then the row
+    lane's at `rows` over the rest, each with its own counter (`lane_callback`; an address
+    is 0 where no item takes it)."""
+    if n_blocked:
+        _call_lane(blocked, q, kd, klut, klay, vd, vlut, vlay, tables, shift, hk,
+                   items[:n_blocked], counter[:1], g, rows_max, qscale, window, cap, sinks, out,
+                   pm, pl, pacc)
+    if n_blocked < items.shape[0]:
+        _call_lane(rows, q, kd, klut, klay, vd, vlut, vlay, tables, shift, hk,
+                   items[n_blocked:], counter[1:], g, rows_max, qscale, window, cap, sinks, out,
+                   pm, pl, pacc)
+
+
 @kernel(parallel=True)
-def run_items(lane, lanes, q, kd, klut, klay, vd, vlut, vlay, tables, shift, hk, items, g,
-              rows_max, qscale, window, cap, sinks, out, pm, pl, pacc):  # type: ignore[no-untyped-def]
-    """Every item, on `lanes` threads sharing one counter, each running the `run_lane`
-    callback at `lane`. A cache is its data, table and layout (empty but for a quantized
-    cache)."""
-    counter = np.zeros(1, np.int64)
+def run_items(blocked, rows, n_blocked, lanes, q, kd, klut, klay, vd, vlut, vlay, tables, shift,
+              hk, items, g, rows_max, qscale, window, cap, sinks, out, pm, pl, pacc):  # type: ignore[no-untyped-def]
+    """Every item, on `lanes` threads sharing the counters (`_both_lanes`). A cache is its
+    data, table and layout (empty but for a quantized cache)."""
+    counter = np.zeros(2, np.int64)
     for _lane in prange(lanes):
-        _call_lane(lane, q, kd, klut, klay, vd, vlut, vlay, tables, shift, hk, items, counter,
-                   g, rows_max, qscale, window, cap, sinks, out, pm, pl, pacc)
+        _both_lanes(blocked, rows, n_blocked, counter, q, kd, klut, klay, vd, vlut, vlay,
+                    tables, shift, hk, items, g, rows_max, qscale, window, cap, sinks, out, pm,
+                    pl, pacc)
 
 
 @kernel
-def run_one_lane(lane, q, kd, klut, klay, vd, vlut, vlay, tables, shift, hk, items, g,
-                 rows_max, qscale, window, cap, sinks, out, pm, pl, pacc):  # type: ignore[no-untyped-def]
+def run_one_lane(blocked, rows, n_blocked, q, kd, klut, klay, vd, vlut, vlay, tables, shift,
+                 hk, items, g, rows_max, qscale, window, cap, sinks, out, pm, pl, pacc):  # type: ignore[no-untyped-def]
     """Every item on the calling thread (one item, or one thread): no parallel region."""
-    _call_lane(lane, q, kd, klut, klay, vd, vlut, vlay, tables, shift, hk, items,
-               np.zeros(1, np.int64), g, rows_max, qscale, window, cap, sinks, out, pm, pl,
-               pacc)
+    _both_lanes(blocked, rows, n_blocked, np.zeros(2, np.int64), q, kd, klut, klay, vd, vlut,
+                vlay, tables, shift, hk, items, g, rows_max, qscale, window, cap, sinks, out,
+                pm, pl, pacc)
 
 
 @kernel

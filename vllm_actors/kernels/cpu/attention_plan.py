@@ -15,7 +15,7 @@ most SPLIT_KEYS (flash-decoding style; `merge_parts` combines them in order), so
 keep every core busy. The split depends on the unit's keys alone, never on the thread count
 or the rest of the batch, so a request's attention gives the same floats on any number of
 threads and in any batch (a KV head's rows are the same floats alone or beside the others).
-Threads take items, largest first, from a shared counter.
+Threads take items, largest first, from a shared counter (one for each kind of item).
 
 Sliding window: a unit's keys start at its first row's window start (p - window + 1); costs
 and splits count only the keys from there.
@@ -50,11 +50,14 @@ HEAD_ITEM_KEYS = 192      # a lone decode's KV heads are items of their own from
 
 @dataclass(frozen=True)
 class Plan:
-    """Work items ([n, ITEM_COLS] int64, columns named in attention_kernels, largest first),
-    threads to run them on, the merges of split items ([m, 6]) and the partial-state slots
-    they need, and the most rows an item has."""
+    """Work items ([n, ITEM_COLS] int64, columns named in attention_kernels): the `blocked`
+    first (several query tokens of one KV head, head dim a multiple of 4:
+    `attention_kernels.blocked_lane`), then the others, each kind largest first; threads to
+    run them on, the merges of split items ([m, 6]) and the partial-state slots they need,
+    and the most rows an item has."""
 
     items: np.ndarray
+    blocked: int
     lanes: int
     merges: np.ndarray
     num_parts: int
@@ -185,6 +188,9 @@ def build_plan(query_start_loc: np.ndarray, seq_lens: np.ndarray, num_kv_heads: 
                                                  tile_tokens, int(window),
                                                  _by_head(seq_lens, num_kv_heads, threads,
                                                           int(window)))
+    blocked = (items[:, NQ] > 1) & (items[:, KVH1] - items[:, KVH0] == 1) & \
+        (head_dim % 4 == 0)
     if len(items) > 1:
-        items = items[np.argsort(-cost, kind="stable")]
-    return Plan(items, max(1, min(threads, len(items))), merges, int(parts), int(rows_max))
+        items = items[np.lexsort((-cost, ~blocked))]      # stable: ties keep the plan's order
+    return Plan(items, int(blocked.sum()), max(1, min(threads, len(items))), merges,
+                int(parts), int(rows_max))
