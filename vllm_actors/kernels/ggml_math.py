@@ -151,28 +151,25 @@ def _silu_times(x, e, up):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(inline="always", cache=True)
-def _swiglu_row(gate_up, out, r, width):  # type: ignore[no-untyped-def]
-    """Row r: the whole vectors branch-free (clamped into the normal range, so the loop
-    vectorizes), then the rare elements outside it again through `expf`, then the tail
-    through libm's, as ggml's loop leaves it."""
+def _swiglu_row(gate_up, out, r, width, exp_normal, exp_any):  # type: ignore[no-untyped-def]
+    """Row r in `width` lanes, with ggml's exp of that width for the normal range
+    (`exp_normal`) and for any value (`exp_any`): the whole vectors branch-free (clamped into
+    the normal range, so the loop vectorizes), then the rare elements outside it again, then
+    the tail through libm's, as ggml's loop leaves it."""
     f = out.shape[1]
     whole = f - f % width
     g, u, o = gate_up[r, :whole], gate_up[r, f:f + whole], out[r, :whole]
-    if width == 16:          # a loop per width: a branch inside would keep it scalar
-        for i in range(whole):
-            o[i] = _silu_times(g[i], expf16_normal(_clamp(-g[i])), u[i])
-    else:
-        for i in range(whole):
-            o[i] = _silu_times(g[i], expf8_normal(_clamp(-g[i])), u[i])
+    for i in range(whole):
+        o[i] = _silu_times(g[i], exp_normal(_clamp(-g[i])), u[i])
     outside = 0                 # counted first: a loop with the exact call inside is slow
     for i in range(whole):
         outside += np.int32(not _NORMAL_LOW32 <= -g[i] <= _NORMAL_HIGH32)     # NaN too
     if outside:
         for i in range(whole):
             if not _NORMAL_LOW32 <= -g[i] <= _NORMAL_HIGH32:
-                o[i] = _silu_times(g[i], expf(-g[i], width), u[i])
-    # the tail through libm's exp, called directly: each inlined `expf` costs 0.4 s of a
-    # cold start's compile
+                o[i] = _silu_times(g[i], exp_any(-g[i]), u[i])
+    # the tail through libm's exp, called directly: each inlined exp costs 0.4 s of a cold
+    # start's compile
     for i in range(whole, f):
         e = np.float32(math.exp(np.float32(-gate_up[r, i])))
         out[r, i] = _silu_times(gate_up[r, i], e, gate_up[r, f + i])
@@ -181,16 +178,24 @@ def _swiglu_row(gate_up, out, r, width):  # type: ignore[no-untyped-def]
 # exact (no fast math), error_model="numpy": no zero-division check in the loops, so they
 # vectorize. One thread: a parallel form halved a 512-row prefill's SwiGLU (0.34 -> 0.17 ms)
 # and cost 1.5-2 s of compiling on a cold start (docs/BENCHMARKS.md, "The matmuls of many rows").
+# A kernel per width: a process compiles only its host's (both in one kernel cost 1.3 s more).
 @kernel(exact=True)
-def _swiglu_rows(gate_up, out, width):  # type: ignore[no-untyped-def]
+def _swiglu_rows8(gate_up, out):  # type: ignore[no-untyped-def]
     for r in range(out.shape[0]):
-        _swiglu_row(gate_up, out, r, width)
+        _swiglu_row(gate_up, out, r, 8, expf8_normal, expf8)
+
+
+@kernel(exact=True)
+def _swiglu_rows16(gate_up, out):  # type: ignore[no-untyped-def]
+    for r in range(out.shape[0]):
+        _swiglu_row(gate_up, out, r, 16, expf16_normal, expf16)
 
 
 def swiglu(gate_up: np.ndarray) -> np.ndarray:
     """gate_up [T, 2F] -> silu(gate) * up [T, F] as ggml's `ggml_vec_swiglu_f32`."""
     out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
-    _swiglu_rows(np.ascontiguousarray(gate_up, np.float32), out, ggml_width())
+    rows = _swiglu_rows16 if ggml_width() == 16 else _swiglu_rows8
+    rows(np.ascontiguousarray(gate_up, np.float32), out)
     return out
 
 
