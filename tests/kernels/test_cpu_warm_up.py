@@ -52,8 +52,9 @@ def test_cold_start_starts_one_helper_then_the_marker_skips_it(tmp_path, monkeyp
             started.append((sizes, attention))
 
         def wait(self, timeout):
-            # waited for after the 1-row step and the greedy kernels (compiled meanwhile)
-            assert model.sizes == [1] and backend.argmax_rows == [1, 2]
+            # waited for after the 1-row step and the one-row greedy kernel (compiled
+            # meanwhile); the helper compiles the greedy kernel of several rows
+            assert model.sizes == [1] and backend.argmax_rows == [1]
 
     monkeypatch.setattr(wu, "_start_helper", Helper)
     cache = ggml_attention.GgmlCache(np.zeros((2, 16, 1, 16), np.uint16),
@@ -61,6 +62,7 @@ def test_cold_start_starts_one_helper_then_the_marker_skips_it(tmp_path, monkeyp
     wu.warm_up(model, [cache], 16, 4096, backend, tmp_path / "model.gguf")
     assert started == [((3, 16, 64), wu.GGML_ATTENTION)]
     assert model.sizes == [1, 3, 16, 64] and model.logit_rows == [1, 3, 16, 64]
+    assert backend.argmax_rows == [1, 2]
     assert wu.marker_path().parent == tmp_path and wu.marker_path().exists()
     wu.warm_up(StubModel(), [], 16, 4096, CPU, tmp_path / "model.gguf")
     assert started == [((3, 16, 64), wu.GGML_ATTENTION)]     # warm: no second helper

@@ -65,12 +65,13 @@ def run_sizes(model: Any, kv_caches: list, block_size: int, sizes: tuple[int, ..
             model.compute_logits(hidden, np.arange(n))
 
 
-def warm_greedy(backend: Any) -> None:
+def warm_greedy(backend: Any, rows: tuple[int, ...] = (1, 2)) -> None:
     """Compile (or load) the greedy ids' kernels of a backend that takes the argmax on the
-    host logits (`host_logits`): one row runs the serial kernel, more the parallel one."""
+    host logits (`host_logits`) at each row count: one row runs the serial kernel, more the
+    parallel one."""
     if getattr(backend, "host_logits", False):
-        for rows in (1, 2):
-            backend.argmax(np.zeros((rows, 64), np.float32))
+        for n in rows:
+            backend.argmax(np.zeros((n, 64), np.float32))
 
 
 def marker_path() -> Path:
@@ -146,7 +147,8 @@ def warm_up(model: Any, kv_caches: list, block_size: int, max_model_len: int,
                                gguf_activations, attention_for_helper(kv_caches))
     try:
         run_sizes(model, kv_caches, block_size, first)
-        warm_greedy(backend)        # while the helper, if any, is still compiling
+        # while the helper, if any, compiles the rest (the parallel greedy kernel too)
+        warm_greedy(backend, (1,) if helper is not None else (1, 2))
     finally:
         if helper is not None:
             try:
@@ -155,6 +157,8 @@ def warm_up(model: Any, kv_caches: list, block_size: int, max_model_len: int,
                 helper.kill()
                 helper.wait()
     run_sizes(model, kv_caches, block_size, rest)
+    if helper is not None:
+        warm_greedy(backend, (2,))
     try:
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.touch()
@@ -164,8 +168,8 @@ def warm_up(model: Any, kv_caches: list, block_size: int, max_model_len: int,
 
 
 def main(argv: list[str]) -> None:
-    """The helper: compile the attention of steps of several tokens the engine's cache takes,
-    then load the model's weights on the cpu backend and compile its matmuls at `sizes` rows
+    """The helper: compile the attention of steps of several tokens the engine's cache takes
+    and the greedy ids of several rows, then load the model's weights on the cpu backend and compile its matmuls at `sizes` rows
     (argv: model path, comma-separated sizes, --gguf-activations, `attention_for_helper`)."""
     from vllm_actors.kernels.cpu.attention import compile_blocked_lane
     from vllm_actors.kernels.cpu.backend import CpuBackend
@@ -178,6 +182,7 @@ def main(argv: list[str]) -> None:
         compile_blocked_lane(argv[3][len(LANE):])
     path, sizes = argv[0], tuple(int(s) for s in argv[1].split(","))
     backend = CpuBackend()
+    warm_greedy(backend, (2,))
     load_model(resolve_model(path), backend, gguf_activations=argv[2])
     backend.compile_matmuls(sizes)
 
