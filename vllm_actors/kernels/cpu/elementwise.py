@@ -12,11 +12,18 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import prange
+from numba import carray, prange, types
 
 from vllm_actors.kernels.cpu.attention_math import exp2
-from vllm_actors.kernels.cpu.intrinsics import fma_f32, square_sums16, stack_f64
-from vllm_actors.kernels.cpu.jit import kernel
+from vllm_actors.kernels.cpu.intrinsics import (
+    call_address,
+    data_pointer,
+    fma_f32,
+    realign_stack,
+    square_sums16,
+    stack_f64,
+)
+from vllm_actors.kernels.cpu.jit import callback, kernel
 
 # From this many rows a kernel runs over rows in parallel.
 PARALLEL_ROWS = 16
@@ -82,13 +89,39 @@ def _rms_norm_serial(x, weight, eps, out):
         _rms_row(x[r], weight, eps, out[r])
 
 
+_F32P, _I64, _F64 = types.CPointer(types.float32), types.int64, types.float64
+
+
+@callback(_F32P, _F32P, _I64, _I64, _I64, _F32P, _F64, _F32P, _I64, _I64, exact=True)
+def _norm_rows(h_p, delta_p, add, rows, n, w_p, eps, out_p, r0, r1):  # type: ignore[no-untyped-def]
+    """Rows r0..r1-1 of h `[rows, n]`: h += delta first where `add` (the residual add of
+    `add_rms_norm`), then RMSNorm into out, a whole GROUP by `_rms_rows`. A
+    C callback, so that the parallel kernels that call it link none of its code (each
+    compiled in about a second less on a cold start)."""
+    realign_stack()
+    h, w, out = carray(h_p, (rows, n)), carray(w_p, (n,)), carray(out_p, (rows, n))
+    if add:
+        delta = carray(delta_p, (rows, n))
+        for r in range(r0, r1):
+            for i in range(n):
+                h[r, i] = h[r, i] + delta[r, i]
+    if r1 - r0 == GROUP:
+        _rms_rows(h, r0, w, eps, out)
+    else:
+        for r in range(r0, r1):
+            _rms_row(h[r], w, eps, out[r])
+
+
 @kernel(parallel=True)
-def _rms_norm_parallel(x, weight, eps, out):
-    whole = x.shape[0] // GROUP
-    for g in prange(whole):
-        _rms_rows(x, g * GROUP, weight, eps, out)
-    for r in range(whole * GROUP, x.shape[0]):
-        _rms_row(x[r], weight, eps, out[r])
+def _norm_parallel(fn, h, delta, add, weight, eps, out):  # type: ignore[no-untyped-def]
+    """`_norm_rows` by the callback at `fn` on each GROUP of rows (`add`: with the residual
+    add), shared among the threads; each row alone, so the split changes no value."""
+    rows, n = h.shape
+    for g in prange((rows + GROUP - 1) // GROUP):
+        r0 = np.int64(g * GROUP)
+        call_address(fn, (data_pointer(h), data_pointer(delta), np.int64(add), np.int64(rows),
+                          np.int64(n), data_pointer(weight), np.float64(eps),
+                          data_pointer(out), r0, np.int64(min(rows, r0 + GROUP))))
 
 
 @kernel
@@ -102,18 +135,6 @@ def _add_rms_row(h, delta, weight, eps, out):  # type: ignore[no-untyped-def]
 @kernel
 def _add_rms_norm_serial(h, delta, weight, eps, out):
     for r in range(h.shape[0]):
-        _add_rms_row(h[r], delta[r], weight, eps, out[r])
-
-
-@kernel(parallel=True)
-def _add_rms_norm_parallel(h, delta, weight, eps, out):
-    whole = h.shape[0] // GROUP
-    for g in prange(whole):
-        for r in range(g * GROUP, (g + 1) * GROUP):
-            for i in range(h.shape[1]):
-                h[r, i] = h[r, i] + delta[r, i]
-        _rms_rows(h, g * GROUP, weight, eps, out)
-    for r in range(whole * GROUP, h.shape[0]):
         _add_rms_row(h[r], delta[r], weight, eps, out[r])
 
 
@@ -300,6 +321,11 @@ def _rope_parallel(x, positions, cos, sin, rotary_dim, interleaved, fused):
         _rope_row(x[t], cos[p], sin[p], rotary_dim, interleaved, fused)
 
 
+def _contiguous(a: np.ndarray) -> np.ndarray:
+    """a as a C-contiguous float32 array (itself when it is one), for a callback's pointer."""
+    return np.ascontiguousarray(a, np.float32)
+
+
 def _rows(x: np.ndarray) -> np.ndarray:
     """x [..., n] as a 2-D [rows, n] array (a view when the layout allows)."""
     return x.reshape(-1, x.shape[-1])
@@ -310,7 +336,9 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     out = np.empty(x.shape, np.float32)
     rows = _rows(x)
     if len(rows) >= PARALLEL_ROWS:
-        _rms_norm_parallel(np.ascontiguousarray(rows), weight, eps, out.reshape(rows.shape))
+        rows = np.ascontiguousarray(rows)
+        _norm_parallel(_norm_rows.address, rows, rows, False, _contiguous(weight), eps,
+                       out.reshape(rows.shape))
     else:
         _rms_norm_serial(rows, weight, eps, out.reshape(rows.shape))
     return out
@@ -321,7 +349,8 @@ def add_rms_norm(h: np.ndarray, delta: np.ndarray, weight: np.ndarray, eps: floa
     """h += delta in place (the residual stream), then RMSNorm(h) as a new array."""
     out = np.empty(h.shape, np.float32)
     if len(h) >= PARALLEL_ROWS and h.flags.c_contiguous:
-        _add_rms_norm_parallel(h, delta, weight, eps, out)
+        _norm_parallel(_norm_rows.address, h, _contiguous(delta), True, _contiguous(weight),
+                       eps, out)
     else:
         _add_rms_norm_serial(h, delta, weight, eps, out)
     return out
