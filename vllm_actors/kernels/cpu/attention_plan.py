@@ -64,7 +64,7 @@ class Plan:
     rows_max: int
 
 
-@kernel
+@kernel(inline=True)      # a kernel of its own compiled once per literal argument: 4 times
 def _put(units, u, tok0, nq, pos0, kend, kvh0, kvh1, req, window):
     units[u, 0] = tok0
     units[u, 1] = nq
