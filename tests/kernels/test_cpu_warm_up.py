@@ -32,9 +32,16 @@ class StubBackend:
 
     def __init__(self) -> None:
         self.argmax_rows: list[int] = []
+        self.matmuls: list[list[int]] = []
 
     def argmax(self, logits):
         self.argmax_rows.append(len(logits))
+
+    def matmul_kinds(self):
+        return 3
+
+    def compile_matmuls(self, sizes, kinds):
+        self.matmuls.append(list(kinds))
 
 
 CPU = StubBackend()
@@ -48,13 +55,22 @@ def test_cold_start_starts_one_helper_then_the_marker_skips_it(tmp_path, monkeyp
     backend = StubBackend()
 
     class Helper:
-        def __init__(self, path, sizes, semantics, attention):
-            started.append((sizes, attention))
+        """Has taken the attention, the greedy ids and the first matmul kind when the
+        engine's 1-row step is done, and runs until it is waited for."""
+
+        def __init__(self, path, semantics, work):
+            started.append((work.sizes, work.attention))
+            for task in ("attention", "greedy", "matmul0"):
+                assert work.take(task)
+
+        def poll(self):
+            return None
 
         def wait(self, timeout):
-            # waited for after the 1-row step and the one-row greedy kernel (compiled
-            # meanwhile); the helper compiles the greedy kernel of several rows
+            # waited for after the 1-row step, the one-row greedy kernel and the matmul
+            # kinds the helper had not taken, from the back
             assert model.sizes == [1] and backend.argmax_rows == [1]
+            assert backend.matmuls == [[2], [1]]
 
     monkeypatch.setattr(wu, "_start_helper", Helper)
     cache = ggml_attention.GgmlCache(np.zeros((2, 16, 1, 16), np.uint16),
@@ -62,7 +78,7 @@ def test_cold_start_starts_one_helper_then_the_marker_skips_it(tmp_path, monkeyp
     wu.warm_up(model, [cache], 16, 4096, backend, tmp_path / "model.gguf")
     assert started == [((3, 16, 64), wu.GGML_ATTENTION)]
     assert model.sizes == [1, 3, 16, 64] and model.logit_rows == [1, 3, 16, 64]
-    assert backend.argmax_rows == [1, 2]
+    assert backend.argmax_rows == [1, 2]         # several rows: loaded after the wait
     assert wu.marker_path().parent == tmp_path and wu.marker_path().exists()
     wu.warm_up(StubModel(), [], 16, 4096, CPU, tmp_path / "model.gguf")
     assert started == [((3, 16, 64), wu.GGML_ATTENTION)]     # warm: no second helper
@@ -85,7 +101,7 @@ def test_no_helper_without_a_model_path_and_sizes_capped_by_the_context(tmp_path
     assert started == [] and model.sizes == [1, 3, 10]
 
 
-def test_helper_compiles_each_weight_types_matmul_paths(smollm2_path):
+def test_helper_compiles_each_weight_types_matmul_paths(smollm2_path, tmp_path):
     """The helper process (as the engine starts it, under the default semantics) leaves the
     integer kernels of SmolLM2's Q4_1 and Q8_0 weights for its larger steps compiled (`qwide`:
     the Q4_1 linears interleaved, the Q8_0 head the tied embedding as stored), the ones the
@@ -103,8 +119,8 @@ def test_helper_compiles_each_weight_types_matmul_paths(smollm2_path):
         "print(json.dumps(['address' in vars(c) for c in\n"
         "                  bodies + [ga._PREFILL_ITEM, ga._DECODE_ITEM]]))\n")
     done = subprocess.run([sys.executable, "-c", script, str(smollm2_path), "16,64",
-                           "quantized", wu.GGML_ATTENTION], capture_output=True, text=True,
-                          timeout=600)
+                           "quantized", wu.GGML_ATTENTION, str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     compiled = json.loads(done.stdout.strip().splitlines()[-1])
     # Q4_1 (kind 4) and Q8_0 (kind 8) in `qwide`, which the larger steps take, not the GEMV's
@@ -112,9 +128,10 @@ def test_helper_compiles_each_weight_types_matmul_paths(smollm2_path):
     assert compiled == [False, False, False, False, True, True, True, False]
 
 
-def test_helper_compiles_the_attention_it_is_named(monkeypatch):
-    """The helper's fourth argument picks the attention it compiles before the matmuls:
-    llama.cpp's item of several tokens, the backend's blocked lane of a cache kind, or none."""
+def test_helper_compiles_the_attention_it_is_named(tmp_path, monkeypatch):
+    """The helper's tasks: the attention it is named (llama.cpp's item of several tokens,
+    the backend's blocked lane of a cache kind, or none), the greedy ids of several rows,
+    then the matmul kinds, each unless the engine has taken it."""
     from vllm_actors.kernels.cpu import attention, attention_kernels, backend
     from vllm_actors.loaders import model_files
     from vllm_actors.models import registry
@@ -123,10 +140,17 @@ def test_helper_compiles_the_attention_it_is_named(monkeypatch):
     monkeypatch.setattr(ggml_attention, "compile_prefill", lambda: done.append("ggml"))
     monkeypatch.setattr(model_files, "resolve_model", lambda path: path)
     monkeypatch.setattr(registry, "load_model", lambda *args, **kwargs: None)
+    monkeypatch.setattr(backend.CpuBackend, "matmul_kinds", lambda self: 2)
     monkeypatch.setattr(backend.CpuBackend, "compile_matmuls",
-                        lambda self, sizes: done.append(sizes))
-    for spec in (wu.GGML_ATTENTION, "lane:float32:0", "-"):
-        wu.main(["model.gguf", "3,16", "quantized", spec])
-    assert done == ["ggml", (3, 16), (3, 16), (3, 16)]
+                        lambda self, sizes, kinds: done.append((sizes, kinds)))
+    for i, spec in enumerate((wu.GGML_ATTENTION, "lane:float32:0", "-", wu.GGML_ATTENTION)):
+        folder = tmp_path / str(i)
+        folder.mkdir()
+        if i == 3:                          # the engine took these
+            (folder / "attention").touch()
+            (folder / "matmul1").touch()
+        wu.main(["model.gguf", "3,16", "quantized", spec, str(folder)])
+    assert done == ["ggml", ((3, 16), [0]), ((3, 16), [1]), ((3, 16), [0]), ((3, 16), [1]),
+                    ((3, 16), [0]), ((3, 16), [1]), ((3, 16), [0])]
     assert "address" in vars(attention_kernels.lane_callback("float32", False, True))
     assert attention.blocked_lane_of((np.zeros((1, 16, 2, 64), np.uint16),) * 2) == "uint16:0"

@@ -7,14 +7,17 @@ path too.
 The first start compiles every kernel: numba, one core. When the kernel cache is cold, a
 second CPU is free and memory allows a second copy of the weights, a helper process (`python
 -m vllm_actors.workers.warm_up`) compiles into the same on-disk cache while this process runs
-its 1-row step (the one-row GEMVs, one-token attention, the elementwise kernels): first the
-attention of steps of several tokens (`ggml_attention.compile_prefill` where the cache takes
-llama.cpp's attention, else the backend's blocked lane: `attention.compile_blocked_lane`),
-then, with the weights loaded, the multi-row (2..15 rows) and 3/16/64-row matmul kernels of
-each weight type (`CpuBackend.compile_matmuls`). This process then waits for it and runs 3, 16 and 64 rows, loading what the helper compiled. The two
-processes compile different kernels: where both ran the same steps, attention compiled
-twice (measured: 42.4 s alone, 40.1 s with such a helper). A marker file per kernel-source
-state records a finished warm-up, so warm starts (2-3 s) start no helper.
+its 1-row step (the one-row GEMVs, one-token attention, the elementwise kernels). The rest is
+shared as tasks (`SharedWork`): the attention of steps of several tokens
+(`ggml_attention.compile_prefill` where the cache takes llama.cpp's attention, else the
+backend's blocked lane: `attention.compile_blocked_lane`), the greedy ids of several rows,
+and, with the weights loaded, the multi-row (2..15 rows) and 3/16/64-row matmul kernels of
+each kind of weight (`CpuBackend.compile_matmuls`). The helper takes them in that order, this
+process from the back once its 1-row step is done; it then waits for the helper and runs 3,
+16 and 64 rows, loading what was compiled. The two processes compile different kernels:
+where both ran the same steps, attention compiled twice (measured: 42.4 s alone, 40.1 s with
+such a helper). A marker file per kernel-source state records a finished warm-up, so warm
+starts (2-3 s) start no helper.
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -101,12 +106,50 @@ def attention_for_helper(kv_caches: list) -> str:
     return LANE + spec if spec else "-"
 
 
-def _start_helper(model_path: str, sizes: tuple[int, ...], gguf_activations: str,
-                  attention: str) -> subprocess.Popen | None:
+class SharedWork:
+    """The compile work a cold start shares between the engine and its helper, as tasks:
+    the attention of several tokens (`attention_for_helper`), the greedy ids of several
+    rows, and the matmuls of each kind of weight (`CpuBackend.compile_matmuls`). The helper
+    takes them from the front, the engine from the back once its 1-row step is done, so the
+    one that finishes its own work first takes more; a task is run by the process that
+    creates its file in `folder` first."""
+
+    def __init__(self, folder: Path, attention: str, sizes: tuple[int, ...]) -> None:
+        self.folder, self.attention, self.sizes = folder, attention, sizes
+
+    def tasks(self, backend: Any) -> list[str]:
+        return ["attention", "greedy"] + [f"matmul{i}" for i in range(backend.matmul_kinds())]
+
+    def take(self, task: str) -> bool:
+        try:
+            os.close(os.open(self.folder / task, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        except OSError:         # no shared folder: each process compiles what it needs
+            return True
+        return True
+
+    def run(self, task: str, backend: Any) -> None:
+        """Compile (or load from the cache) what `task` names."""
+        from vllm_actors.kernels.cpu.attention import compile_blocked_lane
+
+        if task == "greedy":
+            warm_greedy(backend, (2,))
+        elif task.startswith("matmul"):
+            backend.compile_matmuls(self.sizes, [int(task[len("matmul"):])])
+        elif self.attention == GGML_ATTENTION:
+            ggml_attention.compile_prefill()
+        elif self.attention.startswith(LANE):
+            compile_blocked_lane(self.attention[len(LANE):])
+
+
+def _start_helper(model_path: str, gguf_activations: str, work: SharedWork
+                  ) -> subprocess.Popen | None:
     try:
         return subprocess.Popen(
             [sys.executable, "-m", "vllm_actors.workers.warm_up", model_path,
-             ",".join(map(str, sizes)), gguf_activations, attention],
+             ",".join(map(str, work.sizes)), gguf_activations, work.attention,
+             str(work.folder)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     except OSError as e:            # no helper: this process compiles everything itself
         logger.warning("kernel compile helper did not start: %s", e)
@@ -138,17 +181,19 @@ def warm_up(model: Any, kv_caches: list, block_size: int, max_model_len: int,
     first = tuple(min(n, max_model_len) for n in FIRST_SIZES)
     rest = tuple(min(n, max_model_len) for n in STEP_SIZES)
     marker = marker_path()
-    helper = None
+    helper, work = None, None
     if backend_name == "cpu" and model_path is not None and not marker.exists() \
             and _helper_fits(Path(model_path)):
         logger.info("first start: a helper process compiles the larger-step kernels")
-        helper = _start_helper(str(model_path), tuple(min(n, max_model_len)
-                                                      for n in HELPER_SIZES),
-                               gguf_activations, attention_for_helper(kv_caches))
+        work = SharedWork(Path(tempfile.mkdtemp(prefix="vllm-actors-warm-up-")),
+                          attention_for_helper(kv_caches),
+                          tuple(min(n, max_model_len) for n in HELPER_SIZES))
+        helper = _start_helper(str(model_path), gguf_activations, work)
     try:
         run_sizes(model, kv_caches, block_size, first)
-        # while the helper, if any, compiles the rest (the parallel greedy kernel too)
         warm_greedy(backend, (1,) if helper is not None else (1, 2))
+        if helper is not None:
+            _share(helper, work, backend)
     finally:
         if helper is not None:
             try:
@@ -156,9 +201,11 @@ def warm_up(model: Any, kv_caches: list, block_size: int, max_model_len: int,
             except subprocess.TimeoutExpired:
                 helper.kill()
                 helper.wait()
+        if work is not None:
+            shutil.rmtree(work.folder, ignore_errors=True)
     run_sizes(model, kv_caches, block_size, rest)
     if helper is not None:
-        warm_greedy(backend, (2,))
+        warm_greedy(backend, (2,))      # loaded: a task of the shared work
     try:
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.touch()
@@ -167,24 +214,33 @@ def warm_up(model: Any, kv_caches: list, block_size: int, max_model_len: int,
     logger.info("%s kernels ready in %.1f s", backend_name, time.perf_counter() - start)
 
 
+def _share(helper: subprocess.Popen, work: SharedWork, backend: Any) -> None:
+    """The engine's part of the shared work: the tasks the helper has not taken, from the
+    back, while it runs (after it, the larger steps compile what is left)."""
+    for task in reversed(work.tasks(backend)):
+        if helper.poll() is not None:
+            return
+        if work.take(task):
+            work.run(task, backend)
+
+
 def main(argv: list[str]) -> None:
-    """The helper: compile the attention of steps of several tokens the engine's cache takes
-    and the greedy ids of several rows, then load the model's weights on the cpu backend and compile its matmuls at `sizes` rows
-    (argv: model path, comma-separated sizes, --gguf-activations, `attention_for_helper`)."""
-    from vllm_actors.kernels.cpu.attention import compile_blocked_lane
+    """The helper: the shared work's tasks from the front (`SharedWork`), the model's
+    weights loaded on the cpu backend before the matmuls (argv: model path, comma-separated
+    sizes, --gguf-activations, `attention_for_helper`, the work's folder)."""
     from vllm_actors.kernels.cpu.backend import CpuBackend
     from vllm_actors.loaders.model_files import resolve_model
     from vllm_actors.models.registry import load_model
 
-    if argv[3] == GGML_ATTENTION:
-        ggml_attention.compile_prefill()
-    elif argv[3].startswith(LANE):
-        compile_blocked_lane(argv[3][len(LANE):])
-    path, sizes = argv[0], tuple(int(s) for s in argv[1].split(","))
+    work = SharedWork(Path(argv[4]), argv[3], tuple(int(s) for s in argv[1].split(",")))
     backend = CpuBackend()
-    warm_greedy(backend, (2,))
-    load_model(resolve_model(path), backend, gguf_activations=argv[2])
-    backend.compile_matmuls(sizes)
+    for task in ("attention", "greedy"):
+        if work.take(task):
+            work.run(task, backend)
+    load_model(resolve_model(argv[0]), backend, gguf_activations=argv[2])
+    for task in work.tasks(backend)[2:]:
+        if work.take(task):
+            work.run(task, backend)
 
 
 if __name__ == "__main__":

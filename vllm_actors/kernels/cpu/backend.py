@@ -184,20 +184,27 @@ class CpuBackend:
                 self._smallest[key] = Linear((m,), (fmt,) if linear.formats else ())
         return linear
 
-    def compile_matmuls(self, rows: Sequence[int]) -> None:
+    def matmul_kinds(self) -> int:
+        """How many kinds of matmul kernels the weights uploaded so far run on (by weight
+        type and layout): `compile_matmuls` takes them by index."""
+        return len(self._smallest)
+
+    def compile_matmuls(self, rows: Sequence[int], kinds: Sequence[int] | None = None
+                        ) -> None:
         """Compile (or load from the cache) the matmul kernels of every weight type uploaded
-        so far at each row count in `rows` (the cold-start compile helper of
-        `workers.warm_up` runs this beside the engine's own warm-up), the multi-row GEMVs
-        (`qmatmul.multi_gemv`) first: the engine reaches them at 3 rows, after its 1-row
-        step, and then loads them from the cache instead of compiling them itself. Under the
-        quantized semantics both a request of n rows and n one-row requests: llama.cpp's
-        kernel, so ours, depends on the request's size."""
-        for linear in self._smallest.values():
+        so far (or of the `kinds` by index: the cold-start compile work `workers.warm_up`
+        shares between the engine and its helper) at each row count in `rows`, the multi-row
+        GEMVs (`qmatmul.multi_gemv`) first. Under the quantized semantics both a request of
+        n rows and n one-row requests: llama.cpp's kernel, so ours, depends on the request's
+        size."""
+        linears = list(self._smallest.values())
+        chosen = linears if kinds is None else [linears[i] for i in kinds]
+        for linear in chosen:
             m = linear.parts[0]
             if not linear.formats and m.qtype in qmatmul.MULTI_MAX_ROWS:
                 qmatmul.multi_gemv(m, np.zeros((2, m.cols), np.float32),
                                    np.empty((2, m.rows), np.float32))
-        for linear in self._smallest.values():
+        for linear in chosen:
             for n in rows:
                 x = np.zeros((n, linear.parts[0].cols), np.float32)
                 self._linear(x, linear, None, None)           # a request of n rows
