@@ -55,21 +55,21 @@ def test_cold_start_starts_one_helper_then_the_marker_skips_it(tmp_path, monkeyp
     backend = StubBackend()
 
     class Helper:
-        """Has taken the attention, the greedy ids and the first matmul kind when the
-        engine's 1-row step is done, and runs until it is waited for."""
+        """Has taken the first matmul kind and the attention when the engine's 1-row step
+        is done, and runs until it is waited for."""
 
         def __init__(self, path, semantics, work):
             started.append((work.sizes, work.attention))
-            for task in ("attention", "greedy", "matmul0"):
+            for task in ("matmul0", "attention"):
                 assert work.take(task)
 
         def poll(self):
             return None
 
         def wait(self, timeout):
-            # waited for after the 1-row step, the one-row greedy kernel and the matmul
-            # kinds the helper had not taken, from the back
-            assert model.sizes == [1] and backend.argmax_rows == [1]
+            # waited for after the 1-row step, the one-row greedy kernel and the tasks the
+            # helper had not taken, from the back: the greedy ids of two rows, matmul kinds
+            assert model.sizes == [1] and backend.argmax_rows == [1, 2]
             assert backend.matmuls == [[2], [1]]
 
     monkeypatch.setattr(wu, "_start_helper", Helper)
@@ -78,7 +78,7 @@ def test_cold_start_starts_one_helper_then_the_marker_skips_it(tmp_path, monkeyp
     wu.warm_up(model, [cache], 16, 4096, backend, tmp_path / "model.gguf")
     assert started == [((3, 16, 64), wu.GGML_ATTENTION)]
     assert model.sizes == [1, 3, 16, 64] and model.logit_rows == [1, 3, 16, 64]
-    assert backend.argmax_rows == [1, 2]         # several rows: loaded after the wait
+    assert backend.argmax_rows == [1, 2, 2]      # several rows: loaded after the wait
     assert wu.marker_path().parent == tmp_path and wu.marker_path().exists()
     wu.warm_up(StubModel(), [], 16, 4096, CPU, tmp_path / "model.gguf")
     assert started == [((3, 16, 64), wu.GGML_ATTENTION)]     # warm: no second helper
@@ -129,9 +129,9 @@ def test_helper_compiles_each_weight_types_matmul_paths(smollm2_path, tmp_path):
 
 
 def test_helper_compiles_the_attention_it_is_named(tmp_path, monkeypatch):
-    """The helper's tasks: the attention it is named (llama.cpp's item of several tokens,
-    the backend's blocked lane of a cache kind, or none), the greedy ids of several rows,
-    then the matmul kinds, each unless the engine has taken it."""
+    """The helper's tasks: the matmul kinds, the greedy ids of several rows, then the
+    attention it is named (llama.cpp's item of several tokens, the backend's blocked lane of
+    a cache kind, or none), each unless the engine has taken it."""
     from vllm_actors.kernels.cpu import attention, attention_kernels, backend
     from vllm_actors.loaders import model_files
     from vllm_actors.models import registry
@@ -150,7 +150,7 @@ def test_helper_compiles_the_attention_it_is_named(tmp_path, monkeypatch):
             (folder / "attention").touch()
             (folder / "matmul1").touch()
         wu.main(["model.gguf", "3,16", "quantized", spec, str(folder)])
-    assert done == ["ggml", ((3, 16), [0]), ((3, 16), [1]), ((3, 16), [0]), ((3, 16), [1]),
+    assert done == [((3, 16), [0]), ((3, 16), [1]), "ggml", ((3, 16), [0]), ((3, 16), [1]),
                     ((3, 16), [0]), ((3, 16), [1]), ((3, 16), [0])]
     assert "address" in vars(attention_kernels.lane_callback("float32", False, True))
     assert attention.blocked_lane_of((np.zeros((1, 16, 2, 64), np.uint16),) * 2) == "uint16:0"

@@ -8,16 +8,16 @@ The first start compiles every kernel: numba, one core. When the kernel cache is
 second CPU is free and memory allows a second copy of the weights, a helper process (`python
 -m vllm_actors.workers.warm_up`) compiles into the same on-disk cache while this process runs
 its 1-row step (the one-row GEMVs, one-token attention, the elementwise kernels). The rest is
-shared as tasks (`SharedWork`): the attention of steps of several tokens
+shared as tasks (`SharedWork`): with the weights loaded, the multi-row (2..15 rows) and
+3/16/64-row matmul kernels of each kind of weight (`CpuBackend.compile_matmuls`), the greedy
+ids of several rows, and the attention of steps of several tokens
 (`ggml_attention.compile_prefill` where the cache takes llama.cpp's attention, else the
-backend's blocked lane: `attention.compile_blocked_lane`), the greedy ids of several rows,
-and, with the weights loaded, the multi-row (2..15 rows) and 3/16/64-row matmul kernels of
-each kind of weight (`CpuBackend.compile_matmuls`). The helper takes them in that order, this
-process from the back once its 1-row step is done; it then waits for the helper and runs 3,
-16 and 64 rows, loading what was compiled. The two processes compile different kernels:
-where both ran the same steps, attention compiled twice (measured: 42.4 s alone, 40.1 s with
-such a helper). A marker file per kernel-source state records a finished warm-up, so warm
-starts (2-3 s) start no helper.
+backend's blocked lane: `attention.compile_blocked_lane`). The helper takes them in that
+order, this process from the back once its 1-row step is done; it then waits for the helper
+and runs 3, 16 and 64 rows, loading what was compiled. The two processes compile different
+kernels: where both ran the same steps, attention compiled twice (measured: 42.4 s alone,
+40.1 s with such a helper). A marker file per kernel-source state records a finished
+warm-up, so warm starts (2-3 s) start no helper.
 """
 
 from __future__ import annotations
@@ -108,8 +108,8 @@ def attention_for_helper(kv_caches: list) -> str:
 
 class SharedWork:
     """The compile work a cold start shares between the engine and its helper, as tasks:
-    the attention of several tokens (`attention_for_helper`), the greedy ids of several
-    rows, and the matmuls of each kind of weight (`CpuBackend.compile_matmuls`). The helper
+    the matmuls of each kind of weight (`CpuBackend.compile_matmuls`), the greedy ids of
+    several rows and the attention of several tokens (`attention_for_helper`). The helper
     takes them from the front, the engine from the back once its 1-row step is done, so the
     one that finishes its own work first takes more; a task is run by the process that
     creates its file in `folder` first."""
@@ -118,7 +118,9 @@ class SharedWork:
         self.folder, self.attention, self.sizes = folder, attention, sizes
 
     def tasks(self, backend: Any) -> list[str]:
-        return ["attention", "greedy"] + [f"matmul{i}" for i in range(backend.matmul_kinds())]
+        """In the helper's order: the matmuls first, which the engine's 1-row step shares
+        some kernels with (it loads those the helper has compiled)."""
+        return [f"matmul{i}" for i in range(backend.matmul_kinds())] + ["greedy", "attention"]
 
     def take(self, task: str) -> bool:
         try:
@@ -225,20 +227,17 @@ def _share(helper: subprocess.Popen, work: SharedWork, backend: Any) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """The helper: the shared work's tasks from the front (`SharedWork`), the model's
-    weights loaded on the cpu backend before the matmuls (argv: model path, comma-separated
-    sizes, --gguf-activations, `attention_for_helper`, the work's folder)."""
+    """The helper: the model's weights loaded on the cpu backend, then the shared work's
+    tasks from the front (`SharedWork`; argv: model path, comma-separated sizes,
+    --gguf-activations, `attention_for_helper`, the work's folder)."""
     from vllm_actors.kernels.cpu.backend import CpuBackend
     from vllm_actors.loaders.model_files import resolve_model
     from vllm_actors.models.registry import load_model
 
     work = SharedWork(Path(argv[4]), argv[3], tuple(int(s) for s in argv[1].split(",")))
     backend = CpuBackend()
-    for task in ("attention", "greedy"):
-        if work.take(task):
-            work.run(task, backend)
     load_model(resolve_model(argv[0]), backend, gguf_activations=argv[2])
-    for task in work.tasks(backend)[2:]:
+    for task in work.tasks(backend):
         if work.take(task):
             work.run(task, backend)
 
