@@ -9,6 +9,8 @@ import sys
 import numpy as np
 
 from vllm_actors.kernels import ggml_attention
+from vllm_actors.kernels.cpu import elementwise
+from vllm_actors.kernels.ops import AttentionMetadata
 from vllm_actors.workers import warm_up as wu
 
 
@@ -68,11 +70,14 @@ def test_cold_start_starts_one_helper_then_the_marker_skips_it(tmp_path, monkeyp
 
         def wait(self, timeout):
             # waited for after the 1-row step, the one-row greedy kernel and the tasks the
-            # helper had not taken, from the back: the greedy ids of two rows, matmul kinds
+            # helper had not taken, from the back: RMSNorm's rows, the greedy ids of two
+            # rows, matmul kinds
             assert model.sizes == [1] and backend.argmax_rows == [1, 2]
-            assert backend.matmuls == [[2], [1]]
+            assert backend.matmuls == ["norm", [2], [1]]
 
     monkeypatch.setattr(wu, "_start_helper", Helper)
+    monkeypatch.setattr(elementwise, "compile_norm_rows",
+                        lambda: backend.matmuls.append("norm"))
     cache = ggml_attention.GgmlCache(np.zeros((2, 16, 1, 16), np.uint16),
                                      np.zeros((2, 16, 1, 16), np.uint16))
     wu.warm_up(model, [cache], 16, 4096, backend, tmp_path / "model.gguf")
@@ -129,9 +134,10 @@ def test_helper_compiles_each_weight_types_matmul_paths(smollm2_path, tmp_path):
 
 
 def test_helper_compiles_the_attention_it_is_named(tmp_path, monkeypatch):
-    """The helper's tasks: the matmul kinds, the greedy ids of several rows, then the
-    attention it is named (llama.cpp's item of several tokens, the backend's blocked lane of
-    a cache kind, or none), each unless the engine has taken it."""
+    """The helper's tasks: the matmul kinds, the greedy ids of several rows, the attention
+    it is named (llama.cpp's item of several tokens, the backend's blocked lane of a cache
+    kind and the parallel entry it runs through, or none), then RMSNorm's rows, each unless
+    the engine has taken it."""
     from vllm_actors.kernels.cpu import attention, attention_kernels, backend
     from vllm_actors.loaders import model_files
     from vllm_actors.models import registry
@@ -154,3 +160,12 @@ def test_helper_compiles_the_attention_it_is_named(tmp_path, monkeypatch):
                     ((3, 16), [0]), ((3, 16), [1]), ((3, 16), [0])]
     assert "address" in vars(attention_kernels.lane_callback("float32", False, True))
     assert attention.blocked_lane_of((np.zeros((1, 16, 2, 64), np.uint16),) * 2) == "uint16:0"
+    # the parallel entry compiled as a step calls it: a prefill of other shapes adds none
+    compiled = len(attention_kernels.run_items.signatures)
+    cache = attention.allocate_kv_cache(1, 4, 32, 2, 128, "float32")[0]
+    meta = AttentionMetadata(np.array([0, 5, 12, 20], np.int32), np.array([5, 7, 8], np.int32),
+                             np.arange(3, dtype=np.int32).reshape(3, 1) + 1,
+                             np.arange(20, dtype=np.int64), 32)
+    out = attention.paged_attention(np.ones((20, 4, 128), np.float32), cache,
+                                    attention.prepare(meta, threads=2), 0.1)
+    assert np.isfinite(out).all() and len(attention_kernels.run_items.signatures) == compiled

@@ -109,7 +109,8 @@ def attention_for_helper(kv_caches: list) -> str:
 class SharedWork:
     """The compile work a cold start shares between the engine and its helper, as tasks:
     the matmuls of each kind of weight (`CpuBackend.compile_matmuls`), the greedy ids of
-    several rows and the attention of several tokens (`attention_for_helper`). The helper
+    several rows, the attention of several tokens (`attention_for_helper`) and the rows'
+    code of the parallel RMSNorm (`elementwise.compile_norm_rows`). The helper
     takes them from the front, the engine from the back once its 1-row step is done, so the
     one that finishes its own work first takes more; a task is run by the process that
     creates its file in `folder` first."""
@@ -120,7 +121,8 @@ class SharedWork:
     def tasks(self, backend: Any) -> list[str]:
         """In the helper's order: the matmuls first, which the engine's 1-row step shares
         some kernels with (it loads those the helper has compiled)."""
-        return [f"matmul{i}" for i in range(backend.matmul_kinds())] + ["greedy", "attention"]
+        return [f"matmul{i}" for i in range(backend.matmul_kinds())] + \
+            ["greedy", "attention", "norm"]
 
     def take(self, task: str) -> bool:
         try:
@@ -134,9 +136,12 @@ class SharedWork:
     def run(self, task: str, backend: Any) -> None:
         """Compile (or load from the cache) what `task` names."""
         from vllm_actors.kernels.cpu.attention import compile_blocked_lane
+        from vllm_actors.kernels.cpu.elementwise import compile_norm_rows
 
         if task == "greedy":
             warm_greedy(backend, (2,))
+        elif task == "norm":
+            compile_norm_rows()
         elif task.startswith("matmul"):
             backend.compile_matmuls(self.sizes, [int(task[len("matmul"):])])
         elif self.attention == GGML_ATTENTION:

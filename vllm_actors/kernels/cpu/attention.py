@@ -284,9 +284,24 @@ def blocked_lane_of(kv_cache) -> str:  # type: ignore[no-untyped-def]
 
 
 def compile_blocked_lane(spec: str) -> None:
-    """Compile (or load from the cache) the blocked lane `blocked_lane_of` named."""
+    """Compile (or load from the cache) the blocked lane `blocked_lane_of` named and, for a
+    float32 or float16 cache, the parallel entry that steps of several tokens run it through
+    (`run_items`)."""
     dtype, quantized = spec.split(":")
     lane_callback(dtype, quantized == "1", True).address   # noqa: B018
+    if quantized == "0":
+        _two_prompts("float16" if dtype == "uint16" else dtype)
+
+
+def _two_prompts(dtype: str) -> None:
+    """Attention of two 3-token prompts over a one-block cache of `dtype`, planned for two
+    threads: blocked items only, so `run_items` compiles with the argument types a step's
+    call gives it, and the row lane does not compile."""
+    block = 16
+    cache = allocate_kv_cache(1, 2, block, 1, 64, dtype)[0]
+    meta = AttentionMetadata(np.array([0, 3, 6], np.int32), np.array([3, 3], np.int32),
+                             np.ones((2, 1), np.int32), np.full(6, -1, np.int64), block)
+    paged_attention(np.zeros((6, 1, 64), np.float32), cache, prepare(meta, threads=2), 1.0)
 
 
 def paged_attention(q: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarray],

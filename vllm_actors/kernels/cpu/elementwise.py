@@ -112,6 +112,12 @@ def _norm_rows(h_p, delta_p, add, rows, n, w_p, eps, out_p, r0, r1):  # type: ig
             _rms_row(h[r], w, eps, out[r])
 
 
+def compile_norm_rows() -> None:
+    """Compile (or load from the cache) `_norm_rows`, whose types its signature fixes (a
+    task of the cold start's shared compile work, `workers.warm_up.SharedWork`)."""
+    _norm_rows.address   # noqa: B018
+
+
 @kernel(parallel=True)
 def _norm_parallel(fn, h, delta, add, weight, eps, out):  # type: ignore[no-untyped-def]
     """`_norm_rows` by the callback at `fn` on each GROUP of rows (`add`: with the residual
