@@ -112,6 +112,13 @@ def finish_rows(tok0, nq, g, kvh0, kvh1, m, l, acc, part, out, pm, pl, pacc, sin
 
 
 @kernel(inline=True)
+def _staging(tile, dh):  # type: ignore[no-untyped-def]
+    """A lane's buffers for `tile` key and value rows staged as float32, and their offsets."""
+    return (np.empty(tile * dh, np.float32), np.empty(tile * dh, np.float32),
+            np.empty(tile, np.uint64))
+
+
+@kernel(inline=True)
 def row_lane(q, kc, vc, block_tables, shift, hk, items, counter, g, rows_max, qscale, window,
              cap, sinks, out, pm, pl, pacc):
     """One thread's share of the items `attend_item` runs, taken in order from the shared
@@ -124,9 +131,7 @@ def row_lane(q, kc, vc, block_tables, shift, hk, items, counter, g, rows_max, qs
     s = np.empty((rows_max, TK), np.float32)
     m = np.empty(rows_max, np.float32)
     l = np.empty(rows_max, np.float32)
-    kbuf = np.empty(TK * dh, np.float32)
-    vbuf = np.empty(TK * dh, np.float32)
-    offs = np.empty(TK, np.uint64)
+    kbuf, vbuf, offs = _staging(TK, dh)
     it = fetch_add(counter, 1)
     while it < items.shape[0]:
         tok0 = items[it, TOK0]
@@ -154,10 +159,7 @@ def blocked_lane(q, kc, vc, block_tables, shift, hk, items, counter, g, rows_max
     m = np.empty(ldp, np.float32)
     l = np.empty(ldp, np.float32)
     mref = np.empty(ldp, np.float32)
-    tile = max(TK, PK)
-    kbuf = np.empty(tile * dh, np.float32)
-    vbuf = np.empty(tile * dh, np.float32)
-    offs = np.empty(tile, np.uint64)
+    kbuf, vbuf, offs = _staging(max(TK, PK), dh)
     it = fetch_add(counter, 1)
     while it < items.shape[0]:
         tok0 = items[it, TOK0]
