@@ -228,7 +228,8 @@ def _call_terms(attn: CpuAttention, num_kv_heads: int, g: int, head_dim: int, wi
     """(plan, the blocked and row lane callbacks' addresses (0 where no item takes one), block
     shift, scale, window, soft-cap and sinks as the kernels take them) of a call: the same
     for every layer of a step, so kept in the step's plans (a small model's one-token call
-    spent much of its time building them: docs/BENCHMARKS.md). Sinks are per layer, so a call with them builds its own."""
+    spent much of its time building them: docs/BENCHMARKS.md). Sinks are per layer, so a
+    call with them builds its own."""
     key = ("call", num_kv_heads, g, head_dim, window, scale, softcap, dtype, quantized,
            attn.block_size)    # layouts of equal lengths share plans across block sizes
     found = attn.plans.get(key) if sinks is None else None

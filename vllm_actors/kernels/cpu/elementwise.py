@@ -95,10 +95,10 @@ _F32P, _I64, _F64 = types.CPointer(types.float32), types.int64, types.float64
 @callback(_F32P, _F32P, _I64, _I64, _I64, _F32P, _F64, _F32P, _I64, _I64, exact=True)
 def _norm_rows(h_p, delta_p, add, rows, n, w_p, eps, out_p, r0, r1):  # type: ignore[no-untyped-def]
     """Rows r0..r1-1 of h `[rows, n]`: h += delta first where `add` (the residual add of
-    `add_rms_norm`), then RMSNorm into out, a whole GROUP by `_rms_rows`. A
-    C callback, so that the parallel kernels that call it link none of its code (each
-    compiled in about a second less on a cold start)."""
-    realign_stack()
+    `add_rms_norm`), then RMSNorm into out, a whole GROUP by `_rms_rows`. A C callback, so
+    that the parallel kernel calling it links none of its code (docs/BENCHMARKS.md, "Cold
+    start on the AVX2 host")."""
+    realign_stack()     # its callees' vector spills aligned whatever the caller's stack
     h, w, out = carray(h_p, (rows, n)), carray(w_p, (n,)), carray(out_p, (rows, n))
     if add:
         delta = carray(delta_p, (rows, n))
