@@ -18,7 +18,7 @@ of 16 rows and row of x, and G MAC/s.
     python bench/avx2_many_rows.py [--cols 576] [--rows-of-x 16] [--runs 15]
 
 Exits 1 where the CPU or the compiler lacks AVX2. What the numbers say is in
-docs/BENCHMARKS.md ("The many-row body against gcc's").
+docs/BENCHMARKS.md ("The AVX2 host's kernels against their bounds").
 """
 
 from __future__ import annotations
