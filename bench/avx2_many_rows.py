@@ -11,8 +11,8 @@ the 8 lanes added at the end as `hsum_float_8` adds them, plus the min sums. Two
 
 The C library runs in this process (ctypes) on the chunk our kernel decodes from a random
 interleaved Q4_1, its floats checked equal to ours bit for bit; ours is `qwide.matmul` at 2M
-and M rows of x on one thread, the difference being M rows of row dots (the chunks' decode
-cancels). The forms are timed in turn, --runs rounds, the best of each. Prints ns per block
+and M rows of x on one thread, the difference of their best times being M rows of row dots
+(the chunks' decode cancels). The forms are timed in turn, --runs rounds, the best of each. Prints ns per block
 of 16 rows and row of x, and G MAC/s; ours runs its AVX2 path whatever the host has.
 
     python bench/avx2_many_rows.py [--cols 576] [--rows-of-x 16] [--runs 15]
@@ -137,21 +137,23 @@ def measure(lib: ctypes.CDLL, cols: int, m: int, runs: int) -> dict[str, float]:
         if not np.array_equal(out.view(np.uint32), reference.view(np.uint32)):
             raise SystemExit(f"the C form {form} parts from qwide's floats")
     chunks = n // 16
-    best = {"ours, 16 rows a pass (qwide.body)": [], "C, 16 rows a pass": [],
-            "C, two passes of 8 rows": []}
-    calls = [lambda: lib.repeat(0, chunks, *args), lambda: lib.repeat(1, chunks, *args)]
+    forms = {"C, 16 rows a pass": 0, "C, two passes of 8 rows": 1}
+    ours_s: dict[int, list[float]] = {r: [] for r in ours}
+    c_s: dict[str, list[float]] = {name: [] for name in forms}
     for _ in range(runs):
-        start = time.perf_counter()
-        ours[m]()
-        one = time.perf_counter() - start
-        start = time.perf_counter()
-        ours[2 * m]()
-        best["ours, 16 rows a pass (qwide.body)"].append(time.perf_counter() - start - one)
-        for name, call in zip(list(best)[1:], calls):
-            start = time.perf_counter()
-            call()
-            best[name].append(time.perf_counter() - start)
-    return {name: min(v) * 1e9 / (m * chunks * nb) for name, v in best.items()}
+        for r, call in ours.items():
+            ours_s[r].append(_seconds(call))
+        for name, form in forms.items():
+            c_s[name].append(_seconds(lambda form=form: lib.repeat(form, chunks, *args)))
+    best = {"ours, 16 rows a pass (qwide.body)": min(ours_s[2 * m]) - min(ours_s[m]),
+            **{name: min(v) for name, v in c_s.items()}}
+    return {name: t * 1e9 / (m * chunks * nb) for name, t in best.items()}
+
+
+def _seconds(call) -> float:  # type: ignore[no-untyped-def]
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
 
 
 def main() -> int:
