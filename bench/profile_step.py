@@ -40,8 +40,9 @@ from vllm_actors.loaders.model_files import ModelSource, default_model_path
 from vllm_actors.models.registry import load_model
 
 OPS = ("embedding", "linear", "rms_norm", "layer_norm", "add", "add_rms_norm", "scale",
-       "silu_mul", "gelu_mul", "gelu", "prepare_rope", "rope", "prepare_attention",
-       "reshape_and_cache", "paged_attention", "lm_head", "lora_add", "linear_lora")
+       "silu_mul", "gelu_mul", "gelu", "prepare_rope", "rope", "rope_and_cache",
+       "prepare_attention", "reshape_and_cache", "paged_attention", "lm_head", "lora_add",
+       "linear_lora")
 
 
 def attach_lora(model: Any, rank: int, dtype: str) -> Any:

@@ -53,7 +53,8 @@ def test_profile_step_counts_every_op():
     assert "cpu, quantized: batch 2, context 24, query 3" in done.stdout
     ops = {line.split("|")[1].strip() for line in done.stdout.splitlines()
            if line.startswith("| ") and not line.startswith("| op")}
-    assert {"linear", "paged_attention", "rope", "add_rms_norm", "lm_head", "(other)"} <= ops
+    assert {"linear", "paged_attention", "rope_and_cache", "add_rms_norm", "lm_head",
+            "(other)"} <= ops
 
 
 def test_shared_cores_bench_reports_alone_and_busy():

@@ -22,7 +22,7 @@ from vllm_actors.kernels import get_backend
 from vllm_actors.kernels.cpu import elementwise, isa
 from vllm_actors.kernels.cpu.backend import CpuBackend
 from vllm_actors.kernels.numpy_backend import NumpyBackend
-from vllm_actors.kernels.ops import AttentionMetadata, RopeTables
+from vllm_actors.kernels.ops import AttentionMetadata, RopeTables, split_rope_cache
 from vllm_actors.loaders.model_files import resolve_model
 from vllm_actors.loaders.weights import RawTensor
 from vllm_actors.models.base import rope_cos_sin
@@ -208,6 +208,37 @@ def test_rope_in_place_on_views(cpu, rows, interleaved, rotary_dim):
         close(np.ascontiguousarray(got), expected, 1e-6)
     close(np.ascontiguousarray(q), want[0], 1e-6)    # rotated in place, in the fused output
 
+
+@pytest.mark.parametrize("rows", [1, elementwise.PARALLEL_ROWS + 3])
+@pytest.mark.parametrize("dtype, interleaved, fused, rotary_dim, normed",
+                         [("float32", False, False, 8, False), ("float16", True, True, 16, True)])
+def test_rope_and_cache_gives_the_bits_of_the_ops_one_by_one(rows, dtype, interleaved, fused,
+                                                             rotary_dim, normed):
+    """The one kernel of `rope_and_cache` against `split_qkv`, `rms_norm` and `rope` on q and
+    k and `reshape_and_cache` on the same backend (`ops.split_rope_cache`): q and every cache
+    cell, bit for bit, a slot of -1 left unwritten. Both pair orders, a partial rotary,
+    ggml's multiply-adds, per-head q/k norms (Gemma 3) or none, a float32 and a float16
+    cache, one row and the rows RoPE and RMSNorm split over threads."""
+    backend = CpuBackend(kv_cache_dtype=dtype)
+    cos, sin = rope_cos_sin(1.0 / (10000 ** (np.arange(0, rotary_dim, 2) / rotary_dim)), 64)
+    tables = RopeTables(cos.astype(np.float32), sin.astype(np.float32), rotary_dim,
+                        interleaved, fused)
+    slots = RNG.permutation(80)[:rows]
+    slots[rows // 2] = -1
+    meta = AttentionMetadata(np.array([0, rows], np.int32), np.array([rows], np.int32),
+                             np.zeros((1, 5), np.int32), slots.astype(np.int64), 16)
+    step = backend.prepare_rope(RNG.integers(0, 64, rows), tables)
+    attn = backend.prepare_attention(meta)
+    qkv = rand(rows, (4 + 2 * 2) * 16)
+    got, want = (backend.allocate_kv_cache(1, 5, 16, 2, 16)[0] for _ in range(2))
+    norms = (rand(16) + 1, rand(16) + 1, 1e-6) if normed else None
+    q = backend.rope_and_cache(qkv, 4, 2, 16, step, got, attn, norms)
+    q_want = split_rope_cache(backend, qkv.copy(), 4, 2, 16, step, want, attn, norms)
+    assert q.tobytes() == np.ascontiguousarray(q_want).tobytes()
+    assert all(g.tobytes() == w.tobytes() for g, w in zip(got, want))
+    written = got[1].reshape(80, -1)
+    assert np.all(written[slots[slots >= 0]] != 0) and not written[np.isin(
+        np.arange(80), slots, invert=True)].any()
 
 def test_embedding_and_tied_lm_head_share_one_table(cpu):
     table = rand(300, 64)

@@ -27,7 +27,7 @@ import numpy as np
 from vllm_actors.kernels import activation_quant, kv_quant, quant
 from vllm_actors.kernels.device_kv import KV_KERNEL_NAMES, DeviceKV, decode_tables, kv_defines
 from vllm_actors.kernels.numpy_attention import encoder_attention
-from vllm_actors.kernels.ops import AttentionMetadata, RopeTables, WeightLike
+from vllm_actors.kernels.ops import AttentionMetadata, RopeTables, WeightLike, split_rope_cache
 
 # GGML type id -> (matmul kernel that reads its blocks, values per block): every type whose
 # block layout quant.BLOCK_FIELDS gives has a kernel in linear_quant.cl / .cu
@@ -295,6 +295,11 @@ class DeviceBackend:
         self._launch("split_qkv", (qkv.shape[1], t), qkv, q, k, v,
                      np.int32(num_heads * head_dim), np.int32(num_kv_heads * head_dim))
         return q, k, v
+
+    def rope_and_cache(self, qkv: Any, num_heads: int, num_kv_heads: int, head_dim: int,
+                       rope: Any, kv_cache: Any, attn: Any, norms: Any = None) -> Any:
+        return split_rope_cache(self, qkv, num_heads, num_kv_heads, head_dim, rope, kv_cache,
+                                attn, norms)
 
     def silu_mul(self, gate_up: Any, ggml: bool = False) -> Any:   # its own exp
         t, f = gate_up.shape[0], gate_up.shape[1] // 2

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -18,7 +18,7 @@ from vllm_actors.kernels import activation_quant, ggml_attention, ggml_math, kv_
 from vllm_actors.kernels.lora_ops import lora_add
 from vllm_actors.kernels.numpy_attention import NumpyAttention, attend as _attend, \
     decoded_group, encoder_attention
-from vllm_actors.kernels.ops import AttentionMetadata, RopeTables, WeightLike
+from vllm_actors.kernels.ops import AttentionMetadata, RopeTables, WeightLike, split_rope_cache
 
 
 def _float32(weight: WeightLike) -> np.ndarray:
@@ -244,6 +244,11 @@ class NumpyBackend:
         return (qkv[:, :q_end].reshape(t, num_heads, head_dim),
                 qkv[:, q_end:k_end].reshape(t, num_kv_heads, head_dim),
                 qkv[:, k_end:].reshape(t, num_kv_heads, head_dim))
+
+    def rope_and_cache(self, qkv: np.ndarray, num_heads: int, num_kv_heads: int, head_dim: int,
+                       rope: Any, kv_cache: Any, attn: Any, norms: Any = None) -> np.ndarray:
+        return split_rope_cache(self, qkv, num_heads, num_kv_heads, head_dim, rope, kv_cache,
+                                attn, norms)
 
     def silu_mul(self, gate_up: np.ndarray, ggml: bool = False) -> np.ndarray:
         if ggml:

@@ -154,6 +154,13 @@ class Backend(Protocol):
         """Rotate x [T, H, Dh] (first `rotary_dim` dims) by the prepared positions; may rotate
         x in place."""
 
+    def rope_and_cache(self, qkv: Array, num_heads: int, num_kv_heads: int, head_dim: int,
+                       rope: Any, kv_cache: Any, attn: Any,
+                       norms: tuple[Array, Array, float] | None = None) -> Array:
+        """A fused projection [T, (H + 2 Hk) * Dh] -> q [T, H, Dh] rotated, with k rotated
+        and v written into the cache; `norms` (q weight, k weight, eps): each head's q and k
+        through RMSNorm first. `split_rope_cache`'s results, fused where the backend can."""
+
     def prepare_attention(self, meta: AttentionMetadata) -> Any:
         """Once per step: the backend's own form of the step's attention layout (device
         copies, decode/prefill split, ...), passed to every layer's attention ops."""
@@ -182,3 +189,16 @@ class Backend(Protocol):
                 ) -> Any:
         """Rows `rows` of hidden [T, D] -> float32 logits [len(rows), V], on the host unless
         `on_device` (then for the backend's own sampling helpers, e.g. `argmax`)."""
+
+
+def split_rope_cache(backend: Backend, qkv: Array, num_heads: int, num_kv_heads: int,
+                     head_dim: int, rope: Any, kv_cache: Any, attn: Any,
+                     norms: tuple[Array, Array, float] | None = None) -> Array:
+    """`Backend.rope_and_cache` from the backend's own ops: split, norm q and k per head,
+    rotate them, write k and v; returns q."""
+    q, k, v = backend.split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+    if norms is not None:
+        q, k = backend.rms_norm(q, norms[0], norms[2]), backend.rms_norm(k, norms[1], norms[2])
+    q, k = backend.rope(q, rope), backend.rope(k, rope)
+    backend.reshape_and_cache(k, v, kv_cache, attn)
+    return q

@@ -275,26 +275,30 @@ class DecoderLM:
         h = b.add(h, delta)
         return h, self._apply_norm(h, norm)
 
-    def _qk_norm(self, x: Any, weight: Any) -> Any:
-        b, eps = self.backend, self.args.rms_norm_eps
-        if not self.args.qk_norm_full:
-            return b.rms_norm(x, weight, eps)
-        t, heads, dh = x.shape
-        return b.rms_norm(x.reshape(t, heads * dh), weight, eps).reshape(t, heads, dh)
+    def _rope_and_cache(self, layer: Layer, qkv: Any, rope: Any, kv_cache: Any, attn: Any
+                        ) -> Any:
+        """q [T, H, Dh] normed and rotated, with k normed, rotated and v in the cache: one
+        backend op, but where the q/k norm spans all heads at once (`qk_norm_full`)."""
+        b, a, eps = self.backend, self.local_args, self.args.rms_norm_eps
+        if layer.q_norm is None or not self.args.qk_norm_full:
+            norms = None if layer.q_norm is None else (layer.q_norm, layer.k_norm, eps)
+            return b.rope_and_cache(qkv, a.num_heads, a.num_kv_heads, a.head_dim, rope,
+                                    kv_cache, attn, norms)
+        t, dh = len(qkv), a.head_dim
+        q, k, v = b.split_qkv(qkv, a.num_heads, a.num_kv_heads, dh)
+        q, k = (b.rope(b.rms_norm(x.reshape(t, n * dh), w, eps).reshape(t, n, dh), rope)
+                for x, w, n in ((q, layer.q_norm, a.num_heads), (k, layer.k_norm,
+                                                                a.num_kv_heads)))
+        b.reshape_and_cache(k, v, kv_cache, attn)
+        return q
 
     def _attention(self, layer: Layer, x: Any, ropes: tuple[Any, Any], attn: Any,
                    kv_cache: Any, lora: LoRABatch | None = None, layer_id: int = 0) -> Any:
         b, a = self.backend, self.local_args
         num_tokens = len(x)
         qkv = linear(b, x, layer.qkv, layer.qkv_bias, lora, layer_id, "qkv", self.ggml)
-        q, k, v = b.split_qkv(qkv, a.num_heads, a.num_kv_heads, a.head_dim)
-        if layer.q_norm is not None:
-            q = self._qk_norm(q, layer.q_norm)
-            k = self._qk_norm(k, layer.k_norm)
-        rope = ropes[1] if layer.local_rope else ropes[0]
-        q = b.rope(q, rope)
-        k = b.rope(k, rope)
-        b.reshape_and_cache(k, v, kv_cache, attn)
+        q = self._rope_and_cache(layer, qkv, ropes[1] if layer.local_rope else ropes[0],
+                                 kv_cache, attn)
         scale = self.scale
         if self.query_scale is not None:
             q, scale = b.scale(q, self.query_scale), 1.0

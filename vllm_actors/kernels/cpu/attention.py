@@ -36,6 +36,7 @@ from vllm_actors.kernels.cpu.attention_kernels import (
     run_items,
     run_one_lane,
     write_kv_rows,
+    write_qkv_rows,
 )
 from vllm_actors.kernels.cpu.attention_kv import encode_rows
 from vllm_actors.kernels.cpu.attention_plan import Plan, build_plan
@@ -171,6 +172,28 @@ def write_kv(k: np.ndarray, v: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarra
         raise ValueError(f"k {k.shape} / v {v.shape} do not fit the cache {k_cache.shape} "
                          f"and {attn.num_tokens} tokens")
     write_kv_rows(k, v, k_cache, v_cache, attn.slot_mapping)
+
+
+def write_qkv(qkv: np.ndarray, num_heads: int, head_dim: int, positions: np.ndarray,
+              cos: np.ndarray, sin: np.ndarray, rotary_dim: int, interleaved: bool,
+              fused: bool, kv_cache: tuple[np.ndarray, np.ndarray], attn: CpuAttention,
+              norms: tuple[np.ndarray, np.ndarray, float] | None = None) -> np.ndarray:
+    """A fused projection qkv float32 [T, (H + 2 Hk) * Dh] -> q [T, H, Dh] rotated by RoPE
+    (`elementwise.rope`'s arguments), with k rotated and v written into a float32 or float16
+    cache at the step's slot mapping; `norms` (q weight, k weight, eps): each head's q and k
+    through RMSNorm first. `rms_norm`, `rope` and `write_kv`, bit for bit."""
+    q_norm, k_norm, eps = (_NONE_F32, _NONE_F32, 0.0) if norms is None else norms
+    k_cache, v_cache = kv_cache
+    t, hk = len(qkv), k_cache.shape[2]
+    if qkv.shape[1:] != ((num_heads + 2 * hk) * head_dim,) or k_cache.shape[3] != head_dim \
+            or t != attn.num_tokens:
+        raise ValueError(f"qkv {qkv.shape} does not fit {num_heads} heads, the cache "
+                         f"{k_cache.shape} and {attn.num_tokens} tokens")
+    q = np.empty((t, num_heads, head_dim), np.float32)
+    write_qkv_rows(np.ascontiguousarray(_float32_view(qkv, "qkv")), q, k_cache, v_cache,
+                   attn.slot_mapping, positions, cos, sin, rotary_dim, interleaved, fused,
+                   q_norm, k_norm, eps)
+    return q
 
 
 _NONE_F32 = np.zeros(0, np.float32)

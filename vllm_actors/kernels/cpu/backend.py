@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from vllm_actors.kernels import ggml_attention, ggml_math, mapped_pages, quant
+from vllm_actors.kernels import ggml_attention, ggml_math, kv_quant, mapped_pages, quant
 from vllm_actors.kernels.cpu import (
     activations,
     attention,
@@ -41,7 +41,7 @@ from vllm_actors.kernels.ggml_matmul_f32 import pack as pack_lora
 from vllm_actors.kernels.lora_ops import lora_add_ggml, warm_up_lora
 from vllm_actors.kernels.numpy_attention import encoder_attention
 from vllm_actors.kernels.numpy_backend import NumpyBackend, available_host_memory
-from vllm_actors.kernels.ops import AttentionMetadata, RopeTables, WeightLike
+from vllm_actors.kernels.ops import AttentionMetadata, RopeTables, WeightLike, split_rope_cache
 
 _NUMPY = NumpyBackend()   # its view-only ops (split_qkv) serve this backend as they are
 # rows from which a float32 GEMM goes to numpy's BLAS, called on our threads (`cpu/blas.py`;
@@ -408,6 +408,19 @@ class CpuBackend:
         decode step (docs/BENCHMARKS.md, "Cold start")."""
         return tuple(np.ascontiguousarray(a)           # type: ignore[return-value]
                      for a in _NUMPY.split_qkv(qkv, num_heads, num_kv_heads, head_dim))
+
+    def rope_and_cache(self, qkv: np.ndarray, num_heads: int, num_kv_heads: int,
+                       head_dim: int, rope: StepRope, kv_cache: Any, attn: Any,
+                       norms: tuple[np.ndarray, np.ndarray, float] | None = None
+                       ) -> np.ndarray:
+        """One kernel (`attention.write_qkv`) where the cache holds float32 or float16 rows;
+        a quantized cache's encoder takes k and v from the ops one by one."""
+        if isinstance(kv_cache, kv_quant.QuantizedKV):
+            return split_rope_cache(self, qkv, num_heads, num_kv_heads, head_dim, rope,
+                                    kv_cache, attn, norms)
+        return attention.write_qkv(qkv, num_heads, head_dim, rope.positions, rope.cos,
+                                   rope.sin, rope.rotary_dim, rope.interleaved, rope.fused,
+                                   kv_cache, attn, norms)
 
     def silu_mul(self, gate_up: np.ndarray, ggml: bool = False) -> np.ndarray:
         return ggml_math.swiglu(gate_up) if ggml else elementwise.silu_mul(gate_up)
