@@ -176,13 +176,11 @@ def write_kv(k: np.ndarray, v: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarra
 
 def write_qkv(qkv: np.ndarray, num_heads: int, head_dim: int, positions: np.ndarray,
               cos: np.ndarray, sin: np.ndarray, rotary_dim: int, interleaved: bool,
-              fused: bool, kv_cache: tuple[np.ndarray, np.ndarray], attn: CpuAttention,
-              norms: tuple[np.ndarray, np.ndarray, float] | None = None) -> np.ndarray:
+              fused: bool, kv_cache: tuple[np.ndarray, np.ndarray], attn: CpuAttention
+              ) -> np.ndarray:
     """A fused projection qkv float32 [T, (H + 2 Hk) * Dh] -> q [T, H, Dh] rotated by RoPE
     (`elementwise.rope`'s arguments), with k rotated and v written into a float32 or float16
-    cache at the step's slot mapping; `norms` (q weight, k weight, eps): each head's q and k
-    through RMSNorm first. `rms_norm`, `rope` and `write_kv`, bit for bit."""
-    q_norm, k_norm, eps = (_NONE_F32, _NONE_F32, 0.0) if norms is None else norms
+    cache at the step's slot mapping: `rope` on q and k and `write_kv`, bit for bit."""
     k_cache, v_cache = kv_cache
     t, hk = len(qkv), k_cache.shape[2]
     if qkv.shape[1:] != ((num_heads + 2 * hk) * head_dim,) or k_cache.shape[3] != head_dim \
@@ -191,8 +189,7 @@ def write_qkv(qkv: np.ndarray, num_heads: int, head_dim: int, positions: np.ndar
                          f"{k_cache.shape} and {attn.num_tokens} tokens")
     q = np.empty((t, num_heads, head_dim), np.float32)
     write_qkv_rows(np.ascontiguousarray(_float32_view(qkv, "qkv")), q, k_cache, v_cache,
-                   attn.slot_mapping, positions, cos, sin, rotary_dim, interleaved, fused,
-                   q_norm, k_norm, eps)
+                   attn.slot_mapping, positions, cos, sin, rotary_dim, interleaved, fused)
     return q
 
 

@@ -43,7 +43,7 @@ from vllm_actors.kernels.cpu.attention_tiles import (
     tile_pv,
     tile_scores,
 )
-from vllm_actors.kernels.cpu.elementwise import rms_row, rope_row
+from vllm_actors.kernels.cpu.elementwise import rope_row
 from vllm_actors.kernels.cpu.intrinsics import call_address, data_pointer, fetch_add
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
 
@@ -361,21 +361,12 @@ def write_kv_rows(k, v, kc, vc, slots):
 
 
 @kernel(exact=True)
-def _norm_heads(x, weight, eps):
-    """Each head's row of x [H, Dh] through RMSNorm in place, where `weight` is not empty."""
-    if weight.shape[0]:
-        for h in range(x.shape[0]):
-            rms_row(x[h], weight, eps, x[h])
-
-
-@kernel(exact=True)
 def write_qkv_rows(qkv, q, kc, vc, slots, positions, cos, sin, rotary_dim, interleaved,
-                   fused, q_norm, k_norm, eps):
-    """A fused projection qkv [T, (H + 2 Hk) * Dh] split in one pass: q [T, H, Dh] normed
-    per head (where q_norm, k_norm are not empty) and rotated, k normed, rotated and v
-    written into the caches at their slots (skip slot < 0). `rms_row`, `rope_row` and the
-    write of each token's parts in one call: a decode step's layer makes one call instead
-    of four to seven."""
+                   fused):
+    """A fused projection qkv [T, (H + 2 Hk) * Dh] split in one pass: q [T, H, Dh] rotated,
+    k rotated and v written into the caches at their slots (skip slot < 0). `rope_row` and
+    the write of each token's parts in one call: a decode step's layer makes one call
+    instead of four (`write_kv_rows`)."""
     heads, dh = q.shape[1], q.shape[2]
     block_size, hk = kc.shape[1], kc.shape[2]
     like = kc[0, 0, 0, 0]
@@ -386,7 +377,6 @@ def write_qkv_rows(qkv, q, kc, vc, slots, positions, cos, sin, rotary_dim, inter
         for h in range(heads):
             for d in range(dh):
                 q[t, h, d] = row[h * dh + d]
-        _norm_heads(q[t], q_norm, eps)
         rope_row(q[t], cos[p], sin[p], rotary_dim, interleaved, fused)
         slot = slots[t]
         if slot < 0:
@@ -394,7 +384,6 @@ def write_qkv_rows(qkv, q, kc, vc, slots, positions, cos, sin, rotary_dim, inter
         for h in range(hk):
             for d in range(dh):
                 k[h, d] = row[k_at + h * dh + d]
-        _norm_heads(k, k_norm, eps)
         rope_row(k, cos[p], sin[p], rotary_dim, interleaved, fused)
         blk = slot // block_size
         off = slot - blk * block_size
