@@ -240,6 +240,7 @@ def test_rope_and_cache_gives_the_bits_of_the_ops_one_by_one(rows, dtype, interl
     assert np.all(written[slots[slots >= 0]] != 0) and not written[np.isin(
         np.arange(80), slots, invert=True)].any()
 
+
 def test_embedding_and_tied_lm_head_share_one_table(cpu):
     table = rand(300, 64)
     raw = RawTensor("token_embd.weight", (300, 64), int(QT.Q8_0), quants.quantize(table, QT.Q8_0))

@@ -285,10 +285,12 @@ class DecoderLM:
             return b.rope_and_cache(qkv, a.num_heads, a.num_kv_heads, a.head_dim, rope,
                                     kv_cache, attn, norms)
         t, dh = len(qkv), a.head_dim
+
+        def across_heads(x: Any, weight: Any, heads: int) -> Any:
+            return b.rms_norm(x.reshape(t, heads * dh), weight, eps).reshape(t, heads, dh)
         q, k, v = b.split_qkv(qkv, a.num_heads, a.num_kv_heads, dh)
-        q, k = (b.rope(b.rms_norm(x.reshape(t, n * dh), w, eps).reshape(t, n, dh), rope)
-                for x, w, n in ((q, layer.q_norm, a.num_heads), (k, layer.k_norm,
-                                                                a.num_kv_heads)))
+        q = b.rope(across_heads(q, layer.q_norm, a.num_heads), rope)
+        k = b.rope(across_heads(k, layer.k_norm, a.num_kv_heads), rope)
         b.reshape_and_cache(k, v, kv_cache, attn)
         return q
 
