@@ -12,8 +12,9 @@ the 8 lanes added at the end as `hsum_float_8` adds them, plus the min sums. Two
 The C library runs in this process (ctypes) on the chunk our kernel decodes from a random
 interleaved Q4_1, its floats checked equal to ours bit for bit; ours is `qwide.matmul` at 2M
 and M rows of x on one thread, the difference of their best times being M rows of row dots
-(the chunks' decode cancels). The forms are timed in turn, --runs rounds, the best of each. Prints ns per block
-of 16 rows and row of x, and G MAC/s; ours runs its AVX2 path whatever the host has.
+(the chunks' decode cancels). The forms are timed in turn, --runs rounds, the best of each.
+Prints ns per block of 16 rows and row of x, and G MAC/s; ours runs its AVX2 path whatever
+the host has.
 
     python bench/avx2_many_rows.py [--cols 576] [--rows-of-x 16] [--runs 15]
 

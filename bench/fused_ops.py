@@ -6,7 +6,8 @@ process on one model, alternating blocks of steps so that the host's drift falls
     python bench/fused_ops.py --context 512 --query 512 --rounds 8 --block 3   # a prefill
 
 Prints the median and 10th percentile of each form's step time (the same floats either way:
-`tests/kernels/test_cpu_backend.py`).
+`tests/kernels/test_cpu_backend.py`). On a model with per-head q/k norms (Gemma 3) the CPU
+backend takes the ops one by one in both forms.
 """
 
 from __future__ import annotations
