@@ -534,7 +534,7 @@ def _item_for(one_token: bool) -> Callback:
     return callback(*_ITEM_ARGS, exact=True)(item)
 
 
-@numba.njit(cache=True)
+@numba.njit(inline="always", cache=True)
 def _tile_item(q, kc, vc, lut, table, block_size, kvh, g, first, ctx, nt, window, scale,
                out):  # type: ignore[no-untyped-def]
     """A work item of a step of several tokens: KV head kvh's g query heads of q's rows
@@ -598,7 +598,7 @@ def _float_keys(kflat, vflat, koff, dh):  # type: ignore[no-untyped-def]
 _DECODE_ITEM, _PREFILL_ITEM = _item_for(True), _item_for(False)
 
 
-@numba.njit(cache=True)
+@numba.njit(inline="always", cache=True)
 def _decode_item(q, kflat, vflat, lut, table, block_size, cells, hk, kvh, g, row, p, window,
                  scale, out):  # type: ignore[no-untyped-def]
     """A one-token request's work item: KV head kvh's g query heads of q's row `row` (at
