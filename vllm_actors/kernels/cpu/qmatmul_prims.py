@@ -232,3 +232,12 @@ def line_aligned(n, dtype):  # type: ignore[no-untyped-def]
     buf = np.empty(n + 64, dtype)
     skip = ((-buf.ctypes.data) % 64) // buf.itemsize
     return buf[skip:skip + n]
+
+
+def as_bytes(planes: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+    """The planes with the codes (the first) as uint8, for the parallel kernels that only
+    pass them on as a pointer to a body compiled for their real type: one compile of such a
+    kernel then serves int8 (Q8_0, IQ4_NL) and uint8 codes alike (0.8-1.0 s a kernel of a
+    cold start, docs/BENCHMARKS.md)."""
+    qs = planes[0]
+    return planes if qs.dtype != np.int8 else (qs.view(np.uint8), *planes[1:])

@@ -40,8 +40,8 @@ from vllm_actors.kernels.cpu.ktiled import (LANES, array_ptr, byte_pairs, dot4, 
                                             vector_part)
 from vllm_actors.kernels.cpu.qdot import AVX2, AVX512, PORTABLE
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix
-from vllm_actors.kernels.cpu.qmatmul_prims import (HALF_LUT, kept, limit_threads, line_aligned,
-                                                   prefetch_span, restore_threads)
+from vllm_actors.kernels.cpu.qmatmul_prims import (HALF_LUT, as_bytes, kept, limit_threads,
+                                                   line_aligned, prefetch_span, restore_threads)
 from vllm_actors.kernels.cpu.qmatmul_simd import fmuladd, splat
 
 _I8, _I16, _I32, _I64 = (ir.IntType(n) for n in (8, 16, 32, 64))
@@ -964,7 +964,7 @@ def one_row_plan(w: QuantMatrix, planes: tuple[np.ndarray, ...], kind: int, orde
     if plan is None:
         fn = one_row_body(code, kind, order, planes[0].dtype.str, w.interleaved).address
         threads = 1 if w.rows * w.cols <= SERIAL_MAX_WORK else 0
-        plan = w.memo[key] = (fn, planes, threads, _LOG2.get(OFFSET.get(kind, 0), 0),
+        plan = w.memo[key] = (fn, as_bytes(planes), threads, _LOG2.get(OFFSET.get(kind, 0), 0),
                               BIAS if biased(code, order) else 0, (code, kind, w.cols), w.rows)
     return plan
 
@@ -989,8 +989,9 @@ def matmul(w: QuantMatrix, planes: tuple[np.ndarray, ...], x: activations.Q8Rows
     tinyBLAS's) or SCALAR_ORDER (the repacked kernels'). `path` forces a SIMD path; `x_rows`
     another count of rows a pass (tests)."""
     code = isa.code(path) if path else isa.selected_code()
-    qs, qh, d, mn = planes
-    fn = body(code, kind, order, qs.dtype.str, x_rows, w.interleaved).address
+    q_dtype = planes[0].dtype.str        # the bodies read the codes as their own type
+    fn = body(code, kind, order, q_dtype, x_rows, w.interleaved).address
+    qs, qh, d, mn = as_bytes(planes)
     m, k = x.qs.shape
     xc = _offset_terms(code, kind, m, k)
     bias = BIAS if biased(code, order) else 0
@@ -999,7 +1000,7 @@ def matmul(w: QuantMatrix, planes: tuple[np.ndarray, ...], x: activations.Q8Rows
     threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
     if m == 1 and w.rows >= LANES:
         out = np.empty((1, w.rows), np.float32)
-        _one_row(one_row_body(code, kind, order, qs.dtype.str, w.interleaved).address, qs, qh,
+        _one_row(one_row_body(code, kind, order, q_dtype, w.interleaved).address, qs, qh,
                  d, mn, HALF_LUT, x.qs, xc, x.d, x.s, out, threads, 0, _NO_F32, _NO_F32, 0, 0)
         return out
     n16 = -(-w.rows // LANES) * LANES
