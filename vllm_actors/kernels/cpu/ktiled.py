@@ -39,8 +39,8 @@ from vllm_actors.kernels.cpu.ktotals import Planes, blocks
 from vllm_actors.kernels.cpu.qdot import AVX2, AVX512
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix
 from vllm_actors.kernels.cpu.qmatmul_layout import aligned_empty
-from vllm_actors.kernels.cpu.qmatmul_prims import (HALF_LUT, limit_threads, prefetch_span,
-                                                   restore_threads)
+from vllm_actors.kernels.cpu.qmatmul_prims import (HALF_LUT, byte_view, limit_threads,
+                                                   prefetch_span, restore_threads)
 from vllm_actors.kernels.cpu.qmatmul_simd import splat, vector_ptr
 
 LANES = 16                  # weight rows per chunk: one 512-bit vector of int32 sums
@@ -760,5 +760,6 @@ def matmul(w: QuantMatrix, x: activations.Q8KRows, order: int, path: str | None 
     am = aligned_empty((m, n16) if order != TILED else (0, 0), np.float32)
     threads = 1 if w.rows * w.cols * m <= SERIAL_MAX_WORK else 0
     sums32 = NO_SUMS if form == 6 else np.empty((m, k // 32), np.int16)
-    _tiled(fn, q, h, sc, mn, d, dmin, HALF_LUT, x.qs, x.bsums, sums32, x.d, out, am, threads)
+    _tiled(fn, q, h, byte_view(sc), mn, d, dmin, HALF_LUT, x.qs, x.bsums, sums32, x.d, out, am,
+           threads)
     return out if n16 == w.rows else np.ascontiguousarray(out[:, :w.rows])

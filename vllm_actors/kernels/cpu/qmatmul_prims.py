@@ -234,10 +234,9 @@ def line_aligned(n, dtype):  # type: ignore[no-untyped-def]
     return buf[skip:skip + n]
 
 
-def as_bytes(planes: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
-    """The planes with the codes (the first) as uint8, for the parallel kernels that only
-    pass them on as a pointer to a body compiled for their real type: one compile of such a
-    kernel then serves int8 (Q8_0, IQ4_NL) and uint8 codes alike (0.8-1.0 s a kernel of a
-    cold start, docs/BENCHMARKS.md)."""
-    qs = planes[0]
-    return planes if qs.dtype != np.int8 else (qs.view(np.uint8), *planes[1:])
+def byte_view(a: np.ndarray) -> np.ndarray:
+    """a as uint8 where it is int8 (a view): for the parallel kernels that only pass a plane
+    on as a pointer to a body compiled for its real type, so that one compile of such a
+    kernel serves int8 planes (Q8_0's and IQ4_NL's codes, Q6_K's scales) and uint8 ones
+    alike (0.8-1.0 s a kernel of a cold start, docs/BENCHMARKS.md)."""
+    return a.view(np.uint8) if a.dtype == np.int8 else a
