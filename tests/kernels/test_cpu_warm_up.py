@@ -70,9 +70,9 @@ def test_cold_start_starts_one_helper_then_the_marker_skips_it(tmp_path, monkeyp
 
         def wait(self, timeout):
             # waited for after the 1-row step, the one-row greedy kernel and the tasks the
-            # helper had not taken, from the back: RMSNorm's rows, the greedy ids of two
-            # rows, matmul kinds
-            assert model.sizes == [1] and backend.argmax_rows == [1, 2]
+            # helper had not taken, from the back: RMSNorm's rows, the greedy ids of one
+            # row and two, matmul kinds
+            assert model.sizes == [1] and backend.argmax_rows == [1, 1, 2]
             assert backend.matmuls == ["norm", [2], [1]]
 
     monkeypatch.setattr(wu, "_start_helper", Helper)
@@ -83,7 +83,7 @@ def test_cold_start_starts_one_helper_then_the_marker_skips_it(tmp_path, monkeyp
     wu.warm_up(model, [cache], 16, 4096, backend, tmp_path / "model.gguf")
     assert started == [((3, 16, 64), wu.GGML_ATTENTION)]
     assert model.sizes == [1, 3, 16, 64] and model.logit_rows == [1, 3, 16, 64]
-    assert backend.argmax_rows == [1, 2, 2]      # several rows: loaded after the wait
+    assert backend.argmax_rows == [1, 1, 2, 2]   # several rows: loaded after the wait
     assert wu.marker_path().parent == tmp_path and wu.marker_path().exists()
     wu.warm_up(StubModel(), [], 16, 4096, CPU, tmp_path / "model.gguf")
     assert started == [((3, 16, 64), wu.GGML_ATTENTION)]     # warm: no second helper
@@ -134,10 +134,10 @@ def test_helper_compiles_each_weight_types_matmul_paths(smollm2_path, tmp_path):
 
 
 def test_helper_compiles_the_attention_it_is_named(tmp_path, monkeypatch):
-    """The helper's tasks: the matmul kinds, the greedy ids of several rows, the attention
-    it is named (llama.cpp's item of several tokens, the backend's blocked lane of a cache
-    kind and the parallel entry it runs through, or none), then RMSNorm's rows, each unless
-    the engine has taken it."""
+    """The helper's tasks: the matmul kinds, the greedy ids (one row and several), the
+    attention it is named (llama.cpp's item of several tokens, the backend's blocked lane of
+    a cache kind and the parallel entry it runs through, or none), then RMSNorm's rows,
+    each unless the engine has taken it."""
     from vllm_actors.kernels.cpu import attention, attention_kernels, backend
     from vllm_actors.loaders import model_files
     from vllm_actors.models import registry

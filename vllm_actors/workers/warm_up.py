@@ -10,7 +10,7 @@ second CPU is free and memory allows a second copy of the weights, a helper proc
 its 1-row step (the one-row GEMVs, one-token attention, the elementwise kernels). The rest is
 shared as tasks (`SharedWork`): with the weights loaded, the multi-row (2..15 rows) and
 3/16/64-row matmul kernels of each kind of weight (`CpuBackend.compile_matmuls`), the greedy
-ids of several rows, and the attention of steps of several tokens
+ids, the parallel RMSNorm, and the attention of steps of several tokens
 (`ggml_attention.compile_prefill` where the cache takes llama.cpp's attention, else the
 backend's blocked lane: `attention.compile_blocked_lane`). The helper takes them in that
 order, this process from the back once its 1-row step is done; it then waits for the helper
@@ -108,12 +108,12 @@ def attention_for_helper(kv_caches: list) -> str:
 
 class SharedWork:
     """The compile work a cold start shares between the engine and its helper, as tasks:
-    the matmuls of each kind of weight (`CpuBackend.compile_matmuls`), the greedy ids of
-    several rows, the attention of several tokens (`attention_for_helper`) and the rows'
-    code of the parallel RMSNorm (`elementwise.compile_norm_rows`). The helper
-    takes them from the front, the engine from the back once its 1-row step is done, so the
-    one that finishes its own work first takes more; a task is run by the process that
-    creates its file in `folder` first."""
+    the matmuls of each kind of weight (`CpuBackend.compile_matmuls`), the greedy ids (one
+    row's too, which the engine's 1-row step then loads), the attention of several tokens
+    (`attention_for_helper`) and the parallel RMSNorm (`elementwise.compile_norm_rows`). The
+    helper takes them from the front, the engine from the back once its 1-row step is done,
+    so the one that finishes its own work first takes more; a task is run by the process
+    that creates its file in `folder` first."""
 
     def __init__(self, folder: Path, attention: str, sizes: tuple[int, ...]) -> None:
         self.folder, self.attention, self.sizes = folder, attention, sizes
@@ -139,7 +139,7 @@ class SharedWork:
         from vllm_actors.kernels.cpu.elementwise import compile_norm_rows
 
         if task == "greedy":
-            warm_greedy(backend, (2,))
+            warm_greedy(backend, (1, 2))
         elif task == "norm":
             compile_norm_rows()
         elif task.startswith("matmul"):

@@ -113,9 +113,13 @@ def _norm_rows(h_p, delta_p, add, rows, n, w_p, eps, out_p, r0, r1):  # type: ig
 
 
 def compile_norm_rows() -> None:
-    """Compile (or load from the cache) `_norm_rows`, whose types its signature fixes (a
-    task of the cold start's shared compile work, `workers.warm_up.SharedWork`)."""
+    """Compile (or load from the cache) `_norm_rows`, whose types its signature fixes, and
+    the parallel kernel that calls it (`_norm_parallel`, on the float32 arrays a model's
+    steps pass): a task of the cold start's shared compile work
+    (`workers.warm_up.SharedWork`)."""
     _norm_rows.address   # noqa: B018
+    rows = np.zeros((PARALLEL_ROWS, GROUP), np.float32)
+    rms_norm(rows, np.ones(GROUP, np.float32), 1e-6)
 
 
 @kernel(parallel=True)
