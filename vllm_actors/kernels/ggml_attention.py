@@ -538,7 +538,8 @@ def _item_for(one_token: bool) -> Callback:
 def _tile_item(q, kc, vc, lut, table, block_size, kvh, g, first, ctx, nt, window, scale,
                out):  # type: ignore[no-untyped-def]
     """A work item of a step of several tokens: KV head kvh's g query heads of q's rows
-    first .. first + nt - 1 (positions ctx ..) over the cache slots, into out's rows."""
+    first .. first + nt - 1 (positions ctx ..) over the cache slots, into out's rows.
+    Inlined into its callback, as `_decode_item`."""
     dh, cells, hk = q.shape[2], kc.shape[1], kc.shape[2]
     n = nt * g
     q16 = _queries16(q, first, nt, kvh, g, lut, 4, _aligned(-(-n // 4) * 4 * dh))
@@ -602,7 +603,8 @@ _DECODE_ITEM, _PREFILL_ITEM = _item_for(True), _item_for(False)
 def _decode_item(q, kflat, vflat, lut, table, block_size, cells, hk, kvh, g, row, p, window,
                  scale, out):  # type: ignore[no-untyped-def]
     """A one-token request's work item: KV head kvh's g query heads of q's row `row` (at
-    position p) over the flat cache slots, into out's row."""
+    position p) over the flat cache slots, into out's row. Inlined into its callback, its
+    one caller, so that its code is generated there only (`jit.Callback`)."""
     dh = q.shape[2]
     q16 = _queries16(q, row, 1, kvh, g, lut, 1, np.empty(g * q.shape[2], np.float32))
     koff = np.empty(p + 1, np.int64)

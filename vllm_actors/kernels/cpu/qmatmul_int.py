@@ -40,7 +40,7 @@ from vllm_actors.kernels.cpu.qdot import qdot, qsum
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix, prefetch_rows
 from vllm_actors.kernels.cpu.qmatmul_prims import (
     HALF_LUT,
-    byte_view,
+    byte_codes,
     kept,
     limit_threads,
     prefetch,
@@ -464,8 +464,7 @@ def _decode_plan(w: QuantMatrix, path: str | None, group: int, kind: int | None 
             raise ValueError("the pair kernels read rows as stored, not interleaved")
         base, planes, dist = w.memo.get("int") or _plan(w)
         plan = w.memo[("int", code, group, kind)] = (
-            body(code, base if kind is None else kind, group).address,
-            (byte_view(planes[0]), *planes[1:]), dist)
+            body(code, base if kind is None else kind, group).address, byte_codes(planes), dist)
     return plan
 
 

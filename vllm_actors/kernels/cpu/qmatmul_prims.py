@@ -240,3 +240,8 @@ def byte_view(a: np.ndarray) -> np.ndarray:
     kernel serves int8 planes (Q8_0's and IQ4_NL's codes, Q6_K's scales) and uint8 ones
     alike (0.8-1.0 s a kernel of a cold start, docs/BENCHMARKS.md)."""
     return a.view(np.uint8) if a.dtype == np.int8 else a
+
+
+def byte_codes(planes: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+    """The planes with the codes (the first) as `byte_view` gives them."""
+    return (byte_view(planes[0]), *planes[1:])

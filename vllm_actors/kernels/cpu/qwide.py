@@ -40,7 +40,7 @@ from vllm_actors.kernels.cpu.ktiled import (LANES, array_ptr, byte_pairs, dot4, 
                                             vector_part)
 from vllm_actors.kernels.cpu.qdot import AVX2, AVX512, PORTABLE
 from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix
-from vllm_actors.kernels.cpu.qmatmul_prims import (HALF_LUT, byte_view, kept, limit_threads,
+from vllm_actors.kernels.cpu.qmatmul_prims import (HALF_LUT, byte_codes, kept, limit_threads,
                                                    line_aligned, prefetch_span, restore_threads)
 from vllm_actors.kernels.cpu.qmatmul_simd import fmuladd, splat
 
@@ -964,7 +964,8 @@ def one_row_plan(w: QuantMatrix, planes: tuple[np.ndarray, ...], kind: int, orde
     if plan is None:
         fn = one_row_body(code, kind, order, planes[0].dtype.str, w.interleaved).address
         threads = 1 if w.rows * w.cols <= SERIAL_MAX_WORK else 0
-        plan = w.memo[key] = (fn, (byte_view(planes[0]), *planes[1:]), threads, _LOG2.get(OFFSET.get(kind, 0), 0),
+        plan = w.memo[key] = (fn, byte_codes(planes), threads,
+                              _LOG2.get(OFFSET.get(kind, 0), 0),
                               BIAS if biased(code, order) else 0, (code, kind, w.cols), w.rows)
     return plan
 
@@ -991,7 +992,7 @@ def matmul(w: QuantMatrix, planes: tuple[np.ndarray, ...], x: activations.Q8Rows
     code = isa.code(path) if path else isa.selected_code()
     q_dtype = planes[0].dtype.str        # the bodies read the codes as their own type
     fn = body(code, kind, order, q_dtype, x_rows, w.interleaved).address
-    qs, qh, d, mn = byte_view(planes[0]), *planes[1:]
+    qs, qh, d, mn = byte_codes(planes)
     m, k = x.qs.shape
     xc = _offset_terms(code, kind, m, k)
     bias = BIAS if biased(code, order) else 0
