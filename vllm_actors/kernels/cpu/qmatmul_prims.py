@@ -238,7 +238,7 @@ def byte_view(a: np.ndarray) -> np.ndarray:
     """a as uint8 where it is int8 (a view): for the parallel kernels that only pass a plane
     on as a pointer to a body compiled for its real type, so that one compile of such a
     kernel serves int8 planes (Q8_0's and IQ4_NL's codes, Q6_K's scales) and uint8 ones
-    alike (0.8-1.0 s a kernel of a cold start, docs/BENCHMARKS.md)."""
+    alike (docs/BENCHMARKS.md, "Cold start: fewer compiles of the same code")."""
     return a.view(np.uint8) if a.dtype == np.int8 else a
 
 
