@@ -209,31 +209,32 @@ def test_rope_in_place_on_views(cpu, rows, interleaved, rotary_dim):
     close(np.ascontiguousarray(q), want[0], 1e-6)    # rotated in place, in the fused output
 
 
-@pytest.mark.parametrize("rows", [1, elementwise.PARALLEL_ROWS + 3])
-@pytest.mark.parametrize("dtype, interleaved, fused, rotary_dim",
-                         [("float32", False, False, 8), ("float16", True, True, 16)])
+@pytest.mark.parametrize("rows", [5, elementwise.PARALLEL_ROWS + 3])
+@pytest.mark.parametrize("dtype, interleaved, fused, rotary_dim, normed",
+                         [("float32", False, False, 8, False), ("float16", True, True, 16, True)])
 def test_rope_and_cache_gives_the_bits_of_the_ops_one_by_one(rows, dtype, interleaved, fused,
-                                                             rotary_dim):
-    """The one kernel of `rope_and_cache` (`attention.write_qkv`) against `split_qkv`, `rope`
-    on q and k and `reshape_and_cache` on the same backend (`ops.split_rope_cache`): q and
-    every cache cell, bit for bit, a slot of -1 left unwritten. Both pair orders, a partial
-    rotary, ggml's multiply-adds, a float32 and a float16 cache, one row and the rows RoPE
-    splits over threads."""
+                                                             rotary_dim, normed):
+    """The one kernel of `rope_and_cache` (`attention.write_qkv`) against `split_qkv`,
+    `rms_norm` and `rope` on q and k and `reshape_and_cache` on the same backend
+    (`ops.split_rope_cache`): q and every cache cell, bit for bit, a slot of -1 left
+    unwritten. Both pair orders, a partial rotary, ggml's multiply-adds, a float32 and a
+    float16 cache, q/k norms (5 tokens: one kernel, against `rms_norm`'s 16-row lanes on
+    q's 20 heads), and the rows RoPE splits over threads."""
     backend = CpuBackend(kv_cache_dtype=dtype)
     cos, sin = rope_cos_sin(1.0 / (10000 ** (np.arange(0, rotary_dim, 2) / rotary_dim)), 64)
     tables = RopeTables(cos.astype(np.float32), sin.astype(np.float32), rotary_dim,
                         interleaved, fused)
     slots = RNG.permutation(80)[:rows]
-    if rows > 1:
-        slots[rows // 2] = -1                       # a row the cache does not take
+    slots[rows // 2] = -1                           # a row the cache does not take
     meta = AttentionMetadata(np.array([0, rows], np.int32), np.array([rows], np.int32),
                              np.zeros((1, 5), np.int32), slots.astype(np.int64), 16)
     step = backend.prepare_rope(RNG.integers(0, 64, rows), tables)
     attn = backend.prepare_attention(meta)
-    qkv = rand(rows, (4 + 2 * 2) * 16)
+    qkv = rand(rows, (4 + 2 * 2) * 16) * 3
+    norms = (rand(16) + 1, rand(16) + 1, 1e-6) if normed else None
     got, want = (backend.allocate_kv_cache(1, 5, 16, 2, 16)[0] for _ in range(2))
-    q = backend.rope_and_cache(qkv, 4, 2, 16, step, got, attn)
-    q_want = split_rope_cache(backend, qkv.copy(), 4, 2, 16, step, want, attn)
+    q = backend.rope_and_cache(qkv, 4, 2, 16, step, got, attn, norms)
+    q_want = split_rope_cache(backend, qkv.copy(), 4, 2, 16, step, want, attn, norms)
     assert q.tobytes() == np.ascontiguousarray(q_want).tobytes()
     assert all(g.tobytes() == w.tobytes() for g, w in zip(got, want))
     written = got[1].reshape(80, -1)

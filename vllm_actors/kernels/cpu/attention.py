@@ -36,6 +36,7 @@ from vllm_actors.kernels.cpu.attention_kernels import (
     run_items,
     run_one_lane,
     write_kv_rows,
+    write_qkv_normed_rows,
     write_qkv_rows,
 )
 from vllm_actors.kernels.cpu.attention_kv import encode_rows
@@ -176,11 +177,13 @@ def write_kv(k: np.ndarray, v: np.ndarray, kv_cache: tuple[np.ndarray, np.ndarra
 
 def write_qkv(qkv: np.ndarray, num_heads: int, head_dim: int, positions: np.ndarray,
               cos: np.ndarray, sin: np.ndarray, rotary_dim: int, interleaved: bool,
-              fused: bool, kv_cache: tuple[np.ndarray, np.ndarray], attn: CpuAttention
-              ) -> np.ndarray:
+              fused: bool, kv_cache: tuple[np.ndarray, np.ndarray], attn: CpuAttention,
+              norms: tuple[np.ndarray, np.ndarray, float] | None = None) -> np.ndarray:
     """A fused projection qkv float32 [T, (H + 2 Hk) * Dh] -> q [T, H, Dh] rotated by RoPE
     (`elementwise.rope`'s arguments), with k rotated and v written into a float32 or float16
-    cache at the step's slot mapping: `rope` on q and k and `write_kv`, bit for bit."""
+    cache at the step's slot mapping: `rope` on q and k and `write_kv`, bit for bit; with
+    `norms` (q weight, k weight, eps), each head's q and k through `elementwise.rms_norm`
+    first, one row at a time (as it norms fewer than `PARALLEL_ROWS` rows)."""
     k_cache, v_cache = kv_cache
     t, hk = len(qkv), k_cache.shape[2]
     if qkv.shape[1:] != ((num_heads + 2 * hk) * head_dim,) or k_cache.shape[3] != head_dim \
@@ -188,13 +191,26 @@ def write_qkv(qkv: np.ndarray, num_heads: int, head_dim: int, positions: np.ndar
         raise ValueError(f"qkv {qkv.shape} does not fit {num_heads} heads, the cache "
                          f"{k_cache.shape} and {attn.num_tokens} tokens")
     q = np.empty((t, num_heads, head_dim), np.float32)
-    write_qkv_rows(np.ascontiguousarray(_float32_view(qkv, "qkv")), q, k_cache, v_cache,
-                   attn.slot_mapping, positions, cos, sin, rotary_dim, interleaved, fused)
+    qkv = np.ascontiguousarray(_float32_view(qkv, "qkv"))
+    if norms is None:
+        write_qkv_rows(qkv, q, k_cache, v_cache, attn.slot_mapping, positions, cos, sin,
+                       rotary_dim, interleaved, fused)
+    else:
+        write_qkv_normed_rows(qkv, q, k_cache, v_cache, attn.slot_mapping, positions, cos,
+                              sin, rotary_dim, interleaved, fused,
+                              _norm_weight(norms[0], head_dim), _norm_weight(norms[1], head_dim),
+                              float(norms[2]))
     return q
 
 
 _NONE_F32 = np.zeros(0, np.float32)
 _NONE_F64 = np.zeros(0, np.float64)
+
+
+def _norm_weight(weight: np.ndarray, head_dim: int) -> np.ndarray:
+    if weight.shape != (head_dim,):
+        raise ValueError(f"a q/k norm weight {weight.shape} does not fit heads of {head_dim}")
+    return np.ascontiguousarray(weight, np.float32)
 
 
 def _encoder_tables(cache: kv_quant.QuantizedKV) -> tuple:

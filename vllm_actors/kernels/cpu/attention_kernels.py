@@ -43,7 +43,7 @@ from vllm_actors.kernels.cpu.attention_tiles import (
     tile_pv,
     tile_scores,
 )
-from vllm_actors.kernels.cpu.elementwise import rope_row
+from vllm_actors.kernels.cpu.elementwise import rms_row, rope_row
 from vllm_actors.kernels.cpu.intrinsics import call_address, data_pointer, fetch_add
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
 
@@ -367,27 +367,56 @@ def write_qkv_rows(qkv, q, kc, vc, slots, positions, cos, sin, rotary_dim, inter
     k rotated and v written into the caches at their slots (skip slot < 0). `rope_row` and
     the write of each token's parts in one call: a decode step's layer makes one call
     instead of four (`write_kv_rows`)."""
-    heads, dh = q.shape[1], q.shape[2]
-    block_size, hk = kc.shape[1], kc.shape[2]
-    like = kc[0, 0, 0, 0]
-    k = np.empty((hk, dh), np.float32)
-    k_at, v_at = heads * dh, (heads + hk) * dh
+    k = np.empty((kc.shape[2], q.shape[2]), np.float32)
     for t in range(qkv.shape[0]):
         row, p = qkv[t], positions[t]
-        for h in range(heads):
-            for d in range(dh):
-                q[t, h, d] = row[h * dh + d]
+        _take_heads(row, 0, q[t])
         rope_row(q[t], cos[p], sin[p], rotary_dim, interleaved, fused)
-        slot = slots[t]
-        if slot < 0:
-            continue
-        for h in range(hk):
-            for d in range(dh):
-                k[h, d] = row[k_at + h * dh + d]
-        rope_row(k, cos[p], sin[p], rotary_dim, interleaved, fused)
-        blk = slot // block_size
-        off = slot - blk * block_size
-        for h in range(hk):
-            for d in range(dh):
-                kc[blk, off, h, d] = from_f32(k[h, d], like)
-                vc[blk, off, h, d] = from_f32(row[v_at + h * dh + d], like)
+        if slots[t] >= 0:
+            _take_heads(row, q.shape[1] * q.shape[2], k)
+            rope_row(k, cos[p], sin[p], rotary_dim, interleaved, fused)
+            _store_kv(kc, vc, slots[t], k, row)
+
+
+@kernel(exact=True)
+def write_qkv_normed_rows(qkv, q, kc, vc, slots, positions, cos, sin, rotary_dim,
+                          interleaved, fused, q_norm, k_norm, eps):
+    """`write_qkv_rows` with each head of q and k RMS-normed first (`rms_row` by q_norm and
+    k_norm [Dh], in place), as `rms_norm` norms few rows: Gemma's and Qwen3's layers."""
+    k = np.empty((kc.shape[2], q.shape[2]), np.float32)
+    for t in range(qkv.shape[0]):
+        row, p = qkv[t], positions[t]
+        _take_heads(row, 0, q[t])
+        for h in range(q.shape[1]):
+            rms_row(q[t, h], q_norm, eps, q[t, h])
+        rope_row(q[t], cos[p], sin[p], rotary_dim, interleaved, fused)
+        if slots[t] >= 0:
+            _take_heads(row, q.shape[1] * q.shape[2], k)
+            for h in range(k.shape[0]):
+                rms_row(k[h], k_norm, eps, k[h])
+            rope_row(k, cos[p], sin[p], rotary_dim, interleaved, fused)
+            _store_kv(kc, vc, slots[t], k, row)
+
+
+@kernel(exact=True)
+def _take_heads(row, at, out):  # type: ignore[no-untyped-def]
+    """out [H, Dh] = row[at : at + H * Dh], head by head."""
+    dh = out.shape[1]
+    for h in range(out.shape[0]):
+        for d in range(dh):
+            out[h, d] = row[at + h * dh + d]
+
+
+@kernel(exact=True)
+def _store_kv(kc, vc, slot, k, row):  # type: ignore[no-untyped-def]
+    """k [Hk, Dh] and the token's v (the last Hk * Dh values of its fused row) into the
+    caches' cell `slot`, in the caches' dtype."""
+    like = kc[0, 0, 0, 0]
+    blk = slot // kc.shape[1]
+    off = slot - blk * kc.shape[1]
+    hk, dh = k.shape
+    v_at = row.shape[0] - hk * dh
+    for h in range(hk):
+        for d in range(dh):
+            kc[blk, off, h, d] = from_f32(k[h, d], like)
+            vc[blk, off, h, d] = from_f32(row[v_at + h * dh + d], like)

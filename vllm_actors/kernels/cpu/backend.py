@@ -413,16 +413,17 @@ class CpuBackend:
                        head_dim: int, rope: StepRope, kv_cache: Any, attn: Any,
                        norms: tuple[np.ndarray, np.ndarray, float] | None = None
                        ) -> np.ndarray:
-        """One kernel (`attention.write_qkv`) where there are no q/k norms and the cache holds
-        float32 or float16 rows; else the ops one by one (a one-thread kernel would norm a
-        prefill's heads serially, where `rms_norm` runs 16 rows as lanes on every thread;
-        a quantized cache has its own encoder)."""
-        if norms is not None or isinstance(kv_cache, kv_quant.QuantizedKV):
+        """One kernel (`attention.write_qkv`) where the cache holds float32 or float16 rows
+        and there are no q/k norms or fewer than `PARALLEL_ROWS` tokens; else the ops one by
+        one (the one-thread kernel would norm a prefill's heads serially, where `rms_norm`
+        runs 16 rows as lanes on every thread; a quantized cache has its own encoder)."""
+        if isinstance(kv_cache, kv_quant.QuantizedKV) or \
+                (norms is not None and len(qkv) >= elementwise.PARALLEL_ROWS):
             return split_rope_cache(self, qkv, num_heads, num_kv_heads, head_dim, rope,
                                     kv_cache, attn, norms)
         return attention.write_qkv(qkv, num_heads, head_dim, rope.positions, rope.cos,
                                    rope.sin, rope.rotary_dim, rope.interleaved, rope.fused,
-                                   kv_cache, attn)
+                                   kv_cache, attn, norms)
 
     def silu_mul(self, gate_up: np.ndarray, ggml: bool = False) -> np.ndarray:
         return ggml_math.swiglu(gate_up) if ggml else elementwise.silu_mul(gate_up)

@@ -41,7 +41,7 @@ def _sum_squares(x):  # type: ignore[no-untyped-def]
 
 
 @kernel(exact=True)
-def _rms_row(x, weight, eps, out):  # type: ignore[no-untyped-def]
+def rms_row(x, weight, eps, out):  # type: ignore[no-untyped-def]
     """ggml's RMSNorm: mean = float32(sum / n), scale = 1 / sqrt(mean + eps) in float32,
     out = (x * scale) * w, each product rounded (no fast math: the order is the point)."""
     _scale_row(x, weight, _rms_scale(_sum_squares(x), x.shape[0], eps), out)
@@ -64,7 +64,7 @@ GROUP = 16    # rows whose sums of squares `_rms_rows` runs as vector lanes
 
 @kernel(exact=True)
 def _rms_rows(x, r0, weight, eps, out):  # type: ignore[no-untyped-def]
-    """`_rms_row` of rows r0 .. r0 + GROUP - 1 of the C-contiguous x, the same floats: each
+    """`rms_row` of rows r0 .. r0 + GROUP - 1 of the C-contiguous x, the same floats: each
     row's float64 sum is a chain of dependent adds (a row alone waits an add's latency a
     value), so the rows run as the lanes of `intrinsics.square_sums16`, 8 values at a time;
     values past the last whole 8 are added one by one."""
@@ -86,7 +86,7 @@ def _rms_rows(x, r0, weight, eps, out):  # type: ignore[no-untyped-def]
 @kernel
 def _rms_norm_serial(x, weight, eps, out):
     for r in range(x.shape[0]):
-        _rms_row(x[r], weight, eps, out[r])
+        rms_row(x[r], weight, eps, out[r])
 
 
 _F32P, _I64, _F64 = types.CPointer(types.float32), types.int64, types.float64
@@ -109,7 +109,7 @@ def _norm_rows(h_p, delta_p, add, rows, n, w_p, eps, out_p, r0, r1):  # type: ig
         _rms_rows(h, r0, w, eps, out)
     else:
         for r in range(r0, r1):
-            _rms_row(h[r], w, eps, out[r])
+            rms_row(h[r], w, eps, out[r])
 
 
 def compile_norm_rows() -> None:
@@ -136,10 +136,10 @@ def _norm_parallel(fn, h, delta, add, weight, eps, out):  # type: ignore[no-unty
 
 @kernel
 def _add_rms_row(h, delta, weight, eps, out):  # type: ignore[no-untyped-def]
-    """h += delta, then `_rms_row` of it."""
+    """h += delta, then `rms_row` of it."""
     for i in range(h.shape[0]):
         h[i] = h[i] + delta[i]
-    _rms_row(h, weight, eps, out)
+    rms_row(h, weight, eps, out)
 
 
 @kernel
