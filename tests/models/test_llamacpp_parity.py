@@ -6,7 +6,8 @@ off, F16 cache). Every op computes in ggml's float order (bench/llamacpp_tensors
 each on llama.cpp's inputs), each request's rows in the kernels llama.cpp would choose for it
 alone (Gemma's repacked Q4_K GEMM and GEMV, the tiled Q6_K matmul, Q scaled before
 attention), so the tokens are equal, not near: no near-tie allowance; with ngram speculation
-too. The 16-lane orders of that build are emulated on any host (`VLLM_ACTORS_GGML_WIDTH=16`).
+too, and at tensor parallel sizes 2 and 3. The 16-lane orders of that build are emulated on
+any host (`VLLM_ACTORS_GGML_WIDTH=16`).
 """
 
 from __future__ import annotations
@@ -27,10 +28,14 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
          "prompt_lookup_max": 4, "disable_by_batch_size": None}
 
 
-@pytest.mark.parametrize(("model", "spec"), [("smollm2", None), ("gemma3_270m", None),
-                                             ("smollm2", NGRAM)], ids=["smollm2", "gemma3_270m",
-                                                                       "smollm2-ngram"])
-def test_greedy_tokens_equal_llama_cpp(model, spec, smollm2_path, monkeypatch):
+# tensor parallelism: o_proj and down split by output rows over all-gathered inputs
+# (`ShardPlan.gathered`), so each output is one dot over the whole input, as llama.cpp's; 3
+# ranks (SmolLM2's 9 heads), and 2 with Gemma's one KV head on both
+@pytest.mark.parametrize(("model", "spec", "tp"), [
+    ("smollm2", None, 1), ("gemma3_270m", None, 1), ("smollm2", NGRAM, 1), ("smollm2", None, 3),
+    ("gemma3_270m", None, 2)],
+    ids=["smollm2", "gemma3_270m", "smollm2-ngram", "smollm2-tp3", "gemma3_270m-tp2"])
+def test_greedy_tokens_equal_llama_cpp(model, spec, tp, smollm2_path, monkeypatch):
     from vllm_actors import LLM, SamplingParams
     from vllm_actors.loaders.pypi_models import model_path
     monkeypatch.setenv("VLLM_ACTORS_GGML_WIDTH", "16")
@@ -41,7 +46,7 @@ def test_greedy_tokens_equal_llama_cpp(model, spec, smollm2_path, monkeypatch):
     path = smollm2_path if model == "smollm2" else model_path("gemma3-270m")
     assert path is not None, "run `python -m vllm_actors pull gemma3-270m`"
     llm = LLM(str(path), device="cpu", enable_prefix_caching=False, max_model_len=1024,
-              speculative_config=spec)
+              speculative_config=spec, tensor_parallel_size=tp)
     try:
         outs = llm.generate([{"prompt_token_ids": c["prompt_token_ids"]} for c in cases],
                             SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True))

@@ -78,15 +78,20 @@ def test_adapter_sharded_over_two_ranks(cases, name):
 @pytest.mark.parametrize("semantics", ["float32", "quantized"])
 def test_hf_adapter_on_a_gguf_base(tmp_path, cases, semantics):
     """The tiny llama as llama.cpp writes it (Q/K rows permuted; under the quantized
-    semantics they stay so): the PEFT adapter's rows follow, on both backends."""
+    semantics they stay so): the PEFT adapter's rows follow, on both backends; under the
+    quantized semantics over two ranks too, whose o / down are split by output rows (B's
+    rows, A whole)."""
     write_llama_gguf(tmp_path / "llama.gguf")
-    adapter = cases["llama"][1]
+    source, adapter = resolve_model(str(tmp_path / "llama.gguf")), cases["llama"][1]
     for device in ("numpy", "cpu"):
         backend = get_backend(device)
-        model = attach(load_model(resolve_model(str(tmp_path / "llama.gguf")), backend,
-                                  gguf_activations=semantics), adapter)
+        model = attach(load_model(source, backend, gguf_activations=semantics), adapter)
         logits = prompt_logits(model, backend, LORA_PROMPT)
         assert np.abs(logits - GOLDENS["llama/logits"]).max() < TOLERANCE, device
+    if semantics == "quantized":
+        logits = run_ranks(2, lambda group, b: prompt_logits(attach(load_model(
+            source, b, group, gguf_activations=semantics), adapter), b, LORA_PROMPT))
+        assert np.abs(logits - GOLDENS["llama/logits"]).max() < TOLERANCE
 
 
 def test_gguf_expert_adapter_matches_llamacpp(tmp_path):

@@ -86,6 +86,12 @@ def test_shard_plan_for_smollm2_at_tp3():
     assert [p.ffn for p in plans] == [(0, 512), (512, 1024), (1024, 1536)]
     assert plans[0].vocab_widths == [16384] * 3
     assert plans[2].local_args.num_heads == 3 and plans[2].local_args.num_kv_heads == 1
+    assert not plans[0].gathered
+    # llama.cpp's order: o_proj and down split by output rows, whole runs of 16
+    gathered = [ShardPlan.build(replace(SMOL, hidden_size=600), r, 3, gathered=True)
+                for r in range(3)]
+    assert [p.hidden for p in gathered] == [(0, 208), (208, 416), (416, 600)]
+    assert gathered[0].gathered and gathered[0].hidden_widths == (208, 208, 184)
 
 
 def test_kv_heads_replicated_when_fewer_than_ranks():

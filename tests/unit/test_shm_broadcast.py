@@ -119,17 +119,18 @@ def test_all_reduce_is_the_sum_and_bit_identical_on_every_rank(segment, world_si
         reduced = [comm.all_reduce(parts[r]) for _ in range(3)]
         gathered = comm.gather_columns(columns[r], widths)
         ids = comm.broadcast_ids(np.arange(7, dtype=np.int64) * 3 if r == 0 else None, 7)
-        return reduced, gathered, ids
+        return reduced, gathered, ids, comm.all_gather_columns(columns[r], widths)
 
     threads, results, errors = in_threads(world_size, rank)
     join(threads, errors)
     expected = parts[0] + parts[1]
     for part in parts[2:]:
         expected += part
-    for reduced, gathered, ids in results:
+    for reduced, gathered, ids, everyone in results:
         for value in reduced:
             assert value.tobytes() == expected.tobytes()
         assert ids.tolist() == [0, 3, 6, 9, 12, 15, 18]
+        assert everyone.tolist() == np.concatenate(columns, axis=1).tolist()
     assert results[0][1].tolist() == np.concatenate(columns, axis=1).tolist()
     assert all(r[1] is None for r in results[1:])
 

@@ -101,6 +101,10 @@ class ParallelGroup(Protocol):
         """Host float32 x [R, widths[rank]] from every rank -> [R, sum(widths)] (the ranks'
         columns in rank order) on rank 0; None on the others."""
 
+    def all_gather_columns(self, x: Any, widths: list[int]) -> Any:
+        """A backend array x [R, widths[rank]] from every rank -> [R, sum(widths)], the
+        ranks' columns in rank order, on every rank."""
+
     def broadcast_ids(self, ids: np.ndarray | None, count: int) -> np.ndarray:
         """int64 [count] from rank 0 (others pass None) -> the same array on every rank."""
 
@@ -142,6 +146,9 @@ class SingleRank:
         return x
 
     def gather_columns(self, x: np.ndarray, widths: list[int]) -> np.ndarray:
+        return x
+
+    def all_gather_columns(self, x: Any, widths: list[int]) -> Any:
         return x
 
     def broadcast_ids(self, ids: np.ndarray | None, count: int) -> np.ndarray:

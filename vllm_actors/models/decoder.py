@@ -88,15 +88,16 @@ class DecoderLM:
         self.tp = tp or SingleRank()
         self.stage = stage or PipelineStage()
         self.layer_ids = self.stage.layers(args.num_layers)
-        self.plan = ShardPlan.build(args, self.tp.rank, self.tp.world_size)
+        # llama.cpp's float order where it is the oracle (the quantized GGUF semantics)
+        self.ggml = weights.activations == "quantized"
+        self.plan = ShardPlan.build(args, self.tp.rank, self.tp.world_size,
+                                    gathered=self.ggml)
         if self.plan.sharded and args.qk_norm_full:
             raise ValidationError(f"{args.architecture}: q/k norms over all heads do not "
                                   "shard; use --tensor-parallel-size 1", "tensor_parallel_size")
         self.local_args = self.plan.local_args
         self.scale = args.attn_scale or 1.0 / float(np.sqrt(args.head_dim))
         self.first_rank = self.tp.rank == 0
-        # llama.cpp's float order where it is the oracle (the quantized GGUF semantics)
-        self.ggml = weights.activations == "quantized"
         # llama.cpp's graphs of these families scale Q by 1.0f / sqrtf(base) in float32
         # before attention (which rounds Q to float16, and small values lose bits there);
         # under its semantics ours do the same and attend with scale 1
@@ -179,10 +180,13 @@ class DecoderLM:
         return [plan.q_rows(q, dh), plan.kv_rows(k, dh), plan.kv_rows(v, dh)]
 
     def _row_bias(self, weights: WeightSet, name: str, wanted: bool) -> Any:
-        """A row-parallel layer's bias: on rank 0 only (added once before the all-reduce)."""
+        """A row-parallel layer's bias: on rank 0 only (added once before the all-reduce),
+        or each rank's rows where the layer is split by output (`ShardPlan.gathered`)."""
         if not wanted:
             return None
         bias = weights.require(name)
+        if self.plan.gathered:
+            return self.backend.upload_vector(bias.row_slice(*self.plan.hidden))
         return self.backend.upload_vector(bias) if self.first_rank else None
 
     def _load_layer(self, weights: WeightSet, i: int) -> Layer:
@@ -207,7 +211,7 @@ class DecoderLM:
                                                 heads[1]))
         attn_out = weights.require(p + "attn_output.weight")
         if plan.sharded:
-            attn_out = plan.o_cols(attn_out, a.head_dim)
+            attn_out = plan.o_shard(attn_out, a.head_dim)
         pre = a.norm_placement != "post"
         post = a.norm_placement != "pre"
         window = a.window(i)
@@ -246,7 +250,7 @@ class DecoderLM:
         if plan.sharded:
             gate_up = [plan.ffn_rows(t) for t in gate_up]
             gate_up_bias = [plan.ffn_rows(t) for t in gate_up_bias]
-            down = plan.ffn_cols(down)
+            down = plan.down_shard(down)
         return DenseMlp(
             gate_up=b.upload_linear(gate_up),
             gate_up_bias=(b.upload_array(np.concatenate([t.to_float32() for t in gate_up_bias]))
@@ -306,18 +310,29 @@ class DecoderLM:
             q, scale = b.scale(q, self.query_scale), 1.0
         out = b.paged_attention(q, kv_cache, attn, scale, layer.window,
                                 self.args.attn_logit_softcap, layer.sinks)
-        out = out.reshape(num_tokens, a.q_size)
-        o = linear(b, out, layer.attn_out, layer.attn_out_bias, lora, layer_id, "attn_out",
-                   self.ggml)
-        out = self.tp.all_reduce(o)
+        out = self._row_parallel(out.reshape(num_tokens, a.q_size), a.q_size, layer.attn_out,
+                                 layer.attn_out_bias, lora, layer_id, "attn_out")
         return out if layer.post_attn_norm is None else self._apply_norm(out,
                                                                          layer.post_attn_norm)
+
+    def _row_parallel(self, x: Any, width: int, weight: Any, bias: Any,
+                      lora: LoRABatch | None, layer_id: int, name: str) -> Any:
+        """o_proj or down on this rank's part of its input (`width` columns a rank), summed
+        over the ranks; where the layer is split by output (`ShardPlan.gathered`), on the
+        whole input, gathered first, and the ranks' outputs gathered after."""
+        if not self.plan.gathered:
+            return self.tp.all_reduce(linear(self.backend, x, weight, bias, lora, layer_id,
+                                             name, self.ggml))
+        x = self.tp.all_gather_columns(x, self.plan.input_widths(width))
+        y = linear(self.backend, x, weight, bias, lora, layer_id, name, self.ggml)
+        return self.tp.all_gather_columns(y, list(self.plan.hidden_widths))
 
     def _mlp(self, layer: Layer, x: Any, lora: LoRABatch | None = None,
              layer_id: int = 0) -> Any:
         b, act, mlp = self.backend, self.args.hidden_act, layer.mlp
         if isinstance(mlp, Experts):
-            out = run_experts(mlp, x, self.args, b, ExpertLoRA(lora, layer_id, self.ggml))
+            out = self.tp.all_reduce(run_experts(mlp, x, self.args, b,
+                                                 ExpertLoRA(lora, layer_id, self.ggml)))
         else:
             up = linear(b, x, mlp.gate_up, mlp.gate_up_bias, lora, layer_id, "gate_up",
                         self.ggml)
@@ -327,9 +342,8 @@ class DecoderLM:
                 hidden = b.silu_mul(up, self.ggml)
             else:
                 hidden = b.gelu_mul(up, act == "gelu_tanh", self.ggml)
-            out = linear(b, hidden, mlp.down, mlp.down_bias, lora, layer_id, "down",
-                         self.ggml)
-        out = self.tp.all_reduce(out)
+            out = self._row_parallel(hidden, self.local_args.intermediate_size, mlp.down,
+                                     mlp.down_bias, lora, layer_id, "down")
         return out if layer.post_ffn_norm is None else self._apply_norm(out, layer.post_ffn_norm)
 
     def _embed(self, token_ids: np.ndarray) -> Any:

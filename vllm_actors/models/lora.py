@@ -217,6 +217,8 @@ def _shard(model: Any, adapter: LoRAAdapter, kind: str, a: np.ndarray, b: np.nda
             tb = plan.kv_rows(tb, dh)
         elif kind in ("ffn_gate", "ffn_up"):
             tb = plan.ffn_rows(tb)
+        elif plan.gathered:         # split by output rows: B's rows, A whole
+            tb = tb.row_slice(*plan.hidden)
         elif kind == "attn_output":
             ta = plan.o_cols(ta, dh)
         else:

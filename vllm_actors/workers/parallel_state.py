@@ -81,10 +81,22 @@ class ShmCommunicator:
 
     def gather_columns(self, x: np.ndarray, widths: list[int]) -> np.ndarray | None:
         """x [R, widths[rank]] float32 from every rank -> [R, sum(widths)] on rank 0."""
+        return self._gather(x, widths, self.rank == 0)
+
+    def all_gather_columns(self, x: np.ndarray, widths: list[int]) -> np.ndarray:
+        """x [R, widths[rank]] float32 from every rank -> [R, sum(widths)] on every rank."""
+        out = self._gather(x, widths, True)
+        assert out is not None
+        return out
+
+    def _gather(self, x: np.ndarray, widths: list[int], mine: bool) -> np.ndarray | None:
+        """The ranks' columns in rank order, where `mine` (else None), in slot-sized runs of
+        rows."""
         if self.world_size == 1:
             return x
+        x = np.ascontiguousarray(x, np.float32)
         rows = len(x)
-        out = np.empty((rows, sum(widths)), np.float32) if self.rank == 0 else None
+        out = np.empty((rows, sum(widths)), np.float32) if mine else None
         offsets = np.concatenate([[0], np.cumsum(widths)])
         step = max(1, self.slot_bytes // (4 * max(widths)))
         for start in range(0, max(rows, 1), step):
@@ -123,6 +135,10 @@ class HostGroup:
 
     def gather_columns(self, x: np.ndarray, widths: list[int]) -> np.ndarray | None:
         return self.comm.gather_columns(x, widths)
+
+    def all_gather_columns(self, x: Any, widths: list[int]) -> Any:
+        return self.backend.from_host(self.comm.all_gather_columns(self.backend.to_host(x),
+                                                                   widths))
 
     def broadcast_ids(self, ids: np.ndarray | None, count: int) -> np.ndarray:
         return self.comm.broadcast_ids(ids, count)
