@@ -92,6 +92,8 @@ def test_shard_plan_for_smollm2_at_tp3():
                 for r in range(3)]
     assert [p.hidden for p in gathered] == [(0, 208), (208, 416), (416, 600)]
     assert gathered[0].gathered and gathered[0].hidden_widths == (208, 208, 184)
+    narrow = ShardPlan.build(replace(SMOL, hidden_size=50), 0, 3, gathered=True)
+    assert narrow.hidden_widths == (17, 17, 16)        # no rank without rows
 
 
 def test_kv_heads_replicated_when_fewer_than_ranks():

@@ -77,6 +77,8 @@ class ShardPlan:
         local = replace(args, num_heads=per_head, num_kv_heads=kv_heads[1] - kv_heads[0],
                         intermediate_size=per_ffn)
         hidden = [_split(args.hidden_size, size, r, HIDDEN_ALIGN) for r in range(size)]
+        if any(stop == start for start, stop in hidden):    # too narrow for whole runs
+            hidden = [_split(args.hidden_size, size, r) for r in range(size)]
         return cls(rank, size, heads, kv_heads, (rank * per_ffn, (rank + 1) * per_ffn),
                    _split(args.vocab_size, size, rank), vocab_widths, local, hidden[rank],
                    tuple(stop - start for start, stop in hidden), gathered and size > 1)
