@@ -262,6 +262,17 @@ def test_rows_take_the_kernel_llama_cpp_picks_for_their_request_alone():
     tiled = k.TILED + 6 if "avx2" in isa.available() else 6
     q6_k = SimpleNamespace(qtype=QT.Q6_K, ggml_repacked=False)
     assert list(k.row_kinds(q6_k, [7, 8, 1])) == [6] * 7 + [tiled] * 8 + [6]
+    # prompt chunks: a step of 3 rows of a 7-token prompt (positions 2-4, its GEMM rows are
+    # 0-3), the last 2 rows of a 515-token one (its second call of 512: 3 rows, GEMV and
+    # vec_dot), a decode row, then 3 rows (positions 509-511) of the 515-token prompt's first
+    # call: kinds by each row's place in llama.cpp's call of the whole prompt
+    places = qmatmul.RowPlaces.of_step(np.array([3, 2, 1, 3]), np.array([5, 515, 40, 512]),
+                                       np.array([7, 515, 30, 515]))
+    assert places.index.tolist() == [2, 3, 4, 1, 2, 0, 509, 510, 511]
+    assert places.size.tolist() == [7, 7, 7, 3, 3, 1, 512, 512, 512]
+    assert list(k.row_kinds(repacked, places)) == [gemm, gemm, gemv, gemv, gemv, gemv] + \
+        [gemm] * 3
+    assert list(k.row_kinds(q6_k, places)) == [6] * 6 + [tiled] * 3
 
 
 def test_gelu_table_is_ggml_s():

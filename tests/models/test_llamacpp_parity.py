@@ -6,8 +6,8 @@ off, F16 cache). Every op computes in ggml's float order (bench/llamacpp_tensors
 each on llama.cpp's inputs), each request's rows in the kernels llama.cpp would choose for it
 alone (Gemma's repacked Q4_K GEMM and GEMV, the tiled Q6_K matmul, Q scaled before
 attention), so the tokens are equal, not near: no near-tie allowance; with ngram speculation
-too, and at tensor parallel sizes 2 and 3. The 16-lane orders of that build are emulated on
-any host (`VLLM_ACTORS_GGML_WIDTH=16`).
+too, at tensor parallel sizes 2 and 3, and in a batch of 32 whose prompts are chunked. The
+16-lane orders of that build are emulated on any host (`VLLM_ACTORS_GGML_WIDTH=16`).
 """
 
 from __future__ import annotations
@@ -30,12 +30,21 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
 
 # tensor parallelism: o_proj and down split by output rows over all-gathered inputs
 # (`ShardPlan.gathered`), so each output is one dot over the whole input, as llama.cpp's; 3
-# ranks (SmolLM2's 9 heads), and 2 with Gemma's one KV head on both
-@pytest.mark.parametrize(("model", "spec", "tp"), [
-    ("smollm2", None, 1), ("gemma3_270m", None, 1), ("smollm2", NGRAM, 1), ("smollm2", None, 3),
-    ("gemma3_270m", None, 2)],
-    ids=["smollm2", "gemma3_270m", "smollm2-ngram", "smollm2-tp3", "gemma3_270m-tp2"])
-def test_greedy_tokens_equal_llama_cpp(model, spec, tp, smollm2_path, monkeypatch):
+# ranks (SmolLM2's 9 heads), and 2 with Gemma's one KV head on both.
+# A batch of 32 (the cases cycled) whose prompts the step budget chunks: each prompt row takes
+# the kernels llama.cpp picks for its call of the whole prompt (`qmatmul.RowPlaces`; Gemma's
+# repacked Q4_K splits GEMM and GEMV rows by the call's size)
+CHUNKED = {"max_num_batched_tokens": 128, "max_num_seqs": 32}
+
+
+@pytest.mark.parametrize(("model", "spec", "engine"), [
+    ("smollm2", None, {}), ("gemma3_270m", None, {}), ("smollm2", NGRAM, {}),
+    ("smollm2", None, {"tensor_parallel_size": 3}),
+    ("gemma3_270m", None, {"tensor_parallel_size": 2}),
+    ("gemma3_270m", None, CHUNKED)],
+    ids=["smollm2", "gemma3_270m", "smollm2-ngram", "smollm2-tp3", "gemma3_270m-tp2",
+         "gemma3_270m-chunked32"])
+def test_greedy_tokens_equal_llama_cpp(model, spec, engine, smollm2_path, monkeypatch):
     from vllm_actors import LLM, SamplingParams
     from vllm_actors.loaders.pypi_models import model_path
     monkeypatch.setenv("VLLM_ACTORS_GGML_WIDTH", "16")
@@ -43,10 +52,12 @@ def test_greedy_tokens_equal_llama_cpp(model, spec, tp, smollm2_path, monkeypatc
     assert golden["flash_attn_type"] == "disabled" and "AVX512 = 1" in golden["system_info"]
     cases = [c for c in golden["cases"] if len(c["prompt_token_ids"]) < 100 or c["name"] == LONG]
     assert len(cases) == 12
+    if engine is CHUNKED:
+        cases = [cases[i % len(cases)] for i in range(32)]
     path = smollm2_path if model == "smollm2" else model_path("gemma3-270m")
     assert path is not None, "run `python -m vllm_actors pull gemma3-270m`"
     llm = LLM(str(path), device="cpu", enable_prefix_caching=False, max_model_len=1024,
-              speculative_config=spec, tensor_parallel_size=tp)
+              speculative_config=spec, **engine)
     try:
         outs = llm.generate([{"prompt_token_ids": c["prompt_token_ids"]} for c in cases],
                             SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True))

@@ -37,6 +37,9 @@ class AttentionMetadata:
             block, which attention never reads because it masks by position).
         slot_mapping: [T] int64, flat KV slot (block_id * block_size + offset) of each token.
         block_size: tokens per KV block.
+        prompt_lens: [B] int32, each request's prompt tokens, where known (None: each
+            request's rows this step are a whole request). A backend in llama.cpp's float
+            order picks a prompt chunk's kernels as llama.cpp does for the whole prompt.
     """
 
     query_start_loc: np.ndarray
@@ -44,6 +47,7 @@ class AttentionMetadata:
     block_tables: np.ndarray
     slot_mapping: np.ndarray
     block_size: int
+    prompt_lens: np.ndarray | None = None
 
 
 @dataclass(frozen=True)

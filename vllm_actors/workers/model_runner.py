@@ -259,7 +259,8 @@ class ModelRunner:
                 # request): point them at the null block, which the window mask hides
                 first = np.maximum(starts - group.window + 1, 0) // bs
                 tables[np.arange(num_blocks)[None, :] < first[:, None]] = 0
-            metas.append(AttentionMetadata(query_start_loc, seq_lens, tables, slots, bs))
+            metas.append(AttentionMetadata(query_start_loc, seq_lens, tables, slots, bs,
+                                           batch.num_prompt_tokens[rows]))
         return token_ids, positions, token_rows, metas
 
     def _one_row_verification(self, metas: list[AttentionMetadata], rows: np.ndarray,
@@ -282,7 +283,9 @@ class ModelRunner:
         np.cumsum(new_counts, out=query_start_loc[1:])
         seq_lens = (starts[idx] + np.where(split[idx], nth + 1, counts[idx])).astype(np.int32)
         return [AttentionMetadata(query_start_loc, seq_lens, m.block_tables[idx],
-                                  m.slot_mapping, m.block_size) for m in metas]
+                                  m.slot_mapping, m.block_size,
+                                  None if m.prompt_lens is None else m.prompt_lens[idx])
+                for m in metas]
 
     def _collect_prompt_logprobs(self, hidden: object, positions: np.ndarray,
                                  token_rows: np.ndarray) -> None:

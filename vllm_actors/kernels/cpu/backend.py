@@ -156,6 +156,9 @@ class CpuBackend:
         self._follower = None if num_threads else threads.LoadFollower(count)
         self._step_rows: np.ndarray | None = None   # each request's rows in this step
         self._step_total = -1                         # their sum
+        # the rows' calls as llama.cpp makes them (`qmatmul.RowPlaces` where the step holds
+        # prompt rows, else `_step_rows`), for the integer matmuls' kernel choice
+        self._step_calls: Any = None
         # the integer kernels' SIMD path, resolved once (VLLM_ACTORS_CPU_ISA is read here)
         self._isa = isa.selected()
         # the step's (one-row-request flag, index) per token row, for the LoRA kernels
@@ -326,12 +329,13 @@ class CpuBackend:
 
     def linear(self, x: np.ndarray, weight: Linear, bias: np.ndarray | None = None
                ) -> np.ndarray:
-        if len(x) == 1 and bias is None and len(weight.parts) == 1:
+        if len(x) == 1 and bias is None and len(weight.parts) == 1 and \
+                self._step_calls is self._step_rows:
             plan = qmatmul_int.one_row_plan_taken(weight.parts[0], self._isa)
             if plan:      # a decode step's GEMV, by the plan its first call made
                 return qwide.run_one_row(plan, x)
         return self._linear(x, weight, bias,
-                            self._step_rows if self._step_total == len(x) else None)
+                            self._step_calls if self._step_total == len(x) else None)
 
     def _linear(self, x: np.ndarray, weight: Linear, bias: np.ndarray | None,
                 requests: np.ndarray | None) -> np.ndarray:
@@ -456,8 +460,12 @@ class CpuBackend:
     def prepare_attention(self, meta: AttentionMetadata) -> Any:
         if self._follower is not None:       # once per forward: the step's thread count
             self._follower.follow()
-        self._step_rows = np.diff(meta.query_start_loc)
-        self._step_total = int(self._step_rows.sum())
+        counts = self._step_rows = np.diff(meta.query_start_loc)
+        self._step_total = int(counts.sum())
+        self._step_calls = counts
+        if meta.prompt_lens is not None and (meta.seq_lens - counts < meta.prompt_lens).any():
+            self._step_calls = qmatmul.RowPlaces.of_step(counts, meta.seq_lens,
+                                                         meta.prompt_lens)
         self._lora_rows = None
         return attention.prepare(meta)
 

@@ -276,6 +276,56 @@ def pack_stacked(parts: Sequence[np.ndarray], qtype: int, rows: Sequence[int], c
     return QuantMatrix(int(qtype), row0, cols, planes)
 
 
+LLAMA_UBATCH = 512     # llama.cpp's default n_ubatch: the rows of one call of its graph
+
+
+@dataclass(frozen=True)
+class RowPlaces:
+    """Each row of a step as llama.cpp would compute it, whose kernels depend on how many
+    rows a call holds: the row's index in its call and that call's rows (a request decoded
+    alone; a prompt's rows in calls of `LLAMA_UBATCH`, however the engine chunks it)."""
+
+    index: np.ndarray
+    size: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    @classmethod
+    def of_requests(cls, counts: Any) -> "RowPlaces":
+        """Each request's rows as one call (`counts`: the rows of each request, in order)."""
+        n = np.asarray(counts, np.int64)
+        return cls(np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n), np.repeat(n, n))
+
+    @classmethod
+    def of_step(cls, counts: np.ndarray, seq_lens: np.ndarray, prompt_lens: np.ndarray
+                ) -> "RowPlaces":
+        """A step's rows (`counts` of each request, ending at `seq_lens`), those of a prompt
+        in its `LLAMA_UBATCH` call of the whole prompt (`prompt_lens`)."""
+        alone = cls.of_requests(counts)
+        pos = np.repeat(np.asarray(seq_lens, np.int64) - counts, counts) + alone.index
+        prompt = np.repeat(np.asarray(prompt_lens, np.int64), counts)
+        first = pos // LLAMA_UBATCH * LLAMA_UBATCH
+        inside = pos < prompt
+        return cls(np.where(inside, pos - first, alone.index),
+                   np.where(inside, np.minimum(LLAMA_UBATCH, prompt - first), alone.size))
+
+
+def row_places(requests: Any) -> RowPlaces:
+    """`requests` (a `RowPlaces`, or the rows of each request) as `RowPlaces`."""
+    return requests if isinstance(requests, RowPlaces) else RowPlaces.of_requests(requests)
+
+
+def one_row_each(requests: Any, rows: int) -> bool:
+    """Whether each of `rows` rows is a call of one row (`requests` as `row_places` takes
+    it; None: the rows are one call)."""
+    if requests is None:
+        return rows == 1
+    if isinstance(requests, RowPlaces):
+        return bool((requests.size == 1).all())
+    return len(requests) == rows
+
+
 def prefetch_rows(w: QuantMatrix) -> int:
     """How many weight rows ahead the GEMVs prefetch (about `PREFETCH_BYTES`)."""
     dist = w.memo.get("prefetch_rows")

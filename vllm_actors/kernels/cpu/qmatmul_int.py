@@ -37,7 +37,8 @@ from vllm_actors.kernels.cpu.intrinsics import call_address, data_pointer, fma_f
 from vllm_actors.kernels.cpu.jit import Callback, callback, kernel
 from vllm_actors.kernels.cpu.lora_gemv import lora_args, lora_loop
 from vllm_actors.kernels.cpu.qdot import qdot, qsum
-from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix, prefetch_rows
+from vllm_actors.kernels.cpu.qmatmul import (SERIAL_MAX_WORK, QuantMatrix, one_row_each,
+                                             prefetch_rows, row_places)
 from vllm_actors.kernels.cpu.qmatmul_prims import (
     HALF_LUT,
     byte_codes,
@@ -287,11 +288,11 @@ def row_kinds(w: QuantMatrix, requests: Any) -> np.ndarray:
     """Each row's body kind, as llama.cpp computes a request of L rows alone: unrepacked
     IQ4_NL takes `vec_dot_iq4_nl_q8_0` for a request of one row and tinyBLAS (Q8_0's order)
     for more; the other types (repacked ones too) one order at every row count."""
-    n = np.asarray(requests, np.int64)
+    places = row_places(requests)
     kind = _base_kind(w)
     if not _iq4_nl(w) or kind in REPACKED:
-        return np.full(int(n.sum()), kind, np.int64)
-    return np.repeat(np.where(n == 1, _ONE_ROW_OF[kind], kind), n)
+        return np.full(len(places), kind, np.int64)
+    return np.where(places.size == 1, _ONE_ROW_OF[kind], kind).astype(np.int64)
 
 
 def _iq4_nl(w: QuantMatrix) -> bool:
@@ -366,8 +367,8 @@ def quantizes_inside(w: QuantMatrix, rows: int, requests: Any = None) -> bool:
     """Whether `matmul_float` takes `rows` rows for W: few enough that quantizing them on
     one thread (as `activations.quantize_q8` then does too) costs less than a call, and of
     one row kind (`row_kinds`: for IQ4_NL, each a request of one row, or one request)."""
-    one_kind = not _iq4_nl(w) or w.ggml_repacked or rows == 1 or requests is None or \
-        len(requests) == rows
+    one_kind = not _iq4_nl(w) or w.ggml_repacked or requests is None or \
+        len(np.unique(row_kinds(w, requests))) == 1
     return w.qtype in FASTER and rows * w.cols <= activations.SERIAL_MAX and one_kind
 
 
@@ -379,13 +380,13 @@ def matmul_float(w: QuantMatrix, x: np.ndarray, path: str | None = None,
     without the quantizer's own call and its `Q8Rows` (a few us of Python per linear, much
     of a decode step's overhead)."""
     m, k = x.shape
-    if m == 1:
+    one_rows = one_row_each(requests, m)
+    if m == 1 and one_rows:
         plan = w.memo.get(("one_row", path))
         if plan is None:
             plan = w.memo[("one_row", path)] = _one_row_plan(w, path) or False
         if plan:
             return qwide.run_one_row(plan, x)
-    one_rows = m == 1 or (requests is not None and len(requests) == m)
     kind = _one_row_kind(w) if one_rows else None
     if m > 1 and _wide(w, kind or _base_kind(w), m):
         return matmul(w, activations.quantize_q8(x), path, requests)

@@ -23,7 +23,6 @@ x-row group) called as a C callback, as the other integer GEMVs (`qmatmul_int`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from typing import Any
 
 import numba
@@ -47,7 +46,8 @@ from vllm_actors.kernels.cpu.ktotals import (
     superblock_lanes,
 )
 from vllm_actors.kernels.cpu.qdot import kflush
-from vllm_actors.kernels.cpu.qmatmul import SERIAL_MAX_WORK, QuantMatrix, prefetch_rows
+from vllm_actors.kernels.cpu.qmatmul import (SERIAL_MAX_WORK, QuantMatrix, one_row_each,
+                                             prefetch_rows, row_places)
 from vllm_actors.kernels.cpu.qmatmul_int import GROUP, MAX_ROWS, PAIRS, hsum8, pad_rows
 from vllm_actors.kernels.cpu.qmatmul_prims import (
     HALF_LUT,
@@ -80,8 +80,9 @@ TILED_MIN_ROWS = 8
 # bits the most, and the 8B's large matrices). docs/BENCHMARKS.md, "The matmuls of many rows"
 # (the repacked GEMV order from 8 rows since Q4_K decodes by transposing its stored bytes;
 # on interleaved Q4_K, which needs no transposes, from 5: `_wide`).
+# (a prompt chunk's rows can hold a run of GEMM rows shorter than 4: `ktiled` takes any)
 _WIDE = {TILED + 4: (ktiled.TILED, 8), TILED + 5: (ktiled.TILED, 8),
-         TILED + 6: (ktiled.TILED, 32), REPACKED_GEMM_Q4_K: (ktiled.GEMM, 4),
+         TILED + 6: (ktiled.TILED, 32), REPACKED_GEMM_Q4_K: (ktiled.GEMM, 1),
          REPACKED_Q4_K: (ktiled.GEMV, 8)}
 _NO_BITS = np.zeros((0, 0), np.uint8)
 _NO_U16 = np.zeros((0, 0), np.uint16)
@@ -345,19 +346,19 @@ def _kind_span(w: QuantMatrix, x: activations.Q8KRows, start: int, stop: int, ki
     return _run(w, span, rows, kind, path)
 
 
-def row_kinds(w: QuantMatrix, requests: Sequence[int]) -> np.ndarray:
+def row_kinds(w: QuantMatrix, requests: Any) -> np.ndarray:
     """The kernel kind of each row, as llama.cpp's x86 backend chooses for a request of L
     rows decoded alone (a batch of requests is then computed as each alone): a repacked
     Q4_K takes its GEMM on the first L - L % 4 rows when L > 3 and its GEMV on the rest;
     the other K-quants take the tiled matmul at 8+ rows (both need AVX2), else vec_dot."""
-    n = np.asarray(requests, np.int64)
+    places = row_places(requests)
+    n = places.size
     if w.qtype == T.Q4_K and w.ggml_repacked:
-        head = np.where(n > 3, n - n % 4, 0)
-        return np.repeat(np.tile([REPACKED_GEMM_Q4_K, REPACKED_Q4_K], len(n)),
-                         np.stack([head, n - head], axis=1).ravel())
+        gemm = (n > 3) & (places.index < n - n % 4)
+        return np.where(gemm, REPACKED_GEMM_Q4_K, REPACKED_Q4_K).astype(np.int64)
     form = KINDS[w.qtype]
     tiled = "avx2" in isa.available()
-    return np.repeat(np.where(tiled & (n >= TILED_MIN_ROWS), TILED + form, form), n)
+    return np.where(tiled & (n >= TILED_MIN_ROWS), TILED + form, form).astype(np.int64)
 
 
 def _in_registers(w: QuantMatrix, kind: int, rows: int) -> bool:
@@ -387,7 +388,7 @@ def quantizes_inside(w: QuantMatrix, rows: int, requests: np.ndarray | None) -> 
     """Whether `matmul_float` takes these rows: few (as `qmatmul_int.quantizes_inside`),
     and each a request of one row (a decode step), so that every row takes one kernel."""
     return (w.qtype in KINDS and rows * w.cols <= activations.SERIAL_MAX
-            and (rows == 1 or (requests is not None and len(requests) == rows)))
+            and one_row_each(requests, rows))
 
 
 def matmul_float(w: QuantMatrix, x: np.ndarray, path: str | None = None,
