@@ -285,9 +285,10 @@ FASTER = frozenset(KINDS)
 
 
 def row_kinds(w: QuantMatrix, requests: Any) -> np.ndarray:
-    """Each row's body kind, as llama.cpp computes a request of L rows alone: unrepacked
-    IQ4_NL takes `vec_dot_iq4_nl_q8_0` for a request of one row and tinyBLAS (Q8_0's order)
-    for more; the other types (repacked ones too) one order at every row count."""
+    """Each row's body kind, as llama.cpp computes a call of L rows (`requests` as
+    `qmatmul_int_k.row_kinds` takes them): unrepacked IQ4_NL takes `vec_dot_iq4_nl_q8_0`
+    for a call of one row and tinyBLAS (Q8_0's order) for more; the other types (repacked
+    ones too) one order at every row count."""
     places = row_places(requests)
     kind = _base_kind(w)
     if not _iq4_nl(w) or kind in REPACKED:

@@ -347,10 +347,11 @@ def _kind_span(w: QuantMatrix, x: activations.Q8KRows, start: int, stop: int, ki
 
 
 def row_kinds(w: QuantMatrix, requests: Any) -> np.ndarray:
-    """The kernel kind of each row, as llama.cpp's x86 backend chooses for a request of L
-    rows decoded alone (a batch of requests is then computed as each alone): a repacked
-    Q4_K takes its GEMM on the first L - L % 4 rows when L > 3 and its GEMV on the rest;
-    the other K-quants take the tiled matmul at 8+ rows (both need AVX2), else vec_dot."""
+    """The kernel kind of each row, as llama.cpp's x86 backend chooses for a call of L rows
+    (a request decoded alone, or a prompt's call of up to 512 rows: `requests` is the rows
+    of each request, or each row's `qmatmul.RowPlaces`): a repacked Q4_K takes its GEMM on
+    the first L - L % 4 rows when L > 3 and its GEMV on the rest; the other K-quants take
+    the tiled matmul at 8+ rows (both need AVX2), else vec_dot."""
     places = row_places(requests)
     n = places.size
     if w.qtype == T.Q4_K and w.ggml_repacked:
