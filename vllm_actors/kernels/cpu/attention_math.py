@@ -29,7 +29,7 @@ from vllm_actors.kernels.cpu.intrinsics import (
     hardware_half_bits,
     hardware_half_to_f32,
 )
-from vllm_actors.kernels.cpu.jit import FASTMATH, kernel
+from vllm_actors.kernels.cpu.jit import JIT_OPTIONS, kernel
 
 _TWO_M14 = np.float32(2.0 ** -14)
 _U = np.uint32
@@ -101,9 +101,6 @@ def row_source(cache, buf):
 def _is_half(ty) -> bool:
     dtype = getattr(ty, "dtype", ty)
     return isinstance(dtype, types.Integer) and dtype.bitwidth == 16 and not dtype.signed
-
-
-JIT_OPTIONS = {"fastmath": set(FASTMATH), "error_model": "numpy", "boundscheck": False}
 
 
 if HARDWARE_HALF:

@@ -22,6 +22,8 @@ import numba
 from numba.core import types
 
 FASTMATH = frozenset({"nsz", "arcp", "contract", "afn", "reassoc"})
+# the same flags for the code of `numba.extending.overload`s
+JIT_OPTIONS = {"fastmath": set(FASTMATH), "error_model": "numpy", "boundscheck": False}
 
 
 def kernel(fn: Callable[..., Any] | None = None, *, parallel: bool = False,

@@ -3,6 +3,8 @@
 - Layout (`qmatmul_layout`): a `QuantMatrix` keeps each field of a type's blocks as one plane
   `[N, ...]`, the same bytes moved (1.00-1.04x the file). Types without kernels (IQ*, TQ*,
   MXFP4, ...) are converted once by `pack`: small tensors to F32, larger requantized to Q8_0.
+- A type's kernels and decoders are its codec (`qmatmul_codec`, `CODECS`): the drivers
+  below that take many rows are written once and compiled per codec.
 - `gemv` (M <= `GEMV_MAX_ROWS[type]`): one kernel per type, parallel over pairs of weight rows,
   8-lane partial sums on the stack, offsets and mins through x's run sums.
 - `multi_gemv` (2 <= M <= `MULTI_MAX_ROWS[type]`): decodes each block once for every row of x
@@ -14,14 +16,14 @@ The crossovers and the measurements behind each choice are in docs/BENCHMARKS.md
 CPU backend: kernel layout and dispatch").
 
 numba caches compiled code per kernel file and checks only that file: after editing
-`qmatmul_prims.py`, `qmatmul_simd.py` or `qdot.py` clear `__pycache__/*.nbi, *.nbc` here,
-or kernels keep the old intrinsics.
+`qmatmul_prims.py`, `qmatmul_simd.py`, `qmatmul_codec.py` or `qdot.py` clear
+`__pycache__/*.nbi, *.nbc` here, or kernels keep the old intrinsics and decoders.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,39 +31,12 @@ import numba
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from vllm_actors.kernels.cpu import qmatmul_codec as codecs
 from vllm_actors.kernels.cpu import qmatmul_fused as fused
 from vllm_actors.kernels.cpu import qmatmul_gemm as gemm
 from vllm_actors.kernels.cpu import qmatmul_layout as layout
 from vllm_actors.kernels.cpu import qmatmul_multi as multi
-from vllm_actors.kernels.cpu import qmatmul_multi_k as multi_k
-from vllm_actors.kernels.cpu.qmatmul_float import (
-    gemv_f32,
-    gemv_half,
-    rows_f32,
-    rows_half,
-)
-from vllm_actors.kernels.cpu.qmatmul_k23 import (
-    gemv_q2_k,
-    gemv_q3_k,
-    rows_q2_k,
-    rows_q3_k,
-)
-from vllm_actors.kernels.cpu.qmatmul_k45 import (
-    gemv_q4_k,
-    gemv_q5_k,
-    gemv_q6_k,
-    rows_q6_k,
-    rows_q45_k,
-)
-from vllm_actors.kernels.cpu.qmatmul_legacy import (
-    gemv_q4,
-    gemv_q5,
-    gemv_q8_0,
-    rows_iq4_nl,
-    rows_q4,
-    rows_q5,
-    rows_q8_0,
-)
+from vllm_actors.kernels.cpu.qmatmul_legacy import rows_iq4_nl
 from vllm_actors.kernels.cpu.qmatmul_prims import HALF_LUT
 
 T = GGMLQuantizationType
@@ -114,44 +89,25 @@ def _kernel_args(w: QuantMatrix, rows: bool = False) -> tuple[Any, ...]:
     return p
 
 
-# type -> (GEMV kernel, rows kernel)
-_KERNELS: dict[int, tuple[Callable[..., None], Callable[..., None]]] = {
-    T.F32: (gemv_f32, rows_f32), T.F16: (gemv_half, rows_half), T.BF16: (gemv_half, rows_half),
-    T.Q4_0: (gemv_q4, rows_q4), T.Q4_1: (gemv_q4, rows_q4),
-    T.Q5_0: (gemv_q5, rows_q5), T.Q5_1: (gemv_q5, rows_q5), T.Q8_0: (gemv_q8_0, rows_q8_0),
-    T.Q2_K: (gemv_q2_k, rows_q2_k), T.Q3_K: (gemv_q3_k, rows_q3_k),
-    T.Q4_K: (gemv_q4_k, rows_q45_k), T.Q5_K: (gemv_q5_k, rows_q45_k),
-    T.Q6_K: (gemv_q6_k, rows_q6_k),
+# type -> its kernels and decoders (`qmatmul_codec`): the one-row GEMV and rows kernel, and
+# the codec the multi-row GEMV, the fused GEMM (types with `blocks`) and the GEMM compile for
+CODECS: dict[int, codecs.Codec] = {
+    T.F32: codecs.F32, T.F16: codecs.HALF, T.BF16: codecs.HALF,
+    T.Q4_0: codecs.Q4_0, T.Q4_1: codecs.Q4_1, T.Q5_0: codecs.Q5_0, T.Q5_1: codecs.Q5_1,
+    T.Q8_0: codecs.Q8_0, T.Q2_K: codecs.Q2_K, T.Q3_K: codecs.Q3_K,
+    T.Q4_K: codecs.Q4_K, T.Q5_K: codecs.Q5_K, T.Q6_K: codecs.Q6_K,
 }
-
-# type -> the GEMM driver (takes the rows kernel's planes)
-_GEMM: dict[int, Callable[..., None]] = {
-    T.F32: gemm.gemm_f32, T.F16: gemm.gemm_half, T.BF16: gemm.gemm_half,
-    T.Q4_0: gemm.gemm_q4, T.Q4_1: gemm.gemm_q4, T.Q5_0: gemm.gemm_q5, T.Q5_1: gemm.gemm_q5,
-    T.Q8_0: gemm.gemm_q8_0, T.Q2_K: gemm.gemm_q2_k, T.Q3_K: gemm.gemm_q3_k,
-    T.Q4_K: gemm.gemm_q45_k, T.Q5_K: gemm.gemm_q45_k, T.Q6_K: gemm.gemm_q6_k,
-}
-# type -> the fused small-M GEMM (takes the rows kernel's planes), used up to FUSED_MAX_M rows
-_FUSED: dict[int, Callable[..., None]] = {
-    T.Q4_0: fused.fused_q4, T.Q4_1: fused.fused_q4, T.Q5_0: fused.fused_q5,
-    T.Q5_1: fused.fused_q5, T.Q8_0: fused.fused_q8_0, T.Q4_K: fused.fused_q45_k,
-    T.Q5_K: fused.fused_q45_k, T.Q6_K: fused.fused_q6_k,
-}
+# the fused small-M GEMM (`qmatmul_fused`) runs up to this many rows
 FUSED_MAX_M = 32
-# type -> the multi-row GEMV (`qmatmul_multi`: each weight block decoded once for all rows of
-# x), used for 2 <= M <= MULTI_MAX_ROWS[type] (measured crossovers to the fused GEMM; keep them
+# the multi-row GEMV (`qmatmul_multi`: each weight block decoded once for all rows of x)
+# serves 2 <= M <= MULTI_MAX_ROWS[type] (measured crossovers to the fused GEMM; keep them
 # below 16: the warm-up compiles the fused kernels with a 16-row step)
-_MULTI: dict[int, Callable[..., None]] = {
-    T.Q4_0: multi.mgemv_q4, T.Q4_1: multi.mgemv_q4, T.Q5_0: multi.mgemv_q5,
-    T.Q5_1: multi.mgemv_q5, T.Q8_0: multi.mgemv_q8_0, T.Q4_K: multi_k.mgemv_q4_k,
-    T.Q6_K: multi_k.mgemv_q6_k,
-}
 MULTI_MAX_ROWS: dict[int, int] = {T.Q4_0: 12, T.Q4_1: 12, T.Q5_0: 14, T.Q5_1: 14, T.Q8_0: 15,
                                   T.Q4_K: 9, T.Q6_K: 9}
 # Up to this many rows of x `matmul` runs the GEMV kernels; beyond, dequantized tiles + BLAS.
 # Measured (3072x1536 and 4096x4096, one thread): the GEMV kernels decode the weights again
 # for every row of x, so the cut falls where that costs more than the dequantize pass. Types
-# in `_MULTI` reach them only at M = 1 (2 rows and more: the multi-row GEMV).
+# in `MULTI_MAX_ROWS` reach them only at M = 1 (2 rows and more: the multi-row GEMV).
 GEMV_MAX_ROWS: dict[int, int] = {
     T.F32: 8, T.F16: 6, T.BF16: 6, T.Q8_0: 8, T.Q4_0: 6, T.Q4_1: 6, T.Q5_0: 3, T.Q5_1: 3,
     T.Q2_K: 4, T.Q3_K: 3, T.Q4_K: 4, T.Q5_K: 3, T.Q6_K: 3}
@@ -347,17 +303,18 @@ def gemv(w: QuantMatrix, x: np.ndarray, out: np.ndarray) -> None:
     _check_f32("x", x, (x.shape[0], w.cols))
     _check_f32("out", out, (x.shape[0], w.rows))
     threads = 1 if w.rows * w.cols * x.shape[0] <= SERIAL_MAX_WORK else 0
-    _KERNELS[w.qtype][0](*_kernel_args(w), HALF_LUT, x, out, prefetch_rows(w), threads)
+    CODECS[w.qtype].gemv(*_kernel_args(w), HALF_LUT, x, out, prefetch_rows(w), threads)
 
 
 def multi_gemv(w: QuantMatrix, x: np.ndarray, out: np.ndarray) -> None:
-    """out[M, N] = x[M, K] @ W.T with the multi-row GEMV (types in `_MULTI`); parallel over
+    """out[M, N] = x[M, K] @ W.T with the multi-row GEMV (types in `MULTI_MAX_ROWS`); parallel over
     tasks of `_multi_chunk` weight rows."""
     _check_f32("x", x, (x.shape[0], w.cols))
     _check_f32("out", out, (x.shape[0], w.rows))
     threads = 1 if w.rows * w.cols * x.shape[0] <= SERIAL_MAX_WORK else 0
     chunk = _multi_chunk(w.rows, numba.get_num_threads() if threads == 0 else 1)
-    _MULTI[w.qtype](*_kernel_args(w), HALF_LUT, x, out, prefetch_rows(w), chunk, threads)
+    multi.mgemv(CODECS[w.qtype], _kernel_args(w, rows=True), HALF_LUT, x, out, prefetch_rows(w),
+                chunk, threads)
 
 
 def _multi_chunk(rows: int, threads: int) -> int:
@@ -396,7 +353,7 @@ def _rows(w: QuantMatrix, ids: np.ndarray, out: np.ndarray) -> None:
     if w.qtype == T.IQ4_NL:
         rows_iq4_nl(w.planes[0], w.planes[1], HALF_LUT, ids, out, ROW_RUN)
     else:
-        _KERNELS[w.qtype][1](*_kernel_args(w, rows=True), HALF_LUT, ids, out, ROW_RUN)
+        CODECS[w.qtype].rows(*_kernel_args(w, rows=True), HALF_LUT, ids, out, ROW_RUN)
 
 
 def _gemm_tile(w: QuantMatrix, threads: int) -> int:
@@ -432,9 +389,10 @@ def matmul(w: QuantMatrix, x: np.ndarray) -> np.ndarray:
     xp = np.empty((-(-m // gemm.PANEL), w.cols, gemm.PANEL), dtype=np.float32)
     gemm.pack_panels(x, xp)
     tile = _gemm_tile(w, numba.get_num_threads())
-    if m <= FUSED_MAX_M and w.qtype in _FUSED:
-        _FUSED[w.qtype](*_kernel_args(w, rows=True), HALF_LUT, xp, out, tile, ROW_RUN)
+    codec, planes = CODECS[w.qtype], _kernel_args(w, rows=True)
+    if m <= FUSED_MAX_M and codec.blocks:
+        fused.fused(codec, planes, HALF_LUT, xp, out, tile)
         return out
     chunk = max(1, PANEL_CHUNK_BYTES // (4 * gemm.PANEL * w.cols))
-    _GEMM[w.qtype](*_kernel_args(w, rows=True), HALF_LUT, xp, out, tile, chunk, ROW_RUN)
+    gemm.gemm(codec, planes, HALF_LUT, xp, out, tile, chunk, ROW_RUN)
     return out

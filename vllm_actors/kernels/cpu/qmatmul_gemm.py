@@ -10,12 +10,11 @@ prefill): `out[M, N] = x[M, K] @ W.T`, each weight decoded once per call.
   cycle); numpy's float32 BLAS reached 20 GMAC/s per thread at M = 16 on the same shapes.
   Panels are visited in chunks that fit in L2 (`chunk` panels) for every 4-row group, so at
   large M the weight rows stay in L1 and x in L2.
-- `gemm_*`: one parallel driver per rows-kernel family (a kernel taking another kernel as an
-  argument is not cached by numba, so each family names its own). `prange` over tiles of
-  `tile` weight rows: the type's rows kernel dequantizes the tile to float32 (a scratch of
-  `tile * K` floats, sized by the caller to stay in L2; `run` is the rows kernels' run-time
-  trip count, `qmatmul.ROW_RUN`), then `outer` multiplies it.
-  F32 needs no decode and runs `outer` on its rows directly.
+- `gemm`: one parallel driver for every type, its rows kernel chosen when it compiles (a
+  `qmatmul_codec.Codec`). `prange` over tiles of `tile` weight rows: the type's rows kernel
+  dequantizes the tile to float32 (a scratch of `tile * K` floats, sized by the caller to
+  stay in L2; `run` is the rows kernels' run-time trip count, `qmatmul.ROW_RUN`), then
+  `outer` multiplies it. F32 needs no decode and runs `outer` on its rows directly.
 
 One threading runtime (numba's) runs every kernel of a step: the earlier tile pool of Python
 threads calling single-threaded BLAS left numba's OpenMP workers spinning beside it.
@@ -27,10 +26,7 @@ import numpy as np
 from numba import prange
 
 from vllm_actors.kernels.cpu.jit import kernel
-from vllm_actors.kernels.cpu.qmatmul_float import rows_half
-from vllm_actors.kernels.cpu.qmatmul_k23 import rows_q2_k, rows_q3_k
-from vllm_actors.kernels.cpu.qmatmul_k45 import rows_q6_k, rows_q45_k
-from vllm_actors.kernels.cpu.qmatmul_legacy import rows_q4, rows_q5, rows_q8_0
+from vllm_actors.kernels.cpu.qmatmul_codec import weight_tile
 from vllm_actors.kernels.cpu.qmatmul_prims import stack_f32
 
 PANEL = 16
@@ -82,110 +78,12 @@ def outer(wt, xp, out, r0, chunk):  # type: ignore[no-untyped-def]
 
 
 @kernel(parallel=True)
-def gemm_f32(w, lut, xp, out, tile, chunk, run):  # type: ignore[no-untyped-def]
-    n = w.shape[0]
+def gemm(codec, planes, lut, xp, out, tile, chunk, run):  # type: ignore[no-untyped-def]
+    """out = x @ W.T (x as panels xp), W's planes as the codec's rows kernel takes them:
+    `prange` over tiles of `tile` weight rows, each decoded to float32
+    (`qmatmul_codec.weight_tile`) and multiplied by `outer`."""
+    n = out.shape[1]
     for t in prange((n + tile - 1) // tile):
         a = t * tile
-        outer(w[a:min(n, a + tile)], xp, out, a, chunk)
-
-
-@kernel(parallel=True)
-def gemm_half(w, bf16, lut, xp, out, tile, chunk, run):  # type: ignore[no-untyped-def]
-    n, k = w.shape
-    ids = np.arange(n)
-    for t in prange((n + tile - 1) // tile):
-        a = t * tile
-        b = min(n, a + tile)
-        buf = np.empty((b - a, k), dtype=np.float32)
-        rows_half(w, bf16, lut, ids[a:b], buf, run)
-        outer(buf, xp, out, a, chunk)
-
-
-@kernel(parallel=True)
-def gemm_q8_0(qs, d, lut, xp, out, tile, chunk, run):  # type: ignore[no-untyped-def]
-    n, k = qs.shape
-    ids = np.arange(n)
-    for t in prange((n + tile - 1) // tile):
-        a = t * tile
-        b = min(n, a + tile)
-        buf = np.empty((b - a, k), dtype=np.float32)
-        rows_q8_0(qs, d, lut, ids[a:b], buf, run)
-        outer(buf, xp, out, a, chunk)
-
-
-@kernel(parallel=True)
-def gemm_q4(qs, d, mn, lut, xp, out, tile, chunk, run):  # type: ignore[no-untyped-def]
-    n = qs.shape[0]
-    k = xp.shape[1]
-    ids = np.arange(n)
-    for t in prange((n + tile - 1) // tile):
-        a = t * tile
-        b = min(n, a + tile)
-        buf = np.empty((b - a, k), dtype=np.float32)
-        rows_q4(qs, d, mn, lut, ids[a:b], buf, run)
-        outer(buf, xp, out, a, chunk)
-
-
-@kernel(parallel=True)
-def gemm_q5(qs, qh, d, mn, lut, xp, out, tile, chunk, run):  # type: ignore[no-untyped-def]
-    n = qs.shape[0]
-    k = xp.shape[1]
-    ids = np.arange(n)
-    for t in prange((n + tile - 1) // tile):
-        a = t * tile
-        b = min(n, a + tile)
-        buf = np.empty((b - a, k), dtype=np.float32)
-        rows_q5(qs, qh, d, mn, lut, ids[a:b], buf, run)
-        outer(buf, xp, out, a, chunk)
-
-
-@kernel(parallel=True)
-def gemm_q2_k(qs, scales, d, dmin, lut, xp, out, tile, chunk, run):  # type: ignore[no-untyped-def]
-    n = qs.shape[0]
-    k = xp.shape[1]
-    ids = np.arange(n)
-    for t in prange((n + tile - 1) // tile):
-        a = t * tile
-        b = min(n, a + tile)
-        buf = np.empty((b - a, k), dtype=np.float32)
-        rows_q2_k(qs, scales, d, dmin, lut, ids[a:b], buf, run)
-        outer(buf, xp, out, a, chunk)
-
-
-@kernel(parallel=True)
-def gemm_q3_k(hmask, qs, scales, d, lut, xp, out, tile, chunk, run):  # type: ignore[no-untyped-def]
-    n = qs.shape[0]
-    k = xp.shape[1]
-    ids = np.arange(n)
-    for t in prange((n + tile - 1) // tile):
-        a = t * tile
-        b = min(n, a + tile)
-        buf = np.empty((b - a, k), dtype=np.float32)
-        rows_q3_k(hmask, qs, scales, d, lut, ids[a:b], buf, run)
-        outer(buf, xp, out, a, chunk)
-
-
-@kernel(parallel=True)
-def gemm_q45_k(qh, qs, sc, mn, d, dmin, lut, xp, out, tile, chunk, run):  # type: ignore[no-untyped-def]
-    n = qs.shape[0]
-    k = xp.shape[1]
-    ids = np.arange(n)
-    for t in prange((n + tile - 1) // tile):
-        a = t * tile
-        b = min(n, a + tile)
-        buf = np.empty((b - a, k), dtype=np.float32)
-        rows_q45_k(qh, qs, sc, mn, d, dmin, lut, ids[a:b], buf, run)
-        outer(buf, xp, out, a, chunk)
-
-
-@kernel(parallel=True)
-def gemm_q6_k(ql, qh, scales, d, lut, xp, out, tile, chunk, run):  # type: ignore[no-untyped-def]
-    n = ql.shape[0]
-    k = xp.shape[1]
-    ids = np.arange(n)
-    for t in prange((n + tile - 1) // tile):
-        a = t * tile
-        b = min(n, a + tile)
-        buf = np.empty((b - a, k), dtype=np.float32)
-        rows_q6_k(ql, qh, scales, d, lut, ids[a:b], buf, run)
-        outer(buf, xp, out, a, chunk)
+        outer(weight_tile(codec, planes, lut, a, min(n, a + tile), xp.shape[1], run), xp, out,
+              a, chunk)

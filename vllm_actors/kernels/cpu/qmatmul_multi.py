@@ -2,33 +2,25 @@
 32 weights is decoded ONCE into registers and multiplied into every row of x, where the
 one-row GEMV kernels (`qmatmul_legacy`, `qmatmul_k*`) decode W again per row of x.
 
-Kernels `mgemv_*(planes..., lut, x, out, dist, chunk, threads)`: x float32 `[M, K]` (copied to
-a 32-byte boundary when it is not: `aligned`), out float32 `[M, N]`, `dist` rows to prefetch
-ahead, `chunk` weight rows per task (even; a prange over tasks), `threads` as in the GEMV
-kernels. Here Q4_0/Q4_1 (`mgemv_q4`, `mn` empty for Q4_0), Q5_0/Q5_1 (`mgemv_q5`) and Q8_0;
-Q4_K and Q6_K in `qmatmul_multi_k`.
+`mgemv(codec, planes, lut, x, out, dist, chunk, threads)`, one driver for every type whose
+`qmatmul_codec.Codec` has `blocks` (Q4_0/Q4_1, Q5_0/Q5_1, Q8_0, Q4_K, Q6_K): x float32
+`[M, K]` (copied to a 32-byte boundary when it is not: `aligned`), out float32 `[M, N]`,
+`dist` rows to prefetch ahead, `chunk` weight rows per task (even; a prange over tasks),
+`threads` as in the GEMV kernels.
 
 Per task, group of x rows (at most `GROUP_MAX` = 9; more rows are split into even groups) and
 K slice (`slice_blocks`: the group's rows of x stay in L1), a pass takes R weight rows at a
-time, decodes their 32-weight block into `w` with `qmatmul_simd`'s vector decoders (scale and
-min folded in: w = d * q + m) and `vrows` adds w times each row of the group into one 8-lane
+time, decodes their 32-weight block into `w` (`qmatmul_codec.decode_block`: scale and min
+folded in, w = d * q + m) and `vrows` adds w times each row of the group into one 8-lane
 accumulator per (x row, weight row), held in registers. G (rows in the group) and R are
-literals, so each (G, R) is its own loop: `_span_*` dispatches on G to one of nine inlined
-copies of `_pass_*`, with R = 2 up to G = 5 (each x load feeds two FMAs; 2G accumulators and
+literals, so each (G, R) is its own loop: `_span` dispatches on G to one of nine inlined
+copies of `_pass`, with R = 2 up to G = 5 (each x load feeds two FMAs; 2G accumulators and
 8 decoded vectors of the 16 registers) and R = 1 beyond (G + 4 registers, one x load per FMA).
-Measured (Q4_1, one thread, ms): at 9 rows, 3072x576 0.52 with R = 1 against 0.61 as groups
-of 5 and 4 with R = 2, 576x1536 0.31 against 0.30; R = 1 and 2 equal at G = 5 and 6 (2
-threads), R = 2 ahead below (G = 4, 3072x576: 0.22 against 0.25). K slices: 576x1536 at
-G = 9, 0.31 against 0.37 unsliced (9 rows of 1536 floats are 55 KB).
-
-`_span_*` is a plain kernel called once per task and K slice: inlined into the prange body,
-numba took 15 s to compile the nine copies of a (prototype) kernel, 5 s this way. A type's
-kernels still take 6-7 s to compile cold (`_span_*` 3.6-4.0 s, the parallel driver 2.5 s;
-the one-row GEMVs 2-4 s), so the warm-up's helper process compiles them first
-(`CpuBackend.compile_matmuls`): SmolLM2's cold warm-up took 62 s with the engine compiling
-them itself at its 3-row step, 42 s this way (42 s before these kernels existed).
-
-Measured against the one-row path and the dispatch (`MULTI_MAX_ROWS`): `qmatmul`'s docstring.
+`_span` is a plain kernel called once per task and K slice: inlined into the prange body,
+its nine copies compiled three times slower. Its compiles are the cold start's largest, so the
+warm-up's helper process compiles them first (`CpuBackend.compile_matmuls`). The measurements
+behind G, R, the slices and the dispatch (`qmatmul.MULTI_MAX_ROWS`) are in docs/BENCHMARKS.md
+("Compiled CPU backend: kernel layout and dispatch").
 """
 
 from __future__ import annotations
@@ -37,13 +29,9 @@ import numpy as np
 from numba import prange
 
 from vllm_actors.kernels.cpu.jit import kernel
-from vllm_actors.kernels.cpu.qmatmul_prims import (
-    limit_threads,
-    prefetch,
-    restore_threads,
-    stack_f32,
-)
-from vllm_actors.kernels.cpu.qmatmul_simd import vi8, vnib, vq5, vrows, vsum, vzero
+from vllm_actors.kernels.cpu.qmatmul_codec import decode_block, prefetch_block
+from vllm_actors.kernels.cpu.qmatmul_prims import limit_threads, restore_threads, stack_f32
+from vllm_actors.kernels.cpu.qmatmul_simd import vrows, vsum, vzero
 
 GROUP_MAX = 9       # x rows per pass (a larger M runs in groups of at most this many)
 X_SLICE_BYTES = 24 << 10    # a group's rows of x per K slice: kept within L1 (32 KB here)
@@ -100,12 +88,11 @@ def finish(acc, out, r0, m0, first, g, r):  # type: ignore[no-untyped-def]
                 out[m0 + j, r0 + k] = v if first else out[m0 + j, r0 + k] + v
 
 
-# -- Q4_0 / Q4_1: w = d * q + m (Q4_0: m = -8 d) ------------------------------------------
-
 @kernel(inline=True)
-def _pass_q4(qs, d, mn, lut, x, out, dist, lo, hi, m0, b0, b1, g, r):  # type: ignore[no-untyped-def]
-    n, rb = qs.shape
-    has_min = mn.shape[0] > 0
+def _pass(codec, planes, lut, x, out, dist, lo, hi, m0, b0, b1, g, r):  # type: ignore[no-untyped-def]
+    """Weight rows [lo, hi), r at a time, against x's rows m0 .. m0 + g over blocks [b0, b1):
+    each block decoded once (`qmatmul_codec.decode_block`) for all g rows."""
+    n = out.shape[1]
     acc = stack_f32(80)
     w = stack_f32(64)
     for r0 in range(lo, hi, r):
@@ -113,45 +100,41 @@ def _pass_q4(qs, d, mn, lut, x, out, dist, lo, hi, m0, b0, b1, g, r):  # type: i
         for b in range(b0, b1):
             for k in range(r):
                 row = min(r0 + k, n - 1)
-                q = row * rb + 16 * b
-                prefetch(qs, min(row + dist, n - 1) * rb + 16 * b)
-                dv = lut[d[row, b]]
-                mv = lut[mn[row, b]] if has_min else np.float32(-8) * dv
-                vnib(w, 32 * k, qs, q, 0, dv, mv)
-                vnib(w, 32 * k + 8, qs, q + 8, 0, dv, mv)
-                vnib(w, 32 * k + 16, qs, q, 4, dv, mv)
-                vnib(w, 32 * k + 24, qs, q + 8, 4, dv, mv)
+                prefetch_block(codec, planes, min(row + dist, n - 1), b)
+                decode_block(codec, planes, lut, row, b, w, 32 * k)
             vrows(acc, w, x, m0 * x.shape[1] + 32 * b, g, r)
         finish(acc, out, r0, m0, b0 == 0, g, r)
 
 
 @kernel
-def _span_q4(qs, d, mn, lut, x, out, dist, lo, hi, m0, mt, b0, b1):  # type: ignore[no-untyped-def]
+def _span(codec, planes, lut, x, out, dist, lo, hi, m0, mt, b0, b1):  # type: ignore[no-untyped-def]
+    """`_pass` with mt rows of x, each (G, R) its own literal loop (see the module docstring)."""
     if mt == 1:
-        _pass_q4(qs, d, mn, lut, x, out, dist, lo, hi, m0, b0, b1, 1, 2)
+        _pass(codec, planes, lut, x, out, dist, lo, hi, m0, b0, b1, 1, 2)
     elif mt == 2:
-        _pass_q4(qs, d, mn, lut, x, out, dist, lo, hi, m0, b0, b1, 2, 2)
+        _pass(codec, planes, lut, x, out, dist, lo, hi, m0, b0, b1, 2, 2)
     elif mt == 3:
-        _pass_q4(qs, d, mn, lut, x, out, dist, lo, hi, m0, b0, b1, 3, 2)
+        _pass(codec, planes, lut, x, out, dist, lo, hi, m0, b0, b1, 3, 2)
     elif mt == 4:
-        _pass_q4(qs, d, mn, lut, x, out, dist, lo, hi, m0, b0, b1, 4, 2)
+        _pass(codec, planes, lut, x, out, dist, lo, hi, m0, b0, b1, 4, 2)
     elif mt == 5:
-        _pass_q4(qs, d, mn, lut, x, out, dist, lo, hi, m0, b0, b1, 5, 2)
+        _pass(codec, planes, lut, x, out, dist, lo, hi, m0, b0, b1, 5, 2)
     elif mt == 6:
-        _pass_q4(qs, d, mn, lut, x, out, dist, lo, hi, m0, b0, b1, 6, 1)
+        _pass(codec, planes, lut, x, out, dist, lo, hi, m0, b0, b1, 6, 1)
     elif mt == 7:
-        _pass_q4(qs, d, mn, lut, x, out, dist, lo, hi, m0, b0, b1, 7, 1)
+        _pass(codec, planes, lut, x, out, dist, lo, hi, m0, b0, b1, 7, 1)
     elif mt == 8:
-        _pass_q4(qs, d, mn, lut, x, out, dist, lo, hi, m0, b0, b1, 8, 1)
+        _pass(codec, planes, lut, x, out, dist, lo, hi, m0, b0, b1, 8, 1)
     else:
-        _pass_q4(qs, d, mn, lut, x, out, dist, lo, hi, m0, b0, b1, 9, 1)
+        _pass(codec, planes, lut, x, out, dist, lo, hi, m0, b0, b1, 9, 1)
 
 
 @kernel(parallel=True)
-def mgemv_q4(qs, d, mn, lut, x, out, dist, chunk, threads):  # type: ignore[no-untyped-def]
+def mgemv(codec, planes, lut, x, out, dist, chunk, threads):  # type: ignore[no-untyped-def]
+    """out = x @ W.T for a codec with `blocks`, W's planes as its rows kernel takes them."""
     prev = limit_threads(threads)
     x = aligned(x)
-    n = qs.shape[0]
+    n = out.shape[1]
     nm = x.shape[0]
     blocks = x.shape[1] // 32
     per = group_rows(nm)
@@ -162,139 +145,6 @@ def mgemv_q4(qs, d, mn, lut, x, out, dist, chunk, threads):  # type: ignore[no-u
             mt = min(per, nm - m0)
             kb = slice_blocks(blocks, mt)
             for b0 in range(0, blocks, kb):
-                _span_q4(qs, d, mn, lut, x, out, dist, lo, hi, m0, mt, b0,
-                         min(blocks, b0 + kb))
-    restore_threads(prev)
-
-
-# -- Q5_0 / Q5_1: w = d * q + m (Q5_0: m = -16 d); bit j of qh is the fifth bit of element j
-
-@kernel(inline=True)
-def _pass_q5(qs, qh, d, mn, lut, x, out, dist, lo, hi, m0, b0, b1, g, r):  # type: ignore[no-untyped-def]
-    n, rb = qs.shape
-    has_min = mn.shape[0] > 0
-    acc = stack_f32(80)
-    w = stack_f32(64)
-    for r0 in range(lo, hi, r):
-        start(acc, g, r)
-        for b in range(b0, b1):
-            for k in range(r):
-                row = min(r0 + k, n - 1)
-                q = row * rb + 16 * b
-                prefetch(qs, min(row + dist, n - 1) * rb + 16 * b)
-                dv = lut[d[row, b]]
-                mv = lut[mn[row, b]] if has_min else np.float32(-16) * dv
-                h = qh[row, b]
-                vq5(w, 32 * k, qs, q, 0, h, 0, dv, mv)
-                vq5(w, 32 * k + 8, qs, q + 8, 0, h, 8, dv, mv)
-                vq5(w, 32 * k + 16, qs, q, 4, h, 16, dv, mv)
-                vq5(w, 32 * k + 24, qs, q + 8, 4, h, 24, dv, mv)
-            vrows(acc, w, x, m0 * x.shape[1] + 32 * b, g, r)
-        finish(acc, out, r0, m0, b0 == 0, g, r)
-
-
-@kernel
-def _span_q5(qs, qh, d, mn, lut, x, out, dist, lo, hi, m0, mt, b0, b1):  # type: ignore[no-untyped-def]
-    if mt == 1:
-        _pass_q5(qs, qh, d, mn, lut, x, out, dist, lo, hi, m0, b0, b1, 1, 2)
-    elif mt == 2:
-        _pass_q5(qs, qh, d, mn, lut, x, out, dist, lo, hi, m0, b0, b1, 2, 2)
-    elif mt == 3:
-        _pass_q5(qs, qh, d, mn, lut, x, out, dist, lo, hi, m0, b0, b1, 3, 2)
-    elif mt == 4:
-        _pass_q5(qs, qh, d, mn, lut, x, out, dist, lo, hi, m0, b0, b1, 4, 2)
-    elif mt == 5:
-        _pass_q5(qs, qh, d, mn, lut, x, out, dist, lo, hi, m0, b0, b1, 5, 2)
-    elif mt == 6:
-        _pass_q5(qs, qh, d, mn, lut, x, out, dist, lo, hi, m0, b0, b1, 6, 1)
-    elif mt == 7:
-        _pass_q5(qs, qh, d, mn, lut, x, out, dist, lo, hi, m0, b0, b1, 7, 1)
-    elif mt == 8:
-        _pass_q5(qs, qh, d, mn, lut, x, out, dist, lo, hi, m0, b0, b1, 8, 1)
-    else:
-        _pass_q5(qs, qh, d, mn, lut, x, out, dist, lo, hi, m0, b0, b1, 9, 1)
-
-
-@kernel(parallel=True)
-def mgemv_q5(qs, qh, d, mn, lut, x, out, dist, chunk, threads):  # type: ignore[no-untyped-def]
-    prev = limit_threads(threads)
-    x = aligned(x)
-    n = qs.shape[0]
-    nm = x.shape[0]
-    blocks = x.shape[1] // 32
-    per = group_rows(nm)
-    for c in prange((n + chunk - 1) // chunk):
-        lo = c * chunk
-        hi = min(n, lo + chunk)
-        for m0 in range(0, nm, per):
-            mt = min(per, nm - m0)
-            kb = slice_blocks(blocks, mt)
-            for b0 in range(0, blocks, kb):
-                _span_q5(qs, qh, d, mn, lut, x, out, dist, lo, hi, m0, mt, b0,
-                         min(blocks, b0 + kb))
-    restore_threads(prev)
-
-
-# -- Q8_0: w = d * q ----------------------------------------------------------------------
-
-@kernel(inline=True)
-def _pass_q8_0(qs, d, lut, x, out, dist, lo, hi, m0, b0, b1, g, r):  # type: ignore[no-untyped-def]
-    n, k = qs.shape
-    acc = stack_f32(80)
-    w = stack_f32(64)
-    for r0 in range(lo, hi, r):
-        start(acc, g, r)
-        for b in range(b0, b1):
-            for kk in range(r):
-                row = min(r0 + kk, n - 1)
-                q = row * k + 32 * b
-                prefetch(qs, min(row + dist, n - 1) * k + 32 * b)
-                dv = lut[d[row, b]]
-                vi8(w, 32 * kk, qs, q, dv)
-                vi8(w, 32 * kk + 8, qs, q + 8, dv)
-                vi8(w, 32 * kk + 16, qs, q + 16, dv)
-                vi8(w, 32 * kk + 24, qs, q + 24, dv)
-            vrows(acc, w, x, m0 * k + 32 * b, g, r)
-        finish(acc, out, r0, m0, b0 == 0, g, r)
-
-
-@kernel
-def _span_q8_0(qs, d, lut, x, out, dist, lo, hi, m0, mt, b0, b1):  # type: ignore[no-untyped-def]
-    if mt == 1:
-        _pass_q8_0(qs, d, lut, x, out, dist, lo, hi, m0, b0, b1, 1, 2)
-    elif mt == 2:
-        _pass_q8_0(qs, d, lut, x, out, dist, lo, hi, m0, b0, b1, 2, 2)
-    elif mt == 3:
-        _pass_q8_0(qs, d, lut, x, out, dist, lo, hi, m0, b0, b1, 3, 2)
-    elif mt == 4:
-        _pass_q8_0(qs, d, lut, x, out, dist, lo, hi, m0, b0, b1, 4, 2)
-    elif mt == 5:
-        _pass_q8_0(qs, d, lut, x, out, dist, lo, hi, m0, b0, b1, 5, 2)
-    elif mt == 6:
-        _pass_q8_0(qs, d, lut, x, out, dist, lo, hi, m0, b0, b1, 6, 1)
-    elif mt == 7:
-        _pass_q8_0(qs, d, lut, x, out, dist, lo, hi, m0, b0, b1, 7, 1)
-    elif mt == 8:
-        _pass_q8_0(qs, d, lut, x, out, dist, lo, hi, m0, b0, b1, 8, 1)
-    else:
-        _pass_q8_0(qs, d, lut, x, out, dist, lo, hi, m0, b0, b1, 9, 1)
-
-
-@kernel(parallel=True)
-def mgemv_q8_0(qs, d, lut, x, out, dist, chunk, threads):  # type: ignore[no-untyped-def]
-    prev = limit_threads(threads)
-    x = aligned(x)
-    n = qs.shape[0]
-    nm = x.shape[0]
-    blocks = x.shape[1] // 32
-    per = group_rows(nm)
-    for c in prange((n + chunk - 1) // chunk):
-        lo = c * chunk
-        hi = min(n, lo + chunk)
-        for m0 in range(0, nm, per):
-            mt = min(per, nm - m0)
-            kb = slice_blocks(blocks, mt)
-            for b0 in range(0, blocks, kb):
-                _span_q8_0(qs, d, lut, x, out, dist, lo, hi, m0, mt, b0,
-                           min(blocks, b0 + kb))
+                _span(codec, planes, lut, x, out, dist, lo, hi, m0, mt, b0,
+                      min(blocks, b0 + kb))
     restore_threads(prev)

@@ -1,4 +1,5 @@
-"""8-lane float32 vector operations for the multi-row GEMV (`qmatmul_multi`), as numba
+"""8-lane float32 vector operations for the float semantics' block decoders (`qmatmul_codec`)
+and the multi-row GEMV (`qmatmul_multi`), as numba
 intrinsics in memory form: each reads and writes 8 consecutive elements of an array at a flat
 element index (no bounds checks; arrays C-contiguous).
 
@@ -16,8 +17,9 @@ per pass and up to 4 rows of x with two, and spilled at 5 rows with two (Q4_1 10
 thread: 0.23 against 0.13 ms).
 
 Decoders write w[wi:wi+8] from 8 quants: `vnib` (a nibble: Q4_0/Q4_1/Q4_K), `vq5` (a nibble
-and a fifth bit: Q5_0/Q5_1), `vi8` (int8: Q8_0), `vq6` (Q6_K's 4 + 2 bits). `vrows`
-multiplies up to R = 2 decoded rows of 32 weights into G rows of x (G, R literals).
+and a fifth bit: Q5_0/Q5_1), `vi8` (int8: Q8_0), `vbits` (a nibble and high bits from bytes
+of their own: Q5_K, Q6_K). `vrows` multiplies up to R = 2 decoded rows of 32 weights into G
+rows of x (G, R literals).
 """
 
 from __future__ import annotations
@@ -199,25 +201,29 @@ def vi8(typingctx, w, wi, q, qi, scale):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
-def vq6(typingctx, w, wi, ql, li, ls, qh, hi, hs, scale):  # type: ignore[no-untyped-def]
-    """w[wi:+8] = scale * (q - 32), q = ((ql[li:+8] >> ls) & 15) | ((qh[hi:+8] >> hs) & 3)
-    << 4 (ql, qh uint8): Q6_K's weights."""
-    if not (_f32(w) and _bytes(ql, types.uint8) and _bytes(qh, types.uint8)):
+def vbits(typingctx, w, wi, lo, li, ls, hi, hj, hs, mask, sub, scale, bias):  # type: ignore[no-untyped-def]
+    """w[wi:+8] = scale * (q - sub) + bias, q = ((lo[li:+8] >> ls) & 15) | ((hi[hj:+8] >>
+    hs) & mask) << 4 (lo, hi uint8): a nibble and its high bits from bytes of their own,
+    Q5_K's (mask 1) and Q6_K's (mask 3, sub 32)."""
+    if not (_f32(w) and _bytes(lo, types.uint8) and _bytes(hi, types.uint8)):
         return None
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        lo = builder.zext(builder.load(vector_ptr(context, builder, sig.args[2], args[2],
-                                            sig.args[3], args[3], _I8X8), align=1), _I32X8)
-        hb = builder.zext(builder.load(vector_ptr(context, builder, sig.args[5], args[5],
-                                            sig.args[6], args[6], _I8X8), align=1), _I32X8)
-        lsh = splat(builder, context.cast(builder, args[4], sig.args[4], types.int32), _I32X8)
-        hsh = splat(builder, context.cast(builder, args[7], sig.args[7], types.int32), _I32X8)
-        lo = builder.and_(builder.lshr(lo, lsh), ir.Constant(_I32X8, [15] * 8))
-        hb = builder.shl(builder.and_(builder.lshr(hb, hsh), ir.Constant(_I32X8, [3] * 8)),
-                         ir.Constant(_I32X8, [4] * 8))
-        q = builder.sub(builder.or_(lo, hb), ir.Constant(_I32X8, [32] * 8))
-        s = splat(builder, _scalar(context, builder, sig, args, 8), _V8)
+        def lanes(i):  # type: ignore[no-untyped-def]
+            return splat(builder, context.cast(builder, args[i], sig.args[i], types.int32),
+                         _I32X8)
+
+        def load(i):  # type: ignore[no-untyped-def]
+            p = vector_ptr(context, builder, sig.args[i], args[i], sig.args[i + 1],
+                           args[i + 1], _I8X8)
+            return builder.zext(builder.load(p, align=1), _I32X8)
+        low = builder.and_(builder.lshr(load(2), lanes(4)), ir.Constant(_I32X8, [15] * 8))
+        high = builder.and_(builder.lshr(load(5), lanes(7)), lanes(8))
+        q = builder.sub(builder.or_(low, builder.shl(high, ir.Constant(_I32X8, [4] * 8))),
+                        lanes(9))
+        s = splat(builder, _scalar(context, builder, sig, args, 10), _V8)
+        b = splat(builder, _scalar(context, builder, sig, args, 11), _V8)
         pw = vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _V8)
-        builder.store(builder.fmul(builder.sitofp(q, _V8), s), pw, align=4)
+        builder.store(fmuladd(builder, builder.sitofp(q, _V8), s, b), pw, align=4)
         return context.get_dummy_value()
-    return types.none(w, wi, ql, li, ls, qh, hi, hs, scale), codegen
+    return types.none(w, wi, lo, li, ls, hi, hj, hs, mask, sub, scale, bias), codegen
