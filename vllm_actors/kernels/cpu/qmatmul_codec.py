@@ -5,10 +5,12 @@ chosen when a kernel compiles, so that each matmul driver (`qmatmul_multi`,
 A `Codec` is a compile-time marker: numba types each one as its own `CodecType`, and the
 overloads below resolve to that type's code, inlined into the driver that calls them:
 
-- `decode_block(codec, planes, lut, row, b, w, wi)`: 32-column block b of weight `row`
-  into w[wi:wi + 32], scale and min folded in (w = d q + m), with `qmatmul_simd`'s 8-lane
-  decoders; for the types with `blocks` (the multi-row GEMV and the fused GEMM).
-- `prefetch_block(codec, planes, row, b)`: that block's codes hinted into L2.
+- `decode_block(codec, planes, lut, row, b, w, wi, ahead)`: 32-column block b of weight
+  `row` into w[wi:wi + 32], scale and min folded in (w = d q + m), with `qmatmul_simd`'s
+  8-lane decoders, and the same block's codes of weight row `ahead` hinted into L2; for the
+  types with `blocks` (the multi-row GEMV and the fused GEMM). One overload where a hint of
+  its own had been another: inlined into the multi-row GEMV's nine copies, it cost 0.8 s of
+  compile.
 - `weight_tile(codec, planes, lut, a, b, k, run)`: rows [a, b) as float32 `[b - a, k]`
   (the type's rows kernel into a new tile; F32's rows themselves).
 
@@ -16,7 +18,7 @@ overloads below resolve to that type's code, inlined into the driver that calls 
 F16 and BF16 share a codec (one compile; a flag tells them apart). Q4_0 and Q4_1 (Q5_0 and
 Q5_1, Q4_K and Q5_K) share their rows kernels but decode blocks apart: a decoder choosing
 its min at run time made numba's inlining warn at every compile, and Q4_K's with Q5_K's
-branch beside it ran its multi-row GEMV 2-3x slower.
+branch beside it ran its multi-row GEMV 2-3x slower (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from numba import types
 from numba.extending import (NativeValue, models, overload, register_model, typeof_impl,
                              unbox)
 
-from vllm_actors.kernels.cpu.jit import JIT_OPTIONS, kernel
+from vllm_actors.kernels.cpu.jit import JIT_OPTIONS
 from vllm_actors.kernels.cpu.qmatmul_float import gemv_f32, gemv_half, rows_f32, rows_half
 from vllm_actors.kernels.cpu.qmatmul_k23 import gemv_q2_k, gemv_q3_k, rows_q2_k, rows_q3_k
 from vllm_actors.kernels.cpu.qmatmul_k45 import (gemv_q4_k, gemv_q5_k, gemv_q6_k, rows_q6_k,
@@ -91,12 +93,8 @@ def _name(codec: Any) -> str | None:
     return codec.codec_name if isinstance(codec, CodecType) else None
 
 
-def decode_block(codec, planes, lut, row, b, w, wi):  # type: ignore[no-untyped-def]
+def decode_block(codec, planes, lut, row, b, w, wi, ahead):  # type: ignore[no-untyped-def]
     """Block b of weight `row` as 32 float32 weights at w[wi:] (the overloads below)."""
-
-
-def prefetch_block(codec, planes, row, b):  # type: ignore[no-untyped-def]
-    """Block b of weight `row`'s codes hinted into L2 (the overloads below)."""
 
 
 def weight_tile(codec, planes, lut, a, b, k, run):  # type: ignore[no-untyped-def]
@@ -104,110 +102,95 @@ def weight_tile(codec, planes, lut, a, b, k, run):  # type: ignore[no-untyped-de
 
 
 @overload(decode_block, inline="always", jit_options=JIT_OPTIONS)
-def _decode_block(codec, planes, lut, row, b, w, wi):  # type: ignore[no-untyped-def]
-    """The codec's decoder, itself inlined as a kernel (numba's overload inlining of a
-    branchy body leaves its variables out of scope: pedantic warnings at every compile)."""
-    fn = _DECODERS.get(_name(codec))
-    if fn is None:
-        return None
-
-    def impl(codec, planes, lut, row, b, w, wi):  # type: ignore[no-untyped-def]
-        fn(planes, lut, row, b, w, wi)
-    return impl
+def _decode_block(codec, planes, lut, row, b, w, wi, ahead):  # type: ignore[no-untyped-def]
+    """The codec's decoder below, inlined where it is called (each is one straight run: a
+    decoder that chose among values at run time, or called a helper, made numba's inlining
+    warn at every compile or compile slower)."""
+    return _DECODERS.get(_name(codec))
 
 
-@kernel(inline=True)
-def _nibbles(qs, q, dv, mv, w, wi):  # type: ignore[no-untyped-def]
-    """A 32-weight block of nibbles at qs.flat[q:q + 16] (low nibbles first) as d q + m."""
-    vnib(w, wi, qs, q, 0, dv, mv)
-    vnib(w, wi + 8, qs, q + 8, 0, dv, mv)
-    vnib(w, wi + 16, qs, q, 4, dv, mv)
-    vnib(w, wi + 24, qs, q + 8, 4, dv, mv)
-
-
-@kernel(inline=True)
-def _fifths(qs, qh, row, b, dv, mv, w, wi):  # type: ignore[no-untyped-def]
-    """Block b of `row` with its fifth bits (bit j of qh[row, b] is element j's) as d q + m."""
-    q = row * qs.shape[1] + 16 * b
-    h = qh[row, b]
-    vq5(w, wi, qs, q, 0, h, 0, dv, mv)
-    vq5(w, wi + 8, qs, q + 8, 0, h, 8, dv, mv)
-    vq5(w, wi + 16, qs, q, 4, h, 16, dv, mv)
-    vq5(w, wi + 24, qs, q + 8, 4, h, 24, dv, mv)
-
-
-@kernel(inline=True)
-def _q4_0(planes, lut, row, b, w, wi):  # type: ignore[no-untyped-def]
-    """w = d (q - 8)."""
+def _q4_0(codec, planes, lut, row, b, w, wi, ahead):  # type: ignore[no-untyped-def]
+    """w = d (q - 8), the block's 16 bytes low nibbles first."""
     qs, d, _ = planes
+    q = row * qs.shape[1] + 16 * b
+    prefetch(qs, q + (ahead - row) * qs.shape[1])
     dv = lut[d[row, b]]
-    _nibbles(qs, row * qs.shape[1] + 16 * b, dv, np.float32(-8) * dv, w, wi)
+    mv = np.float32(-8) * dv
+    for c in range(4):
+        vnib(w, wi + 8 * c, qs, q + 8 * (c & 1), 4 * (c >> 1), dv, mv)
 
 
-@kernel(inline=True)
-def _q4_1(planes, lut, row, b, w, wi):  # type: ignore[no-untyped-def]
+def _q4_1(codec, planes, lut, row, b, w, wi, ahead):  # type: ignore[no-untyped-def]
     """w = d q + m."""
     qs, d, mn = planes
-    _nibbles(qs, row * qs.shape[1] + 16 * b, lut[d[row, b]], lut[mn[row, b]], w, wi)
-
-
-@kernel(inline=True)
-def _q5_0(planes, lut, row, b, w, wi):  # type: ignore[no-untyped-def]
-    """w = d (q - 16)."""
-    qs, qh, d, _ = planes
+    q = row * qs.shape[1] + 16 * b
+    prefetch(qs, q + (ahead - row) * qs.shape[1])
     dv = lut[d[row, b]]
-    _fifths(qs, qh, row, b, dv, np.float32(-16) * dv, w, wi)
+    mv = lut[mn[row, b]]
+    for c in range(4):
+        vnib(w, wi + 8 * c, qs, q + 8 * (c & 1), 4 * (c >> 1), dv, mv)
 
 
-@kernel(inline=True)
-def _q5_1(planes, lut, row, b, w, wi):  # type: ignore[no-untyped-def]
+def _q5_0(codec, planes, lut, row, b, w, wi, ahead):  # type: ignore[no-untyped-def]
+    """w = d (q - 16); bit j of qh[row, b] is element j's fifth."""
+    qs, qh, d, _ = planes
+    q = row * qs.shape[1] + 16 * b
+    prefetch(qs, q + (ahead - row) * qs.shape[1])
+    dv = lut[d[row, b]]
+    mv = np.float32(-16) * dv
+    h = qh[row, b]
+    for c in range(4):
+        vq5(w, wi + 8 * c, qs, q + 8 * (c & 1), 4 * (c >> 1), h, 8 * c, dv, mv)
+
+
+def _q5_1(codec, planes, lut, row, b, w, wi, ahead):  # type: ignore[no-untyped-def]
     """w = d q + m."""
     qs, qh, d, mn = planes
-    _fifths(qs, qh, row, b, lut[d[row, b]], lut[mn[row, b]], w, wi)
+    q = row * qs.shape[1] + 16 * b
+    prefetch(qs, q + (ahead - row) * qs.shape[1])
+    dv = lut[d[row, b]]
+    mv = lut[mn[row, b]]
+    h = qh[row, b]
+    for c in range(4):
+        vq5(w, wi + 8 * c, qs, q + 8 * (c & 1), 4 * (c >> 1), h, 8 * c, dv, mv)
 
 
-@kernel(inline=True)
-def _q8_0(planes, lut, row, b, w, wi):  # type: ignore[no-untyped-def]
+def _q8_0(codec, planes, lut, row, b, w, wi, ahead):  # type: ignore[no-untyped-def]
     qs, d = planes
     q = row * qs.shape[1] + 32 * b
+    prefetch(qs, q + (ahead - row) * qs.shape[1])
     dv = lut[d[row, b]]
     for c in range(4):
         vi8(w, wi + 8 * c, qs, q + 8 * c, dv)
 
 
-@kernel(inline=True)
-def _k_scales(sc, mn, d, dmin, lut, row, b):  # type: ignore[no-untyped-def]
-    """Q4_K/Q5_K block b (sub-block b % 8 of superblock b // 8) of `row`: d sc and -dmin mn."""
-    sb = b >> 3
-    return (lut[d[row, sb]] * np.float32(sc[row, b]),
-            -(lut[dmin[row, sb]] * np.float32(mn[row, b])))
-
-
-@kernel(inline=True)
-def _q4_k(planes, lut, row, b, w, wi):  # type: ignore[no-untyped-def]
-    """w = d sc q - dmin mn, q the low (b even) or high (b odd) nibbles of qs[128 (b // 8) +
-    32 ((b % 8) // 2) ..]."""
+def _q4_k(codec, planes, lut, row, b, w, wi, ahead):  # type: ignore[no-untyped-def]
+    """Block b is sub-block b % 8 of superblock b // 8: w = d sc q - dmin mn, q the low (b
+    even) or high (b odd) nibbles of qs[128 (b // 8) + 32 ((b % 8) // 2) ..]."""
     _, qs, sc, mn, d, dmin = planes
-    q = row * qs.shape[1] + 128 * (b >> 3) + 32 * ((b & 7) >> 1)
-    scale, low = _k_scales(sc, mn, d, dmin, lut, row, b)
+    sb = b >> 3
+    q = row * qs.shape[1] + 128 * sb + 32 * ((b & 7) >> 1)
+    prefetch(qs, q + (ahead - row) * qs.shape[1])
+    scale = lut[d[row, sb]] * np.float32(sc[row, b])
+    low = -(lut[dmin[row, sb]] * np.float32(mn[row, b]))
     for c in range(4):
         vnib(w, wi + 8 * c, qs, q + 8 * c, 4 * (b & 1), scale, low)
 
 
-@kernel(inline=True)
-def _q5_k(planes, lut, row, b, w, wi):  # type: ignore[no-untyped-def]
+def _q5_k(codec, planes, lut, row, b, w, wi, ahead):  # type: ignore[no-untyped-def]
     """Q4_K's nibbles, with bit b % 8 of qh[32 (b // 8) + i] as weight i's fifth."""
     qh, qs, sc, mn, d, dmin = planes
-    q = row * qs.shape[1] + 128 * (b >> 3) + 32 * ((b & 7) >> 1)
-    h = row * qh.shape[1] + 32 * (b >> 3)
-    scale, low = _k_scales(sc, mn, d, dmin, lut, row, b)
+    sb = b >> 3
+    q = row * qs.shape[1] + 128 * sb + 32 * ((b & 7) >> 1)
+    prefetch(qs, q + (ahead - row) * qs.shape[1])
+    h = row * qh.shape[1] + 32 * sb
+    scale = lut[d[row, sb]] * np.float32(sc[row, b])
+    low = -(lut[dmin[row, sb]] * np.float32(mn[row, b]))
     for c in range(4):
-        vbits(w, wi + 8 * c, qs, q + 8 * c, 4 * (b & 1), qh, h + 8 * c, b & 7, 1, 0, scale,
-              low)
+        vbits(w, wi + 8 * c, qs, q + 8 * c, 4 * (b & 1), qh, h + 8 * c, b & 7, 1, scale, low)
 
 
-@kernel(inline=True)
-def _q6_k(planes, lut, row, b, w, wi):  # type: ignore[no-untyped-def]
+def _q6_k(codec, planes, lut, row, b, w, wi, ahead):  # type: ignore[no-untyped-def]
     """With h = (b // 4) % 2 and j = b % 4, weight i of block b is d scales[16 (b // 8) +
     8 h + 2 j + i // 16] (q - 32), q = nibble j // 2 of ql[128 (b // 8) + 64 h + 32 (j % 2)
     + i] | ((qh[64 (b // 8) + 32 h + i] >> 2 j) & 3) << 4."""
@@ -216,43 +199,26 @@ def _q6_k(planes, lut, row, b, w, wi):  # type: ignore[no-untyped-def]
     h = (b >> 2) & 1
     j = b & 3
     lq = row * ql.shape[1] + 128 * sb + 64 * h + 32 * (j & 1)
+    prefetch(ql, lq + (ahead - row) * ql.shape[1])
     hq = row * qh.shape[1] + 64 * sb + 32 * h
     s = 16 * sb + 8 * h + 2 * j
     dv = lut[d[row, sb]]
-    for c in range(4):
-        scale = dv * np.float32(scales[row, s + c // 2])
-        vbits(w, wi + 8 * c, ql, lq + 8 * c, 4 * (j >> 1), qh, hq + 8 * c, 2 * j, 3, 32,
-              scale, np.float32(0))
+    sa = dv * np.float32(scales[row, s])          # weights 0-15 of the block
+    sz = dv * np.float32(scales[row, s + 1])      # weights 16-31
+    ba = np.float32(-32) * sa
+    bz = np.float32(-32) * sz
+    ls = 4 * (j >> 1)
+    vbits(w, wi, ql, lq, ls, qh, hq, 2 * j, 3, sa, ba)
+    vbits(w, wi + 8, ql, lq + 8, ls, qh, hq + 8, 2 * j, 3, sa, ba)
+    vbits(w, wi + 16, ql, lq + 16, ls, qh, hq + 16, 2 * j, 3, sz, bz)
+    vbits(w, wi + 24, ql, lq + 24, ls, qh, hq + 24, 2 * j, 3, sz, bz)
 
 
 _DECODERS = {"q4_0": _q4_0, "q4_1": _q4_1, "q5_0": _q5_0, "q5_1": _q5_1, "q8_0": _q8_0,
              "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k}
 
 
-@overload(prefetch_block, inline="always", jit_options=JIT_OPTIONS)
-def _prefetch_block(codec, planes, row, b):  # type: ignore[no-untyped-def]
-    name = _name(codec)
-    if name in ("q4_0", "q4_1", "q5_0", "q5_1"):
-        def impl(codec, planes, row, b):  # type: ignore[no-untyped-def]
-            prefetch(planes[0], row * planes[0].shape[1] + 16 * b)
-    elif name == "q8_0":
-        def impl(codec, planes, row, b):  # type: ignore[no-untyped-def]
-            prefetch(planes[0], row * planes[0].shape[1] + 32 * b)
-    elif name in ("q4_k", "q5_k"):
-        def impl(codec, planes, row, b):  # type: ignore[no-untyped-def]
-            qs = planes[1]
-            prefetch(qs, row * qs.shape[1] + 128 * (b >> 3) + 32 * ((b & 7) >> 1))
-    elif name == "q6_k":
-        def impl(codec, planes, row, b):  # type: ignore[no-untyped-def]
-            ql = planes[0]
-            prefetch(ql, row * ql.shape[1] + 128 * (b >> 3) + 64 * ((b >> 2) & 1)
-                     + 32 * (b & 1))
-    else:
-        return None
-    return impl
-
-
-@overload(weight_tile, inline="always", jit_options=JIT_OPTIONS)
+@overload(weight_tile, jit_options=JIT_OPTIONS)
 def _weight_tile(codec, planes, lut, a, b, k, run):  # type: ignore[no-untyped-def]
     name = _name(codec)
     if name == "f32":

@@ -71,6 +71,7 @@ def fused(codec, planes, lut, xp, out, tile):  # type: ignore[no-untyped-def]
         for a in range(t * tile, min(n, t * tile + tile), 4):
             for c in range(xp.shape[1] // 32):
                 for r in range(4):
-                    decode_block(codec, planes, lut, min(a + r, n - 1), c, w, 32 * r)
+                    row = min(a + r, n - 1)
+                    decode_block(codec, planes, lut, row, c, w, 32 * r, min(row + 4, n - 1))
                 block_fma(w, xp, acc, 32 * c)
             store_group(acc, out, a, n)

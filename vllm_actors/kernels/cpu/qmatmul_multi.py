@@ -29,7 +29,7 @@ import numpy as np
 from numba import prange
 
 from vllm_actors.kernels.cpu.jit import kernel
-from vllm_actors.kernels.cpu.qmatmul_codec import decode_block, prefetch_block
+from vllm_actors.kernels.cpu.qmatmul_codec import decode_block
 from vllm_actors.kernels.cpu.qmatmul_prims import limit_threads, restore_threads, stack_f32
 from vllm_actors.kernels.cpu.qmatmul_simd import vrows, vsum, vzero
 
@@ -100,8 +100,7 @@ def _pass(codec, planes, lut, x, out, dist, lo, hi, m0, b0, b1, g, r):  # type: 
         for b in range(b0, b1):
             for k in range(r):
                 row = min(r0 + k, n - 1)
-                prefetch_block(codec, planes, min(row + dist, n - 1), b)
-                decode_block(codec, planes, lut, row, b, w, 32 * k)
+                decode_block(codec, planes, lut, row, b, w, 32 * k, min(row + dist, n - 1))
             vrows(acc, w, x, m0 * x.shape[1] + 32 * b, g, r)
         finish(acc, out, r0, m0, b0 == 0, g, r)
 

@@ -201,10 +201,10 @@ def vi8(typingctx, w, wi, q, qi, scale):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
-def vbits(typingctx, w, wi, lo, li, ls, hi, hj, hs, mask, sub, scale, bias):  # type: ignore[no-untyped-def]
-    """w[wi:+8] = scale * (q - sub) + bias, q = ((lo[li:+8] >> ls) & 15) | ((hi[hj:+8] >>
-    hs) & mask) << 4 (lo, hi uint8): a nibble and its high bits from bytes of their own,
-    Q5_K's (mask 1) and Q6_K's (mask 3, sub 32)."""
+def vbits(typingctx, w, wi, lo, li, ls, hi, hj, hs, mask, scale, bias):  # type: ignore[no-untyped-def]
+    """w[wi:+8] = scale * q + bias, q = ((lo[li:+8] >> ls) & 15) | ((hi[hj:+8] >> hs) & mask)
+    << 4 (lo, hi uint8): a nibble and its high bits from bytes of their own, Q5_K's (mask 1)
+    and Q6_K's (mask 3, bias -32 scale: one rounding of scale (q - 32), as its product)."""
     if not (_f32(w) and _bytes(lo, types.uint8) and _bytes(hi, types.uint8)):
         return None
 
@@ -219,11 +219,10 @@ def vbits(typingctx, w, wi, lo, li, ls, hi, hj, hs, mask, sub, scale, bias):  # 
             return builder.zext(builder.load(p, align=1), _I32X8)
         low = builder.and_(builder.lshr(load(2), lanes(4)), ir.Constant(_I32X8, [15] * 8))
         high = builder.and_(builder.lshr(load(5), lanes(7)), lanes(8))
-        q = builder.sub(builder.or_(low, builder.shl(high, ir.Constant(_I32X8, [4] * 8))),
-                        lanes(9))
-        s = splat(builder, _scalar(context, builder, sig, args, 10), _V8)
-        b = splat(builder, _scalar(context, builder, sig, args, 11), _V8)
+        q = builder.or_(low, builder.shl(high, ir.Constant(_I32X8, [4] * 8)))
+        s = splat(builder, _scalar(context, builder, sig, args, 9), _V8)
+        b = splat(builder, _scalar(context, builder, sig, args, 10), _V8)
         pw = vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _V8)
         builder.store(fmuladd(builder, builder.sitofp(q, _V8), s, b), pw, align=4)
         return context.get_dummy_value()
-    return types.none(w, wi, lo, li, ls, hi, hj, hs, mask, sub, scale, bias), codegen
+    return types.none(w, wi, lo, li, ls, hi, hj, hs, mask, scale, bias), codegen
