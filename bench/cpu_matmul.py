@@ -5,8 +5,9 @@ over the same weight pre-dequantized; prints a Markdown table of medians.
                                [--runs 15] [--threads N]
 
 Shapes: SmolLM2-135M's linears (fused QKV 960x576, gate_up 3072x576, down 576x1536, LM head
-49152x576) at every --m, an 8B's (4096x4096, 28672x4096, 4096x14336) at M=1. K-quants need
-K % 256 == 0, so they skip the K=576 shapes. Weights are random blocks (sane float16 scales);
+49152x576) at every --m, an 8B's (4096x4096, 28672x4096, 4096x14336) at M=1, and `square`
+(2048x2048, every --m: the K-quants' many-row kernels, which need K % 256 == 0 and so skip
+the K=576 shapes). Weights are random blocks (sane float16 scales);
 speed does not depend on the values. Ours runs under `threads.configure()` (numba threads over
 the usable CPUs, BLAS single-threaded); numpy's BLAS gets the same CPUs.
 numpy is timed as `x @ W.T` on W [N, K] and as `x @ Wt` on a [K, N] copy (the numpy backend's
@@ -32,6 +33,7 @@ from vllm_actors.kernels.cpu import threads
 SHAPES = {
     "smol": [(960, 576), (3072, 576), (576, 1536), (49152, 576)],
     "8b": [(4096, 4096), (28672, 4096), (4096, 14336)],
+    "square": [(2048, 2048)],
 }
 ALL_TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
              "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
@@ -77,7 +79,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", default=",".join(ALL_TYPES))
     parser.add_argument("--shapes", default="smol,8b")
-    parser.add_argument("--m", default="1,16,32,512", help="batch rows for the smol shapes")
+    parser.add_argument("--m", default="1,16,32,512",
+                        help="batch rows for the smol and square shapes")
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
@@ -91,7 +94,7 @@ def main() -> None:
     print("|---|---|---:|---:|---:|---:|")
     for group in args.shapes.split(","):
         for n, k in SHAPES[group]:
-            batch = ms if group == "smol" else [1]
+            batch = [1] if group == "8b" else ms
             xs = {m: rng.standard_normal((m, k), dtype=np.float32) for m in batch}
             with threadpool_limits(limits=cpus, user_api="blas"):
                 base = numpy_baseline(rng.standard_normal((n, k), dtype=np.float32), xs,
