@@ -3,22 +3,24 @@ chosen when a kernel compiles, so that each matmul driver (`qmatmul_multi`,
 `qmatmul_fused`, `qmatmul_gemm`) is written once for every type.
 
 A `Codec` is a compile-time marker: numba types each one as its own `CodecType`, and the
-overloads below resolve to that type's code, inlined into the driver that calls them:
+overloads below resolve to that type's code:
 
 - `decode_block(codec, planes, lut, row, b, w, wi, ahead)`: 32-column block b of weight
   `row` into w[wi:wi + 32], scale and min folded in (w = d q + m), with `qmatmul_simd`'s
   8-lane decoders, and the same block's codes of weight row `ahead` hinted into L2; for the
-  types with `blocks` (the multi-row GEMV and the fused GEMM). One overload where a hint of
-  its own had been another: inlined into the multi-row GEMV's nine copies, it cost 0.8 s of
-  compile.
+  types with `blocks` (the multi-row GEMV and the fused GEMM). Inlined where it is called,
+  each decoder one straight run; the hint rides along because a second inlined overload in
+  the multi-row GEMV's nine copies of its loop lengthened its compile.
 - `weight_tile(codec, planes, lut, a, b, k, run)`: rows [a, b) as float32 `[b - a, k]`
-  (the type's rows kernel into a new tile; F32's rows themselves).
+  (the type's rows kernel into a new tile; F32's rows themselves). Called once a tile, so
+  not inlined.
 
 `planes` is the tuple the type's rows kernel takes (`qmatmul._kernel_args(w, rows=True)`).
 F16 and BF16 share a codec (one compile; a flag tells them apart). Q4_0 and Q4_1 (Q5_0 and
 Q5_1, Q4_K and Q5_K) share their rows kernels but decode blocks apart: a decoder choosing
-its min at run time made numba's inlining warn at every compile, and Q4_K's with Q5_K's
-branch beside it ran its multi-row GEMV 2-3x slower (docs/BENCHMARKS.md).
+its min at run time made numba's inlining warn at every compile, and Q4_K's beside Q5_K's
+branch ran its multi-row GEMV several times slower (docs/BENCHMARKS.md, "The float
+semantics' many-row drivers written once").
 """
 
 from __future__ import annotations
@@ -103,9 +105,9 @@ def weight_tile(codec, planes, lut, a, b, k, run):  # type: ignore[no-untyped-de
 
 @overload(decode_block, inline="always", jit_options=JIT_OPTIONS)
 def _decode_block(codec, planes, lut, row, b, w, wi, ahead):  # type: ignore[no-untyped-def]
-    """The codec's decoder below, inlined where it is called (each is one straight run: a
-    decoder that chose among values at run time, or called a helper, made numba's inlining
-    warn at every compile or compile slower)."""
+    """The codec's decoder below (each one straight run: a decoder that chose among values
+    at run time made numba's inlining warn at every compile, one calling a helper compiled
+    slower)."""
     return _DECODERS.get(_name(codec))
 
 
