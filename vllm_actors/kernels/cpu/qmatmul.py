@@ -394,5 +394,5 @@ def matmul(w: QuantMatrix, x: np.ndarray) -> np.ndarray:
         fused.fused(codec, planes, HALF_LUT, xp, out, tile)
         return out
     chunk = max(1, PANEL_CHUNK_BYTES // (4 * gemm.PANEL * w.cols))
-    gemm.gemm(codec, planes, HALF_LUT, xp, out, tile, chunk, ROW_RUN)
+    gemm.gemm(codec.tiles, planes, HALF_LUT, xp, out, tile, chunk, ROW_RUN)
     return out

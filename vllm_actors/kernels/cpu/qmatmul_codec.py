@@ -17,10 +17,11 @@ overloads below resolve to that type's code:
 
 `planes` is the tuple the type's rows kernel takes (`qmatmul._kernel_args(w, rows=True)`).
 F16 and BF16 share a codec (one compile; a flag tells them apart). Q4_0 and Q4_1 (Q5_0 and
-Q5_1, Q4_K and Q5_K) share their rows kernels but decode blocks apart: a decoder choosing
-its min at run time made numba's inlining warn at every compile, and Q4_K's beside Q5_K's
-branch ran its multi-row GEMV several times slower (docs/BENCHMARKS.md, "The float
-semantics' many-row drivers written once").
+Q5_1, Q4_K and Q5_K) share their rows kernels, so one GEMM (`Codec.tiles`), but decode
+blocks apart, a compile each: a decoder choosing its min at run time made numba's inlining
+warn at every compile, and one branching around its calls ran the multi-row GEMV and the
+fused GEMM 1.1-2.7x slower (docs/BENCHMARKS.md, "The float semantics' many-row drivers
+written once").
 """
 
 from __future__ import annotations
@@ -45,12 +46,15 @@ from vllm_actors.kernels.cpu.qmatmul_simd import vbits, vi8, vnib, vq5
 
 
 class Codec:
-    """A weight type family's kernels: `rows` (rows dequantized, `qmatmul.take_rows` and the
-    GEMM's tiles), `gemv` (one row of x), and `blocks`, whether `decode_block` serves it."""
+    """A weight type's kernels: `rows` (rows dequantized, `qmatmul.take_rows` and the GEMM's
+    tiles), `gemv` (one row of x), `blocks`, whether `decode_block` serves it, and `tiles`,
+    the codec the GEMM compiles for (one of the types sharing its rows kernel, so that they
+    share one compile)."""
 
     def __init__(self, name: str, rows: Callable[..., None], gemv: Callable[..., None],
-                 blocks: bool) -> None:
+                 blocks: bool, tiles: "Codec | None" = None) -> None:
         self.name, self.rows, self.gemv, self.blocks = name, rows, gemv, blocks
+        self.tiles = tiles or self
 
     def __repr__(self) -> str:
         return f"Codec({self.name})"
@@ -80,14 +84,14 @@ def _unbox_codec(typ: CodecType, obj: Any, c: Any) -> NativeValue:
 F32 = Codec("f32", rows_f32, gemv_f32, False)
 HALF = Codec("half", rows_half, gemv_half, False)
 Q4_0 = Codec("q4_0", rows_q4, gemv_q4, True)      # Q4_0/Q4_1, Q5_0/Q5_1: one rows and GEMV
-Q4_1 = Codec("q4_1", rows_q4, gemv_q4, True)      # kernel each, told apart by an empty
+Q4_1 = Codec("q4_1", rows_q4, gemv_q4, True, Q4_0)  # kernel each, told apart by an empty
 Q5_0 = Codec("q5_0", rows_q5, gemv_q5, True)      # mins plane; decoders of their own
-Q5_1 = Codec("q5_1", rows_q5, gemv_q5, True)
+Q5_1 = Codec("q5_1", rows_q5, gemv_q5, True, Q5_0)
 Q8_0 = Codec("q8_0", rows_q8_0, gemv_q8_0, True)
 Q2_K = Codec("q2_k", rows_q2_k, gemv_q2_k, False)
 Q3_K = Codec("q3_k", rows_q3_k, gemv_q3_k, False)
 Q4_K = Codec("q4_k", rows_q45_k, gemv_q4_k, True)     # Q4_K/Q5_K: one rows kernel, told
-Q5_K = Codec("q5_k", rows_q45_k, gemv_q5_k, True)     # apart by an empty plane of fifth bits
+Q5_K = Codec("q5_k", rows_q45_k, gemv_q5_k, True, Q4_K)  # apart by an empty fifth-bit plane
 Q6_K = Codec("q6_k", rows_q6_k, gemv_q6_k, True)
 
 
@@ -238,5 +242,4 @@ def _weight_tile(codec, planes, lut, a, b, k, run):  # type: ignore[no-untyped-d
     return tile
 
 
-_ROWS = {c.name: c.rows for c in (HALF, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K,
-                                   Q6_K)}
+_ROWS = {c.name: c.rows for c in (HALF, Q4_0, Q5_0, Q8_0, Q2_K, Q3_K, Q4_K, Q6_K)}
