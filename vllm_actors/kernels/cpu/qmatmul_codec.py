@@ -1,27 +1,18 @@
-"""The float semantics' weight types as codecs: how a type's planes become float32 weights,
-chosen when a kernel compiles, so that each matmul driver (`qmatmul_multi`,
-`qmatmul_fused`, `qmatmul_gemm`) is written once for every type.
+"""The float semantics' weight types as codecs, so that each many-row matmul driver
+(`qmatmul_multi`, `qmatmul_fused`, `qmatmul_gemm`) is written once for every type.
 
-A `Codec` is a compile-time marker: numba types each one as its own `CodecType`, and the
-overloads below resolve to that type's code:
-
-- `decode_block(codec, planes, lut, row, b, w, wi, ahead)`: 32-column block b of weight
-  `row` into w[wi:wi + 32], scale and min folded in (w = d q + m), with `qmatmul_simd`'s
-  8-lane decoders, and the same block's codes of weight row `ahead` hinted into L2; for the
-  types with `blocks` (the multi-row GEMV and the fused GEMM). Inlined where it is called,
-  each decoder one straight run; the hint rides along because a second inlined overload in
-  the multi-row GEMV's nine copies of its loop lengthened its compile.
-- `weight_tile(codec, planes, lut, a, b, k, run)`: rows [a, b) as float32 `[b - a, k]`
-  (the type's rows kernel into a new tile; F32's rows themselves). Called once a tile, so
-  not inlined.
-
-`planes` is the tuple the type's rows kernel takes (`qmatmul._kernel_args(w, rows=True)`).
-F16 and BF16 share a codec (one compile; a flag tells them apart). Q4_0 and Q4_1 (Q5_0 and
-Q5_1, Q4_K and Q5_K) share their rows kernels, so one GEMM (`Codec.tiles`), but decode
-blocks apart, a compile each: a decoder choosing its min at run time made numba's inlining
-warn at every compile, and one branching around its calls ran the multi-row GEMV and the
-fused GEMM 1.1-2.7x slower (docs/BENCHMARKS.md, "The float semantics' many-row drivers
-written once").
+A `Codec` is a compile-time marker (numba types each as its own `CodecType`) whose overloads
+give a driver the type's code when it compiles:
+- `decode_block(codec, planes, lut, row, b, w, wi, ahead)`: block b (32 columns) of weight
+  `row` as floats at w[wi:] (w = d q + m, `qmatmul_simd`'s 8-lane decoders), the same block
+  of row `ahead` hinted into L2; inlined, each decoder one straight run (the hint rides in
+  it: an overload of its own lengthened the multi-row GEMV's compile).
+- `weight_tile(codec, planes, lut, a, b, k, run)`: rows [a, b) as float32 (the rows kernel
+  into a new tile; F32's rows themselves); a call, once a tile.
+`planes` is the tuple the rows kernel takes (`qmatmul._kernel_args(w, rows=True)`). Types
+sharing a rows kernel share one GEMM (`Codec.tiles`) but decode apart: a decoder that chose
+at run time warned at every compile or ran slower (docs/BENCHMARKS.md, "The float
+semantics' many-row drivers written once").
 """
 
 from __future__ import annotations

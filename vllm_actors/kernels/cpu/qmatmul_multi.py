@@ -1,26 +1,19 @@
 """Multi-row GEMV for small M (speculative decoding's k+1 rows, small batches): each block of
 32 weights is decoded ONCE into registers and multiplied into every row of x, where the
-one-row GEMV kernels (`qmatmul_legacy`, `qmatmul_k*`) decode W again per row of x.
+one-row GEMV kernels decode W again per row of x.
 
 `mgemv(codec, planes, lut, x, out, dist, chunk, threads)`, one driver for every type whose
-`qmatmul_codec.Codec` has `blocks` (Q4_0/Q4_1, Q5_0/Q5_1, Q8_0, Q4_K, Q6_K): x float32
-`[M, K]` (copied to a 32-byte boundary when it is not: `aligned`), out float32 `[M, N]`,
-`dist` rows to prefetch ahead, `chunk` weight rows per task (even; a prange over tasks),
-`threads` as in the GEMV kernels.
-
-Per task, group of x rows (at most `GROUP_MAX` = 9; more rows are split into even groups) and
-K slice (`slice_blocks`: the group's rows of x stay in L1), a pass takes R weight rows at a
-time, decodes their 32-weight block into `w` (`qmatmul_codec.decode_block`: scale and min
-folded in, w = d * q + m) and `vrows` adds w times each row of the group into one 8-lane
-accumulator per (x row, weight row), held in registers. G (rows in the group) and R are
-literals, so each (G, R) is its own loop: `_span` dispatches on G to one of nine inlined
-copies of `_pass`, with R = 2 up to G = 5 (each x load feeds two FMAs; 2G accumulators and
-8 decoded vectors of the 16 registers) and R = 1 beyond (G + 4 registers, one x load per FMA).
-`_span` is a plain kernel called once per task and K slice: inlined into the prange body,
-its nine copies compiled three times slower. Its compiles are the cold start's largest, so the
-warm-up's helper process compiles them first (`CpuBackend.compile_matmuls`). The measurements
-behind G, R, the slices and the dispatch (`qmatmul.MULTI_MAX_ROWS`) are in docs/BENCHMARKS.md
-("Compiled CPU backend: kernel layout and dispatch").
+`qmatmul_codec.Codec` has `blocks`: x float32 `[M, K]` (copied to a 32-byte boundary when
+it is not: `aligned`), out `[M, N]`, `dist` rows to prefetch ahead, `chunk` weight rows a
+task (even; a prange over tasks), `threads` as in the GEMV kernels. Per task, group of x rows
+(at most `GROUP_MAX`) and K slice (`slice_blocks`: the group's rows of x stay in L1), a pass
+decodes R weight rows' block into `w` (`qmatmul_codec.decode_block`) and `vrows` adds it
+times each of the G rows into one 8-lane accumulator per (x row, weight row), in registers.
+G and R are literals, so `_span` picks one of nine inlined copies of `_pass`: R = 2 up to
+G = 5, R = 1 beyond. `_span` is a kernel of its own (inlined into the prange body it compiled
+three times slower), and the warm-up's helper compiles these first
+(`CpuBackend.compile_matmuls`). The measurements behind G, R, the slices and the dispatch
+(`qmatmul.MULTI_MAX_ROWS`) are in docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations

@@ -11,10 +11,8 @@ loops were unrolled first and, after reassociation, left scalar (3-4x slower tha
 one-row GEMV at M = 1). Here every operation is an explicit `<8 x float>` load, FMA or store,
 so nothing depends on those heuristics, and the products need no unrolling at all. numba's
 fast-math pass still flags the plain multiplies and adds (`jit.FASTMATH`), so LLVM may
-reassociate `vrows`' sums: it makes them a chain of FMAs on the accumulator. Keeping the
-written order (ops given their own flags, no `reassoc`) measured the same with one weight row
-per pass and up to 4 rows of x with two, and spilled at 5 rows with two (Q4_1 1024x576, one
-thread: 0.23 against 0.13 ms).
+reassociate `vrows`' sums: it makes them a chain of FMAs on the accumulator (keeping the
+written order measured no faster, and spilled at 5 rows of x with two weight rows).
 
 Decoders write w[wi:wi+8] from 8 quants: `vnib` (a nibble: Q4_0/Q4_1/Q4_K), `vq5` (a nibble
 and a fifth bit: Q5_0/Q5_1), `vi8` (int8: Q8_0), `vbits` (a nibble and high bits from bytes
