@@ -38,14 +38,20 @@ from vllm_actors.kernels.cpu.qmatmul_simd import vbits, vi8, vnib, vq5
 
 class Codec:
     """A weight type's kernels: `rows` (rows dequantized, `qmatmul.take_rows` and the GEMM's
-    tiles), `gemv` (one row of x), `blocks`, whether `decode_block` serves it, and `tiles`,
-    the codec the GEMM compiles for (one of the types sharing its rows kernel, so that they
-    share one compile)."""
+    tiles), `gemv` (one row of x), and `tiles`, the codec the GEMM compiles for (one of the
+    types sharing its rows kernel, so that they share one compile). Codecs are kept by name
+    (`NAMED`), which is all the overloads see."""
 
     def __init__(self, name: str, rows: Callable[..., None], gemv: Callable[..., None],
-                 blocks: bool, tiles: "Codec | None" = None) -> None:
-        self.name, self.rows, self.gemv, self.blocks = name, rows, gemv, blocks
+                 tiles: "Codec | None" = None) -> None:
+        self.name, self.rows, self.gemv = name, rows, gemv
         self.tiles = tiles or self
+        NAMED[name] = self
+
+    @property
+    def blocks(self) -> bool:
+        """Whether `decode_block` serves this type (the multi-row GEMV, the fused GEMM)."""
+        return self.name in _DECODERS
 
     def __repr__(self) -> str:
         return f"Codec({self.name})"
@@ -72,18 +78,19 @@ def _unbox_codec(typ: CodecType, obj: Any, c: Any) -> NativeValue:
     return NativeValue(c.context.get_dummy_value())
 
 
-F32 = Codec("f32", rows_f32, gemv_f32, False)
-HALF = Codec("half", rows_half, gemv_half, False)
-Q4_0 = Codec("q4_0", rows_q4, gemv_q4, True)      # Q4_0/Q4_1, Q5_0/Q5_1: one rows and GEMV
-Q4_1 = Codec("q4_1", rows_q4, gemv_q4, True, Q4_0)  # kernel each, told apart by an empty
-Q5_0 = Codec("q5_0", rows_q5, gemv_q5, True)      # mins plane; decoders of their own
-Q5_1 = Codec("q5_1", rows_q5, gemv_q5, True, Q5_0)
-Q8_0 = Codec("q8_0", rows_q8_0, gemv_q8_0, True)
-Q2_K = Codec("q2_k", rows_q2_k, gemv_q2_k, False)
-Q3_K = Codec("q3_k", rows_q3_k, gemv_q3_k, False)
-Q4_K = Codec("q4_k", rows_q45_k, gemv_q4_k, True)     # Q4_K/Q5_K: one rows kernel, told
-Q5_K = Codec("q5_k", rows_q45_k, gemv_q5_k, True, Q4_K)  # apart by an empty fifth-bit plane
-Q6_K = Codec("q6_k", rows_q6_k, gemv_q6_k, True)
+NAMED: dict[str, Codec] = {}
+F32 = Codec("f32", rows_f32, gemv_f32)
+HALF = Codec("half", rows_half, gemv_half)
+Q4_0 = Codec("q4_0", rows_q4, gemv_q4)          # Q4_0/Q4_1, Q5_0/Q5_1: one rows and GEMV
+Q4_1 = Codec("q4_1", rows_q4, gemv_q4, Q4_0)    # kernel each, told apart by an empty mins
+Q5_0 = Codec("q5_0", rows_q5, gemv_q5)          # plane; decoders of their own
+Q5_1 = Codec("q5_1", rows_q5, gemv_q5, Q5_0)
+Q8_0 = Codec("q8_0", rows_q8_0, gemv_q8_0)
+Q2_K = Codec("q2_k", rows_q2_k, gemv_q2_k)
+Q3_K = Codec("q3_k", rows_q3_k, gemv_q3_k)
+Q4_K = Codec("q4_k", rows_q45_k, gemv_q4_k)     # Q4_K/Q5_K: one rows kernel, told apart by
+Q5_K = Codec("q5_k", rows_q45_k, gemv_q5_k, Q4_K)   # an empty plane of fifth bits
+Q6_K = Codec("q6_k", rows_q6_k, gemv_q6_k)
 
 
 def _name(codec: Any) -> str | None:
@@ -222,9 +229,9 @@ def _weight_tile(codec, planes, lut, a, b, k, run):  # type: ignore[no-untyped-d
         def impl(codec, planes, lut, a, b, k, run):  # type: ignore[no-untyped-def]
             return planes[0][a:b]
         return impl
-    rows = _ROWS.get(name)
-    if rows is None:
+    if name not in NAMED:
         return None
+    rows = NAMED[name].rows
 
     def tile(codec, planes, lut, a, b, k, run):  # type: ignore[no-untyped-def]
         buf = np.empty((b - a, k), dtype=np.float32)
@@ -232,5 +239,3 @@ def _weight_tile(codec, planes, lut, a, b, k, run):  # type: ignore[no-untyped-d
         return buf
     return tile
 
-
-_ROWS = {c.name: c.rows for c in (HALF, Q4_0, Q5_0, Q8_0, Q2_K, Q3_K, Q4_K, Q6_K)}
