@@ -9,11 +9,13 @@ from vllm_actors.kernels.ops import AttentionMetadata
 
 
 def prompt_logits(model, backend, token_ids: list[int], chunks: list[int] | None = None,
-                  block_size: int = 16, kv_format=None, first_row: int = 0) -> np.ndarray:
+                  block_size: int = 16, kv_format=None, first_row: int = 0,
+                  one_prompt: bool = False) -> np.ndarray:
     """Logits [len(token_ids) - first_row, V] of the positions from `first_row` on (None on
     tensor-parallel ranks other than 0). `chunks` are step sizes (default: the whole prompt at
-    once); `kv_format`: the cache's (kv_quant). Blocks are handed out in a scrambled order so a
-    wrong block-table lookup shows."""
+    once); `kv_format`: the cache's (kv_quant); `one_prompt`: the steps are chunks of one
+    prompt of all the tokens (`AttentionMetadata.prompt_lens`), else each a request of its
+    own. Blocks are handed out in a scrambled order so a wrong block-table lookup shows."""
     args = getattr(model, "local_args", model.args)   # a tensor-parallel shard's own heads
     num_blocks = -(-len(token_ids) // block_size)
     kv = backend.allocate_kv_cache(args.num_layers, num_blocks + 1, block_size,
@@ -28,7 +30,8 @@ def prompt_logits(model, backend, token_ids: list[int], chunks: list[int] | None
             query_start_loc=np.array([0, n], np.int32), seq_lens=np.array([start + n], np.int32),
             block_tables=table, slot_mapping=(table[0][pos // block_size].astype(np.int64)
                                               * block_size + pos % block_size),
-            block_size=block_size)
+            block_size=block_size,
+            prompt_lens=np.array([len(token_ids)], np.int32) if one_prompt else None)
         hidden = model.forward(np.asarray(token_ids[start:start + n]), pos, meta, kv)
         if start + n > first_row:
             rows.append(model.compute_logits(hidden, np.arange(max(first_row - start, 0), n)))

@@ -223,3 +223,16 @@ def test_tile_path_equals_the_per_lane_forms():
                          np.array([ctx0 + tokens], np.int32), table[None], bs, 0.125, window)
         ref = _per_lane_tiles(q, k, v, table, ctx0, bs, 0.125, window)
         assert np.array_equal(fast.view(np.uint32), ref.view(np.uint32)), (hq, hk, dh, window)
+
+
+def test_one_token_order_only_where_llama_cpp_computes_a_row_alone():
+    """A step's one-row requests: a decode (past its prompt), a 1-token prompt and the first
+    row of a prompt's last 512-row call holding only it take the one-token order; the last
+    row of a 33-token prompt (the cache held 32) and a lone chunk row inside a prompt do not;
+    requests of several rows never."""
+    starts = np.array([0, 1, 2, 3, 4, 5, 9], np.int32)
+    seq_lens = np.array([40, 1, 513, 33, 17, 9], np.int32)     # rows 39, 0, 512, 32, 16
+    prompts = np.array([33, 1, 513, 33, 33, 20], np.int32)
+    assert ga.one_token(starts, seq_lens, prompts).tolist() == [
+        True, True, True, False, False, False]
+    assert ga.one_token(starts, seq_lens, None).tolist() == [True] * 5 + [False]

@@ -6,7 +6,9 @@ off, F16 cache). Every op computes in ggml's float order (bench/llamacpp_tensors
 each on llama.cpp's inputs), each request's rows in the kernels llama.cpp would choose for it
 alone (Gemma's repacked Q4_K GEMM and GEMV, the tiled Q6_K matmul, Q scaled before
 attention), so the tokens are equal, not near: no near-tie allowance; with ngram speculation
-too, at tensor parallel sizes 2 and 3, and in a batch of 32 whose prompts are chunked. The
+too, at tensor parallel sizes 2 and 3, in a batch of 32 whose prompts are chunked, and
+again from the prefix cache (a prompt's last rows computed without the rest; its last row
+alone in a step, `_last_row_alone`). The
 16-lane orders of that build are emulated on any host (`VLLM_ACTORS_GGML_WIDTH=16`).
 """
 
@@ -56,11 +58,17 @@ def test_greedy_tokens_equal_llama_cpp(model, spec, engine, smollm2_path, monkey
         cases = [cases[i % len(cases)] for i in range(32)]
     path = smollm2_path if model == "smollm2" else model_path("gemma3-270m")
     assert path is not None, "run `python -m vllm_actors pull gemma3-270m`"
-    llm = LLM(str(path), device="cpu", enable_prefix_caching=False, max_model_len=1024,
+    again = not engine and spec is None     # then each prompt again, from the prefix cache
+    llm = LLM(str(path), device="cpu", enable_prefix_caching=again, max_model_len=1024,
               speculative_config=spec, **engine)
     try:
-        outs = llm.generate([{"prompt_token_ids": c["prompt_token_ids"]} for c in cases],
-                            SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True))
+        prompts = [{"prompt_token_ids": c["prompt_token_ids"]} for c in cases]
+        greedy = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
+        outs = llm.generate(prompts, greedy)
+        if again:       # the prompts again, the cache holding all but their last rows
+            outs += llm.generate(prompts, greedy)
+            cases = cases + cases
+            _last_row_alone(llm, max((p["prompt_token_ids"] for p in prompts), key=len))
         if spec:
             assert llm.get_metrics()["vllm:spec_decode_num_accepted_tokens"] > 0
     finally:
@@ -69,3 +77,16 @@ def test_greedy_tokens_equal_llama_cpp(model, spec, engine, smollm2_path, monkey
                                                                 c["tokens"])) if a != b))
               for c, o in zip(cases, outs) if list(o.outputs[0].token_ids) != c["tokens"][:STEPS]]
     assert not parted, f"tokens part from llama.cpp's (case, step): {parted}"
+
+
+def _last_row_alone(llm, prompt: list[int]) -> None:
+    """33 tokens of `prompt` twice: the second time the prefix cache holds 32 (two blocks),
+    and a step computes the last row alone. Its logprobs must be the first time's bit for
+    bit (a row alone had killed the engine in the pair kernels of interleaved weights)."""
+    from vllm_actors import SamplingParams
+    assert len(prompt) >= 33
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=8)
+    first, cached = (llm.generate({"prompt_token_ids": prompt[:33]}, params)[0].outputs[0]
+                     for _ in range(2))
+    assert {t: p.logprob for t, p in cached.logprobs[0].items()} == \
+        {t: p.logprob for t, p in first.logprobs[0].items()}

@@ -5,7 +5,9 @@ Per query row (ggml's non-flash graph: mul_mat, soft_max, mul_mat):
 - Q rounded to float16; scores = K . Q as ggml multiplies float16 rows: a step of several
   query tokens through llamafile's tinyBLAS (16 lanes, one fused multiply-add chain per lane
   over the row, then `_mm512_reduce_add_ps`), a one-token step through `ggml_vec_dot_f16`
-  (4 accumulators of 16 lanes over chunks of 64, combined, then the same reduction);
+  (4 accumulators of 16 lanes over chunks of 64, combined, then the same reduction); a
+  prompt's row that a step holds alone (a prefix-cache hit's last row, a chunk of one) in
+  the several-token order of llama.cpp's call of the whole prompt (`one_token`);
 - soft_max: scores * scale, masked keys -inf, exp by `ggml_math.expf16` per 16 keys, each
   16's sum reduced in float32 and added in float64; probabilities scaled by float32(1 / sum)
   and rounded to float16;
@@ -652,15 +654,15 @@ def _put_rows(out, rows, first, nt, kvh, g):  # type: ignore[no-untyped-def]
 
 @kernel(parallel=True, exact=True)
 def _attend(decode, prefill, q, kc, vc, lut, q_start, q_lens, ctx0, tables, block_size, scale,
-            window, items, out):  # type: ignore[no-untyped-def]
+            window, items, one, out):  # type: ignore[no-untyped-def]
     """Each work item (request r, KV head, tile of up to TILE query tokens; `_work_items`)
-    on its own, by the callback at the address `decode` (a one-token request) or `prefill`:
-    rows are independent, so how items share threads changes no value."""
+    on its own, by the callback at the address `decode` (`one[r]`: a one-token request) or
+    `prefill`: rows are independent, so how items share threads changes no value."""
     t, heads, dh = q.shape
     blocks, cells, hk = kc.shape[0], kc.shape[1], kc.shape[2]
     for u in prange(items.shape[0]):
         r = items[u, 0]
-        call_address(decode if q_lens[r] == 1 else prefill, (
+        call_address(decode if one[r] else prefill, (
             data_pointer(q), t, heads, dh, data_pointer(kc), data_pointer(vc), blocks, cells,
             hk, data_pointer(lut), data_pointer(q_start), data_pointer(q_lens),
             data_pointer(ctx0), q_lens.shape[0], data_pointer(tables), tables.shape[1],
@@ -695,38 +697,62 @@ def reads(fmt, head_dim: int, softcap: float = 0.0, sinks=None) -> bool:  # type
             and sinks is None)
 
 
-def _layout(query_start_loc: np.ndarray, seq_lens: np.ndarray, hk: int
-            ) -> tuple[Any, ...]:
+def one_token(query_start_loc: np.ndarray, seq_lens: np.ndarray,
+              prompt_lens: np.ndarray | None) -> np.ndarray:
+    """Which requests' one row llama.cpp computes in a call of one row (the one-token order):
+    a decode, not a prompt's row that this step holds alone while llama.cpp's call of the
+    whole prompt holds more (`qmatmul.RowPlaces`; `prompt_lens` None: every request's rows
+    are a call of their own)."""
+    from vllm_actors.kernels.cpu.qmatmul import LLAMA_UBATCH
+    q_lens = np.diff(np.asarray(query_start_loc, np.int64))
+    one = q_lens == 1
+    if prompt_lens is None:
+        return one
+    pos = np.asarray(seq_lens, np.int64) - q_lens         # a one-row request's position
+    prompt = np.asarray(prompt_lens, np.int64)
+    inside = one & (pos < prompt)
+    if not inside.any():                                  # decodes only
+        return one
+    call_rows = np.minimum(LLAMA_UBATCH, prompt - pos // LLAMA_UBATCH * LLAMA_UBATCH)
+    return one & ~(inside & (call_rows > 1))
+
+
+def _layout(query_start_loc: np.ndarray, seq_lens: np.ndarray, hk: int,
+            prompt_lens: np.ndarray | None) -> tuple[Any, ...]:
     """(query starts, query lengths, context before the step, work items, the addresses of
-    the one-token and several-token items' callbacks, 0 where no item takes it) of a step."""
+    the one-token and several-token items' callbacks, 0 where no item takes it, and which
+    requests take the one-token one) of a step."""
     q_start = np.asarray(query_start_loc, np.int64)
     q_lens = np.diff(q_start)
     ctx0 = np.asarray(seq_lens, np.int64) - q_lens
-    one = q_lens == 1
+    one = one_token(q_start, seq_lens, prompt_lens)
     decode = _DECODE_ITEM.address if one.any() else 0
     prefill = 0 if one.all() else _PREFILL_ITEM.address
-    return q_start, q_lens, ctx0, _work_items(q_lens, ctx0, hk), decode, prefill
+    return (q_start, q_lens, ctx0, _work_items(q_lens, ctx0, hk), decode, prefill,
+            one.astype(np.uint8))
 
 
 def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, query_start_loc: np.ndarray,
            seq_lens: np.ndarray, block_tables: np.ndarray, block_size: int, scale: float,
-           window: int = 0, memo: dict | None = None) -> np.ndarray:
+           window: int = 0, memo: dict | None = None,
+           prompt_lens: np.ndarray | None = None) -> np.ndarray:
     """q [T, H, Dh] float32 over the float16 cache slot k, v (uint16 bits, `[num_blocks,
     block_size, Hk, Dh]`) -> [T, H, Dh], as llama.cpp computes it (module docstring).
     `memo`: a dict that lives as long as the step's layout (the backend's prepared
-    attention), where the layout is kept for the step's other layers."""
+    attention), where the layout is kept for the step's other layers; `prompt_lens` as
+    `AttentionMetadata`'s (`one_token`)."""
     from vllm_actors.kernels.cpu.qmatmul_prims import HALF_LUT
     key = ("ggml", k.shape[2])
     layout = None if memo is None else memo.get(key)
     if layout is None:
-        layout = _layout(query_start_loc, seq_lens, k.shape[2])
+        layout = _layout(query_start_loc, seq_lens, k.shape[2], prompt_lens)
         if memo is not None:
             memo[key] = layout
-    q_start, q_lens, ctx0, items, decode, prefill = layout
+    q_start, q_lens, ctx0, items, decode, prefill, one = layout
     out = np.empty(q.shape, np.float32)
     if not (k.flags.c_contiguous and v.flags.c_contiguous):
         raise ValueError("ggml attention reads C-contiguous cache slots")
     _attend(decode, prefill, np.ascontiguousarray(q, np.float32), k, v, HALF_LUT, q_start,
             q_lens, ctx0, np.ascontiguousarray(block_tables, np.int32), int(block_size),
-            np.float32(scale), int(window), items, out)
+            np.float32(scale), int(window), items, one, out)
     return out

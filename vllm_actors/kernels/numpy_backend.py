@@ -358,7 +358,7 @@ class NumpyBackend:
             m = attn.meta
             return ggml_attention.attend(q, kv_cache.k, kv_cache.v, m.query_start_loc,
                                          m.seq_lens, m.block_tables, m.block_size, scale,
-                                         window)
+                                         window, prompt_lens=m.prompt_lens)
         round16 = None
         if quantized:
             q = kv_cache.rotate(q)

@@ -90,6 +90,7 @@ class CpuAttention:
         slot_mapping: [T] int64 flat KV slot of each token (negative: not written).
         block_size: tokens per KV block.
         threads: threads the work is partitioned for (numba's count at `prepare`).
+        prompt_lens: [B] int64 prompt tokens of each request, or None (`AttentionMetadata`).
         plans: the work partition per (num_kv_heads, g, head_dim, window), built on the
             step's first attention call (every layer of a model, or of a window size, shares
             it); also llama.cpp-order attention's layout per ("ggml", num_kv_heads).
@@ -101,6 +102,7 @@ class CpuAttention:
     slot_mapping: np.ndarray
     block_size: int
     threads: int
+    prompt_lens: np.ndarray | None = None
     plans: dict = field(default_factory=dict, compare=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
 
@@ -136,21 +138,29 @@ def prepare(meta: AttentionMetadata, num_heads: int | None = None,
     threads = int(threads or numba.get_num_threads())
     query_start_loc = np.array(meta.query_start_loc, np.int64)     # copies: kept in _last
     seq_lens = np.array(meta.seq_lens, np.int64)
+    prompt_lens = None if meta.prompt_lens is None else np.array(meta.prompt_lens, np.int64)
     last = _last[0]
     same = (last is not None and last[0] == threads
             and np.array_equal(last[1].query_start_loc, query_start_loc)
-            and np.array_equal(last[1].seq_lens, seq_lens))
+            and np.array_equal(last[1].seq_lens, seq_lens)
+            and _same_prompts(last[1].prompt_lens, prompt_lens))
     attn = CpuAttention(
         query_start_loc=query_start_loc, seq_lens=seq_lens,
         block_tables=np.ascontiguousarray(meta.block_tables, np.int32),
         slot_mapping=np.ascontiguousarray(meta.slot_mapping, np.int64),
-        block_size=int(meta.block_size), threads=threads,
+        block_size=int(meta.block_size), threads=threads, prompt_lens=prompt_lens,
         plans=last[1].plans if same else {}, _lock=last[1]._lock if same else threading.Lock())
     if not same:
         _last[0] = (threads, attn)
     if num_heads and num_kv_heads and head_dim:
         attn.plan(num_kv_heads, num_heads // num_kv_heads, head_dim)
     return attn
+
+
+def _same_prompts(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    """Whether two steps' prompt lengths are the same (the llama.cpp-order attention's
+    layout depends on them)."""
+    return a is b or (a is not None and b is not None and np.array_equal(a, b))
 
 
 def _float32_view(x: np.ndarray, name: str) -> np.ndarray:

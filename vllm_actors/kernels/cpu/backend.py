@@ -366,15 +366,14 @@ class CpuBackend:
 
     def lora_add(self, y: np.ndarray, x: np.ndarray, rows: np.ndarray | None, lora: Any,
                  ggml: bool = False) -> np.ndarray:
-        """`lora_ops.lora_add_ggml`: llama.cpp's float order, each request's rows as
-        llama.cpp computes them for that request alone (any order serves float32); under
-        its semantics (`ggml`), float16 weights take float16-rounded inputs."""
+        """`lora_ops.lora_add_ggml`: llama.cpp's float order, each row as llama.cpp's call
+        computes it (a request decoded alone, a prompt's rows in its call of the whole
+        prompt: `_step_calls`; any order serves float32); under its semantics (`ggml`),
+        float16 weights take float16-rounded inputs."""
         step = self._lora_rows
         if step is None or len(step[0]) != len(x):
-            counts = self._step_rows
-            if self._step_total != len(x):
-                counts = np.array([len(x)])
-            step = self._lora_rows = (np.repeat(counts == 1, counts),
+            calls = self._step_calls if self._step_total == len(x) else [len(x)]
+            step = self._lora_rows = (qmatmul.row_places(calls).size == 1,
                                       np.arange(len(x), dtype=np.int64))
         alone, every = step
         return lora_add_ggml(y, x, every if rows is None else rows, lora, alone,
@@ -383,13 +382,17 @@ class CpuBackend:
     def linear_lora(self, x: np.ndarray, weight: Linear, lora: Any, ggml: bool
                     ) -> np.ndarray | None:
         """`linear(x, weight)` plus `lora`'s delta (a `models.lora.LinearLoRA`) on x's one
-        row in one kernel call (`lora_gemv`), where an integer GEMV takes that row; else
-        None. `ggml`: under llama.cpp's semantics (float16 weights round their inputs)."""
+        row in one kernel call (`lora_gemv`), where an integer GEMV takes that row and
+        llama.cpp computes it alone (not a prompt's row this step holds alone: its call of
+        the whole prompt orders the delta otherwise); else None. `ggml`: under llama.cpp's
+        semantics (float16 weights round their inputs)."""
         if len(x) != 1 or len(weight.parts) != 1 or not weight.formats:
             return None
         integer = _INTEGER.get(weight.formats[0], (None, None))[1]
         fused = getattr(integer, "matmul_float_lora", None)
-        if fused is None or not integer.quantizes_inside(weight.parts[0], 1, _ONE_ROW):
+        calls = self._step_calls if self._step_total == 1 else _ONE_ROW
+        if fused is None or not qmatmul.one_row_each(calls, 1) or \
+                not integer.quantizes_inside(weight.parts[0], 1, calls):
             return None
         return fused(weight.parts[0], x, lora, ggml and lora.half, self._isa)
 
@@ -486,7 +489,7 @@ class CpuBackend:
         if isinstance(kv_cache, ggml_attention.GgmlCache) and not softcap and sinks is None:
             return ggml_attention.attend(q, kv_cache.k, kv_cache.v, attn.query_start_loc,
                                          attn.seq_lens, attn.block_tables, attn.block_size,
-                                         scale, window, attn.plans)
+                                         scale, window, attn.plans, attn.prompt_lens)
         return attention.paged_attention(q, kv_cache, attn, scale, window=window,
                                          softcap=softcap, sinks=sinks)
 

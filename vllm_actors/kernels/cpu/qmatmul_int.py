@@ -382,14 +382,16 @@ def matmul_float(w: QuantMatrix, x: np.ndarray, path: str | None = None,
     of a decode step's overhead)."""
     m, k = x.shape
     one_rows = one_row_each(requests, m)
-    if m == 1 and one_rows:
+    # one row: the plan's kind unless it is a prompt's row (a step left it alone: a prefix
+    # cache hit, a chunk's last row) of a type whose kind depends on the call's rows
+    if m == 1 and (one_rows or _one_row_kind(w) is None):
         plan = w.memo.get(("one_row", path))
         if plan is None:
             plan = w.memo[("one_row", path)] = _one_row_plan(w, path) or False
         if plan:
             return qwide.run_one_row(plan, x)
     kind = _one_row_kind(w) if one_rows else None
-    if m > 1 and _wide(w, kind or _base_kind(w), m):
+    if (m > 1 or not one_rows) and _wide(w, kind or _base_kind(w), m):
         return matmul(w, activations.quantize_q8(x), path, requests)
     return gemv_float(w, x, kind, path)
 
