@@ -8,8 +8,8 @@ alone (Gemma's repacked Q4_K GEMM and GEMV, the tiled Q6_K matmul, Q scaled befo
 attention), so the tokens are equal, not near: no near-tie allowance; with ngram speculation
 too, at tensor parallel sizes 2 and 3, in a batch of 32 whose prompts are chunked, and
 again from the prefix cache (a prompt's last rows computed without the rest; its last row
-alone in a step, `_last_row_alone`). The
-16-lane orders of that build are emulated on any host (`VLLM_ACTORS_GGML_WIDTH=16`).
+alone in a step, `_last_row_alone`). The 16-lane orders of that build are emulated on any
+host (`VLLM_ACTORS_GGML_WIDTH=16`).
 """
 
 from __future__ import annotations
