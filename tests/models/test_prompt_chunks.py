@@ -33,13 +33,15 @@ def _splits_equal_whole(model, backend) -> None:
 
 
 @pytest.mark.parametrize("case", ["smollm2", "smollm2-lora", "gemma3_270m"])
-def test_a_prompt_split_any_way_gives_the_whole_prompts_logits(case, smollm2_path, tmp_path):
+def test_a_prompt_split_any_way_gives_the_whole_prompts_logits(case, smollm2_path, tmp_path,
+                                                               monkeypatch):
     from vllm_actors.kernels.cpu.backend import CpuBackend
     from vllm_actors.loaders.model_files import resolve_model
     from vllm_actors.loaders.pypi_models import model_path
     from vllm_actors.models.registry import load_model
     path = smollm2_path if case.startswith("smollm2") else model_path("gemma3-270m")
     assert path is not None, "run `python -m vllm_actors pull gemma3-270m`"
+    monkeypatch.setenv("VLLM_ACTORS_GGML_WIDTH", "16")     # llama.cpp's attention on any host
     backend = CpuBackend()
     model = load_model(resolve_model(path), backend, gguf_activations="quantized")
     if case == "smollm2-lora":
