@@ -703,7 +703,7 @@ def one_token(query_start_loc: np.ndarray, seq_lens: np.ndarray,
     a decode, not a prompt's row that this step holds alone while llama.cpp's call of the
     whole prompt holds more (`qmatmul.RowPlaces`; `prompt_lens` None: every request's rows
     are a call of their own)."""
-    from vllm_actors.kernels.cpu.qmatmul import LLAMA_UBATCH
+    from vllm_actors.kernels.cpu.qmatmul import prompt_call
     q_lens = np.diff(np.asarray(query_start_loc, np.int64))
     one = q_lens == 1
     if prompt_lens is None:
@@ -713,8 +713,7 @@ def one_token(query_start_loc: np.ndarray, seq_lens: np.ndarray,
     inside = one & (pos < prompt)
     if not inside.any():                                  # decodes only
         return one
-    call_rows = np.minimum(LLAMA_UBATCH, prompt - pos // LLAMA_UBATCH * LLAMA_UBATCH)
-    return one & ~(inside & (call_rows > 1))
+    return one & ~(inside & (prompt_call(pos, prompt)[1] > 1))
 
 
 def _layout(query_start_loc: np.ndarray, seq_lens: np.ndarray, hk: int,

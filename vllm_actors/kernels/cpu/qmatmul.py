@@ -261,10 +261,16 @@ class RowPlaces:
         alone = cls.of_requests(counts)
         pos = np.repeat(np.asarray(seq_lens, np.int64) - counts, counts) + alone.index
         prompt = np.repeat(np.asarray(prompt_lens, np.int64), counts)
-        first = pos // LLAMA_UBATCH * LLAMA_UBATCH
+        index, rows = prompt_call(pos, prompt)
         inside = pos < prompt
-        return cls(np.where(inside, pos - first, alone.index),
-                   np.where(inside, np.minimum(LLAMA_UBATCH, prompt - first), alone.size))
+        return cls(np.where(inside, index, alone.index), np.where(inside, rows, alone.size))
+
+
+def prompt_call(pos: np.ndarray, prompt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(index, rows) of the prompt row at `pos` in llama.cpp's `LLAMA_UBATCH` call of its
+    prompt of `prompt` tokens (int64 arrays; meaningful where pos < prompt)."""
+    first = pos // LLAMA_UBATCH * LLAMA_UBATCH
+    return pos - first, np.minimum(LLAMA_UBATCH, prompt - first)
 
 
 def row_places(requests: Any) -> RowPlaces:
