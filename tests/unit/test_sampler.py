@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from vllm_actors.sampling_params import SamplingParams
-from vllm_actors.workers.sampler import Sampler, log_softmax, output_counts
+from vllm_actors.workers.sampler import Sampler, log_softmax, output_counts, top_logprobs
 from vllm_actors.workers.sampling_state import SamplingState
 
 V = 50
@@ -120,6 +120,33 @@ def test_logprobs_are_raw_and_ranked():
     assert lp.token_ids[0, 1:].tolist() == np.argsort(-raw[0])[:3].tolist()
     assert lp.ranks.tolist() == [int((raw[i] > raw[i, tokens[[0, 2]][i]]).sum()) + 1
                                  for i in range(2)]
+
+
+@pytest.mark.parametrize("k", [1, 3, 32, 40])
+def test_top_logprobs_equal_a_full_sort(k):
+    """Both ways to the k best (argmax passes to k = 32, a partition past it) give a stable
+    descending sort's ids (ties to the lower id where argmax finds them), distinct ids on rows
+    with fewer than k finite logprobs (a grammar's mask), ranks counting the better ids, and
+    leave the logprobs unchanged."""
+    rng = np.random.default_rng(k)
+    lp = np.round(rng.standard_normal((7, 300)), 1).astype(np.float32)   # many ties
+    lp[3, 5:] = -np.inf                                 # 5 tokens allowed
+    lp[4, :] = -np.inf
+    lp[4, 17] = 0.0                                     # one token allowed
+    before = lp.copy()
+    chosen = np.array([0, 1, 2, 3, 17, 299, 150])
+    ids, lps, ranks = top_logprobs(lp, chosen, k)
+    assert np.array_equal(lp, before)
+    assert np.array_equal(ids[:, 0], chosen) and np.array_equal(lps, np.take_along_axis(lp, ids, 1))
+    for row in range(len(lp)):
+        best = ids[row, 1:]
+        assert len(set(best.tolist())) == k
+        assert np.array_equal(lp[row, best], np.sort(lp[row])[::-1][:k])
+        assert ranks[row] == (lp[row] > lp[row, chosen[row]]).sum() + 1
+        finite = np.isfinite(lp[row, best])
+        if k <= 32:
+            assert np.array_equal(best[finite],
+                                  np.argsort(-lp[row], kind="stable")[:finite.sum()])
 
 
 def test_output_counts():
