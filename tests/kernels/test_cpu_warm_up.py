@@ -110,7 +110,8 @@ def test_helper_compiles_each_weight_types_matmul_paths(smollm2_path, tmp_path):
     """The helper process (as the engine starts it, under the default semantics) leaves the
     integer kernels of SmolLM2's Q4_1 and Q8_0 weights for its larger steps compiled (`qwide`:
     the Q4_1 linears interleaved, the Q8_0 head the tied embedding as stored), the ones the
-    engine runs, and the attention work item of steps of several tokens."""
+    engine runs, and the attention work item of steps of several tokens (in the lanes of the
+    host's llama.cpp)."""
     script = (
         "import json, sys\n"
         "from vllm_actors.workers import warm_up\n"
@@ -122,7 +123,7 @@ def test_helper_compiles_each_weight_types_matmul_paths(smollm2_path, tmp_path):
         "bodies += [qwide.body(code, 4, qwide.LANES_ORDER, '|u1', qwide.X_ROWS, True),\n"
         "           qwide.body(code, 8, qwide.LANES_ORDER, '|i1', qwide.X_ROWS, False)]\n"
         "print(json.dumps(['address' in vars(c) for c in\n"
-        "                  bodies + [ga._PREFILL_ITEM, ga._DECODE_ITEM]]))\n")
+        "                  bodies + [ga._items()[1], ga._items()[0]]]))\n")
     done = subprocess.run([sys.executable, "-c", script, str(smollm2_path), "16,64",
                            "quantized", wu.GGML_ATTENTION, str(tmp_path)],
                           capture_output=True, text=True, timeout=600)

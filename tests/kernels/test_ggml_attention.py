@@ -11,6 +11,8 @@ import numpy as np
 from vllm_actors.kernels import ggml_attention as ga
 from vllm_actors.kernels import ggml_math
 from vllm_actors.kernels.cpu.activations import _f16_bits
+from vllm_actors.kernels.cpu.attention_math import half_to_f32
+from vllm_actors.kernels.cpu.intrinsics import fma_f32
 from vllm_actors.kernels.cpu.qmatmul_prims import HALF_LUT
 
 
@@ -149,13 +151,14 @@ def _per_lane_decode(q, k, v, tables, ctx, bs, scale, window):  # type: ignore[n
     return out
 
 
-def test_one_token_path_equals_the_per_lane_forms():
+def test_one_token_path_equals_the_per_lane_forms(monkeypatch):
     """The one-token path (`_decode_scores`: one key at a time along vectors;
     `_decode_values`: 16 dimensions and 4 query heads at a time) gives the per-lane forms'
     floats bit for bit: a head dim of whole 64s (SmolLM2), one with leftovers added in
     float64 (80), Gemma's 256, GQA with 3, 4 and 5 query heads a KV head (a pass of 4 and a
     partial one), one query head a KV head, a sliding window, and contexts from 1 key to
     several blocks."""
+    monkeypatch.setattr(ggml_math, "ggml_width", lambda: 16)   # the 16-lane items anywhere
     rng = np.random.default_rng(3)
     bs = 16
     for hq, hk, dh, ctx, window in ((9, 3, 64, [65, 1, 300], 0), (8, 2, 80, [50, 17], 7),
@@ -206,11 +209,12 @@ def _per_lane_tiles(q, k, v, table, ctx0, bs, scale, window):  # type: ignore[no
     return out
 
 
-def test_tile_path_equals_the_per_lane_forms():
+def test_tile_path_equals_the_per_lane_forms(monkeypatch):
     """Steps of several tokens (register tiles of 4 query rows x 4 keys and 8 rows x 2
     dimensions) give the per-lane forms' floats bit for bit: a whole tile and a partial one
     after a cached context, GQA with 3 query heads a KV head (96 rows a tile, 15 in the
     partial one), 5 with a sliding window (105 rows), and a head dim of 80."""
+    monkeypatch.setattr(ggml_math, "ggml_width", lambda: 16)
     rng = np.random.default_rng(5)
     bs = 16
     for hq, hk, dh, ctx0, tokens, window in ((9, 3, 64, 20, 37, 0), (10, 2, 80, 3, 21, 9)):
@@ -236,3 +240,99 @@ def test_one_token_order_only_where_llama_cpp_computes_a_row_alone():
     assert ga.one_token(starts, seq_lens, prompts).tolist() == [
         True, True, True, False, False, False]
     assert ga.one_token(starts, seq_lens, None).tolist() == [True] * 5 + [False]
+
+
+@numba.njit(cache=True)
+def _per_lane8(q, k, v, table, ctx0, bs, scale, window, one_token, out):  # type: ignore[no-untyped-def]
+    """One request's rows (positions ctx0 ..) through the 8-lane orders one element at a
+    time: each key's score and each output's sum chained onto lane d % 8 (tinyBLAS<8>) or
+    accumulator d % 32 (`ggml_vec_dot_f16`, then (a0 + a2) + (a1 + a3) per lane and two
+    horizontal adds), soft_max's exp per key and its sums per 8 in float64; every key up to
+    whole 32s, masked ones included (their probability 0 adds nothing)."""
+    hq, dh, hk = q.shape[1], q.shape[2], k.shape[2]
+    g = hq // hk
+    for t in range(q.shape[0]):
+        p = ctx0 + t
+        n = (p + 32) // 32 * 32
+        s, e = np.empty(n, np.float32), np.empty(n, np.float32)
+        for h in range(hq):
+            q16 = np.empty(dh, np.float32)
+            for d in range(dh):
+                q16[d] = ga._half(q[t, h, d], HALF_LUT)
+            for j in range(n):
+                if j > p or (window > 0 and j <= p - window):
+                    s[j] = -np.inf
+                    continue
+                row = k[table[j // bs], j % bs, h // g]
+                s[j] = np.float32(_dot8(row, q16, dh, one_token, True) * scale)
+            top = np.float32(-np.inf)
+            for j in range(n):
+                top = max(top, s[j])
+            total = 0.0
+            for c in range(0, n, 8):
+                for lane in range(8):
+                    e[c + lane] = ggml_math.expf8(np.float32(s[c + lane] - top))
+                h4 = [np.float32(e[c + 4 + i] + e[c + i]) for i in range(4)]
+                total += np.float64(np.float32(np.float32(h4[0] + h4[2])
+                                               + np.float32(h4[1] + h4[3])))
+            inv = np.float32(1.0 / total)
+            for j in range(n):
+                s[j] = ga._half_unit(np.float32(e[j] * inv))
+            for d in range(dh):
+                col = np.empty(n, np.float32)
+                for j in range(n):      # past the context: llama.cpp's cells of zeros
+                    col[j] = half_to_f32(v[table[j // bs], j % bs, h // g, d]) if j <= p \
+                        else np.float32(0.0)
+                out[t, h, d] = _dot8(col, s, n, one_token, False)
+
+
+@numba.njit(cache=True)
+def _dot8(a, b, n, one_token, halves):  # type: ignore[no-untyped-def]
+    """a . b (a float16 bits where `halves`) in tinyBLAS<8>'s or AVX2 vec_dot_f16's order."""
+    chains = 32 if one_token else 8
+    acc = np.zeros(chains, np.float32)
+    whole = n - n % chains
+    for d in range(whole):
+        x = half_to_f32(a[d]) if halves else np.float32(a[d])
+        acc[d % chains] = fma_f32(x, b[d], acc[d % chains])
+    if not one_token:
+        h = [np.float32(acc[4 + i] + acc[i]) for i in range(4)]
+        return np.float32(np.float32(h[0] + h[2]) + np.float32(h[1] + h[3]))
+    a8 = [np.float32(np.float32(acc[i] + acc[16 + i]) + np.float32(acc[8 + i] + acc[24 + i]))
+          for i in range(8)]
+    t = [np.float32(a8[i] + a8[4 + i]) for i in range(4)]
+    dot = np.float32(np.float32(t[0] + t[1]) + np.float32(t[2] + t[3]))
+    if whole == n:
+        return dot
+    total = np.float64(dot)
+    for d in range(whole, n):
+        x = half_to_f32(a[d]) if halves else np.float32(a[d])
+        total += np.float64(np.float32(x * b[d]))
+    return np.float32(total)
+
+
+def test_eight_lane_items_equal_the_per_lane_forms(monkeypatch):
+    """Where the host's llama.cpp is 8 lanes wide (AVX2), `attend` takes `ggml_attention8`'s
+    items (two keys a vector for the scores, every dimension at once for P . V): their
+    floats equal the 8-lane orders element by element, bit for bit: one-token steps over
+    1 to 70 keys (head dims 64 and 48, whose last 16 `ggml_vec_dot_f16` adds in float64),
+    and steps of several tokens (a whole tile and a partial one) after a cached context,
+    GQA with 3 query heads a KV head, with and without a sliding window. (llama.cpp's AVX2
+    build gives the same tokens end to end: tests/models/test_llamacpp_parity.py.)"""
+    monkeypatch.setattr(ggml_math, "ggml_width", lambda: 8)
+    rng = np.random.default_rng(8)
+    bs = 16
+    for hq, hk, dh, window in ((9, 3, 64, 0), (6, 3, 48, 7)):
+        for ctx0, tokens in ((0, 1), (32, 1), (69, 1), (20, 37)):
+            blocks = (ctx0 + tokens + bs - 1) // bs + 1
+            k, v = (rng.standard_normal((blocks, bs, hk, dh)).astype(np.float16)
+                    .view(np.uint16) for _ in range(2))
+            q = rng.standard_normal((tokens, hq, dh)).astype(np.float32)
+            table = rng.permutation(np.arange(1, blocks)).astype(np.int32)
+            fast = ga.attend(q, k, v, np.array([0, tokens], np.int32),
+                             np.array([ctx0 + tokens], np.int32), table[None], bs, 0.125,
+                             window)
+            ref = np.empty_like(q)
+            _per_lane8(q, k, v, table, ctx0, bs, np.float32(0.125), window, tokens == 1, ref)
+            assert np.array_equal(fast.view(np.uint32), ref.view(np.uint32)), \
+                (hq, dh, window, ctx0, tokens)

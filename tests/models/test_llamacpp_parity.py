@@ -39,26 +39,35 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
 CHUNKED = {"max_num_batched_tokens": 128, "max_num_seqs": 32}
 
 
-@pytest.mark.parametrize(("model", "spec", "engine"), [
-    ("smollm2", None, {}), ("gemma3_270m", None, {}), ("smollm2", NGRAM, {}),
-    ("smollm2", None, {"tensor_parallel_size": 3}),
-    ("gemma3_270m", None, {"tensor_parallel_size": 2}),
-    ("gemma3_270m", None, CHUNKED)],
+# a llama.cpp built without AVX-512 (tests/golden/llamacpp_{model}_avx2_greedy.json): every
+# kernel on the avx2 path and attention in its 8 lanes (`ggml_attention8`), as on such a host
+BUILDS = {"avx512": ("", {"VLLM_ACTORS_GGML_WIDTH": "16"}),
+          "avx2": ("_avx2", {"VLLM_ACTORS_GGML_WIDTH": "8", "VLLM_ACTORS_CPU_ISA": "avx2"})}
+
+
+@pytest.mark.parametrize(("model", "spec", "engine", "build"), [
+    ("smollm2", None, {}, "avx512"), ("gemma3_270m", None, {}, "avx512"),
+    ("smollm2", NGRAM, {}, "avx512"), ("smollm2", None, {"tensor_parallel_size": 3}, "avx512"),
+    ("gemma3_270m", None, {"tensor_parallel_size": 2}, "avx512"),
+    ("gemma3_270m", None, CHUNKED, "avx512"), ("gemma3_270m", None, {}, "avx2")],
     ids=["smollm2", "gemma3_270m", "smollm2-ngram", "smollm2-tp3", "gemma3_270m-tp2",
-         "gemma3_270m-chunked32"])
-def test_greedy_tokens_equal_llama_cpp(model, spec, engine, smollm2_path, monkeypatch):
+         "gemma3_270m-chunked32", "gemma3_270m-avx2"])
+def test_greedy_tokens_equal_llama_cpp(model, spec, engine, build, smollm2_path, monkeypatch):
     from vllm_actors import LLM, SamplingParams
     from vllm_actors.loaders.pypi_models import model_path
-    monkeypatch.setenv("VLLM_ACTORS_GGML_WIDTH", "16")
-    golden = json.loads((GOLDEN / f"llamacpp_{model}_greedy.json").read_text())
-    assert golden["flash_attn_type"] == "disabled" and "AVX512 = 1" in golden["system_info"]
+    suffix, env = BUILDS[build]
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    golden = json.loads((GOLDEN / f"llamacpp_{model}{suffix}_greedy.json").read_text())
+    assert golden["flash_attn_type"] == "disabled"
+    assert ("AVX512 = 1" in golden["system_info"]) == (build == "avx512")
     cases = [c for c in golden["cases"] if len(c["prompt_token_ids"]) < 100 or c["name"] == LONG]
     assert len(cases) == 12
     if engine is CHUNKED:
         cases = [cases[i % len(cases)] for i in range(32)]
     path = smollm2_path if model == "smollm2" else model_path("gemma3-270m")
     assert path is not None, "run `python -m vllm_actors pull gemma3-270m`"
-    again = not engine and spec is None     # then each prompt again, from the prefix cache
+    again = not engine and spec is None and build == "avx512"   # again, from the prefix cache
     llm = LLM(str(path), device="cpu", enable_prefix_caching=again, max_model_len=1024,
               speculative_config=spec, **engine)
     try:

@@ -9,6 +9,12 @@ quantized kernels imitate. Prompts are the stored prompt_token_ids of the transf
     python -m vllm_actors pull smollm2 gemma3-270m
     python tests/oracle/make_llamacpp_golden.py             # goldens of both models
     python tests/oracle/make_llamacpp_golden.py --spread    # llama.cpp against itself
+    # a llama.cpp built without AVX-512 (its 8-lane orders), from a build installed apart:
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+        -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF \
+        -DGGML_AMX_INT8=OFF" pip install --no-cache-dir --no-deps --no-binary \
+        llama-cpp-python llama-cpp-python==0.3.36 --target /tmp/llama_avx2
+    PYTHONPATH=/tmp/llama_avx2 python tests/oracle/make_llamacpp_golden.py --suffix _avx2
 
 Goldens: tests/golden/llamacpp_{stem}_greedy.json (keys as make_golden.py's plus the llama.cpp
 settings) and llamacpp_{stem}_logits.npz ({case}/{step}/ids|logits|logprobs for the top-64 and
@@ -185,7 +191,9 @@ def settings_meta() -> dict:
             "log_notes": sorted(notes)}
 
 
-def make_goldens(stem: str) -> None:
+def make_goldens(stem: str, suffix: str = "") -> None:
+    """The golden files of `stem`; `suffix` ("_avx2") names those of a llama.cpp built for
+    another instruction set (its system info is in the file)."""
     path = model_path(stem)
     _LOG_LINES.clear()
     model = load_model(path)
@@ -204,9 +212,9 @@ def make_goldens(stem: str) -> None:
     meta = {"model": path.name, "oracle": oracle_string(), **settings_meta(),
             "num_generated": NUM_GENERATED, "logit_steps": list(LOGIT_STEPS), "cases": cases}
     L.llama_model_free(model)
-    (GOLDEN / f"llamacpp_{stem}_greedy.json").write_text(
+    (GOLDEN / f"llamacpp_{stem}{suffix}_greedy.json").write_text(
         json.dumps(meta, ensure_ascii=False, indent=1))
-    np.savez_compressed(GOLDEN / f"llamacpp_{stem}_logits.npz", **arrays)
+    np.savez_compressed(GOLDEN / f"llamacpp_{stem}{suffix}_logits.npz", **arrays)
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -260,6 +268,9 @@ def main() -> None:
                         help="measure llama.cpp against itself instead of writing goldens")
     parser.add_argument("--only", choices=tuple(MODELS), action="append",
                         help="only these models (default: all)")
+    parser.add_argument("--suffix", default="",
+                        help="after the stem in the goldens' names: _avx2 for a llama.cpp "
+                             "built without AVX-512 (its 8-lane orders)")
     args = parser.parse_args()
     stems = args.only or list(MODELS)
     L.llama_log_set(_collect_log, ctypes.c_void_p(0))
@@ -267,7 +278,7 @@ def main() -> None:
     GOLDEN.mkdir(parents=True, exist_ok=True)
     if not args.spread:
         for stem in stems:
-            make_goldens(stem)
+            make_goldens(stem, args.suffix)
         return
     spread = {stem: spread_of_model(stem) for stem in stems}
     summarize(spread)

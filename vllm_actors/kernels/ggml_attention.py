@@ -15,7 +15,8 @@ Per query row (ggml's non-flash graph: mul_mat, soft_max, mul_mat):
   llama.cpp; the padding is zeros, which add nothing).
 Keys past a sliding window are masked as llama.cpp masks them. The 16-lane orders are those
 of a llama.cpp built with AVX-512 (`ggml_math.ggml_width`); bench/llamacpp_tensors.py shows
-them bit for bit on llama.cpp's inputs.
+them bit for bit on llama.cpp's inputs. A build without AVX-512 computes in 8 lanes: its
+work items are `ggml_attention8`'s, run by the same `_attend` and layout.
 """
 
 from __future__ import annotations
@@ -669,9 +670,19 @@ def _attend(decode, prefill, q, kc, vc, lut, q_start, q_lens, ctx0, tables, bloc
             block_size, scale, window, r, items[u, 1], items[u, 2], data_pointer(out)))
 
 
+def _items() -> tuple[Callback, Callback]:
+    """The (one-token, several-token) work items in the orders of the host's llama.cpp: 16
+    lanes here, 8 in `ggml_attention8` (a build without AVX-512)."""
+    from vllm_actors.kernels.ggml_math import ggml_width
+    if ggml_width() == LANES:
+        return _DECODE_ITEM, _PREFILL_ITEM
+    from vllm_actors.kernels import ggml_attention8
+    return ggml_attention8.DECODE_ITEM, ggml_attention8.PREFILL_ITEM
+
+
 def compile_prefill() -> None:
     """Compile (or load from the cache) the work item of steps of several tokens."""
-    _PREFILL_ITEM.address   # noqa: B018
+    _items()[1].address   # noqa: B018
 
 
 def _work_items(q_lens: np.ndarray, ctx0: np.ndarray, hk: int) -> np.ndarray:
@@ -687,14 +698,12 @@ def _work_items(q_lens: np.ndarray, ctx0: np.ndarray, hk: int) -> np.ndarray:
 
 def reads(fmt, head_dim: int, softcap: float = 0.0, sinks=None) -> bool:  # type: ignore[no-untyped-def]
     """Whether attention over a cache of `fmt` takes this path: llama.cpp's products on a
-    float16 cache where the host's llama.cpp is 16 lanes wide, head dimensions a multiple of
-    16, no soft-cap or sinks (those keep the backend's own attention, rounded as ggml
-    rounds: `KVFormat`)."""
+    float16 cache (in the host's llama.cpp's lanes: 16, or 8 without AVX-512,
+    `ggml_attention8`), head dimensions a multiple of 16, no soft-cap or sinks (those keep
+    the backend's own attention, rounded as ggml rounds: `KVFormat`)."""
     from vllm_actors.kernels import kv_quant
-    from vllm_actors.kernels.ggml_math import ggml_width
     return (fmt is not None and fmt.ggml_products and fmt.kind == kv_quant.FLOAT16
-            and ggml_width() == LANES and head_dim % LANES == 0 and not softcap
-            and sinks is None)
+            and head_dim % LANES == 0 and not softcap and sinks is None)
 
 
 def one_token(query_start_loc: np.ndarray, seq_lens: np.ndarray,
@@ -725,8 +734,9 @@ def _layout(query_start_loc: np.ndarray, seq_lens: np.ndarray, hk: int,
     q_lens = np.diff(q_start)
     ctx0 = np.asarray(seq_lens, np.int64) - q_lens
     one = one_token(q_start, seq_lens, prompt_lens)
-    decode = _DECODE_ITEM.address if one.any() else 0
-    prefill = 0 if one.all() else _PREFILL_ITEM.address
+    decode_item, prefill_item = _items()
+    decode = decode_item.address if one.any() else 0
+    prefill = 0 if one.all() else prefill_item.address
     return (q_start, q_lens, ctx0, _work_items(q_lens, ctx0, hk), decode, prefill,
             one.astype(np.uint8))
 

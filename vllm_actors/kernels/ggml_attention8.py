@@ -1,0 +1,260 @@
+"""llama.cpp's attention over a float16 cache in the orders of a build without AVX-512 (AVX2
+and FMA: 8 lanes, `ggml_math.ggml_width` 8), the work items `ggml_attention` runs where the
+host's llama.cpp is 8 lanes wide. The graph is the same (Q rounded to float16, K . Q,
+soft_max, P rounded to float16, P . V); the orders are the 8-lane ones:
+- a step of several query tokens through llamafile's tinyBLAS<8>: one fused multiply-add
+  chain of 8 lanes per output over the row, then its `hsum`: the two 128-bit halves added,
+  then (0 + 2) + (1 + 3);
+- a one-token step through `ggml_vec_dot_f16`: 4 accumulators of 8 lanes over chunks of 32,
+  combined as (a0 + a2) + (a1 + a3), the halves added, two horizontal adds, and leftovers
+  past the last whole 32 added in float64;
+- soft_max: exp by `ggml_math.expf8` (AVX2's `ggml_v_expf`), each 8's sum by the same
+  `hsum`, added in float64; probabilities scaled by float32(1 / sum) and rounded.
+Scores and softmax run over whole 32s of keys from the first (llama.cpp pads the cache
+with cells whose scores are masked, which add zeros). Lanes are independent chains, so a
+16-wide vector operation (`intrinsics.fma16`) carries two keys' 8 lanes in the scores and
+16 dimensions of every chain in P . V; the sums across lanes then follow the orders above.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import carray
+
+from vllm_actors.kernels.cpu.intrinsics import fma16, stack_f32, widen16
+from vllm_actors.kernels.cpu.jit import Callback, callback
+from vllm_actors.kernels.ggml_attention import (
+    _ITEM_ARGS,
+    TILE,
+    _cell,
+    _half,
+    _half_unit,
+    _key_offsets,
+    _row_max,
+)
+from vllm_actors.kernels.ggml_math import NORMAL_HIGH, NORMAL_LOW, expf8, expf8_normal
+
+LANES = 8
+DOT = 32            # `ggml_vec_dot_f16`'s chunk: 4 accumulators of 8 lanes
+
+
+@numba.njit(inline="always", cache=True)
+def _hsum(a, o):  # type: ignore[no-untyped-def]
+    """tinyBLAS's and soft_max's sum of the 8 lanes a[o:o + 8]: h_i = a[o + 4 + i] + a[o + i],
+    then (h0 + h2) + (h1 + h3)."""
+    h0, h1 = a[o + 4] + a[o], a[o + 5] + a[o + 1]
+    h2, h3 = a[o + 6] + a[o + 2], a[o + 7] + a[o + 3]
+    return (h0 + h2) + (h1 + h3)
+
+
+PAIRS = 4           # key pairs `_tiny_scores` carries at once: independent chains
+_PAIR_LANES = 2 * LANES * PAIRS
+_CHAINS8 = 16 * LANES       # tinyBLAS's 8 chains of 16 dimensions
+
+
+@numba.njit(inline="always", cache=True)
+def _tiny_scores(kf2, q2, p, dh, scale, s):  # type: ignore[no-untyped-def]
+    """s[j] = (K_j . q) * scale for keys j <= p (and up to the next whole 8) in tinyBLAS<8>'s
+    order: element 8c + l chained onto lane l, then `_hsum`; two keys a vector
+    (`_pair_rows`' layout, q2 the query row likewise doubled), PAIRS pairs at once on the
+    stack, whose chains LLVM keeps in registers (one chain through memory waited on each
+    fused multiply-add's store)."""
+    acc = stack_f32(_PAIR_LANES)
+    for pair0 in range(0, p // 2 + 1, PAIRS):
+        for i in range(_PAIR_LANES):
+            acc[i] = np.float32(0.0)
+        for c in range(dh // LANES):
+            for k in range(PAIRS):
+                fma16(acc, k * 2 * LANES, kf2, (pair0 + k) * 2 * dh + c * 2 * LANES, q2,
+                      c * 2 * LANES)
+        for k in range(2 * PAIRS):
+            s[2 * pair0 + k] = np.float32(_hsum(acc, k * LANES) * scale)
+
+
+@numba.njit(inline="always", cache=True)
+def _reduce_dot(acc, o):  # type: ignore[no-untyped-def]
+    """GGML_F32x8_REDUCE of the 4 registers acc[o:o + 32] (o a multiple of 32 apart per
+    output): (x0 + x2) + (x1 + x3), the halves added, two horizontal adds."""
+    a = stack_f32(LANES)
+    for lane in range(LANES):
+        a[lane] = (acc[o + lane] + acc[o + 16 + lane]) + (acc[o + 8 + lane] + acc[o + 24 + lane])
+    t0, t1 = a[0] + a[4], a[1] + a[5]
+    t2, t3 = a[2] + a[6], a[3] + a[7]
+    return (t0 + t1) + (t2 + t3)
+
+
+@numba.njit(inline="always", cache=True)
+def _vec_dot_scores(kflat, koff, q16, p, dh, scale, s):  # type: ignore[no-untyped-def]
+    """s[j] = (K_j . q) * scale for keys j <= p as AVX2's `ggml_vec_dot_f16`: element d of
+    each whole 32 chained onto accumulator d % 32 (its float16 row read from the cache),
+    `_reduce_dot`, leftovers past the last whole 32 added in float64."""
+    whole = dh - dh % DOT
+    acc = stack_f32(DOT)
+    for j in range(p + 1):
+        for lane in range(DOT):
+            acc[lane] = np.float32(0.0)
+        for c in range(0, whole, DOT):
+            fma16(acc, 0, kflat, koff[j] + c, q16, c)
+            fma16(acc, 16, kflat, koff[j] + c + 16, q16, c + 16)
+        dot = _reduce_dot(acc, 0)
+        if whole < dh:
+            total = np.float64(dot)
+            for d in range(whole, dh):
+                total += np.float64(np.float32(q16[d] * _cell(kflat[koff[j] + d])))
+            dot = np.float32(total)
+        s[j] = np.float32(dot * scale)
+
+
+@numba.njit(inline="always", cache=True)
+def _tiny_values(vb, s, n, dh, nk, out, row, head):  # type: ignore[no-untyped-def]
+    """out[row, head] = P . V over the keys j < n (a multiple of 8; probability 0 past the
+    query's position, which adds nothing) in tinyBLAS<8>'s order: key j chained onto lane
+    j % 8 of every dimension, then `_hsum` across the lanes. 16 dimensions at a time, their
+    8 chains on the stack (in registers), over V as `_value_blocks` lays it out."""
+    acc = stack_f32(_CHAINS8)
+    for d0 in range(0, dh, 16):
+        for i in range(_CHAINS8):
+            acc[i] = np.float32(0.0)
+        base = d0 * nk
+        for j0 in range(0, n, LANES):
+            for k in range(LANES):
+                fma16(acc, k * 16, vb, base + (j0 + k) * 16, s[j0 + k], 0)
+        for i in range(16):
+            a0, a1, a2, a3 = acc[i], acc[16 + i], acc[32 + i], acc[48 + i]
+            a4, a5, a6, a7 = acc[64 + i], acc[80 + i], acc[96 + i], acc[112 + i]
+            out[row, head, d0 + i] = ((a4 + a0) + (a6 + a2)) + ((a5 + a1) + (a7 + a3))
+
+
+@numba.njit(inline="always", cache=True)
+def _value_blocks(flat, koff, dh, out):  # type: ignore[no-untyped-def]
+    """V's float16 rows as float32 in blocks of 16 dimensions, keys in order within a block:
+    out[d0 nk + 16 j + i] = V[j, d0 + i] (d0 a multiple of 16), read in sequence by
+    `_tiny_values`."""
+    nk = koff.shape[0]
+    for j in range(nk):
+        for d0 in range(0, dh, 16):
+            widen16(out, d0 * nk + j * 16, flat, koff[j] + d0)
+
+
+@numba.njit(inline="always", cache=True)
+def _vec_dot_values(vflat, koff, s, p, dh, acc, out, row, head):  # type: ignore[no-untyped-def]
+    """out[row, head] = P . V over keys j <= p as AVX2's `ggml_vec_dot_f16` (a one-token
+    step): key j chained onto accumulator j % 32 of every dimension (keys past p have
+    probability 0 and add nothing), then `_reduce_dot` across them. acc: 32 x Dh floats."""
+    for i in range(DOT * dh):
+        acc[i] = np.float32(0.0)
+    for j in range(p + 1):
+        w = s[j]
+        if w != 0.0:            # fma(v, 0, a) = a: skipping is exact
+            base = (j % DOT) * dh
+            for d0 in range(0, dh, 16):
+                fma16(acc, base + d0, vflat, koff[j] + d0, w, 0)
+    for lane in range(LANES):   # (x0 + x2) + (x1 + x3) of the 4 registers, into chains 0-7
+        for d in range(dh):
+            acc[lane * dh + d] = ((acc[lane * dh + d] + acc[(16 + lane) * dh + d])
+                                  + (acc[(8 + lane) * dh + d] + acc[(24 + lane) * dh + d]))
+    for d in range(dh):         # the halves added, then two horizontal adds
+        a0, a1, a2, a3 = acc[d], acc[dh + d], acc[2 * dh + d], acc[3 * dh + d]
+        a4, a5, a6, a7 = acc[4 * dh + d], acc[5 * dh + d], acc[6 * dh + d], acc[7 * dh + d]
+        out[row, head, d] = ((a0 + a4) + (a1 + a5)) + ((a2 + a6) + (a3 + a7))
+
+
+@numba.njit(inline="always", cache=True)
+def softmax(s, n, e):  # type: ignore[no-untyped-def]
+    """s[:n] (n a multiple of 32) -> float16-rounded probabilities as AVX2's soft_max: the
+    row's max, x - max in float32, `expf8`, each 8's `_hsum` added in float64, then scaled
+    by float32(1 / sum) and rounded. The exp runs branch-free over the row (`expf8_normal`,
+    a loop LLVM vectorizes) and is redone where x is outside its normal range (masked keys'
+    -inf). e: scratch of n floats."""
+    top = _row_max(s, n)
+    outside = 0
+    for i in range(n):
+        x = np.float32(s[i] - top)
+        s[i] = x
+        e[i] = expf8_normal(x)
+        outside += not NORMAL_LOW <= x <= NORMAL_HIGH
+    if outside:
+        for i in range(n):
+            if not NORMAL_LOW <= s[i] <= NORMAL_HIGH:
+                e[i] = expf8(s[i])
+    total = 0.0
+    for c in range(0, n, LANES):
+        total += np.float64(_hsum(e, c))
+    inv = np.float32(1.0 / total)
+    for i in range(n):
+        s[i] = _half_unit(np.float32(e[i] * inv))
+
+
+@numba.njit(inline="always", cache=True)
+def _pair_rows(flat, koff, dh, out):  # type: ignore[no-untyped-def]
+    """Keys' float16 rows as float32, two keys interleaved by 8s for `_tiny_scores`:
+    out[(j // 2) 2 Dh + 16 c + 8 (j % 2) + l] = element 8c + l of key j's row."""
+    for j in range(koff.shape[0]):
+        base = (j // 2) * 2 * dh + (j % 2) * LANES
+        for c in range(dh // LANES):
+            for lane in range(LANES):
+                out[base + c * 2 * LANES + lane] = _cell(flat[koff[j] + c * LANES + lane])
+
+
+@numba.njit(inline="always", cache=True)
+def _item(q, kflat, vflat, lut, table, block_size, cells, hk, kvh, g, first, ctx, nt,
+          window, scale, one_token, out):  # type: ignore[no-untyped-def]
+    """A work item: KV head kvh's g query heads of q's rows first .. first + nt - 1
+    (positions ctx ..) over the flat cache slots, into out's rows; `one_token`: the
+    one-token orders (`ggml_vec_dot_f16`'s), else tinyBLAS's."""
+    dh = q.shape[2]
+    last = ctx + nt - 1
+    nk = -(-(last + 1) // DOT) * DOT
+    koff = np.zeros(nk, np.int64)         # past last: offset 0 (masked)
+    _key_offsets(table, block_size, cells, hk, dh, kvh, last, koff)
+    kf2 = np.empty(0 if one_token else nk * dh, np.float32)
+    vb = np.empty(0 if one_token else nk * dh, np.float32)
+    if not one_token:
+        _pair_rows(kflat, koff, dh, kf2)
+        _value_blocks(vflat, koff, dh, vb)
+    q16, q2 = np.empty(dh, np.float32), np.empty(2 * dh, np.float32)
+    s, e = np.empty(nk, np.float32), np.empty(nk, np.float32)
+    vacc = np.empty(DOT * dh if one_token else 0, np.float32)
+    for ti in range(nt):
+        p = ctx + ti
+        n = -(-(p + 1) // DOT) * DOT
+        for gi in range(g):
+            head = kvh * g + gi
+            for c in range(dh // LANES):
+                for lane in range(LANES):
+                    x = _half(q[first + ti, head, c * LANES + lane], lut)
+                    q16[c * LANES + lane] = x
+                    q2[c * 2 * LANES + lane] = x
+                    q2[c * 2 * LANES + LANES + lane] = x
+            if one_token:
+                _vec_dot_scores(kflat, koff, q16, p, dh, scale, s)
+            else:
+                _tiny_scores(kf2, q2, p, dh, scale, s)
+            for j in range(n):
+                if j > p or (window > 0 and j <= p - window):
+                    s[j] = -np.inf
+            softmax(s, n, e)
+            if one_token:
+                _vec_dot_values(vflat, koff, s, p, dh, vacc, out, first + ti, head)
+            else:
+                _tiny_values(vb, s, n, dh, nk, out, first + ti, head)
+
+
+def _item_for(one_token: bool) -> Callback:
+    """`ggml_attention._attend`'s loop body in 8-lane orders, its arguments as
+    `ggml_attention._item_for`'s."""
+    def item(q_p, t, heads, dh, k_p, v_p, blocks, cells, hk, lut_p, qs_p, ql_p, c0_p, reqs,
+             tab_p, width, block_size, scale, window, r, kvh, t0, out_p):  # type: ignore[no-untyped-def]
+        q, out = carray(q_p, (t, heads, dh)), carray(out_p, (t, heads, dh))
+        lut, table = carray(lut_p, (1 << 16,)), carray(tab_p, (reqs, width))[r]
+        first = carray(qs_p, (reqs + 1,))[r] + t0
+        ctx = carray(c0_p, (reqs,))[r] + t0
+        nt = 1 if one_token else min(TILE, carray(ql_p, (reqs,))[r] - t0)
+        size = blocks * cells * hk * dh
+        _item(q, carray(k_p, (size,)), carray(v_p, (size,)), lut, table, block_size, cells,
+              hk, kvh, heads // hk, first, ctx, nt, window, scale, one_token, out)
+    return callback(*_ITEM_ARGS, exact=True)(item)
+
+
+DECODE_ITEM, PREFILL_ITEM = _item_for(True), _item_for(False)
