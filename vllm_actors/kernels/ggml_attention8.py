@@ -48,28 +48,30 @@ def _hsum(a, o):  # type: ignore[no-untyped-def]
     return (h0 + h2) + (h1 + h3)
 
 
-PAIRS = 4           # key pairs `_tiny_scores` carries at once: independent chains
-_PAIR_LANES = 2 * LANES * PAIRS
+ROWS = 4            # query rows `_tile_scores` multiplies by each key pair's loaded chunk
+_ROW_LANES = 2 * LANES * ROWS
 _CHAINS8 = 16 * LANES       # tinyBLAS's 8 chains of 16 dimensions
+_HALF_CHAINS = _CHAINS8 // 2
 
 
 @numba.njit(inline="always", cache=True)
-def _tiny_scores(kf2, q2, p, dh, scale, s):  # type: ignore[no-untyped-def]
-    """s[j] = (K_j . q) * scale for keys j <= p (and up to the next whole 8) in tinyBLAS<8>'s
-    order: element 8c + l chained onto lane l, then `_hsum`; two keys a vector
-    (`_pair_rows`' layout, q2 the query row likewise doubled), PAIRS pairs at once on the
-    stack, whose chains LLVM keeps in registers (one chain through memory waited on each
-    fused multiply-add's store)."""
-    acc = stack_f32(_PAIR_LANES)
-    for pair0 in range(0, p // 2 + 1, PAIRS):
-        for i in range(_PAIR_LANES):
+def _tile_scores(kf2, q2, p, dh, scale, s):  # type: ignore[no-untyped-def]
+    """s[r, j] = (K_j . q_r) * scale for ROWS query rows (q2: each row doubled, as
+    `_pair_rows` pairs the keys) and keys j <= p (and the next, to a whole pair) in
+    tinyBLAS<8>'s order: element 8c + l chained onto lane l, then `_hsum`. Two keys a
+    vector; each chunk of a key pair is loaded once for the ROWS rows, whose chains stay on
+    the stack (in registers)."""
+    acc = stack_f32(_ROW_LANES)
+    for pair in range(p // 2 + 1):
+        for i in range(_ROW_LANES):
             acc[i] = np.float32(0.0)
         for c in range(dh // LANES):
-            for k in range(PAIRS):
-                fma16(acc, k * 2 * LANES, kf2, (pair0 + k) * 2 * dh + c * 2 * LANES, q2,
-                      c * 2 * LANES)
-        for k in range(2 * PAIRS):
-            s[2 * pair0 + k] = np.float32(_hsum(acc, k * LANES) * scale)
+            for r in range(ROWS):
+                fma16(acc, r * 2 * LANES, kf2, pair * 2 * dh + c * 2 * LANES, q2,
+                      r * 2 * dh + c * 2 * LANES)
+        for r in range(ROWS):
+            s[r, 2 * pair] = np.float32(_hsum(acc, r * 2 * LANES) * scale)
+            s[r, 2 * pair + 1] = np.float32(_hsum(acc, r * 2 * LANES + LANES) * scale)
 
 
 @numba.njit(inline="always", cache=True)
@@ -110,19 +112,23 @@ def _vec_dot_scores(kflat, koff, q16, p, dh, scale, s):  # type: ignore[no-untyp
 def _tiny_values(vb, s, n, dh, nk, out, row, head):  # type: ignore[no-untyped-def]
     """out[row, head] = P . V over the keys j < n (a multiple of 8; probability 0 past the
     query's position, which adds nothing) in tinyBLAS<8>'s order: key j chained onto lane
-    j % 8 of every dimension, then `_hsum` across the lanes. 16 dimensions at a time, their
-    8 chains on the stack (in registers), over V as `_value_blocks` lays it out."""
-    acc = stack_f32(_CHAINS8)
+    j % 8 of every dimension, then `_hsum` across the lanes. 16 dimensions at a time over V
+    as `_value_blocks` lays it out, chains 0-3 then 4-7 on the stack (in registers: 8 of
+    AVX2's 16, 4 of AVX-512's 32)."""
+    acc, lanes = stack_f32(_HALF_CHAINS), stack_f32(_CHAINS8)
     for d0 in range(0, dh, 16):
-        for i in range(_CHAINS8):
-            acc[i] = np.float32(0.0)
         base = d0 * nk
-        for j0 in range(0, n, LANES):
-            for k in range(LANES):
-                fma16(acc, k * 16, vb, base + (j0 + k) * 16, s[j0 + k], 0)
+        for half in range(2):
+            for i in range(_HALF_CHAINS):
+                acc[i] = np.float32(0.0)
+            for j0 in range(half * 4, n, LANES):
+                for k in range(4):
+                    fma16(acc, k * 16, vb, base + (j0 + k) * 16, s[j0 + k], 0)
+            for i in range(_HALF_CHAINS):
+                lanes[half * _HALF_CHAINS + i] = acc[i]
         for i in range(16):
-            a0, a1, a2, a3 = acc[i], acc[16 + i], acc[32 + i], acc[48 + i]
-            a4, a5, a6, a7 = acc[64 + i], acc[80 + i], acc[96 + i], acc[112 + i]
+            a0, a1, a2, a3 = lanes[i], lanes[16 + i], lanes[32 + i], lanes[48 + i]
+            a4, a5, a6, a7 = lanes[64 + i], lanes[80 + i], lanes[96 + i], lanes[112 + i]
             out[row, head, d0 + i] = ((a4 + a0) + (a6 + a2)) + ((a5 + a1) + (a7 + a3))
 
 
@@ -168,16 +174,17 @@ def softmax(s, n, e):  # type: ignore[no-untyped-def]
     a loop LLVM vectorizes) and is redone where x is outside its normal range (masked keys'
     -inf). e: scratch of n floats."""
     top = _row_max(s, n)
-    outside = 0
+    first, last, none = np.int32(n), np.int32(-1), np.int32(n)     # int32: 8 a vector
     for i in range(n):
         x = np.float32(s[i] - top)
         s[i] = x
         e[i] = expf8_normal(x)
-        outside += not NORMAL_LOW <= x <= NORMAL_HIGH
-    if outside:
-        for i in range(n):
-            if not NORMAL_LOW <= s[i] <= NORMAL_HIGH:
-                e[i] = expf8(s[i])
+        outside = not NORMAL_LOW <= x <= NORMAL_HIGH
+        first = min(first, np.int32(i) if outside else none)
+        last = max(last, np.int32(i) if outside else np.int32(-1))
+    for i in range(first, last + 1):
+        if not NORMAL_LOW <= s[i] <= NORMAL_HIGH:
+            e[i] = expf8(s[i])
     total = 0.0
     for c in range(0, n, LANES):
         total += np.float64(_hsum(e, c))
@@ -188,7 +195,7 @@ def softmax(s, n, e):  # type: ignore[no-untyped-def]
 
 @numba.njit(inline="always", cache=True)
 def _pair_rows(flat, koff, dh, out):  # type: ignore[no-untyped-def]
-    """Keys' float16 rows as float32, two keys interleaved by 8s for `_tiny_scores`:
+    """Keys' float16 rows as float32, two keys interleaved by 8s for `_tile_scores`:
     out[(j // 2) 2 Dh + 16 c + 8 (j % 2) + l] = element 8c + l of key j's row."""
     for j in range(koff.shape[0]):
         base = (j // 2) * 2 * dh + (j % 2) * LANES
@@ -198,47 +205,65 @@ def _pair_rows(flat, koff, dh, out):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(inline="always", cache=True)
-def _item(q, kflat, vflat, lut, table, block_size, cells, hk, kvh, g, first, ctx, nt,
-          window, scale, one_token, out):  # type: ignore[no-untyped-def]
-    """A work item: KV head kvh's g query heads of q's rows first .. first + nt - 1
-    (positions ctx ..) over the flat cache slots, into out's rows; `one_token`: the
-    one-token orders (`ggml_vec_dot_f16`'s), else tinyBLAS's."""
+def _mask_softmax(s, p, n, window, e):  # type: ignore[no-untyped-def]
+    """A query at position p: keys past it or its sliding window to -inf, then `softmax`
+    over the first n (whole 32s)."""
+    for j in range(n):
+        if j > p or (window > 0 and j <= p - window):
+            s[j] = -np.inf
+    softmax(s, n, e)
+
+
+@numba.njit(inline="always", cache=True)
+def _query_rows(q, row, head, lut, q16, q2, r):  # type: ignore[no-untyped-def]
+    """q[row, head] rounded to float16: into q16, and doubled by 8s into row r of q2."""
     dh = q.shape[2]
-    last = ctx + nt - 1
-    nk = -(-(last + 1) // DOT) * DOT
-    koff = np.zeros(nk, np.int64)         # past last: offset 0 (masked)
-    _key_offsets(table, block_size, cells, hk, dh, kvh, last, koff)
-    kf2 = np.empty(0 if one_token else nk * dh, np.float32)
-    vb = np.empty(0 if one_token else nk * dh, np.float32)
-    if not one_token:
-        _pair_rows(kflat, koff, dh, kf2)
-        _value_blocks(vflat, koff, dh, vb)
+    for c in range(dh // LANES):
+        for lane in range(LANES):
+            x = _half(q[row, head, c * LANES + lane], lut)
+            q16[c * LANES + lane] = x
+            q2[r * 2 * dh + c * 2 * LANES + lane] = x
+            q2[r * 2 * dh + c * 2 * LANES + LANES + lane] = x
+
+
+@numba.njit(inline="always", cache=True)
+def _decode_item(q, kflat, vflat, lut, koff, kvh, g, row, p, window, scale, out):  # type: ignore[no-untyped-def]
+    """A one-token request's work item: KV head kvh's g query heads of q's row (position
+    p) in `ggml_vec_dot_f16`'s orders."""
+    dh, nk = q.shape[2], koff.shape[0]
     q16, q2 = np.empty(dh, np.float32), np.empty(2 * dh, np.float32)
     s, e = np.empty(nk, np.float32), np.empty(nk, np.float32)
-    vacc = np.empty(DOT * dh if one_token else 0, np.float32)
-    for ti in range(nt):
-        p = ctx + ti
-        n = -(-(p + 1) // DOT) * DOT
-        for gi in range(g):
-            head = kvh * g + gi
-            for c in range(dh // LANES):
-                for lane in range(LANES):
-                    x = _half(q[first + ti, head, c * LANES + lane], lut)
-                    q16[c * LANES + lane] = x
-                    q2[c * 2 * LANES + lane] = x
-                    q2[c * 2 * LANES + LANES + lane] = x
-            if one_token:
-                _vec_dot_scores(kflat, koff, q16, p, dh, scale, s)
-            else:
-                _tiny_scores(kf2, q2, p, dh, scale, s)
-            for j in range(n):
-                if j > p or (window > 0 and j <= p - window):
-                    s[j] = -np.inf
-            softmax(s, n, e)
-            if one_token:
-                _vec_dot_values(vflat, koff, s, p, dh, vacc, out, first + ti, head)
-            else:
-                _tiny_values(vb, s, n, dh, nk, out, first + ti, head)
+    vacc = np.empty(DOT * dh, np.float32)
+    for gi in range(g):
+        _query_rows(q, row, kvh * g + gi, lut, q16, q2, 0)
+        _vec_dot_scores(kflat, koff, q16, p, dh, scale, s)
+        _mask_softmax(s, p, nk, window, e)
+        _vec_dot_values(vflat, koff, s, p, dh, vacc, out, row, kvh * g + gi)
+
+
+@numba.njit(inline="always", cache=True)
+def _tile_item(q, kflat, vflat, lut, koff, kvh, g, first, ctx, nt, window, scale, out):  # type: ignore[no-untyped-def]
+    """A work item of a step of several tokens: KV head kvh's g query heads of q's rows
+    first .. first + nt - 1 (positions ctx ..) in tinyBLAS<8>'s orders, ROWS (token, head)
+    rows at a time against the keys."""
+    dh, nk = q.shape[2], koff.shape[0]
+    kf2, vb = np.empty(nk * dh, np.float32), np.empty(nk * dh, np.float32)
+    _pair_rows(kflat, koff, dh, kf2)
+    _value_blocks(vflat, koff, dh, vb)
+    q16, q2 = np.empty(dh, np.float32), np.zeros(ROWS * 2 * dh, np.float32)
+    s, e = np.empty((ROWS, nk), np.float32), np.empty(nk, np.float32)
+    total = nt * g
+    for r0 in range(0, total, ROWS):
+        count = min(ROWS, total - r0)
+        for r in range(count):
+            _query_rows(q, first + (r0 + r) // g, kvh * g + (r0 + r) % g, lut, q16, q2, r)
+        _tile_scores(kf2, q2, ctx + (r0 + count - 1) // g, dh, scale, s)
+        for r in range(count):
+            p = ctx + (r0 + r) // g
+            n = -(-(p + 1) // DOT) * DOT
+            _mask_softmax(s[r], p, n, window, e)
+            _tiny_values(vb, s[r], n, dh, nk, out, first + (r0 + r) // g,
+                         kvh * g + (r0 + r) % g)
 
 
 def _item_for(one_token: bool) -> Callback:
@@ -252,8 +277,16 @@ def _item_for(one_token: bool) -> Callback:
         ctx = carray(c0_p, (reqs,))[r] + t0
         nt = 1 if one_token else min(TILE, carray(ql_p, (reqs,))[r] - t0)
         size = blocks * cells * hk * dh
-        _item(q, carray(k_p, (size,)), carray(v_p, (size,)), lut, table, block_size, cells,
-              hk, kvh, heads // hk, first, ctx, nt, window, scale, one_token, out)
+        kflat, vflat = carray(k_p, (size,)), carray(v_p, (size,))
+        last = ctx + nt - 1
+        koff = np.zeros(-(-(last + 1) // DOT) * DOT, np.int64)    # past last: offset 0
+        _key_offsets(table, block_size, cells, hk, dh, kvh, last, koff)
+        if one_token:
+            _decode_item(q, kflat, vflat, lut, koff, kvh, heads // hk, first, ctx, window,
+                         scale, out)
+        else:
+            _tile_item(q, kflat, vflat, lut, koff, kvh, heads // hk, first, ctx, nt, window,
+                       scale, out)
     return callback(*_ITEM_ARGS, exact=True)(item)
 
 
