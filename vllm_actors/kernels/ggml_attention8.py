@@ -76,8 +76,8 @@ def _tile_scores(kf2, q2, p, dh, scale, s):  # type: ignore[no-untyped-def]
 
 @numba.njit(inline="always", cache=True)
 def _reduce_dot(acc, o):  # type: ignore[no-untyped-def]
-    """GGML_F32x8_REDUCE of the 4 registers acc[o:o + 32] (o a multiple of 32 apart per
-    output): (x0 + x2) + (x1 + x3), the halves added, two horizontal adds."""
+    """GGML_F32x8_REDUCE of the 4 registers of 8 in acc[o:o + 32]: (x0 + x2) + (x1 + x3),
+    the halves added, two horizontal adds."""
     a = stack_f32(LANES)
     for lane in range(LANES):
         a[lane] = (acc[o + lane] + acc[o + 16 + lane]) + (acc[o + 8 + lane] + acc[o + 24 + lane])

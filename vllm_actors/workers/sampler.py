@@ -74,14 +74,12 @@ def _best_by_argmax(lp: np.ndarray, k: int) -> np.ndarray:
     rows = np.arange(n)
     best = np.empty((n, k), np.int64)
     taken = np.empty((n, k), lp.dtype)
-    try:
-        for j in range(k):
-            best[:, j] = lp.argmax(axis=1)
-            taken[:, j] = lp[rows, best[:, j]]
-            lp[rows, best[:, j]] = -np.inf
-    finally:
-        for j in range(k - 1, -1, -1):      # last found first: a row may repeat an id
-            lp[rows, best[:, j]] = taken[:, j]
+    for j in range(k):
+        best[:, j] = lp.argmax(axis=1)
+        taken[:, j] = lp[rows, best[:, j]]
+        lp[rows, best[:, j]] = -np.inf
+    for j in range(k - 1, -1, -1):          # last found first: a row may repeat an id
+        lp[rows, best[:, j]] = taken[:, j]
     short = np.flatnonzero(np.isneginf(taken[:, -1]))
     if len(short):
         best[short] = _best_by_partition(lp[short], k)
