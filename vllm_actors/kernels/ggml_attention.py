@@ -85,22 +85,31 @@ def _softmax16(s, n, e):  # type: ignore[no-untyped-def]
     float32(1 / sum) and rounded. Pass by pass over the row, each a loop LLVM vectorizes
     (one 16 at a time did not: 2.3 ns a key); exp outside its normal range (masked keys'
     -inf) redone after. e: scratch of n floats."""
-    top = _row_max(s, n)
-    # where the keys outside exp's normal range lie, tracked in int32 (int64 lanes, half as
-    # many a vector, made the tracking cost more than the exp)
-    first, last, none = np.int32(n), np.int32(-1), np.int32(n)
-    for i in range(n):
-        x = np.float32(s[i] - top)
-        s[i] = x
-        e[i] = expf16_normal(x)
-        outside = not NORMAL_LOW <= x <= NORMAL_HIGH
-        first = min(first, np.int32(i) if outside else none)
-        last = max(last, np.int32(i) if outside else np.int32(-1))
+    first, last = shifted_exps(s, n, e, expf16_normal)
     if last >= 0:
         _exp_outside(s, first - first % LANES, last + 1, e)
     inv = np.float32(1.0 / _chunk_sums(e, n))
     for i in range(n):
         s[i] = _half_unit(np.float32(e[i] * inv))
+
+
+@numba.njit(inline="always", cache=True)
+def shifted_exps(s, n, e, exp_normal):  # type: ignore[no-untyped-def]
+    """soft_max's first pass over s[:n] (n a multiple of 16): s - max(s) in float32 into s,
+    `exp_normal` of it (a branch-free exp of one width's `ggml_v_expf` over its normal range)
+    into e, as one loop LLVM vectorizes; returns (first, last), where the elements outside
+    that range lie (last -1: none), for the caller to redo."""
+    top = _row_max(s, n)
+    # tracked in int32 (int64 lanes, half as many a vector, made it cost more than the exp)
+    first, last, none = np.int32(n), np.int32(-1), np.int32(n)
+    for i in range(n):
+        x = np.float32(s[i] - top)
+        s[i] = x
+        e[i] = exp_normal(x)
+        outside = not NORMAL_LOW <= x <= NORMAL_HIGH
+        first = min(first, np.int32(i) if outside else none)
+        last = max(last, np.int32(i) if outside else np.int32(-1))
+    return first, last
 
 
 @numba.njit(inline="always", cache=True)

@@ -31,7 +31,7 @@ from vllm_actors.kernels.ggml_attention import (
     _half,
     _half_unit,
     _key_offsets,
-    _row_max,
+    shifted_exps,
 )
 from vllm_actors.kernels.ggml_math import NORMAL_HIGH, NORMAL_LOW, expf8, expf8_normal
 
@@ -173,15 +173,7 @@ def softmax(s, n, e):  # type: ignore[no-untyped-def]
     by float32(1 / sum) and rounded. The exp runs branch-free over the row (`expf8_normal`,
     a loop LLVM vectorizes) and is redone where x is outside its normal range (masked keys'
     -inf). e: scratch of n floats."""
-    top = _row_max(s, n)
-    first, last, none = np.int32(n), np.int32(-1), np.int32(n)     # int32: 8 a vector
-    for i in range(n):
-        x = np.float32(s[i] - top)
-        s[i] = x
-        e[i] = expf8_normal(x)
-        outside = not NORMAL_LOW <= x <= NORMAL_HIGH
-        first = min(first, np.int32(i) if outside else none)
-        last = max(last, np.int32(i) if outside else np.int32(-1))
+    first, last = shifted_exps(s, n, e, expf8_normal)
     for i in range(first, last + 1):
         if not NORMAL_LOW <= s[i] <= NORMAL_HIGH:
             e[i] = expf8(s[i])
