@@ -9,7 +9,9 @@ attention), so the tokens are equal, not near: no near-tie allowance; with ngram
 too, at tensor parallel sizes 2 and 3, in a batch of 32 whose prompts are chunked, and
 again from the prefix cache (a prompt's last rows computed without the rest; its last row
 alone in a step, `_last_row_alone`). The 16-lane orders of that build are emulated on any
-host (`VLLM_ACTORS_GGML_WIDTH=16`).
+host (`VLLM_ACTORS_GGML_WIDTH=16`). A llama.cpp built without AVX-512 gives other tokens
+(tests/golden/llamacpp_{model}_avx2_greedy.json; 6 and 7 of 14 prompts as the AVX-512
+build's): Gemma 3 270M on the avx2 path with attention in its 8 lanes gives those.
 """
 
 from __future__ import annotations
