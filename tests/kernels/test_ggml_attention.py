@@ -272,9 +272,7 @@ def _per_lane8(q, k, v, table, ctx0, bs, scale, window, one_token, out):  # type
             for c in range(0, n, 8):
                 for lane in range(8):
                     e[c + lane] = ggml_math.expf8(np.float32(s[c + lane] - top))
-                h4 = [np.float32(e[c + 4 + i] + e[c + i]) for i in range(4)]
-                total += np.float64(np.float32(np.float32(h4[0] + h4[2])
-                                               + np.float32(h4[1] + h4[3])))
+                total += np.float64(_hsum8(e[c:c + 8]))
             inv = np.float32(1.0 / total)
             for j in range(n):
                 s[j] = ga._half_unit(np.float32(e[j] * inv))
@@ -287,6 +285,14 @@ def _per_lane8(q, k, v, table, ctx0, bs, scale, window, one_token, out):  # type
 
 
 @numba.njit(cache=True)
+def _hsum8(a):  # type: ignore[no-untyped-def]
+    """The 8 float32 lanes a[0:8] summed as tinyBLAS's and soft_max's `hsum`: the high half
+    added to the low, then (0 + 2) + (1 + 3)."""
+    h0, h1, h2, h3 = a[4] + a[0], a[5] + a[1], a[6] + a[2], a[7] + a[3]
+    return (h0 + h2) + (h1 + h3)
+
+
+@numba.njit(cache=True)
 def _dot8(a, b, n, one_token, halves):  # type: ignore[no-untyped-def]
     """a . b (a float16 bits where `halves`) in tinyBLAS<8>'s or AVX2 vec_dot_f16's order."""
     chains = 32 if one_token else 8
@@ -296,12 +302,12 @@ def _dot8(a, b, n, one_token, halves):  # type: ignore[no-untyped-def]
         x = half_to_f32(a[d]) if halves else np.float32(a[d])
         acc[d % chains] = fma_f32(x, b[d], acc[d % chains])
     if not one_token:
-        h = [np.float32(acc[4 + i] + acc[i]) for i in range(4)]
-        return np.float32(np.float32(h[0] + h[2]) + np.float32(h[1] + h[3]))
-    a8 = [np.float32(np.float32(acc[i] + acc[16 + i]) + np.float32(acc[8 + i] + acc[24 + i]))
-          for i in range(8)]
-    t = [np.float32(a8[i] + a8[4 + i]) for i in range(4)]
-    dot = np.float32(np.float32(t[0] + t[1]) + np.float32(t[2] + t[3]))
+        return _hsum8(acc)
+    a8 = np.empty(8, np.float32)
+    for i in range(8):
+        a8[i] = (acc[i] + acc[16 + i]) + (acc[8 + i] + acc[24 + i])
+    t0, t1, t2, t3 = a8[0] + a8[4], a8[1] + a8[5], a8[2] + a8[6], a8[3] + a8[7]
+    dot = (t0 + t1) + (t2 + t3)
     if whole == n:
         return dot
     total = np.float64(dot)

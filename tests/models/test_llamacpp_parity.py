@@ -51,9 +51,10 @@ BUILDS = {"avx512": ("", {"VLLM_ACTORS_GGML_WIDTH": "16"}),
     ("smollm2", None, {}, "avx512"), ("gemma3_270m", None, {}, "avx512"),
     ("smollm2", NGRAM, {}, "avx512"), ("smollm2", None, {"tensor_parallel_size": 3}, "avx512"),
     ("gemma3_270m", None, {"tensor_parallel_size": 2}, "avx512"),
-    ("gemma3_270m", None, CHUNKED, "avx512"), ("gemma3_270m", None, {}, "avx2")],
+    ("gemma3_270m", None, CHUNKED, "avx512"), ("gemma3_270m", None, {}, "avx2"),
+    ("smollm2", None, {}, "avx2")],
     ids=["smollm2", "gemma3_270m", "smollm2-ngram", "smollm2-tp3", "gemma3_270m-tp2",
-         "gemma3_270m-chunked32", "gemma3_270m-avx2"])
+         "gemma3_270m-chunked32", "gemma3_270m-avx2", "smollm2-avx2"])
 def test_greedy_tokens_equal_llama_cpp(model, spec, engine, build, smollm2_path, monkeypatch):
     from vllm_actors import LLM, SamplingParams
     from vllm_actors.loaders.pypi_models import model_path

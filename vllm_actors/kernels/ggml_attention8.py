@@ -24,15 +24,8 @@ from numba import carray
 
 from vllm_actors.kernels.cpu.intrinsics import fma16, stack_f32, widen16
 from vllm_actors.kernels.cpu.jit import Callback, callback
-from vllm_actors.kernels.ggml_attention import (
-    _ITEM_ARGS,
-    TILE,
-    _cell,
-    _half,
-    _half_unit,
-    _key_offsets,
-    shifted_exps,
-)
+from vllm_actors.kernels.ggml_attention_parts import (_ITEM_ARGS, TILE, _cell, _half, _half_unit,
+                                                     _key_offsets, shifted_exps)
 from vllm_actors.kernels.ggml_math import NORMAL_HIGH, NORMAL_LOW, expf8, expf8_normal
 
 LANES = 8
