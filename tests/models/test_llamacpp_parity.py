@@ -11,7 +11,7 @@ again from the prefix cache (a prompt's last rows computed without the rest; its
 alone in a step, `_last_row_alone`). The 16-lane orders of that build are emulated on any
 host (`VLLM_ACTORS_GGML_WIDTH=16`). A llama.cpp built without AVX-512 gives other tokens
 (tests/golden/llamacpp_{model}_avx2_greedy.json; 6 and 7 of 14 prompts as the AVX-512
-build's): Gemma 3 270M on the avx2 path with attention in its 8 lanes gives those.
+build's): both models on the avx2 path with attention in its 8 lanes give those.
 """
 
 from __future__ import annotations
