@@ -200,15 +200,20 @@ def _mask_softmax(s, p, n, window, e):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(inline="always", cache=True)
-def _query_rows(q, row, head, lut, q16, q2, r):  # type: ignore[no-untyped-def]
-    """q[row, head] rounded to float16: into q16, and doubled by 8s into row r of q2."""
-    dh = q.shape[2]
+def _query_row(q, row, head, lut, q16):  # type: ignore[no-untyped-def]
+    """q[row, head] rounded to float16 (as float32), into q16."""
+    for d in range(q.shape[2]):
+        q16[d] = _half(q[row, head, d], lut)
+
+
+@numba.njit(inline="always", cache=True)
+def _doubled(q16, q2, r):  # type: ignore[no-untyped-def]
+    """q16 doubled by 8s into row r of q2, as `_pair_rows` pairs the keys."""
+    dh = q16.shape[0]
     for c in range(dh // LANES):
         for lane in range(LANES):
-            x = _half(q[row, head, c * LANES + lane], lut)
-            q16[c * LANES + lane] = x
-            q2[r * 2 * dh + c * 2 * LANES + lane] = x
-            q2[r * 2 * dh + c * 2 * LANES + LANES + lane] = x
+            q2[r * 2 * dh + c * 2 * LANES + lane] = q16[c * LANES + lane]
+            q2[r * 2 * dh + c * 2 * LANES + LANES + lane] = q16[c * LANES + lane]
 
 
 @numba.njit(inline="always", cache=True)
@@ -216,11 +221,11 @@ def _decode_item(q, kflat, vflat, lut, koff, kvh, g, row, p, window, scale, out)
     """A one-token request's work item: KV head kvh's g query heads of q's row (position
     p) in `ggml_vec_dot_f16`'s orders."""
     dh, nk = q.shape[2], koff.shape[0]
-    q16, q2 = np.empty(dh, np.float32), np.empty(2 * dh, np.float32)
+    q16 = np.empty(dh, np.float32)
     s, e = np.empty(nk, np.float32), np.empty(nk, np.float32)
     vacc = np.empty(DOT * dh, np.float32)
     for gi in range(g):
-        _query_rows(q, row, kvh * g + gi, lut, q16, q2, 0)
+        _query_row(q, row, kvh * g + gi, lut, q16)
         _vec_dot_scores(kflat, koff, q16, p, dh, scale, s)
         _mask_softmax(s, p, nk, window, e)
         _vec_dot_values(vflat, koff, s, p, dh, vacc, out, row, kvh * g + gi)
@@ -241,7 +246,8 @@ def _tile_item(q, kflat, vflat, lut, koff, kvh, g, first, ctx, nt, window, scale
     for r0 in range(0, total, ROWS):
         count = min(ROWS, total - r0)
         for r in range(count):
-            _query_rows(q, first + (r0 + r) // g, kvh * g + (r0 + r) % g, lut, q16, q2, r)
+            _query_row(q, first + (r0 + r) // g, kvh * g + (r0 + r) % g, lut, q16)
+            _doubled(q16, q2, r)
         _tile_scores(kf2, q2, ctx + (r0 + count - 1) // g, dh, scale, s)
         for r in range(count):
             p = ctx + (r0 + r) // g
