@@ -164,6 +164,14 @@ def test_echo_without_generation(server, auth, smollm2_tokenizer):
     assert text == PROMPT and chunks[-2]["choices"][0]["finish_reason"] in ("length", "stop")
     assert_same_lists(lists, choice["logprobs"])
 
+    # a one-token prompt has no position to score: its lists are [None], beside a longer one
+    lone = {"model": "smol", "prompt": [prompt_ids, prompt_ids[:1]], "max_tokens": 0,
+            "echo": True, "logprobs": 1}
+    for lists in (post(server, auth, lone)["choices"][1]["logprobs"],
+                  joined(stream(server, auth, lone))[1][1]):
+        assert lists["tokens"] == [smollm2_tokenizer.decode(prompt_ids[:1])]
+        assert lists["token_logprobs"] == [None] and lists["top_logprobs"] == [None]
+
     plain = post(server, auth, {"model": "smol", "prompt": PROMPT, "max_tokens": 0,
                                 "echo": True})
     assert plain["choices"][0]["text"] == PROMPT and plain["choices"][0]["logprobs"] is None

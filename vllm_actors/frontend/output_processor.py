@@ -79,7 +79,7 @@ class RequestState:
     last_token_time: float | None = None
     queue_s: float | None = None
     num_logprobs: int | None = None          # the request's k, when it asked for logprobs
-    num_prompt_logprobs: int = 0
+    num_prompt_logprobs: int | None = None   # k, when it asked for prompt logprobs
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     sent_logprobs: int = 0
@@ -136,11 +136,15 @@ class RequestState:
             positions = builder.positions(out.logprobs, self.num_logprobs)
             self.logprobs.extend(positions)
             self.cumulative_logprob += sum(lp[0] for lp in out.logprobs.logprobs)
-        if out.prompt_logprobs is not None and self.parent.prompt_logprobs is None:
+        if self.parent.prompt_logprobs is not None or self.num_prompt_logprobs is None:
+            return
+        if out.prompt_logprobs is not None:
             if prompt_positions is None:
                 prompt_positions = builder.positions(out.prompt_logprobs,
                                                      self.num_prompt_logprobs)
             self.parent.prompt_logprobs = [None, *prompt_positions]
+        elif self.num_prompt_tokens == 1 and out.error is None:
+            self.parent.prompt_logprobs = [None]    # no position follows a lone token
 
 
 class OutputProcessor:
@@ -167,7 +171,7 @@ class OutputProcessor:
                                            stop_prefixes)
             self.states[engine_id] = RequestState(
                 parent, index, detok, request.arrival_time, len(request.prompt_token_ids),
-                num_logprobs=params.logprobs, num_prompt_logprobs=params.prompt_logprobs or 0,
+                num_logprobs=params.logprobs, num_prompt_logprobs=params.prompt_logprobs,
                 eos_token_ids=eos_token_ids, stop_token_ids=params.stop_token_ids,
                 engine=engine)
         self.children.setdefault(parent.request_id, []).extend(engine_ids)
@@ -190,7 +194,8 @@ class OutputProcessor:
         state = self.states.get(out.request_id)
         if state is None or out.prompt_logprobs is None:
             return None
-        return self.logprobs_builder.positions(out.prompt_logprobs, state.num_prompt_logprobs)
+        return self.logprobs_builder.positions(out.prompt_logprobs,
+                                               state.num_prompt_logprobs or 0)
 
     def process_outputs(self, outputs: list[EngineCoreOutput],
                         prompt_positions: dict[str, list[PositionLogprobs]] | None = None
