@@ -127,6 +127,24 @@ def test_max_output_tokens_makes_it_incomplete(client):
     assert r.output_text
 
 
+def test_vllm_sampling_extras_apply(client):
+    """stop, ignore_eos and structured_outputs act as on the chat endpoint (they were
+    accepted and ignored)."""
+    free = client.responses.create(input=QUESTION, max_output_tokens=32, **GREEDY)
+    word = free.output_text.split()[2]
+    cut = client.responses.create(input=QUESTION, max_output_tokens=32,
+                                  extra_body={"stop": [word]}, **GREEDY)
+    assert cut.status == "completed"
+    assert cut.output_text == free.output_text[:free.output_text.index(word)]
+    assert free.usage.output_tokens < 32
+    long = client.responses.create(input=QUESTION, max_output_tokens=32,
+                                   extra_body={"ignore_eos": True}, **GREEDY)
+    assert long.usage.output_tokens == 32 and long.status == "incomplete"
+    chosen = client.responses.create(input=QUESTION, max_output_tokens=8, extra_body={
+        "structured_outputs": {"choice": ["yes", "no"]}}, **GREEDY)
+    assert chosen.output_text in ("yes", "no")
+
+
 def test_json_schema_text_format(client):
     schema = {"type": "object", "properties": {"city": NAME, "country": NAME},
               "required": ["city", "country"], "additionalProperties": False}
@@ -295,6 +313,7 @@ def test_output_logprobs(server, auth, client):
     ({"input": "x", "max_output_tokens": 9000}, 400, "max_output_tokens",
      "maximum context length is 8192 tokens"),
     ({"input": "x", "temperature": -1}, 400, "temperature", "temperature must be"),
+    ({"input": "x", "repetition_penalty": 0}, 400, "repetition_penalty", "must be"),
     ({"input": "x", "text": {"format": {"type": "xml"}}}, 400, "text",
      "text.format.type must be"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s",

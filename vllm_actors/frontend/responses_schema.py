@@ -16,7 +16,8 @@ Fields this server cannot honour are refused with a 400 naming them when set to 
 but their neutral value (`background`, `conversation`, `prompt`, `max_tool_calls`,
 `reasoning`, `truncation: "auto"`, `text.verbosity`, `include` other than output logprobs);
 built-in tools (web_search, file_search, ...) are refused the same way. Unknown fields are
-ignored, as on the chat endpoint.
+ignored, as on the chat endpoint. vLLM's sampling extras (`SAMPLING_EXTRAS`: stop, penalties,
+ignore_eos, structured_outputs, ...) apply as on the chat endpoint.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ from vllm_actors.frontend.openai_schema import APIError, ChatCompletionRequest, 
 OUTPUT_LOGPROBS = "message.output_text.logprobs"
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text")
+# vLLM's sampling extras the chat request takes as they are (and checks there)
+SAMPLING_EXTRAS = ("min_p", "stop", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
+                   "bad_words", "allowed_token_ids", "skip_special_tokens",
+                   "include_stop_str_in_output", "structured_outputs", "chat_template_kwargs")
 MAX_METADATA_KEYS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
@@ -66,6 +72,20 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     priority: int = 0
     cache_salt: str | None = None
     logit_bias: dict[str, float] | None = None
+    min_p: float | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    structured_outputs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @property
     def stored(self) -> bool:
@@ -247,6 +267,7 @@ def chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatComp
         top_p=req.top_p, top_k=req.top_k, seed=req.seed, stream=bool(req.stream),
         user=req.user, priority=req.priority, cache_salt=req.cache_salt,
         logit_bias=req.logit_bias, response_format=_response_format(req.text),
+        **{name: getattr(req, name) for name in SAMPLING_EXTRAS},
         tools=_chat_tools(req.tools), tool_choice=_chat_tool_choice(req.tool_choice),
         parallel_tool_calls=req.parallel_tool_calls is not False, logprobs=logprobs,
         top_logprobs=req.top_logprobs if logprobs else None)
