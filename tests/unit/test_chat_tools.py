@@ -184,6 +184,24 @@ def test_json_tool_arguments_stream_as_written(name):
         assert json.loads(args) == EXPECTED[index][1]
 
 
+def test_auto_without_parallel_calls_keeps_the_first():
+    """parallel_tool_calls false under "auto": the message and the stream carry only the
+    first call the model wrote (vLLM's reading), and plan_tools passes the flag on."""
+    config = ServerConfig(enable_auto_tool_choice=True, tool_call_parser="hermes")
+    plan = plan_tools(_request(tools=TOOLS, tool_choice="auto", parallel_tool_calls=False),
+                      config)
+    assert not plan.parallel
+    text, content = SCRIPTED["hermes"]
+    message, called = choice_parser(plan, config, False).message(text)
+    assert called and message["content"] == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in message["tool_calls"]] == EXPECTED[:1]
+    parser = choice_parser(plan, config, False)
+    indices = {piece["index"] for i, ch in enumerate(text)
+               for piece in parser.update(ch, i == len(text) - 1)[0].get("tool_calls", [])}
+    assert indices == {0}
+
+
 def test_a_call_cut_short_is_content_at_the_end():
     text = 'Hi <tool_call>{"name": "get_weather", "arguments": {"city": "Pa'
     parser = choice_parser(ToolPlan("auto", parser=PARSERS["hermes"](TOOLS)), ServerConfig(),

@@ -35,12 +35,15 @@ from vllm_actors.sampling_params import StructuredOutputsParams
 
 @dataclass
 class ToolPlan:
-    """choice: none | auto | required | named (then `name`)."""
+    """choice: none | auto | required | named (then `name`). `parallel`: false keeps only
+    the first call the parser finds under "auto" (vLLM's reading of parallel_tool_calls;
+    "required" limits the grammar's array to one call instead)."""
 
     choice: str = "none"
     name: str | None = None
     parser: ToolParser | None = None
     structured: StructuredOutputsParams | None = None
+    parallel: bool = True
 
 
 def _check_tools(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -124,7 +127,8 @@ def plan_tools(req: ChatCompletionRequest, config: ServerConfig) -> ToolPlan:
         if not (config.enable_auto_tool_choice and config.tool_call_parser):
             raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and '
                                 "--tool-call-parser to be set", "tool_choice")
-        return ToolPlan("auto", parser=PARSERS[config.tool_call_parser](tools))
+        return ToolPlan("auto", parser=PARSERS[config.tool_call_parser](tools),
+                        parallel=bool(req.parallel_tool_calls))
     return ToolPlan("none")
 
 
@@ -172,7 +176,7 @@ class ChoiceParser:
         calls = parser.calls(content[start:], final)
         if calls is None or (final and not calls):
             return reasoning, content, []
-        return reasoning, content[:start], calls
+        return reasoning, content[:start], calls if plan.parallel else calls[:1]
 
     def _ids(self, n: int) -> list[str]:
         while len(self.call_ids) < n:
