@@ -173,13 +173,14 @@ def mixed_reference(smollm2_path, mixed_prompts):
 @pytest.fixture(scope="session")
 def server(smollm2_path):
     """A real `vllm-actors serve` on the default model, with an API key, auto tool choice
-    (hermes) and the qwen3 reasoning parser (which splits only outputs that open <think>,
+    (hermes), /tokenizer_info and the qwen3 reasoning parser (which splits only outputs that open <think>,
     so it leaves SmolLM2's ordinary answers alone); the exact semantics, whose answers the
     tests quote ("Paris": under llama.cpp's, SmolLM2 Q4_1 answers as llama.cpp does)."""
     from server_process import API_KEY, ServerProcess
     proc = ServerProcess(str(smollm2_path), "--api-key", API_KEY, "--served-model-name", "smol",
                          "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                         "--reasoning-parser", "qwen3", "--gguf-activations", "float32")
+                         "--reasoning-parser", "qwen3", "--gguf-activations", "float32",
+                         "--enable-tokenizer-info-endpoint")
     yield proc
     assert proc.stop() == 0, proc.log()
 

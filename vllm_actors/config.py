@@ -226,6 +226,9 @@ class ServerConfig:
     reasoning_parser: str | None = setting(None, "split <think> reasoning into "
                                                  "reasoning_content: "
                                            + ", ".join(REASONING_PARSERS))
+    enable_tokenizer_info_endpoint: bool = setting(
+        False, "serve GET /tokenizer_info: the tokenizer's special tokens, settings and chat "
+               "template (what lm-evaluation-harness's remote tokenizer reads)")
     trust_request_chat_template: bool = setting(False, "run chat templates sent in requests "
                                                        "(chat_template); off: they are "
                                                        "refused with a 400")

@@ -138,6 +138,14 @@ def test_completion_sse_format(server, auth):
     ("/v1/completions", {"prompt": [1, 49152]}, 400, "prompt", "out of range"),
     ("/v1/completions", {"prompt": []}, 400, "prompt", "prompt must be a string"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop", "non-empty strings"),
+    ("/v1/completions", {"prompt": ["a"] * 100, "n": 128, "max_tokens": 1}, 400, "prompt",
+     r"at most 2048 completions \(prompts x n\), got 100 x 128"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     400, "messages", "a text part needs a string `text`"),
+    # a huge echoed value is cut in the middle, the hint at the end kept
+    ("/v1/chat/completions", {"model": "m" * 100_000,
+                              "messages": [{"role": "user", "content": "x"}]}, 404, "model",
+     r"^The model `m+ \.\.\. \(99\d{3} characters cut\) \.\.\. m+`.*serves `smol`"),
 ])
 def test_bad_requests(server, auth, path, body, status, param, pattern):
     kw = {"content": body} if isinstance(body, str) else {"json": body}
@@ -145,7 +153,7 @@ def test_bad_requests(server, auth, path, body, status, param, pattern):
                    timeout=30, **kw)
     assert r.status_code == status, r.text
     error = r.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
+    assert set(error) == {"message", "type", "param", "code"} and len(error["message"]) <= 1000
     assert error["param"] == param and re.search(pattern, error["message"]), error
 
 
@@ -179,6 +187,14 @@ def test_tokenize_detokenize_and_admin(server, auth):
     info = httpx.get(server.url + "/server_info", headers=auth).json()
     assert info["engine"]["max_model_len"] == 8192 and "api_key" not in info["server"]
     assert post(server, auth, "/reset_prefix_cache", {}).json() == {"reset": True}
+    # lm-evaluation-harness's remote tokenizer: special tokens by name, then /tokenize
+    assert httpx.get(server.url + "/tokenizer_info").status_code == 401
+    tok = httpx.get(server.url + "/tokenizer_info", headers=auth).json()
+    assert (tok["bos_token"], tok["eos_token"], tok["add_bos_token"],
+            tok["model_max_length"]) == ("<|im_start|>", "<|im_end|>", False, 8192)
+    assert "<|im_start|>assistant" in tok["chat_template"]
+    assert post(server, auth, "/tokenize", {"prompt": tok["eos_token"],
+                                            "add_special_tokens": False}).json()["tokens"] == [2]
 
 
 def wait_running(server, predicate, timeout=10.0):

@@ -49,7 +49,7 @@ def complete(client, model: str, stream: bool = False) -> str:
                    if c.choices)
 
 
-def test_adapter_by_name_streams_and_differs_from_the_base(client):
+def test_adapter_by_name_streams_and_differs_from_the_base(server, client):
     models = {m.id: m for m in client.models.list().data}
     assert set(models) == {"smol", "sea"}
     assert models["sea"].parent == "smol" and models["smol"].parent is None
@@ -61,6 +61,11 @@ def test_adapter_by_name_streams_and_differs_from_the_base(client):
     assert chunks[0].model == "sea"
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         complete(client, "nope")
+    assert client.models.retrieve("sea").parent == "smol"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("nope")
+    # off by default, as in vLLM
+    assert httpx.get(server.url + "/tokenizer_info").status_code == 404
 
 
 def test_runtime_load_use_unload(server, client, adapters):

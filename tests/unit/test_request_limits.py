@@ -207,6 +207,18 @@ def test_content_type_and_one_api_key(tiny_server):
     assert httpx.post(url, content=b"x" * 2000, headers=ok).status_code == 413
 
 
+def test_headers_over_the_bound_get_431(tiny_server):
+    """Headers just under 64 KiB pass (twice on one connection); over it the request is
+    answered 431 and closed without its headers being buffered to the end."""
+    url = f"http://127.0.0.1:{tiny_server.port}/v1/echo"
+    with httpx.Client(headers={"Authorization": "Bearer k", "X-Pad": "a" * 60_000}) as client:
+        assert [client.post(url, json={}).status_code for _ in range(2)] == [200, 200]
+    with socket.create_connection(("127.0.0.1", tiny_server.port)) as sock:
+        sock.sendall(b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 80_000)
+        sock.settimeout(5)
+        assert sock.recv(200).startswith(b"HTTP/1.1 431")
+
+
 def test_slow_headers_and_bodies_are_cut_off(tiny_server, monkeypatch):
     monkeypatch.setattr(http_protocol.HeaderDeadlineProtocol, "header_timeout", 0.3)
     monkeypatch.setattr(request_body, "BODY_TIMEOUT_S", 0.3)

@@ -40,7 +40,7 @@ from vllm_actors.frontend.serving_lora import (adapter_cards, add_module, load_l
                                                runtime_updates_allowed, unload_lora_adapter)
 from vllm_actors.frontend.serving_responses import (ResponseStore, create_response,
                                                     delete_response, retrieve_response)
-from vllm_actors.frontend.serving_tokenize import detokenize, tokenize
+from vllm_actors.frontend.serving_tokenize import detokenize, tokenize, tokenizer_info
 from vllm_actors.version import __version__
 
 logger = logging.getLogger("vllm_actors.server")
@@ -141,11 +141,23 @@ class _Routes:
                              "data_parallel_size": size})
         return Response(status_code=200)
 
-    async def models(self, raw: Request) -> Response:
+    def _model_cards(self) -> list[dict[str, Any]]:
         card = {"id": self.state.model_name, "object": "model", "created": int(time.time()),
                 "owned_by": "vllm-actors", "root": self.engine.model_root, "parent": None,
                 "max_model_len": self.engine.ready.max_model_len, "permission": []}
-        return JSONBody({"object": "list", "data": [card, *adapter_cards(self.state)]})
+        return [card, *adapter_cards(self.state)]
+
+    async def models(self, raw: Request) -> Response:
+        return JSONBody({"object": "list", "data": self._model_cards()})
+
+    async def model(self, raw: Request) -> Response:
+        """GET /v1/models/{model} (OpenAI's retrieve): one card, or a 404 naming the id."""
+        name = raw.path_params["model"]
+        try:
+            self.state.check_model(name, None)
+        except APIError as e:
+            return _error(e)
+        return JSONBody(next(c for c in self._model_cards() if c["id"] == name))
 
     async def load_lora_adapter(self, raw: Request) -> Response:
         return await load_lora_adapter(self.state, raw)
@@ -199,6 +211,9 @@ class _Routes:
     async def detokenize(self, raw: Request) -> Response:
         return await detokenize(self.state, raw)
 
+    async def tokenizer_info(self, raw: Request) -> Response:
+        return JSONBody(tokenizer_info(self.state))
+
     async def responses(self, raw: Request) -> Response:
         return await create_response(self.state, self.responses_store, raw)
 
@@ -210,6 +225,7 @@ class _Routes:
         return [("/health", self.health, ["GET"]), ("/version", self.version, ["GET"]),
                 ("/ping", self.health, ["GET", "POST"]), ("/metrics", self.metrics, ["GET"]),
                 ("/v1/models", self.models, ["GET"]),
+                ("/v1/models/{model:path}", self.model, ["GET"]),
                 ("/v1/chat/completions", self.chat, ["POST"]),
                 ("/v1/completions", self.completions, ["POST"]),
                 ("/v1/embeddings", self.embeddings, ["POST"]),
@@ -223,7 +239,13 @@ class _Routes:
                 ("/v1/responses/{response_id}", self.stored_response, ["GET", "DELETE"]),
                 ("/server_info", self.server_info, ["GET"]),
                 ("/reset_prefix_cache", self.reset_prefix_cache, ["POST"]),
-                *self._lora_routes()]
+                *self._lora_routes(), *self._tokenizer_info_route()]
+
+    def _tokenizer_info_route(self) -> list[tuple[str, Any, list[str]]]:
+        """Only with --enable-tokenizer-info-endpoint (else 404, as vLLM)."""
+        if not self.state.config.enable_tokenizer_info_endpoint:
+            return []
+        return [("/tokenizer_info", self.tokenizer_info, ["GET"])]
 
     def _lora_routes(self) -> list[tuple[str, Any, list[str]]]:
         """Only with VLLM_ALLOW_RUNTIME_LORA_UPDATING (else 404, as vLLM)."""

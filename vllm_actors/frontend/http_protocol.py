@@ -6,6 +6,11 @@ socket and a parser for as long as its client likes. Here every request's header
 complete within `HEADER_TIMEOUT_S` of the connection opening (or of the request's first
 byte on a kept-alive connection); otherwise the connection is closed. Bodies have their own
 deadline (`request_body.BODY_TIMEOUT_S`).
+
+Headers are also bounded in size: httptools keeps a header's bytes until it ends, so a
+request whose headers pass `MAX_HEADER_BYTES` (counted from the first chunk after the one
+that began it) is answered 431 and closed instead of being buffered (64 MiB of one header
+had held the event loop for seconds).
 """
 
 from __future__ import annotations
@@ -16,6 +21,10 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 HEADER_TIMEOUT_S = 20.0
+MAX_HEADER_BYTES = 64 << 10
+_TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; "
+              b"charset=utf-8\r\ncontent-length: 32\r\nconnection: close\r\n\r\n"
+              b"request headers are over 64 KiB\n")
 
 
 class HeaderDeadlineProtocol(HttpToolsProtocol):
@@ -24,6 +33,18 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._header_timer: asyncio.TimerHandle | None = None
+        self._header_bytes = 0
+
+    def data_received(self, data: bytes) -> None:
+        awaiting = self._header_timer is not None
+        super().data_received(data)
+        if self._header_timer is None or self.transport.is_closing():
+            return
+        self._header_bytes += len(data) if awaiting else 0
+        if self._header_bytes > MAX_HEADER_BYTES:
+            self._disarm()
+            self.transport.write(_TOO_LARGE)
+            self.transport.close()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -36,6 +57,7 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._disarm()
+        self._header_bytes = 0
         super().on_headers_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:

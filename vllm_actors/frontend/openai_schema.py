@@ -16,11 +16,25 @@ from vllm_actors.sampling_params import (RequestOutputKind, SamplingParams,
                                          StructuredOutputsParams)
 
 
+MAX_ERROR_CHARS = 1000
+
+
+def _cut(message: str) -> str:
+    """A message that quotes the client's input, kept to `MAX_ERROR_CHARS`: its head and its
+    tail (where the hint usually is), so a huge field is not sent back and logged whole."""
+    if len(message) <= MAX_ERROR_CHARS:
+        return message
+    cut = len(message) - MAX_ERROR_CHARS + 40
+    return f"{message[:760]} ... ({cut} characters cut) ... {message[-200:]}"
+
+
 class APIError(Exception):
-    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}};
+    a message longer than `MAX_ERROR_CHARS` is cut in its middle."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
                  code: str | None = None, type_: str = "invalid_request_error") -> None:
+        message = _cut(message)
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = \
             status, message, param, code, type_
@@ -265,9 +279,13 @@ def chat_messages(req: ChatCompletionRequest | TokenizeRequest) -> list[dict[str
         if isinstance(content, list):
             texts = []
             for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                     raise APIError(400, f"messages[{i}].content: only text parts are "
-                                        f"supported, got type {part.get('type')!r}", "messages")
+                                        f"supported, got type {kind!r}", "messages")
+                if not isinstance(part.get("text"), str):
+                    raise APIError(400, f"messages[{i}].content: a text part needs a string "
+                                        "`text`", "messages")
                 texts.append(part["text"])
             content = "\n".join(texts)
         message: dict[str, Any] = {"role": m.role, "content": content or ""}

@@ -245,7 +245,8 @@ async def generate_final(state: ServerState, raw: Request,
         if not work.done():
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
-            logger.info("client disconnected: aborted %s", ", ".join(s.request_id for s in subs))
+            logger.info("client disconnected: aborted %s%s", subs[0].request_id,
+                        f" and {len(subs) - 1} more" if len(subs) > 1 else "")
             return None
         return list(work.result())
     finally:

@@ -39,6 +39,10 @@ class PreparedCompletion:
         return sum(s.num_prompt_tokens for s in self.subs)
 
 
+# completions one request may ask for, prompts x n (the embeddings endpoint's 2,048 inputs)
+MAX_SEQUENCES = 2048
+
+
 def prepare_completion(state: ServerState, req: CompletionRequest, request_id: str
                        ) -> PreparedCompletion:
     """Checks, tokenized prompts and validated SamplingParams (in the preparation pool)."""
@@ -48,7 +52,11 @@ def prepare_completion(state: ServerState, req: CompletionRequest, request_id: s
     subs, texts = [], []
     tokenizer, max_len = state.engine.tokenizer, state.engine.ready.max_model_len
     add_special = req.add_special_tokens is not False
-    for i, prompt in enumerate(completion_prompts(req.prompt)):
+    prompts = completion_prompts(req.prompt)
+    if len(prompts) * req.n > MAX_SEQUENCES:
+        raise APIError(400, f"a request may ask for at most {MAX_SEQUENCES} completions "
+                            f"(prompts x n), got {len(prompts)} x {req.n}", "prompt")
+    for i, prompt in enumerate(prompts):
         try:
             text, ids = state.engine.input_processor.prompt_token_ids(
                 prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt},

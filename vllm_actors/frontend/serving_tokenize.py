@@ -1,5 +1,6 @@
 """POST /tokenize and /detokenize (vLLM's): a prompt or a conversation to token ids, ids to
-text. Both are bounded: at most TOKENIZE_CONTEXTS x max_model_len tokens either way (a
+text; GET /tokenizer_info (behind --enable-tokenizer-info-endpoint, as in vLLM): what a client
+needs to tokenize as the server does, through these two. Both are bounded: at most TOKENIZE_CONTEXTS x max_model_len tokens either way (a
 longer text is refused after its first pieces, see InputProcessor.encode)."""
 
 from __future__ import annotations
@@ -56,6 +57,20 @@ def detokenize_body(state: ServerState, body: bytes) -> dict[str, Any]:
     if not all(0 <= t < vocab for t in req.tokens):
         raise APIError(400, f"tokens must be a list of token ids in [0, {vocab})", "tokens")
     return {"prompt": state.engine.tokenizer.decode(req.tokens)}
+
+
+def tokenizer_info(state: ServerState) -> dict[str, Any]:
+    """vLLM's /tokenizer_info fields that this tokenizer has: its special tokens (null where
+    the model has none), whether encoding adds BOS / EOS, the context length and the chat
+    template the server renders with. The class is the one Hugging Face wraps around the
+    `tokenizers` backend we run."""
+    tok = state.engine.tokenizer
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tok.bos_token,
+            "eos_token": tok.eos_token, "pad_token": None, "unk_token": None,
+            **tok.extra_special_tokens, "add_bos_token": tok.add_bos_token,
+            "add_eos_token": tok.add_eos_token,
+            "model_max_length": state.engine.ready.max_model_len,
+            "chat_template": tok.chat_template}
 
 
 async def tokenize(state: ServerState, raw: Request) -> Response:
