@@ -60,6 +60,18 @@ def test_stop_rule_order():
     r.append_output_token(2)
     assert not r.check_stop()
     assert make_request("e", 60, max_model_len=62, max_tokens=None).max_tokens == 2
+    r = make_request("f", 3)
+
+    class DeadEnd:       # llguidance's error: the cause, then its state and grammar dumped
+        def is_error(self):
+            return True
+
+        def get_error(self):
+            return "NoExtensionBias\n<state>\n" + "x" * 10_000 + "\n</state><grammar>...</grammar>"
+
+    r.grammar = DeadEnd()
+    assert r.check_stop() and r.finish_reason == FinishReason.ERROR
+    assert r.error == "the output left its grammar: NoExtensionBias"
 
 
 def test_budget_chunked_prefill_and_decode_together():

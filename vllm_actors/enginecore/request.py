@@ -114,7 +114,9 @@ class Request:
         """
         if self.grammar is not None and self.grammar.is_error():
             self.finish_reason = FinishReason.ERROR
-            self.error = f"the output left its grammar: {self.grammar.get_error()}"
+            # llguidance's first line names the cause; the rest dumps its state and grammar
+            cause = (self.grammar.get_error() or "").partition("\n")[0][:200]
+            self.error = f"the output left its grammar: {cause}"
             self.error_param = "structured_outputs"
             return True
         if self.num_tokens >= self.max_model_len or self.num_output_tokens >= self.max_tokens:
