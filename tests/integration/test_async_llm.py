@@ -153,6 +153,28 @@ def test_abort_gives_a_final_output(engine, loop):
     assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
 
 
+def test_ids_in_flight_are_refused_and_their_requests_finish(engine, loop):
+    """An id already running, or one that n > 1 would give a completion ("0_x"), is a
+    ValueError before anything is sent (either way round), and a non-str id a TypeError;
+    the request already running finishes (it had been left waiting forever)."""
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+    async def scenario():
+        running = [asyncio.create_task(collect(engine, "A", long, "0_x")),
+                   asyncio.create_task(collect(engine, "A", replace(long, n=2), "y"))]
+        await asyncio.sleep(0.2)
+        for request_id, n in (("0_x", 1), ("x", 2), ("0_y", 1), ("y", 1)):
+            with pytest.raises(ValueError, match="already in use"):
+                await collect(engine, "B", replace(long, n=n), request_id)
+        with pytest.raises(TypeError, match="request_id must be a str"):
+            await collect(engine, "B", long, 5)
+        return await asyncio.gather(*running)
+
+    for outs in loop.run_until_complete(scenario()):
+        assert outs[-1].finished
+        assert {len(c.token_ids) for c in outs[-1].outputs} == {40}
+
+
 def test_bad_request_fails_alone(engine, loop):
     async def scenario():
         good = asyncio.create_task(collect(engine, "Hello", SamplingParams(

@@ -2,6 +2,7 @@
 files, clean exits when either side goes away, fatal errors reported."""
 
 import asyncio
+import gc
 import os
 import signal
 import subprocess
@@ -137,6 +138,13 @@ def test_context_manager_and_repeated_shutdown(smollm2_path):
     llm.shutdown()
     with pytest.raises(EngineDeadError, match="shut down"):
         llm.generate("Hi", SamplingParams(max_tokens=3))
+    # dropped without shutdown, once used: collected, it ends its core and loop thread
+    dropped = LLM(str(smollm2_path))
+    dropped.generate("Hi", SamplingParams(max_tokens=2))
+    pid, thread = dropped.engine.client.pid, dropped._thread
+    del dropped
+    gc.collect()
+    wait_until(lambda: gone(pid) and not thread.is_alive(), 10)
 
 
 def test_thread_mode_gives_the_same_tokens(smollm2_path, smollm2_llm):

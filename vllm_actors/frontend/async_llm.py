@@ -251,11 +251,13 @@ class AsyncLLM(EngineWatch):
         event loop): it is then sent as it is, without checking again. `lora_request` (or
         the ProcessedRequest's) must have been added (`add_lora`; `generate` does that).
         Raises ValidationError or EngineDeadError before anything is sent."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         self._ensure_running()
-        if request_id in self.output_processor.children:
-            raise VllmActorsError(f"request id {request_id!r} is already in use")
+        self._check_free(request_id, [request_id])
         processed = prompt if isinstance(prompt, ProcessedRequest) else \
             self.input_processor.process(request_id, prompt, params, priority, lora_request)
+        self._check_free(request_id, processed.engine_request(request_id).child_request_ids)
         lora = processed.request.lora_request
         if lora is not None and self.loras.get(lora.lora_name) != lora:
             raise ValidationError(f"LoRA adapter {lora.lora_name!r} is not loaded: call "
@@ -276,6 +278,16 @@ class AsyncLLM(EngineWatch):
             self.abort_requests([request_id])
             raise
         return collector
+
+    def _check_free(self, request_id: str, engine_ids: list[str]) -> None:
+        """A ValueError (as vLLM's) when the id, or an engine id its n completions would
+        take ("0_x" of n > 1), belongs to a request in flight: one of the two would never
+        hear of its outputs again."""
+        states = self.output_processor.states
+        if request_id in self.output_processor.children or any(e in states for e in engine_ids):
+            raise ValidationError(f"request id {request_id!r} is already in use (by a "
+                                  "request in flight, or as the id of one of the n "
+                                  "completions of one)", "request_id")
 
     async def generate(self, prompt: PromptType | ProcessedRequest,
                        sampling_params: SamplingParams | None = None,

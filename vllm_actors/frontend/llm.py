@@ -11,6 +11,7 @@ import concurrent.futures
 import itertools
 import queue
 import threading
+import weakref
 from typing import Any, Iterator, Sequence
 
 import msgspec
@@ -39,6 +40,18 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
+def _close(engine: AsyncLLM | None, loop: asyncio.AbstractEventLoop,
+           thread: threading.Thread) -> None:
+    """Shut the engine down, then stop its loop thread (not joined from itself: a collection
+    may run this on any thread)."""
+    if engine is not None:
+        engine.shutdown()
+    if loop.is_running():
+        loop.call_soon_threadsafe(loop.stop)
+        if threading.current_thread() is not thread:
+            thread.join(5)
+
+
 class LLM:
     """Load a model (in the engine core process) and generate with it.
 
@@ -55,9 +68,17 @@ class LLM:
         try:
             self.engine = AsyncLLM(model, **engine_args)
         except BaseException:
-            self._stop_loop()
+            _close(None, self._loop, self._thread)
             raise
+        # an LLM dropped without shutdown() ends its core and thread when it is collected
+        # (the loop holds the engine, not the LLM), as vLLM's finalizer does
+        self._closer = weakref.finalize(self, _close, self.engine, self._loop, self._thread)
         self._request_counter = itertools.count()
+
+    @property
+    def llm_engine(self) -> AsyncLLM:
+        """vLLM's name for the engine behind this LLM."""
+        return self.engine
 
     # -- plumbing ------------------------------------------------------------------------
     def _submit(self, coro: Any) -> "concurrent.futures.Future":
@@ -69,16 +90,9 @@ class LLM:
     def _run(self, coro: Any) -> Any:
         return self._submit(coro).result()
 
-    def _stop_loop(self) -> None:
-        if self._loop.is_running():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(5)
-
     def shutdown(self) -> None:
         """Stop the engine core and the loop thread; idempotent."""
-        if hasattr(self, "engine"):
-            self.engine.shutdown()
-        self._stop_loop()
+        self._closer()
 
     def __enter__(self) -> "LLM":
         return self
