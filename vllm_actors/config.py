@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,8 @@ from vllm_actors.config_parallel import (DISTRIBUTED_EXECUTOR_BACKENDS, Parallel
 from vllm_actors.config_speculative import METHODS as SPECULATIVE_METHODS
 from vllm_actors.config_speculative import SpeculativeConfig, speculative_config
 from vllm_actors.errors import ValidationError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,6 +123,7 @@ class DeviceConfig:
 
 
 LORA_DTYPES = ("auto", "float32", "float16", "bfloat16")
+DTYPES = ("auto", "float32", "float", "float16", "half", "bfloat16")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -381,6 +385,14 @@ class EngineArgs:
         None, 'pooling: e.g. {"pooling_type": "MEAN", "normalize": true}; pooling_type LAST, '
               'MEAN, CLS or ALL (default: the model\'s sentence-transformers config, else CLS '
               'for encoders and LAST for decoders)', metavar="JSON")
+    dtype: str = setting("auto", "vLLM's model dtype, accepted for its command lines: "
+                                 "activations compute in float32 and weights stay as "
+                                 "stored whatever it says (a value other than auto or "
+                                 "float32 is logged)", choices=DTYPES)
+    enforce_eager: bool = setting(False, "accepted for vLLM's command lines: this engine "
+                                         "captures no graphs, it always runs eagerly")
+    trust_remote_code: bool = setting(False, "accepted for vLLM's command lines: this engine "
+                                             "never runs code that comes with a model")
     multiprocessing: bool = setting(True, "run the engine core in its own process (off: in a "
                                           "thread, for debugging and profiling)")
 
@@ -489,6 +501,13 @@ class EngineArgs:
         if needs and importlib.util.find_spec(needs[0]) is None:
             raise ValidationError(f"--device {self.device} needs {needs[0]}: pip install "
                                   f"'vllm-actors[{needs[1]}]'", "device")
+        if self.dtype not in DTYPES:
+            raise ValidationError(f"--dtype must be one of {', '.join(DTYPES)}, got "
+                                  f"{self.dtype!r}", "dtype")
+        if self.dtype not in ("auto", "float32", "float"):
+            logger.warning("--dtype %s: activations compute in float32 and weights stay as "
+                           "stored here (the flag is accepted for vLLM's command lines)",
+                           self.dtype)
 
     def _check_positive(self, *names: str) -> None:
         for name in names:

@@ -7,14 +7,16 @@ import pytest
 from msgspec.structs import replace
 from parity import GREEDY_12, assert_same_or_near_tie
 
-from vllm_actors import AsyncLLM, RequestOutputKind, SamplingParams
+from vllm_actors import AsyncEngineArgs, AsyncLLM, RequestOutputKind, SamplingParams
 
 K = RequestOutputKind
 
 
 @pytest.fixture(scope="module")
 def engine(smollm2_path, loop):
-    llm = AsyncLLM(str(smollm2_path), gguf_activations="float32")   # as `mixed_reference`
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(   # as `mixed_reference`; vLLM's way
+        model=str(smollm2_path), gguf_activations="float32"))
+    assert llm.is_running and not llm.is_stopped
     yield llm
     llm.shutdown()
 

@@ -37,6 +37,29 @@ def test_chat_stops_at_eos(smollm2_llm):
     assert "Paris" in completion.text and "<|im_end|>" not in completion.text
 
 
+def test_chat_takes_text_parts_template_kwargs_and_an_open_final_message(smollm2_llm):
+    """vLLM's LLM.chat arguments: OpenAI text parts are joined as the server joins them,
+    chat_template_kwargs reach the template, continue_final_message leaves the last
+    message open (with add_generation_prompt, a ValueError)."""
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    plain = [{"role": "user", "content": "Hi\nthere"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                          {"type": "text", "text": "there"}]}]
+    a, b = smollm2_llm.chat([plain, parts], params)
+    assert a.prompt_token_ids == b.prompt_token_ids and a.outputs[0].text == b.outputs[0].text
+    shown = smollm2_llm.chat(plain, params, chat_template="{{ greeting }} {{ messages[0]"
+                             "['content'] }}", chat_template_kwargs={"greeting": "Hello"})[0]
+    assert shown.prompt == "Hello Hi\nthere"
+    opened = [*plain, {"role": "assistant", "content": "The answer is"}]
+    out = smollm2_llm.chat(opened, params, add_generation_prompt=False,
+                           continue_final_message=True)[0]
+    assert out.prompt.endswith("The answer is")
+    with pytest.raises(ValueError, match="continue_final_message"):
+        smollm2_llm.chat(opened, params, continue_final_message=True)
+    with pytest.raises(ValueError, match="only text parts"):
+        smollm2_llm.chat([{"role": "user", "content": [{"type": "image_url"}]}], params)
+
+
 def test_ignore_eos_runs_to_max_tokens(smollm2_llm):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     out = smollm2_llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=40,

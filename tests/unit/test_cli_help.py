@@ -53,3 +53,23 @@ def test_sub_configs_are_filled_by_name_never_by_position():
         build(Part, Source())          # a default the source meant to set is never taken
     with pytest.raises(TypeError):
         Part(1, 2)                      # positional construction is refused
+
+
+def test_vllm_flags_that_change_nothing_here_are_accepted(caplog):
+    """--dtype, --enforce-eager and --trust-remote-code from vLLM command lines parse and
+    build (a dtype other than float32 is logged, an unknown one refused)."""
+    import argparse
+
+    from vllm_actors.config import EngineArgs
+    from vllm_actors.errors import ValidationError
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = EngineArgs.from_cli_args(parser.parse_args(
+        ["--dtype", "float16", "--enforce-eager", "--trust-remote-code"]))
+    assert (args.dtype, args.enforce_eager, args.trust_remote_code) == ("float16", True, True)
+    with caplog.at_level("WARNING"):
+        args.create_engine_config()
+    assert "--dtype float16: activations compute in float32" in caplog.text
+    with pytest.raises(ValidationError, match="--dtype must be one of") as info:
+        EngineArgs(dtype="int4").create_engine_config()
+    assert info.value.param == "dtype"

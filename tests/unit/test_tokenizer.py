@@ -1,6 +1,7 @@
 """Tokenizer ids pinned against llama.cpp, chat templates against transformers (golden files
 from tests/oracle/make_golden.py), plus the template sandbox and BOS handling."""
 
+import asyncio
 import numpy as np
 import pytest
 from golden_files import load_golden
@@ -46,6 +47,24 @@ def test_smollm2_special_tokens(smollm2_tokenizer):
     ids = tok.encode("<|im_start|>user<|im_end|>")
     assert ids[0] == 1 and ids[-1] == 2
     assert tok.decode(ids, skip_special_tokens=True) == "user"
+
+
+def test_hugging_face_methods_callers_use(smollm2_tokenizer):
+    """What code written for vLLM's Hugging Face tokenizer calls: len, call, tokenize,
+    token <-> id, batch_decode, get_vocab, and `await` (an older AsyncLLM.get_tokenizer)."""
+    tok = smollm2_tokenizer
+    ids = tok.encode("hello world")
+    assert len(tok) == 49152 == len(tok.get_vocab()) and tok.get_vocab()["<|im_end|>"] == 2
+    assert tok("hello world") == {"input_ids": ids}
+    assert tok(["hi", "hello world"])["input_ids"][1] == ids
+    assert tok.tokenize("hello world") == tok.convert_ids_to_tokens(ids) == ["hello", "Ġworld"]
+    assert tok.convert_tokens_to_ids(["hello", "Ġworld"]) == ids
+    assert tok.convert_tokens_to_ids("<|im_end|>") == 2
+    assert tok.batch_decode([ids, [1, 2]], skip_special_tokens=True) == ["hello world", ""]
+
+    async def awaited():
+        return await tok
+    assert asyncio.run(awaited()) is tok
 
 
 @pytest.mark.parametrize("text", list(GOLDEN["tiny_spm"]))

@@ -15,6 +15,7 @@ when no core is left.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import uuid
@@ -82,7 +83,23 @@ class AsyncLLM(EngineWatch):
         self._stopping = False
         self._death_callbacks: list[Callable[[EngineDeadError], None]] = []
 
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, **vllm_options: Any) -> "AsyncLLM":
+        """vLLM's constructor (`AsyncEngineArgs` is `EngineArgs` here). vLLM's other options
+        (usage_context, stat_loggers, start_engine_loop, ...) have nothing to set here."""
+        return cls(**{f.name: getattr(engine_args, f.name)
+                      for f in dataclasses.fields(engine_args)})
+
     # -- lifecycle -------------------------------------------------------------------------
+    @property
+    def is_running(self) -> bool:
+        """vLLM's flag: the engine serves (not shut down, not dead)."""
+        return self._dead is None
+
+    @property
+    def is_stopped(self) -> bool:
+        return self._dead is not None
+
     @property
     def client(self) -> CoreClient:
         """Engine core 0's client (the only one without data parallel)."""

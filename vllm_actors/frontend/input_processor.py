@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Required, TypedDict
 
 import msgspec
 
@@ -24,6 +24,21 @@ from vllm_actors.protocol.engine import EngineCoreRequest, EngineReady
 from vllm_actors.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | dict[str, Any]
+
+
+class TextPrompt(TypedDict, total=False):
+    """vLLM's dict form of a text prompt (a plain dict of these keys works the same)."""
+
+    prompt: Required[str]
+    cache_salt: str
+
+
+class TokensPrompt(TypedDict, total=False):
+    """vLLM's dict form of a prompt given as token ids (`prompt`: its text, if known)."""
+
+    prompt_token_ids: Required[list[int]]
+    prompt: str
+    cache_salt: str
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # A text longer than max_model_len x the longest token x this cannot fit the context even if
@@ -153,6 +168,7 @@ class InputProcessor:
 
         Raises ValidationError for kwargs that would replace the engine's own and for
         messages the template refuses (ChatTemplateError)."""
+        messages = [_text_content(m, i) for i, m in enumerate(messages)]
         kwargs = dict(template_kwargs or {})
         reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
         if reserved:
@@ -350,6 +366,24 @@ def _piece_end(text: str, start: int, size: int) -> int:
         return len(text)
     space = text.rfind(" ", end - size // 8, end)
     return space if space > start and not text[space + 1].isspace() else end
+
+
+def _text_content(message: Any, index: int) -> dict[str, Any]:
+    """A message whose content is OpenAI's list of text parts with the parts joined by
+    newlines, as the server's chat path joins them (templates expect a string); others as
+    they are. Raises ValidationError for a part that is not text."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for part in content:
+        if not (isinstance(part, dict) and part.get("type") == "text"
+                and isinstance(part.get("text"), str)):
+            raise ValidationError(f"messages[{index}].content: only text parts "
+                                  "({\"type\": \"text\", \"text\": ...}) are supported",
+                                  "messages")
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}
 
 
 def _open_final_message(text: str, messages: list[dict[str, Any]]) -> str:

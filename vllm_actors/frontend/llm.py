@@ -279,16 +279,26 @@ class LLM:
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             use_tqdm: bool = True, tools: list[dict[str, Any]] | None = None
+             use_tqdm: bool = True, tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None,
+             continue_final_message: bool = False,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
              ) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of {"role", "content"} dicts) or to a
-        list of conversations, rendered with the model's chat template (which also sees
-        `tools`, OpenAI-style function definitions, as in vLLM's LLM.chat)."""
+        """Generate replies to one conversation (a list of {"role", "content"} dicts; content a
+        string or OpenAI's text parts) or to a list of conversations, rendered with the
+        model's chat template (which also sees `tools`, OpenAI-style function definitions,
+        and `chat_template_kwargs`, as in vLLM's LLM.chat). `continue_final_message` leaves
+        the last message open for the model to go on."""
+        if continue_final_message and add_generation_prompt:
+            raise ValidationError("continue_final_message and add_generation_prompt cannot "
+                                  "both be true (set add_generation_prompt=False)",
+                                  "continue_final_message")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.engine.input_processor.chat_prompt(list(c), chat_template,
-                                                            add_generation_prompt, tools)
-                   for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        prompts = [self.engine.input_processor.chat_prompt(
+            list(c), chat_template, add_generation_prompt, tools, chat_template_kwargs,
+            continue_final_message=continue_final_message) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
 
 
 def _view(output: PoolingRequestOutput, outputs: object) -> PoolingRequestOutput:

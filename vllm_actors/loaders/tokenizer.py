@@ -125,6 +125,40 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
         return [self.backend.id_to_token(i) for i in ids]
 
+    # -- the parts of Hugging Face's tokenizer interface that callers of vLLM's use --------
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True
+                 ) -> dict[str, Any]:
+        """{"input_ids": ids} (a list of id lists for a list of texts)."""
+        if isinstance(text, str):
+            return {"input_ids": self.encode(text, add_special_tokens)}
+        return {"input_ids": [self.encode(t, add_special_tokens) for t in text]}
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.backend.get_vocab(with_added_tokens=True)
+
+    def tokenize(self, text: str) -> list[str]:
+        """The token strings of `text` (no special tokens added)."""
+        return self.backend.encode(text, add_special_tokens=False).tokens
+
+    def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> int | None | list[int | None]:
+        if isinstance(tokens, str):
+            return self.backend.token_to_id(tokens)
+        return [self.backend.token_to_id(t) for t in tokens]
+
+    def batch_decode(self, sequences: Sequence[Sequence[int]],
+                     skip_special_tokens: bool = False) -> list[str]:
+        return [self.decode(ids, skip_special_tokens) for ids in sequences]
+
+    def __await__(self) -> Any:
+        """`await engine.get_tokenizer()` as older vLLM's async AsyncLLM method is called
+        works too: awaiting the tokenizer gives itself."""
+        if False:   # a generator that returns at once
+            yield
+        return self
+
     def apply_chat_template(self, messages: list[dict[str, Any]], *,
                             add_generation_prompt: bool = False, tokenize: bool = True,
                             chat_template: str | None = None, tools: list[Any] | None = None,
