@@ -113,6 +113,12 @@ def test_bad_inputs(smollm2_llm):
         smollm2_llm.generate(["a", "b"], [GREEDY])
     with pytest.raises(ValidationError, match="a prompt must be a string"):
         smollm2_llm.generate([42], GREEDY)
+    with pytest.raises(ValidationError, match="prompts must be a string.*got NoneType"):
+        smollm2_llm.generate(None, GREEDY)
+    with pytest.raises(ValidationError, match="sampling_params must be a SamplingParams.*dict"):
+        smollm2_llm.generate("a", {"max_tokens": 3})
+    with pytest.raises(ValidationError, match="2 prompts but 3 priority entries"):
+        smollm2_llm.generate(["a", "b"], GREEDY, priority=[0, 1, 2])
     # nothing was left behind by the failed calls
     assert not smollm2_llm.engine.output_processor.has_unfinished_requests()
     stats = smollm2_llm._run(smollm2_llm.engine.get_scheduler_stats())

@@ -68,9 +68,14 @@ def test_collector_merges_deltas_and_raises():
         c.put(RequestOutput("r", None, [1], [CompletionOutput(1, "x", [9])]))
         c.put(RequestOutput("r", None, [1], [CompletionOutput(0, "b", [6], "stop")], True))
         merged = await c.get()
-        c.put(ValueError("engine died"))
-        with pytest.raises(ValueError):
-            await c.get()
+        died = ValueError("engine died")
+        depths = []
+        for _ in range(3):        # every request the death fails raises it afresh
+            c.put(died)
+            with pytest.raises(ValueError, match="engine died") as info:
+                await c.get()
+            depths.append(len(info.traceback))
+        assert depths[0] == depths[-1], depths
         return merged
 
     merged = asyncio.run(scenario())

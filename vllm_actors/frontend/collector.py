@@ -8,6 +8,7 @@ gets everything on its next read. An exception put in is raised by the next `get
 from __future__ import annotations
 
 import asyncio
+import copy
 
 from vllm_actors.outputs import RequestOutput
 from vllm_actors.sampling_params import RequestOutputKind
@@ -54,7 +55,9 @@ class RequestOutputCollector:
         item, self.pending = self.pending, None
         self.ready.clear()
         if isinstance(item, BaseException):
-            raise item
+            # each consumer raises its own copy: one instance shared by every request the
+            # engine's death failed grew a traceback with each raise
+            raise copy.copy(item).with_traceback(None)
         return item
 
     async def get(self) -> RequestOutput:

@@ -12,7 +12,7 @@ import itertools
 import queue
 import threading
 import weakref
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import msgspec
 from tqdm import tqdm
@@ -50,6 +50,22 @@ def _close(engine: AsyncLLM | None, loop: asyncio.AbstractEventLoop,
         loop.call_soon_threadsafe(loop.stop)
         if threading.current_thread() is not thread:
             thread.join(5)
+
+
+def _per_prompt(name: str, value: Any, count: int, kind: type | tuple[type, ...]
+                ) -> list[Any]:
+    """`value` for every prompt: one of `kind` for all, or a list of `count` of them.
+    Raises ValidationError naming `name` otherwise."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * count
+    if len(values) != count:
+        raise ValidationError(f"got {count} prompts but {len(values)} {name} entries", name)
+    for v in values:
+        if not isinstance(v, kind) or isinstance(v, bool):
+            names = kind.__name__ if isinstance(kind, type) else kind[0].__name__
+            names = f"an {names}" if names[0] in "aeiou" else f"a {names}"
+            raise ValidationError(f"{name} must be {names} or a list of them, got "
+                                  f"{type(v).__name__}", name)
+    return values
 
 
 class LLM:
@@ -136,40 +152,41 @@ class LLM:
     # -- generation ----------------------------------------------------------------------
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
-                 ) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable[..., tqdm] = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; returns one finished RequestOutput per prompt, in order.
-        `lora_request`: one adapter for every prompt, or one (or None) per prompt.
+        `lora_request`: one adapter for every prompt, or one (or None) per prompt;
+        `priority`: one per prompt (with --scheduling-policy priority); `use_tqdm`: a bool,
+        or a tqdm-like class to make the progress bar with (vLLM's).
 
         Raises:
-            ValidationError: a bad prompt, a sampling_params or lora_request list of the
-                wrong length, or an adapter that cannot be loaded (then nothing is left
-                running).
+            ValidationError: a bad prompt, a sampling_params, lora_request or priority list
+                of the wrong length or type, or an adapter that cannot be loaded (then
+                nothing is left running).
             EngineDeadError: the engine core died.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if not isinstance(prompts, Sequence):
+            raise ValidationError("prompts must be a string, a prompt dict or a list of them, "
+                                  f"got {type(prompts).__name__}", "prompts")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
-                  else list(sampling_params))
-        if len(params) != len(prompts):
-            raise ValidationError(f"got {len(prompts)} prompts but {len(params)} sampling_params",
-                                  "sampling_params")
+        params = _per_prompt("sampling_params", sampling_params, len(prompts), SamplingParams)
         final = [msgspec.structs.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
                  for p in params]
-        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
-                 else [lora_request] * len(prompts))
-        if len(loras) != len(prompts):
-            raise ValidationError(f"got {len(prompts)} prompts but {len(loras)} lora_request "
-                                  "entries", "lora_request")
+        loras = _per_prompt("lora_request", lora_request, len(prompts), (LoRARequest, type(None)))
+        priorities = _per_prompt("priority", 0 if priority is None else priority, len(prompts),
+                                 int)
         for lora in {id(x): x for x in loras if x is not None}.values():
             self._run(self.engine.add_lora(lora))
         ids = [str(next(self._request_counter)) for _ in prompts]
-        progress = tqdm(total=len(ids), desc="Processed prompts", unit="req",
-                        disable=not use_tqdm or len(ids) < 2)
-        future = self._submit(self._generate_all(ids, list(prompts), final, progress, loras))
+        bar = use_tqdm if callable(use_tqdm) else tqdm
+        progress = bar(total=len(ids), desc="Processed prompts", unit="req",
+                       disable=not use_tqdm or len(ids) < 2)
+        future = self._submit(self._generate_all(ids, list(prompts), final, progress, loras,
+                                                 priorities))
         try:
             return future.result()
         except KeyboardInterrupt:
@@ -180,11 +197,13 @@ class LLM:
 
     async def _generate_all(self, ids: list[str], prompts: list[PromptType],
                             params: list[SamplingParams], progress: tqdm,
-                            loras: list[LoRARequest | None]) -> list[RequestOutput]:
+                            loras: list[LoRARequest | None], priorities: list[int]
+                            ) -> list[RequestOutput]:
         collectors = []
         try:
-            for request_id, prompt, p, lora in zip(ids, prompts, params, loras):
-                collectors.append(self.engine.add_request(request_id, prompt, p,
+            for request_id, prompt, p, lora, rank in zip(ids, prompts, params, loras,
+                                                         priorities):
+                collectors.append(self.engine.add_request(request_id, prompt, p, rank,
                                                           lora_request=lora))
         except BaseException:
             self.engine.abort_requests(ids[:len(collectors)])
