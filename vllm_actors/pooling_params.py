@@ -13,11 +13,12 @@ from vllm_actors.errors import ValidationError
 # what a pooling request asks for: one vector (embed), class probabilities (classify), a
 # cross-encoder's relevance of a text pair (score), or one vector per token (encode)
 POOLING_TASKS = ("embed", "classify", "score", "encode")
+TASK_ALIASES = {"token_embed": "encode"}     # vLLM 0.11's name for one vector per token
 
 
 class PoolingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Attributes:
-        task: one of POOLING_TASKS (default: embed).
+        task: one of POOLING_TASKS (default: embed; "token_embed" is "encode").
         normalize: embed/encode: L2-normalize each vector (None: the model's pooler
             default, which is True for embedding models).
         dimensions: embed: keep the first `dimensions` values (Matryoshka models only),
@@ -39,6 +40,7 @@ class PoolingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     token_type_start: int | None = None
 
     def __post_init__(self) -> None:
+        self.task = TASK_ALIASES.get(self.task, self.task)
         if self.task not in POOLING_TASKS:
             raise ValidationError(f"pooling task {self.task!r} is not one of "
                                   f"{', '.join(POOLING_TASKS)}", "task")

@@ -24,6 +24,10 @@ def test_pooling_params_refuse_bad_values(kwargs, param):
     assert e.value.param == param
 
 
+def test_vllm_0_11_task_name():
+    assert PoolingParams(task="token_embed").task == "encode"
+
+
 def test_runner_from_task_and_convert():
     runner = lambda **kw: EngineArgs(**kw).create_engine_config().model.runner  # noqa: E731
     assert runner() == "auto"
