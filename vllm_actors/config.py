@@ -124,6 +124,8 @@ class DeviceConfig:
 
 LORA_DTYPES = ("auto", "float32", "float16", "bfloat16")
 DTYPES = ("auto", "float32", "float", "float16", "half", "bfloat16")
+QUANTIZATIONS = (None, "gguf")
+LOAD_FORMATS = ("auto", "gguf", "safetensors")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -233,6 +235,15 @@ class ServerConfig:
     enable_tokenizer_info_endpoint: bool = setting(
         False, "serve GET /tokenizer_info: the tokenizer's special tokens, settings and chat "
                "template (what lm-evaluation-harness's remote tokenizer reads)")
+    root_path: str = setting("", "the path prefix a proxy serves this server under (uvicorn's "
+                                 "root_path)")
+    ssl_keyfile: str | None = setting(None, "serve HTTPS with this private key file (with "
+                                            "--ssl-certfile)")
+    ssl_certfile: str | None = setting(None, "serve HTTPS with this certificate file")
+    disable_log_stats: bool = setting(False, "no periodic statistics log lines (speculative "
+                                             "decoding's acceptance)")
+    disable_fastapi_docs: bool = setting(False, "accepted for vLLM's command lines: this "
+                                                "server serves no /docs pages")
     trust_request_chat_template: bool = setting(False, "run chat templates sent in requests "
                                                        "(chat_template); off: they are "
                                                        "refused with a 400")
@@ -256,6 +267,9 @@ class ServerConfig:
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
             raise ValidationError(f"--tool-call-parser {self.tool_call_parser!r} is not one of "
                                   f"{', '.join(TOOL_CALL_PARSERS)}", "tool_call_parser")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValidationError("--ssl-keyfile and --ssl-certfile go together",
+                                  "ssl_keyfile" if self.ssl_keyfile is None else "ssl_certfile")
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ValidationError(f"--reasoning-parser {self.reasoning_parser!r} is not one of "
                                   f"{', '.join(REASONING_PARSERS)}", "reasoning_parser")
@@ -393,6 +407,22 @@ class EngineArgs:
                                          "captures no graphs, it always runs eagerly")
     trust_remote_code: bool = setting(False, "accepted for vLLM's command lines: this engine "
                                              "never runs code that comes with a model")
+    quantization: str | None = setting(None, "vLLM's quantization method: the format is read "
+                                             "from the model file; gguf (a .gguf model) is "
+                                             "accepted, other methods are refused",
+                                       choices=("gguf",))
+    load_format: str = setting("auto", "vLLM's weight format: read from the model path here "
+                                       "(auto, gguf and safetensors accepted)",
+                               choices=LOAD_FORMATS)
+    enable_chunked_prefill: bool = setting(True, "accepted for vLLM's command lines: prompts "
+                                                 "longer than --max-num-batched-tokens are "
+                                                 "always chunked (vLLM V1's scheduler)")
+    swap_space: float | None = setting(None, "accepted for vLLM's command lines: preempted "
+                                             "requests are recomputed, never swapped (vLLM "
+                                             "V1's choice)", metavar="GiB")
+    disable_custom_all_reduce: bool = setting(False, "accepted for vLLM's command lines: "
+                                                     "tensor-parallel ranks reduce through "
+                                                     "their own channel")
     multiprocessing: bool = setting(True, "run the engine core in its own process (off: in a "
                                           "thread, for debugging and profiling)")
 
@@ -501,6 +531,16 @@ class EngineArgs:
         if needs and importlib.util.find_spec(needs[0]) is None:
             raise ValidationError(f"--device {self.device} needs {needs[0]}: pip install "
                                   f"'vllm-actors[{needs[1]}]'", "device")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValidationError(f"--quantization {self.quantization} is not supported: the "
+                                  "quantized formats here are GGUF's (give a .gguf model)",
+                                  "quantization")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValidationError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, "
+                                  f"got {self.load_format!r}", "load_format")
+        if not self.enable_chunked_prefill:
+            raise ValidationError("--no-enable-chunked-prefill is not implemented: long "
+                                  "prompts are always chunked", "enable_chunked_prefill")
         if self.dtype not in DTYPES:
             raise ValidationError(f"--dtype must be one of {', '.join(DTYPES)}, got "
                                   f"{self.dtype!r}", "dtype")

@@ -56,8 +56,10 @@ def test_sub_configs_are_filled_by_name_never_by_position():
 
 
 def test_vllm_flags_that_change_nothing_here_are_accepted(caplog):
-    """--dtype, --enforce-eager and --trust-remote-code from vLLM command lines parse and
-    build (a dtype other than float32 is logged, an unknown one refused)."""
+    """vLLM command lines' --dtype, --enforce-eager, --trust-remote-code, --quantization gguf,
+    --load-format, --enable-chunked-prefill, --swap-space and --disable-custom-all-reduce
+    parse and build (a dtype other than float32 is logged); values this engine would not
+    honour are refused, naming the flag."""
     import argparse
 
     from vllm_actors.config import EngineArgs
@@ -73,3 +75,21 @@ def test_vllm_flags_that_change_nothing_here_are_accepted(caplog):
     with pytest.raises(ValidationError, match="--dtype must be one of") as info:
         EngineArgs(dtype="int4").create_engine_config()
     assert info.value.param == "dtype"
+    EngineArgs.from_cli_args(parser.parse_args(
+        ["--quantization", "gguf", "--load-format", "gguf", "--enable-chunked-prefill",
+         "--swap-space", "4", "--disable-custom-all-reduce"])).create_engine_config()
+    for kwargs, param in (({"quantization": "awq"}, "quantization"),
+                          ({"load_format": "pt"}, "load_format"),
+                          ({"enable_chunked_prefill": False}, "enable_chunked_prefill")):
+        with pytest.raises(ValidationError) as info:
+            EngineArgs(**kwargs).create_engine_config()
+        assert info.value.param == param
+
+
+def test_https_needs_both_files():
+    from vllm_actors.config import ServerConfig
+    from vllm_actors.errors import ValidationError
+    ServerConfig(ssl_keyfile="k.pem", ssl_certfile="c.pem", root_path="/api")
+    with pytest.raises(ValidationError, match="go together") as info:
+        ServerConfig(ssl_keyfile="k.pem")
+    assert info.value.param == "ssl_certfile"

@@ -367,8 +367,12 @@ def run_server(engine_args: dict[str, Any], config: ServerConfig) -> int:
         loop = "asyncio"
     uv_config = uvicorn.Config(build_app(state), host=config.host, port=config.port,
                                loop=loop, log_level=config.uvicorn_log_level,
-                               timeout_graceful_shutdown=5, http=HeaderDeadlineProtocol)
-    logger.info("serving %s on http://%s:%d", state.model_name, config.host, config.port)
+                               timeout_graceful_shutdown=5, http=HeaderDeadlineProtocol,
+                               root_path=config.root_path, ssl_keyfile=config.ssl_keyfile,
+                               ssl_certfile=config.ssl_certfile)
+    engine.metrics.spec_log.enabled = not config.disable_log_stats
+    scheme = "https" if config.ssl_certfile else "http"
+    logger.info("serving %s on %s://%s:%d", state.model_name, scheme, config.host, config.port)
     server = DrainingServer(uv_config, state)
     try:
         server.run()

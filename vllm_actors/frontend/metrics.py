@@ -176,6 +176,7 @@ class SpecDecodingLog:
     def __init__(self) -> None:
         self.since = time.monotonic()
         self.window = SpecDecodingStats()
+        self.enabled = True      # --disable-log-stats: off
 
     def observe(self, stats: SpecDecodingStats) -> None:
         w = self.window
@@ -188,7 +189,8 @@ class SpecDecodingLog:
             per_pos[i] += n
         now = time.monotonic()
         if now - self.since >= SPEC_LOG_INTERVAL_S and w.num_drafts:
-            logger.info(self.line(now - self.since))
+            if self.enabled:
+                logger.info(self.line(now - self.since))
             self.since, self.window = now, SpecDecodingStats()
 
     def line(self, seconds: float) -> str:
