@@ -41,6 +41,7 @@ class ModelConfig:
     runner: str = "auto"
     convert: str = "auto"
     pooler_config: str | None = None
+    tokenizer: str | None = None
 
 
 # --gguf-activations: how matmuls over a GGUF file's quantized weights compute. quantized (the
@@ -407,6 +408,10 @@ class EngineArgs:
                                          "captures no graphs, it always runs eagerly")
     trust_remote_code: bool = setting(False, "accepted for vLLM's command lines: this engine "
                                              "never runs code that comes with a model")
+    tokenizer: str | None = setting(None, "read the tokenizer from this .gguf file or "
+                                          "directory with tokenizer.json (default: the "
+                                          "model's); a hub id, as vLLM's GGUF recipes give, "
+                                          "keeps the model's own (nothing is downloaded)")
     quantization: str | None = setting(None, "vLLM's quantization method: the format is read "
                                              "from the model file; gguf (a .gguf model) is "
                                              "accepted, other methods are refused",

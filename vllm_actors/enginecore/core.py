@@ -50,7 +50,8 @@ class EngineCore:
         self.scheduler = Scheduler(scheduling, kv, self.ready.max_model_len,
                                    pipeline_depth=self.max_in_flight, drafts=drafts,
                                    max_loras=config.lora.max_loras if config.lora else 0)
-        self.structured = StructuredOutputManager(config.model.model, self.ready.vocab_size)
+        self.structured = StructuredOutputManager(config.model.model, self.ready.vocab_size,
+                                                  config.model.tokenizer)
 
     def collective_rpc(self, method: str, args: list[Any]) -> list[Any]:
         """`RankHost.call(method, args)` on every worker rank (`Executor.collective_rpc`)."""

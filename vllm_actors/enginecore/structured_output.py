@@ -27,7 +27,7 @@ from vllm_actors.enginecore.request import Request
 from vllm_actors.errors import ValidationError
 from vllm_actors.grammar import compile_matcher
 from vllm_actors.loaders.model_files import resolve_model
-from vllm_actors.loaders.tokenizer import load_tokenizer
+from vllm_actors.loaders.tokenizer import load_tokenizer, tokenizer_source
 from vllm_actors.sampling_params import StructuredOutputsParams
 
 
@@ -37,8 +37,10 @@ class StructuredOutputManager:
         vocab_size: the model's vocabulary (logits width); bitmask rows cover it.
     """
 
-    def __init__(self, model: str | None, vocab_size: int) -> None:
+    def __init__(self, model: str | None, vocab_size: int, tokenizer: str | None = None
+                 ) -> None:
         self.model = model
+        self.tokenizer_arg = tokenizer     # --tokenizer: where the frontend reads it too
         self.vocab_size = vocab_size
         self.num_words = (vocab_size + 31) // 32
         self.pool = cf.ThreadPoolExecutor(1, thread_name_prefix="grammar")
@@ -61,7 +63,8 @@ class StructuredOutputManager:
     def _compile(self, params: StructuredOutputsParams, grammar: str | None
                  ) -> llguidance.LLMatcher:
         if self.tokenizer is None:
-            tok = load_tokenizer(resolve_model(self.model))
+            source = tokenizer_source(resolve_model(self.model), self.tokenizer_arg)
+            tok = load_tokenizer(source)
             self.tokenizer = llguidance.LLTokenizer(
                 tok.backend.to_str(), n_vocab=max(self.vocab_size, tok.vocab_size),
                 eos_token=list(tok.eos_token_ids) or None)

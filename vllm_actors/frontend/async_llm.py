@@ -35,7 +35,7 @@ from vllm_actors.frontend.output_processor import OutputProcessor, ParentRequest
 from vllm_actors.loaders.chat_template import read_chat_template
 from vllm_actors.loaders.generation_config import generation_defaults
 from vllm_actors.loaders.model_files import resolve_model
-from vllm_actors.loaders.tokenizer import Tokenizer, load_tokenizer
+from vllm_actors.loaders.tokenizer import Tokenizer, load_tokenizer, tokenizer_source
 from vllm_actors.lora_request import LoRARequest, cache_key
 from vllm_actors.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from vllm_actors.pooling_params import PoolingParams
@@ -60,7 +60,8 @@ class AsyncLLM(EngineWatch):
         args = EngineArgs.from_kwargs(model=model, **engine_args)
         config = args.create_engine_config()
         source = resolve_model(config.model.model)
-        self.tokenizer = load_tokenizer(source, read_chat_template(config.model.chat_template))
+        self.tokenizer = load_tokenizer(tokenizer_source(source, config.model.tokenizer),
+                                        read_chat_template(config.model.chat_template))
         self.group = EngineGroup(config, use_process=args.multiprocessing)
         self.ready = self.group.ready
         self.model_name = config.model.served_model_name or source.name

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -21,6 +22,8 @@ from vllm_actors.loaders.chat_template import ChatTemplateError, render_chat_tem
 from vllm_actors.loaders.gguf import GGUFFile
 from vllm_actors.loaders.model_files import ModelSource, resolve_model
 from vllm_actors.loaders.tokenizer_gguf import tokenizer_from_gguf
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -297,9 +300,31 @@ def load_tokenizer(source: ModelSource, chat_template: str | None = None) -> Tok
     return tokenizer
 
 
+def tokenizer_source(model: ModelSource, tokenizer: str | None) -> ModelSource:
+    """Where `--tokenizer` says to read the tokenizer: a local .gguf file or a directory
+    with tokenizer.json. A name that is no local path (vLLM's GGUF recipes give a hub id)
+    leaves the model's own tokenizer, with a warning: nothing is downloaded here, and a GGUF
+    file's vocabulary is the one llama.cpp reads. Raises ModelNotFoundError for a path
+    (./x, /x, ~/x, *.gguf) that does not exist."""
+    if tokenizer is None:
+        return model
+    path = Path(tokenizer).expanduser()
+    if path.is_file():
+        return ModelSource("gguf", path)
+    if (path / "tokenizer.json").is_file():
+        return ModelSource("safetensors", path)
+    if path.exists() or tokenizer.startswith(("/", ".", "~")) or tokenizer.endswith(".gguf"):
+        raise ModelNotFoundError(tokenizer, "--tokenizer needs a .gguf file or a directory "
+                                            "with tokenizer.json")
+    logger.warning("--tokenizer %s is not a local path (nothing is downloaded here): using "
+                   "the model's own tokenizer", tokenizer)
+    return model
+
+
 def get_tokenizer(path: str | Path | None = None, chat_template: str | None = None) -> Tokenizer:
     """Public helper: the tokenizer of a GGUF file (tensors optional) or HF model directory."""
     return load_tokenizer(resolve_model(path), chat_template)
 
 
-__all__ = ["ChatTemplateError", "Tokenizer", "get_tokenizer", "load_tokenizer"]
+__all__ = ["ChatTemplateError", "Tokenizer", "get_tokenizer", "load_tokenizer",
+           "tokenizer_source"]
