@@ -6,6 +6,7 @@ the deadlines for request headers and bodies."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import socket
 import threading
 import time
@@ -205,6 +206,9 @@ def test_content_type_and_one_api_key(tiny_server):
         r = httpx.post(url, json={}, headers=headers)
         assert r.status_code == 401 and "more than one" in r.json()["error"]["message"]
     assert httpx.post(url, content=b"x" * 2000, headers=ok).status_code == 413
+    gzipped = httpx.post(url, content=gzip.compress(b"{}"),
+                         headers={**ok, "Content-Encoding": "gzip"})
+    assert gzipped.status_code == 415 and "Content-Encoding 'gzip'" in gzipped.text
 
 
 def test_headers_over_the_bound_get_431(tiny_server):

@@ -17,11 +17,15 @@ BODY_TIMEOUT_S = 60.0  # a body still arriving after this is refused (408)
 
 async def read_body(raw: Request, limit: int) -> bytes:
     """The request body of a JSON endpoint. Raises APIError 415 for a content type other
-    than JSON (a page on another origin may only send "simple" text/plain or form bodies
+    than JSON or a compressed body (a page on another origin may only send "simple" text/plain or form bodies
     without asking first; absent means JSON, as FastAPI reads it), 413 once it is larger than
     `limit` bytes, 408 when it takes longer than BODY_TIMEOUT_S to arrive, and 400 (logged,
     never answered) when the client leaves before sending it all."""
     _check_content_type(raw.headers.get("content-type"))
+    encoding = raw.headers.get("content-encoding", "identity").strip().lower()
+    if encoding != "identity":
+        raise APIError(415, f"Content-Encoding {encoding[:100]!r} is not supported: send the "
+                            "body uncompressed", code="unsupported_media_type")
     declared = raw.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"the request body ({int(declared)} bytes) is larger than this "
