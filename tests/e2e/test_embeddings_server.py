@@ -64,6 +64,20 @@ def test_vllm_pooling_score_and_rerank(server):
                                              "text_2": ["Hello world", "tax law"]}).json()
     assert score["data"][0]["score"] == pytest.approx(1.0, abs=1e-5)
     assert score["data"][1]["score"] < 0.5
+    for first, second in (("queries", "documents"), ("queries", "items"),
+                          ("data_1", "data_2")):     # newer vLLM's names for the sides
+        named = httpx.post(url + "/score", json={first: "Hello world",
+                                                 second: ["Hello world", "tax law"]}).json()
+        # the same pairs; float32 sums of another batch shape part in the 7th digit (2.2e-7
+        # seen), so the scores agree to 1e-6
+        assert [d["score"] for d in named["data"]] == pytest.approx(
+            [d["score"] for d in score["data"]], abs=1e-6)
+    # add_special_tokens false: the text's own ids, as if sent as token ids
+    ids = httpx.post(url + "/tokenize", json={"prompt": "hi", "add_special_tokens": False}
+                     ).json()["tokens"]
+    bare, given = (httpx.post(url + "/v1/embeddings", json=body).json()["data"][0]["embedding"]
+                   for body in ({"input": "hi", "add_special_tokens": False}, {"input": ids}))
+    assert bare == given
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
         rerank = httpx.post(url + path, json={
             "model": NAME, "query": "a pet cat", "top_n": 2,
@@ -82,6 +96,8 @@ def test_vllm_pooling_score_and_rerank(server):
     ("/v1/embeddings", {"input": "word " * 400}, "input"),
     ("/v1/embeddings", {"input": "hi", "encoding_format": "hex"}, "encoding_format"),
     ("/v1/embeddings", {"input": [99999999]}, "input"),
+    ("/v1/embeddings", {"input": ["a", [101, 102]]}, "input"),
+    ("/score", {"text_1": "a", "queries": "b", "text_2": "c"}, "text_1"),
     ("/classify", {"input": "hi"}, "task"),
     ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2"),
     ("/rerank", {"query": "q", "documents": []}, "documents"),
@@ -92,6 +108,10 @@ def test_bad_requests_get_4xx_and_the_server_stays_up(server, path, body, param)
     assert r.json()["error"]["param"] == param, r.text
     if path == "/v1/chat/completions":
         assert "--runner" in r.json()["error"]["message"]
+    if body.get("input") == "word " * 400:    # litellm maps these words to a context error
+        assert r.json()["error"]["message"].startswith(
+            "This model's maximum context length is 256 tokens (max_model_len). However, "
+            "the input has")
     assert httpx.get(server.url + "/health").status_code == 200
 
 

@@ -127,8 +127,9 @@ def test_bad_inputs(smollm2_llm):
 
 def test_prompt_longer_than_max_model_len(smollm2_path):
     with LLM(str(smollm2_path), max_model_len=32) as llm:
-        with pytest.raises(ValidationError,
-                           match="the prompt has 40 tokens, but max_model_len is 32"):
+        with pytest.raises(ValidationError, match=r"maximum context length is 32 tokens "
+                                                  r"\(max_model_len\)\. However, the prompt "
+                                                  "has 40 tokens"):
             llm.generate({"prompt_token_ids": [100] * 40}, GREEDY)
         out = llm.generate({"prompt_token_ids": [100] * 28}, SamplingParams(
             temperature=0, max_tokens=100))[0].outputs[0]

@@ -95,11 +95,17 @@ class InputProcessor:
         than `max_tokens` tokens."""
         if len(text) > self.max_text_chars:
             raise ValidationError(
-                f"the {param} has {len(text)} characters, far more than max_model_len "
-                f"({self.max_model_len}) tokens can hold; shorten it", param)
+                f"{self._context()} However, the {param} has {len(text)} characters, far more "
+                "than that can hold; shorten it", param)
         if max_tokens is not None and len(text) > max_tokens * PIECE_CHARS_PER_TOKEN:
             self._check_token_budget(text, max_tokens, param)
         return self.tokenizer.encode(text, add_special_tokens)
+
+    def _context(self) -> str:
+        """How vLLM (and OpenAI) open a too-long error; clients such as litellm map an error
+        to a context-window one by these words."""
+        return (f"This model's maximum context length is {self.max_model_len} tokens "
+                "(max_model_len).")
 
     def _check_token_budget(self, text: str, max_tokens: int, param: str) -> None:
         """Count a long text's tokens piece by piece (cut before a word) and refuse it as
@@ -113,9 +119,9 @@ class InputProcessor:
             pieces += 1
             if counted > max_tokens + pieces * PIECE_MARGIN_TOKENS:
                 raise ValidationError(
-                    f"the {param} has more than {max_tokens} tokens ({counted} in its first "
-                    f"{end} of {len(text)} characters), but max_model_len is "
-                    f"{self.max_model_len}; shorten it", param)
+                    f"{self._context()} However, the {param} has more than {max_tokens} "
+                    f"tokens ({counted} in its first {end} of {len(text)} characters); "
+                    "shorten it", param)
             start = end
 
     def truncate(self, token_ids: list[int], keep: int | None) -> list[int]:
@@ -205,9 +211,8 @@ class InputProcessor:
             raise ValidationError("the prompt is empty (0 tokens)", "prompt")
         if len(token_ids) >= self.max_model_len:
             raise ValidationError(
-                f"the prompt has {len(token_ids)} tokens, but max_model_len is "
-                f"{self.max_model_len}, which must leave room for at least one output token",
-                "prompt")
+                f"{self._context()} However, the prompt has {len(token_ids)} tokens, which "
+                "leaves no room for an output token; shorten it", "prompt")
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValidationError(f"token id {bad[0]} is out of range for a vocabulary of "
@@ -243,8 +248,8 @@ class InputProcessor:
             raise ValidationError("the input is empty (0 tokens)", "input")
         if len(token_ids) > self.max_model_len:
             raise ValidationError(
-                f"the input has {len(token_ids)} tokens, more than max_model_len "
-                f"({self.max_model_len}); shorten it or set truncate_prompt_tokens", "input")
+                f"{self._context()} However, the input has {len(token_ids)} tokens; shorten "
+                "it or set truncate_prompt_tokens", "input")
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValidationError(f"token id {bad[0]} is out of range for a vocabulary of "
@@ -289,11 +294,15 @@ class InputProcessor:
             "prompt_token_ids" not in prompt else None
         if not isinstance(text, str):
             return self.prompt_token_ids(prompt, truncate=keep)
-        ids = self.encode(text, True, None if keep is not None else self.max_model_len,
+        # {"prompt": text, "add_special_tokens": False}: the text's own tokens only (vLLM's
+        # embeddings field of that name)
+        special = not (isinstance(prompt, dict) and prompt.get("add_special_tokens") is False)
+        ids = self.encode(text, special, None if keep is not None else self.max_model_len,
                           "input")
         if keep is None or len(ids) <= keep:
             return text, ids
-        return text, _cut_right(ids, self.tokenizer.encode(text, False), keep)
+        return text, _cut_right(ids, self.tokenizer.encode(text, False), keep) if special \
+            else ids[:keep]
 
     def _check_priority(self, priority: int) -> None:
         if isinstance(priority, bool) or not isinstance(priority, int) or \

@@ -5,7 +5,8 @@
   `dimensions` for Matryoshka models; `usage`.
 - POST /pooling: the raw pooled output (vLLM's), per input.
 - POST /classify: label probabilities per input.
-- POST /score (and /v1/score): `text_1` against `text_2` (1:N or N:N).
+- POST /score (and /v1/score): `text_1` against `text_2` (1:N or N:N; also named queries /
+  documents or items, data_1 / data_2, as newer vLLM takes them).
 - POST /rerank, /v1/rerank, /v2/rerank: `query` against `documents` (strings or
   {"text": ...}), sorted by relevance, `top_n`, as Jina's and Cohere's APIs answer.
 
@@ -46,6 +47,7 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
     normalize: bool | None = None
     request_id: str | None = None
     priority: int = 0
+    add_special_tokens: bool = True
 
 
 class PoolingRequest(msgspec.Struct, kw_only=True):
@@ -66,11 +68,30 @@ class ClassifyRequest(msgspec.Struct, kw_only=True):
 
 
 class ScoreRequest(msgspec.Struct, kw_only=True):
-    text_1: str | list[str]
-    text_2: str | list[str]
+    """The two sides by any of vLLM's names: text_1 / text_2, queries / documents (or
+    items), data_1 / data_2."""
+
+    text_1: str | list[str] | None = None
+    text_2: str | list[str] | None = None
+    queries: str | list[str] | None = None
+    documents: str | list[str] | None = None
+    items: str | list[str] | None = None
+    data_1: str | list[str] | None = None
+    data_2: str | list[str] | None = None
     model: str | None = None
     truncate_prompt_tokens: int | None = None
     request_id: str | None = None
+
+    def sides(self) -> tuple[str | list[str], str | list[str]]:
+        """(first, second). Raises APIError 400 unless exactly one name gives each side."""
+        firsts = [v for v in (self.text_1, self.queries, self.data_1) if v is not None]
+        seconds = [v for v in (self.text_2, self.documents, self.items, self.data_2)
+                   if v is not None]
+        if len(firsts) != 1 or len(seconds) != 1:
+            raise APIError(400, "give the two sides of a score once each: text_1 and text_2, "
+                                "queries and documents (or items), or data_1 and data_2",
+                           "text_1")
+        return firsts[0], seconds[0]
 
 
 class RerankRequest(msgspec.Struct, kw_only=True):
@@ -95,7 +116,8 @@ def _inputs(value: Input) -> list[str | dict[str, Any]]:
         prompts: list[Any] = [value]
     elif _is_ids(value):
         prompts = [{"prompt_token_ids": list(value)}]
-    elif isinstance(value, list) and all(isinstance(x, str) or _is_ids(x) for x in value):
+    elif isinstance(value, list) and (all(isinstance(x, str) for x in value)
+                                      or all(_is_ids(x) for x in value)):
         prompts = [x if isinstance(x, str) else {"prompt_token_ids": x} for x in value]
     else:
         raise APIError(400, "input must be a string, a list of strings, a list of token ids "
@@ -169,8 +191,10 @@ async def create_embedding(state: ServerState, raw: Request) -> Response:
     params = _params(task="embed", dimensions=req.dimensions, normalize=req.normalize,
                      truncate_prompt_tokens=req.truncate_prompt_tokens)
     request_id = new_request_id("embd", req.request_id)
-    outs = await _run(state, raw, encode_all(state.engine, _inputs(req.input), params,
-                                             request_id, prepare=state.prepare))
+    prompts = [p if isinstance(p, dict) or req.add_special_tokens else
+               {"prompt": p, "add_special_tokens": False} for p in _inputs(req.input)]
+    outs = await _run(state, raw, encode_all(state.engine, prompts, params, request_id,
+                                             prepare=state.prepare))
     if outs is None:
         return Response(status_code=499)
     tokens = sum(o.num_prompt_tokens for o in outs)
@@ -224,7 +248,7 @@ async def create_score(state: ServerState, raw: Request) -> Response:
     req = await _body(state, raw, ScoreRequest)
     params = _params(task="score", truncate_prompt_tokens=req.truncate_prompt_tokens)
     try:
-        pairs = pair_up(req.text_1, req.text_2)
+        pairs = pair_up(*req.sides())
     except ValidationError as e:
         raise APIError(400, str(e), e.param) from None
     request_id = new_request_id("score", req.request_id)
