@@ -275,7 +275,8 @@ class AsyncLLM(EngineWatch):
         self._check_free(request_id, [request_id])
         processed = prompt if isinstance(prompt, ProcessedRequest) else \
             self.input_processor.process(request_id, prompt, params, priority, lora_request)
-        self._check_free(request_id, processed.engine_request(request_id).child_request_ids)
+        request = processed.engine_request(request_id)
+        self._check_free(request_id, request.child_request_ids)
         lora = processed.request.lora_request
         if lora is not None and self.loras.get(lora.lora_name) != lora:
             raise ValidationError(f"LoRA adapter {lora.lora_name!r} is not loaded: call "
@@ -284,7 +285,6 @@ class AsyncLLM(EngineWatch):
             raise EngineDeadError("no engine core is alive (a replacement is starting)")
         engine = self.group.route(processed.request.prompt_token_ids,
                                   cache_key(processed.request.cache_salt, lora))
-        request = processed.engine_request(request_id)
         params = request.sampling_params
         collector = RequestOutputCollector(params.output_kind)
         parent = ParentRequest(request_id, processed.prompt, request.prompt_token_ids,
