@@ -377,22 +377,30 @@ def _piece_end(text: str, start: int, size: int) -> int:
     return space if space > start and not text[space + 1].isspace() else end
 
 
-def _text_content(message: Any, index: int) -> dict[str, Any]:
-    """A message whose content is OpenAI's list of text parts with the parts joined by
-    newlines, as the server's chat path joins them (templates expect a string); others as
-    they are. Raises ValidationError for a part that is not text."""
-    content = message.get("content") if isinstance(message, dict) else None
+def joined_text(content: Any, index: int) -> Any:
+    """Message `index`'s content with OpenAI's list of text parts joined by newlines
+    (templates expect a string); any other content as it is. Raises ValidationError for a
+    part that is not text."""
     if not isinstance(content, list):
-        return message
+        return content
     texts = []
     for part in content:
-        if not (isinstance(part, dict) and part.get("type") == "text"
-                and isinstance(part.get("text"), str)):
-            raise ValidationError(f"messages[{index}].content: only text parts "
-                                  "({\"type\": \"text\", \"text\": ...}) are supported",
-                                  "messages")
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValidationError(f"messages[{index}].content: only text parts are "
+                                  f"supported, got type {kind!r}", "messages")
+        if not isinstance(part.get("text"), str):
+            raise ValidationError(f"messages[{index}].content: a text part needs a string "
+                                  "`text`", "messages")
         texts.append(part["text"])
-    return {**message, "content": "\n".join(texts)}
+    return "\n".join(texts)
+
+
+def _text_content(message: Any, index: int) -> Any:
+    """The message with its content `joined_text` (a message that is no dict as it is)."""
+    if not isinstance(message, dict) or not isinstance(message.get("content"), list):
+        return message
+    return {**message, "content": joined_text(message["content"], index)}
 
 
 def _open_final_message(text: str, messages: list[dict[str, Any]]) -> str:

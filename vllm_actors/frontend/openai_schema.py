@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from vllm_actors.errors import ValidationError
+from vllm_actors.frontend.input_processor import joined_text
 from vllm_actors.sampling_params import (RequestOutputKind, SamplingParams,
                                          StructuredOutputsParams)
 
@@ -275,19 +276,10 @@ def chat_messages(req: ChatCompletionRequest | TokenizeRequest) -> list[dict[str
         if m.role not in CHAT_ROLES:
             raise APIError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
                                 f"got {m.role!r}", "messages")
-        content = m.content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise APIError(400, f"messages[{i}].content: only text parts are "
-                                        f"supported, got type {kind!r}", "messages")
-                if not isinstance(part.get("text"), str):
-                    raise APIError(400, f"messages[{i}].content: a text part needs a string "
-                                        "`text`", "messages")
-                texts.append(part["text"])
-            content = "\n".join(texts)
+        try:
+            content = joined_text(m.content, i)
+        except ValidationError as e:
+            raise APIError(400, str(e), "messages") from None
         message: dict[str, Any] = {"role": m.role, "content": content or ""}
         for key in ("name", "tool_call_id"):
             if getattr(m, key) is not None:

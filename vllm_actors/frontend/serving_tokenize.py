@@ -1,7 +1,8 @@
 """POST /tokenize and /detokenize (vLLM's): a prompt or a conversation to token ids, ids to
-text; GET /tokenizer_info (behind --enable-tokenizer-info-endpoint, as in vLLM): what a client
-needs to tokenize as the server does, through these two. Both are bounded: at most TOKENIZE_CONTEXTS x max_model_len tokens either way (a
-longer text is refused after its first pieces, see InputProcessor.encode)."""
+text. Both are bounded: at most TOKENIZE_CONTEXTS x max_model_len tokens either way (a
+longer text is refused after its first pieces, see InputProcessor.encode). GET
+/tokenizer_info (behind --enable-tokenizer-info-endpoint, as in vLLM): what a client needs
+to tokenize as the server does, through those two."""
 
 from __future__ import annotations
 
