@@ -6,8 +6,8 @@ off, F16 cache). Every op computes in ggml's float order (bench/llamacpp_tensors
 each on llama.cpp's inputs), each request's rows in the kernels llama.cpp would choose for it
 alone (Gemma's repacked Q4_K GEMM and GEMV, the tiled Q6_K matmul, Q scaled before
 attention), so the tokens are equal, not near: no near-tie allowance; with ngram speculation
-too, at tensor parallel sizes 2 and 3, in a batch of 32 whose prompts are chunked, and
-again from the prefix cache (a prompt's last rows computed without the rest; its last row
+too, at tensor parallel sizes 2 and 3, in a batch of 32 whose prompts are chunked and
+whose requests are preempted and recomputed, and again from the prefix cache (a prompt's last rows computed without the rest; its last row
 alone in a step, `_last_row_alone`). The 16-lane orders of that build are emulated on any
 host (`VLLM_ACTORS_GGML_WIDTH=16`). A llama.cpp built without AVX-512 gives other tokens
 (tests/golden/llamacpp_{model}_avx2_greedy.json; 6 and 7 of 14 prompts as the AVX-512
@@ -37,8 +37,11 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
 # ranks (SmolLM2's 9 heads), and 2 with Gemma's one KV head on both.
 # A batch of 32 (the cases cycled) whose prompts the step budget chunks: each prompt row takes
 # the kernels llama.cpp picks for its call of the whole prompt (`qmatmul.RowPlaces`; Gemma's
-# repacked Q4_K splits GEMM and GEMV rows by the call's size)
-CHUNKED = {"max_num_batched_tokens": 128, "max_num_seqs": 32}
+# repacked Q4_K splits GEMM and GEMV rows by the call's size); 200 KV blocks for them, so
+# requests are preempted, and each recomputes its generated tokens as one-row requests
+# (llama.cpp computed them one at a time; as prompt rows 2 of 32 had parted)
+CHUNKED = {"max_num_batched_tokens": 128, "max_num_seqs": 32, "max_model_len": 512,
+           "num_gpu_blocks_override": 200}
 
 
 # a llama.cpp built without AVX-512 (tests/golden/llamacpp_{model}_avx2_greedy.json): every
@@ -71,8 +74,8 @@ def test_greedy_tokens_equal_llama_cpp(model, spec, engine, build, smollm2_path,
     path = smollm2_path if model == "smollm2" else model_path("gemma3-270m")
     assert path is not None, "run `python -m vllm_actors pull gemma3-270m`"
     again = not engine and spec is None and build == "avx512"   # again, from the prefix cache
-    llm = LLM(str(path), device="cpu", enable_prefix_caching=again, max_model_len=1024,
-              speculative_config=spec, **engine)
+    llm = LLM(str(path), device="cpu", enable_prefix_caching=again,
+              speculative_config=spec, **{"max_model_len": 1024, **engine})
     try:
         prompts = [{"prompt_token_ids": c["prompt_token_ids"]} for c in cases]
         greedy = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
@@ -83,6 +86,8 @@ def test_greedy_tokens_equal_llama_cpp(model, spec, engine, build, smollm2_path,
             _last_row_alone(llm, max((p["prompt_token_ids"] for p in prompts), key=len))
         if spec:
             assert llm.get_metrics()["vllm:spec_decode_num_accepted_tokens"] > 0
+        if engine is CHUNKED:
+            assert llm.get_metrics()["vllm:num_preemptions"] > 0
     finally:
         llm.shutdown()
     parted = [(c["name"], next(i for i, (a, b) in enumerate(zip(o.outputs[0].token_ids,

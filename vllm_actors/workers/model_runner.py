@@ -97,8 +97,9 @@ class ModelRunner:
                                   "max_model_len")
         self.block_size = config.cache.block_size
         self.kv_format = kv_format(cache.kv_cache_dtype, ggml_products=quantized)
-        # llama.cpp's tokens under speculation: verification rows run as one-row requests
-        self._one_row_decode = quantized and config.speculative is not None
+        # llama.cpp's tokens: rows past a prompt (drafts' verification, a preempted request's
+        # recomputed tokens) run as one-row requests
+        self._one_row_decode = quantized
         self.kv_groups = kv_cache_groups(self.local_args)
         self.layer_ids = list(getattr(self.model, "layer_ids", range(args.num_layers)))
         slot_of = layer_slots(self.kv_groups)[1]
@@ -263,25 +264,32 @@ class ModelRunner:
                                            batch.num_prompt_tokens[rows]))
         return token_ids, positions, token_rows, metas
 
-    def _one_row_verification(self, metas: list[AttentionMetadata], rows: np.ndarray,
-                              counts: np.ndarray) -> list[AttentionMetadata]:
-        """Under the quantized semantics with speculation, the forward pass's layout with each
-        row of a request in its decode phase (its drafts' verification) as a request of its
-        own: llama.cpp decoding alone computes those tokens one at a time, so their
-        attention and matmuls take its one-row float orders. Sampling keeps `metas`."""
+    def _one_row_decodes(self, metas: list[AttentionMetadata], rows: np.ndarray,
+                         counts: np.ndarray) -> list[AttentionMetadata]:
+        """Under the quantized semantics, the forward pass's layout with each row past a
+        request's prompt as a request of its own: llama.cpp decoding alone computes those
+        tokens one at a time, so their attention and matmuls take its one-row float orders.
+        Such rows come several to a request when drafts are verified, and when a preempted
+        request recomputes the tokens it had generated (its prompt's rows stay one request,
+        in its prompt's orders). Sampling keeps `metas`."""
         if not self._one_row_decode:
             return metas
         starts = self.batch.num_computed_tokens[rows]
-        split = (counts > 1) & (starts >= self.batch.num_prompt_tokens[rows])
+        pre = np.clip(self.batch.num_prompt_tokens[rows] - starts, 0, counts)  # prompt rows
+        post = counts - pre
+        split = (post > 1) | ((pre > 0) & (post > 0))
         if not split.any():
             return metas
-        reps = np.where(split, counts, 1)
-        idx = np.repeat(np.arange(len(rows)), reps)              # original request of each
-        nth = np.arange(len(idx)) - np.repeat(np.cumsum(reps) - reps, reps)
-        new_counts = np.where(split[idx], 1, counts[idx])
+        lead = (pre > 0).astype(np.int64)
+        pieces = np.where(split, lead + post, 1)
+        idx = np.repeat(np.arange(len(rows)), pieces)           # original request of each
+        nth = np.arange(len(idx)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+        prompt_piece = (nth < lead[idx]) | ~split[idx]
+        new_counts = np.where(prompt_piece, np.where(split[idx], pre[idx], counts[idx]), 1)
         query_start_loc = np.zeros(len(idx) + 1, np.int32)
         np.cumsum(new_counts, out=query_start_loc[1:])
-        seq_lens = (starts[idx] + np.where(split[idx], nth + 1, counts[idx])).astype(np.int32)
+        ends = pre[idx] + nth - lead[idx] + 1                   # a decoded row's seq_len
+        seq_lens = (starts[idx] + np.where(prompt_piece, new_counts, ends)).astype(np.int32)
         return [AttentionMetadata(query_start_loc, seq_lens, m.block_tables[idx],
                                   m.slot_mapping, m.block_size,
                                   None if m.prompt_lens is None else m.prompt_lens[idx])
@@ -466,7 +474,7 @@ class ModelRunner:
         rows = self.batch.rows_of(req_ids)
         counts = np.fromiter(step.num_scheduled_tokens.values(), np.int32, len(rows))
         token_ids, positions, token_rows, metas = self._prepare(rows, counts)
-        layouts = self._one_row_verification(metas, rows, counts)
+        layouts = self._one_row_decodes(metas, rows, counts)
         meta = layouts[0] if len(layouts) == 1 else layouts
         lora = self.lora.batch(self.batch.lora_ids[token_rows]) if self.lora else None
         extra: dict[str, Any] = {} if lora is None else {"lora": lora}
