@@ -20,8 +20,9 @@ def sse_events(response: httpx.Response) -> list[str]:
     return events
 
 
-def post(server, auth, path, body, **kw):
-    return httpx.post(server.url + path, json=body, headers=auth, timeout=60, **kw)
+def post(server, auth, path, body, headers=None, **kw):
+    return httpx.post(server.url + path, json=body, headers={**auth, **(headers or {})},
+                      timeout=60, **kw)
 
 
 def test_chat_sse_format(server, auth):
@@ -72,6 +73,22 @@ def test_completion_sse_format(server, auth):
         (choice,) = c["choices"]
         assert set(choice) == {"index", "text", "logprobs", "finish_reason", "stop_reason"}
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    # two prompts (3 and 2 ids) x n=2: each chunk's continuous usage counts its own prompt
+    # and choice, as vLLM's; the last chunk sums them all
+    body = {"prompt": [[1, 2, 3], [4, 5]], "n": 2, "max_tokens": 3, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True,
+                                               "continuous_usage_stats": True}}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=auth,
+                      timeout=60) as r:
+        chunks = [json.loads(e) for e in sse_events(r)[:-1]]
+    seen = {i: [] for i in range(4)}
+    for c in chunks[:-1]:
+        (choice,) = c["choices"]
+        assert c["usage"]["prompt_tokens"] == (3, 2)[choice["index"] // 2]
+        seen[choice["index"]].append(c["usage"]["completion_tokens"])
+    assert all(counts == sorted(counts) and counts[-1] == 3 for counts in seen.values()), seen
+    assert chunks[-1]["usage"]["prompt_tokens"] == 5     # each prompt once, as vLLM counts
+    assert chunks[-1]["usage"]["completion_tokens"] == 12
 
 
 @pytest.mark.parametrize("path, body, status, param, pattern", [
@@ -129,7 +146,17 @@ def test_completion_sse_format(server, auth):
                               "presence_penalty": 3}, 400, "presence_penalty",
      r"presence_penalty must be in \[-2, 2\]"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
-                              "top_logprobs": 25}, 400, "logprobs", "--max-logprobs 20"),
+                              "top_logprobs": 25}, 400, "top_logprobs",
+     "^top_logprobs=25 .*--max-logprobs 20"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "top_logprobs": 2}, 400, "top_logprobs", "needs logprobs=true"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "stream_options": {"include_usage": True}}, 400,
+     "stream_options", "only be given with stream=true"),
+    ("/v1/completions", {"prompt": "x", "stream": True, "prompt_logprobs": 1}, 400,
+     "prompt_logprobs", "not available when stream=true"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"structural_tag": "{}"}},
+     400, "structured_outputs", "structural tags are not supported"),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", "--max-logprobs 20"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"60000": 5}}, 400, "logit_bias",
      "out of range"),
@@ -155,6 +182,28 @@ def test_bad_requests(server, auth, path, body, status, param, pattern):
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and len(error["message"]) <= 1000
     assert error["param"] == param and re.search(pattern, error["message"]), error
+
+
+def test_shapes_clients_send(server, auth):
+    """What clients send that vLLM serves: documents, the function role, refusal and
+    input_text parts, top_logprobs 0 without logprobs, a prediction (speed only); and the
+    X-Request-Id header, which names the response before the body's request_id."""
+    messages = [{"role": "function", "name": "f", "content": "42"},
+                {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
+                {"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]
+    body = {"messages": messages, "max_tokens": 1, "documents": [{"title": "a", "text": "b"}],
+            "top_logprobs": 0, "prediction": {"type": "content", "content": "x"},
+            "request_id": "body-1"}
+    r = post(server, auth, "/v1/chat/completions", body)
+    assert r.status_code == 200 and r.json()["id"] == "chatcmpl-body-1", r.text
+    r = post(server, auth, "/v1/chat/completions", body, headers={"X-Request-Id": "h1"})
+    assert r.json()["id"] == "chatcmpl-h1"
+    r = post(server, auth, "/v1/completions", {"prompt": "x", "max_tokens": 1},
+             headers={"X-Request-Id": "h2"})
+    assert r.json()["id"] == "cmpl-h2"
+    r = post(server, auth, "/v1/completions", {"prompt": "x", "max_tokens": 1},
+             headers={"X-Request-Id": "h" * 300})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "X-Request-Id"
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"},

@@ -50,6 +50,9 @@ def test_chat_takes_text_parts_template_kwargs_and_an_open_final_message(smollm2
     shown = smollm2_llm.chat(plain, params, chat_template="{{ greeting }} {{ messages[0]"
                              "['content'] }}", chat_template_kwargs={"greeting": "Hello"})[0]
     assert shown.prompt == "Hello Hi\nthere"
+    documents = smollm2_llm.engine.input_processor.chat_prompt(   # the server's `documents`
+        plain, "{{ documents[0].text }}", documents=[{"text": "D"}])
+    assert documents["prompt"] == "D"
     opened = [*plain, {"role": "assistant", "content": "The answer is"}]
     out = smollm2_llm.chat(opened, params, add_generation_prompt=False,
                            continue_final_message=True)[0]

@@ -166,11 +166,13 @@ class InputProcessor:
                     tools: list[dict[str, Any]] | None = None,
                     template_kwargs: dict[str, Any] | None = None,
                     add_special_tokens: bool = False, truncate: int | None = None,
-                    continue_final_message: bool = False) -> dict[str, Any]:
+                    continue_final_message: bool = False,
+                    documents: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """A conversation rendered with the chat template (the model's, or `chat_template`:
         a path or the template text), as {"prompt", "prompt_token_ids"}; the ids are cut to
         the last `truncate` when given. `continue_final_message` leaves the last message
-        open (the rendering ends where its content ends), as transformers does.
+        open (the rendering ends where its content ends), as transformers does; `documents`
+        reach the template for retrieval-augmented templates.
 
         Raises ValidationError for kwargs that would replace the engine's own and for
         messages the template refuses (ChatTemplateError)."""
@@ -180,6 +182,8 @@ class InputProcessor:
         if reserved:
             raise ValidationError(f"chat_template_kwargs may not set {', '.join(reserved)}: "
                                   "the server sets them", "chat_template_kwargs")
+        if documents is not None:
+            kwargs["documents"] = documents
         text = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=False,
             chat_template=read_chat_template(chat_template), tools=tools, **kwargs)
@@ -377,22 +381,29 @@ def _piece_end(text: str, start: int, size: int) -> int:
     return space if space > start and not text[space + 1].isspace() else end
 
 
+# content parts read as text, and the key holding it (OpenAI's refusal parts, the Responses
+# API's input_text / output_text, as vLLM's chat parser reads them)
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text",
+              "refusal": "refusal"}
+
+
 def joined_text(content: Any, index: int) -> Any:
-    """Message `index`'s content with OpenAI's list of text parts joined by newlines
-    (templates expect a string); any other content as it is. Raises ValidationError for a
-    part that is not text."""
+    """Message `index`'s content with OpenAI's list of text parts (`TEXT_PARTS`) joined by
+    newlines (templates expect a string); any other content as it is. Raises
+    ValidationError for a part that is not text."""
     if not isinstance(content, list):
         return content
     texts = []
     for part in content:
-        if not isinstance(part, dict) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        key = TEXT_PARTS.get(kind) if isinstance(kind, str) else None
+        if key is None:
             raise ValidationError(f"messages[{index}].content: only text parts are "
                                   f"supported, got type {kind!r}", "messages")
-        if not isinstance(part.get("text"), str):
-            raise ValidationError(f"messages[{index}].content: a text part needs a string "
-                                  "`text`", "messages")
-        texts.append(part["text"])
+        if not isinstance(part.get(key), str):
+            raise ValidationError(f"messages[{index}].content: a {kind} part needs a string "
+                                  f"`{key}`", "messages")
+        texts.append(part[key])
     return "\n".join(texts)
 
 

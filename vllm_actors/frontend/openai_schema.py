@@ -161,7 +161,7 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
     tokens: list[int]
 
 
-CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer", "function")
 
 
 _NOT_YET = "is not supported yet"
@@ -186,7 +186,6 @@ _REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "function_call": ((None,), "function_call is not supported; use tool_choice"),
     "modalities": ((None, ["text"]), "only the text modality is supported"),
     "audio": ((None,), "audio output is not supported"),
-    "prediction": ((None,), "predicted outputs are not supported"),
     "web_search_options": ((None,), "web search is not supported"),
 }
 GUIDED_BACKENDS = (None, "auto", "guidance", "llguidance", "xgrammar")
@@ -212,6 +211,19 @@ def refuse_unsupported(req: _GenerationRequest) -> None:
             req.add_generation_prompt:
         raise APIError(400, "continue_final_message and add_generation_prompt cannot both be "
                             "true (set add_generation_prompt to false)", "continue_final_message")
+    _refuse_stream_mismatch(req)
+
+
+def _refuse_stream_mismatch(req: _GenerationRequest) -> None:
+    """vLLM's checks of fields that only go with (or without) streaming."""
+    opts = req.stream_options
+    if opts is not None and (opts.include_usage or opts.continuous_usage_stats) and \
+            not req.stream:
+        raise APIError(400, "stream_options can only be given with stream=true",
+                       "stream_options")
+    if req.stream and req.prompt_logprobs is not None and req.prompt_logprobs != 0:
+        raise APIError(400, "prompt_logprobs are not available when stream=true",
+                       "prompt_logprobs")
 
 
 def structured_outputs_of(req: _GenerationRequest
@@ -236,6 +248,8 @@ def structured_outputs_of(req: _GenerationRequest
             raise APIError(400, "response_format.type must be text, json_object or "
                                 f"json_schema, got {kind!r}", "response_format")
     if req.structured_outputs:
+        if req.structured_outputs.get("structural_tag") is not None:
+            raise APIError(400, _REFUSED["structural_tag"][1], "structured_outputs")
         found.append(("structured_outputs", req.structured_outputs))
     for name in ("json", "regex", "choice", "grammar"):
         value = getattr(req, "guided_" + name)
@@ -344,7 +358,7 @@ def sampling_params(req: _GenerationRequest, max_tokens: int, defaults: dict[str
               for name in _DEFAULTED if getattr(req, name) is not None or name in defaults}
     if isinstance(req, ChatCompletionRequest):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        if req.top_logprobs is not None and not req.logprobs:
+        if req.top_logprobs and not req.logprobs:      # 0 without logprobs passes (vLLM)
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     else:
         logprobs = req.logprobs

@@ -28,7 +28,7 @@ from vllm_actors.config import ServerConfig
 from vllm_actors.errors import EngineDeadError, ValidationError
 from vllm_actors.frontend.async_llm import AsyncLLM
 from vllm_actors.frontend.input_processor import ProcessedRequest, PromptType
-from vllm_actors.frontend.openai_schema import APIError
+from vllm_actors.frontend.openai_schema import MAX_REQUEST_ID_CHARS, APIError
 from vllm_actors.frontend.preparation import (HEAVY_THREADS, HEAVY_WAITING, LARGE_WORK_BYTES,
                                               PREPARE_THREADS, PREPARE_TIMEOUT_S, PrepareLane,
                                               is_heavy)
@@ -183,9 +183,15 @@ async def json_built_off_loop(state: ServerState, build: Callable[..., Any], *ar
     return JSONBody(await state.prepare(lambda: msgspec.json.encode(build(*args))))
 
 
-def new_request_id(prefix: str, base: str | None = None) -> str:
-    """`prefix-<base>`: the client's request_id (vLLM's field) or a random one."""
-    return f"{prefix}-{base if base is not None else uuid.uuid4().hex}"
+def new_request_id(prefix: str, base: str | None = None, raw: Request | None = None) -> str:
+    """`prefix-<id>`: the client's `X-Request-Id` header (of `raw`), else its request_id
+    (vLLM's field), else a random one; vLLM's order."""
+    header = None if raw is None else raw.headers.get("x-request-id")
+    if header is not None and not (0 < len(header) <= MAX_REQUEST_ID_CHARS
+                                   and header.isprintable()):
+        raise APIError(400, f"the X-Request-Id header must be 1 to {MAX_REQUEST_ID_CHARS} "
+                            "printable characters", "X-Request-Id")
+    return f"{prefix}-{header or (base if base is not None else uuid.uuid4().hex)}"
 
 
 def now() -> int:

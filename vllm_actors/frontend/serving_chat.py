@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterator
 
 import msgspec
 from starlette.requests import Request
@@ -55,14 +56,11 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_id: str
         raise APIError(400, f'tool_choice "{plan.choice}" already constrains the output; it '
                             "cannot be combined with response_format or structured_outputs",
                        "tool_choice")
-    kwargs = dict(req.chat_template_kwargs or {})
     try:
-        if req.documents is not None:
-            kwargs = {**kwargs, "documents": req.documents}
         prompt = state.engine.input_processor.chat_prompt(
             messages, req.chat_template, req.add_generation_prompt, req.tools or None,
-            kwargs, req.add_special_tokens is True, req.truncate_prompt_tokens,
-            req.continue_final_message)
+            req.chat_template_kwargs, req.add_special_tokens is True,
+            req.truncate_prompt_tokens, req.continue_final_message, req.documents)
     except ValidationError as e:
         raise APIError(400, str(e), "messages" if e.param in (None, "prompt") else e.param) \
             from None
@@ -71,19 +69,31 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_id: str
         else req.max_tokens
     limit = max_tokens_for(requested, len(prompt["prompt_token_ids"]),
                            state.engine.ready.max_model_len, "messages")
-    params = sampling_params(req, limit, state.engine.generation_defaults, req.stream,
-                             plan.structured or structured)
-    if plan.parser is not None and plan.parser.special_markers:
-        params = msgspec.structs.replace(params, skip_special_tokens=False)
-    sub = SubRequest(request_id, prompt, params, req.priority, lora=lora)
-    constraint_param = "tools" if plan.structured else constraint_field
-    state.process(sub, "messages", constraint_param)
+    with _top_logprobs_named():
+        params = sampling_params(req, limit, state.engine.generation_defaults, req.stream,
+                                 plan.structured or structured)
+        if plan.parser is not None and plan.parser.special_markers:
+            params = msgspec.structs.replace(params, skip_special_tokens=False)
+        sub = SubRequest(request_id, prompt, params, req.priority, lora=lora)
+        constraint_param = "tools" if plan.structured else constraint_field
+        state.process(sub, "messages", constraint_param)
     return PreparedChat(req, sub, plan, constraint_param, _echo_text(req, messages))
 
 
-def _decode_and_prepare(state: ServerState, body: bytes) -> PreparedChat:
+@contextlib.contextmanager
+def _top_logprobs_named() -> Iterator[None]:
+    """A chat request asks for logprobs by `top_logprobs`: errors about them name it."""
+    try:
+        yield
+    except APIError as e:
+        if e.param != "logprobs" or not e.message.startswith("logprobs"):
+            raise
+        raise APIError(400, "top_" + e.message, "top_logprobs") from None
+
+
+def _decode_and_prepare(state: ServerState, body: bytes, raw: Request) -> PreparedChat:
     req = decode_request(body, ChatCompletionRequest)
-    return prepare_chat(state, req, new_request_id("chatcmpl", req.request_id))
+    return prepare_chat(state, req, new_request_id("chatcmpl", req.request_id, raw))
 
 
 def _finish_reason(reason: str | None, called_tools: bool) -> str | None:
@@ -93,7 +103,7 @@ def _finish_reason(reason: str | None, called_tools: bool) -> str | None:
 async def create_chat_completion(state: ServerState, raw: Request) -> Response:
     body = await read_body(raw, state.config.max_request_body_size)
     state.admit()
-    prepared = await state.prepare(_decode_and_prepare, state, body, body=body)
+    prepared = await state.prepare(_decode_and_prepare, state, body, raw, body=body)
     req, sub = prepared.req, prepared.sub
     state.log_request("chat", sub.request_id, sub.num_prompt_tokens, sub.params)
     if req.stream:
@@ -143,14 +153,15 @@ async def _stream(state: ServerState, prepared: PreparedChat,
     created, opts, num_prompt = now(), req.stream_options, sub.num_prompt_tokens
     include_usage = state.config.enable_force_include_usage or bool(opts and opts.include_usage)
     continuous = include_usage and bool(opts and opts.continuous_usage_stats)
-    completion_tokens = cached = 0
+    generated, cached = [0] * sub.params.n, 0     # tokens of each choice so far
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+        """A chunk of one choice's; continuous usage counts that choice, as vLLM's."""
         body: dict[str, Any] = {"id": sub.request_id, "object": "chat.completion.chunk",
                                 "created": created, "model": state.served_name(req.model),
                                 "choices": choices, **extra}
         if continuous:
-            body["usage"] = usage(num_prompt, completion_tokens, cached)
+            body["usage"] = usage(num_prompt, generated[choices[0]["index"]], cached)
         return _json.encode(body).decode()
 
     first_ids = {"prompt_token_ids": sub.processed.request.prompt_token_ids} \
@@ -167,7 +178,7 @@ async def _stream(state: ServerState, prepared: PreparedChat,
         async for _, out in outputs:
             cached = out.num_cached_tokens
             for c in out.outputs:
-                completion_tokens += len(c.token_ids)
+                generated[c.index] += len(c.token_ids)
                 delta, called = parsers[c.index].update(c.text, c.finish_reason is not None)
                 if not delta and c.finish_reason is None and not (c.logprobs and c.token_ids):
                     continue
@@ -186,5 +197,5 @@ async def _stream(state: ServerState, prepared: PreparedChat,
     if include_usage:
         yield _json.encode({"id": sub.request_id, "object": "chat.completion.chunk",
                             "created": created, "model": state.served_name(req.model), "choices": [],
-                            "usage": usage(num_prompt, completion_tokens, cached)}).decode()
+                            "usage": usage(num_prompt, sum(generated), cached)}).decode()
     yield "[DONE]"

@@ -78,9 +78,9 @@ def prepare_completion(state: ServerState, req: CompletionRequest, request_id: s
     return PreparedCompletion(req, request_id, subs, texts, constraint_field)
 
 
-def _decode_and_prepare(state: ServerState, body: bytes, prefix: str) -> PreparedCompletion:
+def _decode_and_prepare(state: ServerState, body: bytes, raw: Request) -> PreparedCompletion:
     req = decode_request(body, CompletionRequest)
-    return prepare_completion(state, req, new_request_id(prefix, req.request_id))
+    return prepare_completion(state, req, new_request_id("cmpl", req.request_id, raw))
 
 
 def _shaper(state: ServerState, prepared: PreparedCompletion) -> ChoiceShaper:
@@ -93,7 +93,7 @@ def _shaper(state: ServerState, prepared: PreparedCompletion) -> ChoiceShaper:
 async def create_completion(state: ServerState, raw: Request) -> Response:
     body = await read_body(raw, state.config.max_request_body_size)
     state.admit()
-    prepared = await state.prepare(_decode_and_prepare, state, body, "cmpl", body=body)
+    prepared = await state.prepare(_decode_and_prepare, state, body, raw, body=body)
     req, subs = prepared.req, prepared.subs
     state.log_request("completion", prepared.request_id, prepared.num_prompt_tokens,
                       subs[0].params, len(subs))
@@ -138,16 +138,19 @@ async def _stream(state: ServerState, prepared: PreparedCompletion,
     created, opts = now(), req.stream_options
     include_usage = state.config.enable_force_include_usage or bool(opts and opts.include_usage)
     continuous = include_usage and bool(opts and opts.continuous_usage_stats)
-    completion_tokens, cached = 0, [0] * len(subs)
+    generated, cached = [0] * (len(subs) * req.n), [0] * len(subs)   # per choice, prompt
     shaper = _shaper(state, prepared)
     ids_sent: set[int] = set()
 
     def chunk(choice: dict[str, Any]) -> str:
+        """A choice's chunk; continuous usage counts its prompt and its tokens, as vLLM's."""
         body: dict[str, Any] = {"id": request_id, "object": "text_completion",
                                 "created": created, "model": state.served_name(req.model),
                                 "choices": [choice]}
         if continuous:
-            body["usage"] = usage(num_prompt, completion_tokens, sum(cached))
+            p = choice["index"] // req.n
+            body["usage"] = usage(subs[p].num_prompt_tokens, generated[choice["index"]],
+                                  cached[p])
         return _json.encode(body).decode()
 
     try:
@@ -156,7 +159,7 @@ async def _stream(state: ServerState, prepared: PreparedCompletion,
             for c in out.outputs:
                 index = p * req.n + c.index
                 piece = shaper.piece(p, index, out.prompt_token_ids, out.prompt_logprobs, c)
-                completion_tokens += piece.num_generated
+                generated[index] += piece.num_generated
                 if not piece.text and c.finish_reason is None and \
                         not (piece.logprobs and piece.has_tokens):
                     continue
@@ -173,6 +176,5 @@ async def _stream(state: ServerState, prepared: PreparedCompletion,
     if include_usage:
         yield _json.encode({"id": request_id, "object": "text_completion", "created": created,
                             "model": state.served_name(req.model), "choices": [],
-                            "usage": usage(num_prompt, completion_tokens,
-                                           sum(cached))}).decode()
+                            "usage": usage(num_prompt, sum(generated), sum(cached))}).decode()
     yield "[DONE]"

@@ -190,7 +190,7 @@ async def create_embedding(state: ServerState, raw: Request) -> Response:
     _check_format(req.encoding_format)
     params = _params(task="embed", dimensions=req.dimensions, normalize=req.normalize,
                      truncate_prompt_tokens=req.truncate_prompt_tokens)
-    request_id = new_request_id("embd", req.request_id)
+    request_id = new_request_id("embd", req.request_id, raw)
     prompts = [p if isinstance(p, dict) or req.add_special_tokens else
                {"prompt": p, "add_special_tokens": False} for p in _inputs(req.input)]
     outs = await _run(state, raw, encode_all(state.engine, prompts, params, request_id,
@@ -211,7 +211,7 @@ async def create_pooling(state: ServerState, raw: Request) -> Response:
     _check_format(req.encoding_format)
     params = _params(task=req.task or "encode",
                      truncate_prompt_tokens=req.truncate_prompt_tokens)
-    request_id = new_request_id("pool", req.request_id)
+    request_id = new_request_id("pool", req.request_id, raw)
     outs = await _run(state, raw, encode_all(state.engine, _inputs(req.input), params,
                                              request_id, prepare=state.prepare))
     if outs is None:
@@ -228,7 +228,7 @@ async def create_classify(state: ServerState, raw: Request) -> Response:
     req = await _body(state, raw, ClassifyRequest)
     params = _params(task="classify", activation=req.activation,
                      truncate_prompt_tokens=req.truncate_prompt_tokens)
-    request_id = new_request_id("classify", req.request_id)
+    request_id = new_request_id("classify", req.request_id, raw)
     outs = await _run(state, raw, encode_all(state.engine, _inputs(req.input), params,
                                              request_id, prepare=state.prepare))
     if outs is None:
@@ -251,7 +251,7 @@ async def create_score(state: ServerState, raw: Request) -> Response:
         pairs = pair_up(*req.sides())
     except ValidationError as e:
         raise APIError(400, str(e), e.param) from None
-    request_id = new_request_id("score", req.request_id)
+    request_id = new_request_id("score", req.request_id, raw)
     found = await _run(state, raw, score_pairs(state.engine, pairs, params, request_id,
                                                     state.prepare))
     if found is None:
@@ -280,7 +280,7 @@ async def create_rerank(state: ServerState, raw: Request) -> Response:
         raise APIError(400, f"top_n must not be negative, got {req.top_n}", "top_n")
     texts = [_document_text(d) for d in req.documents]
     params = _params(task="score", truncate_prompt_tokens=req.truncate_prompt_tokens)
-    request_id = new_request_id("rerank", req.request_id)
+    request_id = new_request_id("rerank", req.request_id, raw)
     found = await _run(state, raw, score_pairs(state.engine, [(req.query, t) for t in texts],
                                                params, request_id, state.prepare))
     if found is None:
