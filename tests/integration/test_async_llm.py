@@ -156,25 +156,48 @@ def test_abort_gives_a_final_output(engine, loop):
 
 
 def test_ids_in_flight_are_refused_and_their_requests_finish(engine, loop):
-    """An id already running, or one that n > 1 would give a completion ("0_x"), is a
-    ValueError before anything is sent (either way round), and a non-str id a TypeError;
-    the request already running finishes (it had been left waiting forever)."""
+    """An id already running is a ValueError before anything is sent, and a non-str id a
+    TypeError; ids that look like another's completions ("0_x" beside "x" with n = 2) run
+    apart (the core knows each request by an id of its own), and the requests already
+    running finish (they had been left waiting forever)."""
     long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
     async def scenario():
         running = [asyncio.create_task(collect(engine, "A", long, "0_x")),
                    asyncio.create_task(collect(engine, "A", replace(long, n=2), "y"))]
         await asyncio.sleep(0.2)
-        for request_id, n in (("0_x", 1), ("x", 2), ("0_y", 1), ("y", 1)):
+        for request_id in ("0_x", "y"):
             with pytest.raises(ValueError, match="already in use"):
-                await collect(engine, "B", replace(long, n=n), request_id)
+                await collect(engine, "B", long, request_id)
         with pytest.raises(TypeError, match="request_id must be a str"):
             await collect(engine, "B", long, 5)
+        running += [asyncio.create_task(collect(engine, "A", replace(long, n=2), "x")),
+                    asyncio.create_task(collect(engine, "A", long, "0_y"))]
         return await asyncio.gather(*running)
 
     for outs in loop.run_until_complete(scenario()):
         assert outs[-1].finished
         assert {len(c.token_ids) for c in outs[-1].outputs} == {40}
+
+
+def test_an_id_used_again_right_after_an_abort_gets_only_its_own_tokens(engine, loop):
+    """A request closed after its first output, and its id used at once for another: the
+    aborted request's tokens still on their way went to the new one (every time, measured),
+    which then ran past its max_tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, output_kind=K.FINAL_ONLY)
+    long = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+
+    async def scenario():
+        alone = (await collect(engine, "Name a colour.", params))[-1].outputs[0].token_ids
+        for _ in range(3):
+            stream = engine.generate("Tell me a story.", long, "X")
+            async for _ in stream:
+                break
+            await stream.aclose()
+            again = (await collect(engine, "Name a colour.", params, "X"))[-1]
+            assert again.outputs[0].token_ids == alone
+
+    loop.run_until_complete(scenario())
 
 
 def test_bad_request_fails_alone(engine, loop):

@@ -145,6 +145,19 @@ def test_context_manager_and_repeated_shutdown(smollm2_path):
     del dropped
     gc.collect()
     wait_until(lambda: gone(pid) and not thread.is_alive(), 10)
+    # an AsyncLLM dropped inside a loop that goes on running: its core is ended as soon as
+    # it is collected (its output task had held it, and its core, until the loop closed)
+
+    async def drop_inside_the_loop():
+        engine = AsyncLLM(str(smollm2_path))
+        async for _ in engine.generate("Hi", SamplingParams(max_tokens=2), "r"):
+            pass
+        pid = engine.client.pid
+        del engine
+        gc.collect()
+        await asyncio.sleep(0)
+        wait_until(lambda: gone(pid), 10)
+    asyncio.run(drop_inside_the_loop())
 
 
 def test_thread_mode_gives_the_same_tokens(smollm2_path, smollm2_llm):

@@ -19,6 +19,7 @@ import dataclasses
 import itertools
 import logging
 import uuid
+import weakref
 from typing import Any, AsyncIterator, Callable, Sequence
 
 import numpy as np
@@ -28,7 +29,7 @@ from vllm_actors.errors import EngineDeadError, ValidationError, VllmActorsError
 from vllm_actors.frontend.collector import RequestOutputCollector
 from vllm_actors.frontend.core_client import CoreClient
 from vllm_actors.frontend.engine_group import EngineGroup
-from vllm_actors.frontend.engine_watch import EngineWatch, running_loop
+from vllm_actors.frontend.engine_watch import EngineWatch, release_on_collect, running_loop
 from vllm_actors.frontend.input_processor import InputProcessor, ProcessedRequest, PromptType
 from vllm_actors.frontend.metrics import FrontendMetrics
 from vllm_actors.frontend.output_processor import OutputProcessor, ParentRequest
@@ -72,6 +73,7 @@ class AsyncLLM(EngineWatch):
         self.metrics = FrontendMetrics(self.model_name, self.group.size,
                                        config.lora.max_loras if config.lora else 0)
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
+        self._engine_ids = itertools.count()   # the suffix that makes engine ids unique
         self.generation_defaults = generation_defaults(source, config.model.generation_config)
         self.lora_config = config.lora
         self.loras: dict[str, LoRARequest] = {}   # adapters loaded on every engine, by name
@@ -83,6 +85,10 @@ class AsyncLLM(EngineWatch):
         self._call_ids = itertools.count()
         self._stopping = False
         self._death_callbacks: list[Callable[[EngineDeadError], None]] = []
+        # dropped without shutdown(): the finalizer stops the cores (it holds what it needs,
+        # not the engine; the loop holds the engine only weakly, see EngineWatch._watch)
+        self._loop_box: list[asyncio.AbstractEventLoop | None] = [None]
+        weakref.finalize(self, release_on_collect, self._loop_box, self.group, self._tasks)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **vllm_options: Any) -> "AsyncLLM":
@@ -144,7 +150,11 @@ class AsyncLLM(EngineWatch):
             return
         if self._loop is not None and self._loop.is_running():
             raise VllmActorsError("this AsyncLLM is in use by another running event loop")
-        self._loop = loop
+        if self._loop is not None and not self._loop.is_closed():
+            for engine in list(self._tasks):      # the idle loop's tasks end when it runs
+                self._unwatch(engine, self.group.clients[engine])
+        self._tasks.clear()
+        self._loop = self._loop_box[0] = loop
         for engine in self.group.live():
             self._watch(engine)
 
@@ -170,16 +180,20 @@ class AsyncLLM(EngineWatch):
         if self._dead is None:
             self._dead = EngineDeadError("the engine was shut down")
         loop = self._loop
-        if loop is not None and not loop.is_closed():
-            if running_loop() is loop:
+        try:
+            if loop is None or loop.is_closed():
+                pass
+            elif running_loop() is loop:
                 self._stop_in_loop()
             elif loop.is_running():
                 loop.call_soon_threadsafe(self._stop_in_loop)
-            else:   # an idle loop: let the cancelled tasks finish on it
+            else:   # an idle loop: let the cancelled tasks finish on it, where none runs
                 tasks = [t for ts in self._tasks.values() for t in ts] + list(self._restarting)
                 self._stop_in_loop()
-                loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-        self.group.shutdown()
+                if running_loop() is None:
+                    loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        finally:
+            self.group.shutdown()
 
     def _stop_in_loop(self) -> None:
         assert self._loop is not None and self._dead is not None
@@ -202,24 +216,26 @@ class AsyncLLM(EngineWatch):
         self.shutdown()
 
     # -- the output handler ----------------------------------------------------------------
-    async def _output_handler(self, engine: int, client: CoreClient) -> None:
+    async def _on_message(self, engine: int, client: CoreClient, message: object) -> bool:
+        """One message of engine core `engine` (`engine_watch._read_outputs`); False when
+        no more are to be read from it."""
         try:
-            while True:
-                message = await client.recv()
-                match message:
-                    case EngineCoreOutputs(outputs=outputs):
-                        self.metrics.observe_step(message.scheduler_stats, engine)
-                        await self._process(outputs, engine)
-                    case UtilityResult():
-                        self._resolve(message)
-                    case EngineDead(reason=reason):
-                        self._engine_died(engine, client, EngineDeadError(
-                            f"the engine core{self._name(engine)} failed: {reason}"))
-                        return
+            match message:
+                case EngineCoreOutputs(outputs=outputs):
+                    self.metrics.observe_step(message.scheduler_stats, engine)
+                    await self._process(outputs, engine)
+                case UtilityResult():
+                    self._resolve(message)
+                case EngineDead(reason=reason):
+                    self._engine_died(engine, client, EngineDeadError(
+                        f"the engine core{self._name(engine)} failed: {reason}"))
+                    return False
         except asyncio.CancelledError:
             raise
         except Exception as e:
             self._fail(EngineDeadError(f"the output handler failed: {type(e).__name__}: {e}"))
+            return False
+        return True
 
     async def _process(self, outputs: list, engine: int = 0) -> None:
         for start in range(0, len(outputs), OUTPUT_CHUNK):
@@ -272,11 +288,12 @@ class AsyncLLM(EngineWatch):
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         self._ensure_running()
-        self._check_free(request_id, [request_id])
+        self._check_free(request_id)
         processed = prompt if isinstance(prompt, ProcessedRequest) else \
             self.input_processor.process(request_id, prompt, params, priority, lora_request)
-        request = processed.engine_request(request_id)
-        self._check_free(request_id, request.child_request_ids)
+        # the core knows the request by an id of its own, so an id used again right after
+        # an abort cannot take outputs of the aborted request still on their way
+        request = processed.engine_request(f"{request_id}-{next(self._engine_ids)}")
         lora = processed.request.lora_request
         if lora is not None and self.loras.get(lora.lora_name) != lora:
             raise ValidationError(f"LoRA adapter {lora.lora_name!r} is not loaded: call "
@@ -297,15 +314,12 @@ class AsyncLLM(EngineWatch):
             raise
         return collector
 
-    def _check_free(self, request_id: str, engine_ids: list[str]) -> None:
-        """A ValueError (as vLLM's) when the id, or an engine id its n completions would
-        take ("0_x" of n > 1), belongs to a request in flight: one of the two would never
-        hear of its outputs again."""
-        states = self.output_processor.states
-        if request_id in self.output_processor.children or any(e in states for e in engine_ids):
-            raise ValidationError(f"request id {request_id!r} is already in use (by a "
-                                  "request in flight, or as the id of one of the n "
-                                  "completions of one)", "request_id")
+    def _check_free(self, request_id: str) -> None:
+        """A ValueError (as vLLM's) when the id belongs to a request in flight: the two
+        could not be told apart in `abort`."""
+        if request_id in self.output_processor.children:
+            raise ValidationError(f"request id {request_id!r} is already in use by a request "
+                                  "in flight", "request_id")
 
     async def generate(self, prompt: PromptType | ProcessedRequest,
                        sampling_params: SamplingParams | None = None,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from typing import TYPE_CHECKING
 
 from vllm_actors.errors import EngineDeadError
@@ -39,18 +40,20 @@ class EngineWatch:
     def _fail(self, error: EngineDeadError) -> None:
         raise NotImplementedError
 
-    async def _output_handler(self, engine: int, client: CoreClient) -> None:
+    async def _on_message(self, engine: int, client: CoreClient, message: object) -> bool:
         raise NotImplementedError
 
     def _watch(self, engine: int) -> None:
-        """Read engine core `engine`'s outputs and notice its exit, on the current loop."""
+        """Read engine core `engine`'s outputs and notice its exit, on the current loop. The
+        loop holds the engine only weakly (`_read_outputs`, `_exited`), so one dropped
+        without `shutdown()` is collected and its finalizer stops the cores, as vLLM's."""
         assert self._loop is not None
-        client = self.group.clients[engine]
-        tasks = [self._loop.create_task(self._output_handler(engine, client))]
+        client, ref = self.group.clients[engine], weakref.ref(self)
+        tasks = [self._loop.create_task(_read_outputs(ref, engine, client))]
         if client.exit_fd is not None:
-            self._loop.add_reader(client.exit_fd, self._on_core_exit, engine, client)
+            self._loop.add_reader(client.exit_fd, _exited, ref, engine, client)
         else:
-            tasks.append(self._loop.create_task(self._watch_core(engine, client)))
+            tasks.append(self._loop.create_task(_poll_exit(ref, engine, client)))
         self._tasks[engine] = tasks
 
     def _unwatch(self, engine: int, client: CoreClient) -> None:
@@ -60,12 +63,6 @@ class EngineWatch:
         for task in self._tasks.pop(engine, []):
             if task is not current:
                 task.cancel()
-
-    async def _watch_core(self, engine: int, client: CoreClient) -> None:
-        """Liveness by polling, where no exit file descriptor exists."""
-        while client.is_alive():
-            await asyncio.sleep(LIVENESS_POLL_S)
-        self._on_core_exit(engine, client)
 
     def _on_core_exit(self, engine: int, client: CoreClient) -> None:
         if client.exit_fd is not None and self._loop is not None:
@@ -120,6 +117,47 @@ class EngineWatch:
         self._watch(engine)
         self.metrics.observe_engine_restart(self.group.num_alive)
         logger.warning("engine core %d restarted and serving", engine)
+
+
+async def _read_outputs(ref: "weakref.ref[EngineWatch]", engine: int,
+                        client: CoreClient) -> None:
+    """Engine core `engine`'s messages to the engine behind `ref`, held only while one is
+    handled; ends when the engine is gone or the core's outputs end."""
+    while True:
+        message = await client.recv()
+        watch = ref()
+        if watch is None or not await watch._on_message(engine, client, message):
+            return
+        del watch
+
+
+async def _poll_exit(ref: "weakref.ref[EngineWatch]", engine: int, client: CoreClient) -> None:
+    """Liveness by polling, where no exit file descriptor exists."""
+    while client.is_alive():
+        await asyncio.sleep(LIVENESS_POLL_S)
+    _exited(ref, engine, client)
+
+
+def _exited(ref: "weakref.ref[EngineWatch]", engine: int, client: CoreClient) -> None:
+    watch = ref()
+    if watch is not None:
+        watch._on_core_exit(engine, client)
+
+
+def release_on_collect(loop_box: list[asyncio.AbstractEventLoop | None],
+                       group: "EngineGroup", tasks: dict[int, list[asyncio.Task]]) -> None:
+    """An engine's finalizer (it must not hold the engine): its tasks cancelled, its exit
+    readers removed from its loop (`loop_box[0]`), and its cores stopped."""
+    loop = loop_box[0]
+    for engine, engine_tasks in list(tasks.items()):
+        for task in engine_tasks:
+            task.cancel()
+        fd = group.clients[engine].exit_fd
+        if loop is not None and not loop.is_closed() and fd is not None:
+            loop.remove_reader(fd)
+    tasks.clear()
+    if not group.closed:
+        group.shutdown()
 
 
 def running_loop() -> asyncio.AbstractEventLoop | None:
