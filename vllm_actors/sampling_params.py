@@ -114,9 +114,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False)
         skip_special_tokens: leave special tokens out of the decoded text.
         stop: strings that end generation; the text is cut before the first match.
         include_stop_str_in_output: keep the matched stop string in the text.
-        spaces_between_special_tokens: when special tokens are kept in the text, separate
-            them from neighbouring text with spaces (as Hugging Face's slow tokenizers do).
+        spaces_between_special_tokens: vLLM's flag; it changes nothing here, as with the
+            fast tokenizers vLLM decodes GGUF and tokenizer.json models with (only slow
+            tokenizers put spaces around added tokens).
         output_kind: cumulative, delta or final-only outputs while streaming.
+        detokenize: False leaves the outputs' text empty (token ids only); stop strings
+            then cannot be matched and are refused.
+        extra_args: vLLM's free-form arguments for custom sampling code; kept, unread.
         top_k: keep the k most likely tokens (0 or -1: all).
         top_p: keep the smallest set of most likely tokens whose probability reaches top_p.
         min_p: drop tokens less likely than min_p times the most likely one.
@@ -164,8 +168,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False)
     bad_words_token_ids: list[list[int]] = []
     structured_outputs: StructuredOutputsParams | None = None
     truncate_prompt_tokens: int | None = None
+    detokenize: bool = True
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        for name in ("stop", "stop_token_ids", "bad_words"):   # None: vLLM's "none"
+            if getattr(self, name) is None:
+                setattr(self, name, [])
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if isinstance(self.bad_words, str):
@@ -197,6 +206,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False)
              f"best_of={self.best_of} with n={self.n} is not supported; use n"),
             (all(isinstance(s, str) and s for s in self.stop), "stop",
              "stop must be a list of non-empty strings"),
+            (self.detokenize or not self.stop, "detokenize",
+             "stop strings need detokenize=True (the text they are matched in)"),
             (all(isinstance(s, str) and s for s in self.bad_words), "bad_words",
              "bad_words must be a list of non-empty strings"),
             (self.truncate_prompt_tokens is None or self.truncate_prompt_tokens == -1 or

@@ -184,6 +184,24 @@ def test_bad_requests(server, auth, path, body, status, param, pattern):
     assert error["param"] == param and re.search(pattern, error["message"]), error
 
 
+def test_return_token_ids_stream_every_id(server, auth):
+    """Byte tokens of unfinished characters (the three of one CJK character allowed): their
+    text is held back, and the streamed token_ids still carry every id (they had been
+    dropped with the chunks whose text was empty), chat and completions alike."""
+    for path, first in (("/v1/completions", {"prompt": "x"}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                                "content": "x"}]})):
+        body = {**first, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                "allowed_token_ids": [180, 235, 121], "return_token_ids": True}
+        (whole,) = post(server, auth, path, body).json()["choices"]
+        with httpx.stream("POST", server.url + path, json={**body, "stream": True},
+                          headers=auth, timeout=60) as r:
+            chunks = [json.loads(e) for e in sse_events(r)[:-1]]
+        streamed = [t for c in chunks for choice in c["choices"]
+                    for t in choice.get("token_ids") or []]
+        assert len(whole["token_ids"]) == 6 and streamed == whole["token_ids"], path
+
+
 def test_shapes_clients_send(server, auth):
     """What clients send that vLLM serves: documents, the function role, refusal and
     input_text parts, top_logprobs 0 without logprobs, a prediction (speed only); and the

@@ -63,6 +63,18 @@ def test_chat_takes_text_parts_template_kwargs_and_an_open_final_message(smollm2
         smollm2_llm.chat([{"role": "user", "content": [{"type": "image_url"}]}], params)
 
 
+def test_detokenize_off_and_lists_given_as_none(smollm2_llm):
+    """vLLM's detokenize=False (token ids only; stop strings refused) and None for its
+    optional lists."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, stop=None,
+                            stop_token_ids=None, bad_words=None, detokenize=False,
+                            extra_args={"mine": 1})
+    out = smollm2_llm.generate("Hello", params)[0].outputs[0]
+    assert out.text == "" and len(out.token_ids) == 4
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)
+
+
 def test_ignore_eos_runs_to_max_tokens(smollm2_llm):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     out = smollm2_llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=40,

@@ -54,11 +54,24 @@ def test_min_tokens_delays_stop_strings(smollm2_tokenizer):
     assert detok.update(ids[2:3]) == "a" and detok.output_text == " a b "
 
 
-def test_spaces_between_special_tokens(smollm2_tokenizer):
+def test_special_tokens_kept_add_no_spaces(smollm2_tokenizer):
+    """With special tokens kept, the text is the fast tokenizer's (vLLM's path): no spaces
+    around them, whatever spaces_between_special_tokens says (they had been put in, and
+    Gemma's newline tokens, added tokens there, came out padded); an unfinished character
+    before a stop token is flushed as the tokenizer decodes it (it had been dropped)."""
     ids = smollm2_tokenizer.encode("<|im_start|>user hi<|im_end|>")
-    assert smollm2_tokenizer.decode(ids, spaces_between_special_tokens=True) == \
-        "<|im_start|> user hi <|im_end|>"
-    assert smollm2_tokenizer.decode(ids) == "<|im_start|>user hi<|im_end|>"
+    for spaces in (True, False):
+        assert smollm2_tokenizer.decode(ids, spaces_between_special_tokens=spaces) == \
+            "<|im_start|>user hi<|im_end|>"
+    prompt = smollm2_tokenizer.encode("Say")
+    detok = IncrementalDetokenizer(smollm2_tokenizer, prompt, SamplingParams(
+        skip_special_tokens=False))
+    detok.update(ids)
+    assert detok.output_text == "<|im_start|>user hi<|im_end|>"
+    lead = smollm2_tokenizer.encode("鑫")[:1]         # the first of its three byte tokens
+    detok = IncrementalDetokenizer(smollm2_tokenizer, prompt, SamplingParams())
+    detok.update(lead + [2], finished=True, stop_terminated=True)
+    assert detok.output_text == smollm2_tokenizer.decode(lead) == "\ufffd"
 
 
 def test_collector_merges_deltas_and_raises():

@@ -96,6 +96,20 @@ def test_truncation_keeps_the_last_tokens(processor):
     assert request.prompt_token_ids == whole[-2:]
 
 
+def test_other_ids_that_end_generation_are_stop_token_ids(processor):
+    """As vLLM's update_from_generation_config: the model's EOS stays the EOS, the other ids
+    that end generation (Gemma's <end_of_turn>) join stop_token_ids, so a stop on one is
+    named in stop_reason (it had been None); ignore_eos keeps neither."""
+    import dataclasses
+    tokenizer = dataclasses.replace(processor.tokenizer, eos_token_ids=(2, 0))
+    two = InputProcessor(tokenizer, EngineReady(64, 16, 2048, 49152))
+    request = two.process("r", "Hi", SamplingParams(stop_token_ids=[7])).request
+    assert request.eos_token_ids == [2] and request.sampling_params.stop_token_ids == [7, 0]
+    request = two.process("r", "Hi", SamplingParams(ignore_eos=True)).request
+    assert request.eos_token_ids == [] and request.sampling_params.stop_token_ids == []
+    assert processor.process("r", "Hi", SamplingParams()).request.eos_token_ids == [2]
+
+
 def test_salt_priority_and_token_lists_are_checked(processor):
     request = processor.process("r", {"prompt": "Hi", "cache_salt": "tenant-a"},
                                 SamplingParams()).request

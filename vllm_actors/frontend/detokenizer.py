@@ -67,7 +67,7 @@ class IncrementalDetokenizer:
                  params: SamplingParams, stop_prefixes: StopPrefixes | None = None) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
-        self.spaces_between_special_tokens = params.spaces_between_special_tokens
+        self.detokenize = params.detokenize
         self.stop = params.stop
         if stop_prefixes is None and params.stop:
             stop_prefixes = StopPrefixes(params.stop)
@@ -84,8 +84,7 @@ class IncrementalDetokenizer:
         self.num_used_tokens = 0     # of the last update's tokens (see update)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, self.skip_special_tokens,
-                                     self.spaces_between_special_tokens)
+        return self.tokenizer.decode(ids, self.skip_special_tokens)
 
     def _decode_next(self, token_id: int, flush: bool) -> str:
         self.ids.append(token_id)
@@ -93,6 +92,15 @@ class IncrementalDetokenizer:
         full_text = self._decode(self.ids[self.prefix_offset:])
         if len(full_text) <= len(prefix_text) or (full_text.endswith(_REPLACEMENT) and not flush):
             return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full_text[len(prefix_text):]
+
+    def _flush(self) -> str:
+        """The text held back (an unfinished character), as the tokenizer decodes it."""
+        if self.read_offset >= len(self.ids):
+            return ""
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full_text = self._decode(self.ids[self.prefix_offset:])
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return full_text[len(prefix_text):]
 
@@ -105,10 +113,14 @@ class IncrementalDetokenizer:
         stop (the rest are dropped, as if the request had stopped there)."""
         start_len = len(self.output_text)
         self.num_used_tokens = len(new_token_ids)
+        if not self.detokenize:
+            self.num_output_tokens += len(new_token_ids)
+            return None
         for i, token_id in enumerate(new_token_ids):
             last = i == len(new_token_ids) - 1
             self.num_output_tokens += 1
             if last and stop_terminated and not self.include_stop:
+                self.output_text += self._flush()   # an unfinished character before it
                 continue
             self.output_text += self._decode_next(token_id, flush=finished and last)
             if self.num_output_tokens <= self.min_tokens:

@@ -222,10 +222,25 @@ class InputProcessor:
             raise ValidationError(f"token id {bad[0]} is out of range for a vocabulary of "
                                   f"{self.vocab_size}", "prompt_token_ids")
         params, grammar = self._check_params(params)
-        eos = [] if params.ignore_eos else list(self.tokenizer.eos_token_ids)
+        eos, params = self._eos_and_stop_ids(params)
         request = EngineCoreRequest(request_id, token_ids, params, eos, time.time(), priority,
                                     salt, grammar=grammar, lora_request=lora_request)
         return ProcessedRequest(text, request)
+
+    def _eos_and_stop_ids(self, params: SamplingParams) -> tuple[list[int], SamplingParams]:
+        """The request's EOS ids and params, as vLLM's `update_from_generation_config`
+        sets them: the model's EOS ends it as EOS; the other ids that end generation
+        (Gemma's <end_of_turn>, generation_config's extras) join `stop_token_ids`, so a
+        stop on one names it in `stop_reason`; with ignore_eos neither ends it."""
+        if params.ignore_eos:
+            return [], params
+        primary = self.tokenizer.eos_token_id
+        every = self.tokenizer.eos_token_ids
+        extras = [t for t in every if t != primary] if primary is not None else []
+        if not extras:
+            return list(every), params
+        stops = list(dict.fromkeys([*params.stop_token_ids, *extras]))
+        return [primary], msgspec.structs.replace(params, stop_token_ids=stops)
 
     def process_pooling(self, request_id: str, prompt: PromptType, params: PoolingParams,
                         priority: int = 0, lora_request: LoRARequest | None = None,

@@ -180,8 +180,9 @@ async def _stream(state: ServerState, prepared: PreparedChat,
             for c in out.outputs:
                 generated[c.index] += len(c.token_ids)
                 delta, called = parsers[c.index].update(c.text, c.finish_reason is not None)
-                if not delta and c.finish_reason is None and not (c.logprobs and c.token_ids):
-                    continue
+                if not delta and c.finish_reason is None and not (
+                        (c.logprobs or req.return_token_ids) and c.token_ids):
+                    continue     # (text held back: a character or stop string unfinished)
                 choice: dict[str, Any] = {
                     "index": c.index, "delta": delta,
                     "logprobs": chat_logprobs(c.logprobs, c.token_ids, req.top_logprobs or 0,

@@ -160,8 +160,8 @@ async def _stream(state: ServerState, prepared: PreparedCompletion,
                 index = p * req.n + c.index
                 piece = shaper.piece(p, index, out.prompt_token_ids, out.prompt_logprobs, c)
                 generated[index] += piece.num_generated
-                if not piece.text and c.finish_reason is None and \
-                        not (piece.logprobs and piece.has_tokens):
+                if not piece.text and c.finish_reason is None and not (
+                        (piece.logprobs or req.return_token_ids) and piece.has_tokens):
                     continue
                 choice = {"index": index, "text": piece.text, "logprobs": piece.logprobs,
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}

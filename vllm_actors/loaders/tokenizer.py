@@ -99,31 +99,12 @@ class Tokenizer:
         return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False,
-               spaces_between_special_tokens: bool = False) -> str:
-        """Text of `ids`. With `spaces_between_special_tokens` (and special tokens kept), added
-        tokens and the text runs between them are joined with single spaces, as Hugging
-        Face's slow tokenizers do; otherwise pieces are concatenated."""
-        ids = list(ids)
-        if skip_special_tokens or not spaces_between_special_tokens:
-            return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
-        added = self._added_token_ids
-        pieces: list[str] = []
-        run: list[int] = []
-        for token_id in ids:
-            if token_id in added:
-                if run:
-                    pieces.append(self.backend.decode(run))
-                    run = []
-                pieces.append(self.backend.id_to_token(token_id))
-            else:
-                run.append(token_id)
-        if run:
-            pieces.append(self.backend.decode(run))
-        return " ".join(pieces)
-
-    @functools.cached_property
-    def _added_token_ids(self) -> frozenset[int]:
-        return frozenset(self.backend.get_added_tokens_decoder())
+               spaces_between_special_tokens: bool = True) -> str:
+        """Text of `ids`, as a Hugging Face fast tokenizer (and so vLLM) decodes them:
+        `spaces_between_special_tokens` is accepted and, as there, inserts nothing (only
+        the slow tokenizers put spaces around added tokens, which broke Gemma's newline
+        and whitespace tokens)."""
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
         return [self.backend.id_to_token(i) for i in ids]
