@@ -13,7 +13,9 @@ semantics' oracle) are compared the same way.
 `--texts FILE` (a JSON list of strings; `--chat` wraps each as a user message in the model's
 chat template) compares on new prompts instead: llama.cpp's tokens and margins are computed
 now, with the goldens' settings (`tests/oracle/make_llamacpp_golden.py`; llama-cpp-python
-from the oracle extra), and there is no transformers column.
+from the oracle extra), and there is no transformers column. `--context N` gives llama.cpp
+an N-token context for longer prompts (bench/agreement_long.json: 650-3,100 tokens, several
+of llama.cpp's 512-token ubatches).
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ def report(label: str, cases: list[dict], tokens: list[list[int]], bound: float)
           f">= {bound:.3f}: {len(clear)} {[(n, s, round(m, 3)) for n, s, m in clear]}")
 
 
-def live_cases(stem: str, texts: list[str], chat: bool) -> tuple[list[dict], str]:
+def live_cases(stem: str, texts: list[str], chat: bool, context: int = 0
+               ) -> tuple[list[dict], str]:
     """Cases of new prompts with llama.cpp's greedy tokens and top-2 margins, run now."""
     sys.path.insert(0, str(GOLDEN.parent / "oracle"))
     import make_llamacpp_golden as oracle
@@ -58,6 +61,7 @@ def live_cases(stem: str, texts: list[str], chat: bool) -> tuple[list[dict], str
     oracle.L.llama_log_set(oracle._collect_log, ctypes.c_void_p(0))   # kept, not printed
     oracle.L.llama_backend_init()
     model = oracle.load_model(path)
+    oracle.N_CTX = context or oracle.N_CTX
     n_vocab = oracle.L.llama_vocab_n_tokens(oracle.L.llama_model_get_vocab(model))
     cases = []
     try:
@@ -82,12 +86,15 @@ def main() -> None:
     parser.add_argument("--texts", type=Path, default=None,
                         help="JSON list of new prompts, llama.cpp run on them now")
     parser.add_argument("--chat", action="store_true", help="--texts as user messages")
+    parser.add_argument("--context", type=int, default=0,
+                        help="llama.cpp's n_ctx for --texts (default: the goldens' 1024)")
     args = parser.parse_args()
     from vllm_actors import LLM, SamplingParams
     llama = json.loads((GOLDEN / f"llamacpp_{args.model}_greedy.json").read_text())
     bound = near_tie_bound(args.model)
     if args.texts:
-        cases, oracle = live_cases(args.model, json.loads(args.texts.read_text()), args.chat)
+        cases, oracle = live_cases(args.model, json.loads(args.texts.read_text()), args.chat,
+                                   args.context)
         print(f"{args.model}: {oracle}; llama.cpp's own near-tie bound {bound:.3f}")
     else:
         cases = llama["cases"][:args.cases or None]

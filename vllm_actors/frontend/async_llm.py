@@ -218,9 +218,11 @@ class AsyncLLM(EngineWatch):
     # -- the output handler ----------------------------------------------------------------
     async def _on_message(self, engine: int, client: CoreClient, message: object) -> bool:
         """One message of engine core `engine` (`engine_watch._read_outputs`); False when
-        no more are to be read from it."""
+        no more are to be read from it (an exception: reading failed)."""
         try:
             match message:
+                case Exception():
+                    raise message
                 case EngineCoreOutputs(outputs=outputs):
                     self.metrics.observe_step(message.scheduler_stats, engine)
                     await self._process(outputs, engine)

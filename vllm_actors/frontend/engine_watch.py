@@ -124,7 +124,10 @@ async def _read_outputs(ref: "weakref.ref[EngineWatch]", engine: int,
     """Engine core `engine`'s messages to the engine behind `ref`, held only while one is
     handled; ends when the engine is gone or the core's outputs end."""
     while True:
-        message = await client.recv()
+        try:
+            message: object = await client.recv()
+        except Exception as e:      # handed over: the engine fails with it
+            message = e
         watch = ref()
         if watch is None or not await watch._on_message(engine, client, message):
             return
