@@ -95,8 +95,8 @@ class InputProcessor:
         than `max_tokens` tokens."""
         if len(text) > self.max_text_chars:
             raise ValidationError(
-                f"{self._context()} However, the {param} has {len(text)} characters, far more "
-                "than that can hold; shorten it", param)
+                f"{self._context()} However, the text of `{param}` has {len(text)} "
+                "characters, far more than that can hold; shorten it", param)
         if max_tokens is not None and len(text) > max_tokens * PIECE_CHARS_PER_TOKEN:
             self._check_token_budget(text, max_tokens, param)
         return self.tokenizer.encode(text, add_special_tokens)
@@ -119,7 +119,7 @@ class InputProcessor:
             pieces += 1
             if counted > max_tokens + pieces * PIECE_MARGIN_TOKENS:
                 raise ValidationError(
-                    f"{self._context()} However, the {param} has more than {max_tokens} "
+                    f"{self._context()} However, the text of `{param}` has more than {max_tokens} "
                     f"tokens ({counted} in its first {end} of {len(text)} characters); "
                     "shorten it", param)
             start = end
