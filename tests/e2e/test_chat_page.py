@@ -85,3 +85,32 @@ def test_cut_reply_is_marked_and_new_chat_forgets(page):
         page.click("#send")
     assert json.loads(sent.value.post_data)["messages"] == [{"role": "user", "content": "Hello"}]
     wait_reply(page, "dataset.state === 'done'")
+
+
+def test_a_failed_turn_is_left_out(page):
+    """A refused request (a 400 here) leaves its turn out of the conversation sent next
+    (it had been kept, with an empty reply, so every later message failed the same way)
+    and gives its text back to edit; settings the fields refuse are not sent; Enter that
+    confirms an input method's word does not send."""
+    page.click("#new-chat")
+    refusal = {"error": {"message": "too long", "type": "invalid_request_error",
+                         "param": "messages", "code": None}}
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(
+        status=400, content_type="application/json", body=json.dumps(refusal)))
+    page.fill("#prompt", "First")
+    page.click("#send")
+    page.wait_for_selector(".msg.error")
+    assert "too long" in page.locator(".msg.error").last.inner_text()
+    assert page.input_value("#prompt") == "First" and page.locator(".msg.assistant").count() == 0
+    page.unroute("**/v1/chat/completions")
+    page.fill("#max-tokens", "1.5")
+    page.click("#send")
+    assert "whole number" in page.locator(".msg.error").last.inner_text()
+    page.fill("#max-tokens", "4")
+    page.fill("#prompt", "Hello")
+    page.dispatch_event("#prompt", "keydown", {"key": "Enter", "isComposing": True})
+    assert page.input_value("#prompt") == "Hello"
+    with page.expect_request("**/v1/chat/completions") as sent:
+        page.press("#prompt", "Enter")
+    assert json.loads(sent.value.post_data)["messages"] == [{"role": "user", "content": "Hello"}]
+    wait_reply(page, "dataset.state === 'done'")
