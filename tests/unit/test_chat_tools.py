@@ -14,7 +14,7 @@ from grammar_text import params_accept
 from vllm_actors.config import ServerConfig
 from vllm_actors.frontend.chat_tools import ToolPlan, choice_parser, plan_tools
 from vllm_actors.frontend.openai_schema import APIError, ChatCompletionRequest, chat_messages
-from vllm_actors.frontend.reasoning import get_reasoning_parser
+from vllm_actors.frontend.reasoning import get_reasoning_parser, prompt_thinking
 from vllm_actors.frontend.tool_parsers import PARSERS
 from vllm_actors.loaders.chat_template import render_chat_template
 
@@ -39,10 +39,24 @@ EXPECTED = [("get_weather", {"city": "Paris", "days": 2}), ("get_weather", {"cit
 
 @pytest.mark.parametrize("name", sorted(SCRIPTED))
 def test_parsers_find_calls(name):
+    """Also with text after the calls (not content, as vLLM reads it; mistral's and
+    qwen3_coder's calls had been lost to it; llama3_json's output is then content, as in
+    vLLM) and qwen3_coder without `</function>`."""
     text, content = SCRIPTED[name]
-    found_content, calls = PARSERS[name](TOOLS).extract(text)
-    assert found_content == content
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == EXPECTED
+    trailing = [] if name == "llama3_json" else [text + " Done."]
+    for variant in (text, *trailing, text.replace("</function>", "")):
+        found_content, calls = PARSERS[name](TOOLS).extract(variant)
+        assert found_content == content
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == EXPECTED, variant
+
+
+def test_mistral_call_ids_are_nine_letters_and_digits():
+    """Mistral's templates refuse other ids when a call comes back in the history."""
+    parser = choice_parser(ToolPlan("auto", parser=PARSERS["mistral"](TOOLS)), ServerConfig(),
+                           False)
+    message, _ = parser.message(SCRIPTED["mistral"][0])
+    ids = [c["id"] for c in message["tool_calls"]]
+    assert len(ids) == 2 and all(len(i) == 9 and i.isalnum() for i in ids)
 
 
 def test_mistral_newer_format():
@@ -105,6 +119,23 @@ def test_reasoning_split(name, text, expected):
     assert get_reasoning_parser(name).split(text) == expected
 
 
+def test_the_prompt_opens_or_closes_the_reasoning():
+    """A prompt ending with `<think>` (Qwen3.5's template) opens the reasoning for qwen3
+    too (its output had been all content, `</think>` included); one ending with `</think>`,
+    or `enable_thinking: false`, closes it for deepseek_r1 too."""
+    opened = "<|im_start|>assistant\n<think>\n"
+    closed = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert prompt_thinking(None, opened) is True and prompt_thinking(None, "x") is None
+    assert prompt_thinking(None, closed) is False
+    assert prompt_thinking({"enable_thinking": False}, opened) is False
+    qwen3 = get_reasoning_parser("qwen3", thinking=True)
+    assert qwen3.split("I add.\n</think>\n\n4.") == ("I add.\n", "\n\n4.")
+    assert qwen3.split("cut short") == ("cut short", "")
+    r1 = get_reasoning_parser("deepseek_r1", thinking=False)
+    assert r1.split("4.") == (None, "4.")
+    assert r1.split("<think>a</think>4.") == ("a", "4.")
+
+
 def test_reasoning_holds_back_partial_markers():
     parser = get_reasoning_parser("qwen3")
     assert parser.split("<thi", final=False) == (None, "")
@@ -165,23 +196,26 @@ def test_tool_history_reaches_the_template_with_dict_arguments():
 
 
 @pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral"])
-def test_json_tool_arguments_stream_as_written(name):
-    """Fed one character at a time, a call is announced once its name is known and its
-    arguments then arrive in pieces that concatenate to the final arguments."""
+@pytest.mark.parametrize("broken", [False, True])
+def test_calls_the_model_chose_arrive_whole_with_the_last_delta(name, broken):
+    """Fed one character at a time, a model's own calls ("auto") come whole in the last
+    delta, as the message has them; a malformed one (an unquoted value) is content there
+    and in the stream alike (the stream had sent it as a call with its closing tag in the
+    arguments, while the whole message had none)."""
     text = SCRIPTED[name][0]
+    if broken:
+        text = text.replace('"Paris"', "Paris")
     parser = choice_parser(ToolPlan("auto", parser=PARSERS[name](TOOLS)), ServerConfig(), False)
-    pieces: dict[int, list[dict]] = {}
-    for i, ch in enumerate(text):
-        delta, _ = parser.update(ch, i == len(text) - 1)
-        for piece in delta.get("tool_calls", []):
-            pieces.setdefault(piece["index"], []).append(piece)
-    assert sorted(pieces) == [0, 1]
-    for index, got in pieces.items():
-        assert got[0]["function"]["name"] == "get_weather" and got[0]["id"]
-        assert all("name" not in p["function"] for p in got[1:])
-        assert len(got) > 5      # streamed, not sent whole
-        args = "".join(p["function"]["arguments"] for p in got)
-        assert json.loads(args) == EXPECTED[index][1]
+    message, called = choice_parser(ToolPlan("auto", parser=PARSERS[name](TOOLS)),
+                                    ServerConfig(), False).message(text)
+    deltas = [parser.update(ch, i == len(text) - 1)[0] for i, ch in enumerate(text)]
+    assert all("tool_calls" not in d for d in deltas[:-1])
+    streamed = [(c["function"]["name"], c["function"]["arguments"])
+                for c in deltas[-1].get("tool_calls", [])]
+    assert streamed == [(c["function"]["name"], c["function"]["arguments"])
+                        for c in message["tool_calls"]]
+    assert called != broken and len(streamed) == (0 if broken else 2)
+    assert "".join(d.get("content", "") for d in deltas) == (message["content"] or "")
 
 
 def test_auto_without_parallel_calls_keeps_the_first():

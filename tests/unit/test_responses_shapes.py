@@ -112,10 +112,9 @@ def test_chat_request_carries_every_mapped_field():
     ({"conversation": "conv_1"}, "conversation", "not supported"),
     ({"prompt": {"id": "p"}}, "prompt", "not supported"),
     ({"max_tool_calls": 2}, "max_tool_calls", "not supported"),
-    ({"reasoning": {"effort": "high"}}, "reasoning", "not supported"),
-    ({"truncation": "auto"}, "truncation", "only \"disabled\""),
+    ({"reasoning": {"effort": 3}}, "reasoning", "effort must be a string"),
+    ({"truncation": "middle"}, "truncation", "is not \"auto\" or \"disabled\""),
     ({"text": {"verbosity": "low"}}, "text", "verbosity is not supported"),
-    ({"include": ["file_search_call.results"]}, "include", "not supported"),
     ({"top_logprobs": 2}, "top_logprobs", "needs include"),
     ({"metadata": {str(i): "v" for i in range(17)}}, "metadata", "at most 16 keys"),
 ])
@@ -128,6 +127,18 @@ def test_unsupported_fields_are_refused(fields, param, pattern):
 def test_neutral_values_of_refused_fields_pass():
     refuse_unsupported(_request(background=False, reasoning={"effort": None},
                                 truncation="disabled", include=[], metadata={"k": "v"}))
+
+
+def test_what_agent_clients_send_is_taken():
+    """What the OpenAI Agents SDK and Codex-style clients send, as vLLM takes it (each had
+    been refused): truncation "auto" keeps the prompt's last tokens, reasoning.effort
+    reaches the template, other include values produce nothing."""
+    req = _request(truncation="auto", reasoning={"effort": "low", "summary": "auto"},
+                   include=["reasoning.encrypted_content"], chat_template_kwargs={"x": 1})
+    refuse_unsupported(req)
+    chat = chat_request(req, input_items("hi"))
+    assert chat.truncate_prompt_tokens == -1
+    assert chat.chat_template_kwargs == {"reasoning_effort": "low", "x": 1}
 
 
 @pytest.mark.parametrize("fields, param, pattern", [

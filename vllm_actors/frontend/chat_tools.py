@@ -22,7 +22,6 @@ JSON, arrive whole).
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -179,8 +178,9 @@ class ChoiceParser:
         return reasoning, content[:start], calls if plan.parallel else calls[:1]
 
     def _ids(self, n: int) -> list[str]:
+        new_id = (self.plan.parser or ToolParser).call_id
         while len(self.call_ids) < n:
-            self.call_ids.append(f"chatcmpl-tool-{uuid.uuid4().hex}")
+            self.call_ids.append(new_id())
         return self.call_ids
 
     def message(self, text: str) -> tuple[dict[str, Any], bool]:
@@ -192,20 +192,25 @@ class ChoiceParser:
         msg: dict[str, Any] = {"role": "assistant", "content": content or None,
                                "tool_calls": [{k: v for k, v in _call_json(c, i, ids[i]).items()
                                                if k != "index"} for i, c in enumerate(calls)]}
-        if reasoning is not None:
-            msg["reasoning_content"] = reasoning
-        if not calls and msg["content"] is None:
+        if reasoning is not None:   # vLLM's name now, and its name before
+            msg["reasoning"] = msg["reasoning_content"] = reasoning
+        elif not calls and msg["content"] is None:
             msg["content"] = ""
         return msg, bool(calls) and self.plan.choice != "named"
 
     def update(self, new_text: str, final: bool) -> tuple[dict[str, Any], bool]:
-        """(the delta for new_text, whether the model has made tool calls so far). A call is
-        announced (id, name) once its name is known; its arguments follow as written."""
+        """(the delta for new_text, whether the model has made tool calls so far). A call a
+        grammar forces (required, named) is announced (id, name) once its name is known,
+        its arguments following as written; calls the model chose to write ("auto") are
+        sent whole with the last delta, as the whole message reads them: until the output
+        ends its text may still turn out not to be calls (a malformed one is content)."""
         self.text += new_text
         reasoning, content, calls = self._parse(final)
+        if self.plan.choice == "auto" and not final:
+            calls = []
         delta: dict[str, Any] = {}
         if reasoning is not None and len(reasoning) > self.sent_reasoning:
-            delta["reasoning_content"] = reasoning[self.sent_reasoning:]
+            delta["reasoning"] = delta["reasoning_content"] = reasoning[self.sent_reasoning:]
             self.sent_reasoning = len(reasoning)
         if len(content) > self.sent_content:
             delta["content"] = content[self.sent_content:]
@@ -225,9 +230,11 @@ class ChoiceParser:
         return delta, called
 
 
-def choice_parser(plan: ToolPlan, config: ServerConfig, constrained: bool) -> ChoiceParser:
+def choice_parser(plan: ToolPlan, config: ServerConfig, constrained: bool,
+                  thinking: bool | None = None) -> ChoiceParser:
     """`constrained`: a grammar shapes the output from its first token, so reasoning is
     split off only where the output itself opens with `<think>` (a regex or grammar that
-    spells the reasoning out); no template-opened reasoning is assumed."""
-    reasoning = get_reasoning_parser(config.reasoning_parser, explicit_only=constrained)
+    spells the reasoning out); no template-opened reasoning is assumed. `thinking`: as
+    `reasoning.prompt_thinking` reads the prompt."""
+    reasoning = get_reasoning_parser(config.reasoning_parser, constrained, thinking)
     return ChoiceParser(plan, reasoning)

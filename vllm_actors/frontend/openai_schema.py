@@ -124,6 +124,7 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     parallel_tool_calls: bool = True
     echo: bool = False
     continue_final_message: bool = False
+    include_reasoning: bool = True
     documents: list[dict[str, Any]] | None = None
     mm_processor_kwargs: Any = None
     functions: Any = None        # OpenAI's deprecated forms of tools / tool_choice

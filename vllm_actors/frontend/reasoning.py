@@ -1,11 +1,16 @@
 """Reasoning parsers (`--reasoning-parser`): split a model's `<think>...</think>` reasoning
-from its answer, for `reasoning_content` and `content`.
+from its answer, for `reasoning` (also sent as `reasoning_content`) and `content`.
 
 - deepseek_r1: the chat template opens `<think>` in the prompt, so everything up to
   `</think>` is reasoning (a `<think>` the model writes itself is dropped); an output that
   never closes it is all reasoning.
-- qwen3: reasoning only when the output opens with `<think>` (thinking can be switched off,
-  then the output is all content); an unclosed `<think>` is all reasoning.
+- qwen3: reasoning where the output opens with `<think>` (Qwen3's first templates let the
+  model write it), or where the prompt opened it (Qwen3.5's and the Thinking models'
+  templates end the prompt with `<think>`): then up to `</think>`, as deepseek_r1.
+
+Where the prompt closed the reasoning (`enable_thinking: false` in the request's
+`chat_template_kwargs`, or a prompt ending with `</think>`, as templates write thinking
+off) there is reasoning only where the output opens `<think>` again, with either parser.
 
 The split of a growing text only ever appends to both parts, so streaming sends the parts'
 growth and the streamed pieces add up to the complete split. While streaming, a tail that
@@ -42,13 +47,20 @@ class ReasoningParser:
         return body[:end], body[end + len(END):]
 
 
-PARSERS = {"deepseek_r1": lambda: ReasoningParser(implicit_start=True),
-           "qwen3": lambda: ReasoningParser(implicit_start=False)}
-
-
-def get_reasoning_parser(name: str | None, explicit_only: bool = False
-                         ) -> ReasoningParser | None:
-    """The named parser; `explicit_only`: reasoning only where the output opens `<think>`."""
+def get_reasoning_parser(name: str | None, explicit_only: bool = False,
+                         thinking: bool | None = None) -> ReasoningParser | None:
+    """The named parser (config.REASONING_PARSERS); `explicit_only`: reasoning only where
+    the output opens `<think>`; `thinking`: what the prompt did (`prompt_thinking`)."""
     if name is None:
         return None
-    return ReasoningParser(implicit_start=False) if explicit_only else PARSERS[name]()
+    implicit = thinking is True or (name == "deepseek_r1" and thinking is None)
+    return ReasoningParser(implicit_start=implicit and not explicit_only)
+
+
+def prompt_thinking(template_kwargs: dict | None, prompt_text: str | None) -> bool | None:
+    """True when the prompt opened the reasoning (its text ends with `<think>`), False
+    when it closed it or the request switched thinking off, None when it says nothing."""
+    text = (prompt_text or "").rstrip()
+    if (template_kwargs or {}).get("enable_thinking", True) is False or text.endswith(END):
+        return False
+    return True if text.endswith(START) else None

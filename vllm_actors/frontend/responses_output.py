@@ -155,7 +155,7 @@ class OutputBuilder:
         output_index, item = self._position()
         at = {"item_id": item["id"], "output_index": output_index}
         if kind == "call":
-            self._add("response.function_call_arguments.done", **at,
+            self._add("response.function_call_arguments.done", **at, name=item["name"],
                       arguments=item["arguments"])
         else:
             part = item["content"][0]

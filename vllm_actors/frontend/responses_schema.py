@@ -12,9 +12,13 @@ so the chat path does the rest (template, tool planning, structured outputs, par
   ...}); `tool_choice` "none" | "auto" | "required" | {"type": "function", "name"}.
 - `text.format`: text | json_object | json_schema ({"type", "name", "schema", ...}).
 
+`truncation: "auto"` keeps the prompt's last tokens that fit (vLLM's
+`truncate_prompt_tokens: -1`); `reasoning.effort` reaches the chat template as
+`reasoning_effort` (its `summary` is not produced); `include` values other than output
+logprobs are accepted and produce nothing (encrypted reasoning, images, search results).
 Fields this server cannot honour are refused with a 400 naming them when set to anything
 but their neutral value (`background`, `conversation`, `prompt`, `max_tool_calls`,
-`reasoning`, `truncation: "auto"`, `text.verbosity`, `include` other than output logprobs);
+`text.verbosity`);
 built-in tools (web_search, file_search, ...) are refused the same way. Unknown fields are
 ignored, as on the chat endpoint. vLLM's sampling extras (`SAMPLING_EXTRAS`: stop, penalties,
 ignore_eos, structured_outputs, ...) apply as on the chat endpoint.
@@ -108,17 +112,13 @@ def refuse_unsupported(req: ResponsesRequest) -> None:
     for field in ("conversation", "prompt", "max_tool_calls"):
         if getattr(req, field) is not None:
             raise _refuse(field, "is not supported by this server")
-    if req.reasoning and any(v is not None for v in req.reasoning.values()):
-        raise _refuse("reasoning", "options are not supported by this server (a reasoning "
-                                   "parser splits what the model writes)")
-    if req.truncation not in (None, "disabled"):
-        raise _refuse("truncation", f'{req.truncation!r} is not supported; only "disabled"')
+    effort = (req.reasoning or {}).get("effort")
+    if effort is not None and not isinstance(effort, str):
+        raise _refuse("reasoning", "effort must be a string")
+    if req.truncation not in (None, "disabled", "auto"):
+        raise _refuse("truncation", f'{req.truncation!r} is not "auto" or "disabled"')
     if req.text and req.text.get("verbosity") is not None:
         raise APIError(400, "text.verbosity is not supported by this server", "text")
-    for value in req.include or []:
-        if value != OUTPUT_LOGPROBS:
-            raise _refuse("include", f"value {value!r} is not supported; only "
-                                     f"{OUTPUT_LOGPROBS!r}")
     if req.top_logprobs and not req.wants_logprobs:
         raise _refuse("top_logprobs", f"needs include: [{OUTPUT_LOGPROBS!r}]")
     _check_metadata(req.metadata)
@@ -254,6 +254,15 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
                         f"{kind!r}", "text")
 
 
+def _template_kwargs(req: ResponsesRequest) -> dict[str, Any] | None:
+    """The request's chat_template_kwargs, with `reasoning.effort` as `reasoning_effort`
+    (what vLLM hands templates that read it, gpt-oss's)."""
+    effort = (req.reasoning or {}).get("effort")
+    if effort is None:
+        return req.chat_template_kwargs
+    return {"reasoning_effort": effort, **(req.chat_template_kwargs or {})}
+
+
 def chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatCompletionRequest:
     """The chat request that generates this response: `items` is the whole conversation
     (a stored one's items and output, then this request's input); instructions go first."""
@@ -267,7 +276,9 @@ def chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatComp
         top_p=req.top_p, top_k=req.top_k, seed=req.seed, stream=bool(req.stream),
         user=req.user, priority=req.priority, cache_salt=req.cache_salt,
         logit_bias=req.logit_bias, response_format=_response_format(req.text),
-        **{name: getattr(req, name) for name in SAMPLING_EXTRAS},
+        **{name: getattr(req, name) for name in SAMPLING_EXTRAS
+           if name != "chat_template_kwargs"}, chat_template_kwargs=_template_kwargs(req),
         tools=_chat_tools(req.tools), tool_choice=_chat_tool_choice(req.tool_choice),
         parallel_tool_calls=req.parallel_tool_calls is not False, logprobs=logprobs,
-        top_logprobs=req.top_logprobs if logprobs else None)
+        top_logprobs=req.top_logprobs if logprobs else None,
+        truncate_prompt_tokens=-1 if req.truncation == "auto" else None)

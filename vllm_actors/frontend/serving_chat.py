@@ -11,11 +11,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from vllm_actors.errors import ValidationError
-from vllm_actors.frontend.chat_tools import ToolPlan, choice_parser, plan_tools
+from vllm_actors.config import ServerConfig
+from vllm_actors.frontend.chat_tools import ChoiceParser, ToolPlan, choice_parser, plan_tools
 from vllm_actors.frontend.openai_schema import (APIError, ChatCompletionRequest, chat_logprobs,
                                                 chat_messages, max_tokens_for,
                                                 prompt_logprobs_json, refuse_unsupported,
                                                 sampling_params, structured_outputs_of)
+from vllm_actors.frontend.reasoning import prompt_thinking
 from vllm_actors.frontend.request_body import decode_request, read_body
 from vllm_actors.frontend.serving import (EventStream, ServerState, SubRequest, generate_final,
                                           json_built_off_loop, new_request_id, now,
@@ -32,6 +34,20 @@ class PreparedChat:
     plan: ToolPlan
     constraint_param: str | None
     echo: str = ""   # the text `echo` puts before each choice's content
+    thinking: bool | None = None   # what the prompt did to the reasoning (prompt_thinking)
+
+    def parser(self, config: ServerConfig) -> ChoiceParser:
+        """A parser for one choice's text."""
+        return choice_parser(self.plan, config, self.sub.params.structured_outputs is not None,
+                             self.thinking)
+
+    def shown(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """A message or delta as the request asked: without reasoning under
+        `include_reasoning: false`, as vLLM's."""
+        if not self.req.include_reasoning:
+            fields.pop("reasoning", None)
+            fields.pop("reasoning_content", None)
+        return fields
 
 
 def _echo_text(req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> str:
@@ -77,7 +93,8 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_id: str
         sub = SubRequest(request_id, prompt, params, req.priority, lora=lora)
         constraint_param = "tools" if plan.structured else constraint_field
         state.process(sub, "messages", constraint_param)
-    return PreparedChat(req, sub, plan, constraint_param, _echo_text(req, messages))
+    return PreparedChat(req, sub, plan, constraint_param, _echo_text(req, messages),
+                        prompt_thinking(req.chat_template_kwargs, prompt["prompt"]))
 
 
 @contextlib.contextmanager
@@ -120,12 +137,12 @@ async def create_chat_completion(state: ServerState, raw: Request) -> Response:
 def chat_response(state: ServerState, prepared: PreparedChat, out: RequestOutput
                   ) -> dict[str, Any]:
     """The chat.completion body for a finished request."""
-    req, sub, plan = prepared.req, prepared.sub, prepared.plan
+    req, sub = prepared.req, prepared.sub
     k = req.top_logprobs or 0
-    constrained = sub.params.structured_outputs is not None
     choices = []
     for c in out.outputs:
-        message, called = choice_parser(plan, state.config, constrained).message(c.text)
+        message, called = prepared.parser(state.config).message(c.text)
+        message = prepared.shown(message)
         if prepared.echo:
             message["content"] = prepared.echo + (message.get("content") or "")
         choice = {"index": c.index, "message": message,
@@ -149,7 +166,7 @@ def chat_response(state: ServerState, prepared: PreparedChat, out: RequestOutput
 
 async def _stream(state: ServerState, prepared: PreparedChat,
                   outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
-    req, sub, plan = prepared.req, prepared.sub, prepared.plan
+    req, sub = prepared.req, prepared.sub
     created, opts, num_prompt = now(), req.stream_options, sub.num_prompt_tokens
     include_usage = state.config.enable_force_include_usage or bool(opts and opts.include_usage)
     continuous = include_usage and bool(opts and opts.continuous_usage_stats)
@@ -172,14 +189,14 @@ async def _stream(state: ServerState, prepared: PreparedChat,
         if prepared.echo:
             yield chunk([{"index": index, "delta": {"content": prepared.echo},
                           "logprobs": None, "finish_reason": None}])
-    constrained = sub.params.structured_outputs is not None
-    parsers = [choice_parser(plan, state.config, constrained) for _ in range(sub.params.n)]
+    parsers = [prepared.parser(state.config) for _ in range(sub.params.n)]
     try:
         async for _, out in outputs:
             cached = out.num_cached_tokens
             for c in out.outputs:
                 generated[c.index] += len(c.token_ids)
                 delta, called = parsers[c.index].update(c.text, c.finish_reason is not None)
+                delta = prepared.shown(delta)
                 if not delta and c.finish_reason is None and not (
                         (c.logprobs or req.return_token_ids) and c.token_ids):
                     continue     # (text held back: a character or stop string unfinished)

@@ -118,6 +118,7 @@ class _Turn:
     items: list[dict[str, Any]]
     model: str
     constraint_param: str | None
+    thinking: bool | None = None     # what the prompt did to the reasoning
 
     @property
     def num_prompt(self) -> int:
@@ -137,7 +138,7 @@ def _prepare_turn(state: ServerState, req: ResponsesRequest,
         raise
     return _Turn(new_id("resp"), int(time.time()), req, chat.sub, chat.plan, items,
                  state.served_name(req.model), _PARAMS.get(chat.constraint_param or "",
-                                               chat.constraint_param))
+                                               chat.constraint_param), chat.thinking)
 
 
 def _tool_choice(plan: ToolPlan) -> str | dict[str, Any]:
@@ -235,7 +236,8 @@ async def create_response(state: ServerState, store: ResponseStore, raw: Request
 
 
 def _parser(state: ServerState, turn: _Turn) -> ChoiceParser:
-    return choice_parser(turn.plan, state.config, turn.sub.params.structured_outputs is not None)
+    return choice_parser(turn.plan, state.config, turn.sub.params.structured_outputs is not None,
+                         turn.thinking)
 
 
 async def _stream(state: ServerState, store: ResponseStore, turn: _Turn,

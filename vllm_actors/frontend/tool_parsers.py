@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,6 +151,11 @@ class ToolParser:
         self.tools = {t.get("function", {}).get("name"): t.get("function", {})
                       for t in tools or []}
 
+    @staticmethod
+    def call_id() -> str:
+        """A new tool call's id (vLLM's form)."""
+        return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
     def find_start(self, text: str) -> int:
         """Index where tool calls begin, or -1."""
         found = [i for i in (text.find(m) for m in self.start_markers) if i >= 0]
@@ -225,6 +233,12 @@ class MistralParser(ToolParser):
 
     start_markers = ("[TOOL_CALLS]",)
     special_markers = True
+
+    @staticmethod
+    def call_id() -> str:
+        """9 letters and digits: Mistral's chat templates refuse any other id when the call
+        comes back in the history (vLLM's mistral parser makes the same)."""
+        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
     args_keys = ("arguments", "parameters")
     named = re.compile(r"\s*([A-Za-z0-9_.-]+)\s*(?:\[ARGS\])?\s*")
 
@@ -233,7 +247,8 @@ class MistralParser(ToolParser):
         pos = _skip_ws(region, len("[TOOL_CALLS]"))
         if region.startswith("[", pos):
             read = read_calls(region, pos + 1, self.args_keys, ",", final)
-            if read is None or (final and not region[read[1]:].strip() == "]"):
+            # text after the closing bracket is not content (vLLM reads the list alone)
+            if read is None or (final and not region[read[1]:].lstrip().startswith("]")):
                 return None
             return read[0] or (None if final else [])
         while pos < len(region):
@@ -256,23 +271,23 @@ class MistralParser(ToolParser):
 
 
 class Qwen3CoderParser(ToolParser):
+    """Each `<tool_call>` block is a call (its `</function>` may be missing, as vLLM reads
+    it); text between and after the blocks is not content."""
+
     start_markers = ("<tool_call>",)
-    function = re.compile(r"<tool_call>\s*<function=([^>\s]+)>(.*?)</function>\s*</tool_call>",
-                          re.DOTALL)
+    function = re.compile(r"<tool_call>\s*<function=([^>\s]+)>(.*?)(?:</function>\s*)?"
+                          r"</tool_call>", re.DOTALL)
     parameter = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
 
     def calls(self, region: str, final: bool) -> list[ToolCall] | None:
-        out, pos = [], 0
+        out = []
         for match in self.function.finditer(region):
-            if region[pos:match.start()].strip():
-                return None
             schema = self.tools.get(match.group(1), {}).get("parameters") or {}
             props = schema.get("properties", {})
             args = {name: self._value(value, props.get(name, {}))
                     for name, value in self.parameter.findall(match.group(2))}
             out.append(ToolCall(match.group(1), json.dumps(args, ensure_ascii=False)))
-            pos = match.end()
-        if final and (not out or region[pos:].strip()):
+        if final and not out:
             return None
         return out
 
