@@ -95,7 +95,7 @@ class InputProcessor:
         than `max_tokens` tokens."""
         if len(text) > self.max_text_chars:
             raise ValidationError(
-                f"{self._context()} However, the text of `{param}` has {len(text)} "
+                f"{self._context()} However, the {param} {_has(param)} {len(text)} "
                 "characters, far more than that can hold; shorten it", param)
         if max_tokens is not None and len(text) > max_tokens * PIECE_CHARS_PER_TOKEN:
             self._check_token_budget(text, max_tokens, param)
@@ -119,9 +119,9 @@ class InputProcessor:
             pieces += 1
             if counted > max_tokens + pieces * PIECE_MARGIN_TOKENS:
                 raise ValidationError(
-                    f"{self._context()} However, the text of `{param}` has more than {max_tokens} "
-                    f"tokens ({counted} in its first {end} of {len(text)} characters); "
-                    "shorten it", param)
+                    f"{self._context()} However, the {param} {_has(param)} more than "
+                    f"{max_tokens} tokens ({counted} in its first {end} of {len(text)} "
+                    "characters); shorten it", param)
             start = end
 
     def truncate(self, token_ids: list[int], keep: int | None) -> list[int]:
@@ -400,6 +400,11 @@ def _piece_end(text: str, start: int, size: int) -> int:
 # API's input_text / output_text, as vLLM's chat parser reads them)
 TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text",
               "refusal": "refusal"}
+
+
+def _has(param: str) -> str:
+    """The verb for a field named in a sentence ("the messages have", "the prompt has")."""
+    return "have" if param == "messages" else "has"
 
 
 def joined_text(content: Any, index: int) -> Any:
