@@ -100,7 +100,7 @@ def test_string_input_and_message_list_agree(client):
     assert r.usage.input_tokens == 37   # the same prompt as the chat endpoint's
     assert (body["temperature"], body["max_output_tokens"], body["tool_choice"],
             body["tools"], body["store"], body["text"]) == \
-        (0.0, 32, "none", [], True, {"format": {"type": "text"}})
+        (0.0, 32, "auto", [], True, {"format": {"type": "text"}})
     listed, r2 = _create(client, input=[{"role": "user", "content": [
         {"type": "input_text", "text": QUESTION}]}], max_output_tokens=32, **GREEDY)
     assert r2.output_text == r.output_text and r2.usage.input_tokens == 37

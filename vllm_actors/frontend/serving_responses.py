@@ -141,7 +141,10 @@ def _prepare_turn(state: ServerState, req: ResponsesRequest,
                                                chat.constraint_param), chat.thinking)
 
 
-def _tool_choice(plan: ToolPlan) -> str | dict[str, Any]:
+def _tool_choice(req: ResponsesRequest, plan: ToolPlan) -> str | dict[str, Any]:
+    """The tool_choice a response echoes: the request's default ("auto") when it set none."""
+    if req.tool_choice is None:
+        return "auto"
     return {"type": "function", "name": plan.name} if plan.choice == "named" else plan.choice
 
 
@@ -161,11 +164,12 @@ def _body(turn: _Turn, status: str, output: list[dict[str, Any]],
         "parallel_tool_calls": req.parallel_tool_calls is not False,
         "previous_response_id": req.previous_response_id,
         "temperature": params.temperature, "top_p": params.top_p,
-        "top_logprobs": req.top_logprobs or 0, "tool_choice": _tool_choice(turn.plan),
+        "top_logprobs": req.top_logprobs or 0, "tool_choice": _tool_choice(req, turn.plan),
         "tools": req.tools or [],
         "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
-        "store": req.stored, "user": req.user, "background": False, "reasoning": None,
-        "truncation": "disabled", "service_tier": "default", "usage": usage}
+        "store": req.stored, "user": req.user, "background": False,
+        "reasoning": req.reasoning, "truncation": req.truncation or "disabled",
+        "service_tier": "default", "usage": usage}
 
 
 def _usage(turn: _Turn, num_output: int, num_cached: int, num_reasoning: int
