@@ -169,6 +169,9 @@ def test_completion_sse_format(server, auth):
      r"at most 2048 completions \(prompts x n\), got 100 x 128"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
      400, "messages", "a text part needs a string `text`"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": [{"id": "c"}]},
+                                           {"role": "user", "content": "x"}]},
+     400, "messages", r"tool_calls\[0\] needs a `function` with a `name`"),
     # a huge echoed value is cut in the middle, the hint at the end kept
     ("/v1/chat/completions", {"model": "m" * 100_000,
                               "messages": [{"role": "user", "content": "x"}]}, 404, "model",

@@ -300,6 +300,11 @@ def chat_messages(req: ChatCompletionRequest | TokenizeRequest) -> list[dict[str
             if getattr(m, key) is not None:
                 message[key] = getattr(m, key)
         if m.tool_calls is not None:
+            for j, call in enumerate(m.tool_calls):
+                function = call.get("function")
+                if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
+                    raise APIError(400, f"messages[{i}].tool_calls[{j}] needs a `function` "
+                                        "with a `name`", "messages")
             message["tool_calls"] = [_template_tool_call(c) for c in m.tool_calls]
         out.append(message)
     if not out:
