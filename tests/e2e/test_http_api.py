@@ -168,7 +168,7 @@ def test_completion_sse_format(server, auth):
     ("/v1/completions", {"prompt": ["a"] * 100, "n": 128, "max_tokens": 1}, 400, "prompt",
      r"at most 2048 completions \(prompts x n\), got 100 x 128"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
-     400, "messages", "a text part needs a string `text`"),
+     400, "messages", "a part of type text needs a string `text`"),
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": [{"id": "c"}]},
                                            {"role": "user", "content": "x"}]},
      400, "messages", r"tool_calls\[0\] needs a `function` with a `name`"),
@@ -222,9 +222,10 @@ def test_shapes_clients_send(server, auth):
     r = post(server, auth, "/v1/completions", {"prompt": "x", "max_tokens": 1},
              headers={"X-Request-Id": "h2"})
     assert r.json()["id"] == "cmpl-h2"
-    r = post(server, auth, "/v1/completions", {"prompt": "x", "max_tokens": 1},
-             headers={"X-Request-Id": "h" * 300})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "X-Request-Id"
+    for bad in ("h" * 300, "\xff\xfe"):      # too long; not ASCII (read as latin-1)
+        r = post(server, auth, "/v1/completions", {"prompt": "x", "max_tokens": 1},
+                 headers={"X-Request-Id": bad.encode("latin-1")})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "X-Request-Id"
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"},
@@ -280,6 +281,23 @@ def test_streaming_disconnect_aborts(server, auth):
         for _ in range(6):
             next(lines)
         assert wait_running(server, lambda v: v >= 1) >= 1
+    wait_running(server, lambda v: v == 0)
+
+
+def test_a_refused_batch_leaves_nothing_running(server, auth):
+    """A completions batch refused for an id in flight (its first prompt's sub-request id
+    is a running request's) aborts its other prompts: they had run to the end unread."""
+    body = {"prompt": "Count to a thousand:", "max_tokens": 3000, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60,
+                      headers={**auth, "X-Request-Id": "held"}) as r:
+        lines = r.iter_lines()
+        for _ in range(4):
+            next(lines)
+        batch = {"prompt": ["a", "b", "c"], "max_tokens": 3000, "ignore_eos": True}
+        refused = post(server, auth, "/v1/completions", batch, headers={"X-Request-Id": "held"})
+        assert refused.status_code == 400 and "already in use" in refused.text
+        wait_running(server, lambda v: v == 1, timeout=5)
     wait_running(server, lambda v: v == 0)
 
 

@@ -130,14 +130,16 @@ def test_neutral_values_of_refused_fields_pass():
 
 
 def test_what_agent_clients_send_is_taken():
-    """What the OpenAI Agents SDK and Codex-style clients send, as vLLM takes it (each had
-    been refused): truncation "auto" keeps the prompt's last tokens, reasoning.effort
-    reaches the template, other include values produce nothing."""
+    """What the OpenAI Agents SDK and Codex-style clients send (each had been refused):
+    truncation "auto" keeps the prompt's last tokens that leave room for the answer,
+    reasoning.effort reaches the template, other include values produce nothing."""
     req = _request(truncation="auto", reasoning={"effort": "low", "summary": "auto"},
                    include=["reasoning.encrypted_content"], chat_template_kwargs={"x": 1})
     refuse_unsupported(req)
-    chat = chat_request(req, input_items("hi"))
-    assert chat.truncate_prompt_tokens == -1
+    chat = chat_request(req, input_items("hi"), max_model_len=8192)
+    assert chat.truncate_prompt_tokens == 4096        # half the context left for the answer
+    req = _request(truncation="auto", max_output_tokens=100)
+    assert chat_request(req, input_items("hi"), 8192).truncate_prompt_tokens == 8092
     assert chat.chat_template_kwargs == {"reasoning_effort": "low", "x": 1}
 
 

@@ -321,7 +321,8 @@ class AsyncLLM(EngineWatch):
         could not be told apart in `abort`."""
         if request_id in self.output_processor.children:
             raise ValidationError(f"request id {request_id!r} is already in use by a request "
-                                  "in flight", "request_id")
+                                  "in flight (one whose client has just gone away is "
+                                  "cancelled within a moment)", "request_id")
 
     async def generate(self, prompt: PromptType | ProcessedRequest,
                        sampling_params: SamplingParams | None = None,

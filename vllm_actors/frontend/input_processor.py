@@ -421,8 +421,8 @@ def joined_text(content: Any, index: int) -> Any:
             raise ValidationError(f"messages[{index}].content: only text parts are "
                                   f"supported, got type {kind!r}", "messages")
         if not isinstance(part.get(key), str):
-            raise ValidationError(f"messages[{index}].content: a {kind} part needs a string "
-                                  f"`{key}`", "messages")
+            raise ValidationError(f"messages[{index}].content: a part of type {kind} needs a "
+                                  f"string `{key}`", "messages")
         texts.append(part[key])
     return "\n".join(texts)
 

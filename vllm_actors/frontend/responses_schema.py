@@ -12,8 +12,8 @@ so the chat path does the rest (template, tool planning, structured outputs, par
   ...}); `tool_choice` "none" | "auto" | "required" | {"type": "function", "name"}.
 - `text.format`: text | json_object | json_schema ({"type", "name", "schema", ...}).
 
-`truncation: "auto"` keeps the prompt's last tokens that fit (vLLM's
-`truncate_prompt_tokens: -1`); `reasoning.effort` reaches the chat template as
+`truncation: "auto"` keeps the prompt's last tokens that leave room for the answer
+(`max_output_tokens`, else half the context); `reasoning.effort` reaches the chat template as
 `reasoning_effort` (its `summary` is not produced); `include` values other than output
 logprobs are accepted and produce nothing (encrypted reasoning, images, search results).
 Fields this server cannot honour are refused with a 400 naming them when set to anything
@@ -263,7 +263,16 @@ def _template_kwargs(req: ResponsesRequest) -> dict[str, Any] | None:
     return {"reasoning_effort": effort, **(req.chat_template_kwargs or {})}
 
 
-def chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatCompletionRequest:
+def _truncation(req: ResponsesRequest, max_model_len: int | None) -> int | None:
+    """`truncation: "auto"`: the prompt's last tokens that leave room for the answer
+    (max_output_tokens, else half the context)."""
+    if req.truncation != "auto" or max_model_len is None:
+        return None
+    return max(1, max_model_len - (req.max_output_tokens or max_model_len // 2))
+
+
+def chat_request(req: ResponsesRequest, items: list[dict[str, Any]],
+                 max_model_len: int | None = None) -> ChatCompletionRequest:
     """The chat request that generates this response: `items` is the whole conversation
     (a stored one's items and output, then this request's input); instructions go first."""
     messages = input_messages(items)
@@ -281,4 +290,4 @@ def chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatComp
         tools=_chat_tools(req.tools), tool_choice=_chat_tool_choice(req.tool_choice),
         parallel_tool_calls=req.parallel_tool_calls is not False, logprobs=logprobs,
         top_logprobs=req.top_logprobs if logprobs else None,
-        truncate_prompt_tokens=-1 if req.truncation == "auto" else None)
+        truncate_prompt_tokens=_truncation(req, max_model_len))

@@ -10,6 +10,7 @@ the event loop only moves bytes and outputs.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import logging
@@ -48,7 +49,9 @@ class ServerState:
     engine: AsyncLLM
     config: ServerConfig
     model_name: str
-    in_flight: set[str] = field(default_factory=set)
+    # sub-request ids running, with how many requests hold each: a request refused for an
+    # id in use must not take the running one's id off (the drain counts and aborts these)
+    in_flight: collections.Counter[str] = field(default_factory=collections.Counter)
     draining: bool = False
     startup_error: str | None = None
     last_lora_id: int = 0          # LoRA ids are never reused (serving_lora._next_id)
@@ -56,6 +59,15 @@ class ServerState:
         default_factory=lambda: PrepareLane("prepare", PREPARE_THREADS, None))
     heavy: PrepareLane = field(
         default_factory=lambda: PrepareLane("prepare-heavy", HEAVY_THREADS, HEAVY_WAITING))
+
+    def enter(self, subs: list["SubRequest"]) -> None:
+        self.in_flight.update(s.request_id for s in subs)
+
+    def leave(self, subs: list["SubRequest"]) -> None:
+        for sub in subs:
+            self.in_flight[sub.request_id] -= 1
+            if self.in_flight[sub.request_id] <= 0:
+                del self.in_flight[sub.request_id]
 
     def check_model(self, model: str | None, runner: str | None = "generate"
                     ) -> LoRARequest | None:
@@ -188,9 +200,9 @@ def new_request_id(prefix: str, base: str | None = None, raw: Request | None = N
     (vLLM's field), else a random one; vLLM's order."""
     header = None if raw is None else raw.headers.get("x-request-id")
     if header is not None and not (0 < len(header) <= MAX_REQUEST_ID_CHARS
-                                   and header.isprintable()):
+                                   and header.isascii() and header.isprintable()):
         raise APIError(400, f"the X-Request-Id header must be 1 to {MAX_REQUEST_ID_CHARS} "
-                            "printable characters", "X-Request-Id")
+                            "printable ASCII characters", "X-Request-Id")
     return f"{prefix}-{header or (base if base is not None else uuid.uuid4().hex)}"
 
 
@@ -243,8 +255,9 @@ async def generate_final(state: ServerState, raw: Request,
                          subs: list[SubRequest]) -> list[RequestOutput] | None:
     """Run sub-requests to completion; None when the client went away first (then every
     sub-request has been aborted)."""
-    state.in_flight.update(s.request_id for s in subs)
-    work = asyncio.ensure_future(asyncio.gather(*(_final(state, s) for s in subs)))
+    state.enter(subs)
+    tasks = [asyncio.ensure_future(_final(state, s)) for s in subs]
+    work = asyncio.ensure_future(asyncio.gather(*tasks))
     disconnect = asyncio.ensure_future(wait_for_disconnect(raw))
     try:
         await asyncio.wait({work, disconnect}, return_when=asyncio.FIRST_COMPLETED)
@@ -256,9 +269,12 @@ async def generate_final(state: ServerState, raw: Request,
             return None
         return list(work.result())
     finally:
-        state.in_flight.difference_update(s.request_id for s in subs)
+        state.leave(subs)
         disconnect.cancel()
-        work.cancel()   # a no-op when done; aborts the requests when this was cancelled
+        # no-ops for the finished; aborts the rest, also when one sub-request failed (the
+        # gather's failure leaves its siblings running, which had then run unread)
+        for task in tasks:
+            task.cancel()
 
 
 async def stream_outputs(state: ServerState, subs: list[SubRequest]
@@ -278,7 +294,7 @@ async def stream_outputs(state: ServerState, subs: list[SubRequest]
         finally:
             queue.put_nowait(done)
 
-    state.in_flight.update(s.request_id for s in subs)
+    state.enter(subs)
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(subs)]
     remaining = len(tasks)
     try:
@@ -293,7 +309,7 @@ async def stream_outputs(state: ServerState, subs: list[SubRequest]
     finally:
         # bookkeeping before any await: under a cancelled scope (sse-starlette's task group
         # when the client leaves) every await raises again, and what follows it never runs
-        state.in_flight.difference_update(s.request_id for s in subs)
+        state.leave(subs)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -132,7 +132,8 @@ def _prepare_turn(state: ServerState, req: ResponsesRequest,
     refuse_unsupported(req)
     items = earlier + input_items(req.input)
     try:
-        chat = prepare_chat(state, chat_request(req, items), new_request_id("chatcmpl"))
+        chat = prepare_chat(state, chat_request(req, items, state.engine.ready.max_model_len),
+                            new_request_id("chatcmpl"))
     except APIError as e:
         e.param = _PARAMS.get(e.param or "", e.param)
         raise
