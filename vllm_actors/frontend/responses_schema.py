@@ -1,27 +1,20 @@
 """The Responses API request (POST /v1/responses) and its translation into a chat request,
 so the chat path does the rest (template, tool planning, structured outputs, parsers).
 
-- `input`: a string (one user message) or a list of items: messages (roles user, system,
-  developer, assistant; content a string or input_text / output_text parts),
-  `function_call` items (an earlier assistant tool call) and `function_call_output` items
-  (its result, a tool message). `reasoning` items are dropped, as chat templates drop earlier
-  turns' reasoning. A response's output items are valid input items, which is how
+- `input`: a string or a list of items: messages (content a string or input_text /
+  output_text parts), `function_call` items (an earlier tool call) and
+  `function_call_output` items (its result). `reasoning` items are dropped, as templates drop
+  earlier turns' reasoning. Output items are valid input, which is how
   `previous_response_id` replays a stored conversation.
-- `instructions`: a system message in front (not carried over by previous_response_id).
-- `tools`: function tools in the flat shape ({"type": "function", "name", "parameters",
-  ...}); `tool_choice` "none" | "auto" | "required" | {"type": "function", "name"}.
-- `text.format`: text | json_object | json_schema ({"type", "name", "schema", ...}).
+- `instructions`: a system message in front (not carried over by previous_response_id);
+  `tools`: function tools in the flat shape; `text.format`: text | json_object | json_schema.
+- `truncation: "auto"` keeps the prompt's last tokens that leave room for the answer;
+  `reasoning.effort` reaches the template as `reasoning_effort`; other `include` values
+  produce nothing.
 
-`truncation: "auto"` keeps the prompt's last tokens that leave room for the answer
-(`max_output_tokens`, else half the context); `reasoning.effort` reaches the chat template as
-`reasoning_effort` (its `summary` is not produced); `include` values other than output
-logprobs are accepted and produce nothing (encrypted reasoning, images, search results).
-Fields this server cannot honour are refused with a 400 naming them when set to anything
-but their neutral value (`background`, `conversation`, `prompt`, `max_tool_calls`,
-`text.verbosity`);
-built-in tools (web_search, file_search, ...) are refused the same way. Unknown fields are
-ignored, as on the chat endpoint. vLLM's sampling extras (`SAMPLING_EXTRAS`: stop, penalties,
-ignore_eos, structured_outputs, ...) apply as on the chat endpoint.
+What this server cannot honour (`background`, `conversation`, `prompt`, `max_tool_calls`,
+`text.verbosity`, built-in tools) is refused with a 400 naming it; unknown fields are
+ignored, and vLLM's sampling extras (`SAMPLING_EXTRAS`) apply, as on the chat endpoint.
 """
 
 from __future__ import annotations
