@@ -398,7 +398,7 @@ def _piece_end(text: str, start: int, size: int) -> int:
 
 # content parts read as text, and the key holding it (OpenAI's refusal parts, the Responses
 # API's input_text / output_text, as vLLM's chat parser reads them)
-TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text",
+TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text",
               "refusal": "refusal"}
 
 
@@ -408,7 +408,7 @@ def _has(param: str) -> str:
 
 
 def joined_text(content: Any, index: int) -> Any:
-    """Message `index`'s content with OpenAI's list of text parts (`TEXT_PARTS`) joined by
+    """Message `index`'s content with OpenAI's list of text parts (`TEXT_PART_KEYS`) joined by
     newlines (templates expect a string); any other content as it is. Raises
     ValidationError for a part that is not text."""
     if not isinstance(content, list):
@@ -416,7 +416,7 @@ def joined_text(content: Any, index: int) -> Any:
     texts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        key = TEXT_PARTS.get(kind) if isinstance(kind, str) else None
+        key = TEXT_PART_KEYS.get(kind) if isinstance(kind, str) else None
         if key is None:
             raise ValidationError(f"messages[{index}].content: only text parts are "
                                   f"supported, got type {kind!r}", "messages")

@@ -10,8 +10,8 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from vllm_actors.errors import ValidationError
 from vllm_actors.config import ServerConfig
+from vllm_actors.errors import ValidationError
 from vllm_actors.frontend.chat_tools import ChoiceParser, ToolPlan, choice_parser, plan_tools
 from vllm_actors.frontend.openai_schema import (APIError, ChatCompletionRequest, chat_logprobs,
                                                 chat_messages, max_tokens_for,
