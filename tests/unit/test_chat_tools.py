@@ -136,6 +136,21 @@ def test_the_prompt_opens_or_closes_the_reasoning():
     assert r1.split("<think>a</think>4.") == ("a", "4.")
 
 
+def test_a_tool_call_ends_qwen3s_reasoning():
+    """Qwen3.5 may open a tool call before closing its reasoning: the call ends it and is
+    found in the content (it had stayed in the reasoning, the call lost)."""
+    config = ServerConfig(enable_auto_tool_choice=True, tool_call_parser="hermes",
+                          reasoning_parser="qwen3")
+    text = 'I need the weather.\n<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
+    plan = ToolPlan("auto", parser=PARSERS["hermes"](TOOLS))
+    message, called = choice_parser(plan, config, False, thinking=True).message(text)
+    assert called and message["reasoning"] == "I need the weather.\n"
+    assert message["tool_calls"][0]["function"]["name"] == "get_weather"
+    qwen3 = get_reasoning_parser("qwen3", thinking=True)
+    assert qwen3.split("abc<tool_", final=False) == ("abc", "")
+    assert get_reasoning_parser("deepseek_r1").split(text) == (text, "")
+
+
 def test_reasoning_holds_back_partial_markers():
     parser = get_reasoning_parser("qwen3")
     assert parser.split("<thi", final=False) == (None, "")

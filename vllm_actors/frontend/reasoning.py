@@ -6,7 +6,7 @@ from its answer, for `reasoning` (also sent as `reasoning_content`) and `content
   never closes it is all reasoning.
 - qwen3: reasoning where the output opens with `<think>` (Qwen3's first templates let the
   model write it), or where the prompt opened it (Qwen3.5's and the Thinking models'
-  templates end the prompt with `<think>`): then up to `</think>`, as deepseek_r1.
+  templates end the prompt with `<think>`): then up to `</think>` or a `<tool_call>`.
 
 Where the prompt closed the reasoning (`enable_thinking: false` in the request's
 `chat_template_kwargs`, or a prompt ending with `</think>`, as templates write thinking
@@ -24,9 +24,18 @@ from vllm_actors.frontend.detokenizer import partial_stop_length
 START, END = "<think>", "</think>"
 
 
+TOOL_CALL = "<tool_call>"
+
+
 class ReasoningParser:
-    def __init__(self, implicit_start: bool) -> None:
+    """`implicit_start`: the output opens inside the reasoning. `ends`: what ends it
+    (`</think>`, dropped; for qwen3 also `<tool_call>`, which Qwen3.5 may write before
+    closing its reasoning and which stays in the content for the tool parser, as vLLM's
+    reads it)."""
+
+    def __init__(self, implicit_start: bool, ends: tuple[str, ...] = (END,)) -> None:
         self.implicit_start = implicit_start
+        self.ends = ends
 
     def split(self, text: str, final: bool = True) -> tuple[str | None, str]:
         """(reasoning or None, content) of `text`; with final=False, both without any tail
@@ -40,11 +49,12 @@ class ReasoningParser:
         body = stripped[len(START):] if opened else text
         if not opened and not final and START.startswith(stripped):
             return "", ""
-        end = body.find(END)
-        if end < 0:
-            keep = len(body) if final else len(body) - partial_stop_length(body, [END])
-            return body[:keep], ""
-        return body[:end], body[end + len(END):]
+        found = [(i, marker) for marker in self.ends if (i := body.find(marker)) >= 0]
+        if not found:
+            held = 0 if final else partial_stop_length(body, list(self.ends))
+            return body[:len(body) - held], ""
+        end, marker = min(found)
+        return body[:end], body[end + len(END):] if marker == END else body[end:]
 
 
 def get_reasoning_parser(name: str | None, explicit_only: bool = False,
@@ -54,7 +64,8 @@ def get_reasoning_parser(name: str | None, explicit_only: bool = False,
     if name is None:
         return None
     implicit = thinking is True or (name == "deepseek_r1" and thinking is None)
-    return ReasoningParser(implicit_start=implicit and not explicit_only)
+    return ReasoningParser(implicit and not explicit_only,
+                           (END, TOOL_CALL) if name == "qwen3" else (END,))
 
 
 def prompt_thinking(template_kwargs: dict | None, prompt_text: str | None) -> bool | None:
