@@ -16,12 +16,13 @@ from pydantic import TypeAdapter
 from vllm_actors.config import ServerConfig
 from vllm_actors.errors import EngineDeadError
 from vllm_actors.frontend.chat_tools import ToolPlan, choice_parser
-from vllm_actors.frontend.openai_schema import APIError
+from vllm_actors.frontend.openai_schema import APIError, ChatCompletionRequest
 from vllm_actors.frontend.responses_output import OutputBuilder
 from vllm_actors.frontend.responses_schema import (ResponsesRequest, chat_request, input_items,
                                                    input_messages, refuse_unsupported)
 from vllm_actors.frontend.input_processor import ProcessedRequest
 from vllm_actors.frontend.serving import ServerState, SubRequest, stream_outputs
+from vllm_actors.frontend.serving_chat import PreparedChat
 from vllm_actors.frontend.serving_responses import ResponseStore, StoredResponse, _stream, _Turn
 from vllm_actors.frontend.tool_parsers import PARSERS
 from vllm_actors.outputs import CompletionOutput, RequestOutput
@@ -275,7 +276,8 @@ def _run_stream(engine: _ScriptedEngine, store: ResponseStore) -> list[dict]:
     params = SamplingParams(max_tokens=8)
     processed = ProcessedRequest("p", EngineCoreRequest("chatcmpl-1", [1] * 11, params, [], 0.0))
     sub = SubRequest("chatcmpl-1", {"prompt": "p"}, params, processed=processed)
-    turn = _Turn("resp_1", 0, req, sub, ToolPlan("none"), input_items("hi"), "smol", None)
+    chat = PreparedChat(ChatCompletionRequest(messages=[]), sub, ToolPlan("none"), None)
+    turn = _Turn("resp_1", 0, req, chat, input_items("hi"), "smol", None)
 
     async def collect():
         outputs = stream_outputs(state, [sub])

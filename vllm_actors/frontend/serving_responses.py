@@ -24,7 +24,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from vllm_actors.frontend.chat_tools import ChoiceParser, ToolPlan, choice_parser
+from vllm_actors.frontend.chat_tools import ChoiceParser, ToolPlan
 from vllm_actors.frontend.openai_schema import APIError, chat_logprobs
 from vllm_actors.frontend.responses_output import OutputBuilder, new_id
 from vllm_actors.frontend.responses_schema import (ResponsesRequest, chat_request, input_items,
@@ -33,7 +33,7 @@ from vllm_actors.frontend.request_body import decode_request, read_body
 from vllm_actors.frontend.serving import (EventStream, JSONBody, ServerState, SubRequest,
                                           generate_final, new_request_id, open_stream,
                                           raise_if_failed)
-from vllm_actors.frontend.serving_chat import prepare_chat
+from vllm_actors.frontend.serving_chat import PreparedChat, prepare_chat
 from vllm_actors.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger("vllm_actors.server")
@@ -113,12 +113,18 @@ class _Turn:
     response_id: str
     created_at: int
     req: ResponsesRequest
-    sub: SubRequest
-    plan: ToolPlan
+    chat: PreparedChat                # the chat request that generates it
     items: list[dict[str, Any]]
     model: str
     constraint_param: str | None
-    thinking: bool | None = None     # what the prompt did to the reasoning
+
+    @property
+    def sub(self) -> SubRequest:
+        return self.chat.sub
+
+    @property
+    def plan(self) -> ToolPlan:
+        return self.chat.plan
 
     @property
     def num_prompt(self) -> int:
@@ -137,9 +143,9 @@ def _prepare_turn(state: ServerState, req: ResponsesRequest,
     except APIError as e:
         e.param = _PARAMS.get(e.param or "", e.param)
         raise
-    return _Turn(new_id("resp"), int(time.time()), req, chat.sub, chat.plan, items,
+    return _Turn(new_id("resp"), int(time.time()), req, chat, items,
                  state.served_name(req.model), _PARAMS.get(chat.constraint_param or "",
-                                               chat.constraint_param), chat.thinking)
+                                               chat.constraint_param))
 
 
 def _tool_choice(req: ResponsesRequest, plan: ToolPlan) -> str | dict[str, Any]:
@@ -241,8 +247,7 @@ async def create_response(state: ServerState, store: ResponseStore, raw: Request
 
 
 def _parser(state: ServerState, turn: _Turn) -> ChoiceParser:
-    return choice_parser(turn.plan, state.config, turn.sub.params.structured_outputs is not None,
-                         turn.thinking)
+    return turn.chat.parser(state.config)
 
 
 async def _stream(state: ServerState, store: ResponseStore, turn: _Turn,
